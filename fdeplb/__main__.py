@@ -1,0 +1,5 @@
+import sys
+
+from fdeplb.cli import main
+
+sys.exit(main())

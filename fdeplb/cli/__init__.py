@@ -1,0 +1,49 @@
+"""``fdeplb`` command line. Each subcommand lives in its own module with ``register(subparsers)``.
+
+A subcommand's handler returns an exit code; :class:`fdeplb.errors.FdeplbError` raised by it is printed as
+``error: <message>`` on stderr and mapped to its exit code by :func:`fdeplb.errors.exit_code`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fdeplb import __version__
+from fdeplb.errors import FdeplbError, exit_code
+
+#: modules under fdeplb.cli that define ``register(subparsers)``; each adds one or more subcommands.
+SUBCOMMAND_MODULES = ("demo", "rebalance", "coordinator", "inspect", "statecharts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fdeplb", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"fdeplb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"fdeplb.cli.{name}")
+        except ModuleNotFoundError as exc:  # a subcommand module not written yet
+            if exc.name == f"fdeplb.cli.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except FdeplbError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return exit_code(err)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

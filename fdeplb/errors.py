@@ -1,0 +1,154 @@
+"""Typed errors of fdeplb and the one table mapping them to HTTP status codes and CLI exit codes.
+
+Every input check raises one of these (never a bare ``assert``). The API turns ``err.http_status`` into the
+response code and the CLI exits with ``err.exit_code``; both come from :data:`ERROR_TABLE`.
+"""
+
+from __future__ import annotations
+
+
+class FdeplbError(Exception):
+    """Base class of every error fdeplb raises on purpose."""
+
+    code = "internal"
+
+
+# ---- bad input (4xx / exit 2): nothing was changed ----------------------------------------------------------------
+class InputError(FdeplbError, ValueError):
+    """Input that fdeplb refuses: wrong shape or dtype, NaN, negative load, bad topology, bad JSON."""
+
+    code = "bad_input"
+
+
+class LoadFileError(InputError):
+    """An expert-load dump that cannot be read; the message names the file and the problem."""
+
+    code = "bad_load_file"
+
+
+class PlacementFileError(InputError):
+    """A placement file that cannot be read or does not match the topology."""
+
+    code = "bad_placement_file"
+
+
+class TopologyError(InputError):
+    """Topology that cannot hold a placement (e.g. num_replicas not a multiple of num_gpus)."""
+
+    code = "bad_topology"
+
+
+class AuthError(FdeplbError):
+    """Missing or wrong credentials."""
+
+    code = "unauthorized"
+
+
+class NotFoundError(FdeplbError):
+    """A record, plan, rank or route that does not exist."""
+
+    code = "not_found"
+
+
+# ---- state machine refusals (409 / exit 3): nothing was changed ---------------------------------------------------
+class StateError(FdeplbError):
+    """A transition that was refused; Redis and the audit stream are unchanged."""
+
+    code = "state_conflict"
+
+
+class IllegalTransitionError(StateError):
+    """The trigger is not legal from the record's current state (per the machine's table)."""
+
+    code = "illegal_transition"
+
+
+class StaleStateError(StateError):
+    """The record changed since it was read (another writer won the race): expected state/version did not match."""
+
+    code = "stale_state"
+
+
+class FenceError(StateError):
+    """The caller's fencing token is not the current lease holder's: a deposed coordinator may not commit."""
+
+    code = "fenced"
+
+
+class GuardError(StateError):
+    """A guard that spans records refused the transition (e.g. not every rank is LOADED for this plan)."""
+
+    code = "guard_refused"
+
+
+class LeaseError(StateError):
+    """The coordinator lease is held by someone else or was lost."""
+
+    code = "lease_lost"
+
+
+# ---- weights (500 / exit 4) ---------------------------------------------------------------------------------------
+class WeightError(FdeplbError):
+    """Base class of failures while reading, staging or swapping expert weights."""
+
+    code = "weight_error"
+
+
+class CheckpointError(WeightError):
+    """A checkpoint file, index or tensor is missing or malformed; the message names tensor and file."""
+
+    code = "checkpoint_error"
+
+
+class StagingBudgetError(WeightError):
+    """Staging the plan's experts would exceed the configured memory budget (checked before reading anything)."""
+
+    code = "staging_budget"
+
+
+class VerificationError(WeightError):
+    """A swapped slot does not match its logical expert's checkpoint tensors (checksum mismatch)."""
+
+    code = "verification_failed"
+
+
+class DependencyError(FdeplbError):
+    """An optional dependency (an extra) is not installed; the message names the extra."""
+
+    code = "missing_dependency"
+
+
+class DeadlineError(FdeplbError):
+    """A wait ran past its deadline."""
+
+    code = "deadline"
+
+
+#: error class -> (HTTP status, CLI exit code). Lookup walks the MRO, so subclasses inherit their parent's row.
+ERROR_TABLE: dict[type[FdeplbError], tuple[int, int]] = {
+    InputError: (400, 2),
+    AuthError: (401, 2),
+    NotFoundError: (404, 2),
+    StateError: (409, 3),
+    WeightError: (500, 4),
+    DependencyError: (500, 5),
+    DeadlineError: (504, 6),
+    FdeplbError: (500, 1),
+}
+
+
+def _row(err: BaseException) -> tuple[int, int]:
+    for cls in type(err).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]  # type: ignore[index]
+    return (500, 1)
+
+
+def http_status(err: BaseException) -> int:
+    """HTTP status code for ``err`` (500 for anything that is not an :class:`FdeplbError`)."""
+    return _row(err)[0]
+
+
+def exit_code(err: BaseException) -> int:
+    """CLI exit code for ``err`` (1 for anything that is not an :class:`FdeplbError`)."""
+    return _row(err)[1]
