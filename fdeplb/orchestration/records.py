@@ -1,0 +1,72 @@
+"""Fire triggers on machine records stored in Redis: the glue between the tables and the store.
+
+``fire`` follows DESIGN.md section 4: read the record, build a ``transitions`` machine at that state (the model's
+initial-state write stays in memory), let the machine check the trigger is legal, then commit through the store's
+Lua script (state + version + fence + guards + audit in one step). Memory changes only after the commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fdeplb.machines.model import RecordModel, build_machine
+from fdeplb.machines.tables import MachineTable, TransitionSpec
+from fdeplb.store.redis_store import CommitResult, Record, Store
+
+
+@dataclass(frozen=True)
+class Fired:
+    """Outcome of a committed trigger: the record before, the new state and the commit."""
+
+    before: Record
+    state: str
+    commit: CommitResult
+
+
+class RecordHandle:
+    """One machine record (cluster, or rank/weights of ``ep_rank``) and the actor that drives it.
+
+    ``fence`` is the lease value of the caller for fenced machines (the cluster machine), else "".
+    """
+
+    def __init__(self, store: Store, table: MachineTable, ep_rank: int | None = None, *, actor: str,
+                 fence: str = "") -> None:
+        self.store = store
+        self.table = table
+        self.ep_rank = ep_rank
+        self.actor = actor
+        self.fence = fence
+        self.key = store.record_key(table, ep_rank)
+        self.label = table.name if ep_rank is None else f"{table.name}:{ep_rank}"
+
+    def ensure(self) -> bool:
+        """Create the record in the table's initial state if it does not exist (no audit: version 0)."""
+        return self.store.ensure_record(self.key, self.table.initial)
+
+    def read(self) -> Record:
+        """The record as stored now."""
+        return self.store.read_record(self.key)
+
+    def fire(self, trigger: str, *, record: Record | None = None, plan_id: str | None = None, reason: str = "",
+             fields: dict[str, Any] | None = None, round_: int | None = None) -> Fired:
+        """Fire ``trigger`` on the record (``record`` = what the caller read; re-read when None).
+
+        ``plan_id`` defaults to the record's plan_id. Raises IllegalTransitionError, StaleStateError, FenceError
+        or GuardError (all :class:`~fdeplb.errors.StateError`); nothing is written then.
+        """
+        rec = record if record is not None else self.read()
+        pid = rec.get("plan_id") if plan_id is None else plan_id
+        result: dict[str, CommitResult] = {}
+
+        def commit(model: RecordModel, spec: TransitionSpec, _kwargs: dict[str, Any]) -> None:
+            result["c"] = self.store.commit(
+                self.table, spec, rec, actor=self.actor, fence=self.fence, plan_id=pid, round_=round_,
+                reason=reason, fields=fields, label=self.label,
+            )
+            model.version = result["c"].version
+
+        model = RecordModel(self.table, self.key, rec.state, rec.version, commit)
+        build_machine(self.table, model)
+        state = model.fire(trigger)
+        return Fired(before=rec, state=state, commit=result["c"])

@@ -1,0 +1,82 @@
+"""Every Redis key of fdeplb, built in one place.
+
+All keys of one cluster share the hash tag ``{<cluster>}`` so one script can touch them all, also on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fdeplb.errors import InputError
+
+_CLUSTER_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class Keys:
+    """Key names of one cluster. ``cluster`` must match ``[A-Za-z0-9_.-]{1,64}``."""
+
+    def __init__(self, cluster: str) -> None:
+        if not isinstance(cluster, str) or not _CLUSTER_ID.match(cluster):
+            raise InputError(f"cluster id must match [A-Za-z0-9_.-]{{1,64}}, got {cluster!r}")
+        self.cluster = cluster
+        self.prefix = f"fdeplb:{{{cluster}}}"
+
+    @property
+    def rearrange(self) -> str:
+        """hash: the cluster rearrangement record (state, version, round, plan_id, deadline_ms, reason, ...)."""
+        return f"{self.prefix}:rearrange"
+
+    def rank(self, ep_rank: int) -> str:
+        """hash: the rank record of ``ep_rank`` (state, version, plan_id, heartbeat_ms, ...)."""
+        return f"{self.prefix}:rank:{int(ep_rank)}"
+
+    def weights(self, ep_rank: int) -> str:
+        """hash: the weight-status record of ``ep_rank``."""
+        return f"{self.prefix}:weights:{int(ep_rank)}"
+
+    def load(self, ep_rank: int) -> str:
+        """hash: the windowed expert_load published by ``ep_rank`` (array fields + round + window bounds)."""
+        return f"{self.prefix}:load:{int(ep_rank)}"
+
+    def snapshot(self, round_: int) -> str:
+        """hash: the load snapshot frozen for round ``round_`` (sum of every rank's window)."""
+        return f"{self.prefix}:snapshot:{int(round_)}"
+
+    def plan(self, plan_id: str) -> str:
+        """hash: a stored plan (snapshot, old and new phy2log, policy, topology)."""
+        return f"{self.prefix}:plan:{plan_id}"
+
+    @property
+    def placement(self) -> str:
+        """hash: the cluster's current placement (plan_id, phy2log, version)."""
+        return f"{self.prefix}:placement"
+
+    @property
+    def audit(self) -> str:
+        """stream: one entry per committed transition (never trimmed)."""
+        return f"{self.prefix}:audit"
+
+    @property
+    def events(self) -> str:
+        """stream: wake-ups that are not transitions (loads published, alarms, heartbeats); capped."""
+        return f"{self.prefix}:events"
+
+    @property
+    def lease(self) -> str:
+        """string: the coordinator lease, ``<fence>:<holder>``, with a TTL."""
+        return f"{self.prefix}:lease"
+
+    @property
+    def fence(self) -> str:
+        """string: monotonic fencing counter."""
+        return f"{self.prefix}:fence"
+
+    @property
+    def ranks(self) -> str:
+        """hash: registered ranks -> JSON (API address, pid, started_ms)."""
+        return f"{self.prefix}:ranks"
+
+    @property
+    def config(self) -> str:
+        """hash: cluster topology and rearrangement settings (written once by ``init_cluster``)."""
+        return f"{self.prefix}:config"

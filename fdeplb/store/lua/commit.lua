@@ -1,0 +1,116 @@
+-- commit.lua: commit one transition of one record atomically, together with its audit record.
+--
+-- KEYS[1]  record hash being transitioned (cluster, rank or weights record)
+-- KEYS[2]  audit stream of the cluster
+-- KEYS[3]  coordinator lease string (read only when ARGV[3] ~= "")
+-- KEYS[4]  cluster rearrange record hash (for cluster_in guards)
+-- KEYS[5]  current placement hash (plan_not_current guard, set_placement effect)
+-- KEYS[6]  plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
+-- KEYS[7..] rank records / weight records referenced by guards (ranges given in ARGV[7])
+--
+-- ARGV[1]  expected state          ARGV[2] expected version (integer, "0" for a fresh record)
+-- ARGV[3]  fence: the caller's lease value, or "" for machines that are not fenced
+-- ARGV[4]  new state
+-- ARGV[5]  JSON array [field, value, ...] of extra record fields to set (strings)
+-- ARGV[6]  JSON array [field, value, ...] of audit fields (strings); version, fence and ts_ms are appended here
+-- ARGV[7]  JSON array of guards {kind, first, count, state, states, plan_id} (first/count index KEYS)
+-- ARGV[8]  effect: "" or "set_placement"
+--
+-- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:
+-- ERR_FENCE, ERR_STALE, ERR_GUARD.
+
+local rec = KEYS[1]
+local cur_state = redis.call('HGET', rec, 'state')
+local cur_version = redis.call('HGET', rec, 'version')
+if not cur_state then
+  return {'ERR_STALE', 'record ' .. rec .. ' does not exist'}
+end
+
+if ARGV[3] ~= '' then
+  local lease = redis.call('GET', KEYS[3])
+  if lease ~= ARGV[3] then
+    return {'ERR_FENCE', 'fence ' .. ARGV[3] .. ' is not the lease holder (' .. tostring(lease) .. ')'}
+  end
+end
+
+if cur_state ~= ARGV[1] or cur_version ~= ARGV[2] then
+  return {'ERR_STALE', 'expected ' .. ARGV[1] .. ' v' .. ARGV[2] .. ', found ' .. cur_state .. ' v' .. cur_version}
+end
+
+local function field_of(key, field)
+  local v = redis.call('HGET', key, field)
+  if not v then return '' end
+  return v
+end
+
+for _, g in ipairs(cjson.decode(ARGV[7])) do
+  if g.kind == 'ranks_in' or g.kind == 'weights_in' then
+    if g.count == 0 then
+      return {'ERR_GUARD', g.kind .. ': no ranks registered'}
+    end
+    for i = g.first, g.first + g.count - 1 do
+      local st = field_of(KEYS[i], 'state')
+      if st ~= g.state then
+        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' is ' .. st .. ', not ' .. g.state}
+      end
+      if g.plan_id ~= '' and field_of(KEYS[i], 'plan_id') ~= g.plan_id then
+        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' holds plan ' .. field_of(KEYS[i], 'plan_id') ..
+          ', not ' .. g.plan_id}
+      end
+    end
+  elseif g.kind == 'cluster_in' then
+    local st = field_of(KEYS[4], 'state')
+    local ok = false
+    for _, s in ipairs(g.states) do
+      if s == st then ok = true end
+    end
+    if not ok then
+      return {'ERR_GUARD', 'cluster_in: cluster is ' .. st}
+    end
+    if g.plan_id ~= '' and field_of(KEYS[4], 'plan_id') ~= g.plan_id then
+      return {'ERR_GUARD', 'cluster_in: cluster plan is ' .. field_of(KEYS[4], 'plan_id') .. ', not ' .. g.plan_id}
+    end
+  elseif g.kind == 'plan_stored' then
+    if redis.call('EXISTS', KEYS[6]) == 0 then
+      return {'ERR_GUARD', 'plan_stored: ' .. KEYS[6] .. ' does not exist'}
+    end
+  elseif g.kind == 'plan_not_current' then
+    if g.plan_id ~= '' and field_of(KEYS[5], 'plan_id') == g.plan_id then
+      return {'ERR_GUARD', 'plan_not_current: plan ' .. g.plan_id .. ' is committed; the round rolls forward'}
+    end
+  else
+    return redis.error_reply('commit.lua: unknown guard kind ' .. tostring(g.kind))
+  end
+end
+
+local t = redis.call('TIME')
+local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+local new_version = tostring(tonumber(cur_version) + 1)
+
+if ARGV[8] == 'set_placement' then
+  local phy2log = redis.call('HMGET', KEYS[6], 'new_phy2log', 'new_phy2log:dtype', 'new_phy2log:shape', 'plan_id')
+  if not phy2log[1] then
+    return {'ERR_GUARD', 'set_placement: plan ' .. KEYS[6] .. ' has no new_phy2log'}
+  end
+  local pver = redis.call('HINCRBY', KEYS[5], 'version', 1)
+  redis.call('HSET', KEYS[5], 'phy2log', phy2log[1], 'phy2log:dtype', phy2log[2], 'phy2log:shape', phy2log[3],
+    'plan_id', phy2log[4], 'updated_ms', ts_ms)
+elseif ARGV[8] ~= '' then
+  return redis.error_reply('commit.lua: unknown effect ' .. ARGV[8])
+end
+
+local hset = {'HSET', rec, 'state', ARGV[4], 'version', new_version, 'updated_ms', ts_ms}
+for _, v in ipairs(cjson.decode(ARGV[5])) do
+  table.insert(hset, v)
+end
+redis.call(unpack(hset))
+
+local xadd = {'XADD', KEYS[2], '*'}
+for _, v in ipairs(cjson.decode(ARGV[6])) do
+  table.insert(xadd, v)
+end
+for _, v in ipairs({'version', new_version, 'fence', ARGV[3], 'ts_ms', ts_ms}) do
+  table.insert(xadd, v)
+end
+local id = redis.call(unpack(xadd))
+return {'OK', new_version, id, ts_ms}
