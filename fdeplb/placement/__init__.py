@@ -1,0 +1,25 @@
+"""Expert placement: policies, metrics, load readers and placement files. Pure numpy + scipy (DESIGN.md section 2).
+
+Terms follow DESIGN.md: ``phy2log`` int64 [L, P] is the canonical placement; ``log2phy`` and ``logcnt`` derive from
+it; ``expert_load`` [L, E] is tokens routed per logical expert.
+"""
+
+from fdeplb.placement.core import Placement, initial_placement
+from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
+from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
+from fdeplb.placement.rebalance import POLICIES, rebalance_experts
+
+__all__ = [
+    "POLICIES",
+    "ExpertLoad",
+    "Placement",
+    "balancedness",
+    "gpu_loads",
+    "imbalance",
+    "initial_placement",
+    "load_digest",
+    "moved_bytes",
+    "moved_experts",
+    "read_expert_load",
+    "rebalance_experts",
+]

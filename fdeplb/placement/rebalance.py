@@ -1,0 +1,72 @@
+"""``rebalance_experts``: the one entry point of every placement policy."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from fdeplb.errors import InputError
+from fdeplb.placement._validate import check_expert_load, check_phy2log, check_topology
+from fdeplb.placement.core import Placement
+from fdeplb.placement.deepseek import deepseek_phy2log
+
+
+def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
+    if not hierarchical:
+        num_groups, num_nodes = 1, 1
+    return deepseek_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)[0]
+
+
+#: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
+#: returning phy2log int64 [L, P].
+POLICIES: dict[str, Callable[..., np.ndarray]] = {"deepseek": _deepseek}
+
+
+def rebalance_experts(
+    expert_load: object,
+    num_replicas: int,
+    num_groups: int,
+    num_nodes: int,
+    num_gpus: int,
+    *,
+    policy: str = "deepseek",
+    old_phy2log: object = None,
+) -> Placement:
+    """Compute a placement of ``num_replicas`` slots per layer for the given expert loads.
+
+    Args:
+        expert_load: [num_layers, num_logical_experts] int or float, non-negative, finite: tokens routed to every
+            logical expert (token x top-k assignments) over the recording window.
+        num_replicas: P, slots per layer (= num_physical_experts), a multiple of ``num_gpus`` and >= E.
+        num_groups: expert groups (contiguous logical experts; DeepSeek-V3: 8). The hierarchical policy (groups
+            packed onto nodes, replicas kept inside their group's node) applies when ``num_groups % num_nodes == 0``;
+            otherwise the global policy (one group, one node) does, as in DeepSeek's EPLB.
+        num_nodes: server nodes; GPUs of a node are contiguous EP ranks.
+        num_gpus: EP size, a multiple of ``num_nodes``.
+        policy: "deepseek" (DeepSeek's EPLB, bit-exact).
+        old_phy2log: int [L, P] current placement (or a :class:`Placement`); ignored by "deepseek".
+
+    Returns:
+        A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
+
+    Raises:
+        InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative), bad ``old_phy2log``, unknown policy.
+        TopologyError: a topology that cannot hold the placement (see :func:`check_topology`).
+    """
+    load = check_expert_load(expert_load)
+    L, E = load.shape
+    num_replicas, num_groups, num_nodes, num_gpus, hierarchical = check_topology(
+        E, num_replicas, num_groups, num_nodes, num_gpus
+    )
+    fn = POLICIES.get(policy) if isinstance(policy, str) else None
+    if fn is None:
+        raise InputError(f"unknown placement policy {policy!r}; choose one of {sorted(POLICIES)}")
+    old = None
+    if old_phy2log is not None:
+        raw = old_phy2log.phy2log if isinstance(old_phy2log, Placement) else old_phy2log
+        old = check_phy2log(raw, E, name="old_phy2log", shape=(L, num_replicas))
+    phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old)
+    return Placement.from_phy2log(
+        phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus
+    )
