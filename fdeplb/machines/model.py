@@ -6,19 +6,23 @@ A :class:`RecordModel` mirrors one Redis record (state + version). :func:`build_
 
 When a trigger fires, ``transitions`` checks it is legal from the current state (else ``MachineError``, turned
 into :class:`~fdeplb.errors.IllegalTransitionError`), runs ``prepare``/conditions/``before`` callbacks (which have no
-side effects), then calls :meth:`CommitTransition._change_state`. That method first calls the model's ``commit``
-hook, which performs the atomic Redis commit and raises a typed :class:`~fdeplb.errors.StateError` if it is refused.
+side effects), then calls :meth:`CommitTransition._change_state`. That method first calls the model's
+``commit_hook``, which performs the atomic Redis commit and raises a typed :class:`~fdeplb.errors.StateError` if it is refused.
 Only after a successful commit do ``on_exit``, the in-memory state change, ``on_enter`` and ``after`` run.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from transitions import Machine, MachineError, Transition
 
 from fdeplb.errors import IllegalTransitionError
 from fdeplb.machines.tables import MachineTable, TransitionSpec
+
+# transitions logs every state entry at INFO; paddle configures the root logger, which would print them all.
+logging.getLogger("transitions").setLevel(logging.WARNING)
 
 #: commit hook: (model, spec, event kwargs) -> None; raises StateError when the commit is refused.
 CommitHook = Callable[["RecordModel", TransitionSpec, dict[str, Any]], None]
@@ -30,7 +34,7 @@ class CommitTransition(Transition):
     def _change_state(self, event_data):  # noqa: D401 - transitions' hook
         model = event_data.model
         spec = model.table.spec(self.source, event_data.event.name)
-        model.commit(model, spec, dict(event_data.kwargs))
+        model.commit_hook(model, spec, dict(event_data.kwargs))
         super()._change_state(event_data)
 
 
@@ -47,7 +51,7 @@ class RecordModel:
         self.table = table
         self.key = key
         self.version = version
-        self.commit = commit
+        self.commit_hook = commit  # not named after a trigger: transitions binds triggers as model attributes
         self.state = state  # overwritten by add_model with the same value; never written to Redis from here
 
     def fire(self, trigger: str, **kwargs: Any) -> str:

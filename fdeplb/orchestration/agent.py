@@ -1,0 +1,249 @@
+"""The rank agent: lives inside each serving worker (one per EP rank) and drives that rank's machine.
+
+It talks to the rest of the cluster only through Redis. It publishes the rank's expert_load window when a round
+collects, stages the experts its new slots need while the cluster is LOADING, swaps them into the live slot tensors
+in place once the plan is committed (SWAPPING), and reports each step as a transition of its rank record.
+
+Like the coordinator it is a reconcile loop over (cluster record, own rank record): every state has idempotent
+entry work, so an agent restarted at any point rebuilds its live experts from the cluster's *current placement*
+and carries on from what the records say.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+
+from fdeplb.errors import FdeplbError, GuardError, StaleStateError, WeightError
+from fdeplb.machines.tables import RANK, WEIGHTS
+from fdeplb.orchestration.cluster import ClusterConfig, read_cluster_config
+from fdeplb.orchestration.records import RecordHandle
+from fdeplb.store.redis_store import Record, Store
+
+log = structlog.get_logger("fdeplb.agent")
+
+#: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
+LoadSource = Callable[[int], np.ndarray]
+
+
+class RankAgent:
+    """Agent of one EP rank.
+
+    ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
+    ``staging_budget_bytes``: staging refuses (rank LOAD_FAILED) plans that need more host memory than this.
+    ``device``: paddle device for the live slot tensors (None = paddle's current device).
+    """
+
+    def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource,
+                 staging_budget_bytes: int | None = None, device: str | None = None,
+                 actor: str | None = None) -> None:
+        self.store = store
+        self.ep_rank = int(ep_rank)
+        self.load_source = load_source
+        self.staging_budget_bytes = staging_budget_bytes
+        self.device = device
+        self.actor = actor or f"rank{ep_rank}@{os.getpid()}"
+        self.stop_event = threading.Event()
+        self.config: ClusterConfig | None = None
+        self.reader = None
+        self.live = None
+        self.staged = None  # (plan_id, TransferPlan, StagedExperts, new_phy2log)
+        self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
+        self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
+        self.log = log.bind(rank=self.ep_rank, cluster=store.cluster)
+
+    # ---- start-up -------------------------------------------------------------------------------------------------
+    def start(self, info: dict[str, Any] | None = None) -> None:
+        """Load the live experts of the cluster's current placement and register the rank."""
+        from fdeplb.weights import CheckpointReader, LiveExperts
+
+        self.config = read_cluster_config(self.store)
+        if not 0 <= self.ep_rank < self.config.ep_size:
+            raise FdeplbError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
+        self.rank.ensure()
+        self.weights.ensure()
+        ckpt = self.config.checkpoint
+        self.reader = CheckpointReader(ckpt["path"], preset=ckpt.get("preset", "ernie"))
+        plan_id, phy2log = self.store.current_placement()
+        t0 = time.perf_counter()
+        self.live = LiveExperts.from_checkpoint(self.reader, phy2log, self.ep_rank, self.config.ep_size,
+                                                device=self.device)
+        self.live_plan_id = plan_id
+        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, **(info or {})})
+        self.store.set_fields(self.rank.key, {"heartbeat_ms": self.store.now_ms(), "live_plan_id": plan_id})
+        self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=plan_id)
+        self.log.info("ready", plan_id=plan_id, load_s=round(time.perf_counter() - t0, 3))
+
+    # ---- loop ---------------------------------------------------------------------------------------------------
+    def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
+        """Reconcile until :attr:`stop_event` is set or ``until()`` is true."""
+        if self.live is None:
+            self.start()
+        cursor = self.store.last_ids()
+        while not self.stop_event.is_set():
+            try:
+                progressed = self.step()
+            except (StaleStateError, GuardError) as err:
+                self.log.info("retry", error=str(err))
+                progressed = True
+            if until is not None and until():
+                return
+            if not progressed:
+                self.store.set_fields(self.rank.key, {"heartbeat_ms": self.store.now_ms()})
+                self.store.wait(cursor, block_ms)
+
+    def step(self) -> bool:
+        """One reconcile step; True if it changed something (the caller loops without waiting)."""
+        cluster = self.store.read_record(self.store.keys.rearrange)
+        me = self.rank.read()
+        if cluster.state == "COLLECTING" and self._publish_load(cluster):
+            return True
+        work = getattr(self, f"_on_{me.state.lower()}")
+        return work(me, cluster)
+
+    # ---- collecting -----------------------------------------------------------------------------------------------
+    def _publish_load(self, cluster: Record) -> bool:
+        round_ = cluster.get_int("round")
+        published = self.store.client.hget(self.store.keys.load(self.ep_rank), "round")
+        if published is not None and int(published) >= round_:
+            return False
+        window = np.asarray(self.load_source(round_), dtype=np.int64)
+        expected = (self.config.num_layers, self.config.num_logical_experts)
+        if window.shape != expected:
+            raise FdeplbError(f"rank {self.ep_rank}: load window shape {window.shape} != {expected}")
+        self.store.put_arrays(self.store.keys.load(self.ep_rank), {"expert_load": window},
+                              {"round": round_, "published_ms": self.store.now_ms()})
+        self.store.emit_event("load_published", rank=self.ep_rank, round=round_)
+        return True
+
+    # ---- helpers --------------------------------------------------------------------------------------------------
+    def _plan_alive(self, plan_id: str, cluster: Record) -> bool:
+        """The plan is the cluster's round in progress (not aborted, not superseded)."""
+        return cluster.get("plan_id") == plan_id and cluster.state in ("LOADING", "LOAD_SUCC", "SWAPPING")
+
+    def _new_phy2log(self, plan_id: str) -> np.ndarray:
+        new = self.store.get_array(self.store.keys.plan(plan_id), "new_phy2log")
+        if new is None:
+            raise WeightError(f"plan {plan_id} has no new_phy2log")
+        return new
+
+    def _stage(self, plan_id: str) -> dict[str, Any]:
+        """Stage the experts the plan needs on this rank (idempotent: reuses a staging of the same plan)."""
+        from fdeplb.weights import plan_transfer, stage_experts
+
+        if self.staged is not None and self.staged[0] == plan_id:
+            return self.staged[4]
+        self._drop_staging()
+        t0 = time.perf_counter()
+        new = self._new_phy2log(plan_id)
+        transfer = plan_transfer(self.live.phy2log, new, self.ep_rank, self.config.ep_size)
+        staged = stage_experts(transfer, self.reader, budget_bytes=self.staging_budget_bytes, device=self.device)
+        nbytes = transfer.nbytes(self.reader.expert_nbytes)
+        info = {"keep": transfer.counts["keep"], "local": transfer.counts["local"], "disk": transfer.counts["disk"],
+                "disk_bytes": nbytes["disk"], "local_bytes": nbytes["local"],
+                "stage_ms": round((time.perf_counter() - t0) * 1000, 3)}
+        self.staged = (plan_id, transfer, staged, new, info)
+        return info
+
+    def _drop_staging(self) -> None:
+        if self.staged is not None:
+            self.staged[2].release()
+            self.staged = None
+
+    # ---- entry work per rank state (idempotent) -------------------------------------------------------------------
+    def _on_idle(self, me: Record, cluster: Record) -> bool:
+        self._drop_staging()
+        if cluster.state != "LOADING":
+            return False
+        plan_id = cluster.get("plan_id")
+        self.rank.fire("stage", record=me, plan_id=plan_id, round_=cluster.get_int("round"),
+                       fields={"plan_id": plan_id, "round": cluster.get_int("round"), "reason": ""})
+        return True
+
+    def _on_loading(self, me: Record, cluster: Record) -> bool:
+        plan_id = me.get("plan_id")
+        if not self._plan_alive(plan_id, cluster):
+            return self._abort(me, "round aborted while loading")
+        try:
+            info = self._stage(plan_id)
+        except WeightError as err:
+            self._drop_staging()
+            self.log.error("staging failed", plan_id=plan_id, error=str(err))
+            self.rank.fire("fail", record=me, reason=str(err), fields={"reason": str(err)})
+            return True
+        self.rank.fire("staged", record=me, fields=info)
+        return True
+
+    def _on_loaded(self, me: Record, cluster: Record) -> bool:
+        plan_id = me.get("plan_id")
+        committed = cluster.state == "SWAPPING" and cluster.get("plan_id") == plan_id
+        if not committed and not self._plan_alive(plan_id, cluster):
+            return self._abort(me, "round aborted after loading")
+        try:
+            self._stage(plan_id)  # a restarted agent lost its staging: stage again (same plan, same result)
+        except WeightError as err:
+            self._drop_staging()
+            if committed:
+                raise
+            self.rank.fire("fail", record=me, reason=str(err), fields={"reason": str(err)})
+            return True
+        if not committed:
+            return False
+        self.rank.fire("swap", record=me)
+        return True
+
+    def _on_swapping(self, me: Record, cluster: Record) -> bool:
+        plan_id = me.get("plan_id")
+        new = self._new_phy2log(plan_id)
+        t0 = time.perf_counter()
+        report: dict[str, Any] = {}
+        if not np.array_equal(self.live.phy2log, new):
+            info = self._stage(plan_id)
+            _, transfer, staged, _, _ = self.staged
+            swap = self.live.swap(transfer, staged, new)
+            report.update(info)
+            report.update({k: v for k, v in _as_dict(swap).items() if isinstance(v, (int, float, str))})
+            self._drop_staging()
+        verified, total = self.live.verify(self.reader)
+        self.live_plan_id = plan_id
+        report.update({"swap_ms": round((time.perf_counter() - t0) * 1000, 3), "slots_verified": verified,
+                       "slots_total": total, "live_plan_id": plan_id})
+        if verified != total:
+            self.log.error("verification failed", verified=verified, total=total)
+            report["reason"] = f"{total - verified} of {total} slots do not match the checkpoint"
+            self.store.set_fields(me.key, report)
+            self.store.emit_event("alarm", rank=self.ep_rank, message=report["reason"])
+            return False
+        self.rank.fire("swapped", record=me, fields=report)
+        return True
+
+    def _on_swapped(self, me: Record, cluster: Record) -> bool:
+        if cluster.state == "SWAPPING" and cluster.get("plan_id") == me.get("plan_id"):
+            return False  # the other ranks are still swapping
+        self.rank.fire("finish", record=me)
+        return True
+
+    def _on_load_failed(self, me: Record, cluster: Record) -> bool:
+        if self._plan_alive(me.get("plan_id"), cluster):
+            return False  # the coordinator aborts the round
+        return self._abort(me, me.get("reason") or "load failed")
+
+    def _abort(self, me: Record, reason: str) -> bool:
+        self._drop_staging()
+        self.rank.fire("abort", record=me, reason=reason, fields={"reason": reason})
+        return True
+
+
+def _as_dict(obj: Any) -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return obj
+    if hasattr(obj, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return asdict(obj)
+    return {}

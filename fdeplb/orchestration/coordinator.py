@@ -1,0 +1,272 @@
+"""The coordinator: drives the cluster rearrangement machine while it holds the lease.
+
+One coordinator leads per cluster (lease ``SET NX PX`` + monotonic fence, see ``store/lua/lease.lua``); others stand
+by and take over when the leader's lease lapses. Every cluster commit carries the leader's fence, so a deposed
+leader that wakes up later commits nothing.
+
+The coordinator is a reconcile loop: read the cluster record, run the *entry work* of its state, which is
+idempotent and may fire the next trigger; otherwise block on the audit and events streams (``XREAD BLOCK``) until
+something changes or a deadline or the lease renewal is due. A replacement coordinator therefore re-runs the entry
+work of whatever state it finds, which is how a kill at any point converges.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import uuid
+from typing import Callable
+
+import numpy as np
+import structlog
+
+from fdeplb.errors import FenceError, GuardError, InputError, StaleStateError
+from fdeplb.machines.tables import CLUSTER
+from fdeplb.orchestration.cluster import ClusterConfig, plan_digest, read_cluster_config
+from fdeplb.orchestration.records import RecordHandle
+from fdeplb.store.redis_store import Record, Store
+
+log = structlog.get_logger("fdeplb.coordinator")
+
+
+def default_holder_id() -> str:
+    return f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+class Coordinator:
+    """Leader-elected driver of one cluster's rearrangement machine.
+
+    ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
+    old phy2log int64 [L, P], config) to new phy2log int64 [L, P] (default: :func:`fdeplb.placement.rebalance_experts`
+    with the cluster's policy).
+    """
+
+    def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
+                 planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None) -> None:
+        if lease_ms < 300:
+            raise InputError(f"lease_ms must be >= 300, got {lease_ms}")
+        self.store = store
+        self.holder = holder or default_holder_id()
+        self.lease_ms = int(lease_ms)
+        self.lease: str | None = None
+        self._renewed_ms = 0
+        self.planner = planner or _default_planner
+        self.stop_event = threading.Event()
+        self.config: ClusterConfig | None = None
+        self._alarmed: set[str] = set()
+        self.log = log.bind(holder=self.holder, cluster=store.cluster)
+
+    # ---- leadership -----------------------------------------------------------------------------------------------
+    def ensure_leadership(self) -> bool:
+        """Acquire or renew the lease; True while this coordinator leads."""
+        now = self.store.now_ms()
+        if self.lease is not None:
+            if now - self._renewed_ms < self.lease_ms // 3:
+                return True
+            if self.store.renew_lease(self.lease, self.lease_ms):
+                self._renewed_ms = now
+                return True
+            self.log.warning("lease lost", lease=self.lease)
+            self.lease = None
+        value = self.store.acquire_lease(self.holder, self.lease_ms)
+        if value:
+            self.lease = value
+            self._renewed_ms = now
+            self.log.info("leading", lease=value)
+        return self.lease is not None
+
+    def _cluster(self) -> RecordHandle:
+        return RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "")
+
+    # ---- loop ---------------------------------------------------------------------------------------------------
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Run until :attr:`stop_event` is set or ``until()`` is true (checked after every step)."""
+        cursor = self.store.last_ids()
+        try:
+            while not self.stop_event.is_set():
+                wait_ms = self.lease_ms // 3
+                if self.ensure_leadership():
+                    try:
+                        progressed, due_ms = self.step()
+                    except FenceError as err:
+                        self.log.warning("fenced", error=str(err))
+                        self.lease = None
+                        continue
+                    except (StaleStateError, GuardError) as err:
+                        self.log.info("retry", error=str(err))
+                        progressed, due_ms = True, None
+                    if until is not None and until():
+                        return
+                    if progressed:
+                        continue
+                    if due_ms is not None:
+                        wait_ms = max(1, min(wait_ms, due_ms))
+                elif until is not None and until():
+                    return
+                self.store.wait(cursor, wait_ms)
+        finally:
+            if self.lease is not None:
+                self.store.release_lease(self.lease)
+                self.lease = None
+
+    def step(self) -> tuple[bool, int | None]:
+        """Run the entry work of the cluster's current state once.
+
+        Returns (progressed, ms until the next deadline or None). Raises StateError subclasses on lost races.
+        """
+        if self.config is None:
+            self.config = read_cluster_config(self.store)
+        rec = self.store.read_record(self.store.keys.rearrange)
+        work = getattr(self, f"_on_{rec.state.lower()}")
+        return work(rec)
+
+    # ---- entry work per state (idempotent) ------------------------------------------------------------------------
+    def _deadline(self, rec: Record) -> tuple[bool, int | None]:
+        deadline = rec.get_int("deadline_ms", 0)
+        if not deadline:
+            return False, None
+        left = deadline - self.store.now_ms()
+        return left <= 0, max(left, 0)
+
+    def _abort(self, rec: Record, reason: str) -> tuple[bool, int | None]:
+        self.log.warning("abort", round=rec.get_int("round"), state=rec.state, reason=reason)
+        self._cluster().fire("abort", record=rec, reason=reason, fields={"deadline_ms": "", "reason": reason})
+        return True, None
+
+    def _on_free(self, rec: Record) -> tuple[bool, int | None]:
+        if rec.get_int("requested") <= rec.get_int("round"):
+            return False, None
+        deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
+        round_ = rec.get_int("round") + 1
+        try:
+            self._cluster().fire("start", record=rec, plan_id="", round_=round_,
+                                 fields={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline,
+                                         "alarm": ""})
+        except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
+            self.log.info("start waits", reason=str(err))
+            return False, self.lease_ms // 3
+        return True, None
+
+    def _on_collecting(self, rec: Record) -> tuple[bool, int | None]:
+        round_ = rec.get_int("round")
+        snap_key = self.store.keys.snapshot(round_)
+        if self.store.get_array(snap_key, "expert_load") is None:
+            missing, loads = [], []
+            for r in range(self.config.ep_size):
+                key = self.store.keys.load(r)
+                pub_round = self.store.client.hget(key, "round")
+                if pub_round is None or int(pub_round) < round_:
+                    missing.append(r)
+                else:
+                    loads.append(self.store.get_array(key, "expert_load"))
+            if missing:
+                expired, left = self._deadline(rec)
+                if expired:
+                    return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
+                return False, left
+            snapshot = np.sum(np.stack(loads), axis=0, dtype=np.int64)
+            self.store.put_arrays(snap_key, {"expert_load": snapshot}, {"round": round_}, only_if_absent=True)
+        self._cluster().fire("plan", record=rec, plan_id="")
+        return True, None
+
+    def _on_planning(self, rec: Record) -> tuple[bool, int | None]:
+        from fdeplb.placement import balancedness, moved_experts
+
+        cfg = self.config
+        round_ = rec.get_int("round")
+        snapshot = self.store.get_array(self.store.keys.snapshot(round_), "expert_load")
+        if snapshot is None:
+            return self._abort(rec, f"load snapshot of round {round_} is missing")
+        old_plan_id, old = self.store.current_placement()
+        plan_id = plan_digest(snapshot, old, cfg.policy, cfg.topology())
+        new = self.store.get_array(self.store.keys.plan(plan_id), "new_phy2log")
+        if new is None:
+            new = np.asarray(self.planner(snapshot, old, cfg), dtype=np.int64)
+        before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
+        after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
+        moved = int(moved_experts(old, new, cfg.ep_size))
+        if moved == 0 or after - before < cfg.min_gain:
+            return self._abort(rec, f"gated: balancedness {before:.4f} -> {after:.4f}, {moved} moved experts; "
+                                    f"gain below min_gain {cfg.min_gain}")
+        self.store.put_arrays(
+            self.store.keys.plan(plan_id),
+            {"expert_load": snapshot, "old_phy2log": old, "new_phy2log": new},
+            {"plan_id": plan_id, "round": round_, "policy": cfg.policy, "old_plan_id": old_plan_id,
+             "topology": _json(cfg.topology()), "balancedness_before": f"{before:.6f}",
+             "balancedness_after": f"{after:.6f}", "moved_experts": moved},
+            only_if_absent=True,
+        )
+        deadline = self.store.now_ms() + cfg.deadlines.loading_ms
+        self._cluster().fire("load", record=rec, plan_id=plan_id,
+                             fields={"plan_id": plan_id, "deadline_ms": deadline})
+        return True, None
+
+    def _rank_records(self) -> list[Record]:
+        return [self.store.read_record(self.store.keys.rank(r)) for r in range(self.config.ep_size)]
+
+    def _on_loading(self, rec: Record) -> tuple[bool, int | None]:
+        plan_id = rec.get("plan_id")
+        ranks = self._rank_records()
+        failed = [(r, x.get("reason")) for r, x in enumerate(ranks)
+                  if x.state == "LOAD_FAILED" and x.get("plan_id") == plan_id]
+        if failed:
+            return self._abort(rec, "; ".join(f"rank {r} failed to load: {why}" for r, why in failed))
+        if all(x.state == "LOADED" and x.get("plan_id") == plan_id for x in ranks):
+            fields = {"deadline_ms": ""}
+            if self.config.cordoned:
+                fields["deadline_ms"] = self.store.now_ms() + self.config.deadlines.commit_ms
+            self._cluster().fire("loaded", record=rec, fields=fields)
+            return True, None
+        expired, left = self._deadline(rec)
+        if expired:
+            late = [r for r, x in enumerate(ranks) if not (x.state == "LOADED" and x.get("plan_id") == plan_id)]
+            return self._abort(rec, f"loading deadline passed: ranks {late} not LOADED")
+        return False, left
+
+    def _on_load_succ(self, rec: Record) -> tuple[bool, int | None]:
+        plan_id = rec.get("plan_id")
+        if self.config.cordoned and rec.get("commit_requested") != plan_id:
+            expired, left = self._deadline(rec)
+            if expired:
+                return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
+            return False, left
+        deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
+        self._cluster().fire("commit", record=rec, fields={"deadline_ms": deadline})
+        return True, None
+
+    def _on_swapping(self, rec: Record) -> tuple[bool, int | None]:
+        plan_id = rec.get("plan_id")
+        ranks = self._rank_records()
+        if all(x.state == "SWAPPED" and x.get("plan_id") == plan_id for x in ranks):
+            self._cluster().fire("swapped", record=rec, fields={"deadline_ms": ""})
+            return True, None
+        expired, left = self._deadline(rec)
+        if expired:
+            late = [r for r, x in enumerate(ranks) if not (x.state == "SWAPPED" and x.get("plan_id") == plan_id)]
+            alarm = f"swapping deadline passed; rolling forward; ranks {late} not SWAPPED"
+            if rec.get("alarm") != alarm:
+                self.log.error("alarm", round=rec.get_int("round"), plan_id=plan_id, late_ranks=late)
+                self.store.set_fields(rec.key, {"alarm": alarm})
+                self.store.emit_event("alarm", round=rec.get_int("round"), plan_id=plan_id, message=alarm)
+            return False, self.lease_ms // 3
+        return False, left
+
+    def _on_done(self, rec: Record) -> tuple[bool, int | None]:
+        self._cluster().fire("release", record=rec, fields={"deadline_ms": "", "alarm": ""})
+        return True, None
+
+
+def _json(obj: object) -> str:
+    return json.dumps(obj, sort_keys=True)
+
+
+def _default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+    from fdeplb.placement import rebalance_experts
+
+    kwargs = {"old_phy2log": old_phy2log} if cfg.policy == "move_aware" else {}
+    placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
+                                  cfg.ep_size, policy=cfg.policy, **kwargs)
+    return placement.phy2log
+

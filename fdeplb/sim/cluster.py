@@ -1,0 +1,156 @@
+"""A local simulated serving cluster: real Redis, one real OS process per EP rank, one coordinator.
+
+Used by ``fdeplb demo`` and the end-to-end tests. Every rank runs :mod:`fdeplb.sim.worker` (a rank agent holding
+real paddle slot tensors loaded from a real safetensors checkpoint); they meet only through Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fdeplb.errors import DeadlineError, FdeplbError
+from fdeplb.orchestration.cluster import ClusterConfig, init_cluster, request_round
+from fdeplb.orchestration.coordinator import Coordinator
+from fdeplb.store.redis_store import Store
+
+
+@dataclass
+class LocalCluster:
+    """Start/stop helper for a simulated cluster of ``config.ep_size`` worker processes.
+
+    ``workdir`` holds worker logs; ``trace`` is the expert-load dump every worker takes its share of.
+    """
+
+    store: Store
+    redis_url: str
+    config: ClusterConfig
+    trace: str
+    workdir: Path
+    seed: int = 0
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+
+    def init(self, initial_phy2log: np.ndarray) -> None:
+        init_cluster(self.store, self.config, initial_phy2log)
+
+    def start_rank(self, ep_rank: int, *extra: str) -> subprocess.Popen:
+        """Start (or restart) the worker process of ``ep_rank``; its log goes to ``workdir/rank<r>.log``."""
+        log = open(self.workdir / f"rank{ep_rank}.log", "ab")
+        cmd = [sys.executable, "-m", "fdeplb.sim.worker", "--redis-url", self.redis_url,
+               "--cluster", self.store.cluster, "--rank", str(ep_rank), "--trace", self.trace,
+               "--seed", str(self.seed), *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", FLAGS_call_stack_level="0")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.procs[ep_rank] = proc
+        return proc
+
+    def start_ranks(self) -> None:
+        for r in range(self.config.ep_size):
+            self.start_rank(r)
+
+    def wait_ready(self, ranks: list[int] | None = None, timeout_s: float = 180.0, after_id: str = "0-0") -> None:
+        """Block until each of ``ranks`` (default: all) announced ``rank_ready`` after events-stream id
+        ``after_id``; DeadlineError on timeout, FdeplbError if a worker exits first (its log tail in the message)."""
+        want = set(range(self.config.ep_size) if ranks is None else ranks)
+        deadline = time.monotonic() + timeout_s
+        cursor = {self.store.keys.events: after_id}
+        ready: set[int] = set()
+        while not want <= ready:
+            for r in want - ready:
+                proc = self.procs.get(r)
+                if proc is not None and proc.poll() is not None:
+                    raise FdeplbError(f"rank {r} exited with {proc.returncode}:\n{self.log_tail(r)}")
+            if time.monotonic() > deadline:
+                raise DeadlineError(f"ranks not ready after {timeout_s}s: {sorted(want - ready)}")
+            for _, entry in self.store.wait(cursor, 500):
+                if entry["kind"] == "rank_ready":
+                    ready.add(int(entry["rank"]))
+
+    def log_tail(self, ep_rank: int, lines: int = 20) -> str:
+        path = self.workdir / f"rank{ep_rank}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill_rank(self, ep_rank: int, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[ep_rank]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM every worker, then SIGKILL whatever is left after ``timeout_s``."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def run_round(self, timeout_s: float = 300.0, coordinator: Coordinator | None = None) -> dict:
+        """Request one round and run an in-process coordinator until it is back in FREE; returns the final
+        cluster record fields. DeadlineError if the round does not end within ``timeout_s``."""
+        rec = self.store.read_record(self.store.keys.rearrange)
+        target = rec.get_int("round") + 1
+        request_round(self.store, reason="demo")
+        coord = coordinator or Coordinator(self.store)
+        end = time.monotonic() + timeout_s
+
+        def finished() -> bool:
+            cur = self.store.read_record(self.store.keys.rearrange)
+            if cur.state == "FREE" and cur.get_int("round") >= target:
+                return True
+            if time.monotonic() > end:
+                return True
+            return any(p.poll() is not None for p in self.procs.values())
+
+        thread = threading.Thread(target=coord.run, kwargs={"until": finished}, daemon=True)
+        thread.start()
+        thread.join(timeout_s + 30)
+        coord.stop_event.set()
+        thread.join(10)
+        cur = self.store.read_record(self.store.keys.rearrange)
+        if not (cur.state == "FREE" and cur.get_int("round") >= target):
+            dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+            detail = "".join(f"\nrank {r} exited {rc}:\n{self.log_tail(r)}" for r, rc in dead.items())
+            raise DeadlineError(f"round {target} did not finish within {timeout_s}s (state {cur.state}){detail}")
+        return {"state": cur.state, "round": cur.get_int("round"), **cur.fields}
+
+    def wait_ranks_idle(self, timeout_s: float = 60.0) -> None:
+        """Block until every rank record is back in IDLE (ranks finish their round after the cluster)."""
+        cursor = self.store.last_ids()
+        end = time.monotonic() + timeout_s
+        while True:
+            states = [self.store.read_record(self.store.keys.rank(r)).state for r in range(self.config.ep_size)]
+            if all(s == "IDLE" for s in states):
+                return
+            if time.monotonic() > end:
+                raise DeadlineError(f"ranks not IDLE after {timeout_s}s: {states}")
+            self.store.wait(cursor, 500)
+
+
+def new_cluster_id(prefix: str = "demo") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def temp_workdir(prefix: str = "fdeplb-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+

@@ -1,0 +1,53 @@
+"""A simulated serving worker: one OS process per EP rank, running a :class:`~fdeplb.orchestration.agent.RankAgent`.
+
+``python -m fdeplb.sim.worker --redis-url URL --cluster ID --rank R --trace PATH`` loads the rank's live experts
+from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT. Its expert_load window is its share of the
+trace (see :mod:`fdeplb.sim.loads`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from fdeplb.log import configure
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fdeplb.sim.worker")
+    p.add_argument("--redis-url", required=True)
+    p.add_argument("--cluster", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--trace", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--staging-budget-bytes", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    configure(args.log_level)
+
+    from fdeplb.orchestration.agent import RankAgent
+    from fdeplb.placement import read_expert_load
+    from fdeplb.sim.loads import rank_share
+    from fdeplb.store.redis_store import Store
+
+    store = Store(args.redis_url, args.cluster)
+    trace = read_expert_load(args.trace)
+    ep_size = store.ep_size()
+    window = rank_share(trace.expert_load, args.rank, ep_size, args.seed)
+    agent = RankAgent(store, args.rank, load_source=lambda _round: window,
+                      staging_budget_bytes=args.staging_budget_bytes)
+
+    def stop(_signum, _frame):
+        agent.stop_event.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    agent.start()
+    agent.run()
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
