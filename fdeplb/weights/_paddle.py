@@ -1,0 +1,116 @@
+"""The one module of fdeplb that imports ``paddle`` and ``safetensors``; both lazily.
+
+Everything else in :mod:`fdeplb.weights` reaches paddle through these helpers, so importing fdeplb never needs
+paddle, and a missing install fails with one clear :class:`~fdeplb.errors.DependencyError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import zlib
+from functools import lru_cache
+from typing import Any
+
+from fdeplb.errors import DependencyError
+
+_EXTRA = "pip install 'fdeplb[paddle]' (CPU), or paddlepaddle-gpu from Paddle's own index on GPU machines"
+
+
+@lru_cache(maxsize=None)
+def paddle() -> Any:
+    """The ``paddle`` module. Raises DependencyError naming the extra when it is not installed."""
+    try:
+        import paddle as _paddle
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise DependencyError(f"fdeplb.weights needs paddle: {_EXTRA} ({exc})") from exc
+    return _paddle
+
+
+@lru_cache(maxsize=None)
+def safetensors() -> tuple[Any, Any]:
+    """``(safe_open, save_file)`` of safetensors' paddle flavour. Raises DependencyError when missing."""
+    paddle()
+    try:
+        from safetensors import safe_open
+        from safetensors.paddle import save_file
+    except ImportError as exc:  # pragma: no cover
+        raise DependencyError(f"fdeplb.weights needs safetensors: {_EXTRA} ({exc})") from exc
+    return safe_open, save_file
+
+
+def resolve_device(device: str | None) -> str:
+    """``device`` as paddle spells it (``"cpu"``, ``"gpu:0"``); ``None`` is paddle's current device."""
+    return str(paddle().device.get_device() if device is None else device)
+
+
+def is_gpu(device: str) -> bool:
+    """True for a CUDA device string (``"gpu"``, ``"gpu:3"``)."""
+    return device.split(":")[0] == "gpu"
+
+
+def place_of(device: str) -> Any:
+    """paddle Place for a device string."""
+    pd = paddle()
+    if is_gpu(device):
+        return pd.CUDAPlace(int(device.split(":")[1]) if ":" in device else 0)
+    return pd.CPUPlace()
+
+
+def nbytes(t: Any) -> int:
+    """Size of a dense tensor's data in bytes."""
+    return math.prod(t.shape) * t.element_size()
+
+
+def dtype_name(t: Any) -> str:
+    """``"float32"``, ``"bfloat16"``, ``"int8"`` ... for a tensor's dtype."""
+    return str(t.dtype).replace("paddle.", "")
+
+
+def empty(shape: list[int], dtype: Any, device: str) -> Any:
+    """Uninitialised tensor of ``shape`` and ``dtype`` on ``device``."""
+    with _device_guard(device):
+        return paddle().empty(shape, dtype=dtype)
+
+
+class _device_guard:
+    """Temporarily make ``device`` paddle's current device (paddle allocates on the current device)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __enter__(self) -> None:
+        self.previous = paddle().device.get_device()
+        if self.previous != self.device:
+            paddle().device.set_device(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.previous != self.device:
+            paddle().device.set_device(self.previous)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """In-place, asynchronous-where-possible copy; ``dst`` keeps its storage. Call :func:`synchronize` after."""
+    dst.copy_(src, False)
+
+
+def clone(t: Any) -> Any:
+    """A copy of ``t`` with its own storage on the same device."""
+    return t.clone()
+
+
+def synchronize(device: str) -> None:
+    """Wait for every queued copy on ``device`` (no-op on CPU)."""
+    if is_gpu(device):
+        paddle().device.synchronize(device)
+
+
+def crc32(t: Any) -> int:
+    """CRC-32 of the raw bytes of ``t`` (zlib; releases the GIL on large buffers)."""
+    place = t.place
+    if not (place.is_cpu_place() or place.is_cuda_pinned_place()) or not t.is_contiguous():
+        t = t.cpu().contiguous()
+    size = nbytes(t)
+    if size == 0:
+        return 0
+    return zlib.crc32((ctypes.c_char * size).from_address(t.data_ptr()))

@@ -1,0 +1,360 @@
+"""The expert slots of one EP rank as live paddle tensors, swapped in place and verified.
+
+``tensors[suffix][layer]`` is one tensor ``[slots_per_rank, *shape]`` per MoE layer and expert tensor suffix, the
+layout of a fused-MoE layer's stacked expert parameters. A swap writes into those tensors (their storage never
+changes, so CUDA graphs and every reference the serving engine holds stay valid), then updates the routing tables
+``phy2log`` / ``log2phy`` / ``logcnt`` (paddle int64 tensors on the same device, also updated in place).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from fdeplb.errors import InputError, VerificationError, WeightError
+from fdeplb.weights import _paddle
+from fdeplb.weights.checkpoint import CheckpointReader
+from fdeplb.weights.plan import DISK, LOCAL, TransferPlan, rank_slots, routing_tables
+from fdeplb.weights.staging import ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
+
+
+@dataclass(frozen=True)
+class SwapReport:
+    """What one swap did. Bytes are device bytes written into live slots; seconds are wall time.
+
+    ``bytes_from_staging``: staged (disk) experts copied in, one per disk slot; ``bytes_local``: slot-to-slot copies;
+    ``bytes_snapshot``: slots copied aside to break copy cycles; ``copy_seconds``: the writes including the final
+    device synchronisation; ``verify_seconds``: checksumming every changed slot.
+    """
+
+    ep_rank: int
+    plan_key: str
+    keep: int
+    local: int
+    disk: int
+    disk_slots: int
+    snapshots: int
+    slots_verified: int
+    bytes_from_staging: int
+    bytes_local: int
+    bytes_snapshot: int
+    copy_seconds: float
+    verify_seconds: float
+    routing_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.copy_seconds + self.verify_seconds + self.routing_seconds
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds}
+
+
+class LiveExperts:
+    """The expert slots of one EP rank (live paddle tensors) and its routing tables.
+
+    Build with :meth:`from_checkpoint`, or wrap tensors the serving engine already holds with :meth:`attach`.
+
+    Attributes:
+        tensors: ``suffix -> [paddle.Tensor per MoE layer, each [slots_per_rank, *shape]]``.
+        ep_rank, ep_size, device, num_logical_experts, max_replicas.
+        phy2log_tensor: int64 [L, P]; log2phy: int64 [L, E, max_replicas] (-1 padded); logcnt: int64 [L, E].
+        needs_reload: True after a failed verification: the slots no longer match the routing tables.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, list[Any]],
+        phy2log: np.ndarray,
+        ep_rank: int,
+        ep_size: int,
+        *,
+        device: str | None = None,
+        num_logical_experts: int | None = None,
+        max_replicas: int | None = None,
+        checksums: dict[tuple[int, int], ExpertChecksum] | None = None,
+    ) -> None:
+        p2l = np.array(phy2log, dtype=np.int64, copy=True)
+        if p2l.ndim != 2:
+            raise InputError(f"phy2log must be [num_layers, num_physical_experts], got shape {p2l.shape}")
+        self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
+        self._slots = rank_slots(p2l.shape[1], self.ep_rank, self.ep_size)
+        per_rank = self._slots.stop - self._slots.start
+        if not tensors:
+            raise InputError("LiveExperts needs at least one expert tensor suffix")
+        for suffix, layers in tensors.items():
+            if len(layers) != p2l.shape[0] or any(int(t.shape[0]) != per_rank for t in layers):
+                raise InputError(
+                    f"live tensors of {suffix!r} must be {p2l.shape[0]} tensors of [{per_rank}, ...] (one per MoE layer)"
+                )
+        self.tensors = tensors
+        self.device = _paddle.resolve_device(device)
+        self.num_logical_experts = int(p2l.max()) + 1 if num_logical_experts is None else int(num_logical_experts)
+        num_phy = p2l.shape[1]
+        self.max_replicas = num_phy - self.num_logical_experts + 1 if max_replicas is None else int(max_replicas)
+        log2phy, logcnt = routing_tables(p2l, self.num_logical_experts, self.max_replicas)
+        self._phy2log = p2l
+        self.phy2log_tensor = self._device_int64(p2l)
+        self.log2phy = self._device_int64(log2phy)
+        self.logcnt = self._device_int64(logcnt)
+        self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
+        self.needs_reload = False
+
+    # ---- construction ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(
+        cls,
+        reader: CheckpointReader,
+        phy2log: np.ndarray,
+        ep_rank: int,
+        ep_size: int,
+        device: str | None = None,
+        *,
+        num_logical_experts: int | None = None,
+        max_replicas: int | None = None,
+    ) -> LiveExperts:
+        """Allocate this rank's slot tensors on ``device`` and load them from the checkpoint.
+
+        Each distinct (layer, expert) of the rank is read once and written into every slot that holds it; host memory
+        peaks at one expert. Every slot is verified by checksum.
+
+        Raises:
+            CheckpointError: a tensor missing or malformed (all names are checked before any read).
+            InputError / TopologyError: a malformed ``phy2log`` or rank.
+            VerificationError: a slot does not match the checkpoint after loading.
+        """
+        dev = _paddle.resolve_device(device)
+        p2l = np.asarray(phy2log, dtype=np.int64)
+        sl = rank_slots(p2l.shape[1], ep_rank, ep_size)
+        per_rank = sl.stop - sl.start
+        tensors = {
+            suffix: [_paddle.empty([per_rank, *shape], dtype, dev) for _ in range(p2l.shape[0])]
+            for suffix, (shape, dtype) in reader.spec.items()
+        }
+        live = cls(tensors, p2l, ep_rank, ep_size, device=dev, num_logical_experts=num_logical_experts,
+                   max_replicas=max_replicas)
+        live.reload(reader)
+        return live
+
+    @classmethod
+    def attach(
+        cls,
+        tensors: dict[str, list[Any]],
+        phy2log: np.ndarray,
+        ep_rank: int,
+        ep_size: int,
+        reader: CheckpointReader,
+        **kwargs: Any,
+    ) -> LiveExperts:
+        """Wrap slot tensors the serving engine already loaded, verifying each slot against the checkpoint (which
+        also records the checksums later local copies are verified against).
+
+        Raises:
+            VerificationError: a slot does not hold its expert's checkpoint bytes.
+        """
+        live = cls(tensors, phy2log, ep_rank, ep_size, **kwargs)
+        ok, total = live.verify(reader)
+        if ok != total:
+            raise VerificationError(f"rank {live.ep_rank}: {total - ok} of {total} live slots differ from the checkpoint")
+        return live
+
+    # ---- views ----------------------------------------------------------------------------------------------------
+    @property
+    def phy2log(self) -> np.ndarray:
+        """int64 [L, P]: the cluster placement this rank serves (a copy)."""
+        return self._phy2log.copy()
+
+    @property
+    def rank_phy2log(self) -> np.ndarray:
+        """int64 [L, slots_per_rank]: the logical expert of each of this rank's slots."""
+        return self._phy2log[:, self._slots].copy()
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._phy2log.shape[0])
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self._slots.stop - self._slots.start
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one slot (all suffixes)."""
+        return sum(_paddle.nbytes(layers[0][0]) for layers in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every live slot tensor of the rank."""
+        return self.expert_nbytes * self.slots_per_rank * self.num_layers
+
+    def slot(self, layer: int, slot: int) -> dict[str, Any]:
+        """``suffix -> view`` of one rank-local slot (writes through to the live tensors)."""
+        return {suffix: layers[layer][slot] for suffix, layers in self.tensors.items()}
+
+    def _device_int64(self, arr: np.ndarray) -> Any:
+        return _paddle.paddle().to_tensor(np.ascontiguousarray(arr, dtype=np.int64), place=_paddle.place_of(self.device))
+
+    # ---- loading and verification ---------------------------------------------------------------------------------
+    def reload(self, reader: CheckpointReader) -> int:
+        """Rewrite every slot in place from the checkpoint for the current placement (initial load, or repair after
+        a failed verification); each distinct (layer, expert) is read once. Returns the number of slots written.
+
+        Raises:
+            CheckpointError: a tensor missing or malformed (checked for all experts before any write).
+            VerificationError: a slot does not match the checkpoint after the write.
+        """
+        rank = self._phy2log[:, self._slots]
+        wanted = sorted({(layer, int(e)) for layer in range(self.num_layers) for e in rank[layer]})
+        for layer, expert in wanted:
+            reader.check_expert(layer, expert)
+        self.needs_reload = True
+        for layer, expert in wanted:
+            tensors = reader.read_expert(layer, expert)
+            self._checksums[(layer, expert)] = expert_checksum(tensors)
+            for s in np.flatnonzero(rank[layer] == expert):
+                for suffix, t in tensors.items():
+                    _paddle.copy_into(self.tensors[suffix][layer][int(s)], t)
+        _paddle.synchronize(self.device)
+        bad = self._mismatches(np.ones(rank.shape, dtype=bool), rank, lambda layer, e: self._checksums[(layer, e)])
+        if bad:
+            raise VerificationError(f"rank {self.ep_rank}: reload left {len(bad)} slot(s) unlike the checkpoint: {bad[:8]}")
+        self.needs_reload = False
+        return int(rank.size)
+
+    def verify(self, reader: CheckpointReader) -> tuple[int, int]:
+        """Compare every slot of the rank with its logical expert's checkpoint tensors (CRC-32 of the raw bytes).
+
+        Reads each distinct (layer, expert) of the rank once and records its checksum. Returns
+        ``(slots_verified, slots_total)``; fewer verified than total means corrupted slots.
+
+        Raises:
+            CheckpointError: a tensor missing or malformed.
+        """
+        rank = self._phy2log[:, self._slots]
+        for layer in range(self.num_layers):
+            for e in np.unique(rank[layer]).tolist():
+                self._checksums[(layer, e)] = expert_checksum(reader.read_expert(layer, e))
+        bad = self._mismatches(np.ones(rank.shape, dtype=bool), rank, lambda layer, e: self._checksums[(layer, e)])
+        return int(rank.size) - len(bad), int(rank.size)
+
+    def _mismatches(self, mask: np.ndarray, rank: np.ndarray, expected: Any) -> list[tuple[int, int, int]]:
+        """``(layer, slot, expert)`` of every masked slot whose checksum differs from ``expected(layer, expert)``."""
+        bad = []
+        for layer, s in zip(*np.nonzero(mask)):
+            layer, s = int(layer), int(s)
+            e = int(rank[layer, s])
+            if expert_checksum(self.slot(layer, s)) != expected(layer, e):
+                bad.append((layer, s, e))
+        return bad
+
+    # ---- swap -----------------------------------------------------------------------------------------------------
+    def _check_swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray) -> np.ndarray:
+        if self.needs_reload:
+            raise WeightError(f"rank {self.ep_rank}: live slots failed verification; reload() before swapping")
+        if (plan.ep_rank, plan.ep_size) != (self.ep_rank, self.ep_size):
+            raise InputError(f"plan is for rank {plan.ep_rank}/{plan.ep_size}, these experts are rank {self.ep_rank}/{self.ep_size}")
+        new = np.asarray(new_phy2log, dtype=np.int64)
+        if new.shape != self._phy2log.shape:
+            raise InputError(f"new_phy2log has shape {new.shape}, the live placement {self._phy2log.shape}")
+        if not np.array_equal(plan.old, self._phy2log[:, self._slots]):
+            raise InputError(f"rank {self.ep_rank}: the plan starts from another placement than the live one")
+        if not np.array_equal(plan.new, new[:, self._slots]):
+            raise InputError(f"rank {self.ep_rank}: new_phy2log does not match the plan's target for this rank")
+        check_staged_for(plan, staged)
+        for i, tensors in enumerate(staged.experts):
+            for suffix, layers in self.tensors.items():
+                t, slot = tensors.get(suffix), layers[0][0]
+                if t is None or list(t.shape) != list(slot.shape) or t.dtype != slot.dtype:
+                    got = "missing" if t is None else f"{_paddle.dtype_name(t)}{list(t.shape)}"
+                    raise WeightError(
+                        f"rank {self.ep_rank}: staged expert {plan.disk[i]} {suffix!r} is {got}, "
+                        f"slots are {_paddle.dtype_name(slot)}{list(slot.shape)}"
+                    )
+        return new
+
+    def swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray) -> SwapReport:
+        """Apply ``plan``: write staged and locally copied experts into the live slots in place, verify every
+        changed slot against the checkpoint checksums, then update the routing tables in place.
+
+        Every check (plan matches the live placement and ``new_phy2log``, staging matches the plan, shapes and
+        dtypes, the new routing tables) runs before the first write. ``staged`` is left as is (call
+        ``staged.release()`` after).
+
+        Raises:
+            InputError: plan / placement mismatch or an invalid ``new_phy2log``; nothing written.
+            WeightError: staging released, of another plan, or of the wrong shape; nothing written.
+            VerificationError: a changed slot differs from its checkpoint checksum after the writes. The routing
+                tables keep the old placement and :attr:`needs_reload` is set: the rank must :meth:`reload`.
+        """
+        new = self._check_swap(plan, staged, new_phy2log)
+        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas)
+        per_slot = self.expert_nbytes
+
+        start = time.perf_counter()
+        self.needs_reload = True
+        snapshots: dict[tuple[int, int], dict[str, Any]] = {}
+        layer_of_snapshots = -1
+        for step in plan.steps:
+            if step.layer != layer_of_snapshots:
+                snapshots.clear()
+                layer_of_snapshots = step.layer
+            dst = self.slot(step.layer, step.slot)
+            if step.kind == "snapshot":
+                snapshots[(step.layer, step.slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
+                continue
+            if step.kind == "disk":
+                src = staged.experts[step.source]
+            elif step.kind == "local":
+                src = self.slot(step.layer, step.source)
+            else:
+                src = snapshots[(step.layer, step.source)]
+            for suffix, t in dst.items():
+                _paddle.copy_into(t, src[suffix])
+        snapshots.clear()
+        _paddle.synchronize(self.device)
+        copy_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        expected: dict[tuple[int, int], ExpertChecksum] = dict(self._checksums)
+        expected.update(zip(plan.disk, staged.checksums))
+        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))}
+        missing -= expected.keys()
+        if missing:  # wrapped tensors whose checksums were never recorded: nothing to verify local copies against
+            raise VerificationError(f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}")
+        bad = self._mismatches(plan.changed, plan.new, lambda layer, e: expected[(layer, e)])
+        verify_seconds = time.perf_counter() - start
+        if bad:
+            raise VerificationError(
+                f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ from the checkpoint (layer, slot, expert): "
+                f"{bad[:8]}; routing tables keep the old placement, reload() the rank"
+            )
+
+        start = time.perf_counter()
+        self._phy2log = new.copy()
+        for dst, arr in ((self.phy2log_tensor, new), (self.log2phy, log2phy), (self.logcnt, logcnt)):
+            _paddle.copy_into(dst, self._device_int64(arr))
+        _paddle.synchronize(self.device)
+        self._checksums = expected
+        self.needs_reload = False
+        routing_seconds = time.perf_counter() - start
+
+        counts = plan.counts
+        return SwapReport(
+            ep_rank=self.ep_rank,
+            plan_key=plan.key,
+            keep=counts["keep"],
+            local=counts["local"],
+            disk=counts["disk"],
+            disk_slots=plan.disk_slots,
+            snapshots=plan.num_snapshots,
+            slots_verified=int(np.count_nonzero(plan.changed)),
+            bytes_from_staging=plan.disk_slots * per_slot,
+            bytes_local=counts["local"] * per_slot,
+            bytes_snapshot=plan.num_snapshots * per_slot,
+            copy_seconds=copy_seconds,
+            verify_seconds=verify_seconds,
+            routing_seconds=routing_seconds,
+        )
