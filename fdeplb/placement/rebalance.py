@@ -9,7 +9,9 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_phy2log, check_topology
 from fdeplb.placement.core import Placement
+from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_phy2log
+from fdeplb.placement.greedy import greedy_phy2log
 
 
 def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
@@ -18,9 +20,19 @@ def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical,
     return deepseek_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)[0]
 
 
+def _greedy(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
+    return greedy_phy2log(load, num_replicas, num_gpus)
+
+
+def _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
+    if not hierarchical:
+        num_groups, num_nodes = 1, 1
+    return balanced_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)
+
+
 #: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
 #: returning phy2log int64 [L, P].
-POLICIES: dict[str, Callable[..., np.ndarray]] = {"deepseek": _deepseek}
+POLICIES: dict[str, Callable[..., np.ndarray]] = {"deepseek": _deepseek, "greedy": _greedy, "balanced": _balanced}
 
 
 def rebalance_experts(
