@@ -145,6 +145,7 @@ class RankAgent:
         staged = stage_experts(transfer, self.reader, budget_bytes=self.staging_budget_bytes, device=self.device)
         nbytes = transfer.nbytes(self.reader.expert_nbytes)
         info = {"keep": transfer.counts["keep"], "local": transfer.counts["local"], "disk": transfer.counts["disk"],
+                "disk_slots": transfer.disk_slots,
                 "disk_bytes": nbytes["disk"], "local_bytes": nbytes["local"],
                 "stage_ms": round((time.perf_counter() - t0) * 1000, 3)}
         self.staged = (plan_id, transfer, staged, new, info)

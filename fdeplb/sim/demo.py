@@ -184,6 +184,7 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "experts_loaded_from_disk": sum(r.get_int("disk") for r in ranks),
         "experts_copied_locally": sum(r.get_int("local") for r in ranks),
         "experts_kept": sum(r.get_int("keep") for r in ranks),
+        "slots_from_disk": sum(r.get_int("disk_slots") for r in ranks),
         "slots_verified": sum(r.get_int("slots_verified") for r in ranks),
         "slots_total": config.num_layers * config.num_physical_experts,
         "audit_records": len(audit),

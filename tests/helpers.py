@@ -1,0 +1,106 @@
+"""Test helpers: an in-process cluster (coordinator + rank agents in threads, real Redis, real paddle tensors)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.cluster import ClusterConfig, Deadlines, init_cluster
+from fdeplb.orchestration.coordinator import Coordinator
+from fdeplb.store.redis_store import Store
+
+
+def wait_for(predicate, timeout_s: float = 30.0, store: Store | None = None, what: str = "condition"):
+    """Wait until ``predicate()`` is truthy, blocking on the cluster's streams between checks when a store is
+    given; fails the test with ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    cursor = store.last_ids() if store is not None else None
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        if store is not None:
+            store.wait(cursor, 200)
+        else:
+            time.sleep(0.02)
+
+
+def skewed_load(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.zipf(1.6, size=(num_layers, num_experts)) * 100).astype(np.int64)
+
+
+@dataclass
+class ThreadCluster:
+    """Coordinator and rank agents as threads of the test process, each with its own Redis connection."""
+
+    url: str
+    cluster: str
+    config: ClusterConfig
+    loads: np.ndarray  # int64 [ep_size, L, E]
+    agents: list[RankAgent] = field(default_factory=list)
+    threads: list[threading.Thread] = field(default_factory=list)
+    coordinator: Coordinator | None = None
+
+    def store(self) -> Store:
+        return Store(self.url, self.cluster)
+
+    def start_agents(self, ranks=None, **kwargs) -> None:
+        for r in ranks if ranks is not None else range(self.config.ep_size):
+            agent = RankAgent(self.store(), r, load_source=lambda _round, r=r: self.loads[r], **kwargs)
+            agent.start()
+            t = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True, name=f"rank{r}")
+            t.start()
+            self.agents.append(agent)
+            self.threads.append(t)
+
+    def start_coordinator(self, **kwargs) -> Coordinator:
+        self.coordinator = Coordinator(self.store(), lease_ms=kwargs.pop("lease_ms", 1_500), **kwargs)
+        t = threading.Thread(target=self.coordinator.run, daemon=True, name="coordinator")
+        t.start()
+        self.threads.append(t)
+        return self.coordinator
+
+    def stop(self) -> None:
+        for a in self.agents:
+            a.stop_event.set()
+        if self.coordinator is not None:
+            self.coordinator.stop_event.set()
+        for t in self.threads:
+            t.join(timeout=10)
+
+
+@contextmanager
+def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 3, num_experts: int = 16,
+                   num_redundant: int = 4, ep_size: int = 4, policy: str = "deepseek", cordoned: bool = False,
+                   deadlines: Deadlines | None = None, min_gain: float = 0.0, seed: int = 0, num_groups: int = 1):
+    """A small initialised cluster with a real checkpoint; yields a :class:`ThreadCluster` (nothing started)."""
+    from fdeplb.placement import initial_placement
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers, num_experts, hidden=8, intermediate=4)
+    config = ClusterConfig(num_layers=num_layers, num_logical_experts=num_experts,
+                           num_physical_experts=num_experts + num_redundant, ep_size=ep_size, policy=policy,
+                           checkpoint={"path": str(ckpt), "preset": "ernie"}, cordoned=cordoned,
+                           deadlines=deadlines or Deadlines(collecting_ms=20_000, loading_ms=20_000,
+                                                            commit_ms=20_000, swapping_ms=20_000),
+                           min_gain=min_gain, num_groups=num_groups)
+    store = Store(url, cluster)
+    init_cluster(store, config, initial_placement(num_layers, num_experts, config.num_physical_experts).phy2log)
+    total = skewed_load(num_layers, num_experts, seed)
+    rng = np.random.default_rng(seed + 1)
+    loads = np.moveaxis(rng.multinomial(total, np.full(ep_size, 1 / ep_size)), -1, 0)
+    tc = ThreadCluster(url=url, cluster=cluster, config=config, loads=np.ascontiguousarray(loads))
+    try:
+        yield tc
+    finally:
+        tc.stop()
+        store.delete_cluster()

@@ -1,0 +1,147 @@
+"""Coordinator + rank agents over a real Redis with real paddle tensors (agents in threads of this process)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdeplb.orchestration.cluster import Deadlines, request_commit, request_round
+from fdeplb.placement import balancedness
+from tests.helpers import thread_cluster, wait_for
+
+pytest.importorskip("paddle")
+
+
+def cluster_state(store):
+    return store.read_record(store.keys.rearrange)
+
+
+def round_over(store, n):
+    def check():
+        rec = cluster_state(store)
+        return rec.state == "FREE" and rec.get_int("round") >= n and all(
+            store.read_record(store.keys.rank(r)).state == "IDLE" for r in range(store.ep_size()))
+    return check
+
+
+def transitions_of(store, machine="cluster"):
+    return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["machine"] == machine]
+
+
+def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        _, before = store.current_placement()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store) == [
+            ("FREE", "COLLECTING", "start"), ("COLLECTING", "PLANNING", "plan"), ("PLANNING", "LOADING", "load"),
+            ("LOADING", "LOAD_SUCC", "loaded"), ("LOAD_SUCC", "SWAPPING", "commit"), ("SWAPPING", "DONE", "swapped"),
+            ("DONE", "FREE", "release")]
+        plan_id, after = store.current_placement()
+        assert plan_id and not np.array_equal(before, after)
+        total = tc.loads.sum(axis=0)
+        assert balancedness(total, after, 4).mean() > balancedness(total, before, 4).mean()
+        # the snapshot of the round is exactly the sum of the ranks' windows
+        assert np.array_equal(store.get_array(store.keys.snapshot(1), "expert_load"), total)
+        for agent in tc.agents:
+            assert np.array_equal(agent.live.phy2log, after)
+            assert agent.live.verify(agent.reader) == (3 * 5, 3 * 5)
+        # audit versions per record have no gaps
+        versions: dict[str, list[int]] = {}
+        for a in store.iter_audit():
+            versions.setdefault(a["key"], []).append(int(a["version"]))
+        assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
+
+
+def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=2.0) as tc:
+        store = tc.store()
+        _, before = store.current_placement()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "gated round")
+        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        assert (last["from"], last["to"], last["trigger"]) == ("PLANNING", "FREE", "abort")
+        assert last["reason"].startswith("gated:")
+        assert np.array_equal(store.current_placement()[1], before)
+
+
+def test_staging_over_budget_aborts_and_keeps_old_placement(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        _, before = store.current_placement()
+        tc.start_agents(staging_budget_bytes=1)
+        live_before = [{k: [t.numpy().copy() for t in v] for k, v in a.live.tensors.items()} for a in tc.agents]
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "aborted round")
+        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        assert (last["to"], last["trigger"]) == ("FREE", "abort")
+        assert "failed to load" in last["reason"]
+        plan_id, after = store.current_placement()
+        assert plan_id == "" and np.array_equal(before, after)
+        rank_paths = transitions_of(store, "rank")
+        assert ("LOADING", "LOAD_FAILED", "fail") in rank_paths and ("LOAD_FAILED", "IDLE", "abort") in rank_paths
+        for agent, saved in zip(tc.agents, live_before):
+            assert agent.staged is None
+            for suffix, layers in agent.live.tensors.items():
+                for t, old in zip(layers, saved[suffix]):
+                    assert np.array_equal(t.numpy(), old)
+
+
+def test_cordoned_cluster_waits_for_external_commit(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        store = tc.store()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        rec = wait_for(lambda: (r := cluster_state(store)).state == "LOAD_SUCC" and r, 60, store, "LOAD_SUCC")
+        assert store.current_placement()[0] == ""  # nothing committed yet
+        request_commit(store, rec.get("plan_id"))
+        wait_for(round_over(store, 1), 60, store, "committed round")
+        assert store.current_placement()[0] == rec.get("plan_id")
+
+
+def test_cordoned_commit_deadline_aborts(redis_url, cluster_id, tmp_path):
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=300, swapping_ms=20_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
+        store = tc.store()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "round aborted by the commit deadline")
+        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "commit deadline" in last["reason"]
+
+
+def test_missing_rank_aborts_collecting_by_deadline(redis_url, cluster_id, tmp_path):
+    deadlines = Deadlines(collecting_ms=300, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        store = tc.store()
+        tc.start_agents(ranks=[0, 1, 2])  # rank 3 never comes up
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(lambda: cluster_state(store).get_int("round") >= 1 and cluster_state(store).state == "FREE",
+                 60, store, "collecting deadline")
+        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        assert last["trigger"] == "abort" and "no load from ranks [3]" in last["reason"]
+
+
+def test_two_rounds_second_is_gated_or_moves_nothing_twice(redis_url, cluster_id, tmp_path):
+    """The same loads twice: the second plan equals the current placement, so the round is gated (audited)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        first = store.current_placement()
+        request_round(store)
+        wait_for(round_over(store, 2), 60, store, "round 2")
+        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        assert last["trigger"] == "abort" and "0 moved experts" in last["reason"]
+        assert store.current_placement()[0] == first[0]
