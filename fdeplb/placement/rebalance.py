@@ -7,11 +7,13 @@ from typing import Callable
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.placement._validate import check_expert_load, check_phy2log, check_topology
+from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
 from fdeplb.placement.core import Placement
 from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_phy2log
 from fdeplb.placement.greedy import greedy_phy2log
+from fdeplb.placement.move_aware import move_aware_phy2log
+from fdeplb.placement.slots import align_slots
 
 
 def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
@@ -21,18 +23,35 @@ def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical,
 
 
 def _greedy(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
-    return greedy_phy2log(load, num_replicas, num_gpus)
+    phy2log = greedy_phy2log(load, num_replicas, num_gpus)
+    return phy2log if old is None else align_slots(old, phy2log, num_gpus)
 
 
 def _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
     if not hierarchical:
         num_groups, num_nodes = 1, 1
-    return balanced_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)
+    phy2log = balanced_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)
+    return phy2log if old is None else align_slots(old, phy2log, num_gpus)
+
+
+def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.001,
+                max_moved_experts=None):
+    if old is None:
+        raise InputError("policy 'move_aware' needs old_phy2log (the current placement)")
+    if not hierarchical:
+        num_groups, num_nodes = 1, 1
+    return move_aware_phy2log(load, old, num_replicas, num_groups, num_nodes, num_gpus, tolerance=tolerance,
+                              max_moved_experts=max_moved_experts)
 
 
 #: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
 #: returning phy2log int64 [L, P].
-POLICIES: dict[str, Callable[..., np.ndarray]] = {"deepseek": _deepseek, "greedy": _greedy, "balanced": _balanced}
+POLICIES: dict[str, Callable[..., np.ndarray]] = {
+    "deepseek": _deepseek,
+    "greedy": _greedy,
+    "balanced": _balanced,
+    "move_aware": _move_aware,
+}
 
 
 def rebalance_experts(
@@ -44,6 +63,8 @@ def rebalance_experts(
     *,
     policy: str = "deepseek",
     old_phy2log: object = None,
+    tolerance: float = 0.001,
+    max_moved_experts: int | None = None,
 ) -> Placement:
     """Compute a placement of ``num_replicas`` slots per layer for the given expert loads.
 
@@ -56,14 +77,24 @@ def rebalance_experts(
             otherwise the global policy (one group, one node) does, as in DeepSeek's EPLB.
         num_nodes: server nodes; GPUs of a node are contiguous EP ranks.
         num_gpus: EP size, a multiple of ``num_nodes``.
-        policy: "deepseek" (DeepSeek's EPLB, bit-exact).
-        old_phy2log: int [L, P] current placement (or a :class:`Placement`); ignored by "deepseek".
+        policy: one of :data:`POLICIES`:
+            "deepseek": DeepSeek's EPLB (github.com/deepseek-ai/EPLB), bit-exact including tie order;
+            "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored);
+            "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
+            "move_aware": needs ``old_phy2log``; moves as few experts as it can to come within ``tolerance``
+            (max/mean GPU load, per layer) of "balanced".
+        old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
+            "balanced" use it only to keep experts that stay on their GPU in their old slot.
+        tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced", per layer (>= 0).
+        max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
+            repaired first and the plan may stay above the tolerance once the cap is reached.
 
     Returns:
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
 
     Raises:
-        InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative), bad ``old_phy2log``, unknown policy.
+        InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative), bad ``old_phy2log``, unknown policy,
+            "move_aware" without ``old_phy2log``, negative ``tolerance`` or ``max_moved_experts``.
         TopologyError: a topology that cannot hold the placement (see :func:`check_topology`).
     """
     load = check_expert_load(expert_load)
@@ -78,7 +109,14 @@ def rebalance_experts(
     if old_phy2log is not None:
         raw = old_phy2log.phy2log if isinstance(old_phy2log, Placement) else old_phy2log
         old = check_phy2log(raw, E, name="old_phy2log", shape=(L, num_replicas))
-    phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old)
+    options = {}
+    if policy == "move_aware":
+        tol = float(tolerance) if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) else -1.0
+        if not tol >= 0 or not np.isfinite(tol):
+            raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+        cap = None if max_moved_experts is None else check_int(max_moved_experts, "max_moved_experts", minimum=0)
+        options = {"tolerance": tol, "max_moved_experts": cap}
+    phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
     return Placement.from_phy2log(
         phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus
     )

@@ -1,0 +1,159 @@
+"""greedy / balanced / move_aware policies, slot alignment, and hypothesis properties of every policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fdeplb.errors import InputError
+from fdeplb.placement import (
+    POLICIES,
+    imbalance,
+    initial_placement,
+    moved_experts,
+    read_expert_load,
+    rebalance_experts,
+)
+from fdeplb.placement.reference import deepseek_reference
+from fdeplb.placement.slots import align_slots
+from test_placement import check_invariants, dumps, topologies
+
+
+def ratio(load, placement, num_gpus):
+    """Per-layer max/mean GPU load."""
+    return 1.0 + imbalance(load, placement, num_gpus)
+
+
+# ---- greedy (TensorRT-LLM) ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "load, topo, expected",
+    [
+        ([[1, 5, 3, 2]], (4, 1, 1, 4), [[1, 2, 3, 0]]),  # one slot per GPU: heaviest replica on rank 0
+        ([[0, 0, 0, 0]], (6, 1, 1, 2), [[0, 0, 1, 1, 2, 3]]),  # no load: P // E each, extra to the lowest ids
+        ([[4, 4, 2, 2]], (6, 1, 1, 2), [[0, 1, 2, 0, 1, 3]]),  # ties: lowest expert id, then lowest rank
+        ([[10, 1, 1, 1]], (8, 4, 2, 2), [[0, 0, 0, 3, 0, 0, 1, 2]]),  # groups and nodes are ignored
+    ],
+)
+def test_greedy_follows_tensorrt_llm_rules(load, topo, expected):
+    assert rebalance_experts(np.array(load), *topo, policy="greedy").phy2log.tolist() == expected
+
+
+# ---- balanced -----------------------------------------------------------------------------------------------------
+def test_balanced_never_worse_than_deepseek_and_keeps_groups_on_nodes(real_data):
+    for name, dump in dumps(real_data):
+        load = dump.expert_load
+        for topo in topologies(load.shape[1]):
+            deepseek = rebalance_experts(load, *topo)
+            balanced = rebalance_experts(load, *topo, policy="balanced")
+            check_invariants(balanced, load.shape[1], topo[0])
+            assert (ratio(load, balanced, topo[3]) <= ratio(load, deepseek, topo[3]) + 1e-12).all(), (name, topo)
+            assert (balanced.logcnt == deepseek.logcnt).all()  # same replica counts, better packing
+            P, G, N, _ = topo
+            if N > 1 and G % N == 0:
+                node_of_slot = np.arange(P) // (P // N)
+                group = balanced.phy2log // (load.shape[1] // G)
+                for layer in range(load.shape[0]):
+                    assert np.unique(np.stack([group[layer], node_of_slot]), axis=1).shape[1] == G
+
+
+def test_balanced_reaches_near_perfect_balance_on_a_real_dump(real_data):
+    load = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json").expert_load
+    assert ratio(load, rebalance_experts(load, 288, 8, 1, 32, policy="balanced"), 32).mean() < 1.0005
+    assert ratio(load, rebalance_experts(load, 288, 8, 1, 32), 32).mean() > 1.005
+
+
+# ---- move_aware ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen2_drift(real_data):
+    a = read_expert_load(real_data / "qwen2_57b_oeplb" / "counts57b.json").expert_load
+    b = read_expert_load(real_data / "qwen2_57b_oeplb" / "counts57b_share.json").expert_load
+    return a, b, rebalance_experts(a, 72, 1, 1, 8, policy="balanced")
+
+
+def test_move_aware_moves_far_less_than_a_fresh_plan(qwen2_drift):
+    _, load, old = qwen2_drift
+    fresh = rebalance_experts(load, 72, 1, 1, 8, policy="balanced", old_phy2log=old)
+    plan = rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old)
+    check_invariants(plan, 64, 72)
+    assert plan.policy == "move_aware"
+    assert (ratio(load, plan, 8) <= ratio(load, fresh, 8) + 0.001).all()
+    assert moved_experts(old, plan, 8) <= 0.3 * moved_experts(old, fresh, 8)
+    # an expert that stays on its GPU keeps its slot
+    S = 9
+    for layer in range(plan.num_layers):
+        for gpu in range(8):
+            o, n = old.phy2log[layer, gpu * S:(gpu + 1) * S], plan.phy2log[layer, gpu * S:(gpu + 1) * S]
+            for s in range(S):
+                if o[s] in n:
+                    assert n[s] == o[s] or list(n).count(o[s]) < list(o).count(o[s]) or o[s] in n[:s]
+
+
+def test_move_aware_knobs(qwen2_drift):
+    a, load, old = qwen2_drift
+    assert moved_experts(old, rebalance_experts(a, 72, 1, 1, 8, policy="move_aware", old_phy2log=old), 8) == 0
+    capped = rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, max_moved_experts=20)
+    assert moved_experts(old, capped, 8) <= 20
+    assert moved_experts(old, rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old,
+                                                max_moved_experts=0), 8) == 0
+    loose = rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, tolerance=0.01)
+    tight = rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, tolerance=0.0)
+    assert moved_experts(old, loose, 8) < moved_experts(old, tight, 8)
+    with pytest.raises(InputError, match="old_phy2log"):
+        rebalance_experts(load, 72, 1, 1, 8, policy="move_aware")
+    with pytest.raises(InputError, match="tolerance"):
+        rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, tolerance=-1)
+    with pytest.raises(InputError, match="max_moved_experts"):
+        rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, max_moved_experts=-3)
+
+
+def test_move_aware_hierarchical_from_the_initial_placement(real_data):
+    load = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "decode_in2000out100.json").expert_load[:6]
+    old = initial_placement(6, 256, 288, num_gpus=32)  # groups straddle nodes: some experts must move
+    plan = rebalance_experts(load, 288, 8, 4, 32, policy="move_aware", old_phy2log=old)
+    fresh = rebalance_experts(load, 288, 8, 4, 32, policy="balanced")
+    check_invariants(plan, 256, 288)
+    assert (ratio(load, plan, 32) <= ratio(load, fresh, 32) + 0.001).all()
+    group, node = plan.phy2log // 32, np.arange(288) // 72
+    for layer in range(6):
+        assert np.unique(np.stack([group[layer], node]), axis=1).shape[1] == 8
+
+
+def test_align_slots_keeps_staying_experts_in_place():
+    old = np.array([[0, 1, 2, 3, 4, 5]])
+    new = np.array([[2, 0, 5, 4, 1, 3]])
+    assert align_slots(old, new, 2).tolist() == [[0, 5, 2, 3, 4, 1]]
+    assert align_slots(old, old, 2).tolist() == old.tolist()
+
+
+# ---- properties on random shapes ----------------------------------------------------------------------------------
+@st.composite
+def problems(draw):
+    num_groups = draw(st.sampled_from([1, 2, 4]))
+    E = num_groups * draw(st.integers(1, 4))
+    num_nodes = draw(st.sampled_from([1, 2, 4]))  # groups % nodes != 0 exercises the global fallback
+    num_gpus = num_nodes * draw(st.integers(1, 3))
+    P = num_gpus * draw(st.integers(-(-E // num_gpus), -(-E // num_gpus) + 2))
+    L = draw(st.integers(1, 3))
+    load = np.array(draw(st.lists(st.lists(st.integers(0, 50), min_size=E, max_size=E), min_size=L, max_size=L)))
+    old = np.array([draw(st.permutations(list(range(E)) + [draw(st.integers(0, E - 1)) for _ in range(P - E)]))
+                    for _ in range(L)])
+    return load, (P, num_groups, num_nodes, num_gpus), old
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_every_policy_gives_a_valid_deterministic_placement(problem):
+    load, topo, old = problem
+    P, _, _, G = topo
+    deepseek = rebalance_experts(load, *topo)
+    assert deepseek.phy2log.tolist() == deepseek_reference(load, *topo).tolist()
+    fresh = rebalance_experts(load, *topo, policy="balanced")
+    assert (ratio(load, fresh, G) <= ratio(load, deepseek, G) + 1e-12).all()
+    for policy in POLICIES:
+        plan = rebalance_experts(load, *topo, policy=policy, old_phy2log=old)
+        check_invariants(plan, load.shape[1], P)
+        assert plan == rebalance_experts(load, *topo, policy=policy, old_phy2log=old)
+    plan = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old)
+    assert (ratio(load, plan, G) <= ratio(load, fresh, G) + 0.001 + 1e-12).all()
