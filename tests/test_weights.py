@@ -232,3 +232,65 @@ def test_repeated_rounds_stay_exact(ckpt):
         staged.release()
         current = target
     assert live.verify(reader) == (L * 6, L * 6)
+
+
+def test_importing_weights_does_not_import_paddle_and_missing_paddle_is_a_dependency_error(monkeypatch):
+    import subprocess
+    import sys
+
+    code = "import sys, fdeplb.weights; sys.exit('paddle' in sys.modules or 'safetensors' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+    from fdeplb.errors import DependencyError
+    from fdeplb.weights import _paddle
+
+    monkeypatch.setitem(sys.modules, "paddle", None)  # what an uninstalled package looks like to import
+    _paddle.paddle.cache_clear()
+    _paddle.safetensors.cache_clear()
+    try:
+        with pytest.raises(DependencyError, match=r"fdeplb\[paddle\]"):
+            _paddle.paddle()
+    finally:
+        monkeypatch.undo()
+        _paddle.paddle.cache_clear()
+        _paddle.safetensors.cache_clear()
+
+
+def test_swap_benchmark_smoke(real_data):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "swap.py"
+    spec = importlib.util.spec_from_file_location("swap_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.REAL_DATA = real_data / "dsv3_sglang_ep_stats"
+    result = bench.main(["--scale", "128", "--repeats", "1"])
+    assert result["slots_verified"] == result["slots_total"] == 58 * 9
+    assert result["bytes_read_from_disk"] == result["counts"]["disk"] * result["expert_nbytes"]
+    assert result["peak_staging_bytes"] == result["bytes_read_from_disk"]
+
+
+def _gpu_device() -> str | None:
+    import paddle
+
+    if not paddle.is_compiled_with_cuda() or paddle.device.cuda.device_count() < 1:
+        return None
+    return "gpu:0"
+
+
+def test_gpu_swap_in_place(ckpt):
+    device = _gpu_device()
+    if device is None:
+        pytest.skip("needs a CUDA build of paddle and a GPU")
+    reader = CheckpointReader(ckpt)
+    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device=device)
+    assert live.tensors["down_proj.weight"][0].place.is_gpu_place()
+    ptrs = pointers(live)
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    staged = stage_experts(plan, reader, device=device)
+    assert all(t.place.is_cuda_pinned_place() for tensors in staged.experts for t in tensors.values())
+    live.swap(plan, staged, NEW)
+    staged.release()
+    assert pointers(live) == ptrs
+    assert live.verify(reader) == (L * 6, L * 6)

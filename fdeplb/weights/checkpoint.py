@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +129,24 @@ class CheckpointReader:
     # ---- expert metadata ------------------------------------------------------------------------------------------
     @property
     def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``suffix -> (shape, paddle dtype name)`` of one expert, from MoE layer 0 / expert 0's headers.
+        """``suffix -> (shape, paddle dtype name)`` of one expert, from tensor headers only.
+
+        Taken from the first expert checked or read (MoE layer 0 / expert 0 when asked before any); every other
+        expert must match it.
 
         Raises:
             CheckpointError: a tensor of that expert is missing, or of a dtype fdeplb does not handle.
         """
         if self._spec is None:
-            spec = {}
-            for suffix, name in self.template.names(0, 0).items():
-                _, shape, dtype = self._header(name)
-                spec[suffix] = (shape, dtype)
-            self._spec = spec
+            self._spec = self._expert_headers(0, 0)
         return self._spec
+
+    def _expert_headers(self, layer: int, expert: int) -> dict[str, tuple[tuple[int, ...], str]]:
+        out = {}
+        for suffix, name in self.template.names(layer, expert).items():
+            _, shape, dtype = self._header(name)
+            out[suffix] = (shape, dtype)
+        return out
 
     @property
     def expert_nbytes(self) -> int:
@@ -153,11 +160,15 @@ class CheckpointReader:
         Raises:
             CheckpointError: a tensor missing from index or shard, or with another shape/dtype (names tensor + file).
         """
+        headers = self._expert_headers(layer, expert)
+        if self._spec is None:
+            self._spec = headers
         for suffix, name in self.template.names(layer, expert).items():
-            shard, shape, dtype = self._header(name)
-            if (shape, dtype) != self.spec[suffix]:
+            if headers[suffix] != self._spec[suffix]:
+                (shape, dtype), (want_shape, want_dtype) = headers[suffix], self._spec[suffix]
                 raise CheckpointError(
-                    f"tensor {name!r} in {shard} is {dtype}{list(shape)}, expected {self.spec[suffix][1]}{list(self.spec[suffix][0])}"
+                    f"tensor {name!r} in {self.tensor_file(name)} is {dtype}{list(shape)}, "
+                    f"expected {want_dtype}{list(want_shape)} like the other experts"
                 )
 
     def read_expert(self, layer: int, expert: int, *, pinned: bool = False) -> dict[str, Any]:
@@ -235,6 +246,7 @@ def write_synthetic_checkpoint(
     experts_per_shard: int | None = None,
     single_file: bool = False,
     skip: frozenset[tuple[int, int, str]] = frozenset(),
+    experts: Iterable[tuple[int, int]] | None = None,
 ) -> Path:
     """Write a small MoE checkpoint of real safetensors files (safetensors.paddle) for tests, demos and benchmarks.
 
@@ -249,6 +261,8 @@ def write_synthetic_checkpoint(
         experts_per_shard: experts per shard file, in (layer, expert) order; default ``num_experts`` (a shard per
             layer). Ignored with ``single_file=True``, which writes one ``model.safetensors`` and no index.
         skip: ``(layer, expert, suffix)`` tensors to leave out (to test missing-tensor errors).
+        experts: write only these ``(layer, expert)`` pairs (benchmarks that need a few ranks' experts of a large
+            model); default all ``num_layers x num_experts``.
 
     Returns:
         The directory path.
@@ -264,8 +278,13 @@ def write_synthetic_checkpoint(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     per_shard = num_experts if experts_per_shard is None else max(1, int(experts_per_shard))
-    experts = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
-    groups = [experts] if single_file else [experts[i : i + per_shard] for i in range(0, len(experts), per_shard)]
+    if experts is None:
+        chosen = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
+    else:
+        chosen = sorted({(int(layer), int(e)) for layer, e in experts})
+        if any(not (0 <= layer < num_layers and 0 <= e < num_experts) for layer, e in chosen):
+            raise InputError(f"experts must lie in [0, {num_layers}) x [0, {num_experts})")
+    groups = [chosen] if single_file else [chosen[i : i + per_shard] for i in range(0, len(chosen), per_shard)]
     pd = _paddle.paddle()
     weight_map: dict[str, str] = {}
     total = 0

@@ -91,6 +91,11 @@ class LiveExperts:
                     f"live tensors of {suffix!r} must be {p2l.shape[0]} tensors of [{per_rank}, ...] (one per MoE layer)"
                 )
         self.tensors = tensors
+        # one view per slot, made once: a swap then costs one copy call per slot and suffix, no indexing
+        self._views = [
+            [{suffix: layers[layer][s] for suffix, layers in tensors.items()} for s in range(per_rank)]
+            for layer in range(p2l.shape[0])
+        ]
         self.device = _paddle.resolve_device(device)
         self.num_logical_experts = int(p2l.max()) + 1 if num_logical_experts is None else int(num_logical_experts)
         num_phy = p2l.shape[1]
@@ -130,6 +135,7 @@ class LiveExperts:
         p2l = np.asarray(phy2log, dtype=np.int64)
         sl = rank_slots(p2l.shape[1], ep_rank, ep_size)
         per_rank = sl.stop - sl.start
+        reader.check_expert(0, int(p2l[0, sl.start]))  # shapes and dtypes from an expert this rank holds
         tensors = {
             suffix: [_paddle.empty([per_rank, *shape], dtype, dev) for _ in range(p2l.shape[0])]
             for suffix, (shape, dtype) in reader.spec.items()
@@ -192,7 +198,7 @@ class LiveExperts:
 
     def slot(self, layer: int, slot: int) -> dict[str, Any]:
         """``suffix -> view`` of one rank-local slot (writes through to the live tensors)."""
-        return {suffix: layers[layer][slot] for suffix, layers in self.tensors.items()}
+        return dict(self._views[layer][slot])
 
     def _device_int64(self, arr: np.ndarray) -> Any:
         return _paddle.paddle().to_tensor(np.ascontiguousarray(arr, dtype=np.int64), place=_paddle.place_of(self.device))
@@ -301,14 +307,14 @@ class LiveExperts:
             if step.layer != layer_of_snapshots:
                 snapshots.clear()
                 layer_of_snapshots = step.layer
-            dst = self.slot(step.layer, step.slot)
+            dst = self._views[step.layer][step.slot]
             if step.kind == "snapshot":
                 snapshots[(step.layer, step.slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
                 continue
             if step.kind == "disk":
                 src = staged.experts[step.source]
             elif step.kind == "local":
-                src = self.slot(step.layer, step.source)
+                src = self._views[step.layer][step.source]
             else:
                 src = snapshots[(step.layer, step.source)]
             for suffix, t in dst.items():

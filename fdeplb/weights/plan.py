@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from fdeplb.errors import InputError, TopologyError
+from fdeplb.placement.core import derive_maps
 
 KEEP, LOCAL, DISK = 0, 1, 2
 ACTION_NAMES = ("keep", "local", "disk")
@@ -255,27 +256,23 @@ def plan_transfer(old_phy2log: np.ndarray, new_phy2log: np.ndarray, ep_rank: int
 def routing_tables(phy2log: np.ndarray, num_logical_experts: int, max_replicas: int) -> tuple[np.ndarray, np.ndarray]:
     """Derive ``log2phy`` int64 [L, E, max_replicas] (-1 padded, physical ids ascending) and ``logcnt`` int64 [L, E].
 
+    The width ``max_replicas`` is fixed (not the placement's current maximum) so the routing tensors keep their shape,
+    and can be updated in place, across placements (FastDeploy sizes them ``num_redundant_experts + 1``).
+
     Raises:
         InputError: an id outside ``[0, num_logical_experts)``, a logical expert with no replica, or one with more
             than ``max_replicas`` replicas.
     """
     p2l = _as_placement("phy2log", phy2log)
-    num_layers, num_phy = p2l.shape
+    num_layers = p2l.shape[0]
     if p2l.min() < 0 or p2l.max() >= num_logical_experts:
         raise InputError(f"phy2log ids must lie in [0, {num_logical_experts})")
-    logcnt = np.zeros((num_layers, num_logical_experts), dtype=np.int64)
-    rows = np.repeat(np.arange(num_layers), num_phy)
-    np.add.at(logcnt, (rows, p2l.ravel()), 1)
+    derived, logcnt = derive_maps(p2l, num_logical_experts)
     if (logcnt == 0).any():
         layer, expert = map(int, np.argwhere(logcnt == 0)[0])
         raise InputError(f"logical expert {expert} of layer {layer} has no replica in phy2log")
     if logcnt.max() > max_replicas:
         raise InputError(f"a logical expert has {int(logcnt.max())} replicas, more than max_replicas={max_replicas}")
-    # stable sort by logical id keeps physical ids ascending within each expert
-    order = np.argsort(p2l, axis=1, kind="stable")
-    sorted_log = np.take_along_axis(p2l, order, axis=1)
-    starts = np.cumsum(logcnt, axis=1) - logcnt
-    rank_in_expert = np.arange(num_phy)[None, :] - np.take_along_axis(starts, sorted_log, axis=1)
     log2phy = np.full((num_layers, num_logical_experts, max_replicas), -1, dtype=np.int64)
-    log2phy[rows, sorted_log.ravel(), rank_in_expert.ravel()] = order.ravel()
+    log2phy[:, :, : derived.shape[2]] = derived
     return log2phy, logcnt
