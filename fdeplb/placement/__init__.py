@@ -5,14 +5,17 @@ it; ``expert_load`` [L, E] is tokens routed per logical expert.
 """
 
 from fdeplb.placement.core import Placement, initial_placement
+from fdeplb.placement.files import FORMATS, PlacementFile, read_placement, write_placement
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
 from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
 from fdeplb.placement.rebalance import POLICIES, rebalance_experts
 
 __all__ = [
+    "FORMATS",
     "POLICIES",
     "ExpertLoad",
     "Placement",
+    "PlacementFile",
     "balancedness",
     "gpu_loads",
     "imbalance",
@@ -21,5 +24,7 @@ __all__ = [
     "moved_bytes",
     "moved_experts",
     "read_expert_load",
+    "read_placement",
     "rebalance_experts",
+    "write_placement",
 ]

@@ -46,12 +46,14 @@ class ExpertLoad:
         layer_ids: int64 [num_layers], the row of the file (model layer index) of every kept row.
         path: the file it was read from.
         format: "sglang" (``logical_count``) or "counts".
+        num_model_layers: rows in the file (model layers, dense ones included).
     """
 
     expert_load: np.ndarray
     layer_ids: np.ndarray
     path: str
     format: str
+    num_model_layers: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -106,7 +108,8 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
         arr = check_expert_load(arr, name=key)
     except InputError as exc:
         raise LoadFileError(f"{p}: {exc}") from None
-    layer_ids = np.arange(arr.shape[0], dtype=np.int64)
+    num_model_layers = int(arr.shape[0])
+    layer_ids = np.arange(num_model_layers, dtype=np.int64)
     if LOAD_KEYS[key]:
         keep = arr.any(axis=1)
         arr, layer_ids = arr[keep], layer_ids[keep]
@@ -115,7 +118,7 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
     arr = np.ascontiguousarray(arr, dtype=np.int64 if arr.dtype.kind in "iu" else np.float64)
     arr.setflags(write=False)
     layer_ids.setflags(write=False)
-    return ExpertLoad(arr, layer_ids, str(p), "sglang" if key == "logical_count" else "counts")
+    return ExpertLoad(arr, layer_ids, str(p), "sglang" if key == "logical_count" else "counts", num_model_layers)
 
 
 def _flat(rows: list) -> list:

@@ -1,0 +1,113 @@
+"""``fdeplb rebalance``: plan a placement from an expert-load dump and show what it changes."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from fdeplb.errors import InputError
+from fdeplb.placement import (
+    FORMATS,
+    POLICIES,
+    balancedness,
+    gpu_loads,
+    imbalance,
+    initial_placement,
+    moved_experts,
+    read_expert_load,
+    read_placement,
+    rebalance_experts,
+    write_placement,
+)
+
+
+def register(subparsers) -> None:
+    """Add the ``rebalance`` subcommand."""
+    p = subparsers.add_parser(
+        "rebalance",
+        help="compute an expert placement from a load dump",
+        description="Compute an expert placement from an expert-load dump (SGLang logical_count or counts JSON) "
+        "and print balancedness, imbalance, max GPU load and moved experts before and after. 'Before' is the "
+        "--old placement, or the trivial one (slot p holds expert p %% E).",
+    )
+    p.add_argument("--load", required=True, metavar="FILE", help="expert-load dump (JSON)")
+    p.add_argument("--num-replicas", required=True, type=int, metavar="R", help="slots per layer (physical experts)")
+    p.add_argument("--num-groups", type=int, default=1, metavar="G", help="expert groups (DeepSeek-V3: 8)")
+    p.add_argument("--num-nodes", type=int, default=1, metavar="N", help="server nodes")
+    p.add_argument("--num-gpus", required=True, type=int, metavar="P", help="EP size")
+    p.add_argument("--policy", default="deepseek", choices=sorted(POLICIES), help="placement policy")
+    p.add_argument("--old", metavar="PLACEMENT", help="current placement file (any supported format)")
+    p.add_argument("--out", metavar="FILE", help="write the new placement here")
+    p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
+    p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
+    p.add_argument("--tolerance", type=float, default=0.001, help="move_aware: allowed max/mean excess")
+    p.add_argument("--max-moved-experts", type=int, default=None, help="move_aware: cap on moved experts")
+    p.set_defaults(handler=run)
+
+
+def _row(label: str, load: np.ndarray, phy2log: np.ndarray, num_gpus: int, moved: int) -> list[str]:
+    return [
+        label,
+        f"{balancedness(load, phy2log, num_gpus).mean():.4f}",
+        f"{imbalance(load, phy2log, num_gpus).mean():.4f}",
+        f"{gpu_loads(load, phy2log, num_gpus).max():,.0f}",
+        f"{moved:,}",
+    ]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan, print the before/after table, and write --out / --plot."""
+    dump = read_expert_load(args.load)
+    load = dump.expert_load
+    L, E = dump.expert_load.shape
+    if args.old:
+        before = read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus).for_layers(dump.layer_ids)
+        if before.phy2log.shape != (L, args.num_replicas):
+            raise InputError(
+                f"{args.old}: placement has shape {before.phy2log.shape}, expected ({L}, {args.num_replicas})"
+            )
+        before_label = "before (--old)"
+    else:
+        before = initial_placement(L, E, args.num_replicas, num_gpus=args.num_gpus)
+        before_label = "before (trivial)"
+    start = time.perf_counter()
+    after = rebalance_experts(
+        load, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
+        old_phy2log=before if (args.old or args.policy == "move_aware") else None,
+        tolerance=args.tolerance, max_moved_experts=args.max_moved_experts,
+    )
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    moved = moved_experts(before, after, args.num_gpus)
+    rows = [
+        ["", "balancedness", "imbalance", "max GPU load", "moved experts"],
+        _row(before_label, load, before.phy2log, args.num_gpus, 0),
+        _row(f"after ({args.policy})", load, after.phy2log, args.num_gpus, moved),
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(
+        f"{dump.path}: {L} MoE layers x {E} experts -> {args.num_replicas} slots on {args.num_gpus} GPUs "
+        f"({args.num_nodes} nodes, {args.num_groups} groups), policy {args.policy}, planned in {elapsed_ms:.1f} ms"
+    )
+    for r in rows:
+        print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    if args.out:
+        write_placement(
+            after, args.out, format=args.format, layer_ids=dump.layer_ids,
+            num_model_layers=dump.num_model_layers if args.format in ("sglang", "fastdeploy") else None,
+            load_digest=dump.digest, expert_load=load,
+        )
+        print(f"wrote {args.format} placement to {args.out}")
+    if args.plot:
+        from fdeplb.placement.plot import plot_gpu_loads
+
+        plot_gpu_loads(
+            [(before_label, gpu_loads(load, before, args.num_gpus)),
+             (f"after ({args.policy})", gpu_loads(load, after, args.num_gpus))],
+            args.plot,
+            title=f"{dump.path.rsplit('/', 1)[-1]}: {args.num_replicas} slots on {args.num_gpus} GPUs, "
+            f"moved experts {moved:,}",
+        )
+        print(f"wrote heatmap to {args.plot}")
+    return 0
