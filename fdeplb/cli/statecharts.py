@@ -1,0 +1,129 @@
+"""``fdeplb statecharts``: write (or ``--check``) the state diagrams of the machine tables.
+
+For every table (cluster, rank, weights) it writes ``<name>.mmd`` (Mermaid), ``<name>.dot`` (Graphviz source) and
+``<name>.svg`` (rendered by Graphviz's ``dot`` binary, stamped with the sha256 of its DOT source). ``--check``
+compares instead of writing: ``.mmd`` and ``.dot`` byte for byte, ``.svg`` by its stamp, so it needs no ``dot``
+binary; it exits 1 naming every stale file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from fdeplb.errors import DependencyError, FdeplbError, InputError
+from fdeplb.machines import diagrams
+from fdeplb.machines.tables import TABLES, MachineTable
+
+#: exit status of ``--check`` when a file is stale or missing
+STALE_EXIT = 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("statecharts", help="write the machines' state diagrams (Mermaid, DOT, SVG)",
+                       description=__doc__)
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder to write or check (default: statecharts/ of the checkout fdeplb runs from)")
+    p.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if a file differs from what the tables produce now")
+    p.set_defaults(handler=run)
+
+
+def default_dir() -> Path:
+    """``statecharts/`` next to the ``fdeplb`` package when it runs from a checkout; :class:`InputError` when it
+    does not (an installed wheel has no such folder: pass ``--out``)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        raise InputError(f"fdeplb does not run from a checkout ({root} has no pyproject.toml): pass --out DIR")
+    return root / "statecharts"
+
+
+def sources(table: MachineTable) -> dict[str, str]:
+    """The text files of one table: ``{"<name>.mmd": mermaid, "<name>.dot": dot}``."""
+    return {f"{table.name}.mmd": diagrams.mermaid(table), f"{table.name}.dot": diagrams.dot(table)}
+
+
+def render_svg(dot_source: str, dot_binary: str = "dot") -> str:
+    """Render DOT text to SVG with Graphviz, stamped with the source's digest.
+
+    Raises :class:`DependencyError` when ``dot_binary`` is not installed, :class:`FdeplbError` if it fails.
+    """
+    exe = shutil.which(dot_binary)
+    if exe is None:
+        raise DependencyError(f"Graphviz's {dot_binary!r} binary is needed to render SVG "
+                              "(Debian/Ubuntu: apt-get install graphviz)")
+    proc = subprocess.run([exe, "-Tsvg"], input=dot_source.encode("utf-8"), capture_output=True, timeout=60)
+    if proc.returncode != 0:
+        raise FdeplbError(f"{dot_binary} -Tsvg failed: {proc.stderr.decode(errors='replace').strip()}")
+    return diagrams.stamp_svg(proc.stdout.decode("utf-8"), dot_source)
+
+
+def stale_files(out: Path, tables: dict[str, MachineTable] = TABLES) -> list[str]:
+    """Problems of the diagrams in ``out``, one line each naming the file ([] when all are current)."""
+    problems = []
+    for table in tables.values():
+        texts = sources(table)
+        for name, text in texts.items():
+            path = out / name
+            if not path.is_file():
+                problems.append(f"{path}: missing")
+            elif path.read_bytes() != text.encode("utf-8"):
+                problems.append(f"{path}: differs from what fdeplb/machines/tables.py produces")
+        svg = out / f"{table.name}.svg"
+        want = diagrams.dot_digest(texts[f"{table.name}.dot"])
+        if not svg.is_file():
+            problems.append(f"{svg}: missing")
+        else:
+            got = diagrams.svg_stamp(svg.read_text(encoding="utf-8", errors="replace"))
+            if got != want:
+                why = "has no fdeplb-dot-sha256 stamp" if got is None else "was rendered from another DOT source"
+                problems.append(f"{svg}: {why}")
+    return problems
+
+
+def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_binary: str = "dot") -> list[Path]:
+    """Write every table's diagrams into ``out`` (created if needed); returns the files whose content changed.
+
+    An SVG whose stamp already matches its DOT source is kept as it is (its bytes depend on the Graphviz version,
+    not on the table), so regenerating needs the ``dot`` binary only when a table changed.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for table in tables.values():
+        texts = sources(table)
+        for name, text in texts.items():
+            path = out / name
+            if not path.is_file() or path.read_bytes() != text.encode("utf-8"):
+                path.write_bytes(text.encode("utf-8"))
+                changed.append(path)
+        dot_source = texts[f"{table.name}.dot"]
+        svg = out / f"{table.name}.svg"
+        if svg.is_file() and diagrams.svg_stamp(svg.read_text(encoding="utf-8", errors="replace")) \
+                == diagrams.dot_digest(dot_source):
+            continue
+        svg.write_bytes(render_svg(dot_source, dot_binary).encode("utf-8"))
+        changed.append(svg)
+    return changed
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out if args.out is not None else default_dir()
+    if args.check:
+        problems = stale_files(out)
+        for line in problems:
+            print(f"stale: {line}", file=sys.stderr)
+        if problems:
+            print("regenerate with: fdeplb statecharts" + (f" --out {out}" if args.out is not None else ""),
+                  file=sys.stderr)
+            return STALE_EXIT
+        print(f"statecharts in {out} match the tables")
+        return 0
+    changed = write_statecharts(out)
+    for path in changed:
+        print(f"wrote {path}")
+    if not changed:
+        print(f"statecharts in {out} already match the tables")
+    return 0
