@@ -20,6 +20,7 @@ import numpy as np
 import structlog
 
 from fdeplb.errors import FdeplbError, GuardError, StaleStateError, WeightError
+from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS
 from fdeplb.orchestration.cluster import ClusterConfig, read_cluster_config
 from fdeplb.orchestration.records import RecordHandle
@@ -101,6 +102,8 @@ class RankAgent:
         """One reconcile step; True if it changed something (the caller loops without waiting)."""
         cluster = self.store.read_record(self.store.keys.rearrange)
         me = self.rank.read()
+        failpoint("rank.hang", me.state,
+                  lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
         if cluster.state == "COLLECTING" and self._publish_load(cluster):
             return True
         work = getattr(self, f"_on_{me.state.lower()}")

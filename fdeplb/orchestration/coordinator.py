@@ -23,6 +23,7 @@ import numpy as np
 import structlog
 
 from fdeplb.errors import FenceError, GuardError, InputError, StaleStateError
+from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.orchestration.cluster import ClusterConfig, plan_digest, read_cluster_config
 from fdeplb.orchestration.records import RecordHandle
@@ -77,8 +78,13 @@ class Coordinator:
             self.log.info("leading", lease=value)
         return self.lease is not None
 
-    def _cluster(self) -> RecordHandle:
-        return RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "")
+    def _fire(self, rec: Record, trigger: str, **kwargs) -> None:
+        """Fire a cluster trigger with this coordinator's fence (the ``coordinator.stop`` failpoint sits here)."""
+        failpoint("coordinator.stop", rec.state,
+                  lambda: self.store.emit_event("failpoint", name="coordinator.stop", state=rec.state,
+                                                holder=self.holder))
+        RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "").fire(
+            trigger, record=rec, **kwargs)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:
@@ -92,6 +98,7 @@ class Coordinator:
                         progressed, due_ms = self.step()
                     except FenceError as err:
                         self.log.warning("fenced", error=str(err))
+                        self.store.emit_event("fenced", holder=self.holder, error=str(err))
                         self.lease = None
                         continue
                     except (StaleStateError, GuardError) as err:
@@ -119,6 +126,9 @@ class Coordinator:
         if self.config is None:
             self.config = read_cluster_config(self.store)
         rec = self.store.read_record(self.store.keys.rearrange)
+        failpoint("coordinator.hang", rec.state,
+                  lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
+                                                holder=self.holder))
         work = getattr(self, f"_on_{rec.state.lower()}")
         return work(rec)
 
@@ -132,7 +142,7 @@ class Coordinator:
 
     def _abort(self, rec: Record, reason: str) -> tuple[bool, int | None]:
         self.log.warning("abort", round=rec.get_int("round"), state=rec.state, reason=reason)
-        self._cluster().fire("abort", record=rec, reason=reason, fields={"deadline_ms": "", "reason": reason})
+        self._fire(rec, "abort", reason=reason, fields={"deadline_ms": "", "reason": reason})
         return True, None
 
     def _on_free(self, rec: Record) -> tuple[bool, int | None]:
@@ -141,7 +151,7 @@ class Coordinator:
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.get_int("round") + 1
         try:
-            self._cluster().fire("start", record=rec, plan_id="", round_=round_,
+            self._fire(rec, "start", plan_id="", round_=round_,
                                  fields={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline,
                                          "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
@@ -168,7 +178,7 @@ class Coordinator:
                 return False, left
             snapshot = np.sum(np.stack(loads), axis=0, dtype=np.int64)
             self.store.put_arrays(snap_key, {"expert_load": snapshot}, {"round": round_}, only_if_absent=True)
-        self._cluster().fire("plan", record=rec, plan_id="")
+        self._fire(rec, "plan", plan_id="")
         return True, None
 
     def _on_planning(self, rec: Record) -> tuple[bool, int | None]:
@@ -199,7 +209,7 @@ class Coordinator:
             only_if_absent=True,
         )
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
-        self._cluster().fire("load", record=rec, plan_id=plan_id,
+        self._fire(rec, "load", plan_id=plan_id,
                              fields={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
 
@@ -217,7 +227,7 @@ class Coordinator:
             fields = {"deadline_ms": ""}
             if self.config.cordoned:
                 fields["deadline_ms"] = self.store.now_ms() + self.config.deadlines.commit_ms
-            self._cluster().fire("loaded", record=rec, fields=fields)
+            self._fire(rec, "loaded", fields=fields)
             return True, None
         expired, left = self._deadline(rec)
         if expired:
@@ -233,14 +243,14 @@ class Coordinator:
                 return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
-        self._cluster().fire("commit", record=rec, fields={"deadline_ms": deadline})
+        self._fire(rec, "commit", fields={"deadline_ms": deadline})
         return True, None
 
     def _on_swapping(self, rec: Record) -> tuple[bool, int | None]:
         plan_id = rec.get("plan_id")
         ranks = self._rank_records()
         if all(x.state == "SWAPPED" and x.get("plan_id") == plan_id for x in ranks):
-            self._cluster().fire("swapped", record=rec, fields={"deadline_ms": ""})
+            self._fire(rec, "swapped", fields={"deadline_ms": ""})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
@@ -249,12 +259,13 @@ class Coordinator:
             if rec.get("alarm") != alarm:
                 self.log.error("alarm", round=rec.get_int("round"), plan_id=plan_id, late_ranks=late)
                 self.store.set_fields(rec.key, {"alarm": alarm})
+                self.store.append_alarm(rec, actor=self.holder, reason=alarm)
                 self.store.emit_event("alarm", round=rec.get_int("round"), plan_id=plan_id, message=alarm)
             return False, self.lease_ms // 3
         return False, left
 
     def _on_done(self, rec: Record) -> tuple[bool, int | None]:
-        self._cluster().fire("release", record=rec, fields={"deadline_ms": "", "alarm": ""})
+        self._fire(rec, "release", fields={"deadline_ms": "", "alarm": ""})
         return True, None
 
 

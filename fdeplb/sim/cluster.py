@@ -35,7 +35,7 @@ class LocalCluster:
     store: Store
     redis_url: str
     config: ClusterConfig
-    trace: str
+    trace: str | list[str]
     workdir: Path
     seed: int = 0
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
@@ -43,13 +43,15 @@ class LocalCluster:
     def init(self, initial_phy2log: np.ndarray) -> None:
         init_cluster(self.store, self.config, initial_phy2log)
 
-    def start_rank(self, ep_rank: int, *extra: str) -> subprocess.Popen:
-        """Start (or restart) the worker process of ``ep_rank``; its log goes to ``workdir/rank<r>.log``."""
+    def start_rank(self, ep_rank: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start (or restart) the worker process of ``ep_rank``; its log goes to ``workdir/rank<r>.log``.
+        ``env`` adds environment variables (e.g. ``FDEPLB_FAILPOINTS``)."""
         log = open(self.workdir / f"rank{ep_rank}.log", "ab")
+        traces = [self.trace] if isinstance(self.trace, str) else list(self.trace)
         cmd = [sys.executable, "-m", "fdeplb.sim.worker", "--redis-url", self.redis_url,
-               "--cluster", self.store.cluster, "--rank", str(ep_rank), "--trace", self.trace,
-               "--seed", str(self.seed), *extra]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", FLAGS_call_stack_level="0")
+               "--cluster", self.store.cluster, "--rank", str(ep_rank), "--seed", str(self.seed),
+               *[x for t in traces for x in ("--trace", t)], *extra]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.procs[ep_rank] = proc

@@ -2,7 +2,8 @@
 
 ``python -m fdeplb.sim.worker --redis-url URL --cluster ID --rank R --trace PATH`` loads the rank's live experts
 from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT. Its expert_load window is its share of the
-trace (see :mod:`fdeplb.sim.loads`).
+trace (see :mod:`fdeplb.sim.loads`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
+drifts between recorded workloads from round to round.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis-url", required=True)
     p.add_argument("--cluster", required=True)
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--trace", required=True)
+    p.add_argument("--trace", required=True, action="append", help="expert-load dump; repeat to drift per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-budget-bytes", type=int, default=None)
     p.add_argument("--log-level", default="INFO")
@@ -32,10 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     from fdeplb.store.redis_store import Store
 
     store = Store(args.redis_url, args.cluster)
-    trace = read_expert_load(args.trace)
     ep_size = store.ep_size()
-    window = rank_share(trace.expert_load, args.rank, ep_size, args.seed)
-    agent = RankAgent(store, args.rank, load_source=lambda _round: window,
+    windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
+    agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
                       staging_budget_bytes=args.staging_budget_bytes)
 
     def stop(_signum, _frame):

@@ -290,6 +290,15 @@ class Store:
         sec, usec = self.client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
+    def append_alarm(self, record: Record, *, actor: str, reason: str) -> str:
+        """Append an alarm to the audit stream: ``trigger`` = ``alarm``, ``from`` = ``to`` = the record's state and
+        its current ``version`` (not a transition: replays skip it; the record is unchanged)."""
+        fields = {"machine": "cluster", "key": "cluster", "from": record.state, "to": record.state,
+                  "trigger": "alarm", "actor": actor, "round": record.get("round"),
+                  "plan_id": record.get("plan_id"), "reason": reason, "version": str(record.version),
+                  "fence": "", "ts_ms": str(self.now_ms())}
+        return _s(self.client.xadd(self.keys.audit, fields))
+
     def emit_event(self, kind: str, **fields: Any) -> str:
         """Append a wake-up event (not a transition) to the capped events stream."""
         body = {"kind": kind, **{k: str(v) for k, v in fields.items()}}

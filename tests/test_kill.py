@@ -1,0 +1,230 @@
+"""Kill tests with real processes: SIGKILL the coordinator in every state, kill ranks while LOADING and
+SWAPPING, and SIGSTOP a coordinator past its lease. The cluster must converge every time.
+
+One cluster (4 worker processes, Qwen2-57B dumps alternating per round) serves the whole module; every test
+leaves it FREE with every rank IDLE and every worker alive.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fdeplb.machines.tables import CLUSTER
+from fdeplb.orchestration.cluster import ClusterConfig, Deadlines, request_round
+from fdeplb.store.redis_store import Store
+from tests.helpers import wait_for
+
+pytest.importorskip("paddle")
+pytestmark = pytest.mark.slow
+
+EP = 4
+
+
+@pytest.fixture(scope="module")
+def proc_cluster(redis_url, real_data, tmp_path_factory):
+    from fdeplb.placement import initial_placement
+    from fdeplb.sim.cluster import LocalCluster, new_cluster_id
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    workdir = tmp_path_factory.mktemp("kill")
+    traces = [str(real_data / "qwen2_57b_oeplb" / "counts57b.json"),
+              str(real_data / "qwen2_57b_oeplb" / "counts57b_share.json")]
+    ckpt = write_synthetic_checkpoint(workdir / "ckpt", 28, 64, hidden=8, intermediate=4)
+    config = ClusterConfig(num_layers=28, num_logical_experts=64, num_physical_experts=72, ep_size=EP,
+                           checkpoint={"path": str(ckpt), "preset": "ernie"},
+                           deadlines=Deadlines(collecting_ms=30_000, loading_ms=6_000, commit_ms=30_000,
+                                               swapping_ms=30_000))
+    store = Store(redis_url, new_cluster_id("kill"))
+    cluster = LocalCluster(store=store, redis_url=redis_url, config=config, trace=traces, workdir=workdir)
+    cluster.init(initial_placement(28, 64, 72).phy2log)
+    cluster.start_ranks()
+    cluster.wait_ready(timeout_s=120)
+    yield cluster
+    cluster.stop()
+    store.delete_cluster()
+
+
+def spawn_coordinator(cluster, holder: str, failpoints: str = "", lease_ms: int = 1_000) -> subprocess.Popen:
+    log = open(cluster.workdir / f"{holder}.log", "ab")
+    env = dict(os.environ, FDEPLB_FAILPOINTS=failpoints, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fdeplb", "coordinator", "--redis-url", cluster.redis_url, "--cluster",
+         cluster.store.cluster, "--holder", holder, "--lease-ms", str(lease_ms), "--log-level", "INFO"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc
+
+
+def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    proc.wait(timeout=30)
+
+
+def wait_event(store: Store, cursor: dict, timeout_s: float = 60.0, **match) -> dict:
+    """Wait for an events-stream entry whose fields include ``match``; returns its fields."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for stream, entry in store.wait(cursor, 500):
+            if stream == store.keys.events and all(entry[k] == str(v) for k, v in match.items()):
+                return entry.fields
+    raise AssertionError(f"no event {match} within {timeout_s}s")
+
+
+def settled(store: Store, round_: int):
+    def check():
+        rec = store.read_record(store.keys.rearrange)
+        ranks = [store.read_record(store.keys.rank(r)) for r in range(EP)]
+        return rec.state == "FREE" and rec.get_int("round") >= round_ and all(r.state == "IDLE" for r in ranks)
+    return check
+
+
+def check_converged(store: Store) -> None:
+    """Every rank holds the cluster's current placement, verified; audit versions per record have no gaps."""
+    plan_id, _ = store.current_placement()
+    for r in range(EP):
+        rec = store.read_record(store.keys.rank(r))
+        assert rec.get("live_plan_id") == plan_id, (r, rec.fields)
+        if plan_id:
+            assert rec.get_int("slots_verified") == rec.get_int("slots_total") == 28 * 72 // EP
+    versions: dict[str, list[int]] = {}
+    for a in store.iter_audit():
+        if a["trigger"] != "alarm":
+            versions.setdefault(a["key"], []).append(int(a["version"]))
+    for key, v in versions.items():
+        assert v == list(range(1, len(v) + 1)), (key, v)
+
+
+def skip_round_that_would_be_gated(store: Store) -> None:
+    """The workers alternate between two traces by round parity: if the next round would replay the trace of
+    the current placement's round (a plan that moves nothing, gated), run that gated round first. Needs a
+    coordinator running."""
+    plan_id, _ = store.current_placement()
+    rec = store.read_record(store.keys.rearrange)
+    if not plan_id:
+        return
+    planned_round = int(store.get_hash(store.keys.plan(plan_id))["round"])
+    if (rec.get_int("round") + 1 - planned_round) % 2 == 0:
+        request_round(store, reason="skip a gated round")
+        wait_for(settled(store, rec.get_int("round") + 1), 60, store, "the gated round")
+        assert "gated" in last_cluster_transition(store)["reason"]
+
+
+def last_cluster_transition(store: Store):
+    return [a for a in store.iter_audit() if a["machine"] == "cluster" and a["trigger"] != "alarm"][-1]
+
+
+@pytest.mark.parametrize("state", CLUSTER.states)
+def test_coordinator_sigkilled_in_each_state(proc_cluster, state):
+    store = proc_cluster.store
+    round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
+    cursor = store.last_ids()
+    victim = spawn_coordinator(proc_cluster, f"A-{state}", failpoints=f"coordinator.hang={state}")
+    successor = None
+    try:
+        request_round(store, reason=f"kill in {state}")
+        wait_event(store, cursor, kind="failpoint", name="coordinator.hang", state=state, holder=f"A-{state}")
+        stop_process(victim, signal.SIGKILL)
+        successor = spawn_coordinator(proc_cluster, f"B-{state}")
+        wait_for(settled(store, round_), 90, store, f"round {round_} after a kill in {state}")
+    finally:
+        stop_process(victim, signal.SIGKILL)
+        if successor is not None:
+            stop_process(successor)
+    last = last_cluster_transition(store)
+    assert (last["from"], last["to"], last["trigger"], last["round"]) == ("DONE", "FREE", "release", str(round_))
+    check_converged(store)
+
+
+def _restart_rank(cluster, ep_rank: int, failpoints: str = "") -> None:
+    cursor = cluster.store.last_ids()[cluster.store.keys.events]
+    cluster.kill_rank(ep_rank, signal.SIGTERM)
+    cluster.start_rank(ep_rank, env={"FDEPLB_FAILPOINTS": failpoints})
+    cluster.wait_ready([ep_rank], timeout_s=120, after_id=cursor)
+
+
+def test_rank_killed_while_loading_aborts_the_round(proc_cluster):
+    store = proc_cluster.store
+    before = store.current_placement()
+    _restart_rank(proc_cluster, 2, "rank.hang=LOADING")
+    coordinator = spawn_coordinator(proc_cluster, "C-loading")
+    try:
+        skip_round_that_would_be_gated(store)
+        round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
+        cursor = store.last_ids()
+        request_round(store, reason="kill rank 2 while loading")
+        wait_event(store, cursor, kind="failpoint", name="rank.hang", rank=2)
+        proc_cluster.kill_rank(2, signal.SIGKILL)
+        wait_for(lambda: (r := store.read_record(store.keys.rearrange)).state == "FREE" and
+                 r.get_int("round") >= round_, 60, store, "the aborted round")
+        last = last_cluster_transition(store)
+        assert (last["from"], last["trigger"]) == ("LOADING", "abort")
+        assert "loading deadline" in last["reason"] and "[2]" in last["reason"]
+        plan_id, phy2log = store.current_placement()
+        assert plan_id == before[0] and (phy2log == before[1]).all()
+        # the restarted rank finds its dead round and drops it
+        proc_cluster.start_rank(2)
+        wait_for(settled(store, round_), 90, store, "rank 2 back to IDLE")
+        check_converged(store)
+    finally:
+        stop_process(coordinator)
+
+
+def test_rank_killed_while_swapping_restarts_and_completes(proc_cluster):
+    store = proc_cluster.store
+    _restart_rank(proc_cluster, 1, "rank.hang=SWAPPING")
+    coordinator = spawn_coordinator(proc_cluster, "C-swapping")
+    try:
+        skip_round_that_would_be_gated(store)
+        round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
+        cursor = store.last_ids()
+        request_round(store, reason="kill rank 1 while swapping")
+        wait_event(store, cursor, kind="failpoint", name="rank.hang", rank=1)
+        proc_cluster.kill_rank(1, signal.SIGKILL)
+        assert store.read_record(store.keys.rearrange).state in ("SWAPPING",)  # past the commit point
+        proc_cluster.start_rank(1)  # a restarted rank loads the cluster's current placement
+        wait_for(settled(store, round_), 90, store, "the round to complete after the restart")
+        last = last_cluster_transition(store)
+        assert (last["from"], last["to"]) == ("DONE", "FREE")
+        check_converged(store)
+    finally:
+        stop_process(coordinator)
+
+
+def test_deposed_coordinator_commits_nothing(proc_cluster):
+    """A stops itself (SIGSTOP) right before committing in LOADING; its lease lapses; B finishes the round;
+    A is continued (SIGCONT) and its commit is refused by the fence."""
+    store = proc_cluster.store
+    helper = spawn_coordinator(proc_cluster, "helper")
+    try:
+        skip_round_that_would_be_gated(store)
+    finally:
+        stop_process(helper)
+    round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
+    cursor = store.last_ids()
+    a = spawn_coordinator(proc_cluster, "A-stopped", failpoints="coordinator.stop=LOADING")
+    b = None
+    try:
+        request_round(store, reason="deposed coordinator")
+        wait_event(store, cursor, kind="failpoint", name="coordinator.stop", holder="A-stopped")
+        wait_for(lambda: store.lease_holder() is None, 30, what="A's lease to lapse")
+        stopped_at = store.last_ids()[store.keys.audit]
+        b = spawn_coordinator(proc_cluster, "B-leader")
+        wait_for(settled(store, round_), 90, store, "B to finish the round")
+        os.killpg(a.pid, signal.SIGCONT)
+        fenced = wait_event(store, cursor, kind="fenced", holder="A-stopped")
+        assert "not the lease holder" in fenced["error"]
+        after = [x for x in store.audit(f"({stopped_at}", "+")]
+        assert after and all(x["actor"] != "A-stopped" for x in after)
+        assert any(x["actor"] == "B-leader" and x["trigger"] == "loaded" for x in after)
+        check_converged(store)
+    finally:
+        stop_process(a, signal.SIGKILL)
+        if b is not None:
+            stop_process(b)
