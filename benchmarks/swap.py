@@ -7,8 +7,8 @@ up_gate_proj [hidden, 2*inter] + down_proj [inter, hidden]) divided by --scale t
 holds only the experts the measured rank holds before or after.
 
 Measures: bytes read from the checkpoint, bytes copied locally, peak staging bytes, and the swap's copy throughput as
-a ratio of a plain memcpy (numpy.copyto between pre-faulted buffers) of the same number of bytes, measured in the
-same run. Checkpoint files were just written, so "read" is from the page cache: the read time is not a disk speed.
+a ratio of a plain memcpy (numpy.copyto between pre-faulted buffers) of the same number of bytes, timed right after
+each swap in the same run (best of --repeats for both). Checkpoint files were just written, so "read" is from the page cache: the read time is not a disk speed.
 
     python benchmarks/swap.py [--scale 8] [--dtype bfloat16] [--rank R] [--repeats 3] [--device cpu]
 
@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,8 @@ from fdeplb.placement import read_expert_load, rebalance_experts  # noqa: E402
 from fdeplb.weights import (  # noqa: E402
     CheckpointReader,
     LiveExperts,
+    SwapReport,
+    TransferPlan,
     plan_transfer,
     stage_experts,
     write_synthetic_checkpoint,
@@ -66,30 +69,45 @@ def cluster_totals(old: np.ndarray, new: np.ndarray, ep_size: int) -> tuple[dict
     return totals, per_rank
 
 
-def memcpy_seconds(nbytes: int, repeats: int) -> float:
-    """Median seconds of numpy.copyto of ``nbytes`` between two pre-faulted buffers."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.ones(nbytes, dtype=np.uint8)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(repeats):
+class MemcpyBaseline:
+    """A plain memcpy (numpy.copyto between two pre-faulted buffers) of the bytes a swap wrote; one timed copy per
+    call, run right after each swap so both see the same machine state."""
+
+    def nbytes(self, report: SwapReport) -> int:
+        return report.bytes_from_staging + report.bytes_local + report.bytes_snapshot
+
+    def allocate(self, nbytes: int) -> None:
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.ones(nbytes, dtype=np.uint8)
+
+    def copy(self) -> None:
+        np.copyto(self.dst, self.src)
+
+    def __call__(self, report: SwapReport) -> float:
+        n = self.nbytes(report)
+        if getattr(self, "allocated", None) != n:
+            self.allocate(n)
+            self.allocated = n
+            self.copy()  # warm-up
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        self.copy()
+        return time.perf_counter() - t0
 
 
-def run_swaps(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, repeats: int, device: str):
-    """Swap old -> new and back ``repeats`` times; return the forward (old -> new) plans, stagings and reports."""
+def run_swaps(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, repeats: int,
+              device: str, baseline: MemcpyBaseline):
+    """Swap old -> new and back ``repeats`` times, timing ``baseline`` after each forward swap; return
+    ``(plan, staged bytes, stage seconds, report, baseline seconds)`` of each forward (old -> new) swap."""
     out = []
     for _ in range(repeats):
-        for src, dst, keep in ((old, new, True), (new, old, False)):
+        for src, dst, forward in ((old, new, True), (new, old, False)):
             plan = plan_transfer(src, dst, live.ep_rank, live.ep_size)
             staged = stage_experts(plan, reader, device=device)
             report = live.swap(plan, staged, dst)
-            if keep:
-                out.append((plan, staged.nbytes, staged.read_seconds, report))
+            staged_bytes, read_s = staged.nbytes, staged.read_seconds
             staged.release()
+            if forward:
+                out.append((plan, staged_bytes, read_s, report, baseline(report)))
     return out
 
 
@@ -97,21 +115,63 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+@dataclass
+class Measured:
+    """What :func:`measure` ran and timed (shared with benchmarks/swap_gpu.py)."""
+
+    rank: int
+    slots_per_rank: int
+    num_layers: int
+    hidden: int
+    intermediate: int
+    expert_nbytes: int
+    live_nbytes: int
+    cluster_counts: dict
+    disk_per_rank: list
+    plan: TransferPlan
+    staged_bytes: int
+    stage_seconds: float
+    reports: list
+    baseline_seconds: list
+    slots_verified: int
+    slots_total: int
+    write_seconds: float
+    load_seconds: float
+
+    @property
+    def copy_seconds(self) -> float:
+        """Best swap copy time of the repeats (as for the baseline: the least disturbed run)."""
+        return min(r.copy_seconds for r in self.reports)
+
+    @property
+    def baseline(self) -> float:
+        """Best baseline copy time of the repeats."""
+        return min(self.baseline_seconds)
+
+    @property
+    def verify_seconds(self) -> float:
+        return statistics.median(r.verify_seconds for r in self.reports)
+
+
+def parser(doc: str, *, scale: int, device: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--old", default="prefill_in1024.json")
     ap.add_argument("--new", default="decode_in1000out1000.json")
-    ap.add_argument("--scale", type=int, default=8, help="divide DeepSeek-V3 hidden and intermediate sizes by this")
+    ap.add_argument("--scale", type=int, default=scale, help="divide DeepSeek-V3 hidden and intermediate sizes by this")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rank", type=int, default=None, help="EP rank to measure (default: the one reading most)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default=device)
     ap.add_argument("--workdir", default=None, help="where to write the synthetic checkpoint (default: a temp dir)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def measure(args: argparse.Namespace, baseline: MemcpyBaseline) -> Measured:
+    """Place both loads, write the rank's experts, load the rank, swap old -> new and back ``args.repeats`` times,
+    timing ``baseline`` after every forward swap."""
     if not REAL_DATA.is_dir():
         print(f"real data not found at {REAL_DATA} (set FDEPLB_REAL_DATA)", file=sys.stderr)
         raise SystemExit(2)
-
     old, new, num_experts = placements(args.old, args.new)
     ep_size = DSV3["num_gpus"]
     totals, disk_per_rank = cluster_totals(old, new, ep_size)
@@ -120,7 +180,6 @@ def main(argv: list[str] | None = None) -> dict:
     per_rank = old.shape[1] // ep_size
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     needed = {(layer, int(e)) for p in (old, new) for layer in range(p.shape[0]) for e in p[layer, sl]}
-
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         t0 = time.perf_counter()
         write_synthetic_checkpoint(tmp, old.shape[0], num_experts, hidden=hidden, intermediate=inter,
@@ -130,74 +189,92 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         live = LiveExperts.from_checkpoint(reader, old, rank, ep_size, device=args.device)
         load_s = time.perf_counter() - t0
-        runs = run_swaps(live, reader, old, new, args.repeats, args.device)
+        runs = run_swaps(live, reader, old, new, args.repeats, args.device, baseline)
         verified, total = live.verify(reader)
+    plan, staged_bytes, read_s, _, _ = runs[0]
+    return Measured(rank, per_rank, int(old.shape[0]), hidden, inter, reader.expert_nbytes, live.nbytes, totals,
+                    disk_per_rank, plan, staged_bytes, read_s, [run[3] for run in runs], [run[4] for run in runs],
+                    verified, total, write_s, load_s)
 
-    plan, staged_bytes, read_s, _ = runs[0]
-    reports = [r for *_, r in runs]
-    moved = reports[0].bytes_from_staging + reports[0].bytes_local + reports[0].bytes_snapshot
-    copy_s = statistics.median(r.copy_seconds for r in reports)
-    verify_s = statistics.median(r.verify_seconds for r in reports)
-    memcpy_s = memcpy_seconds(moved, max(3, args.repeats))
-    expert_nbytes = reader.expert_nbytes
-    nbytes = plan.nbytes(expert_nbytes)
-    result = {
-        "benchmark": "swap",
+
+def common_fields(name: str, args: argparse.Namespace, m: Measured) -> dict:
+    """JSON fields both swap benchmarks report."""
+    return {
+        "benchmark": name,
         "device": args.device,
         "drift": f"{args.old} -> {args.new}",
-        "topology": {k: DSV3[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")},
-        "num_layers": int(old.shape[0]),
-        "ep_rank": rank,
-        "expert_shapes": {"hidden": hidden, "intermediate": inter, "dtype": args.dtype, "scale": args.scale},
-        "expert_nbytes": expert_nbytes,
-        "live_nbytes": live.nbytes,
-        "counts": plan.counts,
-        "disk_slots": plan.disk_slots,
-        "snapshots": plan.num_snapshots,
-        "cluster_counts": totals,
-        "bytes_read_from_disk": nbytes["disk"],
-        "bytes_copied_locally": nbytes["local"],
-        "peak_staging_bytes": staged_bytes,
-        "bytes_written_by_swap": moved,
-        "stage_seconds": read_s,
-        "swap_copy_seconds": copy_s,
-        "swap_verify_seconds": verify_s,
-        "memcpy_seconds": memcpy_s,
-        "swap_gbps": moved / copy_s / 1e9,
-        "memcpy_gbps": moved / memcpy_s / 1e9,
-        "swap_vs_memcpy": memcpy_s / copy_s,
-        "verify_gbps": moved / verify_s / 1e9 if verify_s else None,
-        "slots_verified": verified,
-        "slots_total": total,
-        "checkpoint_write_seconds": write_s,
-        "initial_load_seconds": load_s,
+        "ep_rank": m.rank,
+        "expert_nbytes": m.expert_nbytes,
+        "expert_shapes": {"hidden": m.hidden, "intermediate": m.intermediate, "dtype": args.dtype, "scale": args.scale},
+        "counts": m.plan.counts,
+        "disk_slots": m.plan.disk_slots,
+        "snapshots": m.plan.num_snapshots,
+        "peak_staging_bytes": m.staged_bytes,
+        "stage_seconds": m.stage_seconds,
+        "swap_copy_seconds": m.copy_seconds,
+        "swap_verify_seconds": m.verify_seconds,
+        "slots_verified": m.slots_verified,
+        "slots_total": m.slots_total,
     }
-    rows = [
-        ("drift", result["drift"]),
-        ("topology", "32 GPUs, 4 nodes, 288 slots (256 experts + 32 redundant), 58 MoE layers"),
-        ("measured rank", f"{rank} (reads most; cluster max disk experts {max(disk_per_rank)})"),
-        ("expert", f"{mib(expert_nbytes)} ({args.dtype}, DeepSeek-V3 shapes / {args.scale})"),
-        ("live slots on rank", f"{per_rank * old.shape[0]} ({mib(live.nbytes)})"),
-        ("keep / local / disk", f"{plan.counts['keep']} / {plan.counts['local']} / {plan.counts['disk']} "
-                                f"(disk slots {plan.disk_slots}, snapshots {plan.num_snapshots})"),
-        ("cluster keep / local / disk", f"{totals['keep']} / {totals['local']} / {totals['disk']}"),
-        ("bytes read from disk", mib(nbytes["disk"])),
-        ("bytes copied locally", mib(nbytes["local"])),
-        ("peak staging", mib(staged_bytes)),
-        ("bytes written by swap", mib(moved)),
-        ("stage (read+checksum)", f"{read_s * 1e3:,.1f} ms (page cache)"),
-        ("swap copy", f"{copy_s * 1e3:,.1f} ms = {result['swap_gbps']:.2f} GB/s"),
-        ("memcpy same bytes", f"{memcpy_s * 1e3:,.1f} ms = {result['memcpy_gbps']:.2f} GB/s"),
-        ("swap / memcpy", f"{result['swap_vs_memcpy']:.0%}"),
-        ("verify changed slots", f"{verify_s * 1e3:,.1f} ms (CRC-32)"),
-        ("all slots verified", f"{verified} / {total}"),
-    ]
+
+
+def print_table(rows: list[tuple[str, str]], result: dict) -> None:
+    """The human table, then the machine-readable JSON line (always last)."""
     width = max(len(k) for k, _ in rows)
     print(f"{'metric':<{width}}  value")
     print(f"{'-' * width}  {'-' * 40}")
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print(json.dumps(result, sort_keys=True))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser(__doc__, scale=8, device="cpu").parse_args(argv)
+    baseline = MemcpyBaseline()
+    m = measure(args, baseline)
+    plan = m.plan
+    moved = baseline.nbytes(m.reports[0])
+    copy_s, verify_s, memcpy_s = m.copy_seconds, m.verify_seconds, m.baseline
+    nbytes = plan.nbytes(m.expert_nbytes)
+    result = {
+        **common_fields("swap", args, m),
+        "topology": {k: DSV3[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")},
+        "num_layers": m.num_layers,
+        "live_nbytes": m.live_nbytes,
+        "cluster_counts": m.cluster_counts,
+        "bytes_read_from_disk": nbytes["disk"],
+        "bytes_copied_locally": nbytes["local"],
+        "bytes_written_by_swap": moved,
+        "memcpy_seconds": memcpy_s,
+        "swap_gbps": moved / copy_s / 1e9,
+        "memcpy_gbps": moved / memcpy_s / 1e9,
+        "swap_vs_memcpy": memcpy_s / copy_s,
+        "verify_gbps": moved / verify_s / 1e9 if verify_s else None,
+        "checkpoint_write_seconds": m.write_seconds,
+        "initial_load_seconds": m.load_seconds,
+    }
+    counts, totals = plan.counts, m.cluster_counts
+    rows = [
+        ("drift", result["drift"]),
+        ("topology", f"32 GPUs, 4 nodes, 288 slots (256 experts + 32 redundant), {m.num_layers} MoE layers"),
+        ("measured rank", f"{m.rank} (reads most; cluster max disk experts {max(m.disk_per_rank)})"),
+        ("expert", f"{mib(m.expert_nbytes)} ({args.dtype}, DeepSeek-V3 shapes / {args.scale})"),
+        ("live slots on rank", f"{m.slots_per_rank * m.num_layers} ({mib(m.live_nbytes)})"),
+        ("keep / local / disk", f"{counts['keep']} / {counts['local']} / {counts['disk']} "
+                                f"(disk slots {plan.disk_slots}, snapshots {plan.num_snapshots})"),
+        ("cluster keep / local / disk", f"{totals['keep']} / {totals['local']} / {totals['disk']}"),
+        ("bytes read from disk", mib(nbytes["disk"])),
+        ("bytes copied locally", mib(nbytes["local"])),
+        ("peak staging", mib(m.staged_bytes)),
+        ("bytes written by swap", mib(moved)),
+        ("stage (read+checksum)", f"{m.stage_seconds * 1e3:,.1f} ms (page cache)"),
+        ("swap copy", f"{copy_s * 1e3:,.1f} ms = {result['swap_gbps']:.2f} GB/s"),
+        ("memcpy same bytes", f"{memcpy_s * 1e3:,.1f} ms = {result['memcpy_gbps']:.2f} GB/s"),
+        ("swap / memcpy", f"{result['swap_vs_memcpy']:.0%}"),
+        ("verify changed slots", f"{verify_s * 1e3:,.1f} ms (CRC-32)"),
+        ("all slots verified", f"{m.slots_verified} / {m.slots_total}"),
+    ]
+    print_table(rows, result)
     return result
 
 

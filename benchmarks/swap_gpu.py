@@ -16,17 +16,10 @@ Prints a table, then one machine-readable JSON line (the last line).
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
-import tempfile
-import time
 
-import numpy as np
-
-import swap as cpu_bench  # benchmarks/swap.py: placements, drift pair, swap loop (same folder)
-from fdeplb.weights import CheckpointReader, LiveExperts, write_synthetic_checkpoint
+import swap as cpu_bench  # benchmarks/swap.py (same folder): drift pair, checkpoint, swap loop; puts the repo on sys.path
 
 
 def no_gpu_reason() -> str | None:
@@ -42,37 +35,31 @@ def no_gpu_reason() -> str | None:
     return None
 
 
-def raw_h2d_seconds(nbytes: int, device: str, repeats: int) -> float:
-    """Median seconds of one pinned-host -> device copy of ``nbytes`` (paddle copy_, then synchronize)."""
-    import paddle
+class RawH2DBaseline(cpu_bench.MemcpyBaseline):
+    """One pinned-host -> device copy (paddle ``copy_``, then synchronize) of the bytes the swap moved from staging."""
 
-    host = paddle.ones([nbytes], dtype="uint8").pin_memory()
-    paddle.device.set_device(device)
-    dev = paddle.empty([nbytes], dtype="uint8")
-    dev.copy_(host, False)
-    paddle.device.synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dev.copy_(host, False)
-        paddle.device.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    del host, dev
-    return statistics.median(times)
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def nbytes(self, report) -> int:
+        return report.bytes_from_staging
+
+    def allocate(self, nbytes: int) -> None:
+        import paddle
+
+        self.host = paddle.ones([nbytes], dtype="uint8").pin_memory()
+        paddle.device.set_device(self.device)
+        self.dev = paddle.empty([nbytes], dtype="uint8")
+
+    def copy(self) -> None:
+        import paddle
+
+        self.dev.copy_(self.host, False)
+        paddle.device.synchronize(self.device)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--old", default="prefill_in1024.json")
-    ap.add_argument("--new", default="decode_in1000out1000.json")
-    ap.add_argument("--scale", type=int, default=4)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--rank", type=int, default=None)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="gpu:0")
-    ap.add_argument("--workdir", default=None)
-    args = ap.parse_args(argv)
-
+    args = cpu_bench.parser(__doc__, scale=4, device="gpu:0").parse_args(argv)
     reason = no_gpu_reason()
     if reason is not None:
         print(f"swap_gpu: skipped, {reason}.")
@@ -80,70 +67,37 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, sort_keys=True))
         return result
 
-    old, new, num_experts = cpu_bench.placements(args.old, args.new)
-    ep_size = cpu_bench.DSV3["num_gpus"]
-    _, disk_per_rank = cpu_bench.cluster_totals(old, new, ep_size)
-    rank = int(np.argmax(disk_per_rank)) if args.rank is None else args.rank
-    hidden, inter = cpu_bench.DSV3["hidden"] // args.scale, cpu_bench.DSV3["intermediate"] // args.scale
-    per_rank = old.shape[1] // ep_size
-    sl = slice(rank * per_rank, (rank + 1) * per_rank)
-    needed = {(layer, int(e)) for p in (old, new) for layer in range(p.shape[0]) for e in p[layer, sl]}
-
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        write_synthetic_checkpoint(tmp, old.shape[0], num_experts, hidden=hidden, intermediate=inter,
-                                   dtype=args.dtype, experts=needed, experts_per_shard=256)
-        reader = CheckpointReader(tmp)
-        live = LiveExperts.from_checkpoint(reader, old, rank, ep_size, device=args.device)
-        runs = cpu_bench.run_swaps(live, reader, old, new, args.repeats, args.device)
-        verified, total = live.verify(reader)
-
-    plan, staged_bytes, read_s, _ = runs[0]
-    reports = [r for *_, r in runs]
-    h2d_bytes = reports[0].bytes_from_staging
-    copy_s = statistics.median(r.copy_seconds for r in reports)
-    verify_s = statistics.median(r.verify_seconds for r in reports)
-    raw_s = raw_h2d_seconds(h2d_bytes, args.device, max(3, args.repeats))
+    m = cpu_bench.measure(args, RawH2DBaseline(args.device))
+    plan, first = m.plan, m.reports[0]
+    h2d_bytes = first.bytes_from_staging
+    copy_s, verify_s, raw_s = m.copy_seconds, m.verify_seconds, m.baseline
     result = {
-        "benchmark": "swap_gpu",
-        "device": args.device,
-        "drift": f"{args.old} -> {args.new}",
-        "ep_rank": rank,
-        "expert_nbytes": reader.expert_nbytes,
-        "expert_shapes": {"hidden": hidden, "intermediate": inter, "dtype": args.dtype, "scale": args.scale},
-        "counts": plan.counts,
-        "disk_slots": plan.disk_slots,
-        "peak_staging_bytes": staged_bytes,
+        **cpu_bench.common_fields("swap_gpu", args, m),
         "h2d_bytes": h2d_bytes,
-        "d2d_bytes": reports[0].bytes_local + reports[0].bytes_snapshot,
-        "stage_seconds": read_s,
-        "swap_copy_seconds": copy_s,
-        "swap_verify_seconds": verify_s,
+        "d2d_bytes": first.bytes_local + first.bytes_snapshot,
         "raw_h2d_seconds": raw_s,
         "swap_h2d_gbps": h2d_bytes / copy_s / 1e9,
         "raw_h2d_gbps": h2d_bytes / raw_s / 1e9,
         "swap_vs_raw_h2d": raw_s / copy_s,
         "target": 0.8,
-        "slots_verified": verified,
-        "slots_total": total,
     }
+    counts = plan.counts
     rows = [
         ("drift", result["drift"]),
-        ("device / rank", f"{args.device} / {rank}"),
-        ("expert", f"{reader.expert_nbytes / 2**20:.1f} MiB ({args.dtype}, DeepSeek-V3 shapes / {args.scale})"),
-        ("keep / local / disk", f"{plan.counts['keep']} / {plan.counts['local']} / {plan.counts['disk']}"),
-        ("host -> device bytes", f"{h2d_bytes / 2**20:,.1f} MiB (pinned staging)"),
+        ("device / rank", f"{args.device} / {m.rank}"),
+        ("expert", f"{cpu_bench.mib(m.expert_nbytes)} ({args.dtype}, DeepSeek-V3 shapes / {args.scale})"),
+        ("keep / local / disk", f"{counts['keep']} / {counts['local']} / {counts['disk']}"),
+        ("host -> device bytes", f"{cpu_bench.mib(h2d_bytes)} (pinned staging)"),
         ("swap copy", f"{copy_s * 1e3:,.1f} ms = {result['swap_h2d_gbps']:.2f} GB/s"),
         ("raw H2D same bytes", f"{raw_s * 1e3:,.1f} ms = {result['raw_h2d_gbps']:.2f} GB/s"),
         ("swap / raw H2D", f"{result['swap_vs_raw_h2d']:.0%} (target >= 80%)"),
         ("verify changed slots", f"{verify_s * 1e3:,.1f} ms (device -> host + CRC-32)"),
-        ("all slots verified", f"{verified} / {total}"),
+        ("all slots verified", f"{m.slots_verified} / {m.slots_total}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    print(json.dumps(result, sort_keys=True))
+    cpu_bench.print_table(rows, result)
     return result
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()
+    sys.exit(0)

@@ -40,6 +40,14 @@ def ckpt(tmp_path_factory):
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("ernie"), L, E, experts_per_shard=5, seed=3)
 
 
+def staged_round(ckpt, device: str = "cpu"):
+    """Rank 0 loaded at OLD, its plan to NEW and that plan staged: ``(reader, live, plan, staged)``."""
+    reader = CheckpointReader(ckpt)
+    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device=device)
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    return reader, live, plan, stage_experts(plan, reader, device=device)
+
+
 def snapshot_bytes(live: LiveExperts) -> dict[str, list[bytes]]:
     return {s: [t.numpy().tobytes() for t in layers] for s, layers in live.tensors.items()}
 
@@ -98,10 +106,7 @@ def test_load_swap_verify_in_place(ckpt):
 
 
 def test_corrupted_staged_tensor_fails_verification_and_reload_repairs(ckpt):
-    reader = CheckpointReader(ckpt)
-    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
-    plan = plan_transfer(OLD, NEW, 0, EP)
-    staged = stage_experts(plan, reader)
+    reader, live, plan, staged = staged_round(ckpt)
     victim = staged.experts[0]["down_proj.weight"]
     victim[0, 0] = victim[0, 0] + 1.0  # one flipped value in host staging
     with pytest.raises(VerificationError, match="differ from the checkpoint"):
@@ -122,11 +127,8 @@ def test_corrupted_live_slot_is_reported_by_verify(ckpt):
 
 
 def test_abort_leaves_live_bit_identical_and_frees_staging(ckpt):
-    reader = CheckpointReader(ckpt)
-    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    reader, live, plan, staged = staged_round(ckpt)
     before = snapshot_bytes(live)
-    plan = plan_transfer(OLD, NEW, 0, EP)
-    staged = stage_experts(plan, reader)
     refs = [weakref.ref(t) for tensors in staged.experts for t in tensors.values()]
     staged.release()
     gc.collect()
@@ -148,11 +150,8 @@ def test_budget_refusal_reads_nothing(ckpt):
 
 
 def test_swap_refuses_mismatched_inputs_before_writing(ckpt):
-    reader = CheckpointReader(ckpt)
-    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    reader, live, plan, staged = staged_round(ckpt)
     before = snapshot_bytes(live)
-    plan = plan_transfer(OLD, NEW, 0, EP)
-    staged = stage_experts(plan, reader)
     other = plan_transfer(OLD, np.roll(NEW, 1, axis=1), 0, EP)
     with pytest.raises(WeightError, match="another plan"):
         live.swap(other, staged, np.roll(NEW, 1, axis=1))
@@ -256,13 +255,15 @@ def test_importing_weights_does_not_import_paddle_and_missing_paddle_is_a_depend
         _paddle.safetensors.cache_clear()
 
 
-def test_swap_benchmark_smoke(real_data):
+def test_swap_benchmark_smoke(real_data, monkeypatch):
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "swap.py"
     spec = importlib.util.spec_from_file_location("swap_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "swap_benchmark", bench)  # dataclasses look their module up there
     spec.loader.exec_module(bench)
     bench.REAL_DATA = real_data / "dsv3_sglang_ep_stats"
     result = bench.main(["--scale", "128", "--repeats", "1"])
@@ -283,14 +284,22 @@ def test_gpu_swap_in_place(ckpt):
     device = _gpu_device()
     if device is None:
         pytest.skip("needs a CUDA build of paddle and a GPU")
-    reader = CheckpointReader(ckpt)
-    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device=device)
+    reader, live, plan, staged = staged_round(ckpt, device)
     assert live.tensors["down_proj.weight"][0].place.is_gpu_place()
     ptrs = pointers(live)
-    plan = plan_transfer(OLD, NEW, 0, EP)
-    staged = stage_experts(plan, reader, device=device)
     assert all(t.place.is_cuda_pinned_place() for tensors in staged.experts for t in tensors.values())
     live.swap(plan, staged, NEW)
     staged.release()
     assert pointers(live) == ptrs
     assert live.verify(reader) == (L * 6, L * 6)
+
+
+def test_attach_wraps_engine_tensors_and_refuses_wrong_ones(ckpt):
+    reader = CheckpointReader(ckpt)
+    loaded = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    attached = LiveExperts.attach(loaded.tensors, OLD, 0, EP, reader)  # e.g. the serving engine's own parameters
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    attached.swap(plan, stage_experts(plan, reader), NEW)
+    assert loaded.tensors["down_proj.weight"][0].data_ptr() == attached.tensors["down_proj.weight"][0].data_ptr()
+    with pytest.raises(VerificationError, match="differ from the checkpoint"):
+        LiveExperts.attach(loaded.tensors, OLD, 0, EP, reader)  # the tensors now hold NEW, not OLD
