@@ -303,3 +303,14 @@ def test_attach_wraps_engine_tensors_and_refuses_wrong_ones(ckpt):
     assert loaded.tensors["down_proj.weight"][0].data_ptr() == attached.tensors["down_proj.weight"][0].data_ptr()
     with pytest.raises(VerificationError, match="differ from the checkpoint"):
         LiveExperts.attach(loaded.tensors, OLD, 0, EP, reader)  # the tensors now hold NEW, not OLD
+
+
+def test_swap_without_recorded_checksums_refuses_before_writing(ckpt):
+    reader = CheckpointReader(ckpt)
+    loaded = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    wrapped = LiveExperts(loaded.tensors, OLD, 0, EP, device="cpu")  # no verify(): checksums unknown
+    before = snapshot_bytes(wrapped)
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    with pytest.raises(VerificationError, match="no checkpoint checksum"):
+        wrapped.swap(plan, stage_experts(plan, reader), NEW)
+    assert snapshot_bytes(wrapped) == before and not wrapped.needs_reload

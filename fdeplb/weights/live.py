@@ -58,6 +58,19 @@ class LiveExperts:
 
     Build with :meth:`from_checkpoint`, or wrap tensors the serving engine already holds with :meth:`attach`.
 
+    Args:
+        tensors: ``suffix -> one tensor per MoE layer``, each ``[slots_per_rank, *shape]`` on ``device``.
+        phy2log: int [L, P], the cluster placement these slots hold (this rank's columns).
+        ep_rank, ep_size: the rank; ``P`` must be a multiple of ``ep_size``.
+        device: where ``tensors`` live (``None``: paddle's current device); routing tables go there too.
+        num_logical_experts: E (default ``phy2log.max() + 1``).
+        max_replicas: width of ``log2phy`` (default ``P - E + 1``, the most any placement can need), fixed so the
+            routing tensors are updated in place.
+        checksums: ``(layer, expert) -> ExpertChecksum`` known to match the checkpoint (else :meth:`verify` first).
+
+    Raises:
+        InputError / TopologyError: tensors of the wrong count or leading size, a malformed ``phy2log``.
+
     Attributes:
         tensors: ``suffix -> [paddle.Tensor per MoE layer, each [slots_per_rank, *shape]]``.
         ep_rank, ep_size, device, num_logical_experts, max_replicas.
@@ -222,8 +235,8 @@ class LiveExperts:
             self._checksums[(layer, expert)] = expert_checksum(tensors)
             for s in np.flatnonzero(rank[layer] == expert):
                 for suffix, t in tensors.items():
-                    _paddle.copy_into(self.tensors[suffix][layer][int(s)], t)
-        _paddle.synchronize(self.device)
+                    _paddle.copy_into(self._views[layer][int(s)][suffix], t)
+            _paddle.synchronize(self.device)  # the host tensors are dropped next: no copy may still read them
         bad = self._mismatches(np.ones(rank.shape, dtype=bool), rank, lambda layer, e: self._checksums[(layer, e)])
         if bad:
             raise VerificationError(f"rank {self.ep_rank}: reload left {len(bad)} slot(s) unlike the checkpoint: {bad[:8]}")
@@ -292,11 +305,21 @@ class LiveExperts:
         Raises:
             InputError: plan / placement mismatch or an invalid ``new_phy2log``; nothing written.
             WeightError: staging released, of another plan, or of the wrong shape; nothing written.
+            VerificationError (before writing): a locally copied expert has no recorded checkpoint checksum.
             VerificationError: a changed slot differs from its checkpoint checksum after the writes. The routing
                 tables keep the old placement and :attr:`needs_reload` is set: the rank must :meth:`reload`.
         """
         new = self._check_swap(plan, staged, new_phy2log)
         log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas)
+        expected: dict[tuple[int, int], ExpertChecksum] = dict(self._checksums)
+        expected.update(zip(plan.disk, staged.checksums))
+        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))}
+        missing -= expected.keys()
+        if missing:  # tensors wrapped without verify(): nothing to check local copies against, so write nothing
+            raise VerificationError(
+                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
+                "verify(reader) the live slots first"
+            )
         per_slot = self.expert_nbytes
 
         start = time.perf_counter()
@@ -324,12 +347,6 @@ class LiveExperts:
         copy_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        expected: dict[tuple[int, int], ExpertChecksum] = dict(self._checksums)
-        expected.update(zip(plan.disk, staged.checksums))
-        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))}
-        missing -= expected.keys()
-        if missing:  # wrapped tensors whose checksums were never recorded: nothing to verify local copies against
-            raise VerificationError(f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}")
         bad = self._mismatches(plan.changed, plan.new, lambda layer, e: expected[(layer, e)])
         verify_seconds = time.perf_counter() - start
         if bad:
