@@ -6,6 +6,7 @@ and arguments, :class:`TopologyError` for a topology that cannot hold a placemen
 
 from __future__ import annotations
 
+import json
 import operator
 
 import numpy as np
@@ -128,3 +129,27 @@ def check_phy2log(
         layer, expert = np.argwhere(~present)[0]
         raise error(f"{name}: logical expert {expert} has no slot in layer {layer}")
     return arr
+
+
+def read_document(path, error: type[InputError], what: str) -> object:
+    """Parse a JSON file (YAML for ``.yaml``/``.yml``); failures raise ``error`` naming the file and ``what`` it is."""
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{p}: {what} not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{p}: cannot read {what}: {exc}") from None
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise error(f"{p}: not YAML ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{p}: not JSON ({exc})") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from fdeplb.placement.deepseek import deepseek_phy2log
+from fdeplb.placement.metrics import raw_gpu_loads
 
 #: relative gain below which a swap is not worth it (float64 noise on loads of ~1e8 tokens)
 _RTOL = 1e-12
@@ -111,7 +112,6 @@ def balanced_phy2log(
     origin = improve_by_swaps(item_load).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
-    rows = np.arange(L)[:, None]
-    before = per_replica[rows, start].reshape(L, num_gpus, S).sum(-1).max(axis=1)
-    after = per_replica[rows, phy2log].reshape(L, num_gpus, S).sum(-1).max(axis=1)
+    before = raw_gpu_loads(load, start, num_gpus).max(axis=1)
+    after = raw_gpu_loads(load, phy2log, num_gpus).max(axis=1)
     return np.where((after <= before)[:, None], phy2log, start)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, PlacementFileError
+from fdeplb.placement._validate import read_document
 from fdeplb.placement.core import Placement, derive_maps
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
@@ -179,26 +180,6 @@ def _int_rows(p: Path, rows, key: str) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def _load_doc(p: Path):
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _fail(p, "placement file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise _fail(p, f"cannot read placement file: {exc}") from None
-    if p.suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise _fail(p, f"not YAML ({exc})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _fail(p, f"not JSON ({exc})") from None
-
-
 def read_placement(
     path: str | Path,
     *,
@@ -217,7 +198,7 @@ def read_placement(
             an expert without a slot, maps inconsistent with phy2log, or a topology that does not fit.
     """
     p = Path(path)
-    doc = _load_doc(p)
+    doc = read_document(p, PlacementFileError, "placement file")
     if not isinstance(doc, dict):
         raise _fail(p, f"expected a mapping at the top level, got {type(doc).__name__}")
     digest = None

@@ -14,14 +14,13 @@ Values are tokens routed to each logical expert (token x top-k assignments) over
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from fdeplb.errors import InputError, LoadFileError
-from fdeplb.placement._validate import check_expert_load
+from fdeplb.placement._validate import check_expert_load, read_document
 
 #: JSON keys recognised as expert loads, in lookup order, and whether all-zero rows are dropped.
 LOAD_KEYS: dict[str, bool] = {"logical_count": True, "counts": False}
@@ -76,16 +75,7 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
             ragged rows, non-numbers, NaN/inf, negative values, or no layer left; the message names the file.
     """
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise LoadFileError(f"{p}: expert-load file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LoadFileError(f"{p}: cannot read expert-load file: {exc}") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise LoadFileError(f"{p}: not JSON ({exc})") from None
+    doc = read_document(p, LoadFileError, "expert-load file")
     if not isinstance(doc, dict):
         raise LoadFileError(f"{p}: expected a JSON object with 'logical_count' or 'counts', got {type(doc).__name__}")
     key = next((k for k in LOAD_KEYS if k in doc), None)

@@ -31,8 +31,8 @@ def _checked(expert_load: object, phy2log: object, num_gpus: object) -> tuple[np
     return load, p2l, G
 
 
-def _gpu_loads(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
-    """gpu_loads on checked inputs."""
+def raw_gpu_loads(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
+    """:func:`gpu_loads` without input checks (callers pass checked float/int [L, E] and int64 [L, P])."""
     L, E = load.shape
     rows = np.arange(L)[:, None]
     logcnt = np.zeros((L, E), dtype=np.int64)
@@ -52,7 +52,7 @@ def gpu_loads(expert_load: object, phy2log: object, num_gpus: int) -> np.ndarray
     Raises:
         InputError: bad shapes or values (see :func:`fdeplb.placement.rebalance_experts`).
     """
-    return _gpu_loads(*_checked(expert_load, phy2log, num_gpus))
+    return raw_gpu_loads(*_checked(expert_load, phy2log, num_gpus))
 
 
 def _ratios(loads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from fdeplb.placement.balanced import balanced_phy2log
+from fdeplb.placement.metrics import raw_gpu_loads
 from fdeplb.placement.slots import align_slots, multiset_overlap, overlap_assignment
 
 _RTOL = 1e-12
@@ -40,7 +41,8 @@ class _Row:
         self.gpu = np.arange(row.size) // self.S
         E = load.size
         self.M = np.zeros((num_gpus, E), dtype=np.int64)
-        np.add.at(self.M, (self.gpu, self.row), 1)
+        placed = self.row >= 0  # -1: a slot to fill (its old expert belongs to another node now)
+        np.add.at(self.M, (self.gpu[placed], self.row[placed]), 1)
         self.Mo = np.zeros((num_gpus, E), dtype=np.int64)
         known = old >= 0
         np.add.at(self.Mo, (self.gpu[known], old[known]), 1)
@@ -155,12 +157,9 @@ class _Row:
         """Give every free slot (-1) an expert: first the experts without a slot, heaviest first, each on the lightest
         GPU with a free slot; then the expert with the largest load per replica. Frees duplicate slots if needed."""
         free = self.row < 0
-        if not free.any():
-            return
-        self.M[:] = 0
-        np.add.at(self.M, (self.gpu[~free], self.row[~free]), 1)
-        self.c = self.M.sum(axis=0)
         missing = [int(e) for e in np.argsort(-self.load, kind="stable") if self.c[e] == 0]
+        if not free.any() and not missing:
+            return
         while len(missing) > free.sum():  # not enough room: drop the replica whose removal costs least
             spare = np.flatnonzero(self.c >= 2)
             e = int(spare[np.argmin(self.load[spare] / (self.c[spare] - 1))])
@@ -221,10 +220,7 @@ def move_aware_phy2log(
     slots_per_node = P // num_nodes
     S = P // num_gpus
     mean = load.sum(axis=1) / num_gpus
-    rows = np.arange(L)[:, None]
-    logcnt = np.zeros((L, E), dtype=np.int64)
-    np.add.at(logcnt, (rows, fresh), 1)
-    fresh_peak = (load / logcnt)[rows, fresh].reshape(L, num_gpus, S).sum(-1).max(axis=1)
+    fresh_peak = raw_gpu_loads(load, fresh, num_gpus).max(axis=1)
     # a hair under the tolerance so that the ratio recomputed from scratch stays within it
     target = np.maximum(fresh_peak, (fresh_peak / np.where(mean > 0, mean, 1) + tolerance * (1 - 1e-9)) * mean)
     group_size = E // num_groups
@@ -235,9 +231,7 @@ def move_aware_phy2log(
     budget = np.inf if max_moved_experts is None else float(max_moved_experts)
     out = np.empty_like(old)
     # worst layers first, so that a move budget goes where it helps most
-    old_cnt = np.zeros((L, E), dtype=np.int64)
-    np.add.at(old_cnt, (rows, old), 1)
-    old_peak = (load / old_cnt)[rows, old].reshape(L, num_gpus, S).sum(-1).max(axis=1)
+    old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
     for layer in np.argsort(-(old_peak - target), kind="stable"):
         fresh_node = np.empty(num_groups, dtype=np.int64)
         fresh_node[fresh[layer] // group_size] = np.arange(P) // slots_per_node

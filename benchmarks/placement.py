@@ -1,0 +1,206 @@
+"""Placement benchmark on every real expert-load dump (../shared/real_data).
+
+For every dump and topology (EP8/16/32/64, one redundant slot per GPU; DeepSeek-V3 dumps with 8 groups,
+hierarchical with 8 GPUs per node and global; Qwen dumps global) it times each policy and measures the balance it
+reaches, then runs the drift pairs (old placement = "balanced" on load A, new loads B) and counts moved experts.
+A plain-Python-loop DeepSeek EPLB (fdeplb.placement.reference) runs in the same process as the speed reference.
+
+Prints tables, the targets of issue #3 with PASS/FAIL, and a last line of JSON. ``--write-results FILE`` also
+writes the tables as Markdown (benchmarks/results/placement.md is such a file).
+
+    python benchmarks/placement.py [--real-data DIR] [--write-results benchmarks/results/placement.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from fdeplb.placement import balancedness, imbalance, moved_experts, read_expert_load, rebalance_experts
+from fdeplb.placement.reference import deepseek_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {  # folder -> (model name, num_groups for the hierarchical mode or None)
+    "dsv3_sglang_ep_stats": ("DeepSeek-V3", 8),
+    "qwen3_235b_oeplb": ("Qwen3-235B", None),
+    "qwen3_30b_oeplb": ("Qwen3-30B", None),
+    "qwen2_57b_oeplb": ("Qwen2-57B", None),
+}
+EP_SIZES = (8, 16, 32, 64)
+GPUS_PER_NODE = 8
+POLICIES = ("deepseek", "greedy", "balanced")
+REPEATS = {"deepseek": 5, "greedy": 3, "balanced": 3}
+DRIFT_PAIRS = [  # (folder, load A, load B, EP size)
+    ("dsv3_sglang_ep_stats", "prefill_in1024", "decode_in1000out1000", 32),
+    ("dsv3_sglang_ep_stats", "prefill_in512", "prefill_in4096", 32),
+    ("dsv3_sglang_ep_stats", "decode_in500out1500", "decode_in2000out100", 32),
+    ("qwen2_57b_oeplb", "counts57b", "counts57b_share", 8),
+]
+
+
+def timed(fn, repeats: int):
+    """(result of the last call, list of wall times in ms)."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return out, times
+
+
+def ratio(load, placement, num_gpus) -> np.ndarray:
+    return 1.0 + imbalance(load, placement, num_gpus)
+
+
+def configs(model: str, groups: int | None, num_experts: int):
+    """(mode, EP, slots, num_groups, num_nodes) to run for a model."""
+    for ep in EP_SIZES:
+        slots = num_experts + ep
+        if groups is None:
+            yield "global", ep, slots, 1, 1
+            continue
+        yield "global", ep, slots, groups, 1
+        if ep > GPUS_PER_NODE:
+            yield "hierarchical", ep, slots, groups, ep // GPUS_PER_NODE
+
+
+def run(real_data: Path) -> dict:
+    """Run everything; returns the results (rows, drift, targets)."""
+    rebalance_experts(np.ones((2, 16)), 20, 4, 2, 4, policy="balanced")  # warm-up (imports, caches)
+    cells: dict[tuple, dict] = {}
+    for folder, (model, groups) in MODELS.items():
+        for path in sorted((real_data / folder).glob("*.json")):
+            load = read_expert_load(path).expert_load
+            for mode, ep, slots, g, n in configs(model, groups, load.shape[1]):
+                runs = {p: timed(lambda p=p: rebalance_experts(load, slots, g, n, ep, policy=p), REPEATS[p])
+                        for p in POLICIES}
+                runs["python-loop deepseek"] = timed(lambda: deepseek_reference(load, slots, g, n, ep), 1)
+                for policy, (plan, times) in runs.items():
+                    cell = cells.setdefault((model, mode, ep, slots, policy), {"ms": [], "bal": [], "ratio": [],
+                                                                              "per_dump_ratio": {}})
+                    cell["ms"] += times
+                    cell["bal"].append(balancedness(load, plan, ep).mean())
+                    r = ratio(load, plan, ep).mean()
+                    cell["ratio"].append(r)
+                    cell["per_dump_ratio"][path.stem] = r
+    rows = [
+        {"model": k[0], "mode": k[1], "ep": k[2], "slots": k[3], "policy": k[4],
+         "median_ms": statistics.median(v["ms"]), "balancedness": float(np.mean(v["bal"])),
+         "max_over_mean": float(np.mean(v["ratio"])), "worst_dump_max_over_mean": float(np.max(v["ratio"])),
+         "dumps": len(v["ratio"])}
+        for k, v in cells.items()
+    ]
+    drift = []
+    for folder, a, b, ep in DRIFT_PAIRS:
+        load_a = read_expert_load(real_data / folder / f"{a}.json").expert_load
+        load_b = read_expert_load(real_data / folder / f"{b}.json").expert_load
+        slots = load_a.shape[1] + ep
+        old = rebalance_experts(load_a, slots, 1, 1, ep, policy="balanced")
+        entry = {"pair": f"{a} -> {b}", "model": MODELS[folder][0], "ep": ep, "slots": slots,
+                 "old_max_over_mean": float(ratio(load_b, old, ep).mean())}
+        for policy in (*POLICIES, "move_aware"):
+            plan, times = timed(lambda p=policy: rebalance_experts(load_b, slots, 1, 1, ep, policy=p,
+                                                                  old_phy2log=old), 1)
+            entry[policy] = {"moved": moved_experts(old, plan, ep), "max_over_mean": float(ratio(load_b, plan, ep).mean()),
+                             "ms": times[0]}
+        drift.append(entry)
+    return {"rows": rows, "drift": drift, "targets": targets(rows, drift)}
+
+
+def targets(rows: list[dict], drift: list[dict]) -> list[dict]:
+    """The targets of issue #3, measured."""
+    def row(**kw):
+        return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
+
+    ds = row(model="DeepSeek-V3", mode="hierarchical", ep=32, policy="deepseek")
+    bal_ds = row(model="DeepSeek-V3", mode="global", ep=32, policy="balanced")
+    bal_q = [row(model=m, mode="global", ep=16, policy="balanced") for m in ("Qwen3-235B", "Qwen3-30B")]
+    balanced_rows = [bal_ds, *bal_q]
+    out = [
+        {"target": "deepseek, DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, 32 GPUs): median ms",
+         "value": round(ds["median_ms"], 2), "limit": 6.0, "ok": ds["median_ms"] <= 6.0},
+        {"target": "balanced, global: worst dump mean max/mean (DeepSeek EP32, Qwen3 EP16)",
+         "value": round(max(r["worst_dump_max_over_mean"] for r in balanced_rows), 6), "limit": 1.0005,
+         "ok": all(r["worst_dump_max_over_mean"] <= 1.0005 for r in balanced_rows)},
+        {"target": "balanced, global: median ms (DeepSeek EP32, Qwen3 EP16)",
+         "value": round(max(r["median_ms"] for r in balanced_rows), 2), "limit": 50.0,
+         "ok": all(r["median_ms"] <= 50.0 for r in balanced_rows)},
+    ]
+    for d in drift:
+        share = d["move_aware"]["moved"] / max(d["balanced"]["moved"], 1)
+        excess = d["move_aware"]["max_over_mean"] - d["balanced"]["max_over_mean"]
+        out.append({"target": f"move_aware {d['pair']}: moved / fresh balanced moved", "value": round(share, 4),
+                    "limit": 0.30, "ok": share <= 0.30})
+        out.append({"target": f"move_aware {d['pair']}: max/mean - fresh balanced", "value": round(excess, 6),
+                    "limit": 0.001, "ok": excess <= 0.001})
+    return out
+
+
+def tables(result: dict) -> list[str]:
+    """Markdown tables (also printed)."""
+    lines = ["| model | mode | EP | slots | policy | median ms | balancedness | max/mean | worst dump |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    order = {p: i for i, p in enumerate((*POLICIES, "python-loop deepseek"))}
+    for r in sorted(result["rows"], key=lambda r: (list(MODELS.values()).index(next(v for v in MODELS.values()
+                                                                                    if v[0] == r["model"])),
+                                                   r["mode"], r["ep"], order[r["policy"]])):
+        lines.append(f"| {r['model']} | {r['mode']} | {r['ep']} | {r['slots']} | {r['policy']} | "
+                     f"{r['median_ms']:.1f} | {r['balancedness']:.4f} | {r['max_over_mean']:.5f} | "
+                     f"{r['worst_dump_max_over_mean']:.5f} |")
+    lines += ["", "Drift pairs: old = \"balanced\" on A; moved experts and mean max/mean on B (global).", "",
+              "| pair | EP | slots | old max/mean | policy | moved experts | max/mean | ms |",
+              "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for d in result["drift"]:
+        for policy in (*POLICIES, "move_aware"):
+            e = d[policy]
+            lines.append(f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
+                         f"{policy} | {e['moved']:,} | {e['max_over_mean']:.5f} | {e['ms']:.0f} |")
+    lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['target']} | {t['value']} | {t['limit']} | {'PASS' if t['ok'] else 'FAIL'} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real-data", type=Path,
+                        default=Path(os.environ.get("FDEPLB_REAL_DATA", ROOT.parent / "shared" / "real_data")))
+    parser.add_argument("--write-results", type=Path, metavar="FILE", help="also write the tables as Markdown")
+    args = parser.parse_args(argv)
+    if not args.real_data.is_dir():
+        print(f"real data not found at {args.real_data}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    result = run(args.real_data)
+    total = time.perf_counter() - start
+    lines = tables(result)
+    print("\n".join(lines))
+    print(f"\ntotal {total:.0f} s on {os.cpu_count()} CPUs, numpy {np.__version__}, python {platform.python_version()}")
+    if args.write_results:
+        header = ["# Placement benchmark", "",
+                  f"`python benchmarks/placement.py` on {os.cpu_count()} CPUs ({platform.machine()}, "
+                  f"Python {platform.python_version()}, numpy {np.__version__}); whole run {total:.0f} s. "
+                  "Slots = experts + one redundant per GPU; hierarchical = 8 GPUs per node. Balance columns are means "
+                  "over layers and dumps (max/mean = 1 + imbalance); times are medians over dumps and repeats "
+                  "(deterministic balance, timings vary by machine load).", ""]
+        args.write_results.write_text("\n".join(header + lines) + "\n")
+    summary = {
+        "benchmark": "placement",
+        "seconds": round(total, 1),
+        "all_targets_ok": all(t["ok"] for t in result["targets"]),
+        "targets": {t["target"]: t["value"] for t in result["targets"]},
+    }
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0 if summary["all_targets_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
