@@ -55,6 +55,7 @@ class ThreadCluster:
 
     def start_agents(self, ranks=None, **kwargs) -> None:
         for r in ranks if ranks is not None else range(self.config.ep_size):
+            kwargs.setdefault("verify_all", True)
             agent = RankAgent(self.store(), r, load_source=lambda _round, r=r: self.loads[r], **kwargs)
             agent.start()
             t = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True, name=f"rank{r}")

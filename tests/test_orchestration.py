@@ -145,3 +145,35 @@ def test_two_rounds_second_is_gated_or_moves_nothing_twice(redis_url, cluster_id
         last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
         assert last["trigger"] == "abort" and "0 moved experts" in last["reason"]
         assert store.current_placement()[0] == first[0]
+
+
+def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cluster_id, tmp_path, monkeypatch):
+    """Past the commit point a corrupted staging must not be swallowed: the swap's checksum catches it, the rank
+    restores its slots from the checkpoint, stages again and completes; an alarm is raised on the way."""
+    import fdeplb.weights as weights
+
+    real_stage = weights.stage_experts
+    corrupted = []
+
+    def corrupting_stage(plan, reader, **kwargs):
+        staged = real_stage(plan, reader, **kwargs)
+        if not corrupted and len(staged.experts):
+            tensor = next(iter(staged.experts[0].values()))
+            tensor.set_value(tensor + 1)  # a wrong value in staging: exactly what the checksum must catch
+            corrupted.append(plan.ep_rank)
+        return staged
+
+    monkeypatch.setattr(weights, "stage_experts", corrupting_stage)
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start_agents()
+        tc.start_coordinator()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "round with a repaired swap")
+        events = [e for _, e in store.wait({store.keys.events: "0-0"}, 1) if e["kind"] == "alarm"]
+        assert corrupted and any("verification failed" in e["message"] for e in events)
+        assert transitions_of(store)[-1] == ("DONE", "FREE", "release")
+        plan_id, phy2log = store.current_placement()
+        for agent in tc.agents:
+            assert np.array_equal(agent.live.phy2log, phy2log)
+            assert agent.live.verify(agent.reader) == (15, 15)

@@ -38,16 +38,20 @@ class RankAgent:
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
     ``staging_budget_bytes``: staging refuses (rank LOAD_FAILED) plans that need more host memory than this.
     ``device``: paddle device for the live slot tensors (None = paddle's current device).
+    ``verify_all``: after each swap, compare *every* slot of the rank with the checkpoint (re-reads the rank's
+    whole share from disk; the demo and tests do it). Otherwise only the slots the swap wrote are verified, by
+    :meth:`LiveExperts.swap` itself.
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource,
                  staging_budget_bytes: int | None = None, device: str | None = None,
-                 actor: str | None = None) -> None:
+                 actor: str | None = None, verify_all: bool = False) -> None:
         self.store = store
         self.ep_rank = int(ep_rank)
         self.load_source = load_source
         self.staging_budget_bytes = staging_budget_bytes
         self.device = device
+        self.verify_all = verify_all
         self.actor = actor or f"rank{ep_rank}@{os.getpid()}"
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
@@ -202,21 +206,40 @@ class RankAgent:
         return True
 
     def _on_swapping(self, me: Record, cluster: Record) -> bool:
+        from fdeplb.errors import VerificationError
+
         plan_id = me.get("plan_id")
         new = self._new_phy2log(plan_id)
         t0 = time.perf_counter()
         report: dict[str, Any] = {}
         if not np.array_equal(self.live.phy2log, new):
-            info = self._stage(plan_id)
-            _, transfer, staged, _, _ = self.staged
-            swap = self.live.swap(transfer, staged, new)
+            for attempt in (1, 2):
+                info = self._stage(plan_id)
+                _, transfer, staged, _, _ = self.staged
+                try:
+                    swap = self.live.swap(transfer, staged, new)
+                    break
+                except VerificationError as err:
+                    # past the commit point: no abort. Restore the old placement from the checkpoint, stage
+                    # again from disk and retry once; then stay SWAPPING and let the deadline raise the alarm.
+                    self.log.error("swap verification failed", attempt=attempt, error=str(err))
+                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"swap verification failed: {err}")
+                    self._drop_staging()
+                    self.live.reload(self.reader)
+                    if attempt == 2:
+                        self.store.set_fields(me.key, {"reason": f"swap verification failed twice: {err}"})
+                        return False
             report.update(info)
             report.update({k: v for k, v in _as_dict(swap).items() if isinstance(v, (int, float, str))})
             self._drop_staging()
-        verified, total = self.live.verify(self.reader)
+        if self.verify_all:
+            verified, total = self.live.verify(self.reader)
+        else:  # swap() verified every changed slot; the kept ones were verified when they were written
+            total = self.live.slots_per_rank * self.live.num_layers
+            verified = total
         self.live_plan_id = plan_id
         report.update({"swap_ms": round((time.perf_counter() - t0) * 1000, 3), "slots_verified": verified,
-                       "slots_total": total, "live_plan_id": plan_id})
+                       "slots_total": total, "live_plan_id": plan_id, "verified_all": int(self.verify_all)})
         if verified != total:
             self.log.error("verification failed", verified=verified, total=total)
             report["reason"] = f"{total - verified} of {total} slots do not match the checkpoint"

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ep_size = store.ep_size()
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
     agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
-                      staging_budget_bytes=args.staging_budget_bytes)
+                      staging_budget_bytes=args.staging_budget_bytes, verify_all=True)
 
     def stop(_signum, _frame):
         agent.stop_event.set()
