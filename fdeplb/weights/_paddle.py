@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 import zlib
 from functools import lru_cache
 from typing import Any
@@ -21,7 +22,10 @@ _EXTRA = "pip install 'fdeplb[paddle]' (CPU), or paddlepaddle-gpu from Paddle's 
 def paddle() -> Any:
     """The ``paddle`` module. Raises DependencyError naming the extra when it is not installed."""
     try:
-        import paddle as _paddle
+        with warnings.catch_warnings():
+            # paddle's C++-extension helper warns about ccache on import; fdeplb compiles no extension
+            warnings.filterwarnings("ignore", message="No ccache found")
+            import paddle as _paddle
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise DependencyError(f"fdeplb.weights needs paddle: {_EXTRA} ({exc})") from exc
     return _paddle
