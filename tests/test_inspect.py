@@ -13,7 +13,7 @@ from fdeplb.orchestration.cluster import ClusterConfig, init_cluster
 from fdeplb.orchestration.records import RecordHandle
 from fdeplb.replay import replay_file
 from fdeplb.store.redis_store import Store
-from tests.test_replay import PLAN, fire_round
+from tests.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
 
 EP = 2
 
@@ -23,17 +23,6 @@ def store(redis_url, cluster_id):
     store = Store(redis_url, cluster_id)
     init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=EP),
                  np.arange(4, dtype=np.int64).reshape(1, 4))
-    yield store
-    store.delete_cluster()
-
-
-@pytest.fixture
-def fired(redis_url, cluster_id):
-    """A one-rank cluster after one full round fired through the commit script."""
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=1),
-                 np.arange(4, dtype=np.int64).reshape(1, 4))
-    fire_round(store)
     yield store
     store.delete_cluster()
 

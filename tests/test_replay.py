@@ -51,7 +51,8 @@ def fire_round(store: Store) -> None:
 
 
 @pytest.fixture
-def small(redis_url, cluster_id):
+def fired(redis_url, cluster_id):
+    """A one-rank cluster after one full round fired through the commit script (see :func:`fire_round`)."""
     store = Store(redis_url, cluster_id)
     init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=1),
                  np.arange(4, dtype=np.int64).reshape(1, 4))
@@ -61,8 +62,8 @@ def small(redis_url, cluster_id):
 
 
 @pytest.fixture
-def lines(small) -> list[str]:
-    return [json.dumps(audit_dict(e)) for e in small.iter_audit()]
+def lines(fired) -> list[str]:
+    return [json.dumps(audit_dict(e)) for e in fired.iter_audit()]
 
 
 def test_fired_round_replays(lines):
@@ -119,19 +120,19 @@ def test_bad_lines_fail_with_their_number(lines, bad, message):
     assert isinstance(err.value, InputError) and exit_code(err.value) == 2
 
 
-def test_made_up_plan_does_not_reproduce(small, lines):
+def test_made_up_plan_does_not_reproduce(fired, lines):
     report = replay(parse_lines(lines))
     with pytest.raises(ReplayError, match=rf"line 3 .*plan {PLAN} of round 1: \(snapshot, old placement, policy, "
                                           r"topology\) hash to [0-9a-f]{16}"):
-        check_plans(small, report)
-    small.client.delete(small.keys.plan(PLAN))
+        check_plans(fired, report)
+    fired.client.delete(fired.keys.plan(PLAN))
     with pytest.raises(ReplayError, match="not stored at"):
-        check_plans(small, report)
+        check_plans(fired, report)
 
 
-def test_replay_cli_on_a_fired_round(small, tmp_path, capsys):
+def test_replay_cli_on_a_fired_round(fired, tmp_path, capsys):
     path = tmp_path / "audit.jsonl"
-    assert export_audit(small.iter_audit(), path) == 14
+    assert export_audit(fired.iter_audit(), path) == 14
     assert main(["replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "cluster      FREE [0]  v7  (7 transitions, last release)" in out
