@@ -154,9 +154,12 @@ def run_audit(args: argparse.Namespace) -> int:
         n = export_audit(entries, args.export)
         print(f"exported {n} audit records of cluster {args.cluster} to {args.export}")
         return 0
-    out = sys.stdout
-    for entry in entries:
-        out.write((json.dumps(audit_dict(entry)) if args.json else format_audit(entry)) + "\n")
+    try:
+        for entry in entries:
+            sys.stdout.write((json.dumps(audit_dict(entry)) if args.json else format_audit(entry)) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `fdeplb audit ... | head`: the reader has what it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
