@@ -118,6 +118,12 @@ class DependencyError(FdeplbError):
     code = "missing_dependency"
 
 
+class RedisUnavailableError(FdeplbError):
+    """Redis did not answer at the given URL (connection refused, unknown host, timeout, authentication)."""
+
+    code = "redis_unavailable"
+
+
 class DeadlineError(FdeplbError):
     """A wait ran past its deadline."""
 
@@ -133,6 +139,7 @@ ERROR_TABLE: dict[type[FdeplbError], tuple[int, int]] = {
     WeightError: (500, 4),
     DependencyError: (500, 5),
     DeadlineError: (504, 6),
+    RedisUnavailableError: (503, 7),
     FdeplbError: (500, 1),
 }
 

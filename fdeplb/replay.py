@@ -234,10 +234,10 @@ def check_plans(store: Any, report: ReplayReport) -> list[str]:
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
     from fdeplb.orchestration.cluster import plan_digest, read_cluster_config
-    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.orchestration.coordinator import default_planner
 
     config = read_cluster_config(store)
-    planner = Coordinator(store, holder="fdeplb-replay").planner  # the coordinator's default planner
+    planner = default_planner
     new_of: dict[str, np.ndarray] = {}
     for plan in report.plans:
         where = f"{plan.where}: plan {plan.plan_id or '(empty)'} of round {plan.round}"

@@ -95,7 +95,7 @@ def test_bad_cluster_and_redis(redis_url, store, capsys, command):
     code, _, err = cli(capsys, command, "--redis-url", url, "--cluster", "t-never-initialised")
     assert code == 2 and err.startswith("error: no cluster 't-never-initialised' at ")
     code, _, err = cli(capsys, command, "--redis-url", "redis://127.0.0.1:1/0", "--cluster", store.cluster)
-    assert code == 1 and err.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0: ")
+    assert code == 7 and err.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0: ")
     code, _, err = cli(capsys, command, "--redis-url", "http://127.0.0.1:1", "--cluster", store.cluster)
     assert code == 2 and err.startswith("error: bad Redis URL 'http://127.0.0.1:1'")
     code, _, err = cli(capsys, command, "--redis-url", url, "--cluster", "no/such")

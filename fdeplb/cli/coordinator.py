@@ -28,14 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
+    from fdeplb.cli._common import open_store
     from fdeplb.log import configure
-    from fdeplb.orchestration.cluster import read_cluster_config
     from fdeplb.orchestration.coordinator import Coordinator
-    from fdeplb.store.redis_store import Store
 
     configure(args.log_level)
-    store = Store(args.redis_url, args.cluster)
-    read_cluster_config(store)  # NotFoundError (exit 2) for a cluster that was never initialised
+    store = open_store(args.redis_url, args.cluster)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms)
 
     def stop(_signum, _frame):
@@ -48,11 +46,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 
 def run_rearrange(args: argparse.Namespace) -> int:
-    from fdeplb.orchestration.cluster import read_cluster_config, request_commit, request_round
-    from fdeplb.store.redis_store import Store
+    from fdeplb.cli._common import open_store
+    from fdeplb.orchestration.cluster import request_commit, request_round
 
-    store = Store(args.redis_url, args.cluster)
-    read_cluster_config(store)
+    store = open_store(args.redis_url, args.cluster)
     if args.commit:
         request_commit(store, args.commit)
         print(f"commit of plan {args.commit} requested")

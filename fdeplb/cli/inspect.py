@@ -22,17 +22,12 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, TextIO
 
-from fdeplb.errors import FdeplbError, InputError, NotFoundError
+from fdeplb.cli._common import open_store
+from fdeplb.errors import InputError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
 
 #: audit fields written as integers in JSON output (the stream stores text)
 INT_FIELDS = ("version", "round", "ts_ms")
-
-
-class RedisUnavailableError(FdeplbError):
-    """Redis did not answer at the given URL (connection refused, unknown host, timeout, authentication)."""
-
-    code = "redis_unavailable"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -70,32 +65,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cluster_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", required=True, help="redis://host:port/db, rediss://... or unix:///path")
     p.add_argument("--cluster", required=True, help="cluster id")
-
-
-def open_store(url: str, cluster: str):
-    """A :class:`~fdeplb.store.redis_store.Store` for an existing cluster.
-
-    Raises :class:`InputError` (bad URL or cluster id), :class:`RedisUnavailableError` (no answer) or
-    :class:`NotFoundError` (no such cluster at that Redis).
-    """
-    from fdeplb.orchestration.cluster import read_cluster_config
-    from fdeplb.store.redis_store import Store
-
-    try:
-        store = Store(url, cluster)
-    except FdeplbError:
-        raise
-    except ValueError as exc:  # redis-py's URL parser
-        raise InputError(f"bad Redis URL {url!r}: {exc}") from None
-    try:
-        store.client.ping()
-    except Exception as exc:  # noqa: BLE001 - redis-py's connection errors (only fdeplb.store imports redis)
-        raise RedisUnavailableError(f"cannot reach Redis at {url}: {exc}") from None
-    try:
-        read_cluster_config(store)
-    except NotFoundError:
-        raise NotFoundError(f"no cluster {cluster!r} at {url} (never initialised, or another Redis db)") from None
-    return store
 
 
 # ---- audit ---------------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class Coordinator:
         self.lease_ms = int(lease_ms)
         self.lease: str | None = None
         self._renewed_ms = 0
-        self.planner = planner or _default_planner
+        self.planner = planner or default_planner
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
         self._alarmed: set[str] = set()
@@ -273,7 +273,8 @@ def _json(obj: object) -> str:
     return json.dumps(obj, sort_keys=True)
 
 
-def _default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+    """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts`: new phy2log int64 [L, P]."""
     from fdeplb.placement import rebalance_experts
 
     kwargs = {"old_phy2log": old_phy2log} if cfg.policy == "move_aware" else {}

@@ -39,6 +39,8 @@ class RecordHandle:
         self.fence = fence
         self.key = store.record_key(table, ep_rank)
         self.label = table.name if ep_rank is None else f"{table.name}:{ep_rank}"
+        self._machine = None  # built on first fire, then reused (building one per call costs ~0.2 ms)
+        self._mirror: RecordModel | None = None
 
     def ensure(self) -> bool:
         """Create the record in the table's initial state if it does not exist (no audit: version 0)."""
@@ -66,7 +68,17 @@ class RecordHandle:
             )
             model.version = result["c"].version
 
-        model = RecordModel(self.table, self.key, rec.state, rec.version, commit)
-        build_machine(self.table, model)
+        model = self._model(rec, commit)
         state = model.fire(trigger)
         return Fired(before=rec, state=state, commit=result["c"])
+
+    def _model(self, rec: Record, commit) -> RecordModel:
+        """The handle's model, attached once to a machine of its table, moved (in memory) to ``rec``'s state."""
+        if self._machine is None:
+            self._mirror = RecordModel(self.table, self.key, rec.state, rec.version, commit)
+            self._machine = build_machine(self.table, self._mirror)
+        else:
+            self._machine.set_state(rec.state, model=self._mirror)
+            self._mirror.version = rec.version
+            self._mirror.commit_hook = commit
+        return self._mirror

@@ -21,7 +21,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from fdeplb.errors import FenceError, GuardError, InputError, NotFoundError, StaleStateError
+from fdeplb.errors import (
+    FenceError,
+    GuardError,
+    InputError,
+    NotFoundError,
+    RedisUnavailableError,
+    StaleStateError,
+)
 from fdeplb.machines.tables import MachineTable, TransitionSpec
 from fdeplb.store import arrays
 from fdeplb.store.keys import Keys
@@ -38,13 +45,16 @@ def connect(url: str) -> redis.Redis:
     """A redis-py client for ``url`` (``redis://``, ``rediss://`` or ``unix://``), bytes replies, no retries."""
     if not isinstance(url, str) or "://" not in url:
         raise InputError(f"not a Redis URL: {url!r} (expected redis://host:port/db or unix:///path)")
-    return redis.Redis.from_url(
-        url,
-        socket_timeout=SOCKET_TIMEOUT_S,
-        socket_connect_timeout=10.0,
-        retry=Retry(NoBackoff(), 0),
-        decode_responses=False,
-    )
+    try:
+        return redis.Redis.from_url(
+            url,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=10.0,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+        )
+    except ValueError as exc:  # redis-py's URL parser
+        raise InputError(f"bad Redis URL {url!r}: {exc}") from None
 
 
 def _s(value: Any) -> str:
@@ -92,6 +102,7 @@ class Store:
     """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is."""
 
     def __init__(self, client: redis.Redis | str, cluster: str) -> None:
+        self.url = client if isinstance(client, str) else repr(client)
         self.client = connect(client) if isinstance(client, str) else client
         self.keys = Keys(cluster)
         self.cluster = cluster
@@ -99,6 +110,13 @@ class Store:
         lua = resources.files("fdeplb.store") / "lua"
         self._commit = self.client.register_script((lua / "commit.lua").read_text())
         self._lease = self.client.register_script((lua / "lease.lua").read_text())
+
+    def ping(self) -> None:
+        """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
+        try:
+            self.client.ping()
+        except redis.RedisError as exc:
+            raise RedisUnavailableError(f"cannot reach Redis at {self.url}: {exc}") from None
 
     # ---- records ------------------------------------------------------------------------------------------------
     def record_key(self, table: MachineTable, index: int | None = None) -> str:

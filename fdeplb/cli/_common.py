@@ -1,0 +1,23 @@
+"""Helpers shared by the CLI subcommands."""
+
+from __future__ import annotations
+
+from fdeplb.errors import NotFoundError
+
+
+def open_store(url: str, cluster: str):
+    """A :class:`~fdeplb.store.redis_store.Store` for an existing cluster.
+
+    Raises :class:`InputError` (bad URL or cluster id), :class:`RedisUnavailableError` (no answer) or
+    :class:`NotFoundError` (no such cluster at that Redis).
+    """
+    from fdeplb.orchestration.cluster import read_cluster_config
+    from fdeplb.store.redis_store import Store
+
+    store = Store(url, cluster)
+    store.ping()
+    try:
+        read_cluster_config(store)
+    except NotFoundError:
+        raise NotFoundError(f"no cluster {cluster!r} at {url} (never initialised, or another Redis db)") from None
+    return store
