@@ -70,6 +70,12 @@ class ThreadCluster:
         self.threads.append(t)
         return self.coordinator
 
+    def start(self, **agent_kwargs) -> "ThreadCluster":
+        """Start every rank agent and a coordinator."""
+        self.start_agents(**agent_kwargs)
+        self.start_coordinator()
+        return self
+
     def stop(self) -> None:
         for a in self.agents:
             a.stop_event.set()

@@ -24,6 +24,10 @@ def round_over(store, n):
     return check
 
 
+def last_cluster_transition(store):
+    return [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+
+
 def transitions_of(store, machine="cluster"):
     return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["machine"] == machine]
 
@@ -32,8 +36,7 @@ def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
         _, before = store.current_placement()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "round 1")
         assert transitions_of(store) == [
@@ -60,11 +63,10 @@ def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=2.0) as tc:
         store = tc.store()
         _, before = store.current_placement()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "gated round")
-        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        last = last_cluster_transition(store)
         assert (last["from"], last["to"], last["trigger"]) == ("PLANNING", "FREE", "abort")
         assert last["reason"].startswith("gated:")
         assert np.array_equal(store.current_placement()[1], before)
@@ -79,7 +81,7 @@ def test_staging_over_budget_aborts_and_keeps_old_placement(redis_url, cluster_i
         tc.start_coordinator()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "aborted round")
-        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        last = last_cluster_transition(store)
         assert (last["to"], last["trigger"]) == ("FREE", "abort")
         assert "failed to load" in last["reason"]
         plan_id, after = store.current_placement()
@@ -96,8 +98,7 @@ def test_staging_over_budget_aborts_and_keeps_old_placement(redis_url, cluster_i
 def test_cordoned_cluster_waits_for_external_commit(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
         store = tc.store()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         rec = wait_for(lambda: (r := cluster_state(store)).state == "LOAD_SUCC" and r, 60, store, "LOAD_SUCC")
         assert store.current_placement()[0] == ""  # nothing committed yet
@@ -110,11 +111,10 @@ def test_cordoned_commit_deadline_aborts(redis_url, cluster_id, tmp_path):
     deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=300, swapping_ms=20_000)
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
         store = tc.store()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "round aborted by the commit deadline")
-        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "commit deadline" in last["reason"]
 
 
@@ -127,7 +127,7 @@ def test_missing_rank_aborts_collecting_by_deadline(redis_url, cluster_id, tmp_p
         request_round(store)
         wait_for(lambda: cluster_state(store).get_int("round") >= 1 and cluster_state(store).state == "FREE",
                  60, store, "collecting deadline")
-        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and "no load from ranks [3]" in last["reason"]
 
 
@@ -135,14 +135,13 @@ def test_two_rounds_second_is_gated_or_moves_nothing_twice(redis_url, cluster_id
     """The same loads twice: the second plan equals the current placement, so the round is gated (audited)."""
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "round 1")
         first = store.current_placement()
         request_round(store)
         wait_for(round_over(store, 2), 60, store, "round 2")
-        last = [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
+        last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and "0 moved experts" in last["reason"]
         assert store.current_placement()[0] == first[0]
 
@@ -166,8 +165,7 @@ def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cl
     monkeypatch.setattr(weights, "stage_experts", corrupting_stage)
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        tc.start_agents()
-        tc.start_coordinator()
+        tc.start()
         request_round(store)
         wait_for(round_over(store, 1), 60, store, "round with a repaired swap")
         events = [e for _, e in store.wait({store.keys.events: "0-0"}, 1) if e["kind"] == "alarm"]
