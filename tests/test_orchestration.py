@@ -175,3 +175,37 @@ def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cl
         for agent in tc.agents:
             assert np.array_equal(agent.live.phy2log, phy2log)
             assert agent.live.verify(agent.reader) == (15, 15)
+
+
+def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id, tmp_path):
+    """After the commit point an overdue rank is reported (record, audit, event), never aborted; once it comes
+    back it loads the committed placement and the round completes."""
+    import threading
+
+    from fdeplb.orchestration.agent import RankAgent
+
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=300)
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
+        store = tc.store()
+        tc.start()
+        request_round(store)
+        rec = wait_for(lambda: (r := cluster_state(store)).state == "LOAD_SUCC" and r, 60, store, "LOAD_SUCC")
+        tc.agents[3].stop_event.set()  # rank 3's worker goes away after staging
+        tc.threads[3].join(10)
+        assert not tc.threads[3].is_alive()
+        request_commit(store, rec.get("plan_id"))
+        alarmed = wait_for(lambda: (r := cluster_state(store)).get("alarm") and r, 30, store, "the alarm")
+        assert alarmed.state == "SWAPPING" and "ranks [3] not SWAPPED" in alarmed.get("alarm")
+        alarms = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+        assert alarms and alarms[0]["from"] == alarms[0]["to"] == "SWAPPING"
+        assert store.current_placement()[0] == rec.get("plan_id")  # committed: rolls forward
+        # the rank comes back (a new process would do the same): it loads the current placement and swaps
+        agent = RankAgent(tc.store(), 3, load_source=lambda _r: tc.loads[3], verify_all=True)
+        agent.start()
+        tc.agents.append(agent)
+        thread = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True)
+        thread.start()
+        tc.threads.append(thread)
+        wait_for(round_over(store, 1), 60, store, "the round to complete")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        assert np.array_equal(agent.live.phy2log, store.current_placement()[1])
