@@ -1,4 +1,5 @@
-"""``fdeplb coordinator`` (the sidecar that drives a cluster) and ``fdeplb rearrange`` (ask for a round)."""
+"""Operating a cluster: ``fdeplb init-cluster`` (create its records), ``fdeplb coordinator`` (the sidecar that
+drives it) and ``fdeplb rearrange`` (ask for a round, or commit a cordoned one)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,29 @@ import signal
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    i = sub.add_parser("init-cluster", help="create a cluster's configuration, placement and machine records",
+                       description="Create a cluster in Redis: its topology and settings, the initial placement "
+                                   "(trivial, or --initial FILE) and one record per machine at version 0. "
+                                   "An existing cluster with the same topology is left as it is.")
+    i.add_argument("--redis-url", required=True)
+    i.add_argument("--cluster", required=True)
+    i.add_argument("--num-layers", type=int, required=True, help="MoE layers")
+    i.add_argument("--num-logical-experts", type=int, required=True)
+    i.add_argument("--num-redundant-experts", type=int, required=True)
+    i.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs)")
+    i.add_argument("--num-nodes", type=int, default=1)
+    i.add_argument("--num-groups", type=int, default=1)
+    i.add_argument("--policy", default="deepseek")
+    i.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory or file")
+    i.add_argument("--preset", default="ernie", help="expert tensor names (ernie, ernie-quant, generic)")
+    i.add_argument("--initial", default=None, help="initial placement file (fdeplb, sglang, trtllm, fastdeploy)")
+    i.add_argument("--cordoned", action="store_true", help="commit only on an external request")
+    i.add_argument("--min-gain", type=float, default=0.0, help="least balancedness gain worth a round")
+    for phase, default in (("collecting", 30_000), ("loading", 120_000), ("commit", 600_000),
+                           ("swapping", 120_000)):
+        i.add_argument(f"--{phase}-ms", type=int, default=default, help=f"{phase} deadline (default {default})")
+    i.set_defaults(handler=run_init)
+
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
                        description="Run a coordinator next to the workers. Several may run: one holds the lease "
                                    "and drives the cluster machine, the others take over when its lease lapses.")
@@ -55,4 +79,38 @@ def run_rearrange(args: argparse.Namespace) -> int:
         print(f"commit of plan {args.commit} requested")
     else:
         print(f"round requested ({request_round(store, args.reason)} requested so far)")
+    return 0
+
+
+def run_init(args: argparse.Namespace) -> int:
+    from fdeplb.errors import InputError
+    from fdeplb.orchestration.cluster import ClusterConfig, Deadlines, init_cluster
+    from fdeplb.placement import initial_placement, read_placement
+    from fdeplb.store.redis_store import Store
+
+    if args.num_redundant_experts < 0:
+        raise InputError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
+    for name in ("collecting_ms", "loading_ms", "commit_ms", "swapping_ms"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    config = ClusterConfig(
+        num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
+        num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
+        num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
+        checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
+        min_gain=args.min_gain,
+        deadlines=Deadlines(collecting_ms=args.collecting_ms, loading_ms=args.loading_ms,
+                            commit_ms=args.commit_ms, swapping_ms=args.swapping_ms),
+    )
+    if args.initial:
+        phy2log = read_placement(args.initial, num_logical_experts=args.num_logical_experts,
+                                 num_gpus=args.ep_size).placement.phy2log
+    else:
+        phy2log = initial_placement(args.num_layers, args.num_logical_experts,
+                                    config.num_physical_experts).phy2log
+    store = Store(args.redis_url, args.cluster)
+    store.ping()
+    created = init_cluster(store, config, phy2log)
+    print(f"cluster {args.cluster}: {'created' if created else 'exists already, left as it is'} "
+          f"({config.ep_size} ranks x {config.slots_per_rank} slots, {config.num_layers} MoE layers)")
     return 0

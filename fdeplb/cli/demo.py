@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from fdeplb.errors import InputError
@@ -28,10 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from fdeplb.log import configure
     from fdeplb.sim.demo import DemoOptions, run_demo
+    from fdeplb.weights._paddle import paddle as load_paddle
 
     if args.ranks < 1:
         raise InputError(f"--ranks must be >= 1, got {args.ranks}")
     configure(args.log_level)
+    load_paddle()  # paddle's own SIGTERM handler aborts the process; ours unwinds so the workers are stopped
+
+    def terminate(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     summary = run_demo(DemoOptions(
         trace=args.trace, ranks=args.ranks, redis_url=args.redis_url, policy=args.policy,
         num_redundant_experts=args.num_redundant_experts, num_groups=args.num_groups, num_nodes=args.num_nodes,

@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(args.log_level)
 
     from fdeplb.orchestration.agent import RankAgent
+    from fdeplb.weights._paddle import paddle as load_paddle
     from fdeplb.placement import read_expert_load
     from fdeplb.sim.loads import rank_share
     from fdeplb.store.redis_store import Store
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     def stop(_signum, _frame):
         agent.stop_event.set()
 
+    load_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     agent.start()

@@ -1,0 +1,67 @@
+"""``fdeplb init-cluster`` / ``coordinator`` / ``rearrange``: creating and operating a cluster from the shell."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdeplb.cli import main
+from fdeplb.store.redis_store import Store
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def init_args(url, cluster, *extra):
+    return ("init-cluster", "--redis-url", url, "--cluster", cluster, "--num-layers", "2",
+            "--num-logical-experts", "8", "--num-redundant-experts", "4", "--ep-size", "4",
+            "--checkpoint", "/nonexistent/ckpt", *extra)
+
+
+def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
+    code, out, _ = run(capsys, *init_args(redis_url, cluster_id))
+    assert code == 0 and "created" in out
+    store = Store(redis_url, cluster_id)
+    plan_id, phy2log = store.current_placement()
+    assert plan_id == "" and phy2log.tolist() == [list(np.arange(12) % 8)] * 2
+    assert store.read_record(store.keys.rearrange).state == "FREE"
+    assert [store.read_record(store.keys.rank(r)).state for r in range(4)] == ["IDLE"] * 4
+    code, out, _ = run(capsys, *init_args(redis_url, cluster_id))
+    assert code == 0 and "exists already" in out
+    # another topology for the same cluster id is refused and changes nothing
+    before = store.read_config()
+    code, _, err = run(capsys, *init_args(redis_url, cluster_id)[:-2], "--ep-size", "2", "--checkpoint", "x")
+    assert code == 2 and "exists with topology" in err and store.read_config() == before
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--num-redundant-experts", "-4"), "must be >= 0"),
+    (("--ep-size", "5"), "not a multiple of ep_size"),
+    (("--policy", "magic"), "unknown policy"),
+    (("--loading-ms", "0"), "--loading-ms must be >= 1"),
+])
+def test_init_cluster_bad_input_changes_nothing(redis_url, cluster_id, capsys, extra, message):
+    code, _, err = run(capsys, *init_args(redis_url, cluster_id), *extra)
+    assert code == 2 and message in err
+    assert not Store(redis_url, cluster_id).client.exists(Store(redis_url, cluster_id).keys.config)
+
+
+def test_rearrange_requests_a_round_and_a_commit(redis_url, cluster_id, capsys):
+    run(capsys, *init_args(redis_url, cluster_id))
+    store = Store(redis_url, cluster_id)
+    code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id)
+    assert code == 0 and store.read_record(store.keys.rearrange).get_int("requested") == 1
+    code, _, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
+    assert code == 0 and store.read_record(store.keys.rearrange).get("commit_requested") == "abc"
+    assert store.read_record(store.keys.rearrange).state == "FREE"  # requests are wishes, not transitions
+
+
+@pytest.mark.parametrize("command", ["rearrange", "coordinator"])
+def test_operating_an_unknown_cluster_or_redis_fails_cleanly(redis_url, capsys, command):
+    code, _, err = run(capsys, command, "--redis-url", redis_url, "--cluster", "t-never-initialised")
+    assert code == 2 and "no cluster 't-never-initialised'" in err
+    code, _, err = run(capsys, command, "--redis-url", "redis://127.0.0.1:1/0", "--cluster", "c")
+    assert code == 7 and "cannot reach Redis" in err
