@@ -86,21 +86,26 @@ class RankAgent:
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
-        """Reconcile until :attr:`stop_event` is set or ``until()`` is true."""
+        """Reconcile until :attr:`stop_event` is set or ``until()`` is true; a lost Redis connection is logged
+        and retried every 0.5 s."""
         if self.live is None:
             self.start()
         cursor = self.store.last_ids()
         while not self.stop_event.is_set():
             try:
-                progressed = self.step()
-            except (StaleStateError, GuardError) as err:
-                self.log.info("retry", error=str(err))
-                progressed = True
-            if until is not None and until():
-                return
-            if not progressed:
-                self.store.set_fields(self.rank.key, {"heartbeat_ms": self.store.now_ms()})
-                self.store.wait(cursor, block_ms)
+                try:
+                    progressed = self.step()
+                except (StaleStateError, GuardError) as err:
+                    self.log.info("retry", error=str(err))
+                    progressed = True
+                if until is not None and until():
+                    return
+                if not progressed:
+                    self.store.set_fields(self.rank.key, {"heartbeat_ms": self.store.now_ms()})
+                    self.store.wait(cursor, block_ms)
+            except self.store.connection_errors as err:  # Redis away: the live experts keep serving
+                self.log.warning("redis unavailable", error=str(err))
+                self.stop_event.wait(0.5)
 
     def step(self) -> bool:
         """One reconcile step; True if it changed something (the caller loops without waiting)."""

@@ -88,35 +88,51 @@ class Coordinator:
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:
-        """Run until :attr:`stop_event` is set or ``until()`` is true (checked after every step)."""
+        """Run until :attr:`stop_event` is set or ``until()`` is true (checked after every step).
+
+        A lost Redis connection is logged and retried every 0.5 s (the lease lapses meanwhile; on return the
+        coordinator competes for it again like any other)."""
         cursor = self.store.last_ids()
         try:
             while not self.stop_event.is_set():
-                wait_ms = self.lease_ms // 3
-                if self.ensure_leadership():
-                    try:
-                        progressed, due_ms = self.step()
-                    except FenceError as err:
-                        self.log.warning("fenced", error=str(err))
-                        self.store.emit_event("fenced", holder=self.holder, error=str(err))
-                        self.lease = None
-                        continue
-                    except (StaleStateError, GuardError) as err:
-                        self.log.info("retry", error=str(err))
-                        progressed, due_ms = True, None
-                    if until is not None and until():
+                try:
+                    if self._iterate(cursor, until):
                         return
-                    if progressed:
-                        continue
-                    if due_ms is not None:
-                        wait_ms = max(1, min(wait_ms, due_ms))
-                elif until is not None and until():
-                    return
-                self.store.wait(cursor, wait_ms)
+                except self.store.connection_errors as err:
+                    self.log.warning("redis unavailable", error=str(err))
+                    self.stop_event.wait(0.5)
         finally:
             if self.lease is not None:
-                self.store.release_lease(self.lease)
+                try:
+                    self.store.release_lease(self.lease)
+                except self.store.connection_errors:
+                    pass  # it expires on its own
                 self.lease = None
+
+    def _iterate(self, cursor: dict[str, str], until: Callable[[], bool] | None) -> bool:
+        """One pass of the loop: lead, step, wait. True when ``until()`` says to stop."""
+        wait_ms = self.lease_ms // 3
+        if self.ensure_leadership():
+            try:
+                progressed, due_ms = self.step()
+            except FenceError as err:
+                self.log.warning("fenced", error=str(err))
+                self.store.emit_event("fenced", holder=self.holder, error=str(err))
+                self.lease = None
+                return False
+            except (StaleStateError, GuardError) as err:
+                self.log.info("retry", error=str(err))
+                progressed, due_ms = True, None
+            if until is not None and until():
+                return True
+            if progressed:
+                return False
+            if due_ms is not None:
+                wait_ms = max(1, min(wait_ms, due_ms))
+        elif until is not None and until():
+            return True
+        self.store.wait(cursor, wait_ms)
+        return False
 
     def step(self) -> tuple[bool, int | None]:
         """Run the entry work of the cluster's current state once.

@@ -126,9 +126,11 @@ class LocalCluster:
 
         thread = threading.Thread(target=coord.run, kwargs={"until": finished}, daemon=True)
         thread.start()
-        thread.join(timeout_s + 30)
-        coord.stop_event.set()
-        thread.join(10)
+        try:
+            thread.join(timeout_s + 30)
+        finally:  # also on SIGTERM/SIGINT in the main thread: stop the coordinator before Redis goes away
+            coord.stop_event.set()
+            thread.join(10)
         cur = self.store.read_record(self.store.keys.rearrange)
         if not (cur.state == "FREE" and cur.get_int("round") >= target):
             dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}

