@@ -39,7 +39,7 @@ def satisfy_guards(store: Store, table, trigger: str) -> None:
     """Make every guard of ``trigger`` hold (for the legal pairs of the table-driven test)."""
     plan = np.array([[3, 2, 1, 0]], dtype=np.int64)
     store.put_arrays(store.keys.plan(PLAN), {"new_phy2log": plan}, {"plan_id": PLAN})
-    rank_state = {"loaded": "LOADED", "swapped": "SWAPPED"}.get(trigger, "IDLE")
+    rank_state = {"loaded": "LOADED", "commit": "LOADED", "swapped": "SWAPPED"}.get(trigger, "IDLE")
     if table is CLUSTER:
         for r in range(EP):
             force(store, store.keys.rank(r), rank_state, plan_id=PLAN)
@@ -111,10 +111,12 @@ def test_codes_both_ways():
         (CLUSTER, "PLANNING", "load", lambda s: s.client.delete(s.keys.plan(PLAN))),
         (CLUSTER, "LOADING", "loaded", lambda s: force(s, s.keys.rank(0), "LOADED", plan_id="other")),
         (CLUSTER, "LOADING", "loaded", lambda s: force(s, s.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
+        (CLUSTER, "LOAD_SUCC", "commit", lambda s: force(s, s.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
         (CLUSTER, "SWAPPING", "swapped", lambda s: force(s, s.keys.rank(1), "SWAPPING", plan_id=PLAN)),
         (RANK, "IDLE", "stage", lambda s: force(s, s.keys.rearrange, "FREE", plan_id=PLAN)),
         (RANK, "LOADED", "swap", lambda s: force(s, s.keys.rearrange, "SWAPPING", plan_id="other")),
         (RANK, "LOADED", "abort", lambda s: s.client.hset(s.keys.placement, "plan_id", PLAN)),
+        (RANK, "LOADED", "fail", lambda s: s.client.hset(s.keys.placement, "plan_id", PLAN)),
         (WEIGHTS, "NORMAL", "clear", lambda s: force(s, s.keys.rearrange, "LOADING")),
     ],
 )

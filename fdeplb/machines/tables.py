@@ -146,7 +146,9 @@ CLUSTER = MachineTable(
         ),
         TransitionSpec(
             "commit", ("LOAD_SUCC",), "SWAPPING", effect="set_placement",
-            doc="commit point: the plan becomes the cluster's current placement in the same step",
+            guards=(Guard("ranks_in", state="LOADED", same_plan=True),),
+            doc="commit point: the plan becomes the cluster's current placement in the same step; every rank "
+                "must still hold its staging (none failed since LOAD_SUCC)",
         ),
         TransitionSpec(
             "swapped", ("SWAPPING",), "DONE", guards=(Guard("ranks_in", state="SWAPPED", same_plan=True),),
@@ -171,7 +173,11 @@ RANK = MachineTable(
             doc="start staging the experts of the round's plan",
         ),
         TransitionSpec("staged", ("LOADING",), "LOADED", doc="every expert the plan loads is staged and checked"),
-        TransitionSpec("fail", ("LOADING", "LOADED"), "LOAD_FAILED", doc="staging failed; the reason is recorded"),
+        TransitionSpec(
+            "fail", ("LOADING", "LOADED"), "LOAD_FAILED", guards=(Guard("plan_not_current"),),
+            doc="staging failed; the reason is recorded. Refused once the plan is committed: then the rank "
+                "rolls forward",
+        ),
         TransitionSpec(
             "swap", ("LOADED",), "SWAPPING", guards=(Guard("cluster_in", states=("SWAPPING",), same_plan=True),),
             doc="the plan is committed; copy into the live slots",

@@ -195,20 +195,18 @@ class RankAgent:
     def _on_loaded(self, me: Record, cluster: Record) -> bool:
         plan_id = me.get("plan_id")
         committed = cluster.state == "SWAPPING" and cluster.get("plan_id") == plan_id
-        if not committed and not self._plan_alive(plan_id, cluster):
+        if committed:  # staging (again, after a restart) happens in SWAPPING, which cannot fail the round
+            self.rank.fire("swap", record=me)
+            return True
+        if not self._plan_alive(plan_id, cluster):
             return self._abort(me, "round aborted after loading")
         try:
             self._stage(plan_id)  # a restarted agent lost its staging: stage again (same plan, same result)
         except WeightError as err:
             self._drop_staging()
-            if committed:
-                raise
             self.rank.fire("fail", record=me, reason=str(err), fields={"reason": str(err)})
             return True
-        if not committed:
-            return False
-        self.rank.fire("swap", record=me)
-        return True
+        return False
 
     def _on_swapping(self, me: Record, cluster: Record) -> bool:
         from fdeplb.errors import VerificationError
@@ -219,7 +217,13 @@ class RankAgent:
         report: dict[str, Any] = {}
         if not np.array_equal(self.live.phy2log, new):
             for attempt in (1, 2):
-                info = self._stage(plan_id)
+                try:
+                    info = self._stage(plan_id)
+                except WeightError as err:  # past the commit point: report and retry on the next wake-up
+                    self.log.error("staging failed after the commit point", error=str(err))
+                    self.store.set_fields(me.key, {"reason": f"staging failed after commit: {err}"})
+                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
+                    return False
                 _, transfer, staged, _, _ = self.staged
                 try:
                     swap = self.live.swap(transfer, staged, new)
