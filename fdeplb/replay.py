@@ -96,9 +96,15 @@ class ReplayReport:
 
 
 # ---- reading -------------------------------------------------------------------------------------------------------
+#: longest audit line accepted (a record is a few hundred bytes; this stops a runaway read of a non-JSONL file)
+MAX_LINE_BYTES = 64 * 1024
+
+
 def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
     """Parse JSONL audit lines (blank lines skipped); :class:`ReplayError` names the first bad line."""
     for n, text in enumerate(lines, start=1):
+        if len(text) > MAX_LINE_BYTES:
+            raise ReplayError(f"line {n}: longer than {MAX_LINE_BYTES} characters; not an audit export")
         if not text.strip():
             continue
         try:
@@ -120,15 +126,16 @@ def read_export(path: str | Path) -> Iterator[AuditLine]:
     except OSError as exc:
         raise InputError(f"cannot read audit export {path}: {exc.strerror}") from None
     with handle:
-        yield from parse_lines(handle)
+        # readline(limit) never holds more than one bounded chunk, even for a file without newlines (/dev/zero)
+        yield from parse_lines(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), ""))
 
 
 def _int(line: AuditLine, name: str) -> int:
     value = line.record.get(name, "")
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ReplayError(f"{line.where}: {name} is not an integer: {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (
+            isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
+        raise ReplayError(f"{line.where}: {name} is not an integer: {value!r}")  # 1.5, true, [] ...
+    return int(value)
 
 
 def _stream_id(line: AuditLine) -> tuple[int, int] | None:
@@ -254,9 +261,8 @@ def check_plans(store: Any, report: ReplayReport) -> list[str]:
         stored_round = int(text.get("round", -1))
         if not 0 < stored_round <= plan.round:  # a round that retries an aborted round's plan reuses it
             raise ReplayError(f"{where}: stored for round {text.get('round')}")
-        if text.get("old_plan_id", "") != plan.previous_plan_id:
-            raise ReplayError(f"{where}: planned from placement {text.get('old_plan_id') or '(initial)'}, but the "
-                              f"audit's placement was {plan.previous_plan_id or '(initial)'}")
+        # plans are content-addressed: a round that meets the same (snapshot, old placement) as an earlier one
+        # reuses that plan, whose stored round and old_plan_id are the earlier one's; compare contents instead
         if plan.previous_plan_id in new_of and not np.array_equal(old, new_of[plan.previous_plan_id]):
             raise ReplayError(f"{where}: old_phy2log is not plan {plan.previous_plan_id}'s new_phy2log")
         snapshot = store.get_array(store.keys.snapshot(plan.round), "expert_load")

@@ -49,14 +49,16 @@ def test_init_cluster_bad_input_changes_nothing(redis_url, cluster_id, capsys, e
     assert not Store(redis_url, cluster_id).client.exists(Store(redis_url, cluster_id).keys.config)
 
 
-def test_rearrange_requests_a_round_and_a_commit(redis_url, cluster_id, capsys):
+def test_rearrange_requests_a_round_and_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id)
     assert code == 0 and store.read_record(store.keys.rearrange).get_int("requested") == 1
-    code, _, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
-    assert code == 0 and store.read_record(store.keys.rearrange).get("commit_requested") == "abc"
     assert store.read_record(store.keys.rearrange).state == "FREE"  # requests are wishes, not transitions
+    # a commit is only accepted for a cordoned cluster's staged plan
+    code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
+    assert code == 3 and "not cordoned" in err
+    assert store.read_record(store.keys.rearrange).get("commit_requested") == ""
 
 
 @pytest.mark.parametrize("command", ["rearrange", "coordinator"])
@@ -65,3 +67,15 @@ def test_operating_an_unknown_cluster_or_redis_fails_cleanly(redis_url, capsys, 
     assert code == 2 and "no cluster 't-never-initialised'" in err
     code, _, err = run(capsys, command, "--redis-url", "redis://127.0.0.1:1/0", "--cluster", "c")
     assert code == 7 and "cannot reach Redis" in err
+
+
+def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, cluster_id, capsys):
+    run(capsys, *init_args(redis_url, cluster_id, "--cordoned"))
+    store = Store(redis_url, cluster_id)
+    code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
+    assert code == 3 and "is FREE" in err and "LOAD_SUCC" in err
+    store.client.hset(store.keys.rearrange, mapping={"state": "LOAD_SUCC", "plan_id": "p1"})  # test set-up
+    code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p2")
+    assert code == 3 and "asked: 'p2'" in err
+    code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p1")
+    assert code == 0 and store.read_record(store.keys.rearrange).get("commit_requested") == "p1"

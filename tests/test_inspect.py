@@ -129,7 +129,7 @@ def test_status_mid_round(redis_url, store, capsys):
     assert f"  lease      {lease}  (ttl " in out and "  placement  initial  v0\n" in out
     assert "s left\n" in out.splitlines()[2] + "\n"
     rows = out.splitlines()[-2:]
-    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "-", "-", "not", "registered"]
+    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "-", "-", "-", "not", "registered"]
     assert rows[1].split()[:6] == ["1", "IDLE", "0", "NORMAL", "0", "-"] and rows[1].endswith("s ago")
 
 

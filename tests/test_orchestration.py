@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fdeplb.errors import StateError
 from fdeplb.orchestration.cluster import Deadlines, request_commit, request_round
 from fdeplb.placement import balancedness
 from tests.helpers import thread_cluster, wait_for
@@ -209,3 +210,61 @@ def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id,
         wait_for(round_over(store, 1), 60, store, "the round to complete")
         assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
         assert np.array_equal(agent.live.phy2log, store.current_placement()[1])
+
+
+def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cluster_id, tmp_path):
+    """A rank that loses its staging after LOAD_SUCC (restarted, and cannot stage again) must not let the plan
+    commit: the round aborts before the commit point and the old placement stays."""
+    import threading
+
+    from fdeplb.orchestration.agent import RankAgent
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        store = tc.store()
+        before = store.current_placement()
+        tc.start()
+        request_round(store)
+        wait_for(lambda: cluster_state(store).state == "LOAD_SUCC", 60, store, "LOAD_SUCC")
+        tc.agents[0].stop_event.set()
+        tc.threads[0].join(10)
+        restarted = RankAgent(tc.store(), 0, load_source=lambda _r: tc.loads[0], staging_budget_bytes=1)
+        restarted.start()
+        tc.agents.append(restarted)
+        thread = threading.Thread(target=restarted.run, kwargs={"block_ms": 200}, daemon=True)
+        thread.start()
+        tc.threads.append(thread)
+        wait_for(round_over(store, 1), 60, store, "the aborted round")
+        last = last_cluster_transition(store)
+        assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "failed after loading" in last["reason"]
+        assert store.current_placement()[0] == before[0] == ""
+        with pytest.raises(StateError):
+            request_commit(store, last["plan_id"])
+
+
+def test_planner_error_aborts_the_round_instead_of_killing_the_coordinator(redis_url, cluster_id, tmp_path):
+    from fdeplb.errors import TopologyError
+
+    def broken_planner(expert_load, old_phy2log, config):
+        raise TopologyError("no placement for this topology")
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start_agents()
+        coordinator = tc.start_coordinator(planner=broken_planner)
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "the aborted round")
+        last = last_cluster_transition(store)
+        assert (last["from"], last["trigger"]) == ("PLANNING", "abort")
+        assert last["reason"] == "planning failed: no placement for this topology"
+        assert tc.threads[-1].is_alive() and not coordinator.stop_event.is_set()  # still leading, still serving
+
+
+def test_round_without_gain_is_gated_even_if_it_would_move(redis_url, cluster_id, tmp_path):
+    """One rank holds every slot: any plan has balancedness 1.0 before and after, so moving is pure cost."""
+    with thread_cluster(redis_url, cluster_id, tmp_path, ep_size=1) as tc:
+        store = tc.store()
+        tc.start()
+        request_round(store)
+        wait_for(round_over(store, 1), 60, store, "the gated round")
+        last = last_cluster_transition(store)
+        assert last["trigger"] == "abort" and last["reason"].startswith("gated: balancedness 1.0000 -> 1.0000")

@@ -22,6 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a phase may take (default 300)")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the checkpoint and worker logs (and, with --redis-url, the cluster's keys)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(handler=run)
 
@@ -43,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     summary = run_demo(DemoOptions(
         trace=args.trace, ranks=args.ranks, redis_url=args.redis_url, policy=args.policy,
         num_redundant_experts=args.num_redundant_experts, num_groups=args.num_groups, num_nodes=args.num_nodes,
-        timeout_s=args.timeout,
+        timeout_s=args.timeout, keep=args.keep,
     ))
     ok = (summary["done_then_free"] and summary["final_state"] == "FREE"
           and summary["slots_verified"] == summary["slots_total"])

@@ -178,7 +178,7 @@ def cluster_status(store) -> dict[str, Any]:
             "load_result": RANK.to_code(rank.state) if rank else None,
             "version": rank.version if rank else None,
             "plan_id": rank.get("plan_id") if rank else None,
-            "live_plan_id": rank.get("live_plan_id") if rank else None,
+            "live_plan_id": rank.fields.get("live_plan_id") if rank else None,  # None: no agent has run yet
             "reason": rank.get("reason") if rank else None,
             "heartbeat_age_ms": now - heartbeat if heartbeat else None,
             "weights": weights.state if weights else None,
@@ -237,10 +237,13 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
               f"{'  (ttl ' + _ms(c['lease_ttl_ms']) + ')' if c['lease_holder'] else ''}\n")
     out.write(f"  placement  {'-' if pid is None else (pid or 'initial')}"
               f"{'' if p['version'] is None else '  v' + str(p['version'])}\n")
-    out.write(f"  {'rank':<6}{'state':<12}{'load_result':<12}{'weights':<10}{'code':<6}{'plan':<18}heartbeat\n")
+    out.write(f"  {'rank':<6}{'state':<12}{'load_result':<12}{'weights':<10}{'code':<6}{'plan':<18}{'live':<18}"
+              f"heartbeat\n")
     for r in status["ranks"]:
+        live = "-" if r["live_plan_id"] is None else (r["live_plan_id"] or "initial")
         line = (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
-                f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
+                f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}"
+                f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
                 f"{'' if r['registered'] else 'not registered'}")
         out.write(line.rstrip() + "\n")
 
@@ -261,11 +264,13 @@ def run_status(args: argparse.Namespace) -> int:
 
 # ---- replay --------------------------------------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
-    from fdeplb.replay import check_plans, replay_file
+    from fdeplb.replay import ReplayError, check_plans, replay_file
 
     if (args.redis_url is None) != (args.cluster is None):
         raise InputError("--redis-url and --cluster go together (the cluster whose plans to recompute)")
     report = replay_file(args.file)
+    if report.records == 0:
+        raise ReplayError(f"{args.file}: no audit records (an export has one JSON object per line)")
     if args.redis_url is not None:
         check_plans(open_store(args.redis_url, args.cluster), report)
     if args.json:

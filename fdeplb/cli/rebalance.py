@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
 from fdeplb.errors import InputError
+from fdeplb.placement._validate import check_topology
 from fdeplb.placement import (
     FORMATS,
     POLICIES,
@@ -59,9 +61,13 @@ def _row(label: str, load: np.ndarray, phy2log: np.ndarray, num_gpus: int, moved
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print the before/after table, and write --out / --plot."""
+    for flag, path in (("--out", args.out), ("--plot", args.plot)):
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise InputError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
     dump = read_expert_load(args.load)
     load = dump.expert_load
     L, E = dump.expert_load.shape
+    check_topology(E, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus)  # before any allocation
     if args.old:
         before = read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus).for_layers(dump.layer_ids)
         if before.phy2log.shape != (L, args.num_replicas):

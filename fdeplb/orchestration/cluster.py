@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import InputError, TopologyError
+from fdeplb.errors import InputError, NotFoundError, StateError, TopologyError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
 from fdeplb.store.redis_store import Store
 
@@ -64,6 +64,11 @@ class ClusterConfig:
             raise TopologyError(f"ep_size ({self.ep_size}) is not a multiple of num_nodes ({self.num_nodes})")
         if self.policy not in POLICIES:
             raise InputError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        # the placement's own rules (e.g. expert groups that divide E when the hierarchical policy applies)
+        from fdeplb.placement._validate import check_topology
+
+        check_topology(self.num_logical_experts, self.num_physical_experts, self.num_groups, self.num_nodes,
+                       self.ep_size)
 
     @property
     def num_redundant_experts(self) -> int:
@@ -83,15 +88,21 @@ class ClusterConfig:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClusterConfig":
-        data = dict(data)
-        data["deadlines"] = Deadlines(**data.get("deadlines", {}))
-        return cls(**data)
+        try:
+            data = dict(data)
+            data["deadlines"] = Deadlines(**data.get("deadlines", {}))
+            return cls(**data)
+        except TypeError as exc:  # unknown or missing fields: not a configuration this version wrote
+            raise InputError(f"not a cluster configuration: {exc}") from None
 
 
 def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarray) -> bool:
     """Create a cluster: its configuration, initial placement, and a record per machine (cluster FREE, every
-    rank IDLE, every weight status NORMAL), all at version 0. Idempotent: an existing cluster is left as it is
-    (returns False); a different topology for an existing cluster is refused with :class:`TopologyError`."""
+    rank IDLE, every weight status NORMAL), all at version 0, in one MULTI/EXEC (a crash leaves all or nothing).
+
+    Idempotent: an existing cluster is left as it is (returns False); a different topology for an existing
+    cluster is refused with :class:`TopologyError`. ``initial_phy2log`` is int [num_layers, num_physical_experts].
+    """
     phy2log = np.asarray(initial_phy2log)
     expected = (config.num_layers, config.num_physical_experts)
     if phy2log.shape != expected or phy2log.dtype.kind not in "iu":
@@ -99,22 +110,15 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
                          f"{phy2log.dtype} {list(phy2log.shape)}")
     if phy2log.min() < 0 or phy2log.max() >= config.num_logical_experts:
         raise InputError("initial phy2log holds expert ids outside [0, num_logical_experts)")
-    try:
-        existing = ClusterConfig.from_json(store.read_config())
-    except Exception:  # noqa: BLE001 - not initialised yet
-        existing = None
-    if existing is not None:
-        if existing.topology() != config.topology():
-            raise TopologyError(f"cluster {store.cluster!r} exists with topology {existing.topology()}")
-        return False
-    store.write_config(config.to_json())
-    store.put_arrays(store.keys.placement, {"phy2log": phy2log.astype(np.int64)},
-                     {"plan_id": "", "version": 0}, only_if_absent=True)
-    store.ensure_record(store.keys.rearrange, CLUSTER.initial)
+    records = [(store.keys.rearrange, CLUSTER.initial)]
     for r in range(config.ep_size):
-        store.ensure_record(store.keys.rank(r), RANK.initial)
-        store.ensure_record(store.keys.weights(r), WEIGHTS.initial)
-    return True
+        records += [(store.keys.rank(r), RANK.initial), (store.keys.weights(r), WEIGHTS.initial)]
+    if store.create_cluster(config.to_json(), phy2log.astype(np.int64), records):
+        return True
+    existing = read_cluster_config(store)
+    if existing.topology() != config.topology():
+        raise TopologyError(f"cluster {store.cluster!r} exists with topology {existing.topology()}")
+    return False
 
 
 def read_cluster_config(store: Store) -> ClusterConfig:
@@ -137,7 +141,17 @@ def request_round(store: Store, reason: str = "operator") -> int:
 
 def request_commit(store: Store, plan_id: str) -> None:
     """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
-    ``update_weight_from_tensor`` step)."""
+    ``update_weight_from_tensor`` step).
+
+    Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing is
+    written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches the request."""
+    config = read_cluster_config(store)
+    rec = store.read_record(store.keys.rearrange)
+    if not config.cordoned:
+        raise StateError(f"cluster {store.cluster!r} is not cordoned: its rounds commit on their own")
+    if rec.state != "LOAD_SUCC" or rec.get("plan_id") != plan_id:
+        raise StateError(f"cluster {store.cluster!r} is {rec.state} with plan {rec.get('plan_id') or '-'}; a commit "
+                         f"is only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
     store.set_fields(store.keys.rearrange, {"commit_requested": plan_id})
     store.emit_event("commit_requested", plan_id=plan_id)
 

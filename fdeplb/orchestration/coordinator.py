@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from fdeplb.errors import FenceError, GuardError, InputError, StaleStateError
+from fdeplb.errors import FdeplbError, FenceError, GuardError, InputError, StaleStateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.orchestration.cluster import ClusterConfig, plan_digest, read_cluster_config
@@ -209,11 +209,14 @@ class Coordinator:
         plan_id = plan_digest(snapshot, old, cfg.policy, cfg.topology())
         new = self.store.get_array(self.store.keys.plan(plan_id), "new_phy2log")
         if new is None:
-            new = np.asarray(self.planner(snapshot, old, cfg), dtype=np.int64)
+            try:
+                new = np.asarray(self.planner(snapshot, old, cfg), dtype=np.int64)
+            except FdeplbError as err:  # e.g. a topology the policy cannot place: abort, audited, not a crash
+                return self._abort(rec, f"planning failed: {err}")
         before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
         after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
         moved = int(moved_experts(old, new, cfg.ep_size))
-        if moved == 0 or after - before < cfg.min_gain:
+        if moved == 0 or after - before <= cfg.min_gain:
             return self._abort(rec, f"gated: balancedness {before:.4f} -> {after:.4f}, {moved} moved experts; "
                                     f"gain below min_gain {cfg.min_gain}")
         self.store.put_arrays(
@@ -253,6 +256,10 @@ class Coordinator:
 
     def _on_load_succ(self, rec: Record) -> tuple[bool, int | None]:
         plan_id = rec.get("plan_id")
+        failed = [(r, x.get("reason")) for r, x in enumerate(self._rank_records())
+                  if x.state == "LOAD_FAILED" and x.get("plan_id") == plan_id]
+        if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
+            return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
         if self.config.cordoned and rec.get("commit_requested") != plan_id:
             expired, left = self._deadline(rec)
             if expired:

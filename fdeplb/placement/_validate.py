@@ -27,12 +27,19 @@ def check_int(value: object, name: str, *, minimum: int = 1) -> int:
     return out
 
 
+#: largest expert_load value accepted (tokens): 2**53, the last integer float64 holds exactly.
+MAX_LOAD = 2**53
+
+#: most physical expert slots accepted per layer (DeepSeek-V3 at EP320 uses 320; this only stops absurd input).
+MAX_REPLICAS = 1 << 20
+
+
 def check_expert_load(expert_load: object, name: str = "expert_load") -> np.ndarray:
     """``expert_load`` as a 2-D numeric array [num_layers, num_logical_experts] (not copied when already an array).
 
     Raises:
-        InputError: not 2-D, an empty dimension, a non-numeric dtype (bool, complex, object, str), NaN or inf, or
-            a negative value.
+        InputError: not 2-D, an empty dimension, a non-numeric dtype (bool, complex, object, str), NaN or inf, a
+            negative value, or a value above 2**53.
     """
     try:
         arr = np.asarray(expert_load)
@@ -50,6 +57,9 @@ def check_expert_load(expert_load: object, name: str = "expert_load") -> np.ndar
     if arr.dtype.kind != "u" and (arr < 0).any():
         bad = np.argwhere(arr < 0)[0]
         raise InputError(f"{name} has a negative value {arr[tuple(bad)]} at [layer {bad[0]}, expert {bad[1]}]")
+    if (arr > MAX_LOAD).any():  # counts stay exact in float64 and summable in int64 below this
+        bad = np.argwhere(arr > MAX_LOAD)[0]
+        raise InputError(f"{name} has a value {arr[tuple(bad)]:.4g} above 2**53 at [layer {bad[0]}, expert {bad[1]}]")
     return arr
 
 
@@ -71,6 +81,8 @@ def check_topology(
     num_groups = check_int(num_groups, "num_groups")
     num_nodes = check_int(num_nodes, "num_nodes")
     num_gpus = check_int(num_gpus, "num_gpus")
+    if num_replicas > MAX_REPLICAS:
+        raise TopologyError(f"num_replicas ({num_replicas}) above {MAX_REPLICAS} slots per layer")
     if num_replicas % num_gpus:
         raise TopologyError(f"num_replicas ({num_replicas}) must be a multiple of num_gpus ({num_gpus})")
     if num_replicas < num_logical_experts:

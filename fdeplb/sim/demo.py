@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fdeplb.errors import InputError
 from fdeplb.orchestration.cluster import ClusterConfig, Deadlines
 from fdeplb.store.redis_store import Store
 
@@ -41,19 +42,23 @@ class DemoOptions:
     intermediate: int = 8
     seed: int = 0
     timeout_s: float = 300.0
-    keep_workdir: bool = False
+    keep: bool = False  # keep the work dir (checkpoint, worker logs) and, with an external Redis, the cluster keys
 
 
 def default_redundant(num_experts: int, ranks: int) -> int:
-    return ranks * max(1, math.ceil(num_experts / 8 / ranks))
+    """The smallest R >= E/8 with (E + R) a multiple of ``ranks`` (DeepSeek-V3: 256 experts + 32 = 288 slots)."""
+    least = max(1, math.ceil(num_experts / 8))
+    return least + (-(num_experts + least)) % ranks
 
 
 def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo; ``emit`` receives the human-readable lines. Returns the summary (see ``fdeplb demo --json``).
 
-    Raises InputError/LoadFileError for a bad trace or topology, DeadlineError if the round does not finish,
-    FdeplbError if a worker dies.
+    Raises InputError/LoadFileError for a bad trace or topology, RedisUnavailableError for an unreachable
+    ``redis_url``, DeadlineError if the round does not finish, FdeplbError if a worker dies.
     """
+    if not opts.timeout_s > 0:
+        raise InputError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
     from fdeplb.placement import balancedness, initial_placement, read_expert_load
     from fdeplb.sim.cluster import LocalCluster, new_cluster_id, temp_workdir
     from fdeplb.sim.loads import integral_load
@@ -81,6 +86,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         if opts.redis_url:
             url = opts.redis_url
             redis_label = url
+            Store(url, "probe").ping()  # a clear RedisUnavailableError before anything is started
         else:
             server = EmbeddedRedis(workdir / "redis")
             url = server.url
@@ -141,9 +147,14 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     finally:
         if cluster is not None:
             cluster.stop()
+            if server is None and not opts.keep:
+                cluster.store.delete_cluster()  # an external Redis keeps no keys of a finished demo
         if server is not None:
             server.close()
-        if not opts.keep_workdir:
+        if opts.keep:
+            emit(f"kept         {workdir} (checkpoint, worker logs)" +
+                 (f"; cluster {cluster.store.cluster} at {opts.redis_url}" if cluster and opts.redis_url else ""))
+        else:
             shutil.rmtree(workdir, ignore_errors=True)
 
 

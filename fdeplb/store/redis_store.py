@@ -131,10 +131,12 @@ class Store:
         return self.keys.rank(index) if table.name == "rank" else self.keys.weights(index)
 
     def ensure_record(self, key: str, initial: str) -> bool:
-        """Create the record in ``initial`` state at version 0 unless it exists; True if created."""
-        created = self.client.hsetnx(key, "state", initial)
-        if created:
-            self.client.hsetnx(key, "version", "0")
+        """Create the record in ``initial`` state at version 0 unless it exists (both fields in one MULTI, so a
+        crash cannot leave a record without a version); True if created."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hsetnx(key, "state", initial)
+        pipe.hsetnx(key, "version", "0")
+        created, _ = pipe.execute()
         return bool(created)
 
     def read_record(self, key: str) -> Record:
@@ -205,16 +207,38 @@ class Store:
         raise StaleStateError(detail)
 
     # ---- cluster setup and ranks --------------------------------------------------------------------------------
-    def write_config(self, config: dict[str, Any]) -> None:
-        """Write the cluster's configuration (topology, policy, checkpoint, deadlines) as JSON values."""
-        self.client.hset(self.keys.config, mapping={k: json.dumps(v) for k, v in config.items()})
+    def create_cluster(self, config: dict[str, Any], phy2log: np.ndarray, records: list[tuple[str, str]]) -> bool:
+        """Write a new cluster in one MULTI/EXEC: its configuration, the initial placement (plan_id "") and each
+        ``(key, initial state)`` record at version 0. Returns False, writing nothing, if the cluster's
+        configuration exists already (WATCHed, so two creators cannot both win)."""
+        with self.client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.keys.config)
+                    if pipe.exists(self.keys.config):
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.delete(self.keys.placement, *(key for key, _ in records))  # leftovers of a stray write
+                    pipe.hset(self.keys.placement,
+                              mapping={**arrays.encode("phy2log", phy2log), "plan_id": "", "version": "0"})
+                    for key, initial in records:
+                        pipe.hset(key, mapping={"state": initial, "version": "0"})
+                    pipe.hset(self.keys.config, mapping={k: json.dumps(v) for k, v in config.items()})
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     def read_config(self) -> dict[str, Any]:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised."""
         raw = self.client.hgetall(self.keys.config)
         if not raw:
             raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self.keys.config})")
-        return {_s(k): json.loads(_s(v)) for k, v in raw.items()}
+        try:
+            return {_s(k): json.loads(_s(v)) for k, v in raw.items()}
+        except json.JSONDecodeError as exc:
+            raise InputError(f"cluster {self.cluster!r}: corrupt configuration at {self.keys.config}: {exc}") from None
 
     def ep_size(self) -> int:
         """Number of EP ranks of the cluster (from its configuration; cached, it never changes)."""

@@ -22,8 +22,8 @@
 local rec = KEYS[1]
 local cur_state = redis.call('HGET', rec, 'state')
 local cur_version = redis.call('HGET', rec, 'version')
-if not cur_state then
-  return {'ERR_STALE', 'record ' .. rec .. ' does not exist'}
+if not cur_state or not cur_version then
+  return {'ERR_STALE', 'record ' .. rec .. ' does not exist or has no state/version'}
 end
 
 if ARGV[3] ~= '' then
