@@ -8,6 +8,7 @@ import pytest
 from fdeplb.errors import StateError
 from fdeplb.orchestration.cluster import Deadlines, request_commit, request_round
 from fdeplb.placement import balancedness
+from fdeplb.store.redis_store import Store
 from tests.helpers import thread_cluster, wait_for
 
 pytest.importorskip("paddle")
@@ -268,3 +269,26 @@ def test_round_without_gain_is_gated_even_if_it_would_move(redis_url, cluster_id
         wait_for(round_over(store, 1), 60, store, "the gated round")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and last["reason"].startswith("gated: balancedness 1.0000 -> 1.0000")
+
+
+def test_dropped_connections_do_not_kill_agents_or_coordinator(redis_url, cluster_id, tmp_path):
+    """Every client connection is killed by the server mid-round (a failover or proxy restart looks the same):
+    the loops log it, reconnect and the round still completes."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start()
+        request_round(store)
+        wait_for(lambda: cluster_state(store).state != "FREE", 60, store, "the round to start")
+        killer = Store(redis_url, cluster_id)
+        killed = killer.client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        assert int(killed) >= 5  # the coordinator's and the four agents' connections at least
+
+        def finished():
+            try:
+                return round_over(store, 1)()
+            except store.connection_errors:
+                return False  # this test's own connection was killed too; the next call reconnects
+
+        wait_for(finished, 60, what="the round to complete after the connections dropped")
+        assert transitions_of(store)[-1] == ("DONE", "FREE", "release")
+        assert all(t.is_alive() for t in tc.threads)
