@@ -55,13 +55,18 @@ class ThreadCluster:
 
     def start_agents(self, ranks=None, **kwargs) -> None:
         for r in ranks if ranks is not None else range(self.config.ep_size):
-            kwargs.setdefault("verify_all", True)
-            agent = RankAgent(self.store(), r, load_source=lambda _round, r=r: self.loads[r], **kwargs)
-            agent.start()
-            t = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True, name=f"rank{r}")
-            t.start()
-            self.agents.append(agent)
-            self.threads.append(t)
+            self.start_agent(r, **kwargs)
+
+    def start_agent(self, r: int, **kwargs) -> RankAgent:
+        """Start (or, after its thread stopped, restart) the agent of rank ``r``, as a fresh process would."""
+        kwargs.setdefault("verify_all", True)
+        agent = RankAgent(self.store(), r, load_source=lambda _round: self.loads[r], **kwargs)
+        agent.start()
+        t = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True, name=f"rank{r}")
+        t.start()
+        self.agents.append(agent)
+        self.threads.append(t)
+        return agent
 
     def start_coordinator(self, **kwargs) -> Coordinator:
         self.coordinator = Coordinator(self.store(), lease_ms=kwargs.pop("lease_ms", 1_500), **kwargs)

@@ -182,10 +182,6 @@ def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cl
 def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id, tmp_path):
     """After the commit point an overdue rank is reported (record, audit, event), never aborted; once it comes
     back it loads the committed placement and the round completes."""
-    import threading
-
-    from fdeplb.orchestration.agent import RankAgent
-
     deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=300)
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
         store = tc.store()
@@ -202,12 +198,7 @@ def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id,
         assert alarms and alarms[0]["from"] == alarms[0]["to"] == "SWAPPING"
         assert store.current_placement()[0] == rec.get("plan_id")  # committed: rolls forward
         # the rank comes back (a new process would do the same): it loads the current placement and swaps
-        agent = RankAgent(tc.store(), 3, load_source=lambda _r: tc.loads[3], verify_all=True)
-        agent.start()
-        tc.agents.append(agent)
-        thread = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True)
-        thread.start()
-        tc.threads.append(thread)
+        agent = tc.start_agent(3)
         wait_for(round_over(store, 1), 60, store, "the round to complete")
         assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
         assert np.array_equal(agent.live.phy2log, store.current_placement()[1])
@@ -216,10 +207,6 @@ def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id,
 def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cluster_id, tmp_path):
     """A rank that loses its staging after LOAD_SUCC (restarted, and cannot stage again) must not let the plan
     commit: the round aborts before the commit point and the old placement stays."""
-    import threading
-
-    from fdeplb.orchestration.agent import RankAgent
-
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
         store = tc.store()
         before = store.current_placement()
@@ -228,12 +215,7 @@ def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cl
         wait_for(lambda: cluster_state(store).state == "LOAD_SUCC", 60, store, "LOAD_SUCC")
         tc.agents[0].stop_event.set()
         tc.threads[0].join(10)
-        restarted = RankAgent(tc.store(), 0, load_source=lambda _r: tc.loads[0], staging_budget_bytes=1)
-        restarted.start()
-        tc.agents.append(restarted)
-        thread = threading.Thread(target=restarted.run, kwargs={"block_ms": 200}, daemon=True)
-        thread.start()
-        tc.threads.append(thread)
+        tc.start_agent(0, staging_budget_bytes=1)  # restarted, and cannot stage again
         wait_for(round_over(store, 1), 60, store, "the aborted round")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "failed after loading" in last["reason"]
