@@ -127,7 +127,7 @@ def test_missing_rank_aborts_collecting_by_deadline(redis_url, cluster_id, tmp_p
         tc.start_agents(ranks=[0, 1, 2])  # rank 3 never comes up
         tc.start_coordinator()
         request_round(store)
-        wait_for(lambda: cluster_state(store).get_int("round") >= 1 and cluster_state(store).state == "FREE",
+        wait_for(lambda: (r := cluster_state(store)).get_int("round") >= 1 and r.state == "FREE",
                  60, store, "collecting deadline")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and "no load from ranks [3]" in last["reason"]

@@ -154,8 +154,8 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
         tc.start_agents()
         tc.start_coordinator()
         request_round(store)
-        wait_for(lambda: store.read_record(store.keys.rearrange).state == "FREE"
-                 and store.read_record(store.keys.rearrange).get_int("round") == 1
+        wait_for(lambda: (rec := store.read_record(store.keys.rearrange)).state == "FREE"  # one read: no race
+                 and rec.get_int("round") == 1
                  and all(store.read_record(store.keys.rank(r)).state == "IDLE" for r in range(4)),
                  60, store, "round 1 over")
         tc.stop()
