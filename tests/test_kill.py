@@ -7,6 +7,7 @@ leaves it FREE with every rank IDLE and every worker alive.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -165,7 +166,8 @@ def test_rank_killed_while_loading_aborts_the_round(proc_cluster):
                  r.get_int("round") >= round_, 60, store, "the aborted round")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("LOADING", "abort")
-        assert "loading deadline" in last["reason"] and "[2]" in last["reason"]
+        assert "loading deadline passed: ranks [" in last["reason"]
+        assert 2 in json.loads(last["reason"].split("ranks ", 1)[1].split(" not")[0])  # others may be slow too
         plan_id, phy2log = store.current_placement()
         assert plan_id == before[0] and (phy2log == before[1]).all()
         # the restarted rank finds its dead round and drops it

@@ -32,13 +32,13 @@ def register(subparsers) -> None:
         help="compute an expert placement from a load dump",
         description="Compute an expert placement from an expert-load dump (SGLang logical_count or counts JSON) "
         "and print balancedness, imbalance, max GPU load and moved experts before and after. 'Before' is the "
-        "--old placement, or the trivial one (slot p holds expert p %% E).",
+        "--old placement, or the trivial one (slot p holds expert p mod E).",
     )
     p.add_argument("--load", required=True, metavar="FILE", help="expert-load dump (JSON)")
     p.add_argument("--num-replicas", required=True, type=int, metavar="R", help="slots per layer (physical experts)")
     p.add_argument("--num-groups", type=int, default=1, metavar="G", help="expert groups (DeepSeek-V3: 8)")
     p.add_argument("--num-nodes", type=int, default=1, metavar="N", help="server nodes")
-    p.add_argument("--num-gpus", required=True, type=int, metavar="P", help="EP size")
+    p.add_argument("--num-gpus", required=True, type=int, metavar="GPUS", help="EP size (ep_size)")
     p.add_argument("--policy", default="deepseek", choices=sorted(POLICIES), help="placement policy")
     p.add_argument("--old", metavar="PLACEMENT", help="current placement file (any supported format)")
     p.add_argument("--out", metavar="FILE", help="write the new placement here")

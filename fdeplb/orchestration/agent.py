@@ -19,11 +19,12 @@ from typing import Any, Callable
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, StaleStateError, WeightError
+from fdeplb.errors import FdeplbError, GuardError, InputError, StaleStateError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS
 from fdeplb.orchestration.cluster import ClusterConfig, read_cluster_config
 from fdeplb.orchestration.records import RecordHandle
+from fdeplb.placement._validate import check_expert_load
 from fdeplb.store.redis_store import Record, Store
 
 log = structlog.get_logger("fdeplb.agent")
@@ -57,7 +58,8 @@ class RankAgent:
         self.config: ClusterConfig | None = None
         self.reader = None
         self.live = None
-        self.staged = None  # (plan_id, TransferPlan, StagedExperts, new_phy2log)
+        self.staged = None  # (plan_id, TransferPlan, StagedExperts, new_phy2log, info)
+        self._load_failed_round = -1
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(rank=self.ep_rank, cluster=store.cluster)
@@ -86,8 +88,9 @@ class RankAgent:
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
-        """Reconcile until :attr:`stop_event` is set or ``until()`` is true; a lost Redis connection is logged
-        and retried every 0.5 s."""
+        """Reconcile until :attr:`stop_event` is set or ``until()`` is true. A lost Redis connection is logged
+        and retried every 0.5 s; another :class:`FdeplbError` out of a step raises an ``alarm`` event and is
+        retried after 1 s. The worker's live experts keep serving either way."""
         if self.live is None:
             self.start()
         cursor = self.store.last_ids()
@@ -106,6 +109,10 @@ class RankAgent:
             except self.store.connection_errors as err:  # Redis away: the live experts keep serving
                 self.log.warning("redis unavailable", error=str(err))
                 self.stop_event.wait(0.5)
+            except FdeplbError as err:  # typed but unexpected (a missing plan, a corrupt record): keep serving
+                self.log.error("step failed", error=str(err), error_type=type(err).__name__)
+                self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
+                self.stop_event.wait(1.0)
 
     def step(self) -> bool:
         """One reconcile step; True if it changed something (the caller loops without waiting)."""
@@ -122,12 +129,20 @@ class RankAgent:
     def _publish_load(self, cluster: Record) -> bool:
         round_ = cluster.get_int("round")
         published = self.store.client.hget(self.store.keys.load(self.ep_rank), "round")
-        if published is not None and int(published) >= round_:
+        if (published is not None and int(published) >= round_) or self._load_failed_round == round_:
             return False
-        window = np.asarray(self.load_source(round_), dtype=np.int64)
         expected = (self.config.num_layers, self.config.num_logical_experts)
-        if window.shape != expected:
-            raise FdeplbError(f"rank {self.ep_rank}: load window shape {window.shape} != {expected}")
+        try:
+            window = check_expert_load(self.load_source(round_), "load window")
+            if window.shape != expected:
+                raise InputError(f"load window has shape {window.shape}, expected {expected}")
+        except Exception as err:  # noqa: BLE001 - the engine's recorder is foreign code; never kill the agent
+            # publish nothing: the coordinator's collecting deadline aborts the round and names this rank
+            self._load_failed_round = round_  # once per round: no retry storm
+            self.log.error("load source failed", round=round_, error=str(err))
+            self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
+            return False
+        window = window.astype(np.int64)
         self.store.put_arrays(self.store.keys.load(self.ep_rank), {"expert_load": window},
                               {"round": round_, "published_ms": self.store.now_ms()})
         self.store.emit_event("load_published", rank=self.ep_rank, round=round_)

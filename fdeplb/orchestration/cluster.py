@@ -21,7 +21,7 @@ class Deadlines:
     """How long each wait may last (ms). Before the commit point an expired wait aborts the round; after it
     (swapping) it raises an alarm and the round keeps rolling forward."""
 
-    collecting_ms: int = 30_000
+    collecting_ms: int = 30_000  # also bounds PLANNING
     loading_ms: int = 120_000
     commit_ms: int = 600_000  # external commit when the cluster is cordoned
     swapping_ms: int = 120_000

@@ -91,7 +91,9 @@ class Coordinator:
         """Run until :attr:`stop_event` is set or ``until()`` is true (checked after every step).
 
         A lost Redis connection is logged and retried every 0.5 s (the lease lapses meanwhile; on return the
-        coordinator competes for it again like any other)."""
+        coordinator competes for it again like any other). Any other :class:`FdeplbError` out of a step is logged,
+        announced as a ``coordinator_error`` event and retried after 1 s; the deadlines end a round that cannot
+        progress."""
         cursor = self.store.last_ids()
         try:
             while not self.stop_event.is_set():
@@ -101,6 +103,10 @@ class Coordinator:
                 except self.store.connection_errors as err:
                     self.log.warning("redis unavailable", error=str(err))
                     self.stop_event.wait(0.5)
+                except FdeplbError as err:  # unexpected but typed (corrupt record, bad stored array): keep leading
+                    self.log.error("step failed", error=str(err), error_type=type(err).__name__)
+                    self.store.emit_event("coordinator_error", holder=self.holder, error=str(err))
+                    self.stop_event.wait(1.0)
         finally:
             if self.lease is not None:
                 try:
@@ -194,14 +200,18 @@ class Coordinator:
                 return False, left
             snapshot = np.sum(np.stack(loads), axis=0, dtype=np.int64)
             self.store.put_arrays(snap_key, {"expert_load": snapshot}, {"round": round_}, only_if_absent=True)
-        self._fire(rec, "plan", plan_id="")
+        self._fire(rec, "plan", plan_id="",
+                   fields={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
         return True, None
 
     def _on_planning(self, rec: Record) -> tuple[bool, int | None]:
         from fdeplb.placement import balancedness, moved_experts
+        from fdeplb.placement._validate import check_phy2log
 
         cfg = self.config
         round_ = rec.get_int("round")
+        if self._deadline(rec)[0]:
+            return self._abort(rec, "planning deadline passed")
         snapshot = self.store.get_array(self.store.keys.snapshot(round_), "expert_load")
         if snapshot is None:
             return self._abort(rec, f"load snapshot of round {round_} is missing")
@@ -210,8 +220,9 @@ class Coordinator:
         new = self.store.get_array(self.store.keys.plan(plan_id), "new_phy2log")
         if new is None:
             try:
-                new = np.asarray(self.planner(snapshot, old, cfg), dtype=np.int64)
-            except FdeplbError as err:  # e.g. a topology the policy cannot place: abort, audited, not a crash
+                new = check_phy2log(self.planner(snapshot, old, cfg), cfg.num_logical_experts,
+                                    name="planned phy2log", shape=old.shape)
+            except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
                 return self._abort(rec, f"planning failed: {err}")
         before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
         after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))

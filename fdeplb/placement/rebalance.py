@@ -79,7 +79,8 @@ def rebalance_experts(
         num_gpus: EP size, a multiple of ``num_nodes``.
         policy: one of :data:`POLICIES`:
             "deepseek": DeepSeek's EPLB (github.com/deepseek-ai/EPLB), bit-exact including tie order;
-            "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored);
+            "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored by the plan, though the
+            topology is still checked as for "deepseek");
             "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
             "move_aware": needs ``old_phy2log``; moves as few experts as it can to come within ``tolerance``
             (max/mean GPU load, per layer) of "balanced".
@@ -87,7 +88,9 @@ def rebalance_experts(
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
         tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced", per layer (>= 0).
         max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
-            repaired first and the plan may stay above the tolerance once the cap is reached.
+            repaired first and the plan may stay above the tolerance once the cap is reached. Known limit: in
+            hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) groups that change node follow
+            "balanced"'s node packing and are not charged to the cap, so the cap can be exceeded there.
 
     Returns:
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
