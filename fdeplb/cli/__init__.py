@@ -23,13 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"fdeplb.cli.{name}")
-        except ModuleNotFoundError as exc:  # a subcommand module not written yet
-            if exc.name == f"fdeplb.cli.{name}":
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(f"fdeplb.cli.{name}").register(sub)
     return parser
 
 
