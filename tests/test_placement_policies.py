@@ -157,3 +157,73 @@ def test_every_policy_gives_a_valid_deterministic_placement(problem):
         assert plan == rebalance_experts(load, *topo, policy=policy, old_phy2log=old)
     plan = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old)
     assert (ratio(load, plan, G) <= ratio(load, fresh, G) + 0.001 + 1e-12).all()
+
+
+# ---- move_aware: the move cap in hierarchical mode ----------------------------------------------------------------
+def groups_on_nodes(phy2log, num_experts, num_groups, num_nodes):
+    """Every group's experts on one node, in every layer."""
+    P = phy2log.shape[1]
+    group, node = phy2log // (num_experts // num_groups), np.arange(P) // (P // num_nodes)
+    return all(np.unique(np.stack([group[layer], node]), axis=1).shape[1] == num_groups for layer in range(len(group)))
+
+
+@st.composite
+def hierarchical_problems(draw):
+    num_nodes = draw(st.sampled_from([2, 4]))
+    num_groups = num_nodes * draw(st.integers(1, 3))
+    E = num_groups * draw(st.integers(1, 4))
+    num_gpus = num_nodes * draw(st.integers(1, 3))
+    P = num_gpus * draw(st.integers(-(-E // num_gpus), -(-E // num_gpus) + 2))
+    L = draw(st.integers(1, 3))
+    loads = st.lists(st.lists(st.integers(0, 100), min_size=E, max_size=E), min_size=L, max_size=L)
+    before, after = np.array(draw(loads)), np.array(draw(loads))
+    topo = (P, num_groups, num_nodes, num_gpus)
+    old = rebalance_experts(before, *topo, policy=draw(st.sampled_from(["deepseek", "balanced"]))).phy2log
+    cap = draw(st.one_of(st.none(), st.integers(0, 3), st.integers(0, 3 * P)))
+    return after, topo, old, cap
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hierarchical_problems())
+def test_move_aware_cap_holds_in_hierarchical_mode(problem):
+    load, topo, old, cap = problem
+    P, num_groups, num_nodes, G = topo
+    E = load.shape[1]
+    plan = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
+    check_invariants(plan, E, P)
+    assert groups_on_nodes(plan.phy2log, E, num_groups, num_nodes)
+    assert plan == rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
+    if cap is None:
+        fresh = rebalance_experts(load, *topo, policy="balanced")
+        assert (ratio(load, plan, G) <= ratio(load, fresh, G) + 0.001 + 1e-12).all()
+    else:
+        assert moved_experts(old, plan, G) <= cap
+    still = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=0)
+    assert still.phy2log.tolist() == old.tolist()
+    for zero_cap in (None, cap):  # all-zero loads: every GPU load is already 0, nothing needs to move
+        idle = rebalance_experts(np.zeros_like(load), *topo, policy="move_aware", old_phy2log=old,
+                                 max_moved_experts=zero_cap)
+        assert idle.phy2log.tolist() == old.tolist()
+
+
+def test_move_aware_hierarchical_cap_examples():
+    rng = np.random.default_rng(7)
+    topo = (24, 4, 2, 8)
+    old = rebalance_experts(rng.integers(0, 100, (4, 16)), *topo).phy2log
+    load = rng.integers(0, 100, (4, 16))
+    free = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old)
+    assert moved_experts(old, free, 8) > 5
+    for cap in (0, 1, 5):
+        capped = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
+        assert moved_experts(old, capped, 8) <= cap
+        assert groups_on_nodes(capped.phy2log, 16, 4, 2)
+    # the initial placement spreads groups over nodes: putting them on whole nodes has a price the cap must cover
+    initial = initial_placement(2, 16, 24).phy2log
+    assert not groups_on_nodes(initial, 16, 4, 2)
+    with pytest.raises(InputError, match="max_moved_experts=0 cannot be met.*spreads expert groups over nodes"):
+        rebalance_experts(load[:2], *topo, policy="move_aware", old_phy2log=initial, max_moved_experts=0)
+    for cap in (16, 20, None):
+        plan = rebalance_experts(load[:2], *topo, policy="move_aware", old_phy2log=initial, max_moved_experts=cap)
+        check_invariants(plan, 16, 24)
+        assert groups_on_nodes(plan.phy2log, 16, 4, 2)
+        assert cap is None or moved_experts(initial, plan, 8) <= cap

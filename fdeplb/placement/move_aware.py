@@ -14,15 +14,23 @@ Per layer (and per node in hierarchical mode):
    the old GPUs (``scipy.optimize.linear_sum_assignment`` on shared experts), then every slot that can go back to
    its old expert without leaving the target does so.
 
-In hierarchical mode the groups keep the node packing of the "balanced" plan, with nodes renumbered to match the
-old placement; experts of groups that changed node are re-placed first. Deterministic: ties keep the first
-candidate in slot / expert order.
+In hierarchical mode every layer has up to two group-to-node maps: the old placement's (as it is when the old
+placement keeps every group on one node; otherwise the packing with num_groups / num_nodes groups per node that
+keeps the most old slots) and the node packing of the "balanced" plan, with nodes renumbered to match the old
+placement. For each map, experts of groups that changed node are re-placed first (their moves are charged to
+``max_moved_experts`` like any other), then the steps above run inside each node. A map whose relocation the
+remaining budget cannot pay is skipped; of the others the layer keeps the plan within the target that moves
+fewest experts, or, when none reaches it, the one with the lightest heaviest GPU (ties: the old map). Moves that
+no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is repaired; a cap
+below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back unchanged.
+Deterministic: ties keep the first candidate in slot / expert order.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from fdeplb.errors import InputError
 from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.metrics import raw_gpu_loads
 from fdeplb.placement.slots import align_slots, multiset_overlap, overlap_assignment
@@ -199,6 +207,89 @@ def _node_of_groups(
     return out
 
 
+def _old_node_of_groups(old_row: np.ndarray, num_groups: int, num_nodes: int, group_size: int) -> np.ndarray:
+    """int64 [num_groups]: node of every group in the old placement of one layer.
+
+    When the old placement keeps every group on one node, that node. Otherwise (a group spread over nodes, e.g. the
+    initial placement) the packing with ``num_groups / num_nodes`` groups per node that keeps the most old slots
+    (``linear_sum_assignment`` of groups to node seats on "slots of the node holding an expert of the group")."""
+    P = old_row.size
+    node_of_slot = np.arange(P) // (P // num_nodes)
+    overlap = np.zeros((num_groups, num_nodes), dtype=np.int64)
+    np.add.at(overlap, (old_row // group_size, node_of_slot), 1)
+    on = overlap > 0
+    if (on.sum(axis=1) == 1).all():
+        return on.argmax(axis=1).astype(np.int64)
+    per_node = num_groups // num_nodes
+    return overlap_assignment(np.repeat(overlap, per_node, axis=1)) // per_node
+
+
+class _Candidate:
+    """One way to plan a layer: a group-to-node map, its nodes' rows after relocating the groups that changed node
+    (``fill``), and what that relocation cost in moved experts."""
+
+    def __init__(self, group_node: np.ndarray, load_row: np.ndarray, old_row: np.ndarray, num_nodes: int,
+                 gpus_per_node: int, group_size: int, node_perm: np.ndarray | None = None):
+        E = load_row.size
+        slots_per_node = old_row.size // num_nodes
+        self.group_node = group_node
+        self.node_perm = node_perm  # old-numbered node -> node of the fresh plan (fresh packing only)
+        self.nodes = []
+        for node in range(num_nodes):
+            experts = np.flatnonzero(group_node[np.arange(E) // group_size] == node)  # local -> global id
+            local = np.full(E, -1, dtype=np.int64)
+            local[experts] = np.arange(experts.size)
+            span = slice(node * slots_per_node, (node + 1) * slots_per_node)
+            old_local = local[old_row[span]]
+            row = _Row(old_local, old_local, load_row[experts], gpus_per_node)
+            row.fill()
+            self.nodes.append([span, experts, local, old_local, row])
+        self.fill_cost = sum(_cost(n[-1]) for n in self.nodes)
+
+
+def _cost(row: _Row) -> int:
+    """Moved experts of a row against its old contents."""
+    return int(np.maximum(row.M - row.Mo, 0).sum())
+
+
+def _plan_layer(cand: _Candidate, fresh_row: np.ndarray, load_row: np.ndarray, target: float, budget: float,
+                gpus_per_node: int, S: int) -> tuple[np.ndarray, int, float]:
+    """Repair every node of ``cand`` within ``budget`` (which already covers its fill cost); returns (new phy2log row,
+    moved experts, heaviest GPU load)."""
+    out = np.empty(fresh_row.size, dtype=np.int64)
+    spent = cand.fill_cost
+    peak = -np.inf
+    slots_per_node = gpus_per_node * S
+    for span, experts, local, old_local, row in cand.nodes:
+        spent += row.repair(target, budget - spent)
+        if row.loads()[0].max() > target and budget == np.inf and cand.node_perm is not None:
+            fresh_node = cand.node_perm[span.start // slots_per_node]
+            fresh_span = slice(fresh_node * slots_per_node, (fresh_node + 1) * slots_per_node)
+            candidate = local[fresh_row[fresh_span]].reshape(gpus_per_node, S)
+            old_bins = np.where(old_local < 0, experts.size, old_local).reshape(gpus_per_node, S)
+            perm = overlap_assignment(multiset_overlap(candidate, old_bins, experts.size + 1))
+            matched = np.empty_like(candidate)
+            matched[perm] = candidate
+            alt = _Row(matched.ravel(), old_local, load_row[experts], gpus_per_node)
+            alt.revert(target)
+            spent += _cost(alt) - _cost(row)
+            row = alt
+        out[span] = experts[row.row]
+        peak = max(peak, float(row.loads()[0].max()))
+    return out, int(spent), peak
+
+
+def _better(a: tuple[np.ndarray, int, float], b: tuple[np.ndarray, int, float], target: float) -> bool:
+    """Is plan ``a`` strictly better than ``b``: within the target beats above it; within it, fewer moves; above
+    it, a lower heaviest GPU, then fewer moves."""
+    a_ok, b_ok = a[2] <= target, b[2] <= target
+    if a_ok != b_ok:
+        return a_ok
+    if not a_ok and abs(a[2] - b[2]) > _RTOL * max(abs(a[2]), abs(b[2])):
+        return a[2] < b[2]
+    return a[1] < b[1]
+
+
 def move_aware_phy2log(
     expert_load: np.ndarray,
     old_phy2log: np.ndarray,
@@ -210,7 +301,12 @@ def move_aware_phy2log(
     tolerance: float = 0.001,
     max_moved_experts: int | None = None,
 ) -> np.ndarray:
-    """Move-aware plan on checked inputs (``num_groups``/``num_nodes`` = 1 for global); returns phy2log [L, P]."""
+    """Move-aware plan on checked inputs (``num_groups``/``num_nodes`` = 1 for global); returns phy2log [L, P].
+
+    Raises:
+        InputError: in hierarchical mode, ``max_moved_experts`` below the moves needed to bring every group of an
+            old placement that spreads groups over nodes onto one node.
+    """
     load = np.asarray(expert_load, dtype=np.float64)
     old = np.asarray(old_phy2log, dtype=np.int64)
     L, E = load.shape
@@ -224,39 +320,49 @@ def move_aware_phy2log(
     # a hair under the tolerance so that the ratio recomputed from scratch stays within it
     target = np.maximum(fresh_peak, (fresh_peak / np.where(mean > 0, mean, 1) + tolerance * (1 - 1e-9)) * mean)
     group_size = E // num_groups
+    # every layer's candidates: the old group-to-node map (kept as is when the old placement keeps groups on nodes)
+    # first, then the balanced plan's packing renumbered to match old (when it differs)
     if num_nodes > 1:
         group_node = _node_of_groups(fresh, old, num_groups, num_nodes, group_size)
     else:
         group_node = np.zeros((L, num_groups), dtype=np.int64)
+    candidates = []
+    for layer in range(L):
+        fresh_node = np.empty(num_groups, dtype=np.int64)
+        fresh_node[fresh[layer] // group_size] = np.arange(P) // slots_per_node
+        node_perm = np.empty(num_nodes, dtype=np.int64)
+        node_perm[group_node[layer]] = fresh_node
+        cands = []
+        if num_nodes > 1:
+            old_map = _old_node_of_groups(old[layer], num_groups, num_nodes, group_size)
+            if not (old_map == group_node[layer]).all():
+                cands.append(_Candidate(old_map, load[layer], old[layer], num_nodes, gpus_per_node, group_size))
+        cands.append(_Candidate(group_node[layer], load[layer], old[layer], num_nodes, gpus_per_node, group_size,
+                                node_perm))
+        candidates.append(cands)
+    # moves no plan can avoid (groups spread over nodes in the old placement) are reserved first
+    reserve = np.array([min(c.fill_cost for c in cands) for cands in candidates], dtype=np.float64)
     budget = np.inf if max_moved_experts is None else float(max_moved_experts)
+    if reserve.sum() > budget:
+        layers = np.flatnonzero(reserve > 0)
+        raise InputError(
+            f"max_moved_experts={max_moved_experts} cannot be met: old_phy2log spreads expert groups over nodes "
+            f"(layers {layers[:8].tolist()}{' ...' if layers.size > 8 else ''}) and putting every group on one "
+            f"node moves {int(reserve.sum())} experts"
+        )
+    budget -= reserve.sum()
     out = np.empty_like(old)
     # worst layers first, so that a move budget goes where it helps most
     old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
     for layer in np.argsort(-(old_peak - target), kind="stable"):
-        fresh_node = np.empty(num_groups, dtype=np.int64)
-        fresh_node[fresh[layer] // group_size] = np.arange(P) // slots_per_node
-        node_perm = np.empty(num_nodes, dtype=np.int64)
-        node_perm[group_node[layer]] = fresh_node  # old-numbered node -> fresh node
-        for node in range(num_nodes):
-            experts = np.flatnonzero(group_node[layer][np.arange(E) // group_size] == node)  # local -> global id
-            local = np.full(E, -1, dtype=np.int64)
-            local[experts] = np.arange(experts.size)
-            span = slice(node * slots_per_node, (node + 1) * slots_per_node)
-            old_local = local[old[layer, span]]
-            row = _Row(old_local, old_local, load[layer, experts], gpus_per_node)
-            row.fill()
-            spent = int(np.maximum(row.M - row.Mo, 0).sum())
-            spent += row.repair(target[layer], budget - spent)
-            if row.loads()[0].max() > target[layer] and budget == np.inf:
-                fresh_span = slice(node_perm[node] * slots_per_node, (node_perm[node] + 1) * slots_per_node)
-                candidate = local[fresh[layer, fresh_span]].reshape(gpus_per_node, S)
-                old_bins = np.where(old_local < 0, experts.size, old_local).reshape(gpus_per_node, S)
-                perm = overlap_assignment(multiset_overlap(candidate, old_bins, experts.size + 1))
-                matched = np.empty_like(candidate)
-                matched[perm] = candidate
-                alt = _Row(matched.ravel(), old_local, load[layer, experts], gpus_per_node)
-                alt.revert(target[layer])
-                row, spent = alt, int(np.maximum(alt.M - alt.Mo, 0).sum())
-            budget -= spent
-            out[layer, span] = experts[row.row]
+        layer_budget = budget + reserve[layer]
+        best = None
+        for cand in candidates[layer]:
+            if cand.fill_cost > layer_budget:
+                continue
+            plan = _plan_layer(cand, fresh[layer], load[layer], target[layer], layer_budget, gpus_per_node, S)
+            if best is None or _better(plan, best, target[layer]):
+                best = plan
+        out[layer] = best[0]
+        budget = layer_budget - best[1]
     return align_slots(old, out, num_gpus)

@@ -83,21 +83,27 @@ def rebalance_experts(
             topology is still checked as for "deepseek");
             "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
             "move_aware": needs ``old_phy2log``; moves as few experts as it can to come within ``tolerance``
-            (max/mean GPU load, per layer) of "balanced".
+            (max/mean GPU load, per layer) of "balanced"; a layer already within it (all-zero loads included)
+            keeps its placement, unless hierarchical mode must first put its groups on whole nodes.
         old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
         tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced", per layer (>= 0).
         max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
-            repaired first and the plan may stay above the tolerance once the cap is reached. Known limit: in
-            hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) groups that change node follow
-            "balanced"'s node packing and are not charged to the cap, so the cap can be exceeded there.
+            repaired first and the plan may stay above the tolerance once the cap is reached. Always
+            ``moved_experts(old_phy2log, result) <= max_moved_experts``; 0 returns the old placement (one that
+            spreads a group over nodes in hierarchical mode needs moves: see Raises). In
+            hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) moving groups to another node is
+            charged to the cap too: when the cap cannot pay for "balanced"'s node packing, the old group-to-node
+            map is kept and only moves inside nodes are made.
 
     Returns:
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
 
     Raises:
         InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative), bad ``old_phy2log``, unknown policy,
-            "move_aware" without ``old_phy2log``, negative ``tolerance`` or ``max_moved_experts``.
+            "move_aware" without ``old_phy2log``, negative ``tolerance`` or ``max_moved_experts``, or (hierarchical)
+            a ``max_moved_experts`` below the moves needed to put every group on one node when ``old_phy2log``
+            spreads a group over several nodes.
         TopologyError: a topology that cannot hold the placement (see :func:`check_topology`).
     """
     load = check_expert_load(expert_load)
