@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -150,18 +151,29 @@ def _restart_rank(cluster, ep_rank: int, failpoints: str = "") -> None:
     cluster.wait_ready([ep_rank], timeout_s=120, after_id=cursor)
 
 
-def test_rank_killed_while_loading_aborts_the_round(proc_cluster):
-    store = proc_cluster.store
-    before = store.current_placement()
-    _restart_rank(proc_cluster, 2, "rank.hang=LOADING")
-    coordinator = spawn_coordinator(proc_cluster, "C-loading")
+@contextmanager
+def rank_killed_in(cluster, ep_rank: int, state: str):
+    """Run a round (under a fresh coordinator) in which rank ``ep_rank`` is SIGKILLed on reaching ``state``;
+    yields the round number once the rank is dead. The coordinator is stopped on exit."""
+    store = cluster.store
+    _restart_rank(cluster, ep_rank, f"rank.hang={state}")
+    coordinator = spawn_coordinator(cluster, f"C-{state.lower()}")
     try:
         skip_round_that_would_be_gated(store)
         round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
         cursor = store.last_ids()
-        request_round(store, reason="kill rank 2 while loading")
-        wait_event(store, cursor, kind="failpoint", name="rank.hang", rank=2)
-        proc_cluster.kill_rank(2, signal.SIGKILL)
+        request_round(store, reason=f"kill rank {ep_rank} while {state}")
+        wait_event(store, cursor, kind="failpoint", name="rank.hang", rank=ep_rank)
+        cluster.kill_rank(ep_rank, signal.SIGKILL)
+        yield round_
+    finally:
+        stop_process(coordinator)
+
+
+def test_rank_killed_while_loading_aborts_the_round(proc_cluster):
+    store = proc_cluster.store
+    before = store.current_placement()
+    with rank_killed_in(proc_cluster, 2, "LOADING") as round_:
         wait_for(lambda: (r := store.read_record(store.keys.rearrange)).state == "FREE" and
                  r.get_int("round") >= round_, 60, store, "the aborted round")
         last = last_cluster_transition(store)
@@ -174,29 +186,17 @@ def test_rank_killed_while_loading_aborts_the_round(proc_cluster):
         proc_cluster.start_rank(2)
         wait_for(settled(store, round_), 90, store, "rank 2 back to IDLE")
         check_converged(store)
-    finally:
-        stop_process(coordinator)
 
 
 def test_rank_killed_while_swapping_restarts_and_completes(proc_cluster):
     store = proc_cluster.store
-    _restart_rank(proc_cluster, 1, "rank.hang=SWAPPING")
-    coordinator = spawn_coordinator(proc_cluster, "C-swapping")
-    try:
-        skip_round_that_would_be_gated(store)
-        round_ = store.read_record(store.keys.rearrange).get_int("round") + 1
-        cursor = store.last_ids()
-        request_round(store, reason="kill rank 1 while swapping")
-        wait_event(store, cursor, kind="failpoint", name="rank.hang", rank=1)
-        proc_cluster.kill_rank(1, signal.SIGKILL)
-        assert store.read_record(store.keys.rearrange).state in ("SWAPPING",)  # past the commit point
+    with rank_killed_in(proc_cluster, 1, "SWAPPING") as round_:
+        assert store.read_record(store.keys.rearrange).state == "SWAPPING"  # past the commit point
         proc_cluster.start_rank(1)  # a restarted rank loads the cluster's current placement
         wait_for(settled(store, round_), 90, store, "the round to complete after the restart")
         last = last_cluster_transition(store)
         assert (last["from"], last["to"]) == ("DONE", "FREE")
         check_converged(store)
-    finally:
-        stop_process(coordinator)
 
 
 def test_deposed_coordinator_commits_nothing(proc_cluster):
