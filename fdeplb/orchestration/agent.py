@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import structlog
@@ -28,6 +28,15 @@ from fdeplb.placement._validate import check_expert_load
 from fdeplb.store.redis_store import Record, Store
 
 log = structlog.get_logger("fdeplb.agent")
+
+class _Staging(NamedTuple):
+    """What the agent staged for one plan: the transfer plan, the staged experts and the counts it reports."""
+
+    plan_id: str
+    transfer: Any  # fdeplb.weights.TransferPlan
+    experts: Any  # fdeplb.weights.StagedExperts
+    info: dict[str, Any]
+
 
 #: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
 LoadSource = Callable[[int], np.ndarray]
@@ -58,7 +67,7 @@ class RankAgent:
         self.config: ClusterConfig | None = None
         self.reader = None
         self.live = None
-        self.staged = None  # (plan_id, TransferPlan, StagedExperts, new_phy2log, info)
+        self.staged: _Staging | None = None
         self._load_failed_round = -1
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
@@ -163,8 +172,8 @@ class RankAgent:
         """Stage the experts the plan needs on this rank (idempotent: reuses a staging of the same plan)."""
         from fdeplb.weights import plan_transfer, stage_experts
 
-        if self.staged is not None and self.staged[0] == plan_id:
-            return self.staged[4]
+        if self.staged is not None and self.staged.plan_id == plan_id:
+            return self.staged.info
         self._drop_staging()
         t0 = time.perf_counter()
         new = self._new_phy2log(plan_id)
@@ -175,12 +184,12 @@ class RankAgent:
                 "disk_slots": transfer.disk_slots,
                 "disk_bytes": nbytes["disk"], "local_bytes": nbytes["local"],
                 "stage_ms": round((time.perf_counter() - t0) * 1000, 3)}
-        self.staged = (plan_id, transfer, staged, new, info)
+        self.staged = _Staging(plan_id, transfer, staged, info)
         return info
 
     def _drop_staging(self) -> None:
         if self.staged is not None:
-            self.staged[2].release()
+            self.staged.experts.release()
             self.staged = None
 
     # ---- entry work per rank state (idempotent) -------------------------------------------------------------------
@@ -239,9 +248,8 @@ class RankAgent:
                     self.store.set_fields(me.key, {"reason": f"staging failed after commit: {err}"})
                     self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
                     return False
-                _, transfer, staged, _, _ = self.staged
                 try:
-                    swap = self.live.swap(transfer, staged, new)
+                    swap = self.live.swap(self.staged.transfer, self.staged.experts, new)
                     break
                 except VerificationError as err:
                     # past the commit point: no abort. Restore the old placement from the checkpoint, stage
@@ -254,7 +262,7 @@ class RankAgent:
                         self.store.set_fields(me.key, {"reason": f"swap verification failed twice: {err}"})
                         return False
             report.update(info)
-            report.update({k: v for k, v in _as_dict(swap).items() if isinstance(v, (int, float, str))})
+            report.update({k: v for k, v in swap.to_dict().items() if isinstance(v, (int, float, str))})
             self._drop_staging()
         if self.verify_all:
             verified, total = self.live.verify(self.reader)
@@ -289,12 +297,3 @@ class RankAgent:
         self.rank.fire("abort", record=me, reason=reason, fields={"reason": reason})
         return True
 
-
-def _as_dict(obj: Any) -> dict[str, Any]:
-    if isinstance(obj, dict):
-        return obj
-    if hasattr(obj, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return asdict(obj)
-    return {}

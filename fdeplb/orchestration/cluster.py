@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import InputError, NotFoundError, StateError, TopologyError
+from fdeplb.errors import InputError, StateError, TopologyError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
 from fdeplb.store.redis_store import Store
 

@@ -56,7 +56,7 @@ class Coordinator:
         self.planner = planner or default_planner
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
-        self._alarmed: set[str] = set()
+        self._handle: RecordHandle | None = None
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
 
     # ---- leadership -----------------------------------------------------------------------------------------------
@@ -83,8 +83,9 @@ class Coordinator:
         failpoint("coordinator.stop", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.stop", state=rec.state,
                                                 holder=self.holder))
-        RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "").fire(
-            trigger, record=rec, **kwargs)
+        if self._handle is None or self._handle.fence != (self.lease or ""):  # one per lease: reuses its machine
+            self._handle = RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "")
+        self._handle.fire(trigger, record=rec, **kwargs)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:

@@ -95,7 +95,7 @@ class _Row:
     def repair(self, target: float, budget: float) -> float:
         """Lower the heaviest GPU until it is <= target (absolute load); returns the moves it spent (<= budget)."""
         spent = 0
-        E, G, S, P = self.load.size, self.G, self.S, self.row.size
+        E, S, P = self.load.size, self.S, self.row.size
         slots = np.arange(P)
         while True:
             loads, per = self.loads()

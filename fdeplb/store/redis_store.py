@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import redis
@@ -250,10 +250,6 @@ class Store:
         """Record ``ep_rank`` in the registry (the only peers ever contacted) with its address/pid info."""
         self.client.hset(self.keys.ranks, str(int(ep_rank)), json.dumps(info, sort_keys=True))
 
-    def rank_ids(self) -> list[int]:
-        """Registered ep_ranks, ascending."""
-        return sorted(int(_s(k)) for k in self.client.hkeys(self.keys.ranks))
-
     def rank_info(self) -> dict[int, dict[str, Any]]:
         """Registered ranks and their info."""
         return {int(_s(k)): json.loads(_s(v)) for k, v in self.client.hgetall(self.keys.ranks).items()}
@@ -388,8 +384,7 @@ class Store:
                 return
             start = "(" + chunk[-1].id
 
-    def delete_cluster(self, extra_keys: Iterable[str] = ()) -> int:
+    def delete_cluster(self) -> int:
         """Delete every key of this cluster (tests and demo clean-up)."""
         keys = list(self.client.scan_iter(match=f"{self.keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"))
-        keys.extend(extra_keys)
         return int(self.client.delete(*keys)) if keys else 0

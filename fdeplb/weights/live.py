@@ -17,7 +17,7 @@ import numpy as np
 from fdeplb.errors import InputError, VerificationError, WeightError
 from fdeplb.weights import _paddle
 from fdeplb.weights.checkpoint import CheckpointReader
-from fdeplb.weights.plan import DISK, LOCAL, TransferPlan, rank_slots, routing_tables
+from fdeplb.weights.plan import LOCAL, TransferPlan, rank_slots, routing_tables
 from fdeplb.weights.staging import ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
 
 
