@@ -52,6 +52,12 @@ class ClusterRecord:
     """Who or what asked for the last round (operator, api, interval, ...)."""
     commit_requested: str = ""
     """plan_id an operator allowed to commit on a cordoned cluster ("" = none)."""
+    weights_request: int = 0
+    """Weight clear/update requests so far; a rank carries out request n once (its record's ``request``)."""
+    weights_action: str = ""
+    """What the latest weight request asks: "clear" or "update" ("" = none yet)."""
+    weights_reason: str = ""
+    """Who or what asked for the latest weight request."""
     updated_ms: int = 0
     """Redis server time (ms) of the last commit."""
 
@@ -126,6 +132,8 @@ class WeightRecord:
     """Why the last update or clear failed ("" otherwise)."""
     updated_ms: int = 0
     """Redis server time (ms) of the last commit."""
+    request: int = 0
+    """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
 
 
 MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord]

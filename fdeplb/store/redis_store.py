@@ -393,6 +393,19 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id)
 
+    def request_weights(self, action: str, reason: str = "operator") -> int:
+        """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
+        ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
+        safe point, through its weight-status machine. :class:`InputError` for another action."""
+        if action not in ("clear", "update"):
+            raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrby(self._keys.rearrange, "weights_request", 1)
+        pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason})
+        n, _ = pipe.execute()
+        self.emit_event("weights_requested", action=action, request=n, reason=reason)
+        return int(n)
+
     def delete_cluster(self) -> int:
         """Delete every key of this cluster (tests and demo clean-up); returns how many."""
         pattern = f"{self._keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
@@ -597,6 +610,14 @@ class Store:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""
         return [AuditRecord(_s(i), _text(raw)) for i, raw in self._client.xrange(self._keys.audit, start, end,
                                                                                    count=count)]
+
+    # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
+
+    # ---- section: retention, pruning and integrity (issue 14) -----------------------------------------------------
+
+    # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
+
+    # ---- section: self-contained recordings (issue 13) ------------------------------------------------------------
 
     def last_audit_id(self) -> str:
         """Id of the newest audit record ("0-0" when there is none)."""
