@@ -13,7 +13,7 @@ Each scenario is timed three ways, in the same run:
 - ``watch``: the same transition as an optimistic transaction: WATCH the record, the lease and the guarded
   records; read them (one pipelined round trip) and check state, version, fence and guards; MULTI, HSET, XADD,
   EXEC (one more round trip): 3 round trips against the script's 1;
-- ``fire``: :meth:`fdeplb.orchestration.records.RecordHandle.fire`, what the coordinator and agents call: read the
+- ``fire``: :meth:`fdeplb.orchestration.handles.RecordHandle.fire`, what the coordinator and agents call: read the
   record, build the ``transitions`` machine at that state, commit (``lua``) - for scale, not compared.
 
 Server: ``redis-server`` from PATH on 127.0.0.1 on a free port (TCP loopback) when it is installed, else the
@@ -50,7 +50,7 @@ sys.path.insert(0, str(REPO))
 from fdeplb.errors import FenceError, GuardError, StaleStateError  # noqa: E402
 from fdeplb.machines.tables import CLUSTER, WEIGHTS, MachineTable, TransitionSpec  # noqa: E402
 from fdeplb.orchestration.cluster import ClusterConfig, init_cluster  # noqa: E402
-from fdeplb.orchestration.records import RecordHandle  # noqa: E402
+from fdeplb.orchestration.handles import RecordHandle  # noqa: E402
 from fdeplb.store.redis_store import AUDIT_FIELDS, Record, Store  # noqa: E402
 
 TARGET_P99_MS = 1.0

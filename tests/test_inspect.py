@@ -11,7 +11,7 @@ from fdeplb.cli import main
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.machines.tables import RANK
 from fdeplb.orchestration.operations import init_cluster
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import replay_file
 from fdeplb.store import ClusterConfig, Store
 from tests.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture

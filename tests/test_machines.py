@@ -11,7 +11,7 @@ from fdeplb.errors import FenceError, GuardError, IllegalTransitionError, StaleS
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
 from fdeplb.machines.tables import Effect
 from fdeplb.orchestration.operations import init_cluster
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import ClusterConfig, PlanEntry, Store
 from tests.helpers import RawRedis, wait_for
 

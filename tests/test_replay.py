@@ -14,7 +14,7 @@ from fdeplb.cli.views import audit_dict, export_audit
 from fdeplb.errors import InputError, exit_code
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
 from fdeplb.orchestration.operations import init_cluster
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import ReplayError, check_plans, parse_lines, replay, replay_file
 from fdeplb.store import ClusterConfig, PlanEntry, Store
 from tests.helpers import RawRedis, thread_cluster, wait_for

@@ -13,8 +13,10 @@ import sys
 from fdeplb import __version__
 from fdeplb.errors import FdeplbError, exit_code
 
+__all__ = ["build_parser", "main"]
+
 #: modules under fdeplb.cli that define ``register(subparsers)``; each adds one or more subcommands.
-SUBCOMMAND_MODULES = ("demo", "rebalance", "coordinator", "views", "statecharts")
+SUBCOMMAND_MODULES = ("demo", "planning", "operate", "views", "statecharts")
 
 
 def build_parser() -> argparse.ArgumentParser:

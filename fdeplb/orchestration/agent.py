@@ -24,7 +24,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableE
     VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_expert_load
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend

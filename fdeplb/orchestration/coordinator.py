@@ -24,7 +24,7 @@ import structlog
 from fdeplb.errors import FdeplbError, FenceError, GuardError, InputError, RedisUnavailableError, StaleStateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
 

@@ -12,7 +12,7 @@
 -- ARGV[1]  expected_state: the state the caller read
 -- ARGV[2]  expected_version: the version the caller read (integer, "0" for a fresh record)
 -- ARGV[3]  fence: the caller's lease value, or "" for machines that are not fenced
--- ARGV[4]  new_state
+-- ARGV[4]  new_state: the state the transition reaches
 -- ARGV[5]  fields: JSON array [field, value, ...] of extra record fields to set (strings)
 -- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence and ts_ms are appended here
 -- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS)
