@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fdeplb.errors import TopologyError
+from fdeplb.errors import InputError, TopologyError
 from fdeplb.placement._validate import check_int, check_phy2log
 
 
@@ -29,6 +29,12 @@ def derive_maps(phy2log: np.ndarray, num_logical_experts: int) -> tuple[np.ndarr
     return log2phy, logcnt
 
 
+def _slot_sets(log2phy: np.ndarray) -> np.ndarray:
+    """``log2phy`` with every expert's slots ascending and the -1 padding last (order-free comparison)."""
+    big = np.iinfo(np.int64).max
+    return np.sort(np.where(log2phy < 0, big, log2phy), axis=2)
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     arr.setflags(write=False)
     return arr
@@ -41,8 +47,9 @@ class Placement:
     Attributes:
         phy2log: int64 [num_layers, num_physical_experts], logical expert id of every slot. Slots of EP rank ``r``
             are ``[r * P / num_gpus, (r + 1) * P / num_gpus)``.
-        log2phy: int64 [num_layers, num_logical_experts, max_replicas], the slots of every logical expert in
-            ascending phy_id order, padded with -1.
+        log2phy: int64 [num_layers, num_logical_experts, max_replicas], the slots of every logical expert, padded
+            with -1: in ascending phy_id order, unless the policy gave its own order (policy "deepseek" lists them
+            in replica-rank order, as DeepSeek's ``eplb.py`` does).
         logcnt: int64 [num_layers, num_logical_experts], replica count of every logical expert (>= 1, row sum = P).
         policy: name of the policy that produced the placement ("initial", "deepseek", ..., or "file").
         num_groups, num_nodes, num_gpus: the topology the placement was made for.
@@ -69,12 +76,17 @@ class Placement:
         num_groups: int = 1,
         num_nodes: int = 1,
         num_gpus: int = 1,
+        log2phy: np.ndarray | None = None,
     ) -> "Placement":
         """Build a placement from ``phy2log`` [L, P] (any integer array-like), deriving log2phy and logcnt.
+
+        ``log2phy`` (int [L, E, max(logcnt)], -1 padded) gives the order of every expert's slots instead of the
+        ascending one; it must list exactly the expert's slots of ``phy2log``, first, in any order.
 
         Raises:
             InputError: phy2log is not a 2-D integer array, holds an id outside ``[0, num_logical_experts)``, or
                 leaves a logical expert without a slot.
+                Or ``log2phy`` does not list exactly every expert's slots.
             TopologyError: P is not a multiple of ``num_gpus`` or ``num_gpus`` not a multiple of ``num_nodes``.
         """
         E = check_int(num_logical_experts, "num_logical_experts")
@@ -88,7 +100,13 @@ class Placement:
             raise TopologyError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
         if arr is phy2log:
             arr = arr.copy()
-        log2phy, logcnt = derive_maps(arr, E)
+        derived, logcnt = derive_maps(arr, E)
+        if log2phy is None:
+            log2phy = derived
+        else:
+            log2phy = np.array(log2phy, dtype=np.int64)
+            if log2phy.shape != derived.shape or not np.array_equal(_slot_sets(log2phy), _slot_sets(derived)):
+                raise InputError("log2phy does not list exactly the slots phy2log gives every expert, -1 padded")
         return cls(
             phy2log=_frozen(arr),
             log2phy=_frozen(log2phy),
