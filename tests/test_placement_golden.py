@@ -114,3 +114,26 @@ def test_balanced_packing_tie_order_is_checked():
 
     with pytest.raises(InputError, match="tie_order"):
         balanced_packing(np.ones((1, 4), dtype=np.float32), 2, tie_order="python")
+
+
+def test_replica_rank_is_checked_and_kept_through_files(tmp_path):
+    from fdeplb.errors import InputError
+    from fdeplb.placement import read_placement, write_placement
+    from fdeplb.placement.core import replica_rank
+
+    case = [c for c in CASES if c["kind"] == "small"][1]  # two layers
+    pl = _check(case, ARRAYS[f"{case['id']}.load"])
+    rank = replica_rank(pl.log2phy, pl.num_physical_experts)
+    again = Placement.from_phy2log(pl.phy2log, pl.num_logical_experts, replica_rank=rank)
+    assert np.array_equal(again.log2phy, pl.log2phy)
+    bad = rank.copy()
+    bad[0, 0] = pl.logcnt[0, pl.phy2log[0, 0]]  # a rank past the expert's count
+    with pytest.raises(InputError, match="replica_rank"):
+        Placement.from_phy2log(pl.phy2log, pl.num_logical_experts, replica_rank=bad)
+    twice = np.zeros_like(rank)  # every replica rank 0: duplicates for experts with several slots
+    with pytest.raises(InputError, match="each rank once"):
+        Placement.from_phy2log(pl.phy2log, pl.num_logical_experts, replica_rank=twice)
+    path = write_placement(pl, tmp_path / "p.json")
+    back = read_placement(path)
+    assert np.array_equal(back.placement.log2phy, pl.log2phy)
+    assert np.array_equal(back.for_layers([1]).log2phy, pl.log2phy[1:, :, : int(pl.logcnt[1].max())])

@@ -29,10 +29,32 @@ def derive_maps(phy2log: np.ndarray, num_logical_experts: int) -> tuple[np.ndarr
     return log2phy, logcnt
 
 
-def _slot_sets(log2phy: np.ndarray) -> np.ndarray:
-    """``log2phy`` with every expert's slots ascending and the -1 padding last (order-free comparison)."""
-    big = np.iinfo(np.int64).max
-    return np.sort(np.where(log2phy < 0, big, log2phy), axis=2)
+def replica_rank(log2phy: np.ndarray, num_physical_experts: int) -> np.ndarray:
+    """int64 [L, P]: the position of every slot in its expert's list of ``log2phy`` [L, E, W] (-1: not listed).
+
+    ``log2phy`` entries must lie in ``[-1, P)``. The inverse of building log2phy from replica ranks.
+    """
+    L, E, W = log2phy.shape
+    rank = np.full((L, num_physical_experts + 1), -1, dtype=np.int64)
+    where = np.where(log2phy >= 0, log2phy, num_physical_experts).reshape(L, -1)
+    np.put_along_axis(rank, where, np.broadcast_to(np.tile(np.arange(W), E), where.shape), axis=1)
+    return rank[:, :num_physical_experts]
+
+
+def _ranked_log2phy(phy2log: np.ndarray, rank: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
+    """log2phy [L, E, max(logcnt)] listing every expert's slots by ``rank`` [L, P]; InputError unless valid."""
+    L, P = phy2log.shape
+    E, width = logcnt.shape[1], int(logcnt.max())
+    if rank.shape != (L, P) or not np.issubdtype(rank.dtype, np.integer):
+        raise InputError(f"replica_rank must be an integer array of shape {(L, P)}, got {rank.dtype} {rank.shape}")
+    rank = rank.astype(np.int64)
+    if not ((rank >= 0) & (rank < np.take_along_axis(logcnt, phy2log, axis=1))).all():
+        raise InputError("replica_rank must rank every expert's slots 0 .. logcnt - 1")
+    log2phy = np.full((L, E * width), -1, dtype=np.int64)
+    np.put_along_axis(log2phy, phy2log * width + rank, np.broadcast_to(np.arange(P, dtype=np.int64), (L, P)), 1)
+    if np.count_nonzero(log2phy >= 0) != L * P:  # two slots of an expert with the same rank
+        raise InputError("replica_rank must rank every expert's slots 0 .. logcnt - 1, each rank once")
+    return log2phy.reshape(L, E, width)
 
 
 def _frozen(arr: np.ndarray) -> np.ndarray:
@@ -76,17 +98,17 @@ class Placement:
         num_groups: int = 1,
         num_nodes: int = 1,
         num_gpus: int = 1,
-        log2phy: np.ndarray | None = None,
+        replica_rank: np.ndarray | None = None,
     ) -> "Placement":
         """Build a placement from ``phy2log`` [L, P] (any integer array-like), deriving log2phy and logcnt.
 
-        ``log2phy`` (int [L, E, max(logcnt)], -1 padded) gives the order of every expert's slots instead of the
-        ascending one; it must list exactly the expert's slots of ``phy2log``, first, in any order.
+        ``replica_rank`` (int [L, P]) orders every expert's slots in log2phy by it instead of by phy_id (DeepSeek's
+        replica ranks): for each expert its slots' ranks must be ``0 .. logcnt - 1``, once each.
 
         Raises:
             InputError: phy2log is not a 2-D integer array, holds an id outside ``[0, num_logical_experts)``, or
                 leaves a logical expert without a slot.
-                Or ``log2phy`` does not list exactly every expert's slots.
+                Or ``replica_rank`` is not of shape [L, P] or does not rank each expert's slots 0..logcnt-1.
             TopologyError: P is not a multiple of ``num_gpus`` or ``num_gpus`` not a multiple of ``num_nodes``.
         """
         E = check_int(num_logical_experts, "num_logical_experts")
@@ -100,13 +122,9 @@ class Placement:
             raise TopologyError(f"num_gpus ({num_gpus}) must be a multiple of num_nodes ({num_nodes})")
         if arr is phy2log:
             arr = arr.copy()
-        derived, logcnt = derive_maps(arr, E)
-        if log2phy is None:
-            log2phy = derived
-        else:
-            log2phy = np.array(log2phy, dtype=np.int64)
-            if log2phy.shape != derived.shape or not np.array_equal(_slot_sets(log2phy), _slot_sets(derived)):
-                raise InputError("log2phy does not list exactly the slots phy2log gives every expert, -1 padded")
+        log2phy, logcnt = derive_maps(arr, E)
+        if replica_rank is not None:
+            log2phy = _ranked_log2phy(arr, np.asarray(replica_rank), logcnt)
         return cls(
             phy2log=_frozen(arr),
             log2phy=_frozen(log2phy),
@@ -194,4 +212,4 @@ def initial_placement(
     )
 
 
-__all__ = ["Placement", "derive_maps", "initial_placement"]
+__all__ = ["Placement", "derive_maps", "initial_placement", "replica_rank"]

@@ -98,52 +98,46 @@ def torch_sort_desc(keys: np.ndarray) -> np.ndarray:
     K, I = arranged.reshape(-1), items.reshape(-1)  # flat views: a segment is [start, start + length)
     start = emulate * n
     length = np.full(len(emulate), n, dtype=np.int64)
-    depth = np.full(len(emulate), 2 * (n.bit_length() - 1), dtype=np.int64)
+    depth = 2 * (n.bit_length() - 1)  # every segment of one recursion level has the same depth left
     heap_segments = []
     while len(start):
-        out_of_depth = depth == 0
-        heap_segments += zip(start[out_of_depth].tolist(), length[out_of_depth].tolist())
-        start, length, depth = start[~out_of_depth], length[~out_of_depth], depth[~out_of_depth]
-        if not len(start):
+        if depth == 0:
+            heap_segments += zip(start.tolist(), length.tolist())
             break
+        depth -= 1
         # median of three (std::__move_median_to_first) swapped to the front
         a, b, c = start + 1, start + length // 2, start + length - 1
         ka, kb, kc = K[a], K[b], K[c]
         ab, bc, ac = ka > kb, kb > kc, ka > kc
         median = np.where(ab, np.where(bc, b, np.where(ac, c, a)), np.where(ac, a, np.where(bc, c, b)))
-        K[start], K[median] = K[median], K[start].copy()
-        I[start], I[median] = I[median], I[start].copy()
-        # std::__unguarded_partition(first + 1, last, pivot = first) in closed form
+        K[start], K[median] = K[median], K[start]
+        I[start], I[median] = I[median], I[start]
+        # std::__unguarded_partition(first + 1, last, pivot = first) in closed form over the flat positions
         span = length - 1
         offset = np.cumsum(span) - span  # where each segment's positions begin in the flat position list
-        seg = np.repeat(np.arange(len(start)), span)
-        pos = np.arange(len(seg)) - offset[seg] + start[seg] + 1
-        key, pivot = K[pos], K[start][seg]
-        le, ge = key <= pivot, key >= pivot  # left scan stops at le, right scan at ge
-        cum_le = np.cumsum(le)
-        rank_le = cum_le - (cum_le[offset] - le[offset])[seg]  # k of the k-th left stop
-        cum_ge = np.cumsum(ge)
-        ge_right = cum_ge[offset + span - 1][seg] - cum_ge  # ge positions strictly right of this one, in the segment
-        swap_left = le & (ge_right >= rank_le)  # L_k < R_k: a swap
+        last = offset + span - 1
+        pos = np.repeat(start + 1 - offset, span) + np.arange(int(span.sum()))
+        key, pivot = K[pos], np.repeat(K[start], span)
+        le, ge = key <= pivot, key >= pivot  # the left scan stops at le, the right scan at ge
+        cum_le, cum_ge = np.cumsum(le), np.cumsum(ge)
+        rank_le = cum_le - np.repeat(cum_le[offset] - le[offset], span)  # k of the k-th left stop
+        ge_right = np.repeat(cum_ge[last], span) - cum_ge  # ge positions strictly right of this one
+        swap_left = le & (ge_right >= rank_le)  # L_k < R_k: the k-th stops swap
         swaps = np.add.reduceat(swap_left, offset)
-        swap_right = ge & (ge_right < swaps[seg])  # R_k for k <= swaps (k = ge_right + 1)
+        swap_right = ge & (ge_right < np.repeat(swaps, span))  # R_k for k = ge_right + 1 <= swaps
         left_pos = pos[swap_left]  # ascending k
         right_pos = pos[swap_right]  # descending k inside each segment: reverse every segment's block
         if len(left_pos):
-            first = np.cumsum(swaps) - swaps
-            rseg = np.repeat(np.arange(len(start)), swaps)
-            j = np.arange(len(rseg))
-            right_pos = right_pos[2 * first[rseg] + swaps[rseg] - 1 - j]
-            K[left_pos], K[right_pos] = K[right_pos], K[left_pos].copy()
-            I[left_pos], I[right_pos] = I[right_pos], I[left_pos].copy()
-        # returned cut: the next left stop, min(L_{m+1}, R_m)
+            rfirst = np.cumsum(swaps) - swaps
+            right_pos = right_pos[np.repeat(2 * rfirst + swaps - 1, swaps) - np.arange(len(right_pos))]
+            K[left_pos], K[right_pos] = K[right_pos], K[left_pos]
+            I[left_pos], I[right_pos] = I[right_pos], I[left_pos]
+        # returned cut: the next left stop, min(L_{m+1}, R_m) (L_1 when nothing swapped)
         stop = np.where((le & ~swap_left) | swap_right, pos, np.iinfo(np.int64).max)
         cut = np.minimum.reduceat(stop, offset)
-        end = start + length
-        start, length = np.concatenate([start, cut]), np.concatenate([cut - start, end - cut])
-        depth = np.concatenate([depth - 1, depth - 1])
+        start, length = np.concatenate([start, cut]), np.concatenate([cut - start, start + length - cut])
         keep = length > _INSERTION_THRESHOLD
-        start, length, depth = start[keep], length[keep], depth[keep]
+        start, length = start[keep], length[keep]
     for s, ln in heap_segments:
         seg_keys, seg_items = K[s : s + ln].tolist(), I[s : s + ln].tolist()
         _heap_sort_desc(seg_keys, seg_items)
@@ -233,44 +227,31 @@ def replicate_experts(load: np.ndarray, num_phy: int) -> tuple[np.ndarray, np.nd
     return phy2log, phyrank, logcnt
 
 
-def deepseek_maps(
+def deepseek_phy2log(
+    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(phy2log, logcnt)`` of :func:`deepseek_placement`, int64 [L, P] and [L, E]."""
+    phy2log, _, logcnt = deepseek_placement(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
+    return phy2log, logcnt
+
+
+def deepseek_placement(
     expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """DeepSeek's hierarchical policy on checked inputs, exactly as ``eplb.rebalance_experts`` returns it.
+    """DeepSeek's hierarchical policy on checked inputs, as ``eplb.rebalance_experts`` computes it.
 
     Call with ``num_groups=num_nodes=1`` for the global policy. Inputs must already be checked
-    (:func:`fdeplb.placement.rebalance_experts` does it).
+    (:func:`fdeplb.placement.rebalance_experts` does it). ``eplb.py``'s log2phy lists every expert's slots by
+    replica rank: ``Placement.from_phy2log(phy2log, E, replica_rank=phyrank)`` builds exactly that.
 
     Args:
         expert_load: [L, E] int or float array, non-negative and finite.
         num_replicas, num_groups, num_nodes, num_gpus: a checked topology.
 
     Returns:
-        ``(phy2log, log2phy, logcnt)``: int64 [L, P] expert of every slot; int64 [L, E, max(logcnt)] the slots of
-        every expert in replica-rank order (rank 0 first, the order ``eplb.py`` lists them), padded with -1; int64
-        [L, E] replica count.
+        ``(phy2log, phyrank, logcnt)``: int64 [L, P] expert of every slot, int64 [L, P] replica rank of every slot
+        (0 for the expert's first replica, then in the order step 2 handed them out), int64 [L, E] replica count.
     """
-    phy2log, phyrank, logcnt = _deepseek(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
-    L, P = phy2log.shape
-    E = logcnt.shape[1]
-    width = int(logcnt.max())
-    log2phy = np.full((L, E * width), -1, dtype=np.int64)
-    np.put_along_axis(log2phy, phy2log * width + phyrank, np.broadcast_to(np.arange(P, dtype=np.int64), (L, P)), 1)
-    return phy2log, log2phy.reshape(L, E, width), logcnt
-
-
-def deepseek_phy2log(
-    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(phy2log, logcnt)`` of :func:`deepseek_maps`, int64 [L, P] and [L, E]."""
-    phy2log, _, logcnt = _deepseek(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
-    return phy2log, logcnt
-
-
-def _deepseek(
-    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(phy2log, phyrank, logcnt)``, int64 [L, P], [L, P] (replica rank of every slot) and [L, E]."""
     load = np.asarray(expert_load).astype(np.float32)
     L, E = load.shape
     group_size = E // num_groups

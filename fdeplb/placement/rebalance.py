@@ -10,7 +10,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
 from fdeplb.placement.core import Placement
 from fdeplb.placement.balanced import balanced_phy2log
-from fdeplb.placement.deepseek import deepseek_maps
+from fdeplb.placement.deepseek import deepseek_placement
 from fdeplb.placement.greedy import greedy_phy2log
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
@@ -19,8 +19,8 @@ from fdeplb.placement.slots import align_slots
 def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
     if not hierarchical:
         num_groups, num_nodes = 1, 1
-    phy2log, log2phy, _ = deepseek_maps(load, num_replicas, num_groups, num_nodes, num_gpus)
-    return phy2log, log2phy
+    phy2log, phyrank, _ = deepseek_placement(load, num_replicas, num_groups, num_nodes, num_gpus)
+    return phy2log, phyrank
 
 
 def _greedy(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
@@ -46,7 +46,8 @@ def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchica
 
 
 #: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
-#: returning phy2log int64 [L, P], or ``(phy2log, log2phy)`` when the policy orders each expert's slots itself.
+#: returning phy2log int64 [L, P], or ``(phy2log, replica_rank)`` when the policy orders each expert's slots itself
+#: in log2phy (see :meth:`Placement.from_phy2log`).
 POLICIES: dict[str, Callable[..., np.ndarray]] = {
     "deepseek": _deepseek,
     "greedy": _greedy,
@@ -128,9 +129,9 @@ def rebalance_experts(
         cap = None if max_moved_experts is None else check_int(max_moved_experts, "max_moved_experts", minimum=0)
         options = {"tolerance": tol, "max_moved_experts": cap}
     phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
-    log2phy = None
+    rank = None
     if isinstance(phy2log, tuple):
-        phy2log, log2phy = phy2log
+        phy2log, rank = phy2log
     return Placement.from_phy2log(
-        phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, log2phy=log2phy
+        phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, replica_rank=rank
     )
