@@ -10,8 +10,9 @@ Same steps, the same arithmetic and the same tie order as the published PyTorch 
 The global policy is the hierarchical one run with one group and one node. What is reproduced:
 ``rebalance_experts(..., policy="deepseek")`` returns the phy2log, log2phy (each expert's slots in replica-rank
 order, built from :func:`deepseek_placement`'s ranks) and logcnt of ``eplb.rebalance_experts``, element for
-element, ties included, for inputs fdeplb accepts (finite, non-negative loads); tests/golden holds ``eplb.py``'s outputs under torch 2.13 CPU (real dumps at four topologies plus small
-and random cases with many ties) and the tests compare them all.
+element, ties included, for inputs fdeplb accepts (finite, non-negative loads). tests/golden holds ``eplb.py``'s
+outputs under torch 2.13 CPU (real dumps at four topologies plus small and random cases with many ties) and the
+tests compare them all.
 
 How: arithmetic is float32 like the reference (``weight.float()``). ``balanced_packing`` orders items as
 ``torch.sort(descending=True)`` on CPU does, which is not a stable sort for rows longer than 16 (see
