@@ -73,7 +73,8 @@ for name in loads.files:
     t = time.perf_counter()
     phy2log, log2phy, logcnt = eplb.rebalance_experts(w, *topo)
     times.append((time.perf_counter() - t) * 1e3)
-    out[name + ".phy2log"], out[name + ".log2phy"], out[name + ".logcnt"] = phy2log.numpy(), log2phy.numpy(), logcnt.numpy()
+    for key, arr in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
+        out[name + "." + key] = arr.numpy()
 np.savez(sys.argv[3], **out)
 print(json.dumps({"ms": times, "torch": torch.__version__, "threads": torch.get_num_threads()}))
 """
@@ -81,7 +82,8 @@ print(json.dumps({"ms": times, "torch": torch.__version__, "threads": torch.get_
 
 def deepseek_speedup(real_data: Path, eplb_ref: Path | None, eplb_python: str) -> dict:
     """Median ms of "deepseek" vs eplb.py (when given) and vs the plain-loop port on every DeepSeek-V3 dump."""
-    loads = {p.stem: read_expert_load(p).expert_load for p in sorted((real_data / "dsv3_sglang_ep_stats").glob("*.json"))}
+    paths = sorted((real_data / "dsv3_sglang_ep_stats").glob("*.json"))
+    loads = {p.stem: read_expert_load(p).expert_load for p in paths}
 
     def ours() -> tuple[dict, list]:
         plans, times = {}, []
@@ -237,8 +239,8 @@ def tables(result: dict) -> list[str]:
                          f"{policy} | {e['moved']:,} | {e['max_over_mean']:.5f} | {e['ms']:.0f} |")
     sp = result.get("speedup")
     if sp:
-        lines += ["", "Speed-up of \"deepseek\" on the DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, 32 GPUs), "
-                  f"median over {sp['dumps']} dumps, same run:", "",
+        lines += ["", "Speed-up of \"deepseek\" on the DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, "
+                  f"32 GPUs), median over {sp['dumps']} dumps, same run:", "",
                   "| baseline | baseline ms | fdeplb deepseek ms | speed-up | same output |",
                   "|---|---:|---:|---:|---|"]
         if "eplb_ms" in sp:

@@ -13,7 +13,7 @@ import numpy as np
 
 
 def _std_sort_desc(keys: list) -> list[int]:
-    """Indices of ``keys`` in the order libstdc++'s ``std::sort`` leaves (key, index) pairs with ``comp = a.key > b.key``.
+    """Indices of ``keys`` in the order libstdc++'s ``std::sort`` leaves (key, index) pairs, ``comp = a.key > b.key``.
 
     Introsort (depth limit 2 * floor(log2 n), median of three to the front, unguarded partition, heap sort when the
     depth runs out) down to segments of 16, then insertion sort of the first 16 and unguarded insertion of the rest.
