@@ -135,7 +135,7 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.export is not None:
         n = export_recording(store, args.export, args.round)
         print(f"exported {n['records']} audit records, {n['snapshots']} snapshots and {n['plans']} plans of cluster "
-              f"{args.cluster} to {args.export}" + (f" ({n['missing']} pruned before the export)"
+              f"{args.cluster} to {args.export}" + (f" ({n['missing']} named but no longer in Redis)"
                                                     if n["missing"] else ""))
         return 0
     printed = 0
