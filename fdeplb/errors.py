@@ -38,6 +38,14 @@ class TopologyError(InputError):
     code = "bad_topology"
 
 
+class ReplayError(InputError):
+    """A recording (exported audit) that does not replay: an illegal or out-of-order transition, a version gap, a
+    fence going backwards, a guard that did not hold, a broken audit chain, or a plan that does not reproduce. The
+    message names the first bad line and why. Its own row: exit 1 (a verdict), not 2 (a usage error)."""
+
+    code = "replay_mismatch"
+
+
 class NotFoundError(FdeplbError):
     """A record, plan, rank or route that does not exist."""
 
@@ -134,6 +142,7 @@ class DeadlineError(FdeplbError):
 
 #: error class -> (HTTP status, CLI exit code). Lookup walks the MRO, so subclasses inherit their parent's row.
 ERROR_TABLE: dict[type[FdeplbError], tuple[int, int]] = {
+    ReplayError: (422, 1),
     InputError: (400, 2),
     NotFoundError: (404, 2),
     StateError: (409, 3),

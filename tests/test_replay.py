@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fdeplb.cli import main
-from fdeplb.cli.views import audit_dict, export_audit
+from fdeplb.recording import audit_dict
 from fdeplb.errors import InputError, exit_code
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
 from fdeplb.orchestration.operations import init_cluster
@@ -74,12 +74,17 @@ def test_fired_round_replays(lines):
     assert [p.plan_id for p in report.plans] == [PLAN]
 
 
-def test_alarm_records_are_skipped(lines):
-    alarm = json.loads(lines[5])  # cluster LOADING -> LOAD_SUCC
-    alarm.update({"trigger": "alarm", "from": "LOAD_SUCC", "to": "LOAD_SUCC"})
-    del alarm["id"]  # an id between two others is not needed: records without one are not order-checked
-    report = replay(parse_lines(lines[:6] + [json.dumps(alarm)] + lines[6:]))
-    assert (report.transitions, report.skipped) == (14, 1)
+def test_alarms_join_the_chain_and_are_skipped(fired):
+    rec = fired.read_cluster()
+    fired.append_alarm(rec, actor="test", reason="a test alarm")
+    lines = [json.dumps(audit_dict(e)) for e in fired.iter_audit()]
+    report = replay(parse_lines(lines))
+    assert (report.transitions, report.skipped, report.chained) == (14, 1, 15)
+    assert report.chain == fired.audit_head()
+    forged = json.loads(lines[-1])
+    forged.update({"from": "DONE", "to": "DONE"})  # an alarm for a state the cluster was not in
+    with pytest.raises(ReplayError, match=r"line 15 .*alarm for cluster DONE v7, but the cluster is FREE v7"):
+        replay(parse_lines(lines[:-1] + [json.dumps(forged)]))
 
 
 def tampered(lines: list[str], index: int, **changes) -> list[str]:
@@ -104,9 +109,15 @@ def test_tampered_export_fails_at_first_inconsistency(lines, index, changes, mes
 
 
 def test_dropped_record_is_caught(lines):
+    kept = lines[:4] + lines[5:]  # rank:0 staged (v2) dropped
+    with pytest.raises(ReplayError, match=r"line 5 .*chain .* is not the hash of this record and its predecessor's "
+                                          r"chain .*a record before it was dropped"):
+        replay(parse_lines(kept))
+    # without the chains (an export of a stream older than them) the records themselves give it away
+    bare = [json.dumps({k: v for k, v in json.loads(x).items() if k != "chain"}) for x in kept]
     with pytest.raises(ReplayError, match=r"line 7 .*rank:0 is LOADING v1 in the replay, but the record says from "
                                           r"LOADED"):
-        replay(parse_lines(lines[:4] + lines[5:]))  # rank:0 staged (v2) dropped
+        replay(parse_lines(bare))
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -117,7 +128,7 @@ def test_dropped_record_is_caught(lines):
 def test_bad_lines_fail_with_their_number(lines, bad, message):
     with pytest.raises(ReplayError, match=message) as err:
         replay(parse_lines(lines[:2] + [bad] + lines[2:]))
-    assert isinstance(err.value, InputError) and exit_code(err.value) == 2
+    assert isinstance(err.value, InputError) and exit_code(err.value) == 1  # a damaged recording: a verdict
 
 
 def test_made_up_plan_does_not_reproduce(fired, lines):
@@ -131,19 +142,18 @@ def test_made_up_plan_does_not_reproduce(fired, lines):
         check_plans(fired, report)
 
 
-def test_replay_cli_on_a_fired_round(fired, tmp_path, capsys):
+def test_replay_cli_on_a_fired_round(lines, tmp_path, capsys):
     path = tmp_path / "audit.jsonl"
-    assert export_audit(fired.iter_audit(), path) == 14
+    path.write_text("\n".join(lines) + "\n")  # records only, no header (no plans to recompute without Redis)
     assert main(["replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "cluster      FREE [0]  v7  (7 transitions, last release)" in out
-    assert "replay OK: 14 transitions of 3 records, 0 alarms skipped, 1 plans" in out
-    lines = path.read_text().splitlines()
+    assert "replay OK: 14 transitions of 3 records, 0 alarms, chain verified over 14 records, 1 plans" in out
     path.write_text("\n".join(tampered(lines, 6, version=9)) + "\n")
-    assert main(["replay", str(path)]) == 2
+    assert main(["replay", str(path)]) == 1  # a mismatch is a verdict (exit 1), not a usage error
     assert "error: line 7 " in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
-    assert "cannot read audit export" in capsys.readouterr().err
+    assert "cannot read recording" in capsys.readouterr().err
     assert main(["replay", str(path), "--redis-url", "redis://127.0.0.1:1"]) == 2  # --cluster missing
 
 
@@ -173,5 +183,5 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
         raw = RawRedis(redis_url, cluster)
         new = store.plan_phy2log(plan_id)
         raw.r.hset(raw.keys.plan(plan_id), "new_phy2log", new[:, ::-1].copy().tobytes())
-        assert main(["replay", str(path), "--redis-url", redis_url, "--cluster", cluster]) == 2
+        assert main(["replay", str(path), "--redis-url", redis_url, "--cluster", cluster]) == 1
         assert "gives a different new_phy2log" in capsys.readouterr().err

@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print a machine-readable summary as the last line")
     p.add_argument("--keep", action="store_true",
                    help="keep the checkpoint and worker logs (and, with --redis-url, the cluster's keys)")
+    p.add_argument("--export-audit", default=None, metavar="FILE",
+                   help="write the round's recording (as `fdeplb audit --export`) to FILE for `fdeplb replay`")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(handler=run)
 
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     summary = run_demo(DemoOptions(
         trace=args.trace, ranks=args.ranks, redis_url=args.redis_url, policy=args.policy,
         num_redundant_experts=args.num_redundant_experts, num_groups=args.num_groups, num_nodes=args.num_nodes,
-        timeout_s=args.timeout, keep=args.keep,
+        timeout_s=args.timeout, keep=args.keep, export_audit=args.export_audit,
     ))
     ok = (summary["done_then_free"] and summary["final_state"] == ClusterState.FREE
           and summary["slots_verified"] == summary["slots_total"])

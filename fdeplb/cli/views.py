@@ -1,15 +1,18 @@
 """``fdeplb audit``, ``fdeplb status`` and ``fdeplb replay``: read-only views of a cluster's machines.
 
-- ``audit`` prints the audit stream (one line per record, or JSON lines), filtered by round, machine and rank, or
-  exports it as JSONL (``--export FILE``) for ``replay``.
+- ``audit`` prints the audit stream (one line per record, or JSON lines), filtered by round, machine and rank,
+  follows it (``--follow``: new records as they commit), or exports a self-contained recording
+  (``--export FILE [--round N]``, :mod:`fdeplb.recording`) for ``replay``.
 - ``status`` shows every machine's record now: the cluster rearrangement (state and FastDeploy code, round, plan,
   deadline left, reason, alarm, lease holder), each rank (rank state and load result, weight status, plan,
   heartbeat age) and the current placement.
-- ``replay`` replays an exported audit through the tables (:mod:`fdeplb.replay`) and, given a Redis URL, recomputes
-  every plan from its stored snapshot.
+- ``replay`` replays a recording with no Redis (:mod:`fdeplb.replay`): every transition, fence, guard and chain,
+  every plan recomputed from its snapshot; ``--until`` stops at a record, ``--into`` rebuilds it in a Redis,
+  ``--policy`` replans every round with another policy (what-if). Exit 0 when it replays, 1 on a mismatch (naming
+  the first bad line), 2 on a usage error.
 
 Bad input (unknown cluster, bad URL, bad filter, unreadable file) is a typed error: ``error: ...`` and a non-zero
-exit code from the error table. Nothing here writes to Redis.
+exit code from the error table. Nothing here writes to Redis but ``replay --into`` (into a new cluster id).
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ from typing import Any, Iterable, TextIO
 from fdeplb.cli._common import open_store
 from fdeplb.errors import InputError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
+from fdeplb.recording import audit_dict, export_recording
 
-#: audit fields written as integers in JSON output (the stream stores text)
-INT_FIELDS = ("version", "round", "ts_ms")
+#: how long one ``audit --follow`` read blocks before it checks again (ms)
+FOLLOW_BLOCK_MS = 1_000
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--rank", type=int, default=None, help="only records of this EP rank (rank and weights)")
     a.add_argument("--json", action="store_true", help="JSON lines instead of text")
     a.add_argument("--export", type=Path, default=None, metavar="FILE.jsonl",
-                   help="write the (filtered) records to FILE as JSONL instead of printing them")
+                   help="write a self-contained recording (header, records, snapshots, plans; docs/recordings.md) "
+                        "to FILE for `fdeplb replay`; with --round, the stretch of the audit holding that round")
+    a.add_argument("--follow", action="store_true",
+                   help="after the records so far, print new ones as they commit (until interrupted)")
+    a.add_argument("--limit", type=int, default=None, metavar="N", help="stop after printing N records")
     a.set_defaults(handler=run_audit)
 
     s = sub.add_parser("status", help="show every machine's state of a cluster",
@@ -50,14 +58,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
     s.set_defaults(handler=run_status)
 
-    r = sub.add_parser("replay", help="replay an exported audit through the machine tables",
-                       description="Replay an exported audit through the machine tables: every record must "
-                                   "follow from the ones before it (from-state, trigger, to-state, version). "
-                                   "With --redis-url and --cluster, also recompute every plan from its stored "
-                                   "snapshot.")
-    r.add_argument("file", type=Path, metavar="FILE.jsonl", help="audit exported by `fdeplb audit --export`")
-    r.add_argument("--redis-url", default=None, help="also recompute every plan from the snapshots stored here")
-    r.add_argument("--cluster", default=None, help="cluster the export came from (with --redis-url)")
+    r = sub.add_parser("replay", help="replay a recording through the machine tables, with no Redis",
+                       description="Replay a recording (`fdeplb audit --export`) with no Redis: every record must "
+                                   "follow from the ones before it (from-state, trigger, to-state, version, fence, "
+                                   "the guards across records, the audit chain) and every plan must reproduce from "
+                                   "its snapshot. Exit 0 when it replays, 1 on a mismatch naming the first bad "
+                                   "line, 2 on a usage error.")
+    r.add_argument("file", type=Path, metavar="FILE.jsonl", help="recording written by `fdeplb audit --export`")
+    r.add_argument("--until", default=None, metavar="VERSION|ID",
+                   help="stop after the audit record with this id, or the cluster record's transition to this "
+                        "version, and print every machine's state there")
+    r.add_argument("--policy", default=None, metavar="NAME",
+                   help="what-if: replan every recorded round's snapshot with this policy and compare it with the "
+                        "recorded plan (balancedness, moved experts)")
+    r.add_argument("--into", default=None, metavar="REDIS_URL",
+                   help="rebuild the replayed records in this Redis under --cluster (refused if it exists)")
+    r.add_argument("--redis-url", default=None, help="check the plans against this live Redis instead")
+    r.add_argument("--cluster", default=None, help="cluster id (with --into or --redis-url)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
     r.set_defaults(handler=run_replay)
 
@@ -68,14 +85,6 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---- audit ---------------------------------------------------------------------------------------------------------
-def audit_dict(entry) -> dict[str, Any]:
-    """An audit entry as a JSON-ready dict: ``id`` first, then its fields; version, round and ts_ms as ints."""
-    out: dict[str, Any] = {"id": entry.id}
-    for name, value in entry.fields.items():
-        out[name] = int(value) if name in INT_FIELDS and value.lstrip("-").isdigit() else value
-    return out
-
-
 def select(entries: Iterable, *, round_: int | None = None, machine: str | None = None,
            rank: int | None = None) -> Iterable:
     """Audit entries matching every given filter (``rank`` selects the rank and weights records of that rank)."""
@@ -113,40 +122,51 @@ def _utc(ts_ms: str) -> str:
 def run_audit(args: argparse.Namespace) -> int:
     if args.round is not None and args.round < 0:
         raise InputError(f"--round must be >= 0, got {args.round}")
+    if args.limit is not None and args.limit < 1:
+        raise InputError(f"--limit must be >= 1, got {args.limit}")
     if args.rank is not None and args.machine == CLUSTER.name:
         raise InputError("--rank selects rank and weights records; it cannot be combined with --machine cluster")
+    if args.export is not None and (args.machine or args.rank is not None or args.follow or args.json):
+        raise InputError("--export writes a self-contained recording: only --round narrows it (--machine, --rank, "
+                         "--follow, --json do not apply)")
     store = open_store(args.redis_url, args.cluster)
     if args.rank is not None and not 0 <= args.rank < store.ep_size():
         raise InputError(f"--rank {args.rank} outside the cluster's ranks 0..{store.ep_size() - 1}")
-    entries = select(store.iter_audit(), round_=args.round, machine=args.machine, rank=args.rank)
     if args.export is not None:
-        n = export_audit(entries, args.export)
-        print(f"exported {n} audit records of cluster {args.cluster} to {args.export}")
+        n = export_recording(store, args.export, args.round)
+        print(f"exported {n['records']} audit records, {n['snapshots']} snapshots and {n['plans']} plans of cluster "
+              f"{args.cluster} to {args.export}" + (f" ({n['missing']} named but no longer in Redis)"
+                                                    if n["missing"] else ""))
         return 0
-    try:
-        for entry in entries:
+    printed = 0
+    last_id = "0-0"
+
+    def emit(entries: Iterable) -> bool:
+        nonlocal printed
+        for entry in select(entries, round_=args.round, machine=args.machine, rank=args.rank):
             sys.stdout.write((json.dumps(audit_dict(entry)) if args.json else format_audit(entry)) + "\n")
+            printed += 1
+            if args.limit is not None and printed >= args.limit:
+                return False
+        sys.stdout.flush()
+        return True
+
+    def tracked(entries: Iterable) -> Iterable:
+        nonlocal last_id
+        for entry in entries:
+            last_id = entry.id
+            yield entry
+
+    try:
+        going = emit(tracked(store.iter_audit()))
+        while going and args.follow:
+            going = emit(tracked(store.follow_audit(last_id, FOLLOW_BLOCK_MS)))
         sys.stdout.flush()
     except BrokenPipeError:  # `fdeplb audit ... | head`: the reader has what it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:  # Ctrl-C ends --follow
+        sys.stdout.flush()
     return 0
-
-
-def export_audit(entries: Iterable, path: Path) -> int:
-    """Write audit entries as JSONL to ``path`` (atomically: a temporary file renamed into place); returns how many.
-    :class:`InputError` if the file cannot be written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    n = 0
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            for entry in entries:
-                fh.write(json.dumps(audit_dict(entry)) + "\n")
-                n += 1
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError(f"cannot write {path}: {exc.strerror}") from None
-    return n
 
 
 # ---- status --------------------------------------------------------------------------------------------------------
@@ -261,26 +281,79 @@ def run_status(args: argparse.Namespace) -> int:
 
 # ---- replay --------------------------------------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
-    from fdeplb.replay import ReplayError, check_plans, replay_file
+    from fdeplb.replay import Recorded, ReplayError, check_plans, rebuild, replay_file, whatif
+    from fdeplb.store import Store
 
-    if (args.redis_url is None) != (args.cluster is None):
-        raise InputError("--redis-url and --cluster go together (the cluster whose plans to recompute)")
-    report = replay_file(args.file)
+    if args.into is not None and args.redis_url is not None:
+        raise InputError("--into (rebuild into a Redis) and --redis-url (check against a live one) exclude each "
+                         "other")
+    if (args.into is not None or args.redis_url is not None) != (args.cluster is not None):
+        raise InputError("--cluster goes with --into or --redis-url (the cluster to rebuild or check against)")
+    into = Store(args.into, args.cluster) if args.into is not None else None  # a bad URL or id: before replaying
+    report = replay_file(args.file, args.until)
     if report.records == 0:
-        raise ReplayError(f"{args.file}: no audit records (an export has one JSON object per line)")
+        raise ReplayError(f"{args.file}: no audit records (a recording has one JSON object per line)")
     if args.redis_url is not None:
         check_plans(open_store(args.redis_url, args.cluster), report)
+    elif report.header is not None:
+        check_plans(Recorded(report), report)
+    rows = whatif(report, args.policy) if args.policy is not None else None
+    written = rebuild(report, into) if into is not None else None
     if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True))
+        out = report.to_json()
+        if rows is not None:
+            out["whatif"] = rows
+        if written is not None:
+            out["rebuilt"] = {"redis_url": args.into, "cluster": args.cluster, "audit_records": written}
+        print(json.dumps(out, sort_keys=True))
         return 0
-    for key, ks in sorted(report.final.items(), key=lambda kv: _key_order(kv[0])):
-        print(f"{key:<12} {ks.state} [{ks.code}]  v{ks.version}  ({ks.transitions} transitions, last "
-              f"{ks.last_trigger})")
-    plans = (f", {len(report.plans_checked)} plans recomputed and identical" if args.redis_url is not None
-             else f", {len(report.plans)} plans (pass --redis-url and --cluster to recompute them)")
+    if args.until is not None:
+        print(f"state after {args.until}:")
+    for key, ks in sorted(_states(report).items(), key=lambda kv: _key_order(kv[0])):
+        print(f"{key:<12} {ks['state']} [{ks['code']}]  v{ks['version']}  ({ks['transitions']} transitions"
+              f"{', last ' + ks['last_trigger'] if ks['last_trigger'] else ''})")
+    if report.header is None and args.redis_url is None:
+        plans = f", {len(report.plans)} plans (no header: pass --redis-url and --cluster to recompute them)"
+    else:
+        plans = f", {len(report.plans_checked)} plans recomputed and identical"
+        if report.plans_unchecked:
+            plans += f", {len(report.plans_unchecked)} pruned before the export (not checked)"
+    chain = f", chain verified over {report.chained} records" if report.chained else ", no chain (old export)"
     print(f"replay OK: {report.transitions} transitions of {len(report.final)} records, "
-          f"{report.skipped} alarms skipped{plans}")
+          f"{report.skipped} alarms{chain}{plans}")
+    if rows is not None:
+        print_whatif(rows, sys.stdout)
+    if written is not None:
+        print(f"rebuilt cluster {args.cluster} at {args.into}: {written} audit records")
     return 0
+
+
+def _states(report) -> dict[str, dict[str, Any]]:
+    """Every machine's state where the replay stopped: the replayed ones, and the header's start for the others."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, held in ((report.header or {}).get("start") or {}).get("records", {}).items():
+        table = TABLES[key.partition(":")[0]]
+        out[key] = {"state": held["state"], "code": table.to_code(held["state"]), "version": int(held["version"]),
+                    "transitions": 0, "last_trigger": ""}
+    for key, ks in report.final.items():
+        out[key] = {"state": ks.state, "code": ks.code, "version": ks.version, "transitions": ks.transitions,
+                    "last_trigger": ks.last_trigger}
+    return out
+
+
+def print_whatif(rows: list[dict[str, Any]], out: TextIO) -> None:
+    """The what-if rows as a table: per round, balancedness and moved experts of the recorded plan and the new."""
+    if not rows:
+        out.write("what-if: no round of the recording has a snapshot to replan\n")
+        return
+    policy = rows[0]["policy"]
+    out.write(f"what-if: policy {policy} against the recorded plans (balancedness = mean over layers)\n")
+    out.write(f"  {'round':<6}{'outcome':<10}{'recorded plan':<18}{'before':>8}{'recorded':>10}{'moved':>7}"
+              f"{policy:>12}{'moved':>7}\n")
+    for r in rows:
+        out.write(f"  {r['round']:<6}{r['outcome']:<10}{r['recorded_plan'] or '-':<18}{r['balancedness_before']:>8.4f}"
+                  f"{r['balancedness_recorded']:>10.4f}{r['moved_recorded']:>7}{r['balancedness_new']:>12.4f}"
+                  f"{r['moved_new']:>7}\n")
 
 
 def _key_order(key: str) -> tuple[int, str, int]:

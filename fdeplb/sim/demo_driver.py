@@ -44,6 +44,7 @@ class DemoOptions:
     seed: int = 0
     timeout_s: float = 300.0
     keep: bool = False  # keep the work dir (checkpoint, worker logs) and, with an external Redis, the cluster keys
+    export_audit: str | None = None  # write the round's recording here (fdeplb.recording)
 
 
 def default_redundant(num_experts: int, ranks: int) -> int:
@@ -122,6 +123,10 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         round_s = time.perf_counter() - t0
 
         audit = list(store.iter_audit())
+        if opts.export_audit:
+            from fdeplb.recording import export_recording
+
+            export_recording(store, opts.export_audit)
         summary = _summarize(store, config, load, initial, audit, final, balancedness)
         summary["round_seconds"] = round(round_s, 3)
         emit("")

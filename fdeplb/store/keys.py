@@ -57,6 +57,12 @@ class Keys:
         return f"{self.prefix}:audit"
 
     @property
+    def audit_head(self) -> str:
+        """string: the ``chain`` of the newest audit record ("" before the first); the commit and alarm scripts
+        hash each new record together with it (DESIGN.md section 4) and move it on in the same atomic step."""
+        return f"{self.prefix}:audit_head"
+
+    @property
     def events(self) -> str:
         """stream: wake-ups that are not transitions (loads published, alarms, heartbeats); capped."""
         return f"{self.prefix}:events"

@@ -56,7 +56,7 @@ from fdeplb.store.records import (
     parse_record,
     record_type,
 )
-from fdeplb.store.scripts import commit_call, lease_call, script_text
+from fdeplb.store.scripts import audit_call, commit_call, lease_call, script_text
 
 #: longest XREAD BLOCK any fdeplb waiter issues (ms); the socket timeout is set well above it.
 MAX_BLOCK_MS = 2_000
@@ -169,6 +169,7 @@ class Store:
         self._config: ClusterConfig | None = None
         self._commit = self._client.register_script(script_text("commit"))
         self._lease = self._client.register_script(script_text("lease"))
+        self._append = self._client.register_script(script_text("audit"))
 
     def ping(self) -> None:
         """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
@@ -565,14 +566,19 @@ class Store:
         sec, usec = self._client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str) -> str:
+    def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str, fence: str = "") -> str:
         """Append an alarm to the audit stream: ``trigger`` = ``alarm``, ``from`` = ``to`` = the record's state and
-        its current ``version`` (not a transition: replays skip it; the record is unchanged)."""
+        its current ``version`` (not a transition: replays skip it; the record is unchanged). Appended by
+        ``lua/audit.lua``, so it joins the audit chain like a transition; with ``fence``, refused
+        (:class:`FenceError`) unless that lease is held. Returns the audit id."""
         fields = {"machine": CLUSTER.name, "key": CLUSTER.name, "from": record.state.value,
                   "to": record.state.value, "trigger": "alarm", "actor": actor, "round": str(record.round),
-                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version),
-                  "fence": "", "ts_ms": str(self.now_ms())}
-        return _s(self._client.xadd(self._keys.audit, fields))
+                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version)}
+        call = audit_call(self._keys, fence=fence, audit=fields)
+        reply = self._append(keys=call.keys, args=call.args)
+        if _s(reply[0]) != "OK":
+            raise FenceError(f"alarm on {CLUSTER.name}: {_s(reply[1])}")
+        return _s(reply[1])
 
     def emit_event(self, kind: str, **fields: Any) -> str:
         """Append a wake-up event (not a transition) to the capped events stream."""
@@ -618,6 +624,63 @@ class Store:
     # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
 
     # ---- section: self-contained recordings (issue 13) ------------------------------------------------------------
+    def audit_head(self) -> str:
+        """The ``chain`` of the newest audit record ("" before the first): the anchor a recording's last chain
+        is compared with (see :func:`fdeplb.replay.chain_of`)."""
+        return _s(self._client.get(self._keys.audit_head))
+
+    def follow_audit(self, after_id: str, block_ms: int) -> list[AuditRecord]:
+        """Audit records after stream id ``after_id`` ("0-0": from the first), blocking up to ``block_ms`` (capped
+        at :data:`MAX_BLOCK_MS`) until there is one; [] when none came."""
+        block = max(1, min(int(block_ms), MAX_BLOCK_MS))
+        reply = self._client.xread({self._keys.audit: after_id}, block=block, count=1000) or []
+        return [AuditRecord(_s(i), _text(raw)) for _stream, entries in reply for i, raw in entries]
+
+    def import_recording(self, config: ClusterConfig, *, plan_id: str, phy2log: np.ndarray, placement_version: int,
+                         records: dict[str, dict[str, str]], audit: list[tuple[str, dict[str, str]]],
+                         audit_head: str, snapshots: dict[int, np.ndarray], plans: list[PlanEntry]) -> None:
+        """Rebuild a replayed cluster (``fdeplb replay --into``): ``records`` maps ``cluster`` / ``rank:<r>`` /
+        ``weights:<r>`` to the record fields to write; ``audit`` holds (stream id, fields) in order, written with
+        their ids; ``audit_head`` is the last chain. Snapshots and plans are written once each, then the rest in one
+        WATCHed MULTI/EXEC. Raises :class:`StateError` if the cluster exists (nothing written), :class:`InputError`
+        for a record label that is not one of the cluster's."""
+        def key_of(label: str) -> str:
+            name, _, idx = label.partition(":")
+            if label == CLUSTER.name:
+                return self._keys.rearrange
+            if name in (RANK.name, WEIGHTS.name) and idx.isdigit() and int(idx) < config.ep_size:
+                return self._keys.rank(int(idx)) if name == RANK.name else self._keys.weights(int(idx))
+            raise InputError(f"not a record of the cluster: {label!r}")
+
+        keyed = {key_of(label): fields for label, fields in records.items()}
+        refusal = StateError(f"cluster {self.cluster!r} exists at {self.url}; replay --into rebuilds only into a "
+                             f"cluster id that is not in use")
+        if self._client.exists(self._keys.config, self._keys.audit, self._keys.rearrange):
+            raise refusal
+        for round_, load in snapshots.items():
+            self.save_snapshot(round_, load)
+        for plan in plans:
+            self.save_plan(plan)
+        with self._client.pipeline(transaction=True) as pipe:
+            pipe.watch(self._keys.config, self._keys.audit)
+            if pipe.exists(self._keys.config, self._keys.audit):
+                pipe.unwatch()
+                raise refusal
+            pipe.multi()
+            pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)),
+                                                     "plan_id": plan_id, "version": str(int(placement_version))})
+            for key, fields in keyed.items():
+                pipe.hset(key, mapping=fields)
+            for entry_id, fields in audit:
+                pipe.xadd(self._keys.audit, fields, id=entry_id)
+            pipe.set(self._keys.audit_head, audit_head)
+            pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                raise refusal from None
+        self._config = config
+
 
     def last_audit_id(self) -> str:
         """Id of the newest audit record ("0-0" when there is none)."""

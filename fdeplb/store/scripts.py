@@ -1,8 +1,9 @@
 """The KEYS / ARGV contract of the Lua scripts in ``lua/``, built in one place with named slots.
 
-``commit.lua`` and ``lease.lua`` document their slots in a header comment; :data:`COMMIT_KEYS`, :data:`COMMIT_ARGV`,
-:data:`LEASE_KEYS` and :data:`LEASE_ARGV` name the same slots in the same order (``tests/test_scripts.py`` checks
-the two agree). :func:`commit_call` and :func:`lease_call` are the only places that lay out a script call.
+``commit.lua``, ``audit.lua`` and ``lease.lua`` document their slots in a header comment; :data:`COMMIT_KEYS`,
+:data:`COMMIT_ARGV`, :data:`AUDIT_KEYS`, :data:`AUDIT_ARGV`, :data:`LEASE_KEYS` and :data:`LEASE_ARGV` name the same
+slots in the same order (``tests/test_recordings.py`` checks the headers agree). :func:`commit_call`,
+:func:`audit_call` and :func:`lease_call` are the only places that lay out a script call.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Any, Sequence
 from fdeplb.machines.tables import Effect, Guard, GuardKind, StateEnum
 from fdeplb.store.keys import Keys
 
-#: commit.lua KEYS[1..6], in order; per-rank guard keys follow from KEYS[len(COMMIT_KEYS) + 1] on.
-COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan")
+#: commit.lua KEYS[1..7], in order; per-rank guard keys follow from KEYS[len(COMMIT_KEYS) + 1] on.
+COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan", "audit_head")
 #: commit.lua ARGV[1..8], in order.
 COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
 COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD")
+
+#: audit.lua KEYS[1..3] and ARGV[1..2], in order (an audit record that is not a transition: an alarm).
+AUDIT_KEYS = ("audit", "audit_head", "lease")
+AUDIT_ARGV = ("fence", "audit")
 
 #: lease.lua KEYS[1..2] and ARGV[1..3], in order.
 LEASE_KEYS = ("lease", "fence")
@@ -57,7 +62,7 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
     plan (``plan_stored`` and :attr:`Effect.SET_PLACEMENT` read it).
     """
     fixed = {"record": record_key, "audit": keys.audit, "lease": keys.lease, "rearrange": keys.rearrange,
-             "placement": keys.placement, "plan": plan_key}
+             "placement": keys.placement, "plan": plan_key, "audit_head": keys.audit_head}
     key_list = [fixed[name] for name in COMMIT_KEYS]
     guard_args: list[dict[str, Any]] = []
     for g in guards:
@@ -79,6 +84,14 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
         "guards": json.dumps(guard_args), "effect": effect.value,
     }
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
+
+
+def audit_call(keys: Keys, *, fence: str, audit: dict[str, str]) -> CommitCall:
+    """Lay out an ``audit.lua`` call: append ``audit`` (fields as text; fence, ts_ms and chain are added by the
+    script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease."""
+    fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease}
+    argv = {"fence": fence, "audit": _pairs(audit)}
+    return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS], args=[argv[n] for n in AUDIT_ARGV])
 
 
 def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:

@@ -7,16 +7,21 @@
 -- KEYS[4]  rearrange: cluster record hash (cluster_in guards)
 -- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
 -- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
--- KEYS[7..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
+-- KEYS[7]  audit_head: string, the chain of the newest audit record ("" or missing before the first)
+-- KEYS[8..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
 --
 -- ARGV[1]  expected_state: the state the caller read
 -- ARGV[2]  expected_version: the version the caller read (integer, "0" for a fresh record)
 -- ARGV[3]  fence: the caller's lease value, or "" for machines that are not fenced
 -- ARGV[4]  new_state: the state the transition reaches
 -- ARGV[5]  fields: JSON array [field, value, ...] of extra record fields to set (strings)
--- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence and ts_ms are appended here
+-- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence, ts_ms and chain are appended here
 -- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS)
 -- ARGV[8]  effect: "" or "set_placement"
+--
+-- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order:
+--         name .. "=" .. byte length of value .. ":" .. value .. "\n"); KEYS[7] then holds it (fdeplb/replay.py
+--         computes the same in chain_of; audit.lua, which appends alarms, too).
 --
 -- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:
 -- ERR_FENCE, ERR_STALE, ERR_GUARD.
@@ -107,12 +112,37 @@ for _, v in ipairs(cjson.decode(ARGV[5])) do
 end
 redis.call(unpack(hset))
 
-local xadd = {'XADD', KEYS[2], '*'}
-for _, v in ipairs(cjson.decode(ARGV[6])) do
-  table.insert(xadd, v)
-end
+local fields = cjson.decode(ARGV[6])
 for _, v in ipairs({'version', new_version, 'fence', ARGV[3], 'ts_ms', ts_ms}) do
+  table.insert(fields, v)
+end
+
+local function bytes_lt(a, b)  -- byte order, whatever the server's locale (Lua's < uses strcoll)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+local value_of, names = {}, {}
+for i = 1, #fields, 2 do
+  value_of[fields[i]] = fields[i + 1]
+  table.insert(names, fields[i])
+end
+table.sort(names, bytes_lt)
+local body = {redis.call('GET', KEYS[7]) or '', '\n'}
+for _, name in ipairs(names) do
+  local v = value_of[name]
+  table.insert(body, name .. '=' .. #v .. ':' .. v .. '\n')
+end
+local chain = redis.sha1hex(table.concat(body))
+redis.call('SET', KEYS[7], chain)
+
+local xadd = {'XADD', KEYS[2], '*'}
+for _, v in ipairs(fields) do
   table.insert(xadd, v)
 end
+table.insert(xadd, 'chain')
+table.insert(xadd, chain)
 local id = redis.call(unpack(xadd))
 return {'OK', new_version, id, ts_ms}
