@@ -43,10 +43,11 @@ def test_python_slot_names_match_the_lua_headers():
 def test_key_strings_are_pinned():
     k = Keys("c1")
     assert (k.rearrange, k.rank(3), k.weights(3), k.load(3), k.snapshot(7), k.plan("ab"), k.placement, k.audit,
-            k.events, k.lease, k.fence, k.ranks, k.config) == (
+            k.audit_head, k.events, k.lease, k.fence, k.ranks, k.config) == (
         "fdeplb:{c1}:rearrange", "fdeplb:{c1}:rank:3", "fdeplb:{c1}:weights:3", "fdeplb:{c1}:load:3",
         "fdeplb:{c1}:snapshot:7", "fdeplb:{c1}:plan:ab", "fdeplb:{c1}:placement", "fdeplb:{c1}:audit",
-        "fdeplb:{c1}:events", "fdeplb:{c1}:lease", "fdeplb:{c1}:fence", "fdeplb:{c1}:ranks", "fdeplb:{c1}:config")
+        "fdeplb:{c1}:audit_head", "fdeplb:{c1}:events", "fdeplb:{c1}:lease", "fdeplb:{c1}:fence",
+        "fdeplb:{c1}:ranks", "fdeplb:{c1}:config")
 
 
 def test_every_key_of_a_cluster_shares_one_hash_slot():
@@ -54,7 +55,7 @@ def test_every_key_of_a_cluster_shares_one_hash_slot():
 
     k = Keys("c1")
     keys = [k.rearrange, k.rank(0), k.weights(9), k.load(1), k.snapshot(1), k.plan("x"), k.placement, k.audit,
-            k.events, k.lease, k.fence, k.ranks, k.config]
+            k.audit_head, k.events, k.lease, k.fence, k.ranks, k.config]
     assert len({key_slot(key.encode()) for key in keys}) == 1
 
 
@@ -64,7 +65,8 @@ def test_commit_call_lays_out_per_rank_guards_after_the_fixed_keys():
     call = commit_call(k, record_key=k.rearrange, expected_state=spec.sources[0], expected_version=4, fence="1:a",
                        new_state=spec.dest, fields={"deadline_ms": "0"}, audit={"machine": "cluster"},
                        guards=spec.guards, effect=spec.effect, plan_id="p1", plan_key=k.plan("p1"), ep_size=3)
-    assert call.keys[:len(COMMIT_KEYS)] == [k.rearrange, k.audit, k.lease, k.rearrange, k.placement, k.plan("p1")]
+    assert call.keys[:len(COMMIT_KEYS)] == [k.rearrange, k.audit, k.lease, k.rearrange, k.placement, k.plan("p1"),
+                                            k.audit_head]
     assert call.keys[len(COMMIT_KEYS):] == [k.rank(0), k.rank(1), k.rank(2)]
     args = dict(zip(COMMIT_ARGV, call.args))
     guards = json.loads(args["guards"])
