@@ -14,7 +14,7 @@ from fdeplb import __version__
 from fdeplb.errors import FdeplbError, exit_code
 
 #: modules under fdeplb.cli that define ``register(subparsers)``; each adds one or more subcommands.
-SUBCOMMAND_MODULES = ("demo", "rebalance", "coordinator", "views", "statecharts")
+SUBCOMMAND_MODULES = ("demo", "rebalance", "coordinator", "views", "statecharts", "serve", "http_client")
 
 
 def build_parser() -> argparse.ArgumentParser:
