@@ -74,6 +74,8 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
 
     async def body_of(request: Request, model):
         doc = await read_json_object(request, max_bytes=settings.max_body_bytes, max_depth=settings.max_depth)
+        log.debug("request body", path=request.url.path,  # passwd is redacted by fdeplb.log, whatever it holds
+                  body={k: v if k in ("user", "passwd", "action") else type(v).__name__ for k, v in doc.items()})
         check_body(credentials, doc)
         return validate(model, doc)
 
