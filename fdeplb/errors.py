@@ -46,10 +46,22 @@ class ReplayError(InputError):
     code = "replay_mismatch"
 
 
+class PayloadTooLargeError(InputError):
+    """A request body over the API's size limit (read no further than the limit)."""
+
+    code = "payload_too_large"
+
+
 class NotFoundError(FdeplbError):
     """A record, plan, rank or route that does not exist."""
 
     code = "not_found"
+
+
+class AuthError(FdeplbError):
+    """Missing or wrong API credentials (compared in constant time; never logged). Nothing was changed."""
+
+    code = "unauthorized"
 
 
 # ---- state machine refusals (409 / exit 3): nothing was changed ---------------------------------------------------
@@ -144,6 +156,8 @@ class DeadlineError(FdeplbError):
 ERROR_TABLE: dict[type[FdeplbError], tuple[int, int]] = {
     ReplayError: (422, 1),
     InputError: (400, 2),
+    PayloadTooLargeError: (413, 2),
+    AuthError: (401, 2),
     NotFoundError: (404, 2),
     StateError: (409, 3),
     WeightError: (500, 4),
@@ -161,6 +175,11 @@ def _row(err: BaseException) -> tuple[int, int]:
         if cls in ERROR_TABLE:
             return ERROR_TABLE[cls]  # type: ignore[index]
     return (500, 1)
+
+
+def http_status(err: BaseException) -> int:
+    """HTTP status for ``err`` (500 for anything that is not an :class:`FdeplbError`)."""
+    return _row(err)[0]
 
 
 def exit_code(err: BaseException) -> int:

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     a = sub.add_parser("audit", help="print or export a cluster's audit records (one per transition)",
                        description="Print the audit stream of a cluster, oldest first, filtered; or export it "
                                    "as JSONL for `fdeplb replay`.")
-    _cluster_args(a)
+    _cluster_args(a, http=True)
     a.add_argument("--round", type=int, default=None, help="only records of this round")
     a.add_argument("--machine", choices=tuple(TABLES), default=None, help="only records of this machine")
     a.add_argument("--rank", type=int, default=None, help="only records of this EP rank (rank and weights)")
@@ -54,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("status", help="show every machine's state of a cluster",
                        description="Show the cluster rearrangement record, every rank's rank and weight-status "
                                    "records, the lease holder and the current placement.")
-    _cluster_args(s)
+    _cluster_args(s, http=True)
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
     s.set_defaults(handler=run_status)
 
@@ -79,9 +79,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(handler=run_replay)
 
 
-def _cluster_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", required=True, help="redis://host:port/db, rediss://... or unix:///path")
-    p.add_argument("--cluster", required=True, help="cluster id")
+def _cluster_args(p: argparse.ArgumentParser, *, http: bool = False) -> None:
+    """--redis-url and --cluster; with ``http``, or --url (and --credentials-file) of an `fdeplb serve` instead."""
+    p.add_argument("--redis-url", required=not http, help="redis://host:port/db, rediss://... or unix:///path")
+    p.add_argument("--cluster", required=not http, help="cluster id")
+    if http:
+        p.add_argument("--url", default=None, help="read through the HTTP API (http://host:port) instead of Redis")
+        p.add_argument("--credentials-file", default=None, metavar="FILE", help="with --url: USER:PASSWORD file")
+
+
+def _through_http(args: argparse.Namespace) -> bool:
+    """True when the view reads through ``--url``; InputError when neither --url nor --redis-url + --cluster."""
+    if args.url is not None:
+        if args.redis_url is not None or args.cluster is not None:
+            raise InputError("give --url, or --redis-url and --cluster, not both")
+        return True
+    if args.redis_url is None or args.cluster is None:
+        raise InputError("give --redis-url and --cluster (or --url of an `fdeplb serve`)")
+    return False
 
 
 # ---- audit ---------------------------------------------------------------------------------------------------------
@@ -120,6 +135,10 @@ def _utc(ts_ms: str) -> str:
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    if _through_http(args):
+        from fdeplb.cli.http_client import run_audit as run_http_audit
+
+        return run_http_audit(args)
     if args.round is not None and args.round < 0:
         raise InputError(f"--round must be >= 0, got {args.round}")
     if args.limit is not None and args.limit < 1:
@@ -270,6 +289,10 @@ def _opt(value: Any) -> str:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    if _through_http(args):
+        from fdeplb.cli.http_client import run_status as run_http_status
+
+        return run_http_status(args)
     store = open_store(args.redis_url, args.cluster)
     status = cluster_status(store)
     if args.json:

@@ -195,6 +195,11 @@ class Coordinator:
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round
+        # ---- HTTP API (issue 12): a load supplied by the operator (recv_expert_weight) replaces the windows
+        supplied = self.store.supplied_load(round_) if self.store.read_snapshot(round_) is None else None
+        if supplied is not None and supplied.shape == (self.config.num_layers, self.config.num_logical_experts):
+            self.store.save_snapshot(round_, supplied)
+        # ---- end issue 12
         if self.store.read_snapshot(round_) is None:
             missing, loads = [], []
             for r in range(self.config.ep_size):

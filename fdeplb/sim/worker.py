@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staging-budget-bytes", type=int, default=None)
     p.add_argument("--backend", choices=("paddle", "numpy"), default="paddle",
                    help="live experts as paddle tensors from the checkpoint, or numpy arrays (fdeplb.testing)")
+    p.add_argument("--api-address", default=None, metavar="HOST:PORT",
+                   help="the worker's API address, registered with the rank (the only addresses `ips` may name)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     configure(args.log_level)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         import_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    agent.start()
+    agent.start(info={"api_address": args.api_address} if args.api_address else None)
     agent.run()
     return 0
 

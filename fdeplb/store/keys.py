@@ -86,3 +86,9 @@ class Keys:
     def config(self) -> str:
         """hash: cluster topology and rearrangement settings (written once by ``init_cluster``)."""
         return f"{self.prefix}:config"
+
+    # ---- HTTP API support (issue 12) ------------------------------------------------------------------------------
+    @property
+    def supplied_load(self) -> str:
+        """hash: an expert_load [L, E] supplied by an operator (``recv_expert_weight``) for one round + that round."""
+        return f"{self.prefix}:supplied_load"

@@ -622,6 +622,53 @@ class Store:
     # ---- section: retention, pruning and integrity (issue 14) -----------------------------------------------------
 
     # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
+    def request_round_if_free(self, reason: str = "api") -> tuple[bool, ClusterRecord]:
+        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``), checked
+        and written in one WATCHed transaction: of many concurrent callers, exactly one is accepted.
+
+        Returns (accepted, the cluster record as read). Nothing is written when refused."""
+        key = self._keys.rearrange
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.hgetall(key)
+                    if not raw:
+                        pipe.unwatch()
+                        raise NotFoundError(f"no cluster record at {key}")
+                    rec = parse_record(ClusterRecord, key, _text(raw))
+                    if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                        pipe.unwatch()
+                        return False, rec
+                    pipe.multi()
+                    pipe.hincrby(key, "requested", 1)
+                    pipe.hset(key, "requested_reason", reason)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
+        return True, rec
+
+    def supply_load(self, round_: int, expert_load: np.ndarray) -> None:
+        """Store an operator-supplied expert_load (int64 [L, E]) to be round ``round_``'s snapshot instead of the
+        ranks' windows (FastDeploy's ``recv_expert_weight``); replaces an earlier one. The caller checks the shape."""
+        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
+                   "round": str(int(round_)), "supplied_ms": str(self.now_ms())}
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self._keys.supplied_load)
+        pipe.hset(self._keys.supplied_load, mapping=mapping)
+        pipe.execute()
+        self.emit_event("load_supplied", round=round_)
+
+    def supplied_load(self, round_: int) -> np.ndarray | None:
+        """The operator-supplied expert_load (int64 [L, E]) for round ``round_``, or None."""
+        key = self._keys.supplied_load
+        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        if not raw or _s(raw.get("round", b"")) != str(int(round_)):
+            return None
+        return self._array(key, "expert_load", raw)
+
 
     # ---- section: self-contained recordings (issue 13) ------------------------------------------------------------
     def audit_head(self) -> str:

@@ -1,0 +1,125 @@
+"""Request bodies of FastDeploy's EPLB routes: read with limits, then validated by pydantic models.
+
+:func:`read_json_object` reads at most ``max_bytes`` (413 beyond), refuses NaN / Infinity, JSON nested deeper than
+``max_depth`` and anything but an object (400). The models forbid unknown fields and take values strictly (no
+``"1"`` for 1, no 1.0 for 1, no 1 for true); loads are integers in [0, 2**53]. Every refusal is an
+:class:`~fdeplb.errors.InputError` with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from fdeplb.errors import InputError, PayloadTooLargeError
+from fdeplb.placement import MAX_LOAD
+
+#: most entries of ``ips`` (FastDeploy's shared-memory limit is 1 KiB of text: a few dozen addresses)
+MAX_IPS = 4096
+#: most MoE layers / logical experts accepted in a load array (the cluster's own shape is checked after this)
+MAX_LAYERS = 4096
+MAX_EXPERTS = 65536
+
+LoadValue = Annotated[StrictInt, Field(ge=0, le=MAX_LOAD)]
+Address = Annotated[StrictStr, Field(min_length=1, max_length=255)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    user: StrictStr | None = Field(None, max_length=1024, description="API user (FastDeploy's field)")
+    passwd: StrictStr | None = Field(None, max_length=1024, description="API password (FastDeploy's field)")
+
+
+class RearrangeBody(_Body):
+    """``POST /rearrange_experts``."""
+
+    action: StrictStr = Field("", max_length=64,
+                              description='"" (start a round), "recv_expert_weight" or "update_weight_from_tensor"')
+    ips: list[Address] | None = Field(None, max_length=MAX_IPS,
+                                      description="API addresses HOST:PORT of registered ranks (action \"\")")
+    data: list[Annotated[list[LoadValue], Field(max_length=MAX_EXPERTS)]] | None = Field(
+        None, max_length=MAX_LAYERS, description="expert_load [num_layers][num_logical_experts] (recv_expert_weight)")
+
+
+class StatsBody(_Body):
+    """``POST /get_per_expert_tokens_stats``."""
+
+    clear_stat: StrictBool = Field(False, description="accepted; fdeplb's windows slide (nothing to clear)")
+
+
+class CheckBody(_Body):
+    """``POST /check_redundant``."""
+
+    action: StrictStr = Field("", max_length=64, description='"" (status) or "check_load_weight_result"')
+    check_get_workloads: StrictBool = Field(False, description="with action \"\": add placement and snapshot")
+
+
+def _no_constant(name: str) -> Any:
+    raise InputError(f"body holds {name}, which is not JSON")
+
+
+def _depth(doc: Any, limit: int) -> int:
+    """Nesting depth of ``doc`` (iterative; stops counting past ``limit``)."""
+    deepest, stack = 0, [(doc, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def parse_json_object(raw: bytes, *, max_depth: int) -> dict:
+    """``raw`` as a JSON object (an empty body is ``{}``); :class:`InputError` otherwise."""
+    if not raw.strip():
+        return {}
+    try:
+        doc = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise InputError(f"body is nested deeper than {max_depth} levels") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, too-long integer literals
+        raise InputError(f"body is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"body must be a JSON object, got {type(doc).__name__}")
+    if _depth(doc, max_depth) > max_depth:
+        raise InputError(f"body is nested deeper than {max_depth} levels")
+    return doc
+
+
+async def read_json_object(request, *, max_bytes: int, max_depth: int) -> dict:
+    """Read a Starlette request's body (at most ``max_bytes``) as a JSON object.
+
+    Raises :class:`PayloadTooLargeError` past the limit (the rest is not read) and :class:`InputError` for bad
+    JSON (see the module doc)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_bytes):
+        raise PayloadTooLargeError(f"body of {declared} bytes is over the limit of {max_bytes} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise PayloadTooLargeError(f"body is over the limit of {max_bytes} bytes")
+    return parse_json_object(bytes(body), max_depth=max_depth)
+
+
+def validate(model: type[BaseModel], doc: dict) -> Any:
+    """``doc`` as ``model``; :class:`InputError` with the first problem on one line."""
+    try:
+        return model.model_validate(doc)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False, include_input=False)[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        more = f" (+{exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise InputError(f"{where}: {err.get('msg', 'invalid')}{more}") from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` documenting ``model`` as the JSON request body of a route that reads it itself."""
+    return {"requestBody": {"required": False,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}

@@ -1,0 +1,179 @@
+"""Prometheus metrics of one cluster, computed from Redis at scrape time (prometheus-client custom collector).
+
+Counters and histograms come from the audit stream, read incrementally (each scrape reads only the records
+appended since the last one), so every ``fdeplb serve`` process reports the same numbers for the same stream.
+Gauges come from the records as they are now.
+
+- ``fdeplb_transitions_total{machine, from, to}``, ``fdeplb_alarms_total``
+- ``fdeplb_round_duration_seconds`` (a round: FREE -> ... -> FREE), ``fdeplb_phase_duration_seconds{phase}``
+  (time spent in each cluster state before leaving it), histograms
+- ``fdeplb_rounds_aborted_total{reason}``, ``fdeplb_rounds_skipped_total{reason}`` (gated rounds are skips);
+  ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values)
+- ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot,
+  ``fdeplb_moved_experts`` of the latest plan
+- ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
+  ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections import Counter, defaultdict
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from fdeplb.errors import FdeplbError, NotFoundError
+from fdeplb.machines.tables import CLUSTER, ClusterState
+from fdeplb.placement import balancedness
+from fdeplb.store import Store
+
+#: histogram bucket bounds in seconds
+BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
+
+
+def reason_label(reason: str) -> str:
+    """A bounded label for a free-text reason: its first clause, digits as N, at most 60 characters."""
+    head = re.split(r"[:;(]", reason or "unknown", maxsplit=1)[0].strip() or "unknown"
+    return re.sub(r"\d+", "N", head)[:60]
+
+
+class _Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * len(BUCKETS)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.total += seconds
+        for i, bound in enumerate(BUCKETS):
+            if seconds <= bound:
+                self.counts[i] += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        return [("+Inf" if b == float("inf") else repr(b), c) for b, c in zip(BUCKETS, self.counts)]
+
+
+class ClusterCollector(Collector):
+    """Collects the metrics of ``store``'s cluster (see the module doc). Thread-safe."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._last_id = "0-0"
+        self._transitions: Counter = Counter()
+        self._alarms = 0
+        self._aborted: Counter = Counter()
+        self._skipped: Counter = Counter()
+        self._round = _Histogram()
+        self._phases: dict[str, _Histogram] = defaultdict(_Histogram)
+        self._entered: tuple[str, int] | None = None  # cluster state and when it was entered (ms)
+        self._round_start: int | None = None
+
+    def _consume(self) -> None:
+        for rec in self.store.audit(f"({self._last_id}" if self._last_id != "0-0" else "-", "+", count=100_000):
+            self._last_id = rec.id
+            if rec["trigger"] == "alarm":
+                self._alarms += 1
+                continue
+            self._transitions[(rec["machine"], rec["from"], rec["to"])] += 1
+            if rec["machine"] != CLUSTER.name:
+                continue
+            try:
+                ts = int(rec["ts_ms"])
+            except ValueError:
+                continue
+            if self._entered is not None and self._entered[0] == rec["from"] and rec["from"] != ClusterState.FREE:
+                self._phases[rec["from"]].observe((ts - self._entered[1]) / 1000)
+            self._entered = (rec["to"], ts)
+            if rec["from"] == ClusterState.FREE:
+                self._round_start = ts
+            elif rec["to"] == ClusterState.FREE:
+                if self._round_start is not None:
+                    self._round.observe((ts - self._round_start) / 1000)
+                self._round_start = None
+                if rec["trigger"] == "abort":
+                    reason = rec["reason"]
+                    target = self._skipped if reason.startswith("gated") else self._aborted
+                    target[reason_label(reason)] += 1
+
+    def collect(self):
+        with self._lock:
+            try:
+                self._consume()
+            except FdeplbError:
+                pass  # Redis away: the counters so far, and fdeplb_up 0 below
+            yield from self._counters()
+        yield from self._gauges()
+
+    def _counters(self):
+        t = CounterMetricFamily("fdeplb_transitions", "Committed transitions", labels=["machine", "from", "to"])
+        for (machine, src, dst), n in sorted(self._transitions.items()):
+            t.add_metric([machine, src, dst], n)
+        yield t
+        yield CounterMetricFamily("fdeplb_alarms", "Alarms raised after the commit point", value=self._alarms)
+        for name, counts, doc in (("fdeplb_rounds_aborted", self._aborted, "Rounds aborted, by reason"),
+                                  ("fdeplb_rounds_skipped", self._skipped, "Rounds skipped (gated), by reason")):
+            fam = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, n in sorted(counts.items()):
+                fam.add_metric([reason], n)
+            yield fam
+        h = HistogramMetricFamily("fdeplb_round_duration_seconds", "Rounds from FREE back to FREE")
+        h.add_metric([], self._round.buckets(), self._round.total)
+        yield h
+        p = HistogramMetricFamily("fdeplb_phase_duration_seconds", "Time in each cluster state", labels=["phase"])
+        for phase, hist in sorted(self._phases.items()):
+            p.add_metric([phase], hist.buckets(), hist.total)
+        yield p
+
+    def _gauges(self):
+        up = GaugeMetricFamily("fdeplb_up", "1 when Redis answered this scrape")
+        try:
+            gauges = list(self._state_gauges())
+        except FdeplbError:
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from gauges
+
+    def _state_gauges(self):
+        store = self.store
+        cfg = store.read_config()
+        rec = store.read_cluster()
+        yield GaugeMetricFamily("fdeplb_cluster_state_code", "FastDeploy rearrange status code of the cluster",
+                                value=CLUSTER.to_code(rec.state))
+        yield GaugeMetricFamily("fdeplb_round", "Round in progress or last finished", value=rec.round)
+        bal = GaugeMetricFamily("fdeplb_balancedness", "Mean over layers of mean/max GPU load on the latest "
+                                "round's load snapshot", labels=["placement"])
+        moved = GaugeMetricFamily("fdeplb_moved_experts", "Moved experts of the latest plan")
+        plan = store.read_plan(rec.plan_id) if rec.plan_id else None
+        snapshot = plan.expert_load if plan is not None else store.read_snapshot(rec.round)
+        if snapshot is not None:
+            try:
+                current = store.current_placement().phy2log
+                bal.add_metric(["current"], float(np.mean(balancedness(snapshot, current, cfg.ep_size))))
+            except (NotFoundError, FdeplbError):
+                pass
+        if plan is not None:
+            bal.add_metric(["planned"], plan.balancedness_after)
+            moved.add_metric([], plan.moved_experts)
+        yield bal
+        yield moved
+        now = store.now_ms()
+        age = GaugeMetricFamily("fdeplb_heartbeat_age_seconds", "Age of each rank's last heartbeat",
+                                labels=["ep_rank"])
+        staging = GaugeMetricFamily("fdeplb_staging_bytes", "Bytes read and copied by each rank's last staging",
+                                    labels=["ep_rank"])
+        for r in range(cfg.ep_size):
+            try:
+                rank = store.read_rank(r)
+            except NotFoundError:
+                continue
+            if rank.heartbeat_ms:
+                age.add_metric([str(r)], max(now - rank.heartbeat_ms, 0) / 1000)
+            staging.add_metric([str(r)], rank.disk_bytes + rank.local_bytes)
+        yield age
+        yield staging

@@ -1,0 +1,219 @@
+"""The FastAPI router (mountable into a serving node's existing app) and the app factory of ``fdeplb serve``.
+
+Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic), then
+validates, then acts. Errors never escape as 5xx tracebacks: a :class:`~fdeplb.errors.FdeplbError` becomes
+``{"code": 1, "msg": "<one line>"}`` with the status of :func:`fdeplb.errors.http_status`; anything else is a 500
+with a generic message (and a log line). Query parameters are taken as text and checked here, so a bad one is a
+400 with one line, not FastAPI's 422 list.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import structlog
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from fdeplb.api import service
+from fdeplb.api.auth import Credentials, check_basic, check_body
+from fdeplb.api.bodies import CheckBody, RearrangeBody, StatsBody, openapi_body, read_json_object, validate
+from fdeplb.api.metrics import ClusterCollector
+from fdeplb.api.service import ApiSettings
+from fdeplb.errors import AuthError, FdeplbError, http_status
+from fdeplb.store import Store
+
+log = structlog.get_logger("fdeplb.api")
+
+
+def _error(err: FdeplbError) -> JSONResponse:
+    status = http_status(err)
+    if isinstance(err, AuthError):
+        return JSONResponse({"code": 1, "msg": str(err)}, status_code=401,
+                            headers={"WWW-Authenticate": 'Basic realm="fdeplb"'})
+    return JSONResponse({"code": 1, "msg": str(err).splitlines()[0] if str(err) else type(err).__name__},
+                        status_code=status)
+
+
+def _guarded(fn: Callable) -> Callable:
+    """Turn fdeplb errors into one-line JSON refusals and anything else into a logged, generic 500."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Response:
+        try:
+            return await fn(*args, **kwargs)
+        except FdeplbError as err:
+            if http_status(err) >= 500:
+                log.error("request failed", error=str(err), error_type=type(err).__name__)
+            return _error(err)
+        except Exception as err:  # noqa: BLE001 - the one place that keeps a bug from leaking a traceback
+            log.exception("unexpected error", error_type=type(err).__name__)
+            return JSONResponse({"code": 1, "msg": f"internal error ({type(err).__name__})"}, status_code=500)
+
+    return wrapper
+
+
+def _reply(reply: tuple[int, dict]) -> JSONResponse:
+    status, body = reply
+    return JSONResponse(body, status_code=status)
+
+
+def create_router(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> APIRouter:
+    """The EPLB routes of one cluster (see README "Operating over HTTP").
+
+    ``credentials`` None serves without authentication (``fdeplb serve --insecure-no-auth`` only)."""
+    settings = settings or ApiSettings()
+    router = APIRouter()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterCollector(store))
+
+    async def body_of(request: Request, model):
+        doc = await read_json_object(request, max_bytes=settings.max_body_bytes, max_depth=settings.max_depth)
+        log.debug("request body", path=request.url.path,  # passwd is redacted by fdeplb.log, whatever it holds
+                  body={k: v if k in ("user", "passwd", "action") else type(v).__name__ for k, v in doc.items()})
+        check_body(credentials, doc)
+        return validate(model, doc)
+
+    def basic(request: Request) -> None:
+        check_basic(credentials, request.headers.get("authorization"))
+
+    # ---- FastDeploy's routes ----------------------------------------------------------------------------------
+    @router.post("/rearrange_experts", openapi_extra=openapi_body(RearrangeBody), tags=["fastdeploy"])
+    @_guarded
+    async def rearrange_experts(request: Request) -> Response:
+        """Start a round (action ""), supply the next round's load (recv_expert_weight) or commit a cordoned
+        round (update_weight_from_tensor)."""
+        body = await body_of(request, RearrangeBody)
+        if body.action == "":
+            return _reply(await run_in_threadpool(service.start_round, store, body.ips))
+        if body.action == "recv_expert_weight":
+            return _reply(await run_in_threadpool(service.supply_load, store, body.data))
+        if body.action == "update_weight_from_tensor":
+            return _reply(await run_in_threadpool(service.commit, store))
+        return _reply(service.refuse(f"invalid action {body.action[:64]}"))
+
+    @router.post("/get_per_expert_tokens_stats", openapi_extra=openapi_body(StatsBody), tags=["fastdeploy"])
+    @_guarded
+    async def get_per_expert_tokens_stats(request: Request) -> Response:
+        """Every rank's last published expert_load window."""
+        body = await body_of(request, StatsBody)
+        return _reply(await run_in_threadpool(service.expert_stats, store, body.clear_stat))
+
+    @router.post("/check_redundant", openapi_extra=openapi_body(CheckBody), tags=["fastdeploy"])
+    @_guarded
+    async def check_redundant(request: Request) -> Response:
+        """The rearrangement status (action "") or the ranks' load results (check_load_weight_result)."""
+        body = await body_of(request, CheckBody)
+        if body.action == "":
+            return _reply(await run_in_threadpool(service.rearrange_status, store, body.check_get_workloads))
+        if body.action == "check_load_weight_result":
+            return _reply(await run_in_threadpool(service.load_results, store))
+        return _reply(service.refuse(f"invalid action {body.action[:64]}"))
+
+    @router.get("/update_model_weight", tags=["fastdeploy"])
+    @_guarded
+    async def update_model_weight(request: Request) -> Response:
+        """Reload every rank's weights (in the current placement) and wait for them."""
+        basic(request)
+        return _reply(await run_in_threadpool(service.drive_weights, store, "update", settings.weights_timeout_s))
+
+    @router.get("/clear_load_weight", tags=["fastdeploy"])
+    @_guarded
+    async def clear_load_weight(request: Request) -> Response:
+        """Free every rank's weights and wait for them."""
+        basic(request)
+        return _reply(await run_in_threadpool(service.drive_weights, store, "clear", settings.weights_timeout_s))
+
+    @router.get("/health", tags=["fastdeploy"])
+    @_guarded
+    async def health(request: Request) -> Response:
+        """200 when Redis answers and every registered rank's heartbeat is fresh, else 503 with the reason."""
+        basic(request)
+        return _reply(await run_in_threadpool(service.health, store, settings.heartbeat_stale_ms))
+
+    # ---- read-only routes -------------------------------------------------------------------------------------
+    @router.get("/v1/state", tags=["fdeplb"])
+    @_guarded
+    async def v1_state(request: Request) -> Response:
+        """Every machine's state, version, round and plan (as ``fdeplb status --json``)."""
+        basic(request)
+        return JSONResponse(await run_in_threadpool(service.state, store))
+
+    @router.get("/v1/audit", tags=["fdeplb"])
+    @_guarded
+    async def v1_audit(request: Request, since: str | None = None, limit: str | None = None,
+                       wait_ms: str | None = None) -> Response:
+        """Audit records after ``since`` (an audit id), at most ``limit`` (default 1000); ``wait_ms`` long-polls."""
+        basic(request)
+        return JSONResponse(await run_in_threadpool(service.audit, store, since, limit, wait_ms))
+
+    @router.get("/v1/placement", tags=["fdeplb"])
+    @_guarded
+    async def v1_placement(request: Request, format: str | None = None) -> Response:  # noqa: A002 - the query name
+        """The current placement as phy2log / log2phy / logcnt, or as a placement file (``format``)."""
+        basic(request)
+        out = await run_in_threadpool(service.placement, store, format)
+        if isinstance(out, dict):
+            return JSONResponse(out)
+        text, media = out
+        return Response(text, media_type=media)
+
+    @router.get("/v1/statecharts/{machine}.svg", tags=["fdeplb"])
+    @_guarded
+    async def v1_statechart(request: Request, machine: str) -> Response:
+        """The state diagram of ``machine`` (cluster, rank, weights) as SVG."""
+        basic(request)
+        svg = await run_in_threadpool(service.statechart_svg, machine, settings.statecharts_dir)
+        return Response(svg, media_type="image/svg+xml")
+
+    @router.get("/metrics", tags=["fdeplb"])
+    @_guarded
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics of the cluster (computed from Redis at scrape time)."""
+        basic(request)
+        return Response(await run_in_threadpool(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def create_app(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> FastAPI:
+    """A FastAPI app serving :func:`create_router` (what ``fdeplb serve`` runs). No docs routes; the OpenAPI
+    schema is available as ``app.openapi()`` in-process only."""
+    app = FastAPI(title="fdeplb", docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(create_router(store, credentials, settings))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())) or "request"
+        return JSONResponse({"code": 1, "msg": f"{where}: {first.get('msg', 'invalid')}"}, status_code=400)
+
+    @app.exception_handler(404)
+    async def _not_found(_request: Request, _exc: Exception) -> JSONResponse:
+        return JSONResponse({"code": 1, "msg": "no such route"}, status_code=404)
+
+    @app.exception_handler(405)
+    async def _not_allowed(_request: Request, _exc: Exception) -> JSONResponse:
+        return JSONResponse({"code": 1, "msg": "method not allowed on this route"}, status_code=405)
+
+    @app.middleware("http")
+    async def _access_log(request: Request, call_next):
+        t0 = time.perf_counter()
+        structlog.contextvars.bind_contextvars(cluster=store.cluster)
+        try:
+            response = await call_next(request)
+        finally:
+            structlog.contextvars.unbind_contextvars("cluster")
+        log.info("request", method=request.method, path=request.url.path, status=response.status_code,
+                 ms=round((time.perf_counter() - t0) * 1000, 1))
+        return response
+
+    return app
+
+
+__all__ = ["create_app", "create_router"]

@@ -1,0 +1,328 @@
+"""What each route does, as plain synchronous functions over a :class:`~fdeplb.store.Store` (no HTTP here).
+
+Every function returns ``(status, body)`` with FastDeploy's body shape ``{"code": 0 | 1, "msg": ..., ...}``, or
+raises an :class:`~fdeplb.errors.FdeplbError` that the router turns into ``{"code": 1, "msg": ...}`` with the status
+of :func:`fdeplb.errors.http_status`. A refused call writes nothing to Redis (only wake-up events may be appended).
+
+fdeplb never connects to an address named in a request: ``ips`` is only checked against the API addresses the rank
+agents registered (``Store.rank_info()``), and Redis carries the fan-out.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from fdeplb.errors import InputError, NotFoundError, StateError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, WeightState
+from fdeplb.store import Store
+
+log = structlog.get_logger("fdeplb.api")
+
+#: FastDeploy's RearrangeExpertStatus names by code (CLUSTER.to_code gives the code of an fdeplb state)
+FD_STATUS = {0: "FREE", 1: "DOING", 2: "LOAD_SUCC", 3: "DONE"}
+#: stream ids (``<ms>-<seq>``) accepted by ``since``
+_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+MAX_AUDIT_LIMIT = 10_000
+MAX_WAIT_MS = 30_000
+
+Reply = tuple[int, dict[str, Any]]
+
+
+def ok(**fields: Any) -> Reply:
+    return 200, {"code": 0, "msg": "ok", **fields}
+
+
+def refuse(msg: str, status: int = 400, **fields: Any) -> Reply:
+    return status, {"code": 1, "msg": msg, **fields}
+
+
+@dataclass
+class ApiSettings:
+    """How the API serves one cluster.
+
+    ``weights_timeout_s``: how long ``/update_model_weight`` and ``/clear_load_weight`` wait for every rank
+    (FastDeploy: 300 s). ``heartbeat_stale_ms``: ``/health`` reports a registered rank unhealthy past this
+    (FastDeploy: 30 s). ``max_body_bytes`` / ``max_depth``: request body limits. ``statecharts_dir``: where the
+    ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz)."""
+
+    weights_timeout_s: float = 300.0
+    heartbeat_stale_ms: int = 30_000
+    max_body_bytes: int = 8 << 20
+    max_depth: int = 16
+    statecharts_dir: Path | None = None
+
+
+def _status_msg(rec, expect: int) -> str:
+    code = CLUSTER.to_code(rec.state)
+    return f"rearrange is doing. actual status {code} ({rec.state}), expect status {expect}"
+
+
+# ---- POST /rearrange_experts ---------------------------------------------------------------------------------------
+def start_round(store: Store, ips: list[str] | None) -> Reply:
+    """Action "": start a round if every address of ``ips`` is a registered rank's and the cluster is FREE with no
+    round pending (atomic: of concurrent calls exactly one is accepted)."""
+    if ips is None:
+        return refuse("ips in request is None")
+    if not ips:
+        return refuse("ips is empty: name the API addresses of the ranks")
+    registered = {str(info.get("api_address")) for info in store.rank_info().values() if info.get("api_address")}
+    unknown = sorted({ip for ip in ips if ip not in registered})
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" (+{len(unknown) - 8} more)" if len(unknown) > 8 else "")
+        return refuse(f"ips not registered as a rank's API address: {shown}")
+    weights = store.read_all(WEIGHTS)
+    not_normal = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
+    if not_normal:
+        return refuse(f"weights of ranks {not_normal} are not NORMAL ({weights[not_normal[0]].state}); "
+                      f"a round needs every rank's weights loaded (GET /update_model_weight)")
+    accepted, rec = store.request_round_if_free("api")
+    if not accepted:
+        if rec.state is ClusterState.FREE:
+            return refuse(f"rearrange is doing. actual status 0 (FREE), expect status 0 with no round pending: "
+                          f"round {rec.round + 1} is requested already")
+        return refuse(_status_msg(rec, 0))
+    log.info("round requested", round=rec.round + 1)
+    return ok(round=rec.round + 1)
+
+
+def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
+    """Action ``recv_expert_weight``: ``data`` [L][E] is the load of the round being collected (or of the next round)
+    instead of the ranks' windows."""
+    if data is None:
+        return refuse("data not in request or data is not a list")
+    cfg = store.read_config()
+    expected = (cfg.num_layers, cfg.num_logical_experts)
+    rows = {len(row) for row in data}
+    if len(data) != expected[0] or rows != {expected[1]}:
+        shape = f"{len(data)} rows of lengths {sorted(rows)[:4]}" if len(rows) != 1 else f"{len(data)}x{rows.pop()}"
+        return refuse(f"data must be [num_layers][num_logical_experts] = {expected[0]}x{expected[1]}, got {shape}")
+    load = np.asarray(data, dtype=np.int64)
+    rec = store.read_cluster()
+    collecting = rec.state is ClusterState.COLLECTING and store.read_snapshot(rec.round) is None
+    round_ = rec.round if collecting else rec.round + 1
+    store.supply_load(round_, load)
+    log.info("load supplied", round=round_, total=int(load.sum()))
+    return ok(round=round_)
+
+
+def commit(store: Store) -> Reply:
+    """Action ``update_weight_from_tensor``: allow the cordoned cluster's staged plan to commit (LOAD_SUCC only)."""
+    rec = store.read_cluster()
+    if rec.state is not ClusterState.LOAD_SUCC:
+        return refuse(f"actual status {CLUSTER.to_code(rec.state)} ({rec.state}), expect status 2 (LOAD_SUCC)")
+    try:
+        store.request_commit(rec.plan_id)
+    except StateError as err:
+        return refuse(str(err))
+    log.info("commit requested", round=rec.round, plan_id=rec.plan_id)
+    return ok(round=rec.round, plan_id=rec.plan_id)
+
+
+# ---- POST /get_per_expert_tokens_stats -----------------------------------------------------------------------------
+def expert_stats(store: Store, clear_stat: bool) -> Reply:
+    """Every rank's last published expert_load window, ``data`` [ep_size][L][E] (zeros for a rank that never
+    published). ``clear_stat`` is accepted and changes nothing: the windows slide."""
+    cfg = store.read_config()
+    data = []
+    for r in range(cfg.ep_size):
+        window = store.read_load(r)
+        data.append(window.expert_load.tolist() if window is not None else
+                     [[0] * cfg.num_logical_experts for _ in range(cfg.num_layers)])
+    msg = "ok (clear_stat ignored: the load windows slide)" if clear_stat else "ok"
+    return 200, {"code": 0, "msg": msg, "data": data}
+
+
+# ---- POST /check_redundant -----------------------------------------------------------------------------------------
+def rearrange_status(store: Store, get_workloads: bool) -> Reply:
+    """Action "": FastDeploy's status name (FREE / DOING / LOAD_SUCC / DONE); with ``check_get_workloads`` also
+    ``data`` in FastDeploy's workload layout: the last snapshot, phy2log, log2phy and logcnt of the current
+    placement."""
+    from fdeplb.placement.core import derive_maps
+
+    rec = store.read_cluster()
+    body: dict[str, Any] = {"code": 0, "msg": "ok", "status": FD_STATUS[CLUSTER.to_code(rec.state)],
+                            "state": rec.state.value, "round": rec.round, "plan_id": rec.plan_id}
+    if get_workloads:
+        cfg = store.read_config()
+        placement = store.current_placement()
+        log2phy, logcnt = derive_maps(placement.phy2log, cfg.num_logical_experts)
+        snapshot, snapshot_round = None, None
+        for r in range(rec.round, max(rec.round - 3, 0), -1):  # the round in flight may not have frozen one yet
+            snapshot = store.read_snapshot(r)
+            if snapshot is not None:
+                snapshot_round = r
+                break
+        body["data"] = {
+            "tokens_per_expert_stats_list": None if snapshot is None else snapshot.tolist(),
+            "snapshot_round": snapshot_round,
+            "ep_rank_to_expert_id_list": placement.phy2log.tolist(),
+            "expert_id_to_ep_rank_array": log2phy.tolist(),
+            "expert_in_rank_num_list": logcnt.tolist(),
+            "plan_id": placement.plan_id,
+        }
+    return 200, body
+
+
+def load_results(store: Store) -> Reply:
+    """Action ``check_load_weight_result``: per-rank load result (0 / 1 / -1) for the round in flight."""
+    rec = store.read_cluster()
+    data = [RANK.to_code(r.state) if r.plan_id == rec.plan_id and rec.plan_id else 0 for r in store.read_all(RANK)]
+    return ok(data=data)
+
+
+# ---- GET /update_model_weight, /clear_load_weight ------------------------------------------------------------------
+_WEIGHT_ACTIONS = {"update": (WeightState.NORMAL, "update model weight", "updated"),
+                   "clear": (WeightState.CLEARED, "clear model weight", "cleared")}
+
+
+def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
+    """Ask every rank to update or clear its weights and wait (at most ``timeout_s``) until every rank carried out
+    this request (``WeightRecord.request``) and is NORMAL resp. CLEARED. 200 when done; 404 with the message on a
+    timeout or a failed rank (FastDeploy's codes); 400 when the request cannot be made now."""
+    target, what, done = _WEIGHT_ACTIONS[action]
+    records = store.read_all(WEIGHTS)
+    if all(w.state is target for w in records):
+        return ok(msg=f"model weight is {done}")
+    busy = [r for r, w in enumerate(records) if w.state in (WeightState.UPDATING, WeightState.CLEARING)]
+    if busy:
+        return refuse(f"ranks {busy} are {records[busy[0]].state} already; try again when they finish")
+    if action == "clear":
+        rec = store.read_cluster()
+        if rec.state is not ClusterState.FREE:
+            return refuse(f"cannot clear weights while a rearrangement round runs (cluster {rec.state})")
+    cursor = store.cursor()
+    n = store.request_weights(action, reason="api")
+    log.info("weights requested", action=action, request=n)
+    end = time.monotonic() + timeout_s
+    while True:
+        records = store.read_all(WEIGHTS)
+        if all(w.request >= n and w.state is target for w in records):
+            return ok(msg=f"{what} successfully", request=n)
+        failed = [(r, w) for r, w in enumerate(records) if w.request >= n and w.state is not target
+                  and w.state not in (WeightState.UPDATING, WeightState.CLEARING)]
+        if failed:
+            detail = "; ".join(f"rank {r} {w.state}{': ' + w.reason if w.reason else ''}" for r, w in failed)
+            return refuse(f"{what} failed: {detail}", 404, request=n)
+        left = end - time.monotonic()
+        if left <= 0:
+            late = [r for r, w in enumerate(records) if not (w.request >= n and w.state is target)]
+            return refuse(f"{what} timeout: ranks {late} not {target} after {timeout_s:g} s (request {n})", 404,
+                          request=n)
+        store.wait(cursor, int(min(left, 1.0) * 1000) + 1)
+
+
+# ---- GET /health ---------------------------------------------------------------------------------------------------
+def health(store: Store, stale_ms: int) -> Reply:
+    """200 when Redis answers and every registered rank's heartbeat is at most ``stale_ms`` old, else 503."""
+    store.ping()
+    registered = sorted(store.rank_info())
+    now = store.now_ms()
+    stale = []
+    for r in registered:
+        try:
+            beat = store.read_rank(r).heartbeat_ms
+        except NotFoundError:
+            beat = 0
+        if not beat or now - beat > stale_ms:
+            stale.append(r)
+    if stale:
+        return refuse(f"ranks {stale} have no heartbeat for over {stale_ms / 1000:g} s", 503, ranks=len(registered))
+    return ok(ranks=len(registered))
+
+
+# ---- read-only /v1 routes ------------------------------------------------------------------------------------------
+def state(store: Store) -> dict[str, Any]:
+    """Every machine's record now (``fdeplb status --json``) plus the ranks' registered API addresses."""
+    from fdeplb.cli.views import cluster_status
+
+    out = cluster_status(store)
+    out["api_addresses"] = {str(r): info.get("api_address") for r, info in sorted(store.rank_info().items())}
+    return out
+
+
+def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
+    if value is None:
+        return default
+    if not re.fullmatch(r"\d{1,9}", value):
+        raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value[:40]!r}")
+    n = int(value)
+    if not lo <= n <= hi:
+        raise InputError(f"{name} must be in [{lo}, {hi}], got {n}")
+    return n
+
+
+def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | None) -> dict[str, Any]:
+    """Audit records after stream id ``since`` (all when absent), at most ``limit``; with ``wait_ms``, wait that
+    long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
+    from fdeplb.cli.views import audit_dict
+
+    if since is not None and not _STREAM_ID.match(since):
+        raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}")
+    count = _int_param(limit, "limit", 1000, 1, MAX_AUDIT_LIMIT)
+    wait = _int_param(wait_ms, "wait_ms", 0, 0, MAX_WAIT_MS)
+    start = "-" if since is None else f"({since}"
+    cursor = store.cursor() if wait else None
+    end = time.monotonic() + wait / 1000
+    while True:
+        records = store.audit(start, "+", count=count)
+        left = end - time.monotonic()
+        if records or cursor is None or left <= 0:
+            break
+        store.wait(cursor, int(left * 1000) + 1)
+    last = records[-1].id if records else (since or "0-0")
+    return {"records": [audit_dict(r) for r in records], "last_id": last}
+
+
+PLACEMENT_MEDIA = {"sglang": "application/json", "fastdeploy": "application/json", "trtllm": "application/yaml",
+                   "fdeplb": "application/json"}
+
+
+def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]:
+    """The current placement: phy2log / log2phy / logcnt as JSON, or (text, media type) of a placement file in
+    ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
+    from fdeplb.placement import FORMATS, write_placement
+    from fdeplb.placement.core import Placement
+
+    cfg = store.read_config()
+    current = store.current_placement()
+    pl = Placement.from_phy2log(current.phy2log, cfg.num_logical_experts, policy=cfg.policy,
+                                num_groups=cfg.num_groups, num_nodes=cfg.num_nodes, num_gpus=cfg.ep_size)
+    if fmt is None:
+        return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,
+                "num_physical_experts": cfg.num_physical_experts, "ep_size": cfg.ep_size,
+                "phy2log": pl.phy2log.tolist(), "log2phy": pl.log2phy.tolist(), "logcnt": pl.logcnt.tolist()}
+    if fmt not in FORMATS:
+        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {fmt[:40]!r}")
+    with tempfile.TemporaryDirectory(prefix="fdeplb-placement-") as tmp:
+        path = write_placement(pl, Path(tmp) / f"placement.{'yaml' if fmt == 'trtllm' else 'json'}", format=fmt)
+        return path.read_text(encoding="utf-8"), PLACEMENT_MEDIA[fmt]
+
+
+def statechart_svg(machine: str, folder: Path | None) -> str:
+    """The SVG diagram of ``machine`` (a table name): from ``folder`` (default the checkout's statecharts/), else
+    rendered with Graphviz. :class:`NotFoundError` for an unknown machine."""
+    from fdeplb.machines import diagrams
+    from fdeplb.machines.tables import TABLES
+
+    if machine not in TABLES:
+        raise NotFoundError(f"no machine {machine[:40]!r}; machines: {', '.join(TABLES)}")
+    if folder is None:
+        from fdeplb.cli.statecharts import default_dir
+
+        try:
+            folder = default_dir()
+        except InputError:
+            folder = None
+    if folder is not None and (folder / f"{machine}.svg").is_file():
+        return (folder / f"{machine}.svg").read_text(encoding="utf-8")
+    from fdeplb.cli.statecharts import render_svg
+
+    return render_svg(diagrams.dot(TABLES[machine]))
