@@ -13,7 +13,7 @@ import requests
 
 from fdeplb.api import ApiSettings, Credentials, create_app
 from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import Store
 from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, served
 from tests.helpers import RawRedis, thread_cluster, wait_for
