@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import DeadlineError, FdeplbError
+from fdeplb.reaper import Reaper
 from fdeplb.machines.tables import RANK, ClusterState, RankState
 from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.orchestration.operations import init_cluster
@@ -56,8 +57,10 @@ class LocalCluster:
                "--backend", self.backend,
                *[x for t in traces for x in ("--trace", t)], *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd + ["--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
         log.close()
+        Reaper.shared().watch_pid(proc.pid)  # and the worker watches us: neither outlives this process
         self.procs[ep_rank] = proc
         return proc
 
