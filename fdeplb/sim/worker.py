@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parent = args.parent_pid or os.getppid()
     configure(args.log_level)
 
+    from fdeplb.machines.tables import RANK
     from fdeplb.orchestration.agent import RankAgent
     from fdeplb.placement import read_expert_load
     from fdeplb.sim.shares import rank_share
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     threading.Thread(target=watch_parent, args=(parent, agent.stop_event), daemon=True,
                      name="watch-parent").start()
     agent.start()
+    # the live placement as loaded is verified too, not only after a swap: a round that is skipped or aborted
+    # still reports how many slots hold exactly their expert (the demo's "verified" line)
+    verified, total = agent.backend.verify()
+    store.update(RANK, args.rank, slots_verified=verified, slots_total=total)
+    store.emit_event("rank_verified", rank=args.rank, slots_verified=verified, slots_total=total)
     agent.run()
     return 0
 
