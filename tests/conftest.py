@@ -50,3 +50,22 @@ def pytest_runtest_makereport(item, call):
         rep.outcome = "skipped"
         rep.longrepr = (str(item.path), item.location[1] or 0,
                         f"Skipped: needs {missing[0]} from {REAL_DATA} (only the bundled dump is here)")
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a real Redis server shared by the session (each test uses its own cluster id)."""
+    url = os.environ.get("FDEPLB_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    from fdeplb.store.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture
+def cluster_id() -> str:
+    """A fresh cluster id, so tests never see each other's keys."""
+    return f"t-{uuid.uuid4().hex[:12]}"

@@ -124,6 +124,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         Reaper.shared().watch_dir(workdir)  # removed even if this process is killed with SIGKILL
     server = None
     cluster = None
+    failed = False
     try:
         if opts.trace is None:
             from fdeplb.data import extract_bundled_trace
@@ -231,9 +232,12 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
             emit(f"outcome      {outcome}: {summary['reason']}")
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         return summary
+    except BaseException:
+        failed = True  # an interrupt or an error: stop fast, the simulated workers' state does not matter
+        raise
     finally:
         if cluster is not None:
-            cluster.stop(timeout_s=1.0)  # disposable simulated workers: SIGTERM, then SIGKILL after 1 s
+            cluster.stop(timeout_s=0.2 if failed else 5.0)  # SIGTERM, then SIGKILL after timeout_s
             if server is None and not opts.keep:
                 try:
                     cluster.store.delete_cluster()  # an external Redis keeps no keys of a finished demo

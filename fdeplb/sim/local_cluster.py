@@ -148,7 +148,7 @@ class LocalCluster:
                         on_transition(entry)
         finally:  # also on SIGTERM/SIGINT in the main thread: stop the coordinator before Redis goes away
             coord.stop_event.set()
-            thread.join(2)
+            thread.join(1)
         cur = self.store.read_cluster()
         if not (cur.state is ClusterState.FREE and cur.round >= target):
             dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
