@@ -96,7 +96,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
         store.request_commit(args.commit)
         print(f"commit of plan {args.commit} requested")
         return 0
-    holder = _wait_for_lease(store, min(5.0, args.timeout))
+    holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     rec = store.read_cluster()
     cursor = store.cursor()
     n = store.request_round(args.reason)
