@@ -19,10 +19,21 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
+CKPT: list[str] = []  # a tiny real checkpoint (2 MoE layers x 8 experts), written once per module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def checkpoint(tmp_path_factory):
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    CKPT[:] = [str(write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt", 2, 8))]
+    return CKPT[0]
+
+
 def init_args(url, cluster, *extra):
     return ("init-cluster", "--redis-url", url, "--cluster", cluster, "--num-layers", "2",
             "--num-logical-experts", "8", "--num-redundant-experts", "4", "--ep-size", "4",
-            "--checkpoint", "/nonexistent/ckpt", *extra)
+            "--checkpoint", CKPT[0], *extra)
 
 
 def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
@@ -37,7 +48,7 @@ def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
     assert code == 0 and "exists already" in out
     # another topology for the same cluster id is refused and changes nothing
     before = store.read_config()
-    code, _, err = run(capsys, *init_args(redis_url, cluster_id)[:-2], "--ep-size", "2", "--checkpoint", "x")
+    code, _, err = run(capsys, *init_args(redis_url, cluster_id), "--ep-size", "2")
     assert code == 2 and "exists with topology" in err and store.read_config() == before
 
 
@@ -54,12 +65,36 @@ def test_init_cluster_bad_input_changes_nothing(redis_url, cluster_id, capsys, e
     assert not raw.r.exists(raw.keys.config)
 
 
-def test_rearrange_requests_a_round_and_refuses_a_stray_commit(redis_url, cluster_id, capsys):
+@pytest.mark.parametrize("missing,message", [
+    ("dir", "no such checkpoint"),
+    ("expert", "is not in checkpoint"),
+])
+def test_init_cluster_checks_the_checkpoint_and_writes_nothing(redis_url, cluster_id, capsys, tmp_path, missing,
+                                                               message):
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    # a checkpoint with 6 of the topology's 8 experts, or none at all
+    path = write_synthetic_checkpoint(tmp_path / "ckpt", 2, 6) if missing == "expert" else tmp_path / "none"
+    argv = list(init_args(redis_url, cluster_id))
+    argv[argv.index("--checkpoint") + 1] = str(path)
+    code, out, err = run(capsys, *argv)
+    assert code == 4 and message in err and out == ""
+    raw = RawRedis(redis_url, cluster_id)
+    assert not raw.r.exists(raw.keys.config)
+
+
+def test_rearrange_without_a_coordinator_says_so_and_requests_nothing(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)
-    code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id)
-    assert code == 0 and store.read_cluster().requested == 1
-    assert store.read_cluster().state == "FREE"  # requests are wishes, not transitions
+    code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--timeout", "0.5")
+    assert code == 3 and "no coordinator holds the lease" in err and "requested" not in out
+    assert store.read_cluster().requested == 0
+
+
+def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
+    run(capsys, *init_args(redis_url, cluster_id))
+    store = Store(redis_url, cluster_id)
+    assert store.read_cluster().state == "FREE"
     # a commit is only accepted for a cordoned cluster's staged plan
     code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
     assert code == 3 and "not cordoned" in err

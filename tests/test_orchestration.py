@@ -257,7 +257,7 @@ def test_round_without_gain_is_gated_even_if_it_would_move(redis_url, cluster_id
         store.request_round()
         wait_for(round_over(store, 1), 60, store, "the gated round")
         last = last_cluster_transition(store)
-        assert last["trigger"] == "abort" and last["reason"].startswith("gated: balancedness 1.0000 -> 1.0000")
+        assert last["trigger"] == "abort" and last["reason"].startswith("gated: skipped: planned gain 0.0000 <= min_gain")
 
 
 def test_dropped_connections_do_not_kill_agents_or_coordinator(redis_url, cluster_id, tmp_path):

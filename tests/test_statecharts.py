@@ -117,3 +117,14 @@ def test_render_svg_is_stamped(tmp_path):
     written = write_statecharts(tmp_path / "out")
     assert len(written) == 9 and stale_files(tmp_path / "out") == []
     assert write_statecharts(tmp_path / "out") == []  # nothing changes on a second run
+
+
+def test_statecharts_without_graphviz_write_what_they_can_and_say_what_they_skipped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no `dot` anywhere
+    out = tmp_path / "charts"
+    assert main(["statecharts", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for name in TABLES:
+        assert (out / f"{name}.mmd").is_file() and (out / f"{name}.dot").is_file()
+        assert not (out / f"{name}.svg").exists()
+        assert f"skipped {out / (name + '.svg')}" in printed

@@ -55,8 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "--commit PLAN_ID allow a cordoned cluster's staged plan to commit.")
     r.add_argument("--redis-url", required=True)
     r.add_argument("--cluster", required=True)
-    r.add_argument("--commit", metavar="PLAN_ID", default=None)
-    r.add_argument("--reason", default="operator")
+    r.add_argument("--commit", metavar="PLAN_ID", default=None,
+                   help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
+    r.add_argument("--reason", default="operator", help="why (written to the audit; default %(default)s)")
+    r.add_argument("--wait", action="store_true",
+                   help="wait for the requested round to end: exit 0 if it rearranged or was skipped (nothing worth "
+                        "moving), 1 if it aborted, 6 on timeout")
+    r.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds --wait waits (default %(default)s)")
     r.set_defaults(handler=run_rearrange)
 
 
@@ -81,13 +87,95 @@ def run_coordinator(args: argparse.Namespace) -> int:
 def run_rearrange(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
 
+    if not args.timeout > 0:
+        from fdeplb.errors import InputError
+
+        raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
         store.request_commit(args.commit)
         print(f"commit of plan {args.commit} requested")
-    else:
-        print(f"round requested ({store.request_round(args.reason)} requested so far)")
-    return 0
+        return 0
+    holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
+    rec = store.read_cluster()
+    cursor = store.cursor()
+    n = store.request_round(args.reason)
+    target = rec.round + 1
+    print(f"round {target} requested ({n} requested so far); coordinator {holder}")
+    if not args.wait:
+        return 0
+    return wait_for_round(store, target, cursor, args.timeout)
+
+
+def _wait_for_lease(store, timeout_s: float) -> str:
+    """The coordinator lease holder, waiting up to ``timeout_s`` for one (a coordinator just started takes its lease
+    within a moment). :class:`StateError` when none holds it: nothing is requested then."""
+    import time
+
+    from fdeplb.errors import StateError
+
+    end = time.monotonic() + timeout_s
+    while True:
+        holder = store.lease_info().holder
+        if holder:
+            return holder
+        if time.monotonic() > end:
+            raise StateError(f"no coordinator holds the lease of cluster {store.cluster}, so no round would start: "
+                             f"nothing requested. Start one: fdeplb coordinator --redis-url URL --cluster "
+                             f"{store.cluster}")
+        time.sleep(0.2)
+
+
+def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
+    """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
+    balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
+    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds."""
+    import time
+
+    from fdeplb.errors import DeadlineError
+    from fdeplb.machines.tables import CLUSTER, ClusterState
+    from fdeplb.sim.demo_driver import outcome_of
+
+    end = time.monotonic() + timeout_s
+    last = None
+    while last is None:
+        left = end - time.monotonic()
+        if left <= 0:
+            rec = store.read_cluster()
+            raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
+                                f"{rec.round}); it may still finish: fdeplb status --cluster {store.cluster}")
+        for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
+            if (a["machine"] == CLUSTER.name and a["to"] == ClusterState.FREE
+                    and a["round"].isdigit() and int(a["round"]) >= target):
+                last = a
+                break
+    outcome, reason = outcome_of(last)
+    if outcome == "rearranged":
+        plan_id = last["plan_id"] or store.current_placement().plan_id
+        plan = store.read_plan(plan_id) if plan_id else None
+        if plan is None:
+            print(f"round {last['round']}: rearranged (plan {last['plan_id'] or '?'})")
+        else:
+            print(f"round {last['round']}: rearranged, plan {plan.plan_id}: balancedness "
+                  f"{plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f} "
+                  f"(gain {plan.balancedness_after - plan.balancedness_before:+.4f}), "
+                  f"{plan.moved_experts} moved experts")
+        return 0
+    print(f"round {last['round']}: {outcome}: {reason}")
+    return 0 if outcome == "skipped" else 1
+
+
+def check_checkpoint(path: str, preset: str, num_layers: int, num_logical_experts: int) -> None:
+    """Check that the checkpoint at ``path`` exists and holds every tensor of every expert of ``num_layers`` x
+    ``num_logical_experts`` under the ``preset`` names, all experts alike in shape and dtype (safetensors headers
+    only, no tensor data read). :class:`CheckpointError` (exit 4) naming the first missing or odd tensor,
+    :class:`InputError` for an unknown preset."""
+    from fdeplb.weights.checkpoint import CheckpointReader
+
+    with CheckpointReader(path, preset) as reader:
+        for layer in range(num_layers):
+            for expert in range(num_logical_experts):
+                reader.check_expert(layer, expert)
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -115,6 +203,7 @@ def run_init(args: argparse.Namespace) -> int:
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log
+    check_checkpoint(args.checkpoint, args.preset, args.num_layers, args.num_logical_experts)
     store = Store(args.redis_url, args.cluster)
     store.ping()
     created = init_cluster(store, config, phy2log)

@@ -84,8 +84,11 @@ def stale_files(out: Path, tables: dict[str, MachineTable] = TABLES) -> list[str
     return problems
 
 
-def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_binary: str = "dot") -> list[Path]:
+def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_binary: str = "dot",
+                      skipped: list[str] | None = None) -> list[Path]:
     """Write every table's diagrams into ``out`` (created if needed); returns the files whose content changed.
+    Without Graphviz: :class:`DependencyError`, or, given a ``skipped`` list, the SVGs are left out and one line
+    per SVG not written is appended to it (the Mermaid and DOT files are written either way).
 
     An SVG whose stamp already matches its DOT source is kept as it is (its bytes depend on the Graphviz version,
     not on the table), so regenerating needs the ``dot`` binary only when a table changed.
@@ -104,7 +107,13 @@ def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_b
         if svg.is_file() and diagrams.svg_stamp(svg.read_text(encoding="utf-8", errors="replace")) \
                 == diagrams.dot_digest(dot_source):
             continue
-        svg.write_bytes(render_svg(dot_source, dot_binary).encode("utf-8"))
+        try:
+            svg.write_bytes(render_svg(dot_source, dot_binary).encode("utf-8"))
+        except DependencyError as err:
+            if skipped is None:
+                raise
+            skipped.append(f"{svg}: {err}")
+            continue
         changed.append(svg)
     return changed
 
@@ -121,9 +130,12 @@ def run(args: argparse.Namespace) -> int:
             return STALE_EXIT
         print(f"statecharts in {out} match the tables")
         return 0
-    changed = write_statecharts(out)
+    skipped: list[str] = []
+    changed = write_statecharts(out, skipped=skipped)
     for path in changed:
         print(f"wrote {path}")
-    if not changed:
+    for line in skipped:
+        print(f"skipped {line}")
+    if not changed and not skipped:
         print(f"statecharts in {out} already match the tables")
     return 0

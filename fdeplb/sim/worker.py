@@ -1,7 +1,8 @@
 """A simulated serving worker: one OS process per EP rank, running a :class:`~fdeplb.orchestration.agent.RankAgent`.
 
 ``python -m fdeplb.sim.worker --redis-url URL --cluster ID --rank R --trace PATH`` loads the rank's live experts
-from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT. Its expert_load window is its share of the
+from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT, or until its parent process is gone (``--parent-pid``, default the
+process that started it; checked every 0.5 s): a worker never outlives the demo or test that started it. Its expert_load window is its share of the
 trace (see :mod:`fdeplb.sim.shares`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
 drifts between recorded workloads from round to round.
 """
@@ -9,8 +10,10 @@ drifts between recorded workloads from round to round.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
 
 from fdeplb.log import configure
 
@@ -27,10 +30,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="live experts as paddle tensors from the checkpoint, or numpy arrays (fdeplb.testing)")
     p.add_argument("--api-address", default=None, metavar="HOST:PORT",
                    help="the worker's API address, registered with the rank (the only addresses `ips` may name)")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="stop when this process is gone (default: the process that started this one)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
+    parent = args.parent_pid or os.getppid()
     configure(args.log_level)
 
+    from fdeplb.machines.tables import RANK
     from fdeplb.orchestration.agent import RankAgent
     from fdeplb.placement import read_expert_load
     from fdeplb.sim.shares import rank_share
@@ -52,11 +59,46 @@ def main(argv: list[str] | None = None) -> int:
         import_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    threading.Thread(target=watch_parent, args=(parent, agent.stop_event), daemon=True,
+                     name="watch-parent").start()
     agent.start(info={"api_address": args.api_address} if args.api_address else None)
+    # the live placement as loaded is verified too, not only after a swap: a round that is skipped or aborted
+    # still reports how many slots hold exactly their expert (the demo's "verified" line)
+    verified, total = agent.backend.verify()
+    store.update(RANK, args.rank, slots_verified=verified, slots_total=total)
+    store.emit_event("rank_verified", rank=args.rank, slots_verified=verified, slots_total=total)
     agent.run()
     return 0
 
 
+def watch_parent(parent: int, stop_event: threading.Event, period_s: float = 0.5, grace_s: float = 3.0) -> None:
+    """Stop the agent when process ``parent`` is gone (this process was re-parented, or ``parent`` no longer
+    exists); exit hard if the agent has not stopped ``grace_s`` seconds later."""
+    started_by_parent = os.getppid() == parent
+    while not stop_event.wait(period_s):
+        if (os.getppid() != parent) if started_by_parent else not _alive(parent):
+            stop_event.set()
+            if not _exited.wait(grace_s):
+                os._exit(1)
+            return
+
+
+_exited = threading.Event()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        _exited.set()
+    sys.exit(code)

@@ -1,0 +1,102 @@
+"""The operator's CLI against a running cluster: ``rearrange --wait`` for each outcome, ``status``'s stale mark and a
+cordoned round's staged plan."""
+
+from __future__ import annotations
+
+import json
+
+from fdeplb.cli import main
+from fdeplb.store import Deadlines
+from tests.helpers import thread_cluster, wait_for
+
+
+def run(capsys, *argv):
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def rearrange_wait(capsys, url, cluster, *extra):
+    return run(capsys, "rearrange", "--redis-url", url, "--cluster", cluster, "--wait", "--timeout", "120", *extra)
+
+
+def test_rearrange_wait_rearranged_prints_gain_and_moves(redis_url, cluster_id, capsys, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0, out + err
+        assert "round 1 requested" in out
+        plan = tc.store().read_plan(tc.store().current_placement().plan_id)
+        assert (f"round 1: rearranged, plan {plan.plan_id}: balancedness {plan.balancedness_before:.4f} -> "
+                f"{plan.balancedness_after:.4f}") in out
+        assert f"{plan.moved_experts} moved experts" in out and plan.moved_experts > 0
+
+
+def test_rearrange_wait_skipped_exits_0_with_the_rule(redis_url, cluster_id, capsys, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=2.0) as tc:
+        tc.start()
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0, out + err
+        assert "round 1: skipped: planned gain " in out and "<= min_gain 2.0" in out
+
+
+def test_rearrange_wait_aborted_exits_1_with_the_reason(redis_url, cluster_id, capsys, tmp_path):
+    deadlines = Deadlines(collecting_ms=300, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        tc.start_agents([0, 1, 2])  # rank 3 never publishes its load
+        tc.start_coordinator()
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 1, out + err
+        assert "round 1: aborted: collecting deadline passed: no load from ranks [3]" in out
+
+
+def test_rearrange_wait_times_out_with_exit_6(redis_url, cluster_id, capsys, tmp_path):
+    deadlines = Deadlines(collecting_ms=600_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        tc.start_agents([0, 1, 2])
+        tc.start_coordinator()
+        code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                             "--timeout", "2")
+        assert code == 6 and "round 1 not over after 2s" in err
+
+
+def test_status_marks_a_rank_whose_heartbeat_is_stale(redis_url, cluster_id, capsys, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        tc.agents[2].stop_event.set()  # rank 2's agent stops beating, as a killed worker would
+        store = tc.store()
+
+        def status():
+            code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id, "--json",
+                               "--stale-after", "1")
+            assert code == 0
+            return json.loads(next(l for l in out.splitlines() if l.startswith('{"cluster"')))
+
+        wait_for(lambda: status()["ranks"][2]["stale"], 60, store, "rank 2 marked stale")
+        ranks = status()["ranks"]
+        assert ranks[2]["heartbeat_age_ms"] > 1000
+        code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id, "--stale-after", "1")
+        line = next(l for l in out.splitlines() if l.strip().startswith("2 "))
+        assert "STALE (> 1.0 s)" in line
+
+
+def test_status_of_a_cordoned_round_shows_the_staged_plan_and_the_commit_command(redis_url, cluster_id, capsys,
+                                                                                 tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        tc.start()
+        store = tc.store()
+        store.request_round()
+        wait_for(lambda: store.read_cluster().state == "LOAD_SUCC", 60, store, "LOAD_SUCC")
+        plan = store.read_plan(store.read_cluster().plan_id)
+        code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id)
+        assert code == 0
+        assert (f"staged     plan {plan.plan_id}: balancedness {plan.balancedness_before:.4f} -> "
+                f"{plan.balancedness_after:.4f}, {plan.moved_experts} moved experts") in out
+        command = f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster_id} --commit {plan.plan_id}"
+        assert f"commit     {command}" in out
+        assert main(command.split()[1:]) == 0  # the printed command works
+        wait_for(lambda: store.read_cluster().state == "FREE" and store.current_placement().plan_id == plan.plan_id,
+                 60, store, "the committed round")
