@@ -9,7 +9,8 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every r
 - ``trigger`` is legal from that state and reaches ``to`` (per the table);
 - ``version`` is the key's previous version + 1 (1 for a new key): no gap, no repeat.
 
-Records whose trigger is ``alarm`` are not transitions (a raised alarm leaves the record as it is) and are skipped.
+Records whose trigger is ``alarm``, ``skip`` or ``start_refused`` are not transitions (the record stays as it is) and are
+skipped.
 :func:`check_plans` then recomputes every ``load`` transition's plan from the snapshot stored in Redis and checks
 that it reproduces the stored plan_id and ``new_phy2log`` (placement is deterministic).
 
@@ -32,7 +33,7 @@ from fdeplb.machines.tables import CLUSTER, TABLES, Effect, MachineTable, Transi
 #: fields every exported audit record must have
 REQUIRED = ("machine", "key", "from", "to", "trigger", "version")
 #: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm"})
+NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused"})
 
 
 class ReplayError(InputError):
