@@ -178,6 +178,8 @@ def cluster_status(store) -> dict[str, Any]:
             "live_plan_id": rank.live_plan_id if rank else None,  # None: no agent has run yet
             "reason": rank.reason if rank else None,
             "heartbeat_age_ms": now - heartbeat if heartbeat else None,
+            "stale": bool(rank and r in registered and rank.heartbeat_ttl_ms
+                          and now > heartbeat + rank.heartbeat_ttl_ms),  # heartbeat past its TTL
             "weights": weights.state if weights else None,
             "weights_code": WEIGHTS.to_code(weights.state) if weights else None,
             "weights_version": weights.version if weights else None,
@@ -241,7 +243,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         line = (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
                 f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}"
                 f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
-                f"{'' if r['registered'] else 'not registered'}")
+                f"{'STALE ' if r.get('stale') else ''}{'' if r['registered'] else 'not registered'}")
         out.write(line.rstrip() + "\n")
 
 
