@@ -544,7 +544,8 @@ class RankAgent:
         plan_id = me.plan_id
         new = self._new_phy2log(plan_id)
         report: dict[str, Any] = {}
-        if not np.array_equal(self.backend.phy2log, new):
+        pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
+        if pending or not np.array_equal(self.backend.phy2log, new):
             attempt = self._swap_attempts.get(plan_id, 1)
             try:
                 info = self._stage(plan_id)

@@ -213,8 +213,8 @@ class Coordinator:
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
                 self._refused_ranks = sorted(stale)
                 self.log.warning("start refused", stale=stale)
+                self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
                 self.store.append_note(rec, trigger="start_refused", actor=self.holder, reason=reason)
-                self.store.update(CLUSTER, reason=reason)
                 self.store.emit_event("start_refused", reason=reason)
             return False, self.lease_ms // 3
         self._refused_ranks = None
@@ -266,8 +266,8 @@ class Coordinator:
     def _skip(self, rec: ClusterRecord, reason: str) -> Step:
         """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers."""
         self.log.info("skip", reason=reason)
+        self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
         self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason)
-        self.store.update(CLUSTER, reason=reason)
         self.store.emit_event("skipped", reason=reason)
         return False, int(self.interval_s * 1000)
 
