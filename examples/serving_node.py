@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import queue
 import sys
 import tempfile
@@ -161,6 +162,7 @@ def main() -> int:
     from fdeplb.weights import write_synthetic_checkpoint
 
     t_start = time.monotonic()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 worker processes on few cores: one compute thread each
     dist, source = expert_distribution()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as server:
@@ -171,7 +173,9 @@ def main() -> int:
                                checkpoint={"path": str(ckpt), "preset": "ernie"},
                                deadlines=Deadlines(collecting_ms=30_000, loading_ms=30_000, swapping_ms=30_000))
         init_cluster(store, config, initial_placement(L, E, P).phy2log)
-        coordinator = Coordinator(Store(server.url, cluster), lease_ms=1_500, switch_margin_ms=400)
+        # margin: a worker's background thread shares the GIL and 2 busy cores here; a few steps must cover it
+        coordinator = Coordinator(Store(server.url, cluster), lease_ms=1_500, switch_margin_steps=12,
+                                  switch_margin_ms=3_000)
         threading.Thread(target=coordinator.run, daemon=True).start()
 
         qs = [[ctx.Queue() for _ in range(EP)] for _ in range(EP)]  # qs[src][dst]
