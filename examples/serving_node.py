@@ -122,7 +122,7 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, qs, b
                 replies = []
                 for idx, xs in got:  # compute for my slots, on the live tensors
                     y = np.zeros_like(xs)
-                    for slot in np.unique(idx[:, 2]).tolist():
+                    for slot in (np.unique(idx[:, 2]).tolist() if agent.serving else []):  # cleared: zeros
                         m = idx[:, 2] == slot
                         wts = {k: live.tensors[k][layer][slot] for k in (up, down)}
                         y[m] = ffn(paddle.to_tensor(xs[m]), wts).numpy()
