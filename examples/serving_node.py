@@ -239,11 +239,11 @@ def main() -> int:
             wait(lambda: steps_now() >= 20, "warm-up", 120)
             store.request_round("serving_node")
             wait(lambda: round_done(1), "round 1")
-            store.request_weights("clear", "serving_node")
+            store.request_weights("clear", "serving_node", margin_steps=12, margin_ms=3_000)
             wait(lambda: weights_all(WeightState.CLEARED), "clear")
             s = steps_now()
             wait(lambda: steps_now() >= s + 5, "steps while cleared")
-            store.request_weights("update", "serving_node")
+            store.request_weights("update", "serving_node", margin_steps=12, margin_ms=3_000)
             wait(lambda: weights_all(WeightState.NORMAL), "update")
             phase.value = 1
             store.request_clear_stat("serving_node")

@@ -397,14 +397,15 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id)
 
-    def request_weights(self, action: str, reason: str = "operator") -> int:
+    def request_weights(self, action: str, reason: str = "operator", *, margin_steps: int = SWITCH_MARGIN_STEPS,
+                        margin_ms: int = SWITCH_MARGIN_MS) -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
         ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
         safe point, through its weight-status machine, at the step fixed here (:meth:`switch_step`, stored as
         ``weights_switch_step``). :class:`InputError` for another action."""
         if action not in ("clear", "update"):
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
-        switch = self.switch_step()
+        switch = self.switch_step(margin_steps, margin_ms)
         pipe = self._client.pipeline(transaction=True)
         pipe.hincrby(self._keys.rearrange, "weights_request", 1)
         pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
