@@ -21,6 +21,9 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every a
   dropped, reordered, edited or forged record anywhere breaks it (the semantic checks above run first, so a record
   that also breaks them is reported with their reason).
 
+Records whose trigger is ``alarm``, ``skip`` or ``start_refused`` are cluster outcomes, not transitions: the
+record stays as it is.
+
 :func:`check_plans` then recomputes every ``load`` transition's plan from its snapshot (from the recording, or from
 a live :class:`~fdeplb.store.Store`) and checks the plan_id and ``new_phy2log``. :func:`whatif` replans every
 recorded round's snapshot with another policy. :func:`rebuild` writes the replayed records into a Redis.
@@ -59,7 +62,7 @@ __all__ = ["ReplayError", "chain_of", "parse_lines", "read_export", "replay", "r
 #: fields every exported audit record must have
 REQUIRED = ("machine", "key", "from", "to", "trigger", "version")
 #: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm"})
+NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused"})
 #: fields of an exported audit line that the chain does not cover (the line type, the stream id, the chain itself)
 CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 #: line types of a recording

@@ -55,7 +55,8 @@ class NumpyWeights:
         expert_size: float32 values per expert.
 
     Attributes:
-        slots: float32 [L, slots_per_rank, expert_size], the live slots (written in place by :meth:`swap`).
+        slots: float32 [L, slots_per_rank, expert_size], the live slots (written in place by :meth:`swap`); None
+            while cleared (:meth:`clear`).
         swaps: number of swaps applied.
     """
 
@@ -96,6 +97,27 @@ class NumpyWeights:
 
     def reload(self) -> None:
         self.slots[...] = self._expected(self._phy2log)
+
+    @property
+    def cleared(self) -> bool:
+        return self.slots is None
+
+    def clear(self) -> int:
+        """Drop the live array (its memory returns); returns the bytes freed."""
+        freed = 0 if self.slots is None else int(self.slots.nbytes)
+        self.slots = None
+        return freed
+
+    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+        new = np.array(phy2log, dtype=np.int64, copy=True)
+        if new.shape != self._phy2log.shape:
+            raise WeightError(f"rank {self.ep_rank}: phy2log has shape {new.shape}, expected {self._phy2log.shape}")
+        if self.slots is None:
+            self.slots = np.empty((new.shape[0], self._slice.stop - self._slice.start, self.expert_size),
+                                  dtype=np.float32)
+        self._phy2log = new
+        self.reload()
+        return self.verify()
 
     def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> _NumpyStaged:
         transfer = plan_transfer(self._phy2log, new_phy2log, self.ep_rank, self.ep_size)

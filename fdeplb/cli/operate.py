@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", required=True)
     p.add_argument("--holder", default=None, help="holder id (default coordinator@host:pid:random)")
     p.add_argument("--lease-ms", type=int, default=3_000, help="lease time to live in ms (default 3000)")
+    p.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                   help="also consider a round every SECONDS on the ranks' published windows (skipped, audited, "
+                        "when balanced enough or the planned gain is at most min_gain)")
+    p.add_argument("--min-balancedness", type=float, default=None,
+                   help="periodic rounds are skipped at or above this mean balancedness (SGLang's "
+                        "eplb_min_rebalancing_utilization_threshold)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run_coordinator)
 
@@ -73,7 +79,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
     configure(args.log_level)
     store = open_store(args.redis_url, args.cluster)
-    coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms)
+    coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
+                              min_balancedness=args.min_balancedness)
 
     def stop(_signum, _frame):
         coordinator.stop_event.set()

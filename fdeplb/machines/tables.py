@@ -291,8 +291,17 @@ WEIGHTS = MachineTable(
     initial=W.NORMAL,
     doc="The serving engine's dynamic weight update/clear, one per rank.",
     transitions=(
-        TransitionSpec("update", (W.NORMAL, W.CLEARED), W.UPDATING, doc="reload the model weights"),
-        TransitionSpec("updated", (W.UPDATING,), W.NORMAL, doc="weights reloaded"),
+        TransitionSpec(
+            "update", (W.NORMAL, W.CLEARED), W.UPDATING, guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
+            doc="reload the experts from the checkpoint in the cluster's current placement; refused while a round "
+                "is past FREE (the placement could change under the reload)",
+        ),
+        TransitionSpec("updated", (W.UPDATING,), W.NORMAL, doc="every slot reloaded and verified by checksum"),
+        TransitionSpec(
+            "update_failed", (W.UPDATING,), W.CLEARED,
+            doc="the reload failed (unreadable checkpoint, a checksum mismatch); the reason is recorded and the "
+                "rank does not serve until a new update succeeds (never NORMAL with wrong weights)",
+        ),
         TransitionSpec(
             "clear", (W.NORMAL,), W.CLEARING, guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
             doc="free the weights; refused while a round is past FREE",

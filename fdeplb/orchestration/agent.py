@@ -7,10 +7,21 @@ in place once the plan is committed (SWAPPING), and reports each step as a trans
 Like the coordinator it is a reconcile loop over (cluster record, own rank record): every state has idempotent
 entry work, so an agent restarted at any point rebuilds its live experts from the cluster's *current placement*
 and carries on from what the records say.
+
+Two ways to run it, built on the same pieces:
+
+- **threaded** (:meth:`RankAgent.run`, the simulated cluster): the loop applies swaps and weight clear / update in
+  its own thread as soon as it reaches them;
+- **embedded in a serving worker** (:class:`EmbeddedAgent`): the worker calls :meth:`RankAgent.record` once per
+  forward step and :meth:`RankAgent.at_safe_point` between steps; the loop runs in a background thread, stages in
+  the background, and leaves every change of the live expert tensors and routing tables (a committed swap, a weight
+  clear or update) to the safe point where the worker's step counter reaches the change's *switch step* (see
+  :meth:`RankAgent.at_safe_point`), so that every EP rank switches at the same step.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
@@ -23,10 +34,10 @@ import structlog
 from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, \
     VerificationError, WeightError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
+from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_expert_load
-from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store
+from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 
 log = structlog.get_logger("fdeplb.agent")
@@ -45,6 +56,95 @@ class _Staging(NamedTuple):
 #: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
 LoadSource = Callable[[int], np.ndarray]
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class ExpertLoadWindow:
+    """The rank's sliding expert_load window: the last ``steps`` recorded steps (vLLM's ``expert_load_window``)
+    and/or the steps of the last ``seconds`` seconds, summed in int64 (exact past 2**31, where FastDeploy's int32
+    accumulator wraps). Thread-safe: the worker adds, the agent's background thread reads.
+
+    Args:
+        num_layers, num_logical_experts: the shape [L, E] of one step's load.
+        steps: keep at most this many steps (None: no step limit; then ``seconds`` is needed).
+        seconds: drop steps older than this (None: no time limit).
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        InputError: neither limit given, or a limit that is not positive.
+    """
+
+    def __init__(self, num_layers: int, num_logical_experts: int, *, steps: int | None = 1000,
+                 seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if steps is None and seconds is None:
+            raise InputError("a load window needs steps, seconds or both")
+        if (steps is not None and int(steps) < 1) or (seconds is not None and not float(seconds) > 0):
+            raise InputError(f"load window limits must be positive, got steps={steps!r} seconds={seconds!r}")
+        self.shape = (int(num_layers), int(num_logical_experts))
+        self.max_steps = None if steps is None else int(steps)
+        self.seconds = None if seconds is None else float(seconds)
+        self.clock = clock
+        self._entries: collections.deque[tuple[float, np.ndarray]] = collections.deque()
+        self._total = np.zeros(self.shape, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def add(self, load: np.ndarray) -> None:
+        """Add one step's load, int64 [L, E] (checked by the caller; the window keeps ``load`` itself)."""
+        now = self.clock()
+        with self._lock:
+            if self.max_steps is not None and len(self._entries) == self.max_steps:
+                self._total -= self._entries.popleft()[1]
+            self._entries.append((now, load))
+            self._total += load
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        if self.seconds is not None:
+            while self._entries and self._entries[0][0] < now - self.seconds:
+                self._total -= self._entries.popleft()[1]
+
+    def total(self) -> np.ndarray:
+        """The window's sum, int64 [L, E] (a copy)."""
+        with self._lock:
+            self._expire(self.clock())
+            return self._total.copy()
+
+    def __len__(self) -> int:
+        """Steps in the window."""
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        """Empty the window (FastDeploy's ``clear_stat``)."""
+        with self._lock:
+            self._entries.clear()
+            self._total[...] = 0
+
+
+class _SafePointOp:
+    """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`RankAgent.at_safe_point` once
+    the worker's step counter reaches ``switch_step`` (at once in a threaded agent)."""
+
+    def __init__(self, key: tuple, switch_step: int, fn: Callable[[], Any]) -> None:
+        self.key = key
+        self.switch_step = int(switch_step)
+        self.fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.applied_step = 0
+        self.pause_ms = 0.0
+        self.done = threading.Event()
+
+    def apply(self, step: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.result = self.fn()
+        except Exception as err:  # noqa: BLE001 - reported by the agent's loop (an alarm or a recorded failure)
+            self.error = err
+        self.pause_ms = (time.perf_counter() - t0) * 1000
+        self.applied_step = step
+        self.done.set()
+
 
 class RankAgent:
     """Agent of one EP rank.
@@ -57,14 +157,38 @@ class RankAgent:
     ``verify_all``: after each swap, compare *every* slot of the rank with the checkpoint (re-reads the rank's
     whole share from disk; the demo and tests do it). Otherwise only the slots the swap wrote are verified, by the
     backend's swap itself.
+    ``load_source`` defaults to the agent's own :class:`ExpertLoadWindow` (``window_steps`` / ``window_s``), fed
+    by :meth:`record`. ``safe_points``: leave every change of the live experts to :meth:`at_safe_point` (an
+    embedded agent, see :class:`EmbeddedAgent`); otherwise the loop applies them itself.
+    ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
+    ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
     """
 
-    def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource,
+    def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
                  backend_factory: BackendFactory | None = None, staging_budget_bytes: int | None = None,
-                 device: str | None = None, actor: str | None = None, verify_all: bool = False) -> None:
+                 device: str | None = None, actor: str | None = None, verify_all: bool = False,
+                 safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
+                 publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000) -> None:
+        if heartbeat_ttl_ms < 100:
+            raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
         self.store = store
         self.ep_rank = int(ep_rank)
-        self.load_source = load_source
+        self.load_source = load_source or (lambda _round: self.window.total())
+        self.safe_points = bool(safe_points)
+        self.window_steps, self.window_s = window_steps, window_s
+        self.window: ExpertLoadWindow | None = None
+        self.publish_interval_s = publish_interval_s
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_ms)
+        self.steps = 0  # safe points passed (the worker's step counter)
+        self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
+        self.late_switches = 0
+        self._op: _SafePointOp | None = None
+        self._in_safe_point = False
+        self._live_phy2log: np.ndarray | None = None
+        self._next_publish = 0.0
+        self._hb = (0.0, 0, 0.0)  # (monotonic time, steps, steps_per_s) of the last heartbeat
+        self._clear_stat_seen = 0
+        self._swap_attempts: dict[str, int] = {}
         self.backend_factory = backend_factory or CheckpointBackend.factory(device=device)
         self.staging_budget_bytes = staging_budget_bytes
         self.verify_all = verify_all
@@ -92,9 +216,14 @@ class RankAgent:
         t0 = time.perf_counter()
         self.backend = self.backend_factory(self.config.checkpoint, placement.phy2log, self.ep_rank,
                                             self.config.ep_size)
+        self._live_phy2log = self.backend.phy2log
         self.live_plan_id = placement.plan_id
+        if self.window is None:
+            self.window = ExpertLoadWindow(self.config.num_layers, self.config.num_logical_experts,
+                                           steps=self.window_steps, seconds=self.window_s)
+        self._clear_stat_seen = self.store.read_cluster().clear_stat_request  # a fresh window is empty
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, **(info or {})})
-        self.store.heartbeat(self.ep_rank, live_plan_id=placement.plan_id)
+        self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
 
@@ -116,7 +245,7 @@ class RankAgent:
                 if until is not None and until():
                     return
                 if not progressed:
-                    self.store.heartbeat(self.ep_rank)
+                    self._heartbeat()
                     self.store.wait(cursor, block_ms)
             except RedisUnavailableError as err:  # Redis away: the live experts keep serving
                 self.log.warning("redis unavailable", error=str(err))
@@ -135,9 +264,193 @@ class RankAgent:
         me = self.rank.read()
         failpoint("rank.hang", me.state,
                   lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
+        if cluster.clear_stat_request > self._clear_stat_seen:
+            self.window.clear()
+            self._clear_stat_seen = cluster.clear_stat_request
+            self.rank.update(clear_stat=cluster.clear_stat_request)
         if cluster.state is ClusterState.COLLECTING and self._publish_load(cluster):
             return True
+        if self.publish_interval_s and time.monotonic() >= self._next_publish:
+            self._next_publish = time.monotonic() + self.publish_interval_s
+            self.store.publish_load(self.ep_rank, cluster.round, self.load_source(cluster.round).astype(np.int64))
+        if self._weights_step(cluster):
+            return True
         return ENTRY_WORK[me.state](self, me, cluster)
+
+    # ---- the worker's side: record, safe points ------------------------------------------------------------------
+    def record(self, counts: Any, *, physical: bool | None = None) -> None:
+        """Add one forward step's routed tokens to the load window. Call once per step from the worker.
+
+        ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
+        physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
+        the one the step routed with); a numpy array or a paddle tensor of any integer dtype. ``physical`` says
+        which (None: by shape; when E == P a [L, E] array is taken as logical). Accumulated in int64.
+
+        Raises:
+            InputError: not an integer array (float, NaN, bool), wrong shape, a negative count, a count past the
+                int64 range, or the agent is not started. Nothing is recorded then.
+        """
+        if self.window is None or self._live_phy2log is None:
+            raise InputError("record() before start(): the agent has no load window yet")
+        arr = counts
+        if not isinstance(arr, np.ndarray):
+            arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
+        if arr.dtype.kind not in "iu":
+            raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
+        num_layers, num_phy = self._live_phy2log.shape
+        num_log = self.window.shape[1]
+        if physical is None:
+            physical = arr.shape == (num_layers, num_phy) and num_phy != num_log
+        expected = (num_layers, num_phy) if physical else (num_layers, num_log)
+        if arr.shape != expected:
+            raise InputError(f"expert counts have shape {arr.shape}, expected {(num_layers, num_log)} (logical) "
+                             f"or {(num_layers, num_phy)} (physical)")
+        if arr.size:
+            if arr.dtype.kind == "i" and int(arr.min()) < 0:
+                raise InputError(f"expert counts must be >= 0, found {int(arr.min())}")
+            if arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:
+                raise InputError(f"expert count {int(arr.max())} is past the int64 range")
+        arr = arr.astype(np.int64)
+        if physical:
+            logical = np.zeros((num_layers, num_log), dtype=np.int64)
+            np.add.at(logical, (np.arange(num_layers)[:, None], self._live_phy2log), arr)
+            arr = logical
+        self.window.add(arr)
+
+    def at_safe_point(self) -> bool:
+        """Call between forward steps: counts the step and applies a pending change whose switch step is reached.
+
+        This is the only place the live expert tensors and the routing tables (phy2log, log2phy, logcnt) change
+        in an embedded agent: a committed swap (staged in the background), a weight clear or a weight update.
+        With nothing to apply it returns at once (see ``benchmarks/safe_point.py``). Returns True when it applied
+        a change (the worker was held for the in-place copy only).
+
+        **Ranks switch together.** Every change carries a switch step fixed when it was decided (the commit, the
+        weight request: :meth:`fdeplb.store.Store.switch_step`, from the step counters the ranks report with
+        their heartbeats plus a margin). The agent applies it at the safe point where its own counter reaches the
+        switch step, so every EP rank routes step ``switch_step + 1`` with the new placement. A rank that learns
+        of a change when its counter is already *past* the switch step (its worker ran ahead of its reports, or
+        the margin was too small) applies it at its very next safe point (a committed plan only rolls forward),
+        records ``late_steps`` in its rank record and raises an ``alarm`` (event and audit record) naming the
+        steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong expert.
+        """
+        self.steps += 1
+        op = self._op
+        if op is None or op.done.is_set() or self.steps < op.switch_step:
+            return False
+        self._in_safe_point = True
+        try:
+            op.apply(self.steps)
+            if op.error is None:
+                self._live_phy2log = self.backend.phy2log
+        finally:
+            self._in_safe_point = False
+        self.pauses_ms.append(op.pause_ms)
+        return True
+
+    @property
+    def serving(self) -> bool:
+        """False while the rank's expert weights are cleared (the worker must not run a forward step)."""
+        return self.backend is not None and not self.backend.cleared
+
+    def _at_safe_point(self, key: tuple, switch_step: int, fn: Callable[[], Any]) -> _SafePointOp | None:
+        """Have ``fn`` applied at the safe point of ``switch_step`` (at once in a threaded agent); returns the op once
+        it was applied, None while it waits. Idempotent per ``key``."""
+        op = self._op
+        if op is None or op.key != key:
+            op = _SafePointOp(key, switch_step if self.safe_points else 0, fn)
+            if not self.safe_points:
+                op.apply(self.steps)
+                self._live_phy2log = self.backend.phy2log
+                self._op = None
+                return op
+            self._op = op
+        if not op.done.is_set():
+            return None
+        return op
+
+    def _applied(self, op: _SafePointOp, cluster: ClusterRecord, what: str) -> dict[str, Any]:
+        """Rank-record fields reporting an applied op; raises the late alarm when it came after its switch step."""
+        self._op = None
+        late = op.applied_step - op.switch_step if op.switch_step and self.safe_points else 0
+        if late > 0:
+            self.late_switches += 1
+            message = (f"rank {self.ep_rank} applied {what} at step {op.applied_step}, {late} step(s) past the "
+                       f"switch step {op.switch_step}: the ranks' placements disagreed for those steps")
+            self.log.error("late switch", applied_step=op.applied_step, switch_step=op.switch_step)
+            self.store.emit_event("alarm", rank=self.ep_rank, message=message)
+            self.store.append_alarm(cluster, actor=self.actor, reason=message)
+        return {"applied_step": op.applied_step, "late_steps": max(late, 0)}
+
+    def _heartbeat(self, force: bool = False, **changes: Any) -> None:
+        """Heartbeat with TTL, step counter and step rate (at most every ttl / 4 unless ``force``)."""
+        now = time.monotonic()
+        last_t, last_steps, rate = self._hb
+        if not force and now - last_t < self.heartbeat_ttl_ms / 4000:
+            return
+        if last_t and now > last_t:
+            current = (self.steps - last_steps) / (now - last_t)
+            rate = current if rate == 0 else 0.5 * rate + 0.5 * current
+        self._hb = (now, self.steps, rate)
+        self.store.heartbeat(self.ep_rank, heartbeat_ttl_ms=self.heartbeat_ttl_ms, step=self.steps,
+                             steps_per_s=round(rate, 3), **changes)
+
+    # ---- weight status (dynamic clear / update) ---------------------------------------------------------------------
+    def _weights_step(self, cluster: ClusterRecord) -> bool:
+        """Carry out the cluster's latest weight request through this rank's weight-status machine: the transition
+        into CLEARING / UPDATING is committed first (its guards: no clear or update while a round is past FREE),
+        the work runs at the safe point of the request's switch step, the outcome is committed after
+        (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights)."""
+        w: WeightRecord = self.weights.read()
+        n = cluster.weights_request
+        switch = cluster.weights_switch_step if w.request == n else 0
+        if w.state is WeightState.CLEARING:
+            op = self._at_safe_point(("clear", w.request), switch, self.backend.clear)
+            if op is None:
+                return False
+            if op.error is not None:  # freeing memory does not fail; if it did, say so and stay CLEARING
+                self._op = None
+                self.store.emit_event("alarm", rank=self.ep_rank, message=f"weight clear failed: {op.error}")
+                self.store.update(WEIGHTS, self.ep_rank, reason=f"clear failed: {op.error}")
+                return False
+            self.weights.fire("cleared", record=w, changes={"reason": ""})
+            self.rank.update(**self._applied(op, cluster, f"weight clear {w.request}"))
+            return True
+        if w.state is WeightState.UPDATING:
+            placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
+            op = self._at_safe_point(("update", w.request), switch, lambda: self.backend.reload_in(placement.phy2log))
+            if op is None:
+                return False
+            applied = self._applied(op, cluster, f"weight update {w.request}")
+            err = op.error
+            if err is None and op.result[0] != op.result[1]:
+                err = VerificationError(f"{op.result[1] - op.result[0]} of {op.result[1]} slots differ from the "
+                                        "checkpoint after the update")
+            if err is not None:
+                reason = f"update failed: {err}"
+                self.log.error("weight update failed", error=str(err))
+                self.store.emit_event("alarm", rank=self.ep_rank, message=reason)
+                self.weights.fire("update_failed", record=w, reason=reason, changes={"reason": reason})
+            else:
+                self.live_plan_id = placement.plan_id
+                self.weights.fire("updated", record=w, plan_id=placement.plan_id,
+                                  changes={"plan_id": placement.plan_id, "reason": ""})
+                applied["live_plan_id"] = placement.plan_id
+            self.rank.update(**applied)
+            return True
+        if w.request >= n:
+            return False
+        action = cluster.weights_action
+        if action == "clear" and w.state is WeightState.CLEARED:
+            self.store.update(WEIGHTS, self.ep_rank, request=n)  # already cleared: nothing to free
+            return True
+        if action not in ("clear", "update"):
+            self.store.update(WEIGHTS, self.ep_rank, request=n, reason=f"unknown weight action {action!r}")
+            return True
+        if cluster.state is not ClusterState.FREE:
+            return False  # the guards refuse while a round runs: wait for FREE (no retry storm)
+        self.weights.fire(action, record=w, reason=cluster.weights_reason, changes={"request": n, "reason": ""})
+        return True
 
     # ---- collecting -----------------------------------------------------------------------------------------------
     def _publish_load(self, cluster: ClusterRecord) -> bool:
@@ -230,32 +543,41 @@ class RankAgent:
     def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
         new = self._new_phy2log(plan_id)
-        t0 = time.perf_counter()
         report: dict[str, Any] = {}
-        if not np.array_equal(self.backend.phy2log, new):
-            for attempt in (1, 2):
-                try:
-                    info = self._stage(plan_id)
-                except WeightError as err:  # past the commit point: report and retry on the next wake-up
-                    self.log.error("staging failed after the commit point", error=str(err))
-                    self.rank.update(reason=f"staging failed after commit: {err}")
-                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
+        pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
+        if pending or not np.array_equal(self.backend.phy2log, new):
+            attempt = self._swap_attempts.get(plan_id, 1)
+            try:
+                info = self._stage(plan_id)
+            except WeightError as err:  # past the commit point: report and retry on the next wake-up
+                self.log.error("staging failed after the commit point", error=str(err))
+                self.rank.update(reason=f"staging failed after commit: {err}")
+                self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
+                return False
+            staged = self.staged.staged
+            switch = cluster.switch_step if cluster.plan_id == plan_id else 0
+            op = self._at_safe_point(("swap", plan_id, attempt), switch if attempt == 1 else 0,
+                                     lambda: self._swap_or_restore(staged, new))
+            if op is None:
+                return False  # waits for the worker's safe point
+            report.update(self._applied(op, cluster, f"plan {plan_id}"))
+            if isinstance(op.error, VerificationError):
+                # past the commit point: no abort. The swap restored the old placement from the checkpoint; stage
+                # again from disk and retry once; then stay SWAPPING and let the deadline raise the alarm.
+                self.log.error("swap verification failed", attempt=attempt, error=str(op.error))
+                self.store.emit_event("alarm", rank=self.ep_rank, message=f"swap verification failed: {op.error}")
+                self._drop_staging()
+                self._swap_attempts[plan_id] = attempt + 1
+                if attempt >= 2:
+                    self.rank.update(reason=f"swap verification failed twice: {op.error}", **report)
                     return False
-                try:
-                    swap = self.backend.swap(self.staged.staged, new)
-                    break
-                except VerificationError as err:
-                    # past the commit point: no abort. Restore the old placement from the checkpoint, stage
-                    # again from disk and retry once; then stay SWAPPING and let the deadline raise the alarm.
-                    self.log.error("swap verification failed", attempt=attempt, error=str(err))
-                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"swap verification failed: {err}")
-                    self._drop_staging()
-                    self.backend.reload()
-                    if attempt == 2:
-                        self.rank.update(reason=f"swap verification failed twice: {err}")
-                        return False
+                return True
+            if op.error is not None:
+                self._drop_staging()
+                raise op.error
             report.update(info)
-            report.update({k: v for k, v in swap.items() if k in _REPORT_FIELDS})
+            report.update({k: v for k, v in op.result.items() if k in _REPORT_FIELDS})
+            report["swap_ms"] = round(op.pause_ms, 3)
             self._drop_staging()
         total = self.backend.slots_total
         if self.verify_all:
@@ -263,8 +585,9 @@ class RankAgent:
         else:  # swap() verified every changed slot; the kept ones were verified when they were written
             verified = total
         self.live_plan_id = plan_id
-        report.update({"swap_ms": round((time.perf_counter() - t0) * 1000, 3), "slots_verified": verified,
-                       "slots_total": total, "live_plan_id": plan_id, "verified_all": int(self.verify_all)})
+        self._swap_attempts.pop(plan_id, None)
+        report.update({"slots_verified": verified, "slots_total": total, "live_plan_id": plan_id,
+                       "verified_all": int(self.verify_all)})
         if verified != total:
             self.log.error("verification failed", verified=verified, total=total)
             report["reason"] = f"{total - verified} of {total} slots do not match the checkpoint"
@@ -273,6 +596,15 @@ class RankAgent:
             return False
         self.rank.fire("swapped", record=me, changes=report)
         return True
+
+    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> dict[str, Any]:
+        """Swap in place (at the safe point); on a failed verification rewrite the old placement from the source
+        of truth before re-raising, so the rank keeps serving the old placement consistently."""
+        try:
+            return self.backend.swap(staged, new)
+        except VerificationError:
+            self.backend.reload()
+            raise
 
     def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
@@ -300,3 +632,84 @@ ENTRY_WORK = entry_work(RANK, {
     RankState.SWAPPING: RankAgent._on_swapping,
     RankState.SWAPPED: RankAgent._on_swapped,
 })
+
+
+def _attach_factory(tensors: dict[str, list[Any]], device: str | None) -> BackendFactory:
+    """A backend factory that wraps the engine's own live expert tensors (``LiveExperts.attach``: verified against
+    the checkpoint, never copied) instead of allocating new ones."""
+
+    def build(checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int) -> WeightBackend:
+        from fdeplb.errors import CheckpointError
+        from fdeplb.weights.checkpoint import CheckpointReader
+        from fdeplb.weights.live import LiveExperts
+
+        if not checkpoint.get("path"):
+            raise CheckpointError("the cluster has no checkpoint path: attached tensors are verified against it")
+        reader = CheckpointReader(checkpoint["path"], preset=checkpoint.get("preset", "ernie"))
+        live = LiveExperts.attach(tensors, phy2log, ep_rank, ep_size, reader, device=device)
+        return CheckpointBackend(live, reader, device=device)
+
+    return build
+
+
+class EmbeddedAgent(RankAgent):
+    """The rank agent embedded in a serving worker: the engine owns the forward loop and calls :meth:`record` and
+    :meth:`at_safe_point`; the reconcile loop (publishing the load window, staging, the weight-status machine,
+    heartbeats with a TTL) runs in a background daemon thread started by :meth:`start`.
+
+    Args:
+        store: a :class:`~fdeplb.store.Store`, or a Redis URL (then ``cluster`` names the cluster).
+        ep_rank: this worker's EP rank.
+        tensors: the engine's live expert tensors, ``suffix -> [paddle.Tensor per MoE layer, each
+            [slots_per_rank, *shape]]``, already holding the cluster's current placement: attached in place and
+            verified against the checkpoint (:meth:`fdeplb.weights.LiveExperts.attach`). Without them the agent
+            loads the rank's slots from the cluster's checkpoint (or uses ``backend_factory``).
+        device: paddle device of the tensors ("cpu", "gpu:0"; None = paddle's current one).
+        block_ms: longest wait of the background loop between looks at Redis.
+        publish_interval_s: publish the load window this often (None: only when a round collects).
+        **kwargs: the other :class:`RankAgent` arguments (``window_steps``, ``window_s``, ``heartbeat_ttl_ms``,
+            ``backend_factory``, ``verify_all``, ``staging_budget_bytes`` ...).
+
+    Raises:
+        InputError: a URL without a cluster, both ``tensors`` and ``backend_factory``.
+
+    Use as a context manager or call :meth:`close`; see README "Embedding in a serving worker".
+    """
+
+    def __init__(self, store: Store | str, ep_rank: int, *, cluster: str | None = None,
+                 tensors: dict[str, list[Any]] | None = None, device: str | None = None, block_ms: int = 50,
+                 publish_interval_s: float | None = 5.0, **kwargs: Any) -> None:
+        if isinstance(store, str):
+            if not cluster:
+                raise InputError("EmbeddedAgent(url, ...) needs cluster=")
+            store = Store(store, cluster)
+        if tensors is not None:
+            if kwargs.get("backend_factory") is not None:
+                raise InputError("give the engine's tensors or a backend_factory, not both")
+            kwargs["backend_factory"] = _attach_factory(tensors, device)
+        super().__init__(store, ep_rank, safe_points=True, device=device, publish_interval_s=publish_interval_s,
+                         **kwargs)
+        self.block_ms = int(block_ms)
+        self._thread: threading.Thread | None = None
+
+    def start(self, info: dict[str, Any] | None = None) -> "EmbeddedAgent":
+        """Load (or attach) the live experts, register the rank and start the background loop."""
+        super().start(info)
+        self._thread = threading.Thread(target=self.run, kwargs={"block_ms": self.block_ms}, daemon=True,
+                                        name=f"fdeplb-rank{self.ep_rank}")
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the background loop (waits up to ``timeout_s``) and close the store's connections. The rank's
+        heartbeat then lapses after its TTL; the live experts stay as they are."""
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.store.close()
+
+    def __enter__(self) -> "EmbeddedAgent":
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

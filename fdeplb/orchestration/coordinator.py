@@ -27,6 +27,7 @@ from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
+from fdeplb.store.redis_store import SWITCH_MARGIN_MS, SWITCH_MARGIN_STEPS
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -51,12 +52,34 @@ class Coordinator:
 
     ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
     old phy2log int64 [L, P], config) to new phy2log int64 [L, P] (default: :func:`default_planner`).
+
+    Periodic trigger: with ``interval_s`` the coordinator considers a round every ``interval_s`` seconds (besides
+    requested ones), on the ranks' latest published windows. It is *skipped* (an audited outcome, trigger ``skip``,
+    reason ``skipped: ...`` with its numbers, also in the cluster record's ``reason``) when the current mean
+    balancedness is at or above ``min_balancedness`` (SGLang's ``eplb_min_rebalancing_utilization_threshold``)
+    or the planned gain is at most the cluster's ``min_gain``; otherwise a round is requested (reason
+    ``interval``). ``switch_margin_steps`` / ``switch_margin_ms``: the margin of the switch step fixed at the commit
+    (:meth:`fdeplb.store.Store.switch_step`).
+
+    Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
+    audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits.
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
-                 planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None) -> None:
+                 planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None,
+                 interval_s: float | None = None, min_balancedness: float | None = None,
+                 switch_margin_steps: int = SWITCH_MARGIN_STEPS, switch_margin_ms: int = SWITCH_MARGIN_MS) -> None:
         if lease_ms < 300:
             raise InputError(f"lease_ms must be >= 300, got {lease_ms}")
+        if interval_s is not None and not interval_s > 0:
+            raise InputError(f"interval_s must be > 0, got {interval_s}")
+        if min_balancedness is not None and not 0 < min_balancedness <= 1:
+            raise InputError(f"min_balancedness must be in (0, 1], got {min_balancedness}")
+        self.interval_s = interval_s
+        self.min_balancedness = min_balancedness
+        self.switch_margin = (int(switch_margin_steps), int(switch_margin_ms))
+        self._next_periodic_ms: int | None = None
+        self._refused_ranks: list[int] | None = None
         self.store = store
         self.holder = holder or default_holder_id()
         self.lease_ms = int(lease_ms)
@@ -182,7 +205,19 @@ class Coordinator:
 
     def _on_free(self, rec: ClusterRecord) -> Step:
         if rec.requested <= rec.round:
-            return False, None
+            return self._periodic(rec)
+        stale = self.store.stale_ranks()
+        if stale:
+            reason = "start refused: stale ranks " + ", ".join(f"{r} (heartbeat {ms} ms ago)"
+                                                              for r, ms in sorted(stale.items()))
+            if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
+                self._refused_ranks = sorted(stale)
+                self.log.warning("start refused", stale=stale)
+                self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
+                self.store.append_note(rec, trigger="start_refused", actor=self.holder, reason=reason)
+                self.store.emit_event("start_refused", reason=reason)
+            return False, self.lease_ms // 3
+        self._refused_ranks = None
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.round + 1
         try:
@@ -192,6 +227,49 @@ class Coordinator:
             self.log.info("start waits", reason=str(err))
             return False, self.lease_ms // 3
         return True, None
+
+    def _periodic(self, rec: ClusterRecord) -> Step:
+        """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""
+        if self.interval_s is None:
+            return False, None
+        now = self.store.now_ms()
+        if self._next_periodic_ms is None:
+            self._next_periodic_ms = now + int(self.interval_s * 1000)
+        if now < self._next_periodic_ms:
+            return False, self._next_periodic_ms - now
+        self._next_periodic_ms = now + int(self.interval_s * 1000)
+        cfg = self.config
+        windows = [self.store.read_load(r) for r in range(cfg.ep_size)]
+        if any(w is None for w in windows):  # no window to judge by: the round collects them and gates itself
+            self.store.request_round("interval")
+            return True, None
+        load = np.sum(np.stack([w.expert_load for w in windows]), axis=0, dtype=np.int64)
+        if not load.any():
+            return self._skip(rec, "skipped: no tokens in the ranks' load windows")
+        old = self.store.current_placement().phy2log
+        before = float(np.mean(balancedness(load, old, cfg.ep_size)))
+        if self.min_balancedness is not None and before >= self.min_balancedness:
+            return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
+        try:
+            new = check_phy2log(self.planner(load, old, cfg), cfg.num_logical_experts, name="planned phy2log",
+                                shape=old.shape)
+        except FdeplbError as err:
+            return self._skip(rec, f"skipped: planning failed: {err}")
+        after = float(np.mean(balancedness(load, new, cfg.ep_size)))
+        moved = int(moved_experts(old, new, cfg.ep_size))
+        if moved == 0 or after - before <= cfg.min_gain:
+            return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
+                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts")
+        self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
+        return True, None
+
+    def _skip(self, rec: ClusterRecord, reason: str) -> Step:
+        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers."""
+        self.log.info("skip", reason=reason)
+        self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
+        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason)
+        self.store.emit_event("skipped", reason=reason)
+        return False, int(self.interval_s * 1000)
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round
@@ -286,7 +364,8 @@ class Coordinator:
                 return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
-        self._fire(rec, "commit", changes={"deadline_ms": deadline})
+        switch = self.store.switch_step(*self.switch_margin)  # every rank applies at this step (0: at once)
+        self._fire(rec, "commit", changes={"deadline_ms": deadline, "switch_step": switch})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:

@@ -58,6 +58,13 @@ class ClusterRecord:
     """What the latest weight request asks: "clear" or "update" ("" = none yet)."""
     weights_reason: str = ""
     """Who or what asked for the latest weight request."""
+    weights_switch_step: int = 0
+    """Step (the ranks' safe-point counters) at which every rank carries out the latest weight request; 0 = at
+    the next safe point."""
+    switch_step: int = 0
+    """Step at which every rank applies the committed plan (fixed by the commit; 0 = at the next safe point)."""
+    clear_stat_request: int = 0
+    """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
     updated_ms: int = 0
     """Redis server time (ms) of the last commit."""
 
@@ -112,6 +119,19 @@ class RankRecord:
     """Slots of the rank (num_layers x slots per rank)."""
     verified_all: int = 0
     """1 if the last swap re-verified every slot, 0 if only the slots it wrote."""
+    heartbeat_ttl_ms: int = 0
+    """The heartbeat's time to live (ms): the rank is stale once ``heartbeat_ms + heartbeat_ttl_ms`` has passed
+    (0 = no TTL written: never stale)."""
+    step: int = 0
+    """The worker's step counter (safe points passed) at the last heartbeat (0 = not embedded in a worker)."""
+    steps_per_s: float = 0.0
+    """The worker's step rate at the last heartbeat (safe points per second, smoothed)."""
+    applied_step: int = 0
+    """Step at which the rank last applied a swap or a weight clear/update at a safe point."""
+    late_steps: int = 0
+    """How many steps past the switch step the rank applied it (0 = on time; > 0 raised an alarm)."""
+    clear_stat: int = 0
+    """The cluster's ``clear_stat_request`` this rank last carried out."""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,10 @@ SOCKET_TIMEOUT_S = 30.0
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
 
+#: default margin of :meth:`Store.switch_step`: at least this many steps, and at least this long at the ranks' rate
+SWITCH_MARGIN_STEPS = 4
+SWITCH_MARGIN_MS = 500
+
 #: events kept in the capped wake-up stream
 EVENTS_MAXLEN = 10_000
 
@@ -394,15 +398,19 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id)
 
-    def request_weights(self, action: str, reason: str = "operator") -> int:
+    def request_weights(self, action: str, reason: str = "operator", *, margin_steps: int = SWITCH_MARGIN_STEPS,
+                        margin_ms: int = SWITCH_MARGIN_MS) -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
         ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
-        safe point, through its weight-status machine. :class:`InputError` for another action."""
+        safe point, through its weight-status machine, at the step fixed here (:meth:`switch_step`, stored as
+        ``weights_switch_step``). :class:`InputError` for another action."""
         if action not in ("clear", "update"):
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
+        switch = self.switch_step(margin_steps, margin_ms)
         pipe = self._client.pipeline(transaction=True)
         pipe.hincrby(self._keys.rearrange, "weights_request", 1)
-        pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason})
+        pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
+                                                 "weights_switch_step": str(switch)})
         n, _ = pipe.execute()
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
@@ -568,16 +576,23 @@ class Store:
 
     def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str, fence: str = "") -> str:
         """Append an alarm to the audit stream: ``trigger`` = ``alarm``, ``from`` = ``to`` = the record's state and
-        its current ``version`` (not a transition: replays skip it; the record is unchanged). Appended by
-        ``lua/audit.lua``, so it joins the audit chain like a transition; with ``fence``, refused
-        (:class:`FenceError`) unless that lease is held. Returns the audit id."""
+        its current ``version`` (not a transition: replays skip it; the record is unchanged). With ``fence``,
+        refused (:class:`FenceError`) unless that lease is held. Returns the audit id."""
+        return self.append_note(record, trigger="alarm", actor=actor, reason=reason, fence=fence)
+
+    def append_note(self, record: ClusterRecord, *, trigger: str, actor: str, reason: str, fence: str = "") -> str:
+        """Append a cluster outcome that is not a transition (``alarm``, ``skip``, ``start_refused``) to the audit
+        stream: ``from`` = ``to`` = the record's state, its current ``version``; the record is unchanged and
+        replays skip it (:data:`fdeplb.replay.NOT_TRANSITIONS`). Appended by ``lua/audit.lua``, so it joins the
+        audit chain like a transition; with ``fence``, refused (:class:`FenceError`) unless that lease is held.
+        Returns the stream id."""
         fields = {"machine": CLUSTER.name, "key": CLUSTER.name, "from": record.state.value,
-                  "to": record.state.value, "trigger": "alarm", "actor": actor, "round": str(record.round),
+                  "to": record.state.value, "trigger": trigger, "actor": actor, "round": str(record.round),
                   "plan_id": record.plan_id, "reason": reason, "version": str(record.version)}
         call = audit_call(self._keys, fence=fence, audit=fields)
         reply = self._append(keys=call.keys, args=call.args)
         if _s(reply[0]) != "OK":
-            raise FenceError(f"alarm on {CLUSTER.name}: {_s(reply[1])}")
+            raise FenceError(f"{trigger} on {CLUSTER.name}: {_s(reply[1])}")
         return _s(reply[1])
 
     def emit_event(self, kind: str, **fields: Any) -> str:
@@ -618,6 +633,44 @@ class Store:
                                                                                    count=count)]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
+    def stale_ranks(self) -> dict[int, int]:
+        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
+        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
+        is not registered, is never stale."""
+        registered = self.rank_info()
+        if not registered:
+            return {}
+        now = self.now_ms()
+        out = {}
+        for r, rec in enumerate(self.read_all(RANK)):
+            if r in registered and rec.heartbeat_ttl_ms > 0 and now > rec.heartbeat_ms + rec.heartbeat_ttl_ms:
+                out[r] = now - rec.heartbeat_ms
+        return out
+
+    def switch_step(self, margin_steps: int = SWITCH_MARGIN_STEPS, margin_ms: int = SWITCH_MARGIN_MS) -> int:
+        """The step at which every rank should apply a change decided now (a committed plan, a weight request).
+
+        Each rank reports its step counter and step rate with its heartbeat; its step now is estimated as
+        ``step + steps_per_s * (now - heartbeat_ms) / 1000``. The switch step is the largest estimate plus a
+        margin of ``max(margin_steps, steps_per_s * margin_ms / 1000)`` steps, the time every agent needs to
+        learn of the change (a Redis round trip or two). 0 (= at the next safe point) when no rank reports a
+        step counter (agents not embedded in a worker)."""
+        ranks = self.read_all(RANK)
+        if not any(r.step for r in ranks):
+            return 0
+        now = self.now_ms()
+        est = [r.step + r.steps_per_s * max(0, now - r.heartbeat_ms) / 1000 for r in ranks]
+        rate = max(r.steps_per_s for r in ranks)
+        return int(np.ceil(max(est))) + max(int(margin_steps), int(np.ceil(rate * margin_ms / 1000)))
+
+    def request_clear_stat(self, reason: str = "operator") -> int:
+        """Ask every rank agent to empty its expert_load window (FastDeploy's ``clear_stat`` of
+        ``get_per_expert_tokens_stats``); returns the request number (``clear_stat_request``)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrby(self._keys.rearrange, "clear_stat_request", 1)
+        n = pipe.execute()[0]
+        self.emit_event("clear_stat_requested", request=n, reason=reason)
+        return int(n)
 
     # ---- section: retention, pruning and integrity (issue 14) -----------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The seam between a rank agent and its expert weights.
 
-A rank agent needs five things of the weights it serves: which placement its live slots hold, to stage the experts
-a new placement needs, to swap them in, to verify the slots, and to reload them. :class:`WeightBackend` names those;
+A rank agent needs these things of the weights it serves: which placement its live slots hold, to stage the experts
+a new placement needs, to swap them in, to verify the slots, to reload them, and to clear them and reload them in a
+given placement (the dynamic weight clear / update). :class:`WeightBackend` names those;
 :class:`CheckpointBackend` implements them with paddle tensors read from a safetensors checkpoint
 (:class:`~fdeplb.weights.LiveExperts`), and :class:`fdeplb.testing.NumpyWeights` with numpy arrays, so that the
 coordinator, the agent, gating, replay and the kill tests run without paddle.
@@ -84,6 +85,18 @@ class WeightBackend(Protocol):
     def reload(self) -> None:
         """Rewrite every slot of the current placement from the source of truth (repair after a failed swap)."""
 
+    @property
+    def cleared(self) -> bool:
+        """True while the slots are freed (:meth:`clear`) and not reloaded."""
+
+    def clear(self) -> int:
+        """Free the live slots' memory (FastDeploy's ``clear_load_weight``); returns the bytes freed."""
+
+    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+        """Reload every slot from the source of truth for placement ``phy2log`` (int64 [L, P], the cluster's
+        current one: vLLM PR #55228), re-allocating cleared slots, switch the routing tables to it and verify every
+        slot; returns (slots verified, slots total). Raises WeightError subclasses when it cannot."""
+
 
 #: builds a rank's backend: (checkpoint {"path", "preset"}, placement int64 [L, P], ep_rank, ep_size) -> backend
 BackendFactory = Callable[[dict, np.ndarray, int, int], WeightBackend]
@@ -155,3 +168,14 @@ class CheckpointBackend:
 
     def reload(self) -> None:
         self.live.reload(self.reader)
+
+    @property
+    def cleared(self) -> bool:
+        return self.live.cleared
+
+    def clear(self) -> int:
+        return self.live.clear()
+
+    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+        self.live.reload_in(self.reader, phy2log)
+        return self.live.verify(self.reader)

@@ -243,6 +243,54 @@ class LiveExperts:
         self.needs_reload = False
         return int(rank.size)
 
+    # ---- dynamic weight clear / update (FastDeploy's clear_load_weight / update_model_weight) -----------------------
+    @property
+    def cleared(self) -> bool:
+        """True after :meth:`clear` until :meth:`reload_in` restores the slots."""
+        return getattr(self, "_cleared", False)
+
+    def clear(self) -> int:
+        """Free the storage of every live slot tensor (paddle ``_clear_data``: the memory returns to the allocator);
+        the tensor objects the engine holds stay, without storage, until :meth:`reload_in`. Returns the bytes
+        freed (0 when already cleared)."""
+        if self.cleared:
+            return 0
+        freed = self.nbytes
+        self._views = []
+        for layers in self.tensors.values():
+            for t in layers:
+                t._clear_data()
+        self._checksums.clear()
+        self._cleared = True
+        self.needs_reload = True
+        return freed
+
+    def reload_in(self, reader: CheckpointReader, phy2log: np.ndarray) -> int:
+        """Reload every slot from the checkpoint for placement ``phy2log`` (int [L, P]; the cluster's *current*
+        placement, not the initial one: vLLM PR #55228), re-allocating storage into the same tensor objects when
+        :meth:`clear` freed it, and switch the routing tables to ``phy2log``. Returns the slots written.
+
+        Raises InputError (``phy2log`` of another shape), CheckpointError, VerificationError (as :meth:`reload`).
+        """
+        new = np.array(phy2log, dtype=np.int64, copy=True)
+        if new.shape != self._phy2log.shape:
+            raise InputError(f"phy2log has shape {new.shape}, the live placement {self._phy2log.shape}")
+        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas)
+        if self.cleared:
+            for suffix, layers in self.tensors.items():
+                shape, dtype = reader.spec[suffix]
+                for t in layers:
+                    _paddle.empty([self.slots_per_rank, *shape], dtype, self.device)._share_buffer_to(t)
+            self._views = [
+                [{suffix: layers[layer][s] for suffix, layers in self.tensors.items()} for s in range(self.slots_per_rank)]
+                for layer in range(self.num_layers)
+            ]
+            self._cleared = False
+        self._phy2log = new
+        for dst, arr in ((self.phy2log_tensor, new), (self.log2phy, log2phy), (self.logcnt, logcnt)):
+            _paddle.copy_into(dst, self._device_int64(arr))
+        return self.reload(reader)
+
     def verify(self, reader: CheckpointReader) -> tuple[int, int]:
         """Compare every slot of the rank with its logical expert's checkpoint tensors (CRC-32 of the raw bytes).
 

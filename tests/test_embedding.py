@@ -1,0 +1,299 @@
+"""The rank agent embedded in a serving worker: record(), safe points, switch steps, the weight-status machine,
+liveness and the periodic trigger (issue 11). Real Redis, real threads; waits are on events with deadlines."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fdeplb.errors import CheckpointError, InputError
+from fdeplb.machines.tables import ClusterState, WeightState
+from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
+from fdeplb.testing import NumpyWeights, expert_tensor
+from tests.helpers import thread_cluster, wait_for
+
+
+def _round_done(store, n):
+    rec = store.read_cluster()
+    return rec.state is ClusterState.FREE and rec.round >= n and rec
+
+
+# ---- record() ---------------------------------------------------------------------------------------------------
+def test_record_logical_physical_any_int_dtype_and_int64_totals(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory())
+        agent.start()
+        L, E, P = tc.config.num_layers, tc.config.num_logical_experts, tc.config.num_physical_experts
+        big = np.full((L, E), 2**31 - 1, dtype=np.int32)
+        for _ in range(3):
+            agent.record(big)
+        assert agent.window.total()[0, 0] == 3 * (2**31 - 1)  # exact past 2**31 (int32 would wrap)
+        agent.window.clear()
+        per_slot = np.arange(L * P, dtype=np.uint16).reshape(L, P)
+        agent.record(per_slot)
+        phy2log = agent.backend.phy2log
+        expected = np.zeros((L, E), np.int64)
+        for layer in range(L):
+            for slot in range(P):
+                expected[layer, phy2log[layer, slot]] += per_slot[layer, slot]
+        assert np.array_equal(agent.window.total(), expected)
+        import paddle
+
+        agent.record(paddle.to_tensor(np.ones((L, E), np.int64)))
+        assert np.array_equal(agent.window.total(), expected + 1)
+
+
+@pytest.mark.parametrize("bad", [
+    np.ones((3, 16), np.float32),                       # float
+    np.full((3, 16), np.nan),                           # NaN
+    np.ones((3, 16), bool),                             # bool is not a count
+    -np.ones((3, 16), np.int64),                        # negative
+    np.ones((3, 15), np.int64),                         # wrong shape
+    np.ones((3, 21), np.int64),                         # neither E nor P
+    np.ones((16,), np.int64),                           # wrong rank
+    np.full((3, 16), 2**63, np.uint64),                 # past int64
+    [[0.5] * 16] * 3,                                   # fractional, as a list
+])
+def test_record_refuses_bad_input_and_records_nothing(redis_url, cluster_id, tmp_path, bad):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory())
+        agent.start()
+        agent.record(np.ones((3, 16), np.int64))
+        before, steps = agent.window.total(), len(agent.window)
+        with pytest.raises(InputError):
+            agent.record(bad)
+        assert np.array_equal(agent.window.total(), before) and len(agent.window) == steps
+
+
+def test_window_keeps_last_steps_and_seconds_and_clears():
+    w = ExpertLoadWindow(1, 2, steps=3)
+    for i in range(5):
+        w.add(np.array([[i, 1]], np.int64))
+    assert w.total().tolist() == [[2 + 3 + 4, 3]] and len(w) == 3
+    now = [0.0]
+    t = ExpertLoadWindow(1, 2, steps=None, seconds=10, clock=lambda: now[0])
+    for i in range(4):
+        now[0] = i * 5.0
+        t.add(np.array([[1, i]], np.int64))
+    assert t.total().tolist() == [[3, 1 + 2 + 3]]  # the step at t=0 is older than 10 s at t=15
+    t.clear()
+    assert t.total().tolist() == [[0, 0]] and len(t) == 0
+    with pytest.raises(InputError):
+        ExpertLoadWindow(1, 2, steps=None, seconds=None)
+
+
+def test_clear_stat_request_empties_every_window(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=NumpyWeights.factory()).start()
+                  for r in range(tc.config.ep_size)]
+        try:
+            for a in agents:
+                a.record(np.ones((3, 16), np.int64))
+            store = tc.store()
+            n = store.request_clear_stat("test")
+            wait_for(lambda: all(store.read_rank(r).clear_stat == n for r in range(4)), 30, store, "clear_stat")
+            assert all(len(a.window) == 0 for a in agents)
+        finally:
+            for a in agents:
+                a.close()
+
+
+# ---- safe points and switch steps ------------------------------------------------------------------------------
+class _Instrumented(NumpyWeights):
+    """Records, for every change of the live slots, whether it ran inside at_safe_point and in which thread."""
+
+    agent: RankAgent | None = None
+
+    def __init__(self, *args, **kwargs):
+        self.changes: list[tuple[str, bool, str]] = []
+        super().__init__(*args, **kwargs)
+
+    def _note(self, what):
+        if self.agent is not None:
+            self.changes.append((what, self.agent._in_safe_point, threading.current_thread().name))
+
+    def swap(self, staged, new):
+        self._note("swap")
+        return super().swap(staged, new)
+
+    def clear(self):
+        self._note("clear")
+        return super().clear()
+
+    def reload_in(self, phy2log):
+        self._note("reload_in")
+        return super().reload_in(phy2log)
+
+
+class _Workers:
+    """One thread per rank, in lockstep (a barrier per step: the all-to-all), each calling record() and
+    at_safe_point(); rank ``slow`` takes longer per step and its agent looks at Redis less often."""
+
+    def __init__(self, agents, loads, slow=None):
+        self.agents, self.loads, self.slow = agents, loads, slow
+        self.stop = threading.Event()
+        self.barrier = threading.Barrier(len(agents))
+        self.placements: list[list[bytes]] = [[] for _ in agents]  # per rank, per step: live phy2log bytes
+        self.threads = [threading.Thread(target=self.work, args=(r,), name=f"worker{r}", daemon=True)
+                        for r in range(len(agents))]
+
+    def work(self, r):
+        agent = self.agents[r]
+        agent.backend.agent = agent
+        while not self.stop.is_set():
+            try:
+                self.barrier.wait(timeout=30)
+            except threading.BrokenBarrierError:
+                return
+            if agent.serving:
+                agent.record(self.loads[r])
+            if r == self.slow:
+                self.stop.wait(0.01)
+            agent.at_safe_point()
+            self.placements[r].append(agent.backend.phy2log.tobytes() if agent.serving else b"cleared")
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.barrier.abort()
+        for t in self.threads:
+            t.join(10)
+
+
+def test_every_rank_switches_at_the_same_step_and_only_at_safe_points(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agents = []
+        for r in range(tc.config.ep_size):
+            agents.append(EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), verify_all=True,
+                                        block_ms=500 if r == 3 else 50, publish_interval_s=None).start())
+        tc.start_coordinator(switch_margin_ms=1_500)
+        store = tc.store()
+        try:
+            with _Workers(agents, tc.loads, slow=3) as workers:
+                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
+                store.request_round("test")
+                rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+                assert rec.reason == "" and rec.switch_step > 0
+                ranks = [store.read_rank(r) for r in range(4)]
+                assert [x.applied_step for x in ranks] == [rec.switch_step] * 4, ranks
+                assert [x.late_steps for x in ranks] == [0] * 4
+                store.request_weights("clear", "test")
+                wait_for(lambda: all(store.read_weights(r).state is WeightState.CLEARED for r in range(4)), 60,
+                         store, "cleared")
+                clear_step = store.read_cluster().weights_switch_step
+                assert [store.read_rank(r).applied_step for r in range(4)] == [clear_step] * 4
+                store.request_weights("update", "test")
+                wait_for(lambda: all(store.read_weights(r).state is WeightState.NORMAL for r in range(4)), 60,
+                         store, "updated")
+                update_step = store.read_cluster().weights_switch_step
+                assert [store.read_rank(r).applied_step for r in range(4)] == [update_step] * 4
+            steps = min(len(p) for p in workers.placements)
+            for s in range(steps):  # at every step every rank served the same placement (or none)
+                assert len({workers.placements[r][s] for r in range(4)}) == 1, f"ranks disagree at step {s + 1}"
+            changes = [c for a in agents for c in a.backend.changes]
+            assert {c[0] for c in changes} == {"swap", "clear", "reload_in"}
+            assert all(inside and thread.startswith("worker") for _, inside, thread in changes), changes
+        finally:
+            for a in agents:
+                a.close()
+
+
+# ---- the weight-status machine -----------------------------------------------------------------------------------
+def test_vllm_55228_update_after_rebalance_reloads_the_current_placement(redis_url, cluster_id, tmp_path):
+    """Placement [0,1,2,3] -> [0,2,1,3], then clear and update: every slot's checksum matches the expert its
+    current phy2log names (reloading the initial placement would put experts 1 and 2 in each other's slots)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=1, num_experts=4, num_redundant=0, ep_size=2,
+                        backend="paddle") as tc:
+        tc.loads[...] = np.array([[[5, 5, 1, 1]], [[5, 5, 1, 1]]])
+        tc.start_agents()
+        tc.start_coordinator(planner=lambda load, old, cfg: np.array([[0, 2, 1, 3]]))
+        store = tc.store()
+        store.request_round("test")
+        wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        assert store.current_placement().phy2log.tolist() == [[0, 2, 1, 3]]
+        store.request_weights("clear", "test")
+        wait_for(lambda: all(store.read_weights(r).state is WeightState.CLEARED for r in range(2)), 60, store,
+                 "cleared")
+        for a in tc.agents:  # memory returned: no tensor holds storage
+            assert a.backend.cleared
+            assert not any(t._is_initialized() for layers in a.backend.live.tensors.values() for t in layers)
+        store.request_weights("update", "test")
+        wait_for(lambda: all(store.read_weights(r).state is WeightState.NORMAL for r in range(2)), 60, store,
+                 "updated")
+        placement = store.current_placement()
+        for a in tc.agents:
+            assert a.backend.phy2log.tolist() == [[0, 2, 1, 3]]
+            verified, total = a.backend.verify()  # CRC of every slot against its phy2log expert's checkpoint
+            assert verified == total == 2
+            assert store.read_weights(a.ep_rank).plan_id == placement.plan_id
+        reader = tc.agents[0].backend.reader
+        slot1 = tc.agents[0].backend.live.slot(0, 1)
+        from fdeplb.weights.staging import expert_checksum
+
+        assert expert_checksum(slot1) == expert_checksum(reader.read_expert(0, 2))  # slot 1 holds expert 2
+
+
+class _FailingReload(NumpyWeights):
+    def reload_in(self, phy2log):
+        raise CheckpointError("shard model-00002.safetensors is missing")
+
+
+def test_failed_update_is_recorded_and_not_normal(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents(backend_factory=NumpyWeights.factory())
+        tc.agents[1].stop_event.set()
+        tc.threads[1].join(10)
+        tc.start_agent(1, backend_factory=_FailingReload.factory())
+        tc.start_coordinator()
+        store = tc.store()
+        store.request_weights("update", "test")
+        wait_for(lambda: store.read_weights(1).state is WeightState.CLEARED, 30, store, "failed update")
+        w = store.read_weights(1)
+        assert "update failed" in w.reason and "missing" in w.reason
+        wait_for(lambda: all(store.read_weights(r).state is WeightState.NORMAL for r in (0, 2, 3)), 30, store,
+                 "the other ranks updated")
+        assert [a["trigger"] for a in store.iter_audit() if a["key"] == "weights:1"] == ["update", "update_failed"]
+        store.request_round("test")  # no round while a rank is not NORMAL: the start waits
+        assert store.read_cluster().state is ClusterState.FREE
+
+
+# ---- liveness and the periodic trigger ---------------------------------------------------------------------------
+def test_stale_rank_refuses_a_start_with_the_reason(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents(heartbeat_ttl_ms=2_000)
+        store = tc.store()
+        tc.agents[2].stop_event.set()
+        tc.threads[2].join(10)
+        wait_for(lambda: 2 in store.stale_ranks(), 30, store, "rank 2 stale")
+        tc.start_coordinator()
+        store.request_round("test")
+        note = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "start_refused"], 30, store,
+                        "refusal")[0]
+        assert "stale ranks 2" in note["reason"] and note["from"] == note["to"] == "FREE"
+        rec = store.read_cluster()
+        assert rec.state is ClusterState.FREE and rec.round == 0 and "stale ranks 2" in rec.reason
+        tc.start_agent(2, heartbeat_ttl_ms=2_000)  # the rank comes back: the round starts and completes
+        wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+
+
+def test_periodic_trigger_skips_a_balanced_load_and_rearranges_a_skewed_one(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_redundant=0) as tc:
+        skewed = tc.loads.copy()
+        tc.loads[...] = 100  # every expert equally loaded: balancedness 1.0
+        tc.start_agents(publish_interval_s=0.2)
+        store = tc.store()
+        wait_for(lambda: all(store.read_load(r) is not None for r in range(4)), 30, store, "windows")
+        tc.start_coordinator(interval_s=0.5, min_balancedness=0.95)
+        skip = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "skip"], 30, store, "skip")[0]
+        assert skip["reason"].startswith("skipped: balancedness 1.0000 >= threshold 0.95")
+        assert store.read_cluster().round == 0 and store.read_cluster().reason.startswith("skipped:")
+        tc.loads[...] = skewed
+        rec = wait_for(lambda: _round_done(store, 1), 60, store, "a periodic round")
+        assert rec.requested_reason.startswith("interval")
+        assert store.current_placement().plan_id == rec.plan_id != ""
