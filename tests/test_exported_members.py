@@ -18,9 +18,11 @@ ROOT = Path(fdeplb.__file__).resolve().parent
 
 PUBLIC = {
     "fdeplb": ["__version__"],
+    "fdeplb.api": ["ApiSettings", "Credentials", "create_app", "create_router", "load_credentials"],
+    "fdeplb.data": ["BUNDLED_TRACE", "ORIGINAL_NAME", "extract_bundled_trace", "source_note"],
     "fdeplb.cli": ["build_parser", "main"],
     "fdeplb.machines": [
-        "CLUSTER", "RANK", "TABLES", "WEIGHTS", "ClusterState", "CommitMachine", "Effect", "Guard", "GuardKind",
+        "CLUSTER", "FASTDEPLOY_STATUS_NAMES", "RANK", "TABLES", "WEIGHTS", "ClusterState", "CommitMachine", "Effect", "Guard", "GuardKind",
         "MachineTable", "RankState", "RecordModel", "StateEnum", "TransitionSpec", "WeightState", "build_machine",
         "entry_work"],
     "fdeplb.orchestration": ["Coordinator", "Fired", "RankAgent", "RecordHandle", "default_planner", "init_cluster"],

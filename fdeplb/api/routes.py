@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from fdeplb.api import service
 from fdeplb.api.auth import Credentials, check_basic, check_body
 from fdeplb.api.bodies import CheckBody, RearrangeBody, StatsBody, openapi_body, read_json_object, validate
-from fdeplb.api.metrics import ClusterCollector
+from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.api.service import ApiSettings
 from fdeplb.errors import AuthError, FdeplbError, http_status
 from fdeplb.store import Store

@@ -21,13 +21,13 @@ import numpy as np
 import structlog
 
 from fdeplb.errors import InputError, NotFoundError, StateError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, WeightState
+from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
 from fdeplb.store import Store
 
 log = structlog.get_logger("fdeplb.api")
 
 #: FastDeploy's RearrangeExpertStatus names by code (CLUSTER.to_code gives the code of an fdeplb state)
-FD_STATUS = {0: "FREE", 1: "DOING", 2: "LOAD_SUCC", 3: "DONE"}
+FD_STATUS = FASTDEPLOY_STATUS_NAMES
 #: stream ids (``<ms>-<seq>``) accepted by ``since``
 _STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_AUDIT_LIMIT = 10_000

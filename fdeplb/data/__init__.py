@@ -10,6 +10,8 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
+__all__ = ["BUNDLED_TRACE", "ORIGINAL_NAME", "extract_bundled_trace", "source_note"]
+
 #: the bundled dump (gzip of SGLang's decode_in1000out1000.json, 58 MoE layers x 256 experts after reading)
 BUNDLED_TRACE = "dsv3_decode_in1000out1000.json.gz"
 #: its name in ../shared/real_data (folder, file), where the uncompressed original lives

@@ -3,6 +3,7 @@
 from fdeplb.machines.model import CommitMachine, RecordModel, build_machine
 from fdeplb.machines.tables import (
     CLUSTER,
+    FASTDEPLOY_STATUS_NAMES,
     RANK,
     TABLES,
     WEIGHTS,
@@ -20,6 +21,7 @@ from fdeplb.machines.tables import (
 
 __all__ = [
     "CLUSTER",
+    "FASTDEPLOY_STATUS_NAMES",
     "RANK",
     "TABLES",
     "WEIGHTS",

@@ -311,3 +311,6 @@ WEIGHTS = MachineTable(
 )
 
 TABLES: dict[str, MachineTable] = {t.name: t for t in (CLUSTER, RANK, WEIGHTS)}
+
+#: FastDeploy's names of the cluster codes (its ``RearrangeExpertStatus``); ``CLUSTER.to_code`` gives the code
+FASTDEPLOY_STATUS_NAMES: dict[int, str] = {0: "FREE", 1: "DOING", 2: "LOAD_SUCC", 3: "DONE"}
