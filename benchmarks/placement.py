@@ -5,10 +5,17 @@ hierarchical with 8 GPUs per node and global; Qwen dumps global) it times each p
 reaches, then runs the drift pairs (old placement = "balanced" on load A, new loads B) and counts moved experts.
 A plain-Python-loop DeepSeek EPLB (fdeplb.placement.reference) runs in the same process as the speed reference.
 
-Prints tables, the targets of issue #3 with PASS/FAIL, and a last line of JSON. ``--write-results FILE`` also
-writes the tables as Markdown (benchmarks/results/placement.md is such a file).
+Speed-up of "deepseek" on the DeepSeek-V3 shape (58 layers x 256 experts, 288 slots, 8 groups, 4 nodes, 32 GPUs,
+every DeepSeek-V3 dump): against DeepSeek's own ``eplb.py`` when ``--eplb-ref DIR`` names a folder holding it
+(run by ``--eplb-python``, a Python with torch, default this one; torch is never a dependency of fdeplb), which also
+checks that both give the same phy2log, log2phy and logcnt; always against the plain-loop port
+(fdeplb.placement.reference). The table says which baseline each ratio used.
 
-    python benchmarks/placement.py [--real-data DIR] [--write-results benchmarks/results/placement.md]
+Prints tables, the targets of issues #3 and #9 with PASS/FAIL, and a last line of JSON. ``--write-results FILE``
+also writes the tables as Markdown (benchmarks/results/placement.md is such a file).
+
+    python benchmarks/placement.py [--real-data DIR] [--eplb-ref DIR [--eplb-python PY]]
+                                   [--write-results benchmarks/results/placement.md]
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +53,63 @@ DRIFT_PAIRS = [  # (folder, load A, load B, EP size)
     ("dsv3_sglang_ep_stats", "decode_in500out1500", "decode_in2000out100", 32),
     ("qwen2_57b_oeplb", "counts57b", "counts57b_share", 8),
 ]
+
+
+DSV3_TOPOLOGY = (288, 8, 4, 32)  # num_replicas, num_groups, num_nodes, num_gpus
+SPEEDUP_TARGET = 50.0
+# Run by --eplb-python: times eplb.rebalance_experts (imported from argv[1]) on every load of argv[2] and saves its
+# outputs to argv[3]. Contains no eplb.py code.
+EPLB_TIMER = """
+import sys, json, time
+import numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+import eplb
+loads = np.load(sys.argv[2])
+topo = json.loads(sys.argv[4])
+eplb.rebalance_experts(torch.tensor(loads[loads.files[0]]), *topo)  # warm-up
+out, times = {}, []
+for name in loads.files:
+    w = torch.tensor(loads[name])
+    t = time.perf_counter()
+    phy2log, log2phy, logcnt = eplb.rebalance_experts(w, *topo)
+    times.append((time.perf_counter() - t) * 1e3)
+    for key, arr in (("phy2log", phy2log), ("log2phy", log2phy), ("logcnt", logcnt)):
+        out[name + "." + key] = arr.numpy()
+np.savez(sys.argv[3], **out)
+print(json.dumps({"ms": times, "torch": torch.__version__, "threads": torch.get_num_threads()}))
+"""
+
+
+def deepseek_speedup(real_data: Path, eplb_ref: Path | None, eplb_python: str) -> dict:
+    """Median ms of "deepseek" vs eplb.py (when given) and vs the plain-loop port on every DeepSeek-V3 dump."""
+    paths = sorted((real_data / "dsv3_sglang_ep_stats").glob("*.json"))
+    loads = {p.stem: read_expert_load(p).expert_load for p in paths}
+
+    def ours() -> tuple[dict, list]:
+        plans, times = {}, []
+        for name, load in loads.items():
+            plans[name], t = timed(lambda: rebalance_experts(load, *DSV3_TOPOLOGY, policy="deepseek"), 5)
+            times += t
+        return plans, times
+
+    plans, fd_ms = ours()
+    _, loop_ms = zip(*[timed(lambda: deepseek_reference(load, *DSV3_TOPOLOGY), 1) for load in loads.values()])
+    out = {"dumps": len(loads), "fdeplb_ms": statistics.median(fd_ms),
+           "python_loop_ms": statistics.median(t[0] for t in loop_ms)}
+    if eplb_ref is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            np.savez(Path(tmp) / "loads.npz", **loads)
+            res = subprocess.run([eplb_python, "-c", EPLB_TIMER, str(eplb_ref), str(Path(tmp) / "loads.npz"),
+                                  str(Path(tmp) / "out.npz"), json.dumps(DSV3_TOPOLOGY)],
+                                 capture_output=True, text=True, check=True)
+            info = json.loads(res.stdout.strip().splitlines()[-1])
+            with np.load(Path(tmp) / "out.npz") as ref:
+                exact = sum(all(np.array_equal(getattr(plans[n], f), ref[f"{n}.{f}"])
+                                for f in ("phy2log", "log2phy", "logcnt")) for n in loads)
+        _, fd_after = ours()  # fdeplb timed before and after eplb.py, so a change of machine load shows
+        out.update(eplb_ms=statistics.median(info["ms"]), torch=info["torch"], torch_threads=info["threads"],
+                   fdeplb_ms=statistics.median(fd_ms + fd_after), exact_dumps=exact)
+    return out
 
 
 def timed(fn, repeats: int):
@@ -72,8 +138,8 @@ def configs(model: str, groups: int | None, num_experts: int):
             yield "hierarchical", ep, slots, groups, ep // GPUS_PER_NODE
 
 
-def run(real_data: Path) -> dict:
-    """Run everything; returns the results (rows, drift, targets)."""
+def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.executable) -> dict:
+    """Run everything; returns the results (rows, drift, speed-up, targets)."""
     rebalance_experts(np.ones((2, 16)), 20, 4, 2, 4, policy="balanced")  # warm-up (imports, caches)
     cells: dict[tuple, dict] = {}
     for folder, (model, groups) in MODELS.items():
@@ -112,8 +178,10 @@ def run(real_data: Path) -> dict:
             entry[policy] = {"moved": moved_experts(old, plan, ep), "max_over_mean": float(ratio(load_b, plan, ep).mean()),
                              "ms": times[0]}
         drift.append(entry)
-    speed = move_aware_speed(real_data)
-    return {"rows": rows, "drift": drift, "move_aware_speed": speed, "targets": targets(rows, drift, speed)}
+    speed = deepseek_speedup(real_data, eplb_ref, eplb_python)
+    ma_speed = move_aware_speed(real_data)
+    return {"rows": rows, "drift": drift, "speedup": speed, "move_aware_speed": ma_speed,
+            "targets": targets(rows, drift, speed, ma_speed)}
 
 
 #: issue #9: move_aware's time as a multiple of balanced's, moves as a share of a fresh balanced plan's, and its
@@ -142,8 +210,9 @@ def move_aware_speed(real_data: Path, repeats: int = 5) -> list[dict]:
     return out
 
 
-def targets(rows: list[dict], drift: list[dict], speed: list[dict]) -> list[dict]:
-    """The targets of issue #3, measured."""
+def targets(rows: list[dict], drift: list[dict], speed: dict | None = None,
+            ma_speed: list[dict] = ()) -> list[dict]:
+    """The targets of issues #3 and #9, measured (the eplb.py ones only when eplb.py ran)."""
     def row(**kw):
         return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
 
@@ -161,6 +230,13 @@ def targets(rows: list[dict], drift: list[dict], speed: list[dict]) -> list[dict
          "value": round(max(r["median_ms"] for r in balanced_rows), 2), "limit": 50.0,
          "ok": all(r["median_ms"] <= 50.0 for r in balanced_rows)},
     ]
+    if speed and "eplb_ms" in speed:
+        ratio_ = speed["eplb_ms"] / speed["fdeplb_ms"]
+        out.append({"target": "deepseek vs DeepSeek's eplb.py (torch CPU), DeepSeek-V3 shape: speed-up",
+                    "value": round(ratio_, 1), "limit": SPEEDUP_TARGET, "ok": ratio_ >= SPEEDUP_TARGET})
+        out.append({"target": "deepseek vs eplb.py: DeepSeek-V3 dumps with identical phy2log, log2phy, logcnt",
+                    "value": speed["exact_dumps"], "limit": speed["dumps"],
+                    "ok": speed["exact_dumps"] == speed["dumps"]})
     for d in drift:
         share = d["move_aware"]["moved"] / max(d["balanced"]["moved"], 1)
         excess = d["move_aware"]["max_over_mean"] - d["balanced"]["max_over_mean"]
@@ -168,7 +244,7 @@ def targets(rows: list[dict], drift: list[dict], speed: list[dict]) -> list[dict
                     "limit": MOVE_AWARE_MOVED_SHARE, "ok": share <= MOVE_AWARE_MOVED_SHARE})
         out.append({"target": f"move_aware {d['pair']}: max/mean - fresh balanced", "value": round(excess, 6),
                     "limit": MOVE_AWARE_SLACK, "ok": excess <= MOVE_AWARE_SLACK})
-    for sp in speed:
+    for sp in ma_speed:
         out.append({"target": f"move_aware / balanced time, DeepSeek-V3 {MOVE_AWARE_SPEED_PAIR[1]} -> "
                               f"{MOVE_AWARE_SPEED_PAIR[2]}, 288 slots, 8 groups, {sp['nodes']} node(s), 32 GPUs",
                     "value": round(sp["ratio"], 2), "limit": MOVE_AWARE_TIME_RATIO,
@@ -199,6 +275,20 @@ def tables(result: dict) -> list[str]:
               "| nodes | balanced ms | move_aware ms | ratio |", "|---:|---:|---:|---:|"]
     for sp in result["move_aware_speed"]:
         lines.append(f"| {sp['nodes']} | {sp['balanced_ms']:.1f} | {sp['move_aware_ms']:.1f} | {sp['ratio']:.2f} |")
+    sp = result.get("speedup")
+    if sp:
+        lines += ["", "Speed-up of \"deepseek\" on the DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, "
+                  f"32 GPUs), median over {sp['dumps']} dumps, same run:", "",
+                  "| baseline | baseline ms | fdeplb deepseek ms | speed-up | same output |",
+                  "|---|---:|---:|---:|---|"]
+        if "eplb_ms" in sp:
+            lines.append(f"| DeepSeek eplb.py, torch {sp['torch']} CPU ({sp['torch_threads']} threads) | "
+                         f"{sp['eplb_ms']:.0f} | {sp['fdeplb_ms']:.1f} | {sp['eplb_ms'] / sp['fdeplb_ms']:.0f}x | "
+                         f"{sp['exact_dumps']}/{sp['dumps']} dumps |")
+        else:
+            lines.append("| DeepSeek eplb.py | not run (no --eplb-ref) | | | |")
+        lines.append(f"| plain-loop port (fdeplb.placement.reference) | {sp['python_loop_ms']:.0f} | "
+                     f"{sp['fdeplb_ms']:.1f} | {sp['python_loop_ms'] / sp['fdeplb_ms']:.0f}x | phy2log (tests) |")
     lines += ["", "| target | measured | limit | |", "|---|---:|---:|---|"]
     for t in result["targets"]:
         lines.append(f"| {t['target']} | {t['value']} | {t['limit']} | {'PASS' if t['ok'] else 'FAIL'} |")
@@ -210,12 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-data", type=Path,
                         default=Path(os.environ.get("FDEPLB_REAL_DATA", ROOT.parent / "shared" / "real_data")))
     parser.add_argument("--write-results", type=Path, metavar="FILE", help="also write the tables as Markdown")
+    parser.add_argument("--eplb-ref", type=Path, metavar="DIR",
+                        help="folder holding DeepSeek's eplb.py: time it (and compare outputs) against 'deepseek'")
+    parser.add_argument("--eplb-python", default=sys.executable, metavar="PY",
+                        help="Python with torch that runs eplb.py (default: this one)")
     args = parser.parse_args(argv)
+    if args.eplb_ref is not None and not (args.eplb_ref / "eplb.py").is_file():
+        print(f"no eplb.py in {args.eplb_ref}", file=sys.stderr)
+        return 2
     if not args.real_data.is_dir():
         print(f"real data not found at {args.real_data}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    result = run(args.real_data)
+    result = run(args.real_data, args.eplb_ref, args.eplb_python)
     total = time.perf_counter() - start
     lines = tables(result)
     print("\n".join(lines))
@@ -233,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(total, 1),
         "all_targets_ok": all(t["ok"] for t in result["targets"]),
         "targets": {t["target"]: t["value"] for t in result["targets"]},
+        "deepseek_speedup": {k: (round(v, 2) if isinstance(v, float) else v) for k, v in result["speedup"].items()},
         "move_aware": {
             "time_ratio_vs_balanced": {f"{sp['nodes']}_nodes": round(sp["ratio"], 3) for sp in result["move_aware_speed"]},
             "moved_share_vs_fresh_balanced": {d["pair"]: round(d["move_aware"]["moved"] / max(d["balanced"]["moved"], 1), 4)

@@ -13,7 +13,7 @@ Each scenario is timed three ways, in the same run:
 - ``watch``: the same transition as an optimistic transaction: WATCH the record, the lease and the guarded
   records; read them (one pipelined round trip) and check state, version, fence and guards; MULTI, HSET, XADD,
   EXEC (one more round trip): 3 round trips against the script's 1;
-- ``fire``: :meth:`fdeplb.orchestration.records.RecordHandle.fire`, what the coordinator and agents call: read the
+- ``fire``: :meth:`fdeplb.orchestration.handles.RecordHandle.fire`, what the coordinator and agents call: read the
   record, build the ``transitions`` machine at that state, commit (``lua``) - for scale, not compared.
 
 Server: ``redis-server`` from PATH on 127.0.0.1 on a free port (TCP loopback) when it is installed, else the
@@ -48,10 +48,12 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchm
 sys.path.insert(0, str(REPO))
 
 from fdeplb.errors import FenceError, GuardError, StaleStateError  # noqa: E402
-from fdeplb.machines.tables import CLUSTER, WEIGHTS, MachineTable, TransitionSpec  # noqa: E402
-from fdeplb.orchestration.cluster import ClusterConfig, init_cluster  # noqa: E402
-from fdeplb.orchestration.records import RecordHandle  # noqa: E402
-from fdeplb.store.redis_store import AUDIT_FIELDS, Record, Store  # noqa: E402
+from fdeplb.machines.tables import CLUSTER, WEIGHTS, GuardKind, MachineTable, TransitionSpec  # noqa: E402
+from fdeplb.orchestration.handles import RecordHandle  # noqa: E402
+from fdeplb.orchestration.operations import init_cluster  # noqa: E402
+from fdeplb.store import ClusterConfig, Store  # noqa: E402
+from fdeplb.store.keys import Keys  # noqa: E402
+from fdeplb.store.redis_store import AUDIT_FIELDS, connect  # noqa: E402
 
 TARGET_P99_MS = 1.0
 
@@ -106,8 +108,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 10.0) -> No
 
 
 # ---- the two ways to commit ----------------------------------------------------------------------------------------
-def watch_commit(store: Store, table: MachineTable, spec: TransitionSpec, record: Record, *, fence: str,
-                 actor: str, label: str) -> None:
+def watch_commit(client, keys: Keys, ep_size: int, table: MachineTable, spec: TransitionSpec, record, *,
+                 fence: str, actor: str, label: str) -> None:
     """Commit ``spec`` on ``record`` (as read by the caller) as an optimistic WATCH/MULTI transaction doing the
     checks of ``commit.lua``: WATCH the record, the lease and the guarded records; read them back in one round
     trip and check state + version (stale), fence and guards; then MULTI, HSET, XADD, EXEC in one round trip.
@@ -116,14 +118,14 @@ def watch_commit(store: Store, table: MachineTable, spec: TransitionSpec, record
     """
     import redis
 
-    guard_keys = [(g, key) for g in spec.guards
-                  for key in (store.keys.rank(r) if g.kind == "ranks_in" else store.keys.weights(r)
-                              for r in range(store.ep_size()))]
-    with store.client.pipeline(transaction=True) as pipe:
-        pipe.watch(record.key, store.keys.lease, *(key for _, key in guard_keys))
-        with store.client.pipeline(transaction=False) as reads:  # one round trip for every read
+    guard_keys = [(g, key) for g in spec.guards if g.kind.per_rank
+                  for key in (keys.rank(r) if g.kind is GuardKind.RANKS_IN else keys.weights(r)
+                              for r in range(ep_size))]
+    with client.pipeline(transaction=True) as pipe:
+        pipe.watch(record.key, keys.lease, *(key for _, key in guard_keys))
+        with client.pipeline(transaction=False) as reads:  # one round trip for every read
             reads.hmget(record.key, "state", "version")
-            reads.get(store.keys.lease)
+            reads.get(keys.lease)
             reads.time()
             for _, key in guard_keys:
                 reads.hget(key, "state")
@@ -137,12 +139,12 @@ def watch_commit(store: Store, table: MachineTable, spec: TransitionSpec, record
                 raise GuardError(f"{g.kind}: {key} is not {g.state}")
         ts_ms = str(int(sec) * 1000 + int(usec) // 1000)
         new_version = str(record.version + 1)
-        audit = {"machine": table.name, "key": label, "from": record.state, "to": spec.dest,
-                 "trigger": spec.trigger, "actor": actor, "round": record.get("round", "0"), "plan_id": "",
+        audit = {"machine": table.name, "key": label, "from": record.state.value, "to": spec.dest.value,
+                 "trigger": spec.trigger, "actor": actor, "round": str(record.round), "plan_id": "",
                  "reason": ""}
         pipe.multi()
-        pipe.hset(record.key, mapping={"state": spec.dest, "version": new_version, "updated_ms": ts_ms})
-        pipe.xadd(store.keys.audit, {**{k: audit[k] for k in AUDIT_FIELDS}, "version": new_version,
+        pipe.hset(record.key, mapping={"state": spec.dest.value, "version": new_version, "updated_ms": ts_ms})
+        pipe.xadd(keys.audit, {**{k: audit[k] for k in AUDIT_FIELDS}, "version": new_version,
                                      "fence": fence, "ts_ms": ts_ms})
         try:
             pipe.execute()
@@ -157,6 +159,7 @@ def scenario(store: Store, table: MachineTable, index: int | None, triggers: tup
     ``lua`` and ``watch`` time the commit of a record read just before (untimed), as :meth:`Store.commit` gets
     it; ``fire`` times read + machine + commit."""
     handle = RecordHandle(store, table, index, actor="bench", fence=fence)
+    client, keys, ep_size = connect(store.url), Keys(store.cluster), store.ep_size()
     clock = time.perf_counter_ns
     times: dict[str, np.ndarray] = {}
     for method in ("lua", "watch", "fire"):
@@ -168,13 +171,14 @@ def scenario(store: Store, table: MachineTable, index: int | None, triggers: tup
                     t0 = clock()
                     handle.fire(trigger)
                 else:
-                    rec = store.read_record(handle.key)
+                    rec = handle.read()
                     spec = table.spec(rec.state, trigger)
                     t0 = clock()
                     if method == "lua":
                         store.commit(table, spec, rec, actor="bench", fence=fence, label=handle.label)
                     else:
-                        watch_commit(store, table, spec, rec, fence=fence, actor="bench", label=handle.label)
+                        watch_commit(client, keys, ep_size, table, spec, rec, fence=fence, actor="bench",
+                                     label=handle.label)
                 samples[i] = (clock() - t0) / 1000.0
             times[method] = samples  # the timed pass overwrites the warm-up's
     return times
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for method, samples in scenario(store, table, index, triggers, fence, args.iterations,
                                                 args.warmup).items():
                     rows.append({"scenario": name, "method": method, **summarize(samples)})
-            audit_len = int(store.client.xlen(store.keys.audit))
+            audit_len = store.audit_length()
         finally:
             store.delete_cluster()
 

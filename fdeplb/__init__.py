@@ -5,3 +5,5 @@ the weight statuses are formal state machines (``transitions``) whose state live
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -38,12 +38,6 @@ class TopologyError(InputError):
     code = "bad_topology"
 
 
-class AuthError(FdeplbError):
-    """Missing or wrong credentials."""
-
-    code = "unauthorized"
-
-
 class NotFoundError(FdeplbError):
     """A record, plan, rank or route that does not exist."""
 
@@ -79,12 +73,6 @@ class GuardError(StateError):
     """A guard that spans records refused the transition (e.g. not every rank is LOADED for this plan)."""
 
     code = "guard_refused"
-
-
-class LeaseError(StateError):
-    """The coordinator lease is held by someone else or was lost."""
-
-    code = "lease_lost"
 
 
 # ---- weights (500 / exit 4) ---------------------------------------------------------------------------------------
@@ -124,6 +112,20 @@ class RedisUnavailableError(FdeplbError):
     code = "redis_unavailable"
 
 
+class CorruptRecordError(FdeplbError):
+    """A value read from Redis that fdeplb did not write that way (unparsable field, wrong shape, unknown state).
+
+    The message names the key and the field; nothing was changed."""
+
+    code = "corrupt_record"
+
+
+class StoreError(FdeplbError):
+    """Redis answered with an error fdeplb did not expect (e.g. WRONGTYPE on a key another program wrote)."""
+
+    code = "store_error"
+
+
 class DeadlineError(FdeplbError):
     """A wait ran past its deadline."""
 
@@ -133,13 +135,14 @@ class DeadlineError(FdeplbError):
 #: error class -> (HTTP status, CLI exit code). Lookup walks the MRO, so subclasses inherit their parent's row.
 ERROR_TABLE: dict[type[FdeplbError], tuple[int, int]] = {
     InputError: (400, 2),
-    AuthError: (401, 2),
     NotFoundError: (404, 2),
     StateError: (409, 3),
     WeightError: (500, 4),
     DependencyError: (500, 5),
     DeadlineError: (504, 6),
     RedisUnavailableError: (503, 7),
+    CorruptRecordError: (500, 8),
+    StoreError: (500, 8),
     FdeplbError: (500, 1),
 }
 
@@ -149,11 +152,6 @@ def _row(err: BaseException) -> tuple[int, int]:
         if cls in ERROR_TABLE:
             return ERROR_TABLE[cls]  # type: ignore[index]
     return (500, 1)
-
-
-def http_status(err: BaseException) -> int:
-    """HTTP status code for ``err`` (500 for anything that is not an :class:`FdeplbError`)."""
-    return _row(err)[0]
 
 
 def exit_code(err: BaseException) -> int:

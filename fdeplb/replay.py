@@ -25,9 +25,9 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from fdeplb.errors import IllegalTransitionError, InputError
+from fdeplb.errors import CorruptRecordError, IllegalTransitionError, InputError
 from fdeplb.machines.model import RecordModel, build_machine
-from fdeplb.machines.tables import CLUSTER, TABLES, MachineTable, TransitionSpec
+from fdeplb.machines.tables import CLUSTER, TABLES, Effect, MachineTable, TransitionSpec
 
 #: fields every exported audit record must have
 REQUIRED = ("machine", "key", "from", "to", "trigger", "version")
@@ -220,7 +220,7 @@ def replay(lines: Iterable[AuditLine]) -> ReplayReport:
             if held.spec is not None and held.spec.trigger == "load":
                 report.plans.append(LoadedPlan(line.where, str(rec.get("plan_id", "")),
                                                _int(line, "round"), committed_plan))
-            if held.spec is not None and held.spec.effect == "set_placement":
+            if held.spec is not None and held.spec.effect is Effect.SET_PLACEMENT:
                 committed_plan = str(rec.get("plan_id", ""))
     return report
 
@@ -232,49 +232,45 @@ def replay_file(path: str | Path) -> ReplayReport:
 
 # ---- plans ---------------------------------------------------------------------------------------------------------
 def check_plans(store: Any, report: ReplayReport) -> list[str]:
-    """Recompute every ``load`` plan of ``report`` from what ``store`` (a :class:`~fdeplb.store.redis_store.Store`)
-    holds and compare; returns the plan_ids checked.
+    """Recompute every ``load`` plan of ``report`` from what ``store`` (a :class:`~fdeplb.store.Store`) holds and
+    compare; returns the plan_ids checked.
 
-    For each plan: the stored hash exists, its round and previous plan match the audit, its load snapshot is the
-    round's frozen snapshot, :func:`~fdeplb.orchestration.cluster.plan_digest` of (snapshot, old placement, policy,
-    topology) is the plan_id, and the coordinator's planner on that snapshot gives the stored ``new_phy2log``.
+    For each plan: the stored plan exists, its round and previous plan match the audit, its load snapshot is the
+    round's frozen snapshot, :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology)
+    is the plan_id, and the coordinator's planner on that snapshot gives the stored ``new_phy2log``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
-    from fdeplb.orchestration.cluster import plan_digest, read_cluster_config
     from fdeplb.orchestration.coordinator import default_planner
+    from fdeplb.placement import plan_digest
 
-    config = read_cluster_config(store)
+    config = store.read_config()
     planner = default_planner
     new_of: dict[str, np.ndarray] = {}
     for plan in report.plans:
         where = f"{plan.where}: plan {plan.plan_id or '(empty)'} of round {plan.round}"
-        key = store.keys.plan(plan.plan_id)
-        raw = store.get_hash(key) if plan.plan_id else {}
-        if not raw:
-            raise ReplayError(f"{where}: not stored at {key}")
-        text = {k: v.decode(errors="replace") for k, v in raw.items() if not k.endswith(("load", "phy2log"))}
-        arrays = {name: store.get_array(key, name) for name in ("expert_load", "old_phy2log", "new_phy2log")}
-        missing = [n for n, a in arrays.items() if a is None]
-        if missing:
-            raise ReplayError(f"{where}: stored plan lacks {', '.join(missing)}")
-        load, old, new = arrays["expert_load"], arrays["old_phy2log"], arrays["new_phy2log"]
-        stored_round = int(text.get("round", -1))
-        if not 0 < stored_round <= plan.round:  # a round that retries an aborted round's plan reuses it
-            raise ReplayError(f"{where}: stored for round {text.get('round')}")
+        try:
+            stored = store.read_plan(plan.plan_id)
+        except CorruptRecordError as exc:
+            raise ReplayError(f"{where}: {exc}") from None
+        if stored is None:
+            raise ReplayError(f"{where}: not stored")
+        load, old, new = stored.expert_load, stored.old_phy2log, stored.new_phy2log
+        if not 0 < stored.round <= plan.round:  # a round that retries an aborted round's plan reuses it
+            raise ReplayError(f"{where}: stored for round {stored.round}")
         # plans are content-addressed: a round that meets the same (snapshot, old placement) as an earlier one
         # reuses that plan, whose stored round and old_plan_id are the earlier one's; compare contents instead
         if plan.previous_plan_id in new_of and not np.array_equal(old, new_of[plan.previous_plan_id]):
             raise ReplayError(f"{where}: old_phy2log is not plan {plan.previous_plan_id}'s new_phy2log")
-        snapshot = store.get_array(store.keys.snapshot(plan.round), "expert_load")
+        snapshot = store.read_snapshot(plan.round)
         if snapshot is not None and not np.array_equal(snapshot, load):
             raise ReplayError(f"{where}: expert_load differs from round {plan.round}'s snapshot")
-        policy = text.get("policy", config.policy)
-        topology = json.loads(text.get("topology", "{}"))
-        digest = plan_digest(load, old, policy, topology)
+        policy = stored.policy or config.policy
+        digest = plan_digest(load, old, policy, stored.topology)
         if digest != plan.plan_id:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
-        if topology != config.topology():
-            raise ReplayError(f"{where}: planned for topology {topology}, the cluster has {config.topology()}")
+        if stored.topology != config.topology():
+            raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
+                              f"{config.topology()}")
         if plan.plan_id in new_of:  # the same plan again (an aborted round retried): recomputed already
             report.plans_checked.append(plan.plan_id)
             continue

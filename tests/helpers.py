@@ -10,17 +10,43 @@ from pathlib import Path
 
 import numpy as np
 
+import redis
+
 from fdeplb.orchestration.agent import RankAgent
-from fdeplb.orchestration.cluster import ClusterConfig, Deadlines, init_cluster
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.store.redis_store import Store
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, Deadlines, Store
+from fdeplb.store.keys import Keys
+from fdeplb.testing import NumpyWeights
+
+
+class RawRedis:
+    """Test-only direct access to one cluster's keys, beside the store: set-up that skips the machines, corrupted
+    values, and DUMP snapshots to prove a refused call changed nothing."""
+
+    def __init__(self, url: str, cluster: str) -> None:
+        self.r = redis.Redis.from_url(url)
+        self.keys = Keys(cluster)
+        self.cluster = cluster
+
+    def force(self, key: str, state: str, version: int = 5, **fields) -> None:
+        """Put a record in a state without a transition."""
+        self.r.hset(key, mapping={"state": str(state), "version": str(version), **fields})
+
+    def snapshot(self) -> dict:
+        """DUMP of every key of the cluster but the (wake-up) events stream."""
+        keys = sorted(self.r.scan_iter(match=f"fdeplb:[{{]{self.cluster}[}}]:*"))
+        return {k: self.r.dump(k) for k in keys if not k.endswith(b":events")}
+
+    def audit_len(self) -> int:
+        return int(self.r.xlen(self.keys.audit))
 
 
 def wait_for(predicate, timeout_s: float = 30.0, store: Store | None = None, what: str = "condition"):
     """Wait until ``predicate()`` is truthy, blocking on the cluster's streams between checks when a store is
     given; fails the test with ``what`` after ``timeout_s``."""
     end = time.monotonic() + timeout_s
-    cursor = store.last_ids() if store is not None else None
+    cursor = store.cursor() if store is not None else None
     while True:
         value = predicate()
         if value:
@@ -46,6 +72,7 @@ class ThreadCluster:
     cluster: str
     config: ClusterConfig
     loads: np.ndarray  # int64 [ep_size, L, E]
+    backend: str = "numpy"  # "numpy" (fdeplb.testing.NumpyWeights) or "paddle" (checkpoint tensors)
     agents: list[RankAgent] = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
     coordinator: Coordinator | None = None
@@ -60,6 +87,8 @@ class ThreadCluster:
     def start_agent(self, r: int, **kwargs) -> RankAgent:
         """Start (or, after its thread stopped, restart) the agent of rank ``r``, as a fresh process would."""
         kwargs.setdefault("verify_all", True)
+        if self.backend == "numpy":
+            kwargs.setdefault("backend_factory", NumpyWeights.factory())
         agent = RankAgent(self.store(), r, load_source=lambda _round: self.loads[r], **kwargs)
         agent.start()
         t = threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True, name=f"rank{r}")
@@ -93,15 +122,21 @@ class ThreadCluster:
 @contextmanager
 def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 3, num_experts: int = 16,
                    num_redundant: int = 4, ep_size: int = 4, policy: str = "deepseek", cordoned: bool = False,
-                   deadlines: Deadlines | None = None, min_gain: float = 0.0, seed: int = 0, num_groups: int = 1):
-    """A small initialised cluster with a real checkpoint; yields a :class:`ThreadCluster` (nothing started)."""
+                   deadlines: Deadlines | None = None, min_gain: float = 0.0, seed: int = 0, num_groups: int = 1,
+                   backend: str = "numpy"):
+    """A small initialised cluster; yields a :class:`ThreadCluster` (nothing started). ``backend="paddle"``
+    writes a real safetensors checkpoint and gives the agents paddle tensors; "numpy" needs no paddle."""
     from fdeplb.placement import initial_placement
-    from fdeplb.weights import write_synthetic_checkpoint
 
-    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers, num_experts, hidden=8, intermediate=4)
+    checkpoint = {}
+    if backend == "paddle":
+        from fdeplb.weights import write_synthetic_checkpoint
+
+        ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", num_layers, num_experts, hidden=8, intermediate=4)
+        checkpoint = {"path": str(ckpt), "preset": "ernie"}
     config = ClusterConfig(num_layers=num_layers, num_logical_experts=num_experts,
                            num_physical_experts=num_experts + num_redundant, ep_size=ep_size, policy=policy,
-                           checkpoint={"path": str(ckpt), "preset": "ernie"}, cordoned=cordoned,
+                           checkpoint=checkpoint, cordoned=cordoned,
                            deadlines=deadlines or Deadlines(collecting_ms=20_000, loading_ms=20_000,
                                                             commit_ms=20_000, swapping_ms=20_000),
                            min_gain=min_gain, num_groups=num_groups)
@@ -110,7 +145,7 @@ def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 
     total = skewed_load(num_layers, num_experts, seed)
     rng = np.random.default_rng(seed + 1)
     loads = np.moveaxis(rng.multinomial(total, np.full(ep_size, 1 / ep_size)), -1, 0)
-    tc = ThreadCluster(url=url, cluster=cluster, config=config, loads=np.ascontiguousarray(loads))
+    tc = ThreadCluster(url=url, cluster=cluster, config=config, loads=np.ascontiguousarray(loads), backend=backend)
     try:
         yield tc
     finally:

@@ -6,11 +6,15 @@ import numpy as np
 import pytest
 
 from fdeplb.cli import main
-from fdeplb.store.redis_store import Store
+from fdeplb.store import Store
+from tests.helpers import RawRedis
 
 
 def run(capsys, *argv):
-    code = main(list(argv))
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:  # argparse's usage errors
+        code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -25,10 +29,10 @@ def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
     code, out, _ = run(capsys, *init_args(redis_url, cluster_id))
     assert code == 0 and "created" in out
     store = Store(redis_url, cluster_id)
-    plan_id, phy2log = store.current_placement()
-    assert plan_id == "" and phy2log.tolist() == [list(np.arange(12) % 8)] * 2
-    assert store.read_record(store.keys.rearrange).state == "FREE"
-    assert [store.read_record(store.keys.rank(r)).state for r in range(4)] == ["IDLE"] * 4
+    placement = store.current_placement()
+    assert placement.plan_id == "" and placement.phy2log.tolist() == [list(np.arange(12) % 8)] * 2
+    assert store.read_cluster().state == "FREE"
+    assert [store.read_rank(r).state for r in range(4)] == ["IDLE"] * 4
     code, out, _ = run(capsys, *init_args(redis_url, cluster_id))
     assert code == 0 and "exists already" in out
     # another topology for the same cluster id is refused and changes nothing
@@ -40,25 +44,26 @@ def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
 @pytest.mark.parametrize("extra,message", [
     (("--num-redundant-experts", "-4"), "must be >= 0"),
     (("--ep-size", "5"), "not a multiple of ep_size"),
-    (("--policy", "magic"), "unknown policy"),
+    (("--policy", "magic"), "invalid choice: 'magic'"),
     (("--loading-ms", "0"), "--loading-ms must be >= 1"),
 ])
 def test_init_cluster_bad_input_changes_nothing(redis_url, cluster_id, capsys, extra, message):
     code, _, err = run(capsys, *init_args(redis_url, cluster_id), *extra)
     assert code == 2 and message in err
-    assert not Store(redis_url, cluster_id).client.exists(Store(redis_url, cluster_id).keys.config)
+    raw = RawRedis(redis_url, cluster_id)
+    assert not raw.r.exists(raw.keys.config)
 
 
 def test_rearrange_requests_a_round_and_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id)
-    assert code == 0 and store.read_record(store.keys.rearrange).get_int("requested") == 1
-    assert store.read_record(store.keys.rearrange).state == "FREE"  # requests are wishes, not transitions
+    assert code == 0 and store.read_cluster().requested == 1
+    assert store.read_cluster().state == "FREE"  # requests are wishes, not transitions
     # a commit is only accepted for a cordoned cluster's staged plan
     code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
     assert code == 3 and "not cordoned" in err
-    assert store.read_record(store.keys.rearrange).get("commit_requested") == ""
+    assert store.read_cluster().commit_requested == ""
 
 
 @pytest.mark.parametrize("command", ["rearrange", "coordinator"])
@@ -74,8 +79,9 @@ def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, c
     store = Store(redis_url, cluster_id)
     code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
     assert code == 3 and "is FREE" in err and "LOAD_SUCC" in err
-    store.client.hset(store.keys.rearrange, mapping={"state": "LOAD_SUCC", "plan_id": "p1"})  # test set-up
+    raw = RawRedis(redis_url, cluster_id)
+    raw.r.hset(raw.keys.rearrange, mapping={"state": "LOAD_SUCC", "plan_id": "p1"})  # test set-up
     code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p2")
     assert code == 3 and "asked: 'p2'" in err
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p1")
-    assert code == 0 and store.read_record(store.keys.rearrange).get("commit_requested") == "p1"
+    assert code == 0 and store.read_cluster().commit_requested == "p1"

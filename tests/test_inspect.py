@@ -9,10 +9,11 @@ import pytest
 
 from fdeplb.cli import main
 from fdeplb.machines.tables import CLUSTER
-from fdeplb.orchestration.cluster import ClusterConfig, init_cluster
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.machines.tables import RANK
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import replay_file
-from fdeplb.store.redis_store import Store
+from fdeplb.store import ClusterConfig, Store
 from tests.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
 
 EP = 2
@@ -106,9 +107,9 @@ def test_status_mid_round(redis_url, store, capsys):
     lease = store.acquire_lease("coord-a", 60_000)
     now = store.now_ms()
     RecordHandle(store, CLUSTER, actor="coord-a", fence=lease).fire(
-        "start", round_=3, fields={"round": 3, "deadline_ms": now + 30_000})
-    store.set_fields(store.keys.rearrange, {"alarm": "swapping deadline passed", "requested": 3})
-    store.set_fields(store.keys.rank(1), {"heartbeat_ms": now - 2_500})
+        "start", round_=3, changes={"round": 3, "deadline_ms": now + 30_000})
+    store.update(CLUSTER, alarm="swapping deadline passed", requested=3)
+    store.update(RANK, 1, heartbeat_ms=now - 2_500)
     store.register_rank(1, {"pid": 1})
     code, out, _ = cli(capsys, "status", *where(redis_url, store), "--json")
     status = json.loads(out)

@@ -9,43 +9,41 @@ import pytest
 
 from fdeplb.errors import FenceError, GuardError, IllegalTransitionError, StaleStateError, StateError
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
-from fdeplb.orchestration.cluster import ClusterConfig, init_cluster
-from fdeplb.orchestration.records import RecordHandle
-from fdeplb.store.redis_store import Store
-from tests.helpers import wait_for
+from fdeplb.machines.tables import Effect
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.store import ClusterConfig, PlanEntry, Store
+from tests.helpers import RawRedis, wait_for
 
 EP = 2
 PLAN = "p1"
 
 
-def make_cluster(url: str, cluster: str) -> Store:
+def make_cluster(url: str, cluster: str) -> tuple[Store, RawRedis]:
     store = Store(url, cluster)
     cfg = ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=EP)
     init_cluster(store, cfg, np.arange(4, dtype=np.int64).reshape(1, 4))
-    return store
+    return store, RawRedis(url, cluster)
 
 
-def force(store: Store, key: str, state: str, version: int = 5, **fields) -> None:
-    """Test set-up only: put a record in a state without a transition."""
-    store.client.hset(key, mapping={"state": state, "version": str(version), **fields})
+def record_key(raw: RawRedis, table) -> str:
+    """Key of the record the tests drive: the cluster's, or rank 1's rank / weights record."""
+    return {CLUSTER: raw.keys.rearrange, RANK: raw.keys.rank(1), WEIGHTS: raw.keys.weights(1)}[table]
 
 
-def snapshot(store: Store) -> dict:
-    keys = sorted(store.client.scan_iter(match=f"fdeplb:[{{]{store.cluster}[}}]:*"))
-    return {k: store.client.dump(k) for k in keys if not k.endswith(b":events")}
-
-
-def satisfy_guards(store: Store, table, trigger: str) -> None:
+def satisfy_guards(store: Store, raw: RawRedis, table, trigger: str) -> None:
     """Make every guard of ``trigger`` hold (for the legal pairs of the table-driven test)."""
     plan = np.array([[3, 2, 1, 0]], dtype=np.int64)
-    store.put_arrays(store.keys.plan(PLAN), {"new_phy2log": plan}, {"plan_id": PLAN})
+    store.save_plan(PlanEntry(plan_id=PLAN, round=1, policy="deepseek", old_plan_id="", topology={},
+                              expert_load=np.ones((1, 4), np.int64), old_phy2log=np.arange(4).reshape(1, 4),
+                              new_phy2log=plan, balancedness_before=0.5, balancedness_after=1.0, moved_experts=2))
     rank_state = {"loaded": "LOADED", "commit": "LOADED", "swapped": "SWAPPED"}.get(trigger, "IDLE")
     if table is CLUSTER:
         for r in range(EP):
-            force(store, store.keys.rank(r), rank_state, plan_id=PLAN)
+            raw.force(raw.keys.rank(r), rank_state, plan_id=PLAN)
     if table is RANK:
         cluster_state = {"stage": "LOADING", "swap": "SWAPPING"}.get(trigger, "FREE")
-        force(store, store.keys.rearrange, cluster_state, plan_id=PLAN)
+        raw.force(raw.keys.rearrange, cluster_state, plan_id=PLAN)
 
 
 def fire_args(table):
@@ -61,35 +59,35 @@ CASES = [(t.name, s, trig) for t in TABLES.values() for s in t.states for trig i
 def test_every_state_trigger_pair(redis_url, cluster_id, table_name, state, trigger):
     """Every (state, trigger) either reaches the table's destination with version + 1 and exactly one audit
     record, or raises IllegalTransitionError and leaves every key of the cluster unchanged."""
-    store = make_cluster(redis_url, cluster_id)
+    store, raw = make_cluster(redis_url, cluster_id)
     table = TABLES[table_name]
     lease = store.acquire_lease("test", 60_000)
     handle = RecordHandle(store, table, None if table is CLUSTER else 1, actor="test",
                           fence=lease if table is CLUSTER else "")
-    satisfy_guards(store, table, trigger)
-    force(store, handle.key, state, version=5, plan_id=PLAN)
+    satisfy_guards(store, raw, table, trigger)
+    raw.force(record_key(raw, table), state, version=5, plan_id=PLAN)
     try:
         spec = table.spec(state, trigger)
     except IllegalTransitionError:
         spec = None
-    before = snapshot(store)
-    audit_len = store.client.xlen(store.keys.audit)
+    before = raw.snapshot()
+    audit_len = raw.audit_len()
     if spec is None:
         with pytest.raises(IllegalTransitionError):
             handle.fire(trigger, plan_id=PLAN)
-        assert snapshot(store) == before
+        assert raw.snapshot() == before
         return
     fired = handle.fire(trigger, plan_id=PLAN)
     rec = handle.read()
     assert fired.state == rec.state == spec.dest
     assert rec.version == 6
-    assert store.client.xlen(store.keys.audit) == audit_len + 1
+    assert raw.audit_len() == audit_len + 1
     entry = store.audit()[-1]
     assert (entry["machine"], entry["from"], entry["to"], entry["trigger"], entry["version"]) == (
         table.name, state, spec.dest, trigger, "6")
-    if spec.effect == "set_placement":
-        pid, phy2log = store.current_placement()
-        assert pid == PLAN and phy2log.tolist() == [[3, 2, 1, 0]]
+    if spec.effect is Effect.SET_PLACEMENT:
+        placement = store.current_placement()
+        assert placement.plan_id == PLAN and placement.phy2log.tolist() == [[3, 2, 1, 0]]
     store.delete_cluster()
 
 
@@ -106,42 +104,42 @@ def test_codes_both_ways():
 @pytest.mark.parametrize(
     "table,state,trigger,spoil",
     [
-        (CLUSTER, "FREE", "start", lambda s: force(s, s.keys.rank(1), "LOADED")),
-        (CLUSTER, "FREE", "start", lambda s: force(s, s.keys.weights(0), "CLEARED")),
-        (CLUSTER, "PLANNING", "load", lambda s: s.client.delete(s.keys.plan(PLAN))),
-        (CLUSTER, "LOADING", "loaded", lambda s: force(s, s.keys.rank(0), "LOADED", plan_id="other")),
-        (CLUSTER, "LOADING", "loaded", lambda s: force(s, s.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
-        (CLUSTER, "LOAD_SUCC", "commit", lambda s: force(s, s.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
-        (CLUSTER, "SWAPPING", "swapped", lambda s: force(s, s.keys.rank(1), "SWAPPING", plan_id=PLAN)),
-        (RANK, "IDLE", "stage", lambda s: force(s, s.keys.rearrange, "FREE", plan_id=PLAN)),
-        (RANK, "LOADED", "swap", lambda s: force(s, s.keys.rearrange, "SWAPPING", plan_id="other")),
-        (RANK, "LOADED", "abort", lambda s: s.client.hset(s.keys.placement, "plan_id", PLAN)),
-        (RANK, "LOADED", "fail", lambda s: s.client.hset(s.keys.placement, "plan_id", PLAN)),
-        (WEIGHTS, "NORMAL", "clear", lambda s: force(s, s.keys.rearrange, "LOADING")),
+        (CLUSTER, "FREE", "start", lambda x: x.force(x.keys.rank(1), "LOADED")),
+        (CLUSTER, "FREE", "start", lambda x: x.force(x.keys.weights(0), "CLEARED")),
+        (CLUSTER, "PLANNING", "load", lambda x: x.r.delete(x.keys.plan(PLAN))),
+        (CLUSTER, "LOADING", "loaded", lambda x: x.force(x.keys.rank(0), "LOADED", plan_id="other")),
+        (CLUSTER, "LOADING", "loaded", lambda x: x.force(x.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
+        (CLUSTER, "LOAD_SUCC", "commit", lambda x: x.force(x.keys.rank(1), "LOAD_FAILED", plan_id=PLAN)),
+        (CLUSTER, "SWAPPING", "swapped", lambda x: x.force(x.keys.rank(1), "SWAPPING", plan_id=PLAN)),
+        (RANK, "IDLE", "stage", lambda x: x.force(x.keys.rearrange, "FREE", plan_id=PLAN)),
+        (RANK, "LOADED", "swap", lambda x: x.force(x.keys.rearrange, "SWAPPING", plan_id="other")),
+        (RANK, "LOADED", "abort", lambda x: x.r.hset(x.keys.placement, "plan_id", PLAN)),
+        (RANK, "LOADED", "fail", lambda x: x.r.hset(x.keys.placement, "plan_id", PLAN)),
+        (WEIGHTS, "NORMAL", "clear", lambda x: x.force(x.keys.rearrange, "LOADING")),
     ],
 )
 def test_guard_refusals_change_nothing(redis_url, cluster_id, table, state, trigger, spoil):
-    store = make_cluster(redis_url, cluster_id)
+    store, raw = make_cluster(redis_url, cluster_id)
     lease = store.acquire_lease("test", 60_000)
     handle = RecordHandle(store, table, None if table is CLUSTER else 1, actor="test",
                           fence=lease if table is CLUSTER else "")
-    satisfy_guards(store, table, trigger)
-    force(store, handle.key, state, plan_id=PLAN)
-    spoil(store)
-    before = snapshot(store)
+    satisfy_guards(store, raw, table, trigger)
+    raw.force(record_key(raw, table), state, plan_id=PLAN)
+    spoil(raw)
+    before = raw.snapshot()
     with pytest.raises(GuardError):
         handle.fire(trigger, plan_id=PLAN)
-    assert snapshot(store) == before
+    assert raw.snapshot() == before
     store.delete_cluster()
 
 
 def test_two_clients_race_exactly_one_wins(redis_url, cluster_id):
     """Two clients (own connections) read the same record and fire the same trigger at the same time."""
-    make_cluster(redis_url, cluster_id)
+    _, raw = make_cluster(redis_url, cluster_id)
     stores = [Store(redis_url, cluster_id), Store(redis_url, cluster_id)]
     handles = [RecordHandle(s, WEIGHTS, 0, actor=f"client{i}") for i, s in enumerate(stores)]
     records = [h.read() for h in handles]
-    audit_len = stores[0].client.xlen(stores[0].keys.audit)
+    audit_len = raw.audit_len()
     barrier = threading.Barrier(2)
     outcomes: list = [None, None]
 
@@ -160,21 +158,21 @@ def test_two_clients_race_exactly_one_wins(redis_url, cluster_id):
     wins = [o for o in outcomes if o == "UPDATING"]
     losses = [o for o in outcomes if isinstance(o, StaleStateError)]
     assert len(wins) == 1 and len(losses) == 1, outcomes
-    assert stores[0].client.xlen(stores[0].keys.audit) == audit_len + 1
+    assert raw.audit_len() == audit_len + 1
     assert handles[0].read().version == 1
 
 
 def test_deposed_coordinator_is_fenced(redis_url, cluster_id):
-    store = make_cluster(redis_url, cluster_id)
+    store, raw = make_cluster(redis_url, cluster_id)
     old = store.acquire_lease("old", 300)
     assert old and old.startswith("1:") and store.acquire_lease("new", 300) is None
-    wait_for(lambda: store.lease_holder() is None, 10, what="lease expiry")
+    wait_for(lambda: store.lease_info().holder is None, 10, what="lease expiry")
     stale = RecordHandle(store, CLUSTER, actor="old", fence=old)
-    store.client.hset(store.keys.rearrange, "requested", "1")
-    before = snapshot(store)
+    store.request_round()
+    before = raw.snapshot()
     with pytest.raises(FenceError):  # lapsed, nobody else holds it yet: still refused
         stale.fire("start")
-    assert snapshot(store) == before
+    assert raw.snapshot() == before
     new = store.acquire_lease("new", 60_000)
     assert new.startswith("2:")  # the fence only grows
     with pytest.raises(FenceError):
@@ -184,6 +182,6 @@ def test_deposed_coordinator_is_fenced(redis_url, cluster_id):
 
 
 def test_unknown_trigger_is_typed(redis_url, cluster_id):
-    store = make_cluster(redis_url, cluster_id)
+    store, _ = make_cluster(redis_url, cluster_id)
     with pytest.raises(IllegalTransitionError, match="unknown trigger"):
         RecordHandle(store, RANK, 0, actor="t").fire("explode")

@@ -1,4 +1,5 @@
-"""Coordinator + rank agents over a real Redis with real paddle tensors (agents in threads of this process)."""
+"""Coordinator + rank agents over a real Redis (agents in threads of this process); numpy weights unless a test
+needs paddle tensors."""
 
 from __future__ import annotations
 
@@ -7,24 +8,21 @@ import json
 import numpy as np
 import pytest
 
-from fdeplb.errors import StateError
-from fdeplb.orchestration.cluster import Deadlines, request_commit, request_round
+from fdeplb.errors import RedisUnavailableError, StateError
 from fdeplb.placement import balancedness
-from fdeplb.store.redis_store import Store
-from tests.helpers import thread_cluster, wait_for
-
-pytest.importorskip("paddle")
+from fdeplb.store import Deadlines
+from tests.helpers import RawRedis, thread_cluster, wait_for
 
 
 def cluster_state(store):
-    return store.read_record(store.keys.rearrange)
+    return store.read_cluster()
 
 
 def round_over(store, n):
     def check():
         rec = cluster_state(store)
-        return rec.state == "FREE" and rec.get_int("round") >= n and all(
-            store.read_record(store.keys.rank(r)).state == "IDLE" for r in range(store.ep_size()))
+        return rec.state == "FREE" and rec.round >= n and all(
+            store.read_rank(r).state == "IDLE" for r in range(store.ep_size()))
     return check
 
 
@@ -39,23 +37,24 @@ def transitions_of(store, machine="cluster"):
 def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        _, before = store.current_placement()
+        before = store.current_placement().phy2log
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "round 1")
         assert transitions_of(store) == [
             ("FREE", "COLLECTING", "start"), ("COLLECTING", "PLANNING", "plan"), ("PLANNING", "LOADING", "load"),
             ("LOADING", "LOAD_SUCC", "loaded"), ("LOAD_SUCC", "SWAPPING", "commit"), ("SWAPPING", "DONE", "swapped"),
             ("DONE", "FREE", "release")]
-        plan_id, after = store.current_placement()
+        placement = store.current_placement()
+        plan_id, after = placement.plan_id, placement.phy2log
         assert plan_id and not np.array_equal(before, after)
         total = tc.loads.sum(axis=0)
         assert balancedness(total, after, 4).mean() > balancedness(total, before, 4).mean()
         # the snapshot of the round is exactly the sum of the ranks' windows
-        assert np.array_equal(store.get_array(store.keys.snapshot(1), "expert_load"), total)
+        assert np.array_equal(store.read_snapshot(1), total)
         for agent in tc.agents:
-            assert np.array_equal(agent.live.phy2log, after)
-            assert agent.live.verify(agent.reader) == (3 * 5, 3 * 5)
+            assert np.array_equal(agent.backend.phy2log, after)
+            assert agent.backend.verify() == (3 * 5, 3 * 5)
         # audit versions per record have no gaps
         versions: dict[str, list[int]] = {}
         for a in store.iter_audit():
@@ -66,35 +65,37 @@ def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
 def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=2.0) as tc:
         store = tc.store()
-        _, before = store.current_placement()
+        before = store.current_placement().phy2log
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "gated round")
         last = last_cluster_transition(store)
         assert (last["from"], last["to"], last["trigger"]) == ("PLANNING", "FREE", "abort")
         assert last["reason"].startswith("gated:")
-        assert np.array_equal(store.current_placement()[1], before)
+        assert np.array_equal(store.current_placement().phy2log, before)
 
 
 def test_staging_over_budget_aborts_and_keeps_old_placement(redis_url, cluster_id, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+    pytest.importorskip("paddle")
+    with thread_cluster(redis_url, cluster_id, tmp_path, backend="paddle") as tc:
         store = tc.store()
-        _, before = store.current_placement()
+        before = store.current_placement().phy2log
         tc.start_agents(staging_budget_bytes=1)
-        live_before = [{k: [t.numpy().copy() for t in v] for k, v in a.live.tensors.items()} for a in tc.agents]
+        live_before = [{k: [t.numpy().copy() for t in v] for k, v in a.backend.live.tensors.items()} for a in tc.agents]
         tc.start_coordinator()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "aborted round")
         last = last_cluster_transition(store)
         assert (last["to"], last["trigger"]) == ("FREE", "abort")
         assert "failed to load" in last["reason"]
-        plan_id, after = store.current_placement()
+        placement = store.current_placement()
+        plan_id, after = placement.plan_id, placement.phy2log
         assert plan_id == "" and np.array_equal(before, after)
         rank_paths = transitions_of(store, "rank")
         assert ("LOADING", "LOAD_FAILED", "fail") in rank_paths and ("LOAD_FAILED", "IDLE", "abort") in rank_paths
         for agent, saved in zip(tc.agents, live_before):
             assert agent.staged is None
-            for suffix, layers in agent.live.tensors.items():
+            for suffix, layers in agent.backend.live.tensors.items():
                 for t, old in zip(layers, saved[suffix]):
                     assert np.array_equal(t.numpy(), old)
 
@@ -103,12 +104,12 @@ def test_cordoned_cluster_waits_for_external_commit(redis_url, cluster_id, tmp_p
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         rec = wait_for(lambda: (r := cluster_state(store)).state == "LOAD_SUCC" and r, 60, store, "LOAD_SUCC")
-        assert store.current_placement()[0] == ""  # nothing committed yet
-        request_commit(store, rec.get("plan_id"))
+        assert store.current_placement().plan_id == ""  # nothing committed yet
+        store.request_commit(rec.plan_id)
         wait_for(round_over(store, 1), 60, store, "committed round")
-        assert store.current_placement()[0] == rec.get("plan_id")
+        assert store.current_placement().plan_id == rec.plan_id
 
 
 def test_cordoned_commit_deadline_aborts(redis_url, cluster_id, tmp_path):
@@ -116,7 +117,7 @@ def test_cordoned_commit_deadline_aborts(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "round aborted by the commit deadline")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "commit deadline" in last["reason"]
@@ -128,8 +129,8 @@ def test_missing_rank_aborts_collecting_by_deadline(redis_url, cluster_id, tmp_p
         store = tc.store()
         tc.start_agents(ranks=[0, 1, 2])  # rank 3 never comes up
         tc.start_coordinator()
-        request_round(store)
-        wait_for(lambda: (r := cluster_state(store)).get_int("round") >= 1 and r.state == "FREE",
+        store.request_round()
+        wait_for(lambda: (r := cluster_state(store)).round >= 1 and r.state == "FREE",
                  60, store, "collecting deadline")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and "collecting deadline passed: no load from ranks [" in last["reason"]
@@ -141,20 +142,21 @@ def test_two_rounds_second_is_gated_or_moves_nothing_twice(redis_url, cluster_id
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "round 1")
         first = store.current_placement()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 2), 60, store, "round 2")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and "0 moved experts" in last["reason"]
-        assert store.current_placement()[0] == first[0]
+        assert store.current_placement().plan_id == first.plan_id
 
 
 def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cluster_id, tmp_path, monkeypatch):
     """Past the commit point a corrupted staging must not be swallowed: the swap's checksum catches it, the rank
     restores its slots from the checkpoint, stages again and completes; an alarm is raised on the way."""
-    import fdeplb.weights as weights
+    pytest.importorskip("paddle")
+    import fdeplb.weights.staging as weights
 
     real_stage = weights.stage_experts
     corrupted = []
@@ -168,18 +170,18 @@ def test_swap_verification_failure_is_repaired_and_round_completes(redis_url, cl
         return staged
 
     monkeypatch.setattr(weights, "stage_experts", corrupting_stage)
-    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+    with thread_cluster(redis_url, cluster_id, tmp_path, backend="paddle") as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "round with a repaired swap")
-        events = [e for _, e in store.wait({store.keys.events: "0-0"}, 1) if e["kind"] == "alarm"]
+        events = [e for e in store.wait(store.cursor(events_from="0-0"), 1) if e["kind"] == "alarm"]
         assert corrupted and any("verification failed" in e["message"] for e in events)
         assert transitions_of(store)[-1] == ("DONE", "FREE", "release")
-        plan_id, phy2log = store.current_placement()
+        phy2log = store.current_placement().phy2log
         for agent in tc.agents:
-            assert np.array_equal(agent.live.phy2log, phy2log)
-            assert agent.live.verify(agent.reader) == (15, 15)
+            assert np.array_equal(agent.backend.phy2log, phy2log)
+            assert agent.backend.verify() == (15, 15)
 
 
 def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id, tmp_path):
@@ -189,24 +191,24 @@ def test_swapping_deadline_raises_alarm_and_rolls_forward(redis_url, cluster_id,
     with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         rec = wait_for(lambda: (r := cluster_state(store)).state == "LOAD_SUCC" and r, 60, store, "LOAD_SUCC")
         tc.agents[3].stop_event.set()  # rank 3's worker goes away after staging
         tc.threads[3].join(10)
         assert not tc.threads[3].is_alive()
-        request_commit(store, rec.get("plan_id"))
+        store.request_commit(rec.plan_id)
         # the alarm names whoever is late at the deadline and is rewritten as ranks catch up: wait for rank 3 alone
-        alarmed = wait_for(lambda: "ranks [3] not SWAPPED" in (r := cluster_state(store)).get("alarm") and r,
+        alarmed = wait_for(lambda: "ranks [3] not SWAPPED" in (r := cluster_state(store)).alarm and r,
                            30, store, "the alarm about rank 3")
         assert alarmed.state == "SWAPPING"
         alarms = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
         assert alarms and alarms[0]["from"] == alarms[0]["to"] == "SWAPPING"
-        assert store.current_placement()[0] == rec.get("plan_id")  # committed: rolls forward
+        assert store.current_placement().plan_id == rec.plan_id  # committed: rolls forward
         # the rank comes back (a new process would do the same): it loads the current placement and swaps
         agent = tc.start_agent(3)
         wait_for(round_over(store, 1), 60, store, "the round to complete")
         assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
-        assert np.array_equal(agent.live.phy2log, store.current_placement()[1])
+        assert np.array_equal(agent.backend.phy2log, store.current_placement().phy2log)
 
 
 def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cluster_id, tmp_path):
@@ -216,7 +218,7 @@ def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cl
         store = tc.store()
         before = store.current_placement()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(lambda: cluster_state(store).state == "LOAD_SUCC", 60, store, "LOAD_SUCC")
         tc.agents[0].stop_event.set()
         tc.threads[0].join(10)
@@ -224,9 +226,9 @@ def test_rank_failing_after_load_succ_aborts_instead_of_committing(redis_url, cl
         wait_for(round_over(store, 1), 60, store, "the aborted round")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("LOAD_SUCC", "abort") and "failed after loading" in last["reason"]
-        assert store.current_placement()[0] == before[0] == ""
+        assert store.current_placement().plan_id == before.plan_id == ""
         with pytest.raises(StateError):
-            request_commit(store, last["plan_id"])
+            store.request_commit(last["plan_id"])
 
 
 def test_planner_error_aborts_the_round_instead_of_killing_the_coordinator(redis_url, cluster_id, tmp_path):
@@ -239,7 +241,7 @@ def test_planner_error_aborts_the_round_instead_of_killing_the_coordinator(redis
         store = tc.store()
         tc.start_agents()
         coordinator = tc.start_coordinator(planner=broken_planner)
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "the aborted round")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("PLANNING", "abort")
@@ -252,7 +254,7 @@ def test_round_without_gain_is_gated_even_if_it_would_move(redis_url, cluster_id
     with thread_cluster(redis_url, cluster_id, tmp_path, ep_size=1) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "the gated round")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and last["reason"].startswith("gated: balancedness 1.0000 -> 1.0000")
@@ -264,16 +266,16 @@ def test_dropped_connections_do_not_kill_agents_or_coordinator(redis_url, cluste
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
         tc.start()
-        request_round(store)
+        store.request_round()
         wait_for(lambda: cluster_state(store).state != "FREE", 60, store, "the round to start")
-        killer = Store(redis_url, cluster_id)
-        killed = killer.client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        killer = RawRedis(redis_url, cluster_id)
+        killed = killer.r.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
         assert int(killed) >= 5  # the coordinator's and the four agents' connections at least
 
         def finished():
             try:
                 return round_over(store, 1)()
-            except store.connection_errors:
+            except RedisUnavailableError:
                 return False  # this test's own connection was killed too; the next call reconnects
 
         wait_for(finished, 60, what="the round to complete after the connections dropped")
@@ -287,12 +289,12 @@ def test_malformed_plan_aborts_the_round(redis_url, cluster_id, tmp_path):
         store = tc.store()
         tc.start_agents()
         tc.start_coordinator(planner=lambda load, old, cfg: old[:, :-1])
-        request_round(store)
+        store.request_round()
         wait_for(round_over(store, 1), 60, store, "the aborted round")
         last = last_cluster_transition(store)
         assert (last["from"], last["trigger"]) == ("PLANNING", "abort")
         assert last["reason"].startswith("planning failed: planned phy2log")
-        assert store.current_placement()[0] == ""
+        assert store.current_placement().plan_id == ""
 
 
 def test_broken_load_source_aborts_by_deadline_and_the_agent_survives(redis_url, cluster_id, tmp_path):
@@ -303,8 +305,8 @@ def test_broken_load_source_aborts_by_deadline_and_the_agent_survives(redis_url,
         broken = tc.start_agent(3)
         broken.load_source = lambda _round: np.full((3, 16), np.nan)  # the engine's recorder hands over garbage
         tc.start_coordinator()
-        request_round(store)
-        wait_for(lambda: (r := cluster_state(store)).get_int("round") >= 1 and r.state == "FREE",
+        store.request_round()
+        wait_for(lambda: (r := cluster_state(store)).round >= 1 and r.state == "FREE",
                  60, store, "the collecting deadline")
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and 3 in json.loads(last["reason"].rsplit("ranks ", 1)[1])

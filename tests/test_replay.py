@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from fdeplb.cli import main
-from fdeplb.cli.inspect import audit_dict, export_audit
+from fdeplb.cli.views import audit_dict, export_audit
 from fdeplb.errors import InputError, exit_code
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
-from fdeplb.orchestration.cluster import ClusterConfig, init_cluster, request_round
-from fdeplb.orchestration.records import RecordHandle
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import ReplayError, check_plans, parse_lines, replay, replay_file
-from fdeplb.store.redis_store import Store
-from tests.helpers import thread_cluster, wait_for
+from fdeplb.store import ClusterConfig, PlanEntry, Store
+from tests.helpers import RawRedis, thread_cluster, wait_for
 
 PLAN = "p0000000000000001"
 
@@ -29,15 +29,15 @@ def fire_round(store: Store) -> None:
     cluster = RecordHandle(store, CLUSTER, actor="test", fence=lease)
     rank = RecordHandle(store, RANK, 0, actor="test")
     weights = RecordHandle(store, WEIGHTS, 0, actor="test")
-    store.put_arrays(store.keys.plan(PLAN), {"expert_load": np.ones((1, 4), np.int64),
-                                             "old_phy2log": np.arange(4, dtype=np.int64).reshape(1, 4),
-                                             "new_phy2log": np.array([[3, 2, 1, 0]], np.int64)},
-                     {"plan_id": PLAN, "round": 1, "policy": "deepseek", "old_plan_id": "",
-                      "topology": json.dumps({"bogus": 1})})
-    cluster.fire("start", round_=1, fields={"round": 1})
+    store.save_plan(PlanEntry(plan_id=PLAN, round=1, policy="deepseek", old_plan_id="", topology={"bogus": 1},
+                              expert_load=np.ones((1, 4), np.int64),
+                              old_phy2log=np.arange(4, dtype=np.int64).reshape(1, 4),
+                              new_phy2log=np.array([[3, 2, 1, 0]], np.int64), balancedness_before=0.5,
+                              balancedness_after=1.0, moved_experts=4))
+    cluster.fire("start", round_=1, changes={"round": 1})
     cluster.fire("plan")
-    cluster.fire("load", plan_id=PLAN, fields={"plan_id": PLAN})
-    rank.fire("stage", plan_id=PLAN, fields={"plan_id": PLAN})
+    cluster.fire("load", plan_id=PLAN, changes={"plan_id": PLAN})
+    rank.fire("stage", plan_id=PLAN, changes={"plan_id": PLAN})
     rank.fire("staged")
     cluster.fire("loaded")
     cluster.fire("commit")
@@ -125,8 +125,9 @@ def test_made_up_plan_does_not_reproduce(fired, lines):
     with pytest.raises(ReplayError, match=rf"line 3 .*plan {PLAN} of round 1: \(snapshot, old placement, policy, "
                                           r"topology\) hash to [0-9a-f]{16}"):
         check_plans(fired, report)
-    fired.client.delete(fired.keys.plan(PLAN))
-    with pytest.raises(ReplayError, match="not stored at"):
+    raw = RawRedis(fired.url, fired.cluster)
+    raw.r.delete(raw.keys.plan(PLAN))
+    with pytest.raises(ReplayError, match="not stored"):
         check_plans(fired, report)
 
 
@@ -147,16 +148,15 @@ def test_replay_cli_on_a_fired_round(fired, tmp_path, capsys):
 
 
 def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path, capsys):
-    pytest.importorskip("paddle")
     cluster = f"t-{uuid.uuid4().hex[:12]}"
     with thread_cluster(redis_url, cluster, tmp_path) as tc:
         store = tc.store()
         tc.start_agents()
         tc.start_coordinator()
-        request_round(store)
-        wait_for(lambda: (rec := store.read_record(store.keys.rearrange)).state == "FREE"  # one read: no race
-                 and rec.get_int("round") == 1
-                 and all(store.read_record(store.keys.rank(r)).state == "IDLE" for r in range(4)),
+        store.request_round()
+        wait_for(lambda: (rec := store.read_cluster()).state == "FREE"  # one read: no race
+                 and rec.round == 1
+                 and all(store.read_rank(r).state == "IDLE" for r in range(4)),
                  60, store, "round 1 over")
         tc.stop()
         path = tmp_path / "audit.jsonl"
@@ -165,13 +165,13 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
         report = replay_file(path)
         assert report.final["cluster"].state == "FREE" and report.final["cluster"].version == 7
         assert all(report.final[f"rank:{r}"].state == "IDLE" for r in range(4))
-        plan_id, _ = store.current_placement()
+        plan_id = store.current_placement().plan_id
         assert check_plans(store, report) == [plan_id]
         assert main(["replay", str(path), "--redis-url", redis_url, "--cluster", cluster]) == 0
         assert "1 plans recomputed and identical" in capsys.readouterr().out
         # a stored plan that the planner does not produce is caught
-        key = store.keys.plan(plan_id)
-        new = store.get_array(key, "new_phy2log")
-        store.put_arrays(key, {"new_phy2log": new[:, ::-1].copy()})
+        raw = RawRedis(redis_url, cluster)
+        new = store.plan_phy2log(plan_id)
+        raw.r.hset(raw.keys.plan(plan_id), "new_phy2log", new[:, ::-1].copy().tobytes())
         assert main(["replay", str(path), "--redis-url", redis_url, "--cluster", cluster]) == 2
         assert "gives a different new_phy2log" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""``fdeplb`` command line. Each subcommand lives in its own module with ``register(subparsers)``.
+"""``fdeplb`` command line: run a demo, plan placements, operate and inspect clusters.
 
 A subcommand's handler returns an exit code; :class:`fdeplb.errors.FdeplbError` raised by it is printed as
 ``error: <message>`` on stderr and mapped to its exit code by :func:`fdeplb.errors.exit_code`.
@@ -13,12 +13,15 @@ import sys
 from fdeplb import __version__
 from fdeplb.errors import FdeplbError, exit_code
 
+__all__ = ["build_parser", "main"]
+
 #: modules under fdeplb.cli that define ``register(subparsers)``; each adds one or more subcommands.
-SUBCOMMAND_MODULES = ("demo", "rebalance", "coordinator", "inspect", "statecharts")
+SUBCOMMAND_MODULES = ("demo", "planning", "operate", "views", "statecharts")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fdeplb", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fdeplb", description="fdeplb: expert-rearrangement orchestration for "
+                                     "MoE serving, as audited state machines in Redis.")
     parser.add_argument("--version", action="version", version=f"fdeplb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

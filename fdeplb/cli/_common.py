@@ -6,18 +6,17 @@ from fdeplb.errors import NotFoundError
 
 
 def open_store(url: str, cluster: str):
-    """A :class:`~fdeplb.store.redis_store.Store` for an existing cluster.
+    """A :class:`~fdeplb.store.Store` for an existing cluster.
 
     Raises :class:`InputError` (bad URL or cluster id), :class:`RedisUnavailableError` (no answer) or
     :class:`NotFoundError` (no such cluster at that Redis).
     """
-    from fdeplb.orchestration.cluster import read_cluster_config
-    from fdeplb.store.redis_store import Store
+    from fdeplb.store import Store
 
     store = Store(url, cluster)
     store.ping()
     try:
-        read_cluster_config(store)
+        store.read_config()
     except NotFoundError:
         raise NotFoundError(f"no cluster {cluster!r} at {url} (never initialised, or another Redis db)") from None
     return store

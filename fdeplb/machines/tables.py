@@ -12,30 +12,88 @@ FastDeploy codes (``fastdeploy/eplb``): rearrange status FREE=0, DOING=1, LOAD_S
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Callable, Mapping, TypeVar
 
 from fdeplb.errors import IllegalTransitionError, InputError
 
 
+class StateEnum(str, Enum):
+    """Base of the machines' state enums: a member *is* its name as stored in Redis (``str`` subclass), and
+    formats as that name (``f"{ClusterState.FREE}"`` is ``FREE``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class ClusterState(StateEnum):
+    """States of the cluster rearrangement machine (FastDeploy ``rearrange_experts_status`` in :data:`CLUSTER`)."""
+
+    FREE = "FREE"
+    COLLECTING = "COLLECTING"
+    PLANNING = "PLANNING"
+    LOADING = "LOADING"
+    LOAD_SUCC = "LOAD_SUCC"
+    SWAPPING = "SWAPPING"
+    DONE = "DONE"
+
+
+class RankState(StateEnum):
+    """States of one EP rank's machine (FastDeploy per-rank load result in :data:`RANK`)."""
+
+    IDLE = "IDLE"
+    LOADING = "LOADING"
+    LOADED = "LOADED"
+    LOAD_FAILED = "LOAD_FAILED"
+    SWAPPING = "SWAPPING"
+    SWAPPED = "SWAPPED"
+
+
+class WeightState(StateEnum):
+    """States of one rank's weight-status machine (FastDeploy ``dynamic_weight_status`` in :data:`WEIGHTS`)."""
+
+    NORMAL = "NORMAL"
+    UPDATING = "UPDATING"
+    CLEARING = "CLEARING"
+    CLEARED = "CLEARED"
+
+
+class GuardKind(StateEnum):
+    """Kinds of cross-record checks; ``fdeplb/store/lua/commit.lua`` implements each (same names)."""
+
+    RANKS_IN = "ranks_in"  #: every rank record is in ``state`` (``same_plan``: and carries the caller's plan_id)
+    WEIGHTS_IN = "weights_in"  #: every rank's weight-status record is in ``state``
+    CLUSTER_IN = "cluster_in"  #: the cluster record is in one of ``states`` (``same_plan``: with the plan_id)
+    PLAN_STORED = "plan_stored"  #: the plan named by the transition's plan_id is stored
+    PLAN_NOT_CURRENT = "plan_not_current"  #: the caller's plan_id is not the current placement's
+
+    @property
+    def per_rank(self) -> bool:
+        """True for the kinds that read one record per EP rank (their keys are passed to the script)."""
+        return self in (GuardKind.RANKS_IN, GuardKind.WEIGHTS_IN)
+
+
+class Effect(StateEnum):
+    """Extra writes a transition makes in its commit step; ``commit.lua`` implements each (same names)."""
+
+    NONE = ""
+    SET_PLACEMENT = "set_placement"  #: the plan's new phy2log becomes the cluster's current placement
+
+
 @dataclass(frozen=True)
 class Guard:
-    """A check across records, evaluated inside the commit script.
+    """A check across records, evaluated inside the commit script (see :class:`GuardKind` for each kind)."""
 
-    ``kind`` is one of:
-
-    - ``ranks_in``: every registered rank record is in ``state`` (``same_plan``: and carries the round's plan_id);
-    - ``weights_in``: every registered rank's weight-status record is in ``state``;
-    - ``cluster_in``: the cluster record is in one of ``states`` (``same_plan``: with the caller's plan_id);
-    - ``plan_stored``: the plan named by the transition's plan_id is stored;
-    - ``plan_not_current``: the caller's plan_id is not the cluster's current placement (before the commit point).
-    """
-
-    kind: str
-    state: str = ""
-    states: tuple[str, ...] = ()
+    kind: GuardKind
+    state: StateEnum | None = None
+    states: tuple[StateEnum, ...] = ()
     same_plan: bool = False
 
     def label(self) -> str:
-        target = self.state or "|".join(self.states)
+        target = self.state.value if self.state else "|".join(s.value for s in self.states)
         plan = ", same plan" if self.same_plan else ""
         return f"{self.kind}({target}{plan})" if target else self.kind
 
@@ -45,14 +103,14 @@ class TransitionSpec:
     """One row of a table: ``trigger`` moves any of ``sources`` to ``dest`` if every guard holds."""
 
     trigger: str
-    sources: tuple[str, ...]
-    dest: str
+    sources: tuple[StateEnum, ...]
+    dest: StateEnum
     guards: tuple[Guard, ...] = ()
-    effect: str = ""  # extra write in the same atomic step (``set_placement``)
+    effect: Effect = Effect.NONE  # extra write in the same atomic step
     doc: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one object per machine: compared and hashed by identity
 class MachineTable:
     """A state machine as data: states, their FastDeploy codes, transitions.
 
@@ -62,9 +120,9 @@ class MachineTable:
 
     name: str
     code_name: str
-    states: tuple[str, ...]
-    codes: dict[str, int]
-    initial: str
+    state_type: type[StateEnum]
+    codes: dict[StateEnum, int]
+    initial: StateEnum
     transitions: tuple[TransitionSpec, ...]
     doc: str = ""
     _by_key: dict = field(default_factory=dict, compare=False, repr=False)
@@ -77,18 +135,32 @@ class MachineTable:
                     raise ValueError(f"{self.name}: trigger {spec.trigger!r} defined twice from {src}")
                 self._by_key[key] = spec
         missing = set(self.states) - set(self.codes)
+        strays = [s for spec in self.transitions for s in (*spec.sources, spec.dest) if s not in self.states]
+        if strays:
+            raise ValueError(f"{self.name}: transitions name states of another machine: {strays}")
         if missing:
             raise ValueError(f"{self.name}: states without a FastDeploy code: {sorted(missing)}")
+
+    @property
+    def states(self) -> tuple[StateEnum, ...]:
+        """Every state, in declaration order."""
+        return tuple(self.state_type)
+
+    def state(self, name: object) -> StateEnum:
+        """The state called ``name`` (a stored value); :class:`InputError` if this machine has no such state."""
+        try:
+            return self.state_type(name)
+        except ValueError:
+            raise InputError(f"{self.name}: unknown state {name!r}") from None
 
     @property
     def triggers(self) -> tuple[str, ...]:
         """Every trigger of the table, in declaration order, once each."""
         return tuple(dict.fromkeys(spec.trigger for spec in self.transitions))
 
-    def spec(self, state: str, trigger: str) -> TransitionSpec:
+    def spec(self, state: object, trigger: str) -> TransitionSpec:
         """The transition ``trigger`` takes from ``state``; :class:`IllegalTransitionError` if there is none."""
-        if state not in self.states:
-            raise InputError(f"{self.name}: unknown state {state!r}")
+        state = self.state(state)
         try:
             return self._by_key[(state, trigger)]
         except KeyError:
@@ -98,14 +170,11 @@ class MachineTable:
                 f"{self.name}: trigger {trigger!r} is not allowed from state {state}"
             ) from None
 
-    def to_code(self, state: str) -> int:
+    def to_code(self, state: object) -> int:
         """FastDeploy integer code of ``state``."""
-        try:
-            return self.codes[state]
-        except KeyError:
-            raise InputError(f"{self.name}: unknown state {state!r}") from None
+        return self.codes[self.state(state)]
 
-    def from_code(self, code: int) -> str:
+    def from_code(self, code: int) -> StateEnum:
         """Canonical fdeplb state for a FastDeploy code (the first state listed with that code)."""
         for state in self.states:
             if self.codes[state] == code:
@@ -119,43 +188,63 @@ class MachineTable:
         ]
 
 
+Handler = TypeVar("Handler", bound=Callable)
+
+
+def entry_work(table: MachineTable, handlers: Mapping[StateEnum, Handler]) -> Mapping[StateEnum, Handler]:
+    """Check that ``handlers`` maps every state of ``table`` (and nothing else) to its entry work; returns it
+    read-only. Called at import by each driver (coordinator, rank agent), so a state added to a table without
+    its handler fails at import, not in production (the pattern of vLLM's ``EPLB_POLICIES`` registry).
+
+    Raises ``TypeError`` naming the missing or stray states.
+    """
+    missing = [s.value for s in table.states if s not in handlers]
+    stray = [str(s) for s in handlers if s not in table.states]
+    if missing or stray:
+        raise TypeError(f"{table.name} entry work: no handler for {missing}; handlers for unknown states {stray}")
+    return MappingProxyType(dict(handlers))
+
+
 # ---- cluster rearrangement ------------------------------------------------------------------------------------------
-_PRE_COMMIT = ("COLLECTING", "PLANNING", "LOADING", "LOAD_SUCC")
+C, R, W = ClusterState, RankState, WeightState
+_PRE_COMMIT = (C.COLLECTING, C.PLANNING, C.LOADING, C.LOAD_SUCC)
 
 CLUSTER = MachineTable(
     name="cluster",
     code_name="rearrange_experts_status",
-    states=("FREE", "COLLECTING", "PLANNING", "LOADING", "LOAD_SUCC", "SWAPPING", "DONE"),
-    codes={"FREE": 0, "COLLECTING": 1, "PLANNING": 1, "LOADING": 1, "LOAD_SUCC": 2, "SWAPPING": 2, "DONE": 3},
-    initial="FREE",
+    state_type=ClusterState,
+    codes={C.FREE: 0, C.COLLECTING: 1, C.PLANNING: 1, C.LOADING: 1, C.LOAD_SUCC: 2, C.SWAPPING: 2, C.DONE: 3},
+    initial=C.FREE,
     doc="One per cluster, driven by the coordinator that holds the lease (every commit is fenced).",
     transitions=(
         TransitionSpec(
-            "start", ("FREE",), "COLLECTING",
-            guards=(Guard("ranks_in", state="IDLE"), Guard("weights_in", state="NORMAL")),
+            "start", (C.FREE,), C.COLLECTING,
+            guards=(Guard(GuardKind.RANKS_IN, state=R.IDLE), Guard(GuardKind.WEIGHTS_IN, state=W.NORMAL)),
             doc="open a round; freezes the load window of every rank",
         ),
-        TransitionSpec("plan", ("COLLECTING",), "PLANNING", doc="the round's load snapshot is stored"),
+        TransitionSpec("plan", (C.COLLECTING,), C.PLANNING, doc="the round's load snapshot is stored"),
         TransitionSpec(
-            "load", ("PLANNING",), "LOADING", guards=(Guard("plan_stored"),),
+            "load", (C.PLANNING,), C.LOADING, guards=(Guard(GuardKind.PLAN_STORED),),
             doc="the plan is stored; ranks stage the experts their new slots need",
         ),
         TransitionSpec(
-            "loaded", ("LOADING",), "LOAD_SUCC", guards=(Guard("ranks_in", state="LOADED", same_plan=True),),
+            "loaded", (C.LOADING,), C.LOAD_SUCC,
+            guards=(Guard(GuardKind.RANKS_IN, state=R.LOADED, same_plan=True),),
             doc="every rank staged this plan",
         ),
         TransitionSpec(
-            "commit", ("LOAD_SUCC",), "SWAPPING", effect="set_placement",
-            guards=(Guard("ranks_in", state="LOADED", same_plan=True),),
+            "commit", (C.LOAD_SUCC,), C.SWAPPING, effect=Effect.SET_PLACEMENT,
+            guards=(Guard(GuardKind.RANKS_IN, state=R.LOADED, same_plan=True),),
             doc="commit point: the plan becomes the cluster's current placement in the same step; every rank "
                 "must still hold its staging (none failed since LOAD_SUCC)",
         ),
         TransitionSpec(
-            "swapped", ("SWAPPING",), "DONE", guards=(Guard("ranks_in", state="SWAPPED", same_plan=True),),
+            "swapped", (C.SWAPPING,), C.DONE,
+            guards=(Guard(GuardKind.RANKS_IN, state=R.SWAPPED, same_plan=True),),
             doc="every rank swapped its slots and routing tables",
         ),
-        TransitionSpec("release", ("DONE",), "FREE", doc="round finished"),
-        TransitionSpec("abort", _PRE_COMMIT, "FREE", doc="before the commit point only; old placement stays"),
+        TransitionSpec("release", (C.DONE,), C.FREE, doc="round finished"),
+        TransitionSpec("abort", _PRE_COMMIT, C.FREE, doc="before the commit point only; old placement stays"),
     ),
 )
 
@@ -163,29 +252,31 @@ CLUSTER = MachineTable(
 RANK = MachineTable(
     name="rank",
     code_name="load_result",
-    states=("IDLE", "LOADING", "LOADED", "LOAD_FAILED", "SWAPPING", "SWAPPED"),
-    codes={"IDLE": 0, "LOADING": 0, "LOADED": 1, "LOAD_FAILED": -1, "SWAPPING": 1, "SWAPPED": 1},
-    initial="IDLE",
+    state_type=RankState,
+    codes={R.IDLE: 0, R.LOADING: 0, R.LOADED: 1, R.LOAD_FAILED: -1, R.SWAPPING: 1, R.SWAPPED: 1},
+    initial=R.IDLE,
     doc="One per EP rank, driven by the rank agent inside the serving worker.",
     transitions=(
         TransitionSpec(
-            "stage", ("IDLE",), "LOADING", guards=(Guard("cluster_in", states=("LOADING",), same_plan=True),),
+            "stage", (R.IDLE,), R.LOADING,
+            guards=(Guard(GuardKind.CLUSTER_IN, states=(C.LOADING,), same_plan=True),),
             doc="start staging the experts of the round's plan",
         ),
-        TransitionSpec("staged", ("LOADING",), "LOADED", doc="every expert the plan loads is staged and checked"),
+        TransitionSpec("staged", (R.LOADING,), R.LOADED, doc="every expert the plan loads is staged and checked"),
         TransitionSpec(
-            "fail", ("LOADING", "LOADED"), "LOAD_FAILED", guards=(Guard("plan_not_current"),),
+            "fail", (R.LOADING, R.LOADED), R.LOAD_FAILED, guards=(Guard(GuardKind.PLAN_NOT_CURRENT),),
             doc="staging failed; the reason is recorded. Refused once the plan is committed: then the rank "
                 "rolls forward",
         ),
         TransitionSpec(
-            "swap", ("LOADED",), "SWAPPING", guards=(Guard("cluster_in", states=("SWAPPING",), same_plan=True),),
+            "swap", (R.LOADED,), R.SWAPPING,
+            guards=(Guard(GuardKind.CLUSTER_IN, states=(C.SWAPPING,), same_plan=True),),
             doc="the plan is committed; copy into the live slots",
         ),
-        TransitionSpec("swapped", ("SWAPPING",), "SWAPPED", doc="slots and routing tables swapped and verified"),
-        TransitionSpec("finish", ("SWAPPED",), "IDLE", doc="round over"),
+        TransitionSpec("swapped", (R.SWAPPING,), R.SWAPPED, doc="slots and routing tables swapped and verified"),
+        TransitionSpec("finish", (R.SWAPPED,), R.IDLE, doc="round over"),
         TransitionSpec(
-            "abort", ("LOADING", "LOADED", "LOAD_FAILED"), "IDLE", guards=(Guard("plan_not_current"),),
+            "abort", (R.LOADING, R.LOADED, R.LOAD_FAILED), R.IDLE, guards=(Guard(GuardKind.PLAN_NOT_CURRENT),),
             doc="round aborted before the commit point: staging dropped",
         ),
     ),
@@ -195,18 +286,18 @@ RANK = MachineTable(
 WEIGHTS = MachineTable(
     name="weights",
     code_name="dynamic_weight_status",
-    states=("NORMAL", "UPDATING", "CLEARING", "CLEARED"),
-    codes={"NORMAL": 0, "UPDATING": 1, "CLEARING": -1, "CLEARED": -2},
-    initial="NORMAL",
+    state_type=WeightState,
+    codes={W.NORMAL: 0, W.UPDATING: 1, W.CLEARING: -1, W.CLEARED: -2},
+    initial=W.NORMAL,
     doc="The serving engine's dynamic weight update/clear, one per rank.",
     transitions=(
-        TransitionSpec("update", ("NORMAL", "CLEARED"), "UPDATING", doc="reload the model weights"),
-        TransitionSpec("updated", ("UPDATING",), "NORMAL", doc="weights reloaded"),
+        TransitionSpec("update", (W.NORMAL, W.CLEARED), W.UPDATING, doc="reload the model weights"),
+        TransitionSpec("updated", (W.UPDATING,), W.NORMAL, doc="weights reloaded"),
         TransitionSpec(
-            "clear", ("NORMAL",), "CLEARING", guards=(Guard("cluster_in", states=("FREE",)),),
+            "clear", (W.NORMAL,), W.CLEARING, guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
             doc="free the weights; refused while a round is past FREE",
         ),
-        TransitionSpec("cleared", ("CLEARING",), "CLEARED", doc="weights freed"),
+        TransitionSpec("cleared", (W.CLEARING,), W.CLEARED, doc="weights freed"),
     ),
 )
 

@@ -12,7 +12,6 @@ work of whatever state it finds, which is how a kill at any point converges.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -22,26 +21,36 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, FenceError, GuardError, InputError, StaleStateError
+from fdeplb.errors import FdeplbError, FenceError, GuardError, InputError, RedisUnavailableError, StaleStateError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import CLUSTER
-from fdeplb.orchestration.cluster import ClusterConfig, plan_digest, read_cluster_config
-from fdeplb.orchestration.records import RecordHandle
-from fdeplb.store.redis_store import Record, Store
+from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
+from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.placement import balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
+from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
 
 log = structlog.get_logger("fdeplb.coordinator")
+
+#: what a state's entry work returns: (progressed, ms until the next deadline or None)
+Step = tuple[bool, "int | None"]
 
 
 def default_holder_id() -> str:
     return f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
+def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+    """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts` to the round's snapshot
+    (int64 [L, E]) and the current placement (int64 [L, P]); returns the new phy2log, int64 [L, P]."""
+    placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
+                                  cfg.ep_size, policy=cfg.policy, old_phy2log=old_phy2log)
+    return placement.phy2log
+
+
 class Coordinator:
     """Leader-elected driver of one cluster's rearrangement machine.
 
     ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
-    old phy2log int64 [L, P], config) to new phy2log int64 [L, P] (default: :func:`fdeplb.placement.rebalance_experts`
-    with the cluster's policy).
+    old phy2log int64 [L, P], config) to new phy2log int64 [L, P] (default: :func:`default_planner`).
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
@@ -78,7 +87,7 @@ class Coordinator:
             self.log.info("leading", lease=value)
         return self.lease is not None
 
-    def _fire(self, rec: Record, trigger: str, **kwargs) -> None:
+    def _fire(self, rec: ClusterRecord, trigger: str, **kwargs) -> None:
         """Fire a cluster trigger with this coordinator's fence (the ``coordinator.stop`` failpoint sits here)."""
         failpoint("coordinator.stop", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.stop", state=rec.state,
@@ -95,28 +104,33 @@ class Coordinator:
         coordinator competes for it again like any other). Any other :class:`FdeplbError` out of a step is logged,
         announced as a ``coordinator_error`` event and retried after 1 s; the deadlines end a round that cannot
         progress."""
-        cursor = self.store.last_ids()
+        cursor = None
         try:
             while not self.stop_event.is_set():
                 try:
+                    if cursor is None:
+                        cursor = self.store.cursor()
                     if self._iterate(cursor, until):
                         return
-                except self.store.connection_errors as err:
+                except RedisUnavailableError as err:
                     self.log.warning("redis unavailable", error=str(err))
                     self.stop_event.wait(0.5)
                 except FdeplbError as err:  # unexpected but typed (corrupt record, bad stored array): keep leading
                     self.log.error("step failed", error=str(err), error_type=type(err).__name__)
-                    self.store.emit_event("coordinator_error", holder=self.holder, error=str(err))
+                    try:
+                        self.store.emit_event("coordinator_error", holder=self.holder, error=str(err))
+                    except FdeplbError:
+                        pass
                     self.stop_event.wait(1.0)
         finally:
             if self.lease is not None:
                 try:
                     self.store.release_lease(self.lease)
-                except self.store.connection_errors:
+                except FdeplbError:
                     pass  # it expires on its own
                 self.lease = None
 
-    def _iterate(self, cursor: dict[str, str], until: Callable[[], bool] | None) -> bool:
+    def _iterate(self, cursor: dict, until: Callable[[], bool] | None) -> bool:
         """One pass of the loop: lead, step, wait. True when ``until()`` says to stop."""
         wait_ms = self.lease_ms // 3
         if self.ensure_leadership():
@@ -141,84 +155,76 @@ class Coordinator:
         self.store.wait(cursor, wait_ms)
         return False
 
-    def step(self) -> tuple[bool, int | None]:
-        """Run the entry work of the cluster's current state once.
+    def step(self) -> Step:
+        """Run the entry work of the cluster's current state once (:data:`ENTRY_WORK`).
 
         Returns (progressed, ms until the next deadline or None). Raises StateError subclasses on lost races.
         """
         if self.config is None:
-            self.config = read_cluster_config(self.store)
-        rec = self.store.read_record(self.store.keys.rearrange)
+            self.config = self.store.read_config()
+        rec = self.store.read_cluster()
         failpoint("coordinator.hang", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
                                                 holder=self.holder))
-        work = getattr(self, f"_on_{rec.state.lower()}")
-        return work(rec)
+        return ENTRY_WORK[rec.state](self, rec)
 
     # ---- entry work per state (idempotent) ------------------------------------------------------------------------
-    def _deadline(self, rec: Record) -> tuple[bool, int | None]:
-        deadline = rec.get_int("deadline_ms", 0)
-        if not deadline:
+    def _deadline(self, rec: ClusterRecord) -> tuple[bool, int | None]:
+        if not rec.deadline_ms:
             return False, None
-        left = deadline - self.store.now_ms()
+        left = rec.deadline_ms - self.store.now_ms()
         return left <= 0, max(left, 0)
 
-    def _abort(self, rec: Record, reason: str) -> tuple[bool, int | None]:
-        self.log.warning("abort", round=rec.get_int("round"), state=rec.state, reason=reason)
-        self._fire(rec, "abort", reason=reason, fields={"deadline_ms": "", "reason": reason})
+    def _abort(self, rec: ClusterRecord, reason: str) -> Step:
+        self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
+        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         return True, None
 
-    def _on_free(self, rec: Record) -> tuple[bool, int | None]:
-        if rec.get_int("requested") <= rec.get_int("round"):
+    def _on_free(self, rec: ClusterRecord) -> Step:
+        if rec.requested <= rec.round:
             return False, None
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
-        round_ = rec.get_int("round") + 1
+        round_ = rec.round + 1
         try:
             self._fire(rec, "start", plan_id="", round_=round_,
-                                 fields={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline,
-                                         "alarm": ""})
+                       changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
             self.log.info("start waits", reason=str(err))
             return False, self.lease_ms // 3
         return True, None
 
-    def _on_collecting(self, rec: Record) -> tuple[bool, int | None]:
-        round_ = rec.get_int("round")
-        snap_key = self.store.keys.snapshot(round_)
-        if self.store.get_array(snap_key, "expert_load") is None:
+    def _on_collecting(self, rec: ClusterRecord) -> Step:
+        round_ = rec.round
+        if self.store.read_snapshot(round_) is None:
             missing, loads = [], []
             for r in range(self.config.ep_size):
-                key = self.store.keys.load(r)
-                pub_round = self.store.client.hget(key, "round")
-                if pub_round is None or int(pub_round) < round_:
+                window = self.store.read_load(r)
+                if window is None or window.round < round_:
                     missing.append(r)
                 else:
-                    loads.append(self.store.get_array(key, "expert_load"))
+                    loads.append(window.expert_load)
             if missing:
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
                 return False, left
-            snapshot = np.sum(np.stack(loads), axis=0, dtype=np.int64)
-            self.store.put_arrays(snap_key, {"expert_load": snapshot}, {"round": round_}, only_if_absent=True)
+            self.store.save_snapshot(round_, np.sum(np.stack(loads), axis=0, dtype=np.int64))
         self._fire(rec, "plan", plan_id="",
-                   fields={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
+                   changes={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
         return True, None
 
-    def _on_planning(self, rec: Record) -> tuple[bool, int | None]:
-        from fdeplb.placement import balancedness, moved_experts
-        from fdeplb.placement._validate import check_phy2log
-
+    def _on_planning(self, rec: ClusterRecord) -> Step:
         cfg = self.config
-        round_ = rec.get_int("round")
+        round_ = rec.round
         if self._deadline(rec)[0]:
             return self._abort(rec, "planning deadline passed")
-        snapshot = self.store.get_array(self.store.keys.snapshot(round_), "expert_load")
+        snapshot = self.store.read_snapshot(round_)
         if snapshot is None:
             return self._abort(rec, f"load snapshot of round {round_} is missing")
-        old_plan_id, old = self.store.current_placement()
+        current = self.store.current_placement()
+        old = current.phy2log
         plan_id = plan_digest(snapshot, old, cfg.policy, cfg.topology())
-        new = self.store.get_array(self.store.keys.plan(plan_id), "new_phy2log")
+        new = self.store.plan_phy2log(plan_id)
         if new is None:
             try:
                 new = check_phy2log(self.planner(snapshot, old, cfg), cfg.num_logical_experts,
@@ -231,89 +237,81 @@ class Coordinator:
         if moved == 0 or after - before <= cfg.min_gain:
             return self._abort(rec, f"gated: balancedness {before:.4f} -> {after:.4f}, {moved} moved experts; "
                                     f"gain below min_gain {cfg.min_gain}")
-        self.store.put_arrays(
-            self.store.keys.plan(plan_id),
-            {"expert_load": snapshot, "old_phy2log": old, "new_phy2log": new},
-            {"plan_id": plan_id, "round": round_, "policy": cfg.policy, "old_plan_id": old_plan_id,
-             "topology": _json(cfg.topology()), "balancedness_before": f"{before:.6f}",
-             "balancedness_after": f"{after:.6f}", "moved_experts": moved},
-            only_if_absent=True,
-        )
+        self.store.save_plan(PlanEntry(
+            plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
+            expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
+            balancedness_after=after, moved_experts=moved))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
-        self._fire(rec, "load", plan_id=plan_id,
-                             fields={"plan_id": plan_id, "deadline_ms": deadline})
+        self._fire(rec, "load", plan_id=plan_id, changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
 
-    def _rank_records(self) -> list[Record]:
-        return [self.store.read_record(self.store.keys.rank(r)) for r in range(self.config.ep_size)]
+    def _rank_records(self) -> list[RankRecord]:
+        return self.store.read_all(RANK)
 
-    def _on_loading(self, rec: Record) -> tuple[bool, int | None]:
-        plan_id = rec.get("plan_id")
+    def _failed(self, ranks: list[RankRecord], plan_id: str) -> list[tuple[int, str]]:
+        return [(r, x.reason) for r, x in enumerate(ranks)
+                if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
+
+    def _on_loading(self, rec: ClusterRecord) -> Step:
+        plan_id = rec.plan_id
         ranks = self._rank_records()
-        failed = [(r, x.get("reason")) for r, x in enumerate(ranks)
-                  if x.state == "LOAD_FAILED" and x.get("plan_id") == plan_id]
+        failed = self._failed(ranks, plan_id)
         if failed:
             return self._abort(rec, "; ".join(f"rank {r} failed to load: {why}" for r, why in failed))
-        if all(x.state == "LOADED" and x.get("plan_id") == plan_id for x in ranks):
-            fields = {"deadline_ms": ""}
-            if self.config.cordoned:
-                fields["deadline_ms"] = self.store.now_ms() + self.config.deadlines.commit_ms
-            self._fire(rec, "loaded", fields=fields)
+        if all(x.state is RankState.LOADED and x.plan_id == plan_id for x in ranks):
+            deadline = self.store.now_ms() + self.config.deadlines.commit_ms if self.config.cordoned else 0
+            self._fire(rec, "loaded", changes={"deadline_ms": deadline})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
-            late = [r for r, x in enumerate(ranks) if not (x.state == "LOADED" and x.get("plan_id") == plan_id)]
+            late = [r for r, x in enumerate(ranks) if not (x.state is RankState.LOADED and x.plan_id == plan_id)]
             return self._abort(rec, f"loading deadline passed: ranks {late} not LOADED")
         return False, left
 
-    def _on_load_succ(self, rec: Record) -> tuple[bool, int | None]:
-        plan_id = rec.get("plan_id")
-        failed = [(r, x.get("reason")) for r, x in enumerate(self._rank_records())
-                  if x.state == "LOAD_FAILED" and x.get("plan_id") == plan_id]
+    def _on_load_succ(self, rec: ClusterRecord) -> Step:
+        plan_id = rec.plan_id
+        failed = self._failed(self._rank_records(), plan_id)
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
-        if self.config.cordoned and rec.get("commit_requested") != plan_id:
+        if self.config.cordoned and rec.commit_requested != plan_id:
             expired, left = self._deadline(rec)
             if expired:
                 return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
-        self._fire(rec, "commit", fields={"deadline_ms": deadline})
+        self._fire(rec, "commit", changes={"deadline_ms": deadline})
         return True, None
 
-    def _on_swapping(self, rec: Record) -> tuple[bool, int | None]:
-        plan_id = rec.get("plan_id")
+    def _on_swapping(self, rec: ClusterRecord) -> Step:
+        plan_id = rec.plan_id
         ranks = self._rank_records()
-        if all(x.state == "SWAPPED" and x.get("plan_id") == plan_id for x in ranks):
-            self._fire(rec, "swapped", fields={"deadline_ms": ""})
+        if all(x.state is RankState.SWAPPED and x.plan_id == plan_id for x in ranks):
+            self._fire(rec, "swapped", changes={"deadline_ms": 0})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
-            late = [r for r, x in enumerate(ranks) if not (x.state == "SWAPPED" and x.get("plan_id") == plan_id)]
+            late = [r for r, x in enumerate(ranks) if not (x.state is RankState.SWAPPED and x.plan_id == plan_id)]
             alarm = f"swapping deadline passed; rolling forward; ranks {late} not SWAPPED"
-            if rec.get("alarm") != alarm:
-                self.log.error("alarm", round=rec.get_int("round"), plan_id=plan_id, late_ranks=late)
-                self.store.set_fields(rec.key, {"alarm": alarm})
+            if rec.alarm != alarm:
+                self.log.error("alarm", round=rec.round, plan_id=plan_id, late_ranks=late)
+                self.store.update(CLUSTER, alarm=alarm)
                 self.store.append_alarm(rec, actor=self.holder, reason=alarm)
-                self.store.emit_event("alarm", round=rec.get_int("round"), plan_id=plan_id, message=alarm)
+                self.store.emit_event("alarm", round=rec.round, plan_id=plan_id, message=alarm)
             return False, self.lease_ms // 3
         return False, left
 
-    def _on_done(self, rec: Record) -> tuple[bool, int | None]:
-        self._fire(rec, "release", fields={"deadline_ms": "", "alarm": ""})
+    def _on_done(self, rec: ClusterRecord) -> Step:
+        self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None
 
 
-def _json(obj: object) -> str:
-    return json.dumps(obj, sort_keys=True)
-
-
-def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
-    """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts`: new phy2log int64 [L, P]."""
-    from fdeplb.placement import rebalance_experts
-
-    kwargs = {"old_phy2log": old_phy2log} if cfg.policy == "move_aware" else {}
-    placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
-                                  cfg.ep_size, policy=cfg.policy, **kwargs)
-    return placement.phy2log
-
+#: cluster state -> the coordinator's entry work in that state (checked complete against the CLUSTER table)
+ENTRY_WORK = entry_work(CLUSTER, {
+    ClusterState.FREE: Coordinator._on_free,
+    ClusterState.COLLECTING: Coordinator._on_collecting,
+    ClusterState.PLANNING: Coordinator._on_planning,
+    ClusterState.LOADING: Coordinator._on_loading,
+    ClusterState.LOAD_SUCC: Coordinator._on_load_succ,
+    ClusterState.SWAPPING: Coordinator._on_swapping,
+    ClusterState.DONE: Coordinator._on_done,
+})

@@ -4,7 +4,9 @@ Terms follow DESIGN.md: ``phy2log`` int64 [L, P] is the canonical placement; ``l
 it; ``expert_load`` [L, E] is tokens routed per logical expert.
 """
 
+from fdeplb.placement._validate import MAX_LOAD, check_expert_load, check_int, check_phy2log, check_topology
 from fdeplb.placement.core import Placement, initial_placement
+from fdeplb.placement.digest import plan_digest
 from fdeplb.placement.files import FORMATS, PlacementFile, read_placement, write_placement
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
 from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
@@ -12,17 +14,23 @@ from fdeplb.placement.rebalance import POLICIES, rebalance_experts
 
 __all__ = [
     "FORMATS",
+    "MAX_LOAD",
     "POLICIES",
     "ExpertLoad",
     "Placement",
     "PlacementFile",
     "balancedness",
+    "check_expert_load",
+    "check_int",
+    "check_phy2log",
+    "check_topology",
     "gpu_loads",
     "imbalance",
     "initial_placement",
     "load_digest",
     "moved_bytes",
     "moved_experts",
+    "plan_digest",
     "read_expert_load",
     "read_placement",
     "rebalance_experts",

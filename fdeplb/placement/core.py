@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fdeplb.errors import TopologyError
+from fdeplb.errors import InputError, TopologyError
 from fdeplb.placement._validate import check_int, check_phy2log
 
 
@@ -29,6 +29,34 @@ def derive_maps(phy2log: np.ndarray, num_logical_experts: int) -> tuple[np.ndarr
     return log2phy, logcnt
 
 
+def replica_rank(log2phy: np.ndarray, num_physical_experts: int) -> np.ndarray:
+    """int64 [L, P]: the position of every slot in its expert's list of ``log2phy`` [L, E, W] (-1: not listed).
+
+    ``log2phy`` entries must lie in ``[-1, P)``. The inverse of building log2phy from replica ranks.
+    """
+    L, E, W = log2phy.shape
+    rank = np.full((L, num_physical_experts + 1), -1, dtype=np.int64)
+    where = np.where(log2phy >= 0, log2phy, num_physical_experts).reshape(L, -1)
+    np.put_along_axis(rank, where, np.broadcast_to(np.tile(np.arange(W), E), where.shape), axis=1)
+    return rank[:, :num_physical_experts]
+
+
+def _ranked_log2phy(phy2log: np.ndarray, rank: np.ndarray, logcnt: np.ndarray) -> np.ndarray:
+    """log2phy [L, E, max(logcnt)] listing every expert's slots by ``rank`` [L, P]; InputError unless valid."""
+    L, P = phy2log.shape
+    E, width = logcnt.shape[1], int(logcnt.max())
+    if rank.shape != (L, P) or not np.issubdtype(rank.dtype, np.integer):
+        raise InputError(f"replica_rank must be an integer array of shape {(L, P)}, got {rank.dtype} {rank.shape}")
+    rank = rank.astype(np.int64)
+    if not ((rank >= 0) & (rank < np.take_along_axis(logcnt, phy2log, axis=1))).all():
+        raise InputError("replica_rank must rank every expert's slots 0 .. logcnt - 1")
+    log2phy = np.full((L, E * width), -1, dtype=np.int64)
+    np.put_along_axis(log2phy, phy2log * width + rank, np.broadcast_to(np.arange(P, dtype=np.int64), (L, P)), 1)
+    if np.count_nonzero(log2phy >= 0) != L * P:  # two slots of an expert with the same rank
+        raise InputError("replica_rank must rank every expert's slots 0 .. logcnt - 1, each rank once")
+    return log2phy.reshape(L, E, width)
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     arr.setflags(write=False)
     return arr
@@ -41,8 +69,9 @@ class Placement:
     Attributes:
         phy2log: int64 [num_layers, num_physical_experts], logical expert id of every slot. Slots of EP rank ``r``
             are ``[r * P / num_gpus, (r + 1) * P / num_gpus)``.
-        log2phy: int64 [num_layers, num_logical_experts, max_replicas], the slots of every logical expert in
-            ascending phy_id order, padded with -1.
+        log2phy: int64 [num_layers, num_logical_experts, max_replicas], the slots of every logical expert, padded
+            with -1: in ascending phy_id order, unless the policy gave its own order (policy "deepseek" lists them
+            in replica-rank order, as DeepSeek's ``eplb.py`` does).
         logcnt: int64 [num_layers, num_logical_experts], replica count of every logical expert (>= 1, row sum = P).
         policy: name of the policy that produced the placement ("initial", "deepseek", ..., or "file").
         num_groups, num_nodes, num_gpus: the topology the placement was made for.
@@ -69,12 +98,17 @@ class Placement:
         num_groups: int = 1,
         num_nodes: int = 1,
         num_gpus: int = 1,
+        replica_rank: np.ndarray | None = None,
     ) -> "Placement":
         """Build a placement from ``phy2log`` [L, P] (any integer array-like), deriving log2phy and logcnt.
+
+        ``replica_rank`` (int [L, P]) orders every expert's slots in log2phy by it instead of by phy_id (DeepSeek's
+        replica ranks): for each expert its slots' ranks must be ``0 .. logcnt - 1``, once each.
 
         Raises:
             InputError: phy2log is not a 2-D integer array, holds an id outside ``[0, num_logical_experts)``, or
                 leaves a logical expert without a slot.
+                Or ``replica_rank`` is not of shape [L, P] or does not rank each expert's slots 0..logcnt-1.
             TopologyError: P is not a multiple of ``num_gpus`` or ``num_gpus`` not a multiple of ``num_nodes``.
         """
         E = check_int(num_logical_experts, "num_logical_experts")
@@ -89,6 +123,8 @@ class Placement:
         if arr is phy2log:
             arr = arr.copy()
         log2phy, logcnt = derive_maps(arr, E)
+        if replica_rank is not None:
+            log2phy = _ranked_log2phy(arr, np.asarray(replica_rank), logcnt)
         return cls(
             phy2log=_frozen(arr),
             log2phy=_frozen(log2phy),
@@ -176,4 +212,4 @@ def initial_placement(
     )
 
 
-__all__ = ["Placement", "derive_maps", "initial_placement"]
+__all__ = ["Placement", "derive_maps", "initial_placement", "replica_rank"]

@@ -29,7 +29,7 @@ import numpy as np
 
 from fdeplb.errors import InputError, PlacementFileError
 from fdeplb.placement._validate import read_document
-from fdeplb.placement.core import Placement, derive_maps
+from fdeplb.placement.core import Placement, derive_maps, replica_rank
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
 FDEPLB_FORMAT = "fdeplb.placement"
@@ -59,9 +59,12 @@ class PlacementFile:
         if missing:
             raise PlacementFileError(f"{self.path}: no row for model layer(s) {missing[:5]}")
         pl = self.placement
+        rows = [pos[int(i)] for i in ids]
+        width = int(pl.logcnt[rows].max()) if rows else 0
         return Placement.from_phy2log(
-            pl.phy2log[[pos[int(i)] for i in ids]], pl.num_logical_experts, policy=pl.policy,
+            pl.phy2log[rows], pl.num_logical_experts, policy=pl.policy,
             num_groups=pl.num_groups, num_nodes=pl.num_nodes, num_gpus=pl.num_gpus,
+            replica_rank=replica_rank(pl.log2phy[rows][:, :, :width], pl.num_physical_experts),  # keeps the order
         )
 
 
@@ -252,8 +255,23 @@ def read_placement(
     except InputError as exc:
         raise _fail(p, str(exc)) from None
     if fmt == "fdeplb":
-        if doc.get("logcnt") != placement.logcnt.tolist() or doc.get("log2phy") != placement.log2phy.tolist():
+        if doc.get("logcnt") != placement.logcnt.tolist():
             raise _fail(p, "log2phy/logcnt do not match phy2log")
+        if doc.get("log2phy") != placement.log2phy.tolist():  # a policy's own replica order ("deepseek") is kept
+            try:
+                given = np.array(doc.get("log2phy"), dtype=np.int64)
+                P = placement.num_physical_experts
+                if given.shape != placement.log2phy.shape or not ((given >= -1) & (given < P)).all():
+                    raise InputError("log2phy shape or slot ids")
+                placement = Placement.from_phy2log(
+                    placement.phy2log, E, policy=placement.policy, num_groups=placement.num_groups,
+                    num_nodes=placement.num_nodes, num_gpus=placement.num_gpus,
+                    replica_rank=replica_rank(given, placement.num_physical_experts),
+                )
+            except (InputError, ValueError, TypeError):
+                raise _fail(p, "log2phy/logcnt do not match phy2log") from None
+            if doc.get("log2phy") != placement.log2phy.tolist():
+                raise _fail(p, "log2phy/logcnt do not match phy2log")
     if ids.shape != (placement.num_layers,):
         raise _fail(p, f"layer_ids has {ids.size} entries for {placement.num_layers} rows")
     ids = ids.astype(np.int64)

@@ -10,7 +10,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
 from fdeplb.placement.core import Placement
 from fdeplb.placement.balanced import balanced_phy2log
-from fdeplb.placement.deepseek import deepseek_phy2log
+from fdeplb.placement.deepseek import deepseek_placement
 from fdeplb.placement.greedy import greedy_phy2log
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
@@ -19,7 +19,8 @@ from fdeplb.placement.slots import align_slots
 def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
     if not hierarchical:
         num_groups, num_nodes = 1, 1
-    return deepseek_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus)[0]
+    phy2log, phyrank, _ = deepseek_placement(load, num_replicas, num_groups, num_nodes, num_gpus)
+    return phy2log, phyrank
 
 
 def _greedy(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
@@ -45,7 +46,8 @@ def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchica
 
 
 #: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
-#: returning phy2log int64 [L, P].
+#: returning phy2log int64 [L, P], or ``(phy2log, replica_rank)`` when the policy orders each expert's slots itself
+#: in log2phy (see :meth:`Placement.from_phy2log`).
 POLICIES: dict[str, Callable[..., np.ndarray]] = {
     "deepseek": _deepseek,
     "greedy": _greedy,
@@ -78,7 +80,8 @@ def rebalance_experts(
         num_nodes: server nodes; GPUs of a node are contiguous EP ranks.
         num_gpus: EP size, a multiple of ``num_nodes``.
         policy: one of :data:`POLICIES`:
-            "deepseek": DeepSeek's EPLB (github.com/deepseek-ai/EPLB), bit-exact including tie order;
+            "deepseek": DeepSeek's EPLB (github.com/deepseek-ai/EPLB): phy2log, log2phy (replica-rank order) and
+            logcnt identical to ``eplb.py`` on torch CPU, ties included;
             "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored by the plan, though the
             topology is still checked as for "deepseek");
             "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
@@ -126,6 +129,9 @@ def rebalance_experts(
         cap = None if max_moved_experts is None else check_int(max_moved_experts, "max_moved_experts", minimum=0)
         options = {"tolerance": tol, "max_moved_experts": cap}
     phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
+    rank = None
+    if isinstance(phy2log, tuple):
+        phy2log, rank = phy2log
     return Placement.from_phy2log(
-        phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus
+        phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, replica_rank=rank
     )

@@ -2,7 +2,7 @@
 
 ``python -m fdeplb.sim.worker --redis-url URL --cluster ID --rank R --trace PATH`` loads the rank's live experts
 from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT. Its expert_load window is its share of the
-trace (see :mod:`fdeplb.sim.loads`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
+trace (see :mod:`fdeplb.sim.shares`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
 drifts between recorded workloads from round to round.
 """
 
@@ -23,26 +23,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", required=True, action="append", help="expert-load dump; repeat to drift per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--staging-budget-bytes", type=int, default=None)
+    p.add_argument("--backend", choices=("paddle", "numpy"), default="paddle",
+                   help="live experts as paddle tensors from the checkpoint, or numpy arrays (fdeplb.testing)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     configure(args.log_level)
 
     from fdeplb.orchestration.agent import RankAgent
-    from fdeplb.weights._paddle import paddle as load_paddle
     from fdeplb.placement import read_expert_load
-    from fdeplb.sim.loads import rank_share
-    from fdeplb.store.redis_store import Store
+    from fdeplb.sim.shares import rank_share
+    from fdeplb.store import Store
+    from fdeplb.testing import NumpyWeights
+    from fdeplb.weights import import_paddle
 
     store = Store(args.redis_url, args.cluster)
     ep_size = store.ep_size()
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
     agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
+                      backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
                       staging_budget_bytes=args.staging_budget_bytes, verify_all=True)
 
     def stop(_signum, _frame):
         agent.stop_event.set()
 
-    load_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
+    if args.backend == "paddle":
+        import_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     agent.start()

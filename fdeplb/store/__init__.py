@@ -1,0 +1,32 @@
+"""Redis: the only package that talks to it. Typed records, the commit and lease scripts, the embedded server."""
+
+from fdeplb.store.embedded import EmbeddedRedis
+from fdeplb.store.records import (
+    ClusterConfig,
+    ClusterRecord,
+    Deadlines,
+    LeaseInfo,
+    LoadWindow,
+    PlacementEntry,
+    PlanEntry,
+    RankRecord,
+    WeightRecord,
+)
+from fdeplb.store.redis_store import AuditRecord, CommitResult, Cursor, Store
+
+__all__ = [
+    "AuditRecord",
+    "ClusterConfig",
+    "ClusterRecord",
+    "CommitResult",
+    "Cursor",
+    "Deadlines",
+    "EmbeddedRedis",
+    "LeaseInfo",
+    "LoadWindow",
+    "PlacementEntry",
+    "PlanEntry",
+    "RankRecord",
+    "Store",
+    "WeightRecord",
+]

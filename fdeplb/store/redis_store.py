@@ -1,8 +1,14 @@
-"""The Redis store: the only module of fdeplb that imports ``redis``.
+"""The Redis store: the only module of fdeplb that talks to Redis, and the boundary of its errors.
 
-It reads records, commits transitions through ``lua/commit.lua`` (state + version + fence checked, guards across
-records checked, record written and audit appended, all in one atomic step), and keeps the arrays (loads, plans,
-placement) as dtype + shape + raw bytes.
+It reads and writes the typed records of :mod:`fdeplb.store.records`, commits transitions through
+``lua/commit.lua`` (state + version + fence checked, guards across records checked, record written and audit
+appended, all in one atomic step), and keeps the arrays (loads, snapshots, plans, placement) as dtype + shape + raw
+bytes. Callers never see a key, a field name or a redis-py exception: every public method maps redis-py's errors to
+fdeplb's once, here (:func:`_redis_errors`, the pattern of httpx's ``map_httpcore_exceptions``):
+
+- connection refused / reset / timed out, authentication: :class:`~fdeplb.errors.RedisUnavailableError`;
+- any other server error (e.g. ``WRONGTYPE`` on a key another program wrote): :class:`~fdeplb.errors.StoreError`;
+- a stored value fdeplb cannot parse: :class:`~fdeplb.errors.CorruptRecordError` naming the key and field.
 
 Clients are created without retries and with a socket timeout longer than any ``XREAD BLOCK`` we issue: a commit
 whose reply was lost is *not* re-sent (the caller re-reads the record and sees what happened), and blocking reads are
@@ -11,10 +17,11 @@ not cut short by redis-py's 5 s default.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
-from dataclasses import dataclass, field
-from importlib import resources
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import redis
@@ -22,16 +29,34 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from fdeplb.errors import (
+    CorruptRecordError,
     FenceError,
     GuardError,
     InputError,
     NotFoundError,
     RedisUnavailableError,
     StaleStateError,
+    StateError,
+    StoreError,
 )
-from fdeplb.machines.tables import MachineTable, TransitionSpec
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, TransitionSpec
 from fdeplb.store import arrays
 from fdeplb.store.keys import Keys
+from fdeplb.store.records import (
+    ClusterConfig,
+    ClusterRecord,
+    LeaseInfo,
+    LoadWindow,
+    PlacementEntry,
+    PlanEntry,
+    RankRecord,
+    WeightRecord,
+    encode_changes,
+    json_text,
+    parse_record,
+    record_type,
+)
+from fdeplb.store.scripts import commit_call, lease_call, script_text
 
 #: longest XREAD BLOCK any fdeplb waiter issues (ms); the socket timeout is set well above it.
 MAX_BLOCK_MS = 2_000
@@ -39,6 +64,41 @@ SOCKET_TIMEOUT_S = 30.0
 
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
+
+#: events kept in the capped wake-up stream
+EVENTS_MAXLEN = 10_000
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def _redis_errors(url: str) -> Iterator[None]:
+    """Map redis-py's exceptions to fdeplb's (see the module doc)."""
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # AuthenticationError is a ConnectionError
+        raise RedisUnavailableError(f"Redis at {url} is unavailable: {exc}") from None
+    except redis.ResponseError as exc:
+        raise StoreError(f"Redis at {url} refused a command: {exc}") from None
+    except redis.RedisError as exc:
+        raise StoreError(f"Redis client error ({url}): {exc}") from None
+
+
+def _mapped(fn: F) -> F:
+    @functools.wraps(fn)
+    def wrapper(self: "Store", *args: Any, **kwargs: Any) -> Any:
+        with _redis_errors(self.url):
+            return fn(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _map_public_methods(cls: type) -> type:
+    """Wrap every public method of ``cls`` in :func:`_redis_errors` (the one boundary)."""
+    for name, value in list(vars(cls).items()):
+        if not name.startswith("_") and callable(value) and not isinstance(value, (staticmethod, classmethod, type)):
+            setattr(cls, name, _mapped(value))
+    return cls
 
 
 def connect(url: str) -> redis.Redis:
@@ -58,24 +118,11 @@ def connect(url: str) -> redis.Redis:
 
 
 def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else ("" if value is None else str(value))
+    return value.decode(errors="replace") if isinstance(value, bytes) else ("" if value is None else str(value))
 
 
-@dataclass(frozen=True)
-class Record:
-    """One machine record as read from Redis: ``state``, ``version`` and every other field as text."""
-
-    key: str
-    state: str
-    version: int
-    fields: dict[str, str] = field(default_factory=dict)
-
-    def get(self, name: str, default: str = "") -> str:
-        return self.fields.get(name, default)
-
-    def get_int(self, name: str, default: int = 0) -> int:
-        v = self.fields.get(name, "")
-        return int(v) if v not in ("", None) else default
+def _text(raw: dict) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in raw.items()}
 
 
 @dataclass(frozen=True)
@@ -89,7 +136,7 @@ class CommitResult:
 
 @dataclass(frozen=True)
 class AuditRecord:
-    """One audit stream entry; ``fields`` holds every field as text (see DESIGN.md section 4)."""
+    """One audit (or events) stream entry; ``fields`` holds every field as text (see DESIGN.md section 4)."""
 
     id: str
     fields: dict[str, str]
@@ -98,281 +145,488 @@ class AuditRecord:
         return self.fields.get(name, "")
 
 
+#: an XREAD position per stream, opaque to callers: :meth:`Store.cursor` makes one, :meth:`Store.wait` moves it.
+Cursor = dict
+
+
+@_map_public_methods
 class Store:
-    """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is."""
+    """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is.
 
-    #: errors meaning "Redis did not answer" (for retry loops outside this module, which never import redis)
-    connection_errors: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+    Args:
+        url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``.
+        cluster: cluster id, ``[A-Za-z0-9_.-]{1,64}``.
 
-    def __init__(self, client: redis.Redis | str, cluster: str) -> None:
-        self.url = client if isinstance(client, str) else repr(client)
-        self.client = connect(client) if isinstance(client, str) else client
-        self.keys = Keys(cluster)
+    Raises:
+        InputError: a malformed URL or cluster id. Nothing connects until the first call.
+    """
+
+    def __init__(self, url: str, cluster: str) -> None:
+        self.url = url
+        self._client = connect(url)
+        self._keys = Keys(cluster)
         self.cluster = cluster
-        self._ep_size: int | None = None
-        lua = resources.files("fdeplb.store") / "lua"
-        self._commit = self.client.register_script((lua / "commit.lua").read_text())
-        self._lease = self.client.register_script((lua / "lease.lua").read_text())
+        self._config: ClusterConfig | None = None
+        self._commit = self._client.register_script(script_text("commit"))
+        self._lease = self._client.register_script(script_text("lease"))
 
     def ping(self) -> None:
         """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
         try:
-            self.client.ping()
+            self._client.ping()
         except redis.RedisError as exc:
             raise RedisUnavailableError(f"cannot reach Redis at {self.url}: {exc}") from None
 
-    # ---- records ------------------------------------------------------------------------------------------------
-    def record_key(self, table: MachineTable, index: int | None = None) -> str:
-        """Key of ``table``'s record (``index`` = ep_rank for rank and weights records)."""
-        if table.name == "cluster":
-            return self.keys.rearrange
-        if index is None:
-            raise InputError(f"{table.name} records need an ep_rank")
-        return self.keys.rank(index) if table.name == "rank" else self.keys.weights(index)
+    def close(self) -> None:
+        """Close the client's connections (the store can still be used: they reopen on demand)."""
+        self._client.close()
 
-    def ensure_record(self, key: str, initial: str) -> bool:
-        """Create the record in ``initial`` state at version 0 unless it exists (both fields in one MULTI, so a
-        crash cannot leave a record without a version); True if created."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.hsetnx(key, "state", initial)
+    # ---- machine records ------------------------------------------------------------------------------------------
+    def _record_key(self, table: MachineTable, ep_rank: int | None) -> str:
+        if table is CLUSTER:
+            return self._keys.rearrange
+        if ep_rank is None:
+            raise InputError(f"{table.name} records need an ep_rank")
+        return self._keys.rank(ep_rank) if table is RANK else self._keys.weights(ep_rank)
+
+    def read(self, table: MachineTable, ep_rank: int | None = None) -> Any:
+        """The record of ``table`` (of ``ep_rank`` for rank and weights records), typed
+        (:class:`ClusterRecord` / :class:`RankRecord` / :class:`WeightRecord`). :class:`NotFoundError` if it does
+        not exist, :class:`CorruptRecordError` if it does not parse."""
+        key = self._record_key(table, ep_rank)
+        raw = self._client.hgetall(key)
+        if not raw:
+            raise NotFoundError(f"no {table.name} record at {key}")
+        return parse_record(record_type(table), key, _text(raw))
+
+    def read_cluster(self) -> ClusterRecord:
+        """The cluster rearrangement record."""
+        return self.read(CLUSTER)
+
+    def read_rank(self, ep_rank: int) -> RankRecord:
+        """The rank record of ``ep_rank``."""
+        return self.read(RANK, ep_rank)
+
+    def read_weights(self, ep_rank: int) -> WeightRecord:
+        """The weight-status record of ``ep_rank``."""
+        return self.read(WEIGHTS, ep_rank)
+
+    def read_all(self, table: MachineTable) -> list[Any]:
+        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip; a missing one is
+        :class:`NotFoundError`."""
+        keys = [self._record_key(table, r) for r in range(self.ep_size())]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        out = []
+        for key, raw in zip(keys, pipe.execute()):
+            if not raw:
+                raise NotFoundError(f"no {table.name} record at {key}")
+            out.append(parse_record(record_type(table), key, _text(raw)))
+        return out
+
+    def ensure(self, table: MachineTable, ep_rank: int | None = None) -> bool:
+        """Create the record in the table's initial state at version 0 unless it exists (both fields in one MULTI,
+        so a crash cannot leave a record without a version); True if created."""
+        key = self._record_key(table, ep_rank)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hsetnx(key, "state", table.initial.value)
         pipe.hsetnx(key, "version", "0")
         created, _ = pipe.execute()
         return bool(created)
 
-    def read_record(self, key: str) -> Record:
-        """The record at ``key``; :class:`NotFoundError` if it does not exist."""
-        raw = self.client.hgetall(key)
-        if not raw:
-            raise NotFoundError(f"no record at {key}")
-        fields = {_s(k): _s(v) for k, v in raw.items()}
-        return Record(key=key, state=fields.pop("state", ""), version=int(fields.pop("version", "0")), fields=fields)
+    def update(self, table: MachineTable, ep_rank: int | None = None, **changes: Any) -> None:
+        """Write fields of a record that are not its state (heartbeat, alarm, reports); names are checked against
+        the record type (:class:`InputError` for an unknown one, or for state / version)."""
+        fields = encode_changes(record_type(table), changes)
+        if fields:
+            self._client.hset(self._record_key(table, ep_rank), mapping=fields)
+
+    def heartbeat(self, ep_rank: int, **changes: Any) -> int:
+        """Stamp ``ep_rank``'s heartbeat with the server's clock (plus any other rank-record ``changes``);
+        returns the time written (ms)."""
+        now = self.now_ms()
+        self.update(RANK, ep_rank, heartbeat_ms=now, **changes)
+        return now
 
     def commit(
         self,
         table: MachineTable,
         spec: TransitionSpec,
-        record: Record,
+        record: Any,
         *,
         actor: str,
+        label: str,
         fence: str = "",
         plan_id: str = "",
         round_: int | None = None,
         reason: str = "",
-        fields: dict[str, Any] | None = None,
-        label: str | None = None,
+        changes: dict[str, Any] | None = None,
     ) -> CommitResult:
         """Commit ``spec`` (a transition of ``table``) on ``record`` atomically with its audit record.
 
-        ``plan_id`` is the plan the transition concerns (guards with ``same_plan`` compare against it); ``fields``
-        are extra record fields written in the same step. Raises :class:`FenceError` (lease not held),
+        ``label`` names the record in the audit (``cluster``, ``rank:3``); ``plan_id`` is the plan the transition
+        concerns (guards with ``same_plan`` compare against it); ``changes`` are other record fields written in the
+        same step (checked against the record type). Raises :class:`FenceError` (lease not held),
         :class:`StaleStateError` (record changed since read) or :class:`GuardError` (a guard refused); Redis is
         unchanged then.
         """
-        round_ = record.get_int("round") if round_ is None else round_
-        guard_keys: list[str] = []
-        guards: list[dict[str, Any]] = []
-        ranks = range(self.ep_size()) if any(g.kind in ("ranks_in", "weights_in") for g in spec.guards) else []
-        for g in spec.guards:
-            entry: dict[str, Any] = {"kind": g.kind, "state": g.state, "states": list(g.states),
-                                     "plan_id": plan_id if g.same_plan or g.kind == "plan_not_current" else "",
-                                     "first": 0, "count": 0}
-            if g.kind in ("ranks_in", "weights_in"):
-                entry["first"] = 7 + len(guard_keys)
-                entry["count"] = len(ranks)
-                make = self.keys.rank if g.kind == "ranks_in" else self.keys.weights
-                guard_keys.extend(make(r) for r in ranks)
-            guards.append(entry)
+        round_ = record.round if round_ is None else round_
         audit = {
-            "machine": table.name, "key": label or record.key, "from": record.state, "to": spec.dest,
+            "machine": table.name, "key": label, "from": record.state.value, "to": spec.dest.value,
             "trigger": spec.trigger, "actor": actor, "round": str(round_), "plan_id": plan_id, "reason": reason,
         }
-        extra = {k: _s(v) if not isinstance(v, (int, float)) else str(v) for k, v in (fields or {}).items()}
-        keys = [record.key, self.keys.audit, self.keys.lease, self.keys.rearrange, self.keys.placement,
-                self.keys.plan(plan_id or "_none"), *guard_keys]
-        args = [
-            record.state, str(record.version), fence, spec.dest,
-            json.dumps([x for kv in extra.items() for x in kv]),
-            json.dumps([x for k in AUDIT_FIELDS for x in (k, audit[k])]),
-            json.dumps(guards), spec.effect,
-        ]
-        reply = self._commit(keys=keys, args=args)
+        per_rank = any(g.kind.per_rank for g in spec.guards)
+        call = commit_call(
+            self._keys, record_key=record.key, expected_state=record.state, expected_version=record.version,
+            fence=fence, new_state=spec.dest, fields=encode_changes(record_type(table), changes or {}),
+            audit={k: audit[k] for k in AUDIT_FIELDS}, guards=spec.guards, effect=spec.effect, plan_id=plan_id,
+            plan_key=self._keys.plan(plan_id or "_none"), ep_size=self.ep_size() if per_rank else 0,
+        )
+        reply = self._commit(keys=call.keys, args=call.args)
         status = _s(reply[0])
         if status == "OK":
             return CommitResult(version=int(_s(reply[1])), audit_id=_s(reply[2]), ts_ms=int(_s(reply[3])))
-        detail = f"{table.name} {spec.trigger} on {label or record.key}: {_s(reply[1])}"
+        detail = f"{table.name} {spec.trigger} on {label}: {_s(reply[1])}"
         if status == "ERR_FENCE":
             raise FenceError(detail)
         if status == "ERR_GUARD":
             raise GuardError(detail)
         raise StaleStateError(detail)
 
-    # ---- cluster setup and ranks --------------------------------------------------------------------------------
-    def create_cluster(self, config: dict[str, Any], phy2log: np.ndarray, records: list[tuple[str, str]]) -> bool:
-        """Write a new cluster in one MULTI/EXEC: its configuration, the initial placement (plan_id "") and each
-        ``(key, initial state)`` record at version 0. Returns False, writing nothing, if the cluster's
+    # ---- cluster set-up, configuration, ranks ---------------------------------------------------------------------
+    def create_cluster(self, config: ClusterConfig, phy2log: np.ndarray) -> bool:
+        """Write a new cluster in one MULTI/EXEC: its configuration, the initial placement (plan_id "") and one
+        record per machine at version 0 in its initial state. Returns False, writing nothing, if the cluster's
         configuration exists already (WATCHed, so two creators cannot both win)."""
-        with self.client.pipeline(transaction=True) as pipe:
+        records = [(self._keys.rearrange, CLUSTER.initial)]
+        for r in range(config.ep_size):
+            records += [(self._keys.rank(r), RANK.initial), (self._keys.weights(r), WEIGHTS.initial)]
+        with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(self.keys.config)
-                    if pipe.exists(self.keys.config):
+                    pipe.watch(self._keys.config)
+                    if pipe.exists(self._keys.config):
                         pipe.unwatch()
                         return False
                     pipe.multi()
-                    pipe.delete(self.keys.placement, *(key for key, _ in records))  # leftovers of a stray write
-                    pipe.hset(self.keys.placement,
-                              mapping={**arrays.encode("phy2log", phy2log), "plan_id": "", "version": "0"})
+                    pipe.delete(self._keys.placement, *(key for key, _ in records))  # leftovers of a stray write
+                    pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log,
+                                                                                                   np.int64)),
+                                                             "plan_id": "", "version": "0"})
                     for key, initial in records:
-                        pipe.hset(key, mapping={"state": initial, "version": "0"})
-                    pipe.hset(self.keys.config, mapping={k: json.dumps(v) for k, v in config.items()})
+                        pipe.hset(key, mapping={"state": initial.value, "version": "0"})
+                    pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
+                    pipe.execute()
+                    self._config = config
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def read_config(self) -> ClusterConfig:
+        """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
+        :class:`CorruptRecordError` if it does not parse. Cached: a cluster's configuration never changes."""
+        if self._config is None:
+            raw = self._client.hgetall(self._keys.config)
+            if not raw:
+                raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
+            try:
+                data = {_s(k): json.loads(_s(v)) for k, v in raw.items()}
+                self._config = ClusterConfig.from_json(data)
+            except (json.JSONDecodeError, InputError) as exc:
+                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {exc}") from None
+        return self._config
+
+    def ep_size(self) -> int:
+        """Number of EP ranks of the cluster (from its configuration)."""
+        return self.read_config().ep_size
+
+    def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
+        """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
+        self._client.hset(self._keys.ranks, str(int(ep_rank)), json_text(info))
+
+    def rank_info(self) -> dict[int, dict[str, Any]]:
+        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not JSON."""
+        out = {}
+        for k, v in self._client.hgetall(self._keys.ranks).items():
+            try:
+                out[int(_s(k))] = json.loads(_s(v))
+            except ValueError:
+                raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON") from None
+        return out
+
+    def request_round(self, reason: str = "operator") -> int:
+        """Ask the coordinator for one more round; returns the requested round count (``requested`` field).
+
+        The coordinator starts a round while ``requested`` exceeds the record's ``round`` (the start itself is a
+        guarded, audited transition; a request is only a wish)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrby(self._keys.rearrange, "requested", 1)
+        pipe.hset(self._keys.rearrange, "requested_reason", reason)
+        n, _ = pipe.execute()
+        self.emit_event("round_requested", reason=reason, requested=n)
+        return int(n)
+
+    def request_commit(self, plan_id: str) -> None:
+        """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
+        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction.
+
+        Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
+        is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
+        if not self.read_config().cordoned:
+            raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self._keys.rearrange)
+                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(pipe.hgetall(self._keys.rearrange)))
+                    if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
+                        pipe.unwatch()
+                        raise StateError(
+                            f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
+                            f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
+                    pipe.multi()
+                    pipe.hset(self._keys.rearrange, "commit_requested", plan_id)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        self.emit_event("commit_requested", plan_id=plan_id)
+
+    def request_weights(self, action: str, reason: str = "operator") -> int:
+        """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
+        ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
+        safe point, through its weight-status machine. :class:`InputError` for another action."""
+        if action not in ("clear", "update"):
+            raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrby(self._keys.rearrange, "weights_request", 1)
+        pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason})
+        n, _ = pipe.execute()
+        self.emit_event("weights_requested", action=action, request=n, reason=reason)
+        return int(n)
+
+    def delete_cluster(self) -> int:
+        """Delete every key of this cluster (tests and demo clean-up); returns how many."""
+        pattern = f"{self._keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
+        keys = list(self._client.scan_iter(match=pattern))
+        self._config = None
+        return int(self._client.delete(*keys)) if keys else 0
+
+    # ---- arrays: load windows, snapshots, plans, placement ------------------------------------------------------
+    def _put_once(self, key: str, mapping: dict[str, Any]) -> bool:
+        """Write a write-once hash (plans, snapshots) unless it exists; returns whether it wrote."""
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    if pipe.exists(key):
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.hset(key, mapping=mapping)
                     pipe.execute()
                     return True
                 except redis.WatchError:
                     continue
 
-    def read_config(self) -> dict[str, Any]:
-        """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised."""
-        raw = self.client.hgetall(self.keys.config)
-        if not raw:
-            raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self.keys.config})")
+    def _array(self, key: str, name: str, raw: dict | None = None) -> np.ndarray | None:
+        if raw is None:
+            values = self._client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
+            raw = {name: values[0], f"{name}:dtype": values[1], f"{name}:shape": values[2]}
         try:
-            return {_s(k): json.loads(_s(v)) for k, v in raw.items()}
-        except json.JSONDecodeError as exc:
-            raise InputError(f"cluster {self.cluster!r}: corrupt configuration at {self.keys.config}: {exc}") from None
+            return arrays.decode(name, raw)
+        except (InputError, ValueError, TypeError) as exc:
+            raise CorruptRecordError(f"{key}: {exc}") from None
 
-    def ep_size(self) -> int:
-        """Number of EP ranks of the cluster (from its configuration; cached, it never changes)."""
-        if self._ep_size is None:
-            self._ep_size = int(self.read_config()["ep_size"])
-        return self._ep_size
+    def publish_load(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> None:
+        """Publish ``ep_rank``'s expert_load window (int64 [L, E]) for round ``round_`` (overwrites the last)."""
+        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
+                   "round": str(int(round_)), "published_ms": str(self.now_ms())}
+        self._client.hset(self._keys.load(ep_rank), mapping=mapping)
+        self.emit_event("load_published", rank=ep_rank, round=round_)
 
-    def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
-        """Record ``ep_rank`` in the registry (the only peers ever contacted) with its address/pid info."""
-        self.client.hset(self.keys.ranks, str(int(ep_rank)), json.dumps(info, sort_keys=True))
-
-    def rank_info(self) -> dict[int, dict[str, Any]]:
-        """Registered ranks and their info."""
-        return {int(_s(k)): json.loads(_s(v)) for k, v in self.client.hgetall(self.keys.ranks).items()}
-
-    def set_fields(self, key: str, fields: dict[str, Any]) -> None:
-        """Write non-state fields of a record (heartbeat, diagnostics). Never used for state or version."""
-        if {"state", "version"} & set(fields):
-            raise InputError("state and version are written only by commits")
-        self.client.hset(key, mapping={k: _s(v) if not isinstance(v, (int, float)) else str(v)
-                                       for k, v in fields.items()})
-
-    # ---- arrays: loads, snapshots, plans, placement -------------------------------------------------------------
-    def put_arrays(self, key: str, named: dict[str, np.ndarray], extra: dict[str, Any] | None = None,
-                   *, only_if_absent: bool = False) -> bool:
-        """Write arrays (and text fields) into the hash ``key`` in one MULTI. With ``only_if_absent`` nothing is
-        written if the key exists (write-once objects such as plans and snapshots); returns whether it wrote."""
-        mapping: dict[str, Any] = {}
-        for name, arr in named.items():
-            mapping.update(arrays.encode(name, arr))
-        for k, v in (extra or {}).items():
-            mapping[k] = v if isinstance(v, bytes) else str(v)
-        if only_if_absent:
-            with self.client.pipeline(transaction=True) as pipe:
-                while True:
-                    try:
-                        pipe.watch(key)
-                        if pipe.exists(key):
-                            pipe.unwatch()
-                            return False
-                        pipe.multi()
-                        pipe.hset(key, mapping=mapping)
-                        pipe.execute()
-                        return True
-                    except redis.WatchError:
-                        continue
-        self.client.hset(key, mapping=mapping)
-        return True
-
-    def get_hash(self, key: str) -> dict[str, bytes]:
-        """Every field of a hash, keys as text, values as bytes (empty dict if absent)."""
-        return {_s(k): v for k, v in self.client.hgetall(key).items()}
-
-    def get_array(self, key: str, name: str) -> np.ndarray | None:
-        """One array stored in hash ``key``, or None."""
-        fields = self.client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
-        if fields[0] is None:
+    def load_round(self, ep_rank: int) -> int | None:
+        """Round of ``ep_rank``'s last published window (None if it never published)."""
+        value = self._client.hget(self._keys.load(ep_rank), "round")
+        if value is None:
             return None
-        return arrays.decode(name, {name: fields[0], f"{name}:dtype": fields[1], f"{name}:shape": fields[2]})
+        try:
+            return int(value)
+        except ValueError:
+            raise CorruptRecordError(f"{self._keys.load(ep_rank)}: round {_s(value)!r} is not an integer") from None
 
-    def current_placement(self) -> tuple[str, np.ndarray]:
-        """(plan_id, phy2log int64 [L, P]) of the cluster's current placement ('' = initial placement)."""
-        raw = self.get_hash(self.keys.placement)
-        phy2log = arrays.decode("phy2log", raw)
+    def read_load(self, ep_rank: int) -> LoadWindow | None:
+        """``ep_rank``'s last published window (None if it never published)."""
+        key = self._keys.load(ep_rank)
+        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        if not raw:
+            return None
+        load = self._array(key, "expert_load", raw)
+        try:
+            return LoadWindow(ep_rank=int(ep_rank), round=int(raw.get("round", b"")), expert_load=load,
+                              published_ms=int(raw.get("published_ms", b"0") or 0))
+        except ValueError:
+            raise CorruptRecordError(f"{key}: round or published_ms is not an integer") from None
+
+    def save_snapshot(self, round_: int, expert_load: np.ndarray) -> bool:
+        """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
+        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
+        return self._put_once(self._keys.snapshot(round_), mapping)
+
+    def read_snapshot(self, round_: int) -> np.ndarray | None:
+        """Round ``round_``'s load snapshot, int64 [L, E], or None."""
+        return self._array(self._keys.snapshot(round_), "expert_load")
+
+    def save_plan(self, plan: PlanEntry) -> bool:
+        """Store ``plan``; write-once (plans are content-addressed: False if this plan_id is stored)."""
+        mapping: dict[str, Any] = {}
+        for name in ("expert_load", "old_phy2log", "new_phy2log"):
+            mapping.update(arrays.encode(name, np.asarray(getattr(plan, name), dtype=np.int64)))
+        mapping.update({
+            "plan_id": plan.plan_id, "round": str(plan.round), "policy": plan.policy, "old_plan_id": plan.old_plan_id,
+            "topology": json_text(plan.topology), "balancedness_before": f"{plan.balancedness_before:.6f}",
+            "balancedness_after": f"{plan.balancedness_after:.6f}", "moved_experts": str(plan.moved_experts),
+        })
+        return self._put_once(self._keys.plan(plan.plan_id), mapping)
+
+    def read_plan(self, plan_id: str) -> PlanEntry | None:
+        """The stored plan ``plan_id`` or None; :class:`CorruptRecordError` if a field does not parse."""
+        if not plan_id:
+            return None
+        key = self._keys.plan(plan_id)
+        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        if not raw:
+            return None
+        arrs = {name: self._array(key, name, raw) for name in ("expert_load", "old_phy2log", "new_phy2log")}
+        missing = [n for n, a in arrs.items() if a is None]
+        if missing:
+            raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}")
+        text = {k: _s(v) for k, v in raw.items() if k in ("plan_id", "round", "policy", "old_plan_id", "topology",
+                                                            "balancedness_before", "balancedness_after",
+                                                            "moved_experts")}
+        try:
+            return PlanEntry(
+                plan_id=text.get("plan_id", plan_id), round=int(text.get("round", "")), policy=text.get("policy", ""),
+                old_plan_id=text.get("old_plan_id", ""), topology=json.loads(text.get("topology", "{}")),
+                balancedness_before=float(text.get("balancedness_before", "nan")),
+                balancedness_after=float(text.get("balancedness_after", "nan")),
+                moved_experts=int(text.get("moved_experts", "")), **arrs)
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            raise CorruptRecordError(f"{key}: {exc}") from None
+
+    def plan_phy2log(self, plan_id: str) -> np.ndarray | None:
+        """Only the new phy2log (int64 [L, P]) of plan ``plan_id``, or None if no such plan is stored."""
+        return self._array(self._keys.plan(plan_id), "new_phy2log") if plan_id else None
+
+    def current_placement(self) -> PlacementEntry:
+        """The cluster's current placement; :class:`NotFoundError` if the cluster has none."""
+        raw = {_s(k): v for k, v in self._client.hgetall(self._keys.placement).items()}
+        phy2log = self._array(self._keys.placement, "phy2log", raw)
         if phy2log is None:
             raise NotFoundError(f"cluster {self.cluster!r} has no current placement")
-        return _s(raw.get("plan_id", b"")), phy2log
+        try:
+            version = int(raw.get("version", b"0") or 0)
+        except ValueError:
+            raise CorruptRecordError(f"{self._keys.placement}: version is not an integer") from None
+        return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version)
 
     # ---- lease ---------------------------------------------------------------------------------------------------
+    def _lease_op(self, op: str, value: str, ttl_ms: int) -> Any:
+        call = lease_call(self._keys, op, value, ttl_ms)
+        return self._lease(keys=call.keys, args=call.args)
+
     def acquire_lease(self, holder: str, ttl_ms: int) -> str | None:
         """Take the coordinator lease if free; returns the lease value ``<fence>:<holder>`` (the fencing token)."""
-        value = self._lease(keys=[self.keys.lease, self.keys.fence], args=["acquire", holder, int(ttl_ms)])
+        value = self._lease_op("acquire", holder, ttl_ms)
         return _s(value) if value else None
 
     def renew_lease(self, value: str, ttl_ms: int) -> bool:
         """Extend the lease if ``value`` still holds it; False means the lease was lost."""
-        return bool(self._lease(keys=[self.keys.lease, self.keys.fence], args=["renew", value, int(ttl_ms)]))
+        return bool(self._lease_op("renew", value, ttl_ms))
 
     def release_lease(self, value: str) -> bool:
         """Give the lease back if ``value`` still holds it."""
-        return bool(self._lease(keys=[self.keys.lease, self.keys.fence], args=["release", value, 0]))
+        return bool(self._lease_op("release", value, 0))
 
-    def lease_holder(self) -> str | None:
-        v = self.client.get(self.keys.lease)
-        return _s(v) if v else None
+    def lease_info(self) -> LeaseInfo:
+        """Who holds the coordinator lease and for how long still."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.get(self._keys.lease)
+        pipe.pttl(self._keys.lease)
+        value, ttl = pipe.execute()
+        if not value:
+            return LeaseInfo(holder=None, ttl_ms=None)
+        return LeaseInfo(holder=_s(value), ttl_ms=int(ttl) if ttl is not None and int(ttl) >= 0 else None)
 
     # ---- time, audit and events ---------------------------------------------------------------------------------
     def now_ms(self) -> int:
         """The Redis server's clock in ms (deadlines are compared against it, never a local clock)."""
-        sec, usec = self.client.time()
+        sec, usec = self._client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    def append_alarm(self, record: Record, *, actor: str, reason: str) -> str:
+    def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str) -> str:
         """Append an alarm to the audit stream: ``trigger`` = ``alarm``, ``from`` = ``to`` = the record's state and
         its current ``version`` (not a transition: replays skip it; the record is unchanged)."""
-        fields = {"machine": "cluster", "key": "cluster", "from": record.state, "to": record.state,
-                  "trigger": "alarm", "actor": actor, "round": record.get("round"),
-                  "plan_id": record.get("plan_id"), "reason": reason, "version": str(record.version),
+        fields = {"machine": CLUSTER.name, "key": CLUSTER.name, "from": record.state.value,
+                  "to": record.state.value, "trigger": "alarm", "actor": actor, "round": str(record.round),
+                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version),
                   "fence": "", "ts_ms": str(self.now_ms())}
-        return _s(self.client.xadd(self.keys.audit, fields))
+        return _s(self._client.xadd(self._keys.audit, fields))
 
     def emit_event(self, kind: str, **fields: Any) -> str:
         """Append a wake-up event (not a transition) to the capped events stream."""
         body = {"kind": kind, **{k: str(v) for k, v in fields.items()}}
-        return _s(self.client.xadd(self.keys.events, body, maxlen=10_000, approximate=True))
+        return _s(self._client.xadd(self._keys.events, body, maxlen=EVENTS_MAXLEN, approximate=True))
 
-    def last_ids(self) -> dict[str, str]:
-        """Latest ids of the audit and events streams ('0-0' when empty): where a new waiter starts reading."""
+    def cursor(self, *, events_from: str | None = None) -> Cursor:
+        """A position after the latest audit and events entries: where a new waiter starts reading.
+        ``events_from`` starts the events stream at that id instead (e.g. "0-0": from its beginning)."""
         out = {}
-        for key in (self.keys.audit, self.keys.events):
-            last = self.client.xrevrange(key, count=1)
+        for key in (self._keys.audit, self._keys.events):
+            last = self._client.xrevrange(key, count=1)
             out[key] = _s(last[0][0]) if last else "0-0"
+        if events_from is not None:
+            out[self._keys.events] = events_from
         return out
 
-    def wait(self, cursor: dict[str, str], block_ms: int) -> list[tuple[str, AuditRecord]]:
-        """Block until a new audit or event entry appears after ``cursor`` (updated in place) or ``block_ms``.
+    def wait(self, cursor: Cursor, block_ms: int) -> list[AuditRecord]:
+        """Block until a new audit or event entry appears after ``cursor`` (updated in place) or ``block_ms``
+        passed; returns the new entries (audit records have a ``machine`` field, events a ``kind``).
 
-        Returns ``(stream_key, entry)`` pairs. ``XREAD BLOCK`` from the last seen id, so nothing is lost across
-        reconnects (unlike pub/sub).
+        ``XREAD BLOCK`` from the last seen id, so nothing is lost across reconnects (unlike pub/sub).
         """
         block = max(1, min(int(block_ms), MAX_BLOCK_MS))
-        reply = self.client.xread(cursor, block=block, count=1000) or []
+        reply = self._client.xread(cursor, block=block, count=1000) or []
         out = []
         for stream, entries in reply:
             stream = _s(stream)
             for entry_id, raw in entries:
                 cursor[stream] = _s(entry_id)
-                out.append((stream, AuditRecord(_s(entry_id), {_s(k): _s(v) for k, v in raw.items()})))
+                out.append(AuditRecord(_s(entry_id), _text(raw)))
         return out
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""
-        return [AuditRecord(_s(i), {_s(k): _s(v) for k, v in raw.items()})
-                for i, raw in self.client.xrange(self.keys.audit, start, end, count=count)]
+        return [AuditRecord(_s(i), _text(raw)) for i, raw in self._client.xrange(self._keys.audit, start, end,
+                                                                                   count=count)]
+
+    # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
+
+    # ---- section: retention, pruning and integrity (issue 14) -----------------------------------------------------
+
+    # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
+
+    # ---- section: self-contained recordings (issue 13) ------------------------------------------------------------
+
+    def last_audit_id(self) -> str:
+        """Id of the newest audit record ("0-0" when there is none)."""
+        last = self._client.xrevrange(self._keys.audit, count=1)
+        return _s(last[0][0]) if last else "0-0"
+
+    def audit_length(self) -> int:
+        """Number of records in the audit stream."""
+        return int(self._client.xlen(self._keys.audit))
 
     def iter_audit(self, batch: int = 1000) -> Iterator[AuditRecord]:
         """Every audit record, oldest first, in batches."""
@@ -384,7 +638,4 @@ class Store:
                 return
             start = "(" + chunk[-1].id
 
-    def delete_cluster(self) -> int:
-        """Delete every key of this cluster (tests and demo clean-up)."""
-        keys = list(self.client.scan_iter(match=f"{self.keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"))
-        return int(self.client.delete(*keys)) if keys else 0
+

@@ -3,6 +3,8 @@
 Only :mod:`fdeplb.weights._paddle` imports ``paddle`` / ``safetensors``, lazily; the transfer plan is pure numpy.
 """
 
+from fdeplb.weights._paddle import paddle as import_paddle
+from fdeplb.weights.backend import BackendFactory, CheckpointBackend, StageReport, Staged, WeightBackend
 from fdeplb.weights.checkpoint import CheckpointReader, write_synthetic_checkpoint
 from fdeplb.weights.live import LiveExperts, SwapReport
 from fdeplb.weights.plan import DISK, KEEP, LOCAL, Step, TransferPlan, plan_transfer, rank_slots, routing_tables
@@ -14,6 +16,11 @@ __all__ = [
     "KEEP",
     "LOCAL",
     "PRESETS",
+    "BackendFactory",
+    "CheckpointBackend",
+    "StageReport",
+    "Staged",
+    "WeightBackend",
     "CheckpointReader",
     "ExpertTemplate",
     "LiveExperts",
@@ -22,6 +29,7 @@ __all__ = [
     "SwapReport",
     "TransferPlan",
     "expert_checksum",
+    "import_paddle",
     "plan_transfer",
     "rank_slots",
     "routing_tables",

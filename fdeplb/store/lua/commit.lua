@@ -1,19 +1,21 @@
 -- commit.lua: commit one transition of one record atomically, together with its audit record.
+-- The call is laid out by fdeplb/store/scripts.py (commit_call), whose COMMIT_KEYS / COMMIT_ARGV name these slots.
 --
--- KEYS[1]  record hash being transitioned (cluster, rank or weights record)
--- KEYS[2]  audit stream of the cluster
--- KEYS[3]  coordinator lease string (read only when ARGV[3] ~= "")
--- KEYS[4]  cluster rearrange record hash (for cluster_in guards)
--- KEYS[5]  current placement hash (plan_not_current guard, set_placement effect)
--- KEYS[6]  plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
--- KEYS[7..] rank records / weight records referenced by guards (ranges given in ARGV[7])
+-- KEYS[1]  record: hash being transitioned (cluster, rank or weights record)
+-- KEYS[2]  audit: stream of the cluster
+-- KEYS[3]  lease: coordinator lease string (read only when ARGV[3] ~= "")
+-- KEYS[4]  rearrange: cluster record hash (cluster_in guards)
+-- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
+-- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
+-- KEYS[7..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
 --
--- ARGV[1]  expected state          ARGV[2] expected version (integer, "0" for a fresh record)
+-- ARGV[1]  expected_state: the state the caller read
+-- ARGV[2]  expected_version: the version the caller read (integer, "0" for a fresh record)
 -- ARGV[3]  fence: the caller's lease value, or "" for machines that are not fenced
--- ARGV[4]  new state
--- ARGV[5]  JSON array [field, value, ...] of extra record fields to set (strings)
--- ARGV[6]  JSON array [field, value, ...] of audit fields (strings); version, fence and ts_ms are appended here
--- ARGV[7]  JSON array of guards {kind, first, count, state, states, plan_id} (first/count index KEYS)
+-- ARGV[4]  new_state: the state the transition reaches
+-- ARGV[5]  fields: JSON array [field, value, ...] of extra record fields to set (strings)
+-- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence and ts_ms are appended here
+-- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS)
 -- ARGV[8]  effect: "" or "set_placement"
 --
 -- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:

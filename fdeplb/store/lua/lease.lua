@@ -1,10 +1,12 @@
 -- lease.lua: acquire or renew the coordinator lease, with a monotonic fencing counter.
 --
--- KEYS[1]  lease string (value "<fence>:<holder>", expires after ARGV[3] ms)
--- KEYS[2]  fence counter (INCR on every new acquisition; never decreases, never expires)
--- ARGV[1]  "acquire" | "renew" | "release"
--- ARGV[2]  holder id (acquire) or the caller's current lease value (renew, release)
--- ARGV[3]  time to live in ms
+-- The call is laid out by fdeplb/store/scripts.py (lease_call), whose LEASE_KEYS / LEASE_ARGV name these slots.
+--
+-- KEYS[1]  lease: string (value "<fence>:<holder>", expires after ARGV[3] ms)
+-- KEYS[2]  fence: counter (INCR on every new acquisition; never decreases, never expires)
+-- ARGV[1]  op: "acquire" | "renew" | "release"
+-- ARGV[2]  value: holder id (acquire) or the caller's current lease value (renew, release)
+-- ARGV[3]  ttl_ms: time to live in ms
 --
 -- acquire: if nobody holds the lease, take it with a fresh fence; returns the lease value, or false.
 -- renew:   if the caller still holds it, push the expiry; returns the value, or false (lease lost).

@@ -152,34 +152,31 @@ def export_audit(entries: Iterable, path: Path) -> int:
 # ---- status --------------------------------------------------------------------------------------------------------
 def cluster_status(store) -> dict[str, Any]:
     """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock)."""
-    from fdeplb.orchestration.cluster import read_cluster_config
-
-    config = read_cluster_config(store)
+    config = store.read_config()
     now = store.now_ms()
-    rec = store.read_record(store.keys.rearrange)
-    deadline = rec.get_int("deadline_ms", 0)
-    lease = store.lease_holder()
-    ttl = store.client.pttl(store.keys.lease) if lease else None
+    rec = store.read_cluster()
+    deadline = rec.deadline_ms
+    lease = store.lease_info()
     try:
-        placement_plan, _ = store.current_placement()
-        placement_version = int(store.client.hget(store.keys.placement, "version") or 0)
+        placement = store.current_placement()
+        placement_plan, placement_version = placement.plan_id, placement.version
     except NotFoundError:
         placement_plan, placement_version = None, None
     registered = store.rank_info()
     ranks = []
     for r in range(config.ep_size):
-        rank = _maybe_record(store, store.keys.rank(r))
-        weights = _maybe_record(store, store.keys.weights(r))
-        heartbeat = rank.get_int("heartbeat_ms", 0) if rank else 0
+        rank = _maybe_record(store, RANK, r)
+        weights = _maybe_record(store, WEIGHTS, r)
+        heartbeat = rank.heartbeat_ms if rank else 0
         ranks.append({
             "ep_rank": r,
             "registered": r in registered,
             "state": rank.state if rank else None,
             "load_result": RANK.to_code(rank.state) if rank else None,
             "version": rank.version if rank else None,
-            "plan_id": rank.get("plan_id") if rank else None,
-            "live_plan_id": rank.fields.get("live_plan_id") if rank else None,  # None: no agent has run yet
-            "reason": rank.get("reason") if rank else None,
+            "plan_id": rank.plan_id if rank else None,
+            "live_plan_id": rank.live_plan_id if rank else None,  # None: no agent has run yet
+            "reason": rank.reason if rank else None,
             "heartbeat_age_ms": now - heartbeat if heartbeat else None,
             "weights": weights.state if weights else None,
             "weights_code": WEIGHTS.to_code(weights.state) if weights else None,
@@ -194,23 +191,23 @@ def cluster_status(store) -> dict[str, Any]:
             "state": rec.state,
             "code": CLUSTER.to_code(rec.state),
             "version": rec.version,
-            "round": rec.get_int("round"),
-            "requested": rec.get_int("requested"),
-            "plan_id": rec.get("plan_id"),
+            "round": rec.round,
+            "requested": rec.requested,
+            "plan_id": rec.plan_id,
             "deadline_left_ms": deadline - now if deadline else None,
-            "reason": rec.get("reason"),
-            "alarm": rec.get("alarm"),
-            "lease_holder": lease,
-            "lease_ttl_ms": ttl if ttl is not None and ttl >= 0 else None,
+            "reason": rec.reason,
+            "alarm": rec.alarm,
+            "lease_holder": lease.holder,
+            "lease_ttl_ms": lease.ttl_ms,
         },
         "placement": {"plan_id": placement_plan, "version": placement_version},
         "ranks": ranks,
     }
 
 
-def _maybe_record(store, key: str):
+def _maybe_record(store, table, ep_rank: int):
     try:
-        return store.read_record(key)
+        return store.read(table, ep_rank)
     except NotFoundError:
         return None
 

@@ -4,7 +4,14 @@ drives it) and ``fdeplb rearrange`` (ask for a round, or commit a cordoned one).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
+
+from fdeplb.placement import POLICIES
+from fdeplb.store import ClusterConfig, Deadlines
+
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}
+_DEADLINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Deadlines)}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,16 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--num-logical-experts", type=int, required=True)
     i.add_argument("--num-redundant-experts", type=int, required=True)
     i.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs)")
-    i.add_argument("--num-nodes", type=int, default=1)
-    i.add_argument("--num-groups", type=int, default=1)
-    i.add_argument("--policy", default="deepseek")
+    i.add_argument("--num-nodes", type=int, default=_CONFIG_DEFAULTS["num_nodes"])
+    i.add_argument("--num-groups", type=int, default=_CONFIG_DEFAULTS["num_groups"])
+    i.add_argument("--policy", default=_CONFIG_DEFAULTS["policy"], choices=tuple(POLICIES),
+                   help="placement policy (default %(default)s)")
     i.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory or file")
     i.add_argument("--preset", default="ernie", help="expert tensor names (ernie, ernie-quant, generic)")
     i.add_argument("--initial", default=None, help="initial placement file (fdeplb, sglang, trtllm, fastdeploy)")
     i.add_argument("--cordoned", action="store_true", help="commit only on an external request")
-    i.add_argument("--min-gain", type=float, default=0.0, help="least balancedness gain worth a round")
-    for phase, default in (("collecting", 30_000), ("loading", 120_000), ("commit", 600_000),
-                           ("swapping", 120_000)):
+    i.add_argument("--min-gain", type=float, default=_CONFIG_DEFAULTS["min_gain"],
+                   help="least balancedness gain worth a round")
+    for name, default in _DEADLINE_DEFAULTS.items():
+        phase = name.removesuffix("_ms")
         i.add_argument(f"--{phase}-ms", type=int, default=default, help=f"{phase} deadline (default {default})")
     i.set_defaults(handler=run_init)
 
@@ -71,26 +80,25 @@ def run_coordinator(args: argparse.Namespace) -> int:
 
 def run_rearrange(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
-    from fdeplb.orchestration.cluster import request_commit, request_round
 
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
-        request_commit(store, args.commit)
+        store.request_commit(args.commit)
         print(f"commit of plan {args.commit} requested")
     else:
-        print(f"round requested ({request_round(store, args.reason)} requested so far)")
+        print(f"round requested ({store.request_round(args.reason)} requested so far)")
     return 0
 
 
 def run_init(args: argparse.Namespace) -> int:
     from fdeplb.errors import InputError
-    from fdeplb.orchestration.cluster import ClusterConfig, Deadlines, init_cluster
+    from fdeplb.orchestration.operations import init_cluster
     from fdeplb.placement import initial_placement, read_placement
-    from fdeplb.store.redis_store import Store
+    from fdeplb.store import Store
 
     if args.num_redundant_experts < 0:
         raise InputError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
-    for name in ("collecting_ms", "loading_ms", "commit_ms", "swapping_ms"):
+    for name in _DEADLINE_DEFAULTS:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
     config = ClusterConfig(
@@ -99,8 +107,7 @@ def run_init(args: argparse.Namespace) -> int:
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
         checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
         min_gain=args.min_gain,
-        deadlines=Deadlines(collecting_ms=args.collecting_ms, loading_ms=args.loading_ms,
-                            commit_ms=args.commit_ms, swapping_ms=args.swapping_ms),
+        deadlines=Deadlines(**{name: getattr(args, name) for name in _DEADLINE_DEFAULTS}),
     )
     if args.initial:
         phy2log = read_placement(args.initial, num_logical_experts=args.num_logical_experts,

@@ -6,6 +6,7 @@ real paddle slot tensors loaded from a real safetensors checkpoint); they meet o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -20,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import DeadlineError, FdeplbError
-from fdeplb.orchestration.cluster import ClusterConfig, init_cluster, request_round
+from fdeplb.machines.tables import RANK, ClusterState, RankState
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.store.redis_store import Store
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, Cursor, Store
 
 
 @dataclass
@@ -38,6 +40,7 @@ class LocalCluster:
     trace: str | list[str]
     workdir: Path
     seed: int = 0
+    backend: str = "paddle"  # the workers' live experts: "paddle" tensors or "numpy" (fdeplb.testing)
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
 
     def init(self, initial_phy2log: np.ndarray) -> None:
@@ -50,6 +53,7 @@ class LocalCluster:
         traces = [self.trace] if isinstance(self.trace, str) else list(self.trace)
         cmd = [sys.executable, "-m", "fdeplb.sim.worker", "--redis-url", self.redis_url,
                "--cluster", self.store.cluster, "--rank", str(ep_rank), "--seed", str(self.seed),
+               "--backend", self.backend,
                *[x for t in traces for x in ("--trace", t)], *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -61,12 +65,14 @@ class LocalCluster:
         for r in range(self.config.ep_size):
             self.start_rank(r)
 
-    def wait_ready(self, ranks: list[int] | None = None, timeout_s: float = 180.0, after_id: str = "0-0") -> None:
-        """Block until each of ``ranks`` (default: all) announced ``rank_ready`` after events-stream id
-        ``after_id``; DeadlineError on timeout, FdeplbError if a worker exits first (its log tail in the message)."""
+    def wait_ready(self, ranks: list[int] | None = None, timeout_s: float = 180.0,
+                   after: Cursor | None = None) -> None:
+        """Block until each of ``ranks`` (default: all) announced ``rank_ready`` after the stream position
+        ``after`` (default: since the events stream began); DeadlineError on timeout, FdeplbError if a worker
+        exits first (its log tail in the message)."""
         want = set(range(self.config.ep_size) if ranks is None else ranks)
         deadline = time.monotonic() + timeout_s
-        cursor = {self.store.keys.events: after_id}
+        cursor = dict(after) if after is not None else self.store.cursor(events_from="0-0")
         ready: set[int] = set()
         while not want <= ready:
             for r in want - ready:
@@ -75,7 +81,7 @@ class LocalCluster:
                     raise FdeplbError(f"rank {r} exited with {proc.returncode}:\n{self.log_tail(r)}")
             if time.monotonic() > deadline:
                 raise DeadlineError(f"ranks not ready after {timeout_s}s: {sorted(want - ready)}")
-            for _, entry in self.store.wait(cursor, 500):
+            for entry in self.store.wait(cursor, 500):
                 if entry["kind"] == "rank_ready":
                     ready.add(int(entry["rank"]))
 
@@ -109,16 +115,15 @@ class LocalCluster:
 
     def run_round(self, timeout_s: float = 300.0, coordinator: Coordinator | None = None) -> dict:
         """Request one round and run an in-process coordinator until it is back in FREE; returns the final
-        cluster record fields. DeadlineError if the round does not end within ``timeout_s``."""
-        rec = self.store.read_record(self.store.keys.rearrange)
-        target = rec.get_int("round") + 1
-        request_round(self.store, reason="demo")
+        cluster record as a dict. DeadlineError if the round does not end within ``timeout_s``."""
+        target = self.store.read_cluster().round + 1
+        self.store.request_round(reason="demo")
         coord = coordinator or Coordinator(self.store)
         end = time.monotonic() + timeout_s
 
         def finished() -> bool:
-            cur = self.store.read_record(self.store.keys.rearrange)
-            if cur.state == "FREE" and cur.get_int("round") >= target:
+            cur = self.store.read_cluster()
+            if cur.state is ClusterState.FREE and cur.round >= target:
                 return True
             if time.monotonic() > end:
                 return True
@@ -131,20 +136,20 @@ class LocalCluster:
         finally:  # also on SIGTERM/SIGINT in the main thread: stop the coordinator before Redis goes away
             coord.stop_event.set()
             thread.join(10)
-        cur = self.store.read_record(self.store.keys.rearrange)
-        if not (cur.state == "FREE" and cur.get_int("round") >= target):
+        cur = self.store.read_cluster()
+        if not (cur.state is ClusterState.FREE and cur.round >= target):
             dead = {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
             detail = "".join(f"\nrank {r} exited {rc}:\n{self.log_tail(r)}" for r, rc in dead.items())
             raise DeadlineError(f"round {target} did not finish within {timeout_s}s (state {cur.state}){detail}")
-        return {"state": cur.state, "round": cur.get_int("round"), **cur.fields}
+        return dataclasses.asdict(cur)
 
     def wait_ranks_idle(self, timeout_s: float = 60.0) -> None:
         """Block until every rank record is back in IDLE (ranks finish their round after the cluster)."""
-        cursor = self.store.last_ids()
+        cursor = self.store.cursor()
         end = time.monotonic() + timeout_s
         while True:
-            states = [self.store.read_record(self.store.keys.rank(r)).state for r in range(self.config.ep_size)]
-            if all(s == "IDLE" for s in states):
+            states = [r.state for r in self.store.read_all(RANK)]
+            if all(s is RankState.IDLE for s in states):
                 return
             if time.monotonic() > end:
                 raise DeadlineError(f"ranks not IDLE after {timeout_s}s: {states}")

@@ -11,16 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fdeplb.machines.model import RecordModel, build_machine
-from fdeplb.machines.tables import MachineTable, TransitionSpec
-from fdeplb.store.redis_store import CommitResult, Record, Store
+from fdeplb.machines.tables import CLUSTER, MachineTable, StateEnum, TransitionSpec
+from fdeplb.store import CommitResult, Store
 
 
 @dataclass(frozen=True)
 class Fired:
     """Outcome of a committed trigger: the record before, the new state and the commit."""
 
-    before: Record
-    state: str
+    before: Any
+    state: StateEnum
     commit: CommitResult
 
 
@@ -37,34 +37,38 @@ class RecordHandle:
         self.ep_rank = ep_rank
         self.actor = actor
         self.fence = fence
-        self.key = store.record_key(table, ep_rank)
-        self.label = table.name if ep_rank is None else f"{table.name}:{ep_rank}"
+        self.label = table.name if table is CLUSTER else f"{table.name}:{int(ep_rank)}"
         self._machine = None  # built on first fire, then reused (building one per call costs ~0.2 ms)
         self._mirror: RecordModel | None = None
 
     def ensure(self) -> bool:
         """Create the record in the table's initial state if it does not exist (no audit: version 0)."""
-        return self.store.ensure_record(self.key, self.table.initial)
+        return self.store.ensure(self.table, self.ep_rank)
 
-    def read(self) -> Record:
-        """The record as stored now."""
-        return self.store.read_record(self.key)
+    def read(self) -> Any:
+        """The record as stored now (typed: ClusterRecord, RankRecord or WeightRecord)."""
+        return self.store.read(self.table, self.ep_rank)
 
-    def fire(self, trigger: str, *, record: Record | None = None, plan_id: str | None = None, reason: str = "",
-             fields: dict[str, Any] | None = None, round_: int | None = None) -> Fired:
+    def update(self, **changes: Any) -> None:
+        """Write fields of the record that are not its state (see :meth:`Store.update`)."""
+        self.store.update(self.table, self.ep_rank, **changes)
+
+    def fire(self, trigger: str, *, record: Any = None, plan_id: str | None = None, reason: str = "",
+             changes: dict[str, Any] | None = None, round_: int | None = None) -> Fired:
         """Fire ``trigger`` on the record (``record`` = what the caller read; re-read when None).
 
-        ``plan_id`` defaults to the record's plan_id. Raises IllegalTransitionError, StaleStateError, FenceError
-        or GuardError (all :class:`~fdeplb.errors.StateError`); nothing is written then.
+        ``plan_id`` defaults to the record's plan_id; ``changes`` are other record fields written in the same
+        atomic step. Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
+        :class:`~fdeplb.errors.StateError`); nothing is written then.
         """
         rec = record if record is not None else self.read()
-        pid = rec.get("plan_id") if plan_id is None else plan_id
+        pid = rec.plan_id if plan_id is None else plan_id
         result: dict[str, CommitResult] = {}
 
         def commit(model: RecordModel, spec: TransitionSpec, _kwargs: dict[str, Any]) -> None:
             result["c"] = self.store.commit(
-                self.table, spec, rec, actor=self.actor, fence=self.fence, plan_id=pid, round_=round_,
-                reason=reason, fields=fields, label=self.label,
+                self.table, spec, rec, actor=self.actor, label=self.label, fence=self.fence, plan_id=pid,
+                round_=round_, reason=reason, changes=changes,
             )
             model.version = result["c"].version
 
@@ -72,10 +76,10 @@ class RecordHandle:
         state = model.fire(trigger)
         return Fired(before=rec, state=state, commit=result["c"])
 
-    def _model(self, rec: Record, commit) -> RecordModel:
+    def _model(self, rec: Any, commit) -> RecordModel:
         """The handle's model, attached once to a machine of its table, moved (in memory) to ``rec``'s state."""
         if self._machine is None:
-            self._mirror = RecordModel(self.table, self.key, rec.state, rec.version, commit)
+            self._mirror = RecordModel(self.table, rec.key, rec.state, rec.version, commit)
             self._machine = build_machine(self.table, self._mirror)
         else:
             self._machine.set_state(rec.state, model=self._mirror)

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.placement._validate import check_topology
 from fdeplb.placement import (
+    check_topology,
     FORMATS,
     POLICIES,
     balancedness,

@@ -8,6 +8,7 @@ run one round with a coordinator; verify every slot of every rank against the ch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import time
@@ -18,11 +19,11 @@ from typing import Any, Callable
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.orchestration.cluster import ClusterConfig, Deadlines
-from fdeplb.store.redis_store import Store
+from fdeplb.machines.tables import CLUSTER, RANK, ClusterState
+from fdeplb.store import ClusterConfig, Deadlines, Store
 
-#: the cluster machine's states in lifecycle order, for the phase timings.
-PHASES = ("COLLECTING", "PLANNING", "LOADING", "LOAD_SUCC", "SWAPPING", "DONE")
+#: the cluster machine's states in lifecycle order after FREE, for the phase timings.
+PHASES = CLUSTER.states[1:]
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,8 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     if not opts.timeout_s > 0:
         raise InputError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
     from fdeplb.placement import balancedness, initial_placement, read_expert_load
-    from fdeplb.sim.cluster import LocalCluster, new_cluster_id, temp_workdir
-    from fdeplb.sim.loads import integral_load
+    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id, temp_workdir
+    from fdeplb.sim.shares import integral_load
     from fdeplb.store.embedded import EmbeddedRedis
     from fdeplb.weights import write_synthetic_checkpoint
 
@@ -101,7 +102,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         t0 = time.perf_counter()
         ckpt = write_synthetic_checkpoint(workdir / "checkpoint", num_layers, num_experts, hidden=opts.hidden,
                                           intermediate=opts.intermediate, preset="ernie", seed=opts.seed)
-        config = ClusterConfig(**{**config.__dict__, "checkpoint": {"path": str(ckpt), "preset": "ernie"}})
+        config = dataclasses.replace(config, checkpoint={"path": str(ckpt), "preset": "ernie"})
         emit(f"checkpoint   {ckpt} ({_dir_bytes(ckpt) / 2**20:.1f} MiB safetensors, ERNIE expert names) "
              f"in {time.perf_counter() - t0:.2f}s")
 
@@ -169,34 +170,35 @@ def format_audit(a) -> str:
 
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
                final: dict, balancedness) -> dict[str, Any]:
-    plan_id, current = store.current_placement()
-    plan = store.get_hash(store.keys.plan(plan_id)) if plan_id else {}
-    cluster_audit = [a for a in audit if a["machine"] == "cluster"]
+    placement = store.current_placement()
+    plan_id, current = placement.plan_id, placement.phy2log
+    plan = store.read_plan(plan_id)
+    cluster_audit = [a for a in audit if a["machine"] == CLUSTER.name]
     entered = {a["to"]: int(a["ts_ms"]) for a in cluster_audit}
     phase_seconds = {}
     for i, phase in enumerate(PHASES):
-        nxt = "FREE" if i == len(PHASES) - 1 else PHASES[i + 1]
+        nxt = ClusterState.FREE if i == len(PHASES) - 1 else PHASES[i + 1]
         if phase in entered and nxt in entered:
             phase_seconds[phase] = (entered[nxt] - entered[phase]) / 1000
-    ranks = [store.read_record(store.keys.rank(r)) for r in range(config.ep_size)]
+    ranks = store.read_all(RANK)
     last = cluster_audit[-1] if cluster_audit else None
     path = [a["to"] for a in cluster_audit]
     return {
         "final_state": final["state"],
         "rounds": int(final["round"]),
-        "done_then_free": path[-2:] == ["DONE", "FREE"],
+        "done_then_free": path[-2:] == [ClusterState.DONE, ClusterState.FREE],
         "last_transition": f"{last['from']} -> {last['to']} ({last['trigger']})" if last else "",
         "plan_id": plan_id,
         "policy": config.policy,
         "topology": config.topology(),
         "balancedness_before": float(np.mean(balancedness(load, initial, config.ep_size))),
         "balancedness_after": float(np.mean(balancedness(load, current, config.ep_size))),
-        "moved_experts": int(plan["moved_experts"]) if plan else 0,
-        "experts_loaded_from_disk": sum(r.get_int("disk") for r in ranks),
-        "experts_copied_locally": sum(r.get_int("local") for r in ranks),
-        "experts_kept": sum(r.get_int("keep") for r in ranks),
-        "slots_from_disk": sum(r.get_int("disk_slots") for r in ranks),
-        "slots_verified": sum(r.get_int("slots_verified") for r in ranks),
+        "moved_experts": plan.moved_experts if plan else 0,
+        "experts_loaded_from_disk": sum(r.disk for r in ranks),
+        "experts_copied_locally": sum(r.local for r in ranks),
+        "experts_kept": sum(r.keep for r in ranks),
+        "slots_from_disk": sum(r.disk_slots for r in ranks),
+        "slots_verified": sum(r.slots_verified for r in ranks),
         "slots_total": config.num_layers * config.num_physical_experts,
         "audit_records": len(audit),
         "phase_seconds": phase_seconds,

@@ -1,0 +1,374 @@
+"""Typed records: every value fdeplb keeps in Redis, as frozen dataclasses parsed and written only by the store.
+
+Each class's fields are its record's field list (the one place it is written down): :func:`parse_record` builds a
+record from a Redis hash and :func:`encode_changes` turns keyword changes into hash fields, refusing names the
+record does not have. A value that does not parse (a version that is not an integer, a state the machine does not
+have) raises :class:`~fdeplb.errors.CorruptRecordError` naming the key and the field.
+
+Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdeplb.store.arrays`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from fdeplb.errors import CorruptRecordError, InputError, TopologyError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, RankState, StateEnum, \
+    WeightState
+
+
+# ---- machine records -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterRecord:
+    """The cluster rearrangement record, hash ``fdeplb:{c}:rearrange`` (one per cluster)."""
+
+    key: str
+    """Redis key of the record."""
+    state: ClusterState
+    """Current state of the cluster machine (:data:`~fdeplb.machines.tables.CLUSTER`)."""
+    version: int
+    """Commits so far (0 = created, never transitioned); +1 per committed transition."""
+    round: int = 0
+    """Number of the round in progress or last finished (0 = none yet)."""
+    plan_id: str = ""
+    """The round's plan (content hash, 16 hex digits); "" until PLANNING stored it."""
+    deadline_ms: int = 0
+    """Redis server time (ms since the epoch) when the current wait expires; 0 = no deadline."""
+    reason: str = ""
+    """Why the last round was aborted or skipped ("" otherwise)."""
+    alarm: str = ""
+    """Raised after the commit point when a deadline passed (the round rolls forward); "" when none."""
+    requested: int = 0
+    """Rounds requested so far: the coordinator starts a round while ``requested > round``."""
+    requested_reason: str = ""
+    """Who or what asked for the last round (operator, api, interval, ...)."""
+    commit_requested: str = ""
+    """plan_id an operator allowed to commit on a cordoned cluster ("" = none)."""
+    weights_request: int = 0
+    """Weight clear/update requests so far; a rank carries out request n once (its record's ``request``)."""
+    weights_action: str = ""
+    """What the latest weight request asks: "clear" or "update" ("" = none yet)."""
+    weights_reason: str = ""
+    """Who or what asked for the latest weight request."""
+    updated_ms: int = 0
+    """Redis server time (ms) of the last commit."""
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One EP rank's record, hash ``fdeplb:{c}:rank:<ep_rank>``: its machine state and its last reports."""
+
+    key: str
+    """Redis key of the record."""
+    state: RankState
+    """Current state of the rank machine (:data:`~fdeplb.machines.tables.RANK`)."""
+    version: int
+    """Commits so far (0 = created); +1 per committed transition."""
+    round: int = 0
+    """Round the rank last took part in."""
+    plan_id: str = ""
+    """Plan the rank is staging / staged / swapping ("" before its first round)."""
+    reason: str = ""
+    """Why the rank failed or aborted ("" otherwise)."""
+    updated_ms: int = 0
+    """Redis server time (ms) of the last commit."""
+    heartbeat_ms: int = 0
+    """Redis server time (ms) of the agent's last heartbeat (0 = no agent ever ran)."""
+    live_plan_id: str | None = None
+    """Placement the rank's live slots hold ("" = the initial placement, None = no agent has loaded yet)."""
+    keep: int = 0
+    """Last staging: slots whose expert stays in place."""
+    local: int = 0
+    """Last staging: slots filled by copying an expert the rank already holds."""
+    disk: int = 0
+    """Last staging: experts read from the checkpoint (each once)."""
+    disk_slots: int = 0
+    """Last staging: slots filled from those experts (an expert may fill several slots)."""
+    disk_bytes: int = 0
+    """Last staging: bytes read from the checkpoint."""
+    local_bytes: int = 0
+    """Last staging: bytes copied between slots of the rank."""
+    stage_ms: float = 0.0
+    """Last staging: wall time in ms."""
+    swap_ms: float = 0.0
+    """Last swap: wall time in ms (copies, routing tables and verification)."""
+    snapshots: int = 0
+    """Last swap: slots copied aside to break copy cycles."""
+    bytes_from_staging: int = 0
+    """Last swap: bytes copied from staging into live slots."""
+    bytes_local: int = 0
+    """Last swap: bytes copied slot to slot."""
+    slots_verified: int = 0
+    """Slots found to hold exactly their logical expert's checkpoint tensors after the last swap."""
+    slots_total: int = 0
+    """Slots of the rank (num_layers x slots per rank)."""
+    verified_all: int = 0
+    """1 if the last swap re-verified every slot, 0 if only the slots it wrote."""
+
+
+@dataclass(frozen=True)
+class WeightRecord:
+    """One EP rank's weight-status record, hash ``fdeplb:{c}:weights:<ep_rank>`` (dynamic weight update/clear)."""
+
+    key: str
+    """Redis key of the record."""
+    state: WeightState
+    """Current state of the weight-status machine (:data:`~fdeplb.machines.tables.WEIGHTS`)."""
+    version: int
+    """Commits so far (0 = created); +1 per committed transition."""
+    round: int = 0
+    """Cluster round at the time of the last transition."""
+    plan_id: str = ""
+    """Placement the rank's weights were last loaded in ("" = initial)."""
+    reason: str = ""
+    """Why the last update or clear failed ("" otherwise)."""
+    updated_ms: int = 0
+    """Redis server time (ms) of the last commit."""
+    request: int = 0
+    """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
+
+
+MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord]
+
+#: machine table name -> its record class
+RECORD_TYPES: dict[str, type] = {CLUSTER.name: ClusterRecord, RANK.name: RankRecord, WEIGHTS.name: WeightRecord}
+
+#: fields written only by the commit script
+_COMMIT_FIELDS = frozenset({"key", "state", "version", "updated_ms"})
+
+
+def record_type(table: MachineTable) -> type:
+    """The record class of ``table``'s records."""
+    return RECORD_TYPES[table.name]
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(cls: type, key: str, name: str, hint: Any, text: str) -> Any:
+    """``text`` (a stored hash value) as the field's type; CorruptRecordError if it does not parse."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = args[0]
+    try:
+        if isinstance(hint, type) and issubclass(hint, StateEnum):
+            return hint(text)
+        if hint is int:
+            return int(text) if text != "" else 0
+        if hint is float:
+            value = float(text) if text != "" else 0.0
+            if not math.isfinite(value):
+                raise ValueError("not finite")
+            return value
+        return text
+    except ValueError:
+        raise CorruptRecordError(f"{key}: field {name!r} holds {text[:40]!r}, not a valid "
+                                 f"{getattr(hint, '__name__', hint)} ({cls.__name__})") from None
+
+
+def parse_record(cls: type, key: str, raw: Mapping[str, str]) -> Any:
+    """Build a record of type ``cls`` from a hash's text fields (unknown fields are ignored: a newer writer's).
+
+    Raises :class:`CorruptRecordError` when ``state`` or ``version`` is missing or a field does not parse.
+    """
+    if "state" not in raw or "version" not in raw:
+        raise CorruptRecordError(f"{key}: record without state or version")
+    hints = _hints(cls)
+    values: dict[str, Any] = {"key": key}
+    for f in dataclasses.fields(cls):
+        if f.name == "key" or f.name not in raw:
+            continue
+        values[f.name] = _convert(cls, key, f.name, hints[f.name], raw[f.name])
+    return cls(**values)
+
+
+def encode_changes(cls: type, changes: Mapping[str, Any]) -> dict[str, str]:
+    """Hash fields for ``changes`` to a record of type ``cls``: values as text, None as "".
+
+    Raises :class:`InputError` for a name the record does not have, or for ``key``, ``state``, ``version`` and
+    ``updated_ms`` (written only by the commit script).
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, str] = {}
+    for name, value in changes.items():
+        if name not in names:
+            raise InputError(f"{cls.__name__} has no field {name!r}")
+        if name in _COMMIT_FIELDS:
+            raise InputError(f"{cls.__name__}.{name} is written only by a commit")
+        if isinstance(value, bool):
+            value = int(value)
+        out[name] = "" if value is None else (value.value if isinstance(value, StateEnum) else str(value))
+    return out
+
+
+# ---- arrays and documents -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlacementEntry:
+    """The cluster's current placement, hash ``fdeplb:{c}:placement``."""
+
+    plan_id: str
+    """Plan that produced it ("" = the initial placement written by init-cluster)."""
+    phy2log: np.ndarray
+    """int64 [num_layers, num_physical_experts]: logical expert held by every slot."""
+    version: int = 0
+    """Times the placement changed (0 = initial); +1 per committed plan."""
+
+
+@dataclass(frozen=True)
+class LoadWindow:
+    """A rank's published expert_load window, hash ``fdeplb:{c}:load:<ep_rank>``."""
+
+    ep_rank: int
+    """The rank that published it."""
+    round: int
+    """Round the window was published for."""
+    expert_load: np.ndarray
+    """int64 [num_layers, num_logical_experts]: tokens routed per logical expert (token x top-k assignments)."""
+    published_ms: int = 0
+    """Redis server time (ms) of the publication."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """A stored plan, hash ``fdeplb:{c}:plan:<plan_id>`` (write-once: plans are content-addressed)."""
+
+    plan_id: str
+    """Content hash of (expert_load, old_phy2log, policy, topology); see :func:`fdeplb.placement.plan_digest`."""
+    round: int
+    """Round that first planned it."""
+    policy: str
+    """Placement policy (a name of :data:`fdeplb.placement.POLICIES`)."""
+    old_plan_id: str
+    """Placement the plan starts from ("" = initial)."""
+    topology: dict
+    """num_layers, num_logical_experts, num_physical_experts, ep_size, num_nodes, num_groups."""
+    expert_load: np.ndarray
+    """int64 [L, E]: the round's load snapshot."""
+    old_phy2log: np.ndarray
+    """int64 [L, P]: the placement before the plan."""
+    new_phy2log: np.ndarray
+    """int64 [L, P]: the planned placement."""
+    balancedness_before: float
+    """Mean over layers of mean/max GPU load under ``old_phy2log`` for this load, in (0, 1]."""
+    balancedness_after: float
+    """The same under ``new_phy2log``."""
+    moved_experts: int
+    """Experts present on a GPU in the new placement but not the old (multiset difference, summed)."""
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """The coordinator lease as it stands."""
+
+    holder: str | None
+    """Lease value ``<fence>:<holder id>``, None when no coordinator leads."""
+    ttl_ms: int | None
+    """Milliseconds until the lease expires (None when not held)."""
+
+
+# ---- cluster configuration ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Deadlines:
+    """How long each wait may last (ms). Before the commit point an expired wait aborts the round; after it
+    (swapping) it raises an alarm and the round keeps rolling forward."""
+
+    collecting_ms: int = 30_000
+    """COLLECTING and PLANNING: every rank publishes its window, the plan is computed."""
+    loading_ms: int = 120_000
+    """LOADING: every rank stages the experts of the plan."""
+    commit_ms: int = 600_000
+    """LOAD_SUCC on a cordoned cluster: the external commit arrives."""
+    swapping_ms: int = 120_000
+    """SWAPPING: every rank swaps (past the commit point: an alarm, not an abort)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Topology and rearrangement settings of one cluster, hash ``fdeplb:{c}:config`` (written once).
+
+    Raises :class:`InputError` / :class:`TopologyError` on construction for values that cannot describe a cluster.
+    """
+
+    num_layers: int
+    """MoE layers (L)."""
+    num_logical_experts: int
+    """Experts per MoE layer (E)."""
+    num_physical_experts: int
+    """Slots per layer (P = E + num_redundant_experts); slots of ep_rank r: [r*P/ep_size, (r+1)*P/ep_size)."""
+    ep_size: int
+    """EP ranks (GPUs)."""
+    num_nodes: int = 1
+    """Server nodes; the GPUs of a node are contiguous ranks."""
+    num_groups: int = 1
+    """Expert groups (contiguous logical experts routed together; DeepSeek-V3: 8)."""
+    policy: str = "deepseek"
+    """Placement policy, a name of :data:`fdeplb.placement.POLICIES`."""
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+    """``{"path": safetensors dir or file, "preset": expert tensor names}``; {} for a backend without one."""
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    """How long each wait may last."""
+    min_gain: float = 0.0
+    """A round is skipped (audited) unless its plan raises mean balancedness by more than this."""
+    cordoned: bool = False
+    """Commit only on an external request (FastDeploy's ``update_weight_from_tensor``)."""
+
+    def __post_init__(self) -> None:
+        from fdeplb.placement import POLICIES, check_topology
+
+        for name in ("num_layers", "num_logical_experts", "num_physical_experts", "ep_size", "num_nodes",
+                     "num_groups"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_physical_experts % self.ep_size:
+            raise TopologyError(f"num_physical_experts ({self.num_physical_experts}) is not a multiple of "
+                                f"ep_size ({self.ep_size})")
+        if self.policy not in POLICIES:
+            raise InputError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
+        check_topology(self.num_logical_experts, self.num_physical_experts, self.num_groups, self.num_nodes,
+                       self.ep_size)
+
+    @property
+    def num_redundant_experts(self) -> int:
+        """P - E."""
+        return self.num_physical_experts - self.num_logical_experts
+
+    @property
+    def slots_per_rank(self) -> int:
+        """P / ep_size."""
+        return self.num_physical_experts // self.ep_size
+
+    def topology(self) -> dict[str, int]:
+        """The fields that shape a placement (what a plan_id hashes besides load, placement and policy)."""
+        return {"num_layers": self.num_layers, "num_logical_experts": self.num_logical_experts,
+                "num_physical_experts": self.num_physical_experts, "ep_size": self.ep_size,
+                "num_nodes": self.num_nodes, "num_groups": self.num_groups}
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready dict (the stored form)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "ClusterConfig":
+        """Inverse of :meth:`to_json`; :class:`InputError` for unknown or missing fields."""
+        try:
+            data = dict(data)
+            data["deadlines"] = Deadlines(**data.get("deadlines", {}))
+            return cls(**data)
+        except TypeError as exc:  # unknown or missing fields: not a configuration this version wrote
+            raise InputError(f"not a cluster configuration: {exc}") from None
+
+
+def json_text(obj: object) -> str:
+    """Canonical JSON text (sorted keys) of a stored document."""
+    return json.dumps(obj, sort_keys=True)

@@ -1,0 +1,90 @@
+"""The KEYS / ARGV contract of the Lua scripts in ``lua/``, built in one place with named slots.
+
+``commit.lua`` and ``lease.lua`` document their slots in a header comment; :data:`COMMIT_KEYS`, :data:`COMMIT_ARGV`,
+:data:`LEASE_KEYS` and :data:`LEASE_ARGV` name the same slots in the same order (``tests/test_scripts.py`` checks
+the two agree). :func:`commit_call` and :func:`lease_call` are the only places that lay out a script call.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Sequence
+
+from fdeplb.machines.tables import Effect, Guard, GuardKind, StateEnum
+from fdeplb.store.keys import Keys
+
+#: commit.lua KEYS[1..6], in order; per-rank guard keys follow from KEYS[len(COMMIT_KEYS) + 1] on.
+COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan")
+#: commit.lua ARGV[1..8], in order.
+COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect")
+#: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
+COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD")
+
+#: lease.lua KEYS[1..2] and ARGV[1..3], in order.
+LEASE_KEYS = ("lease", "fence")
+LEASE_ARGV = ("op", "value", "ttl_ms")
+#: lease.lua operations.
+LEASE_OPS = ("acquire", "renew", "release")
+
+
+def script_text(name: str) -> str:
+    """Source of ``lua/<name>.lua`` shipped with the package."""
+    return (resources.files("fdeplb.store") / "lua" / f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class CommitCall:
+    """The arguments of one ``commit.lua`` call."""
+
+    keys: list[str]
+    args: list[str]
+
+
+def _pairs(mapping: dict[str, str]) -> str:
+    return json.dumps([x for kv in mapping.items() for x in kv])
+
+
+def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,
+                new_state: StateEnum, fields: dict[str, str], audit: dict[str, str],
+                guards: Sequence[Guard], effect: Effect, plan_id: str, plan_key: str, ep_size: int) -> CommitCall:
+    """Lay out a ``commit.lua`` call.
+
+    ``guards`` are the transition's guards; a per-rank guard (:attr:`GuardKind.per_rank`) adds one key per EP rank
+    (``ep_size`` of them) after the fixed keys and tells the script where its range starts. ``plan_id`` is what
+    ``same_plan`` guards and :attr:`GuardKind.PLAN_NOT_CURRENT` compare against; ``plan_key`` is the hash of that
+    plan (``plan_stored`` and :attr:`Effect.SET_PLACEMENT` read it).
+    """
+    fixed = {"record": record_key, "audit": keys.audit, "lease": keys.lease, "rearrange": keys.rearrange,
+             "placement": keys.placement, "plan": plan_key}
+    key_list = [fixed[name] for name in COMMIT_KEYS]
+    guard_args: list[dict[str, Any]] = []
+    for g in guards:
+        entry: dict[str, Any] = {
+            "kind": g.kind.value, "state": g.state.value if g.state else "",
+            "states": [s.value for s in g.states],
+            "plan_id": plan_id if g.same_plan or g.kind is GuardKind.PLAN_NOT_CURRENT else "",
+            "first": 0, "count": 0,
+        }
+        if g.kind.per_rank:
+            entry["first"] = len(key_list) + 1  # Lua is 1-based
+            entry["count"] = ep_size
+            make = keys.rank if g.kind is GuardKind.RANKS_IN else keys.weights
+            key_list.extend(make(r) for r in range(ep_size))
+        guard_args.append(entry)
+    argv = {
+        "expected_state": expected_state.value, "expected_version": str(int(expected_version)), "fence": fence,
+        "new_state": new_state.value, "fields": _pairs(fields), "audit": _pairs(audit),
+        "guards": json.dumps(guard_args), "effect": effect.value,
+    }
+    return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
+
+
+def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
+    """Lay out a ``lease.lua`` call (``op`` one of :data:`LEASE_OPS`)."""
+    if op not in LEASE_OPS:
+        raise ValueError(f"lease.lua has no op {op!r}")
+    fixed = {"lease": keys.lease, "fence": keys.fence}
+    argv = {"op": op, "value": value, "ttl_ms": str(int(ttl_ms))}
+    return CommitCall(keys=[fixed[n] for n in LEASE_KEYS], args=[argv[n] for n in LEASE_ARGV])

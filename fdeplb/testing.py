@@ -1,0 +1,142 @@
+"""Public test helpers (as ``structlog.testing``): a numpy weight backend, so that orchestration runs without paddle.
+
+:class:`NumpyWeights` implements :class:`~fdeplb.weights.WeightBackend` with one numpy array per rank,
+``[num_layers, slots_per_rank, expert_size]`` float32, where every logical expert ``(layer, expert)`` has its own
+deterministic content (:func:`expert_tensor`). Staging copies the experts new to the rank, the swap writes them
+into the live array in place (local moves from the rank's own slots, as the paddle backend does) and verifies every
+written slot against :func:`expert_tensor`, so a wrong expert in a slot is caught exactly as a checksum mismatch
+would be.
+
+Use ``NumpyWeights.factory()`` as a rank agent's ``backend_factory``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
+from fdeplb.weights.backend import BackendFactory, StageReport
+from fdeplb.weights.plan import TransferPlan, plan_transfer, rank_slots
+
+#: float32 values per expert in :class:`NumpyWeights` (its bytes per expert are 4x this)
+EXPERT_SIZE = 64
+
+__all__ = ["EXPERT_SIZE", "NumpyWeights", "expert_tensor"]
+
+
+def expert_tensor(layer: int, expert: int, size: int = EXPERT_SIZE) -> np.ndarray:
+    """The weights of logical expert ``expert`` of ``layer``: float32 [size], distinct for every (layer, expert)."""
+    rng = np.random.default_rng([int(layer), int(expert)])
+    return rng.standard_normal(size, dtype=np.float32)
+
+
+@dataclass
+class _NumpyStaged:
+    transfer: TransferPlan
+    experts: dict[tuple[int, int], np.ndarray]
+    report: StageReport
+    released: bool = field(default=False)
+
+    def release(self) -> None:
+        self.experts.clear()
+        self.released = True
+
+
+class NumpyWeights:
+    """:class:`~fdeplb.weights.WeightBackend` over numpy arrays (see the module doc).
+
+    Args:
+        phy2log: int [L, P], the placement to load.
+        ep_rank, ep_size: the rank; P must be a multiple of ep_size.
+        expert_size: float32 values per expert.
+
+    Attributes:
+        slots: float32 [L, slots_per_rank, expert_size], the live slots (written in place by :meth:`swap`).
+        swaps: number of swaps applied.
+    """
+
+    def __init__(self, phy2log: np.ndarray, ep_rank: int, ep_size: int, *, expert_size: int = EXPERT_SIZE) -> None:
+        self._phy2log = np.array(phy2log, dtype=np.int64)
+        self.ep_rank = int(ep_rank)
+        self.ep_size = int(ep_size)
+        self.expert_size = int(expert_size)
+        self._slice = rank_slots(self._phy2log.shape[1], self.ep_rank, self.ep_size)
+        per_rank = self._slice.stop - self._slice.start
+        self.slots = np.empty((self._phy2log.shape[0], per_rank, self.expert_size), dtype=np.float32)
+        self.swaps = 0
+        self.reload()
+
+    @classmethod
+    def factory(cls, *, expert_size: int = EXPERT_SIZE) -> BackendFactory:
+        """A backend factory for rank agents (the checkpoint argument is ignored)."""
+        return lambda _checkpoint, phy2log, ep_rank, ep_size: cls(phy2log, ep_rank, ep_size,
+                                                                  expert_size=expert_size)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert."""
+        return self.expert_size * 4
+
+    @property
+    def phy2log(self) -> np.ndarray:
+        return self._phy2log.copy()
+
+    @property
+    def slots_total(self) -> int:
+        return int(self.slots.shape[0] * self.slots.shape[1])
+
+    def _expected(self, phy2log: np.ndarray) -> np.ndarray:
+        rank = phy2log[:, self._slice]
+        return np.stack([np.stack([expert_tensor(layer, e, self.expert_size) for e in row])
+                         for layer, row in enumerate(rank)])
+
+    def reload(self) -> None:
+        self.slots[...] = self._expected(self._phy2log)
+
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> _NumpyStaged:
+        transfer = plan_transfer(self._phy2log, new_phy2log, self.ep_rank, self.ep_size)
+        need = len(transfer.disk) * self.expert_nbytes
+        if budget_bytes is not None and need > budget_bytes:
+            raise StagingBudgetError(f"rank {self.ep_rank}: staging {len(transfer.disk)} experts needs {need} "
+                                     f"bytes, over the budget of {int(budget_bytes)} bytes; nothing was read")
+        experts = {(layer, e): expert_tensor(layer, e, self.expert_size) for layer, e in transfer.disk}
+        return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes))
+
+    def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray) -> dict[str, Any]:
+        if staged.released:
+            raise WeightError(f"rank {self.ep_rank}: the staged experts were released; stage the plan again")
+        new = np.asarray(new_phy2log, dtype=np.int64)
+        t0 = time.perf_counter()
+        old_rank = self._phy2log[:, self._slice]
+        new_rank = new[:, self._slice]
+        before = self.slots.copy()  # local moves read the old contents (the paddle backend orders its copies)
+        bytes_staged = bytes_local = 0
+        for layer in range(new_rank.shape[0]):
+            for s, e in enumerate(new_rank[layer].tolist()):
+                if old_rank[layer, s] == e:
+                    continue
+                held = np.flatnonzero(old_rank[layer] == e)
+                if held.size:
+                    self.slots[layer, s] = before[layer, int(held[0])]
+                    bytes_local += self.expert_nbytes
+                else:
+                    self.slots[layer, s] = staged.experts[(layer, e)]
+                    bytes_staged += self.expert_nbytes
+        changed = old_rank != new_rank
+        expected = self._expected(new)
+        bad = np.argwhere(changed & ~np.all(self.slots == expected, axis=-1))
+        if bad.size:
+            raise VerificationError(f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ from their expert: "
+                                    f"{bad[:8].tolist()}")
+        self._phy2log = new.copy()
+        self.swaps += 1
+        return {"snapshots": 0, "bytes_from_staging": bytes_staged, "bytes_local": bytes_local,
+                "seconds": time.perf_counter() - t0}
+
+    def verify(self) -> tuple[int, int]:
+        ok = np.all(self.slots == self._expected(self._phy2log), axis=-1)
+        return int(ok.sum()), int(ok.size)

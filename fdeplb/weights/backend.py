@@ -1,0 +1,157 @@
+"""The seam between a rank agent and its expert weights.
+
+A rank agent needs five things of the weights it serves: which placement its live slots hold, to stage the experts
+a new placement needs, to swap them in, to verify the slots, and to reload them. :class:`WeightBackend` names those;
+:class:`CheckpointBackend` implements them with paddle tensors read from a safetensors checkpoint
+(:class:`~fdeplb.weights.LiveExperts`), and :class:`fdeplb.testing.NumpyWeights` with numpy arrays, so that the
+coordinator, the agent, gating, replay and the kill tests run without paddle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+from fdeplb.errors import CheckpointError
+from fdeplb.weights.plan import TransferPlan, plan_transfer
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What staging a plan costs one rank (the counts its rank record reports)."""
+
+    keep: int
+    """Slots whose expert stays in place."""
+    local: int
+    """Slots filled by copying an expert the rank already holds."""
+    disk: int
+    """Experts read from the checkpoint (each once)."""
+    disk_slots: int
+    """Slots filled from those experts."""
+    disk_bytes: int
+    """Bytes read from the checkpoint."""
+    local_bytes: int
+    """Bytes copied between slots of the rank."""
+
+    @classmethod
+    def of(cls, transfer: TransferPlan, expert_nbytes: int) -> "StageReport":
+        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each."""
+        nbytes = transfer.nbytes(expert_nbytes)
+        counts = transfer.counts
+        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"], disk_slots=transfer.disk_slots,
+                   disk_bytes=nbytes["disk"], local_bytes=nbytes["local"])
+
+
+class Staged(Protocol):
+    """A staged plan held by a backend until it is swapped in or released."""
+
+    report: StageReport
+
+    def release(self) -> None:
+        """Free the staging memory (idempotent)."""
+
+
+@runtime_checkable
+class WeightBackend(Protocol):
+    """The live expert slots of one EP rank, as the rank agent drives them.
+
+    Every method may raise :class:`~fdeplb.errors.WeightError` (a subclass says which: staging over budget, a
+    checkpoint problem, a failed verification); the agent turns it into a rank transition or an alarm.
+    """
+
+    @property
+    def phy2log(self) -> np.ndarray:
+        """int64 [L, P]: the cluster placement the live slots hold (a copy)."""
+
+    @property
+    def slots_total(self) -> int:
+        """Slots of the rank: num_layers x slots per rank."""
+
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> Staged:
+        """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
+        read, when it needs more than ``budget_bytes``)."""
+
+    def swap(self, staged: Staged, new_phy2log: np.ndarray) -> dict[str, Any]:
+        """Write the staged plan into the live slots in place and switch the routing tables to ``new_phy2log``;
+        every written slot is verified (VerificationError). Returns numbers of the swap (``snapshots``,
+        ``bytes_from_staging``, ``bytes_local``, ``seconds`` ...)."""
+
+    def verify(self) -> tuple[int, int]:
+        """(slots holding exactly their logical expert's weights, slots in total)."""
+
+    def reload(self) -> None:
+        """Rewrite every slot of the current placement from the source of truth (repair after a failed swap)."""
+
+
+#: builds a rank's backend: (checkpoint {"path", "preset"}, placement int64 [L, P], ep_rank, ep_size) -> backend
+BackendFactory = Callable[[dict, np.ndarray, int, int], WeightBackend]
+
+
+@dataclass
+class _CheckpointStaged:
+    transfer: TransferPlan
+    experts: Any  # StagedExperts
+    report: StageReport
+
+    def release(self) -> None:
+        self.experts.release()
+
+
+class CheckpointBackend:
+    """:class:`WeightBackend` over paddle tensors loaded from a safetensors checkpoint (the ``[paddle]`` extra).
+
+    Build with :meth:`open` (loads the rank's slots from the checkpoint) or wrap an engine's own
+    :class:`~fdeplb.weights.LiveExperts` (``LiveExperts.attach``) and its :class:`~fdeplb.weights.CheckpointReader`.
+    """
+
+    def __init__(self, live: Any, reader: Any, *, device: str | None = None) -> None:
+        self.live = live
+        self.reader = reader
+        self.device = device
+
+    @classmethod
+    def open(cls, checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int, *,
+             device: str | None = None) -> "CheckpointBackend":
+        """Load ``ep_rank``'s slots of ``phy2log`` from ``checkpoint`` (``{"path": ..., "preset": ...}``) onto
+        ``device``. Raises CheckpointError (no path, missing tensors), DependencyError (paddle not installed)."""
+        from fdeplb.weights.checkpoint import CheckpointReader
+        from fdeplb.weights.live import LiveExperts
+
+        if not checkpoint.get("path"):
+            raise CheckpointError("the cluster has no checkpoint path: a CheckpointBackend needs one")
+        reader = CheckpointReader(checkpoint["path"], preset=checkpoint.get("preset", "ernie"))
+        live = LiveExperts.from_checkpoint(reader, phy2log, ep_rank, ep_size, device=device)
+        return cls(live, reader, device=device)
+
+    @classmethod
+    def factory(cls, *, device: str | None = None) -> BackendFactory:
+        """A :data:`BackendFactory` that opens checkpoint backends on ``device``."""
+        return lambda checkpoint, phy2log, ep_rank, ep_size: cls.open(checkpoint, phy2log, ep_rank, ep_size,
+                                                                     device=device)
+
+    @property
+    def phy2log(self) -> np.ndarray:
+        return self.live.phy2log
+
+    @property
+    def slots_total(self) -> int:
+        return self.live.slots_per_rank * self.live.num_layers
+
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> _CheckpointStaged:
+        from fdeplb.weights.staging import stage_experts
+
+        transfer = plan_transfer(self.live.phy2log, new_phy2log, self.live.ep_rank, self.live.ep_size)
+        experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device)
+        return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes))
+
+    def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray) -> dict[str, Any]:
+        report = self.live.swap(staged.transfer, staged.experts, new_phy2log)
+        return report.to_dict()
+
+    def verify(self) -> tuple[int, int]:
+        return self.live.verify(self.reader)
+
+    def reload(self) -> None:
+        self.live.reload(self.reader)

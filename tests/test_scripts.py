@@ -1,0 +1,178 @@
+"""The Lua scripts called directly against a real Redis: the KEYS/ARGV contract, a good call, every refusal code with
+nothing written, and the key strings pinned (rq's tests/test_scripts.py and tests/test_registry.py are the model)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import redis
+
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, Effect, Guard, GuardKind, RankState, WeightState
+from fdeplb.store.keys import Keys
+from fdeplb.store.scripts import (
+    COMMIT_ARGV,
+    COMMIT_ERRORS,
+    COMMIT_KEYS,
+    LEASE_ARGV,
+    LEASE_KEYS,
+    commit_call,
+    lease_call,
+    script_text,
+)
+from tests.helpers import RawRedis
+
+
+def header_slots(script: str, kind: str) -> list[str]:
+    """The slot names a script's header documents, in order: ``-- KEYS[3]  name: ...``."""
+    found = re.findall(rf"^-- {kind}\[(\d+)\]\s+(\w+):", script_text(script), flags=re.M)
+    assert [int(i) for i, _ in found] == list(range(1, len(found) + 1)), found
+    return [name for _, name in found]
+
+
+def test_python_slot_names_match_the_lua_headers():
+    assert header_slots("commit", "KEYS") == list(COMMIT_KEYS)
+    assert header_slots("commit", "ARGV") == list(COMMIT_ARGV)
+    assert header_slots("lease", "KEYS") == list(LEASE_KEYS)
+    assert header_slots("lease", "ARGV") == list(LEASE_ARGV)
+    for code in COMMIT_ERRORS:
+        assert f"'{code}'" in script_text("commit")
+
+
+def test_key_strings_are_pinned():
+    k = Keys("c1")
+    assert (k.rearrange, k.rank(3), k.weights(3), k.load(3), k.snapshot(7), k.plan("ab"), k.placement, k.audit,
+            k.events, k.lease, k.fence, k.ranks, k.config) == (
+        "fdeplb:{c1}:rearrange", "fdeplb:{c1}:rank:3", "fdeplb:{c1}:weights:3", "fdeplb:{c1}:load:3",
+        "fdeplb:{c1}:snapshot:7", "fdeplb:{c1}:plan:ab", "fdeplb:{c1}:placement", "fdeplb:{c1}:audit",
+        "fdeplb:{c1}:events", "fdeplb:{c1}:lease", "fdeplb:{c1}:fence", "fdeplb:{c1}:ranks", "fdeplb:{c1}:config")
+
+
+def test_every_key_of_a_cluster_shares_one_hash_slot():
+    from redis.crc import key_slot
+
+    k = Keys("c1")
+    keys = [k.rearrange, k.rank(0), k.weights(9), k.load(1), k.snapshot(1), k.plan("x"), k.placement, k.audit,
+            k.events, k.lease, k.fence, k.ranks, k.config]
+    assert len({key_slot(key.encode()) for key in keys}) == 1
+
+
+def test_commit_call_lays_out_per_rank_guards_after_the_fixed_keys():
+    k = Keys("c1")
+    spec = CLUSTER.spec("LOADING", "loaded")
+    call = commit_call(k, record_key=k.rearrange, expected_state=spec.sources[0], expected_version=4, fence="1:a",
+                       new_state=spec.dest, fields={"deadline_ms": "0"}, audit={"machine": "cluster"},
+                       guards=spec.guards, effect=spec.effect, plan_id="p1", plan_key=k.plan("p1"), ep_size=3)
+    assert call.keys[:len(COMMIT_KEYS)] == [k.rearrange, k.audit, k.lease, k.rearrange, k.placement, k.plan("p1")]
+    assert call.keys[len(COMMIT_KEYS):] == [k.rank(0), k.rank(1), k.rank(2)]
+    args = dict(zip(COMMIT_ARGV, call.args))
+    guards = json.loads(args["guards"])
+    assert guards == [{"kind": "ranks_in", "state": "LOADED", "states": [], "plan_id": "p1",
+                       "first": len(COMMIT_KEYS) + 1, "count": 3}]
+    assert (args["expected_state"], args["expected_version"], args["new_state"], args["effect"]) == (
+        "LOADING", "4", "LOAD_SUCC", "")
+    assert json.loads(args["fields"]) == ["deadline_ms", "0"]
+
+
+@pytest.fixture
+def raw(redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    yield raw
+    keys = list(raw.r.scan_iter(match=f"fdeplb:[{{]{cluster_id}[}}]:*"))
+    if keys:
+        raw.r.delete(*keys)
+
+
+def run_commit(raw: RawRedis, *, state="NORMAL", version=0, fence="", new_state="UPDATING", guards=(),
+               effect=Effect.NONE, plan_id="", ep_size=2, record=None):
+    k = raw.keys
+    call = commit_call(k, record_key=record or k.weights(0), expected_state=WeightState(state)
+                       if state in WeightState.__members__ else RankState(state), expected_version=version,
+                       fence=fence, new_state=WeightState(new_state) if new_state in WeightState.__members__
+                       else RankState(new_state), fields={"reason": "r"},
+                       audit={"machine": "weights", "key": "weights:0"}, guards=guards, effect=effect,
+                       plan_id=plan_id, plan_key=k.plan(plan_id or "_none"), ep_size=ep_size)
+    return raw.r.register_script(script_text("commit"))(keys=call.keys, args=call.args)
+
+
+def test_commit_lua_good_call_writes_record_and_audit(raw):
+    raw.force(raw.keys.weights(0), "NORMAL", version=0)
+    reply = run_commit(raw)
+    assert reply[0] == b"OK" and reply[1] == b"1"
+    rec = raw.r.hgetall(raw.keys.weights(0))
+    assert rec[b"state"] == b"UPDATING" and rec[b"version"] == b"1" and rec[b"reason"] == b"r"
+    [(entry_id, fields)] = raw.r.xrange(raw.keys.audit)
+    assert entry_id == reply[2] and fields[b"version"] == b"1" and fields[b"ts_ms"] == reply[3]
+
+
+@pytest.mark.parametrize("case,code", [
+    ("missing record", "ERR_STALE"),
+    ("wrong state", "ERR_STALE"),
+    ("wrong version", "ERR_STALE"),
+    ("fence not held", "ERR_FENCE"),
+    ("guard refuses", "ERR_GUARD"),
+    ("set_placement without a plan", "ERR_GUARD"),
+])
+def test_commit_lua_refusals_write_nothing(raw, case, code):
+    raw.force(raw.keys.weights(0), "NORMAL", version=3)
+    raw.force(raw.keys.rank(0), "IDLE", version=0)
+    raw.force(raw.keys.rank(1), "LOADING", version=0)
+    kwargs: dict = {"version": 3}
+    if case == "missing record":
+        kwargs["record"] = raw.keys.weights(7)
+    elif case == "wrong state":
+        kwargs["state"] = "CLEARED"
+    elif case == "wrong version":
+        kwargs["version"] = 2
+    elif case == "fence not held":
+        kwargs["fence"] = "9:ghost"
+    elif case == "guard refuses":
+        kwargs["guards"] = (Guard(GuardKind.RANKS_IN, state=RankState.IDLE),)
+    else:
+        kwargs["effect"] = Effect.SET_PLACEMENT
+        kwargs["plan_id"] = "nope"
+    before = raw.snapshot()
+    reply = run_commit(raw, **kwargs)
+    assert reply[0].decode() == code
+    assert raw.snapshot() == before
+
+
+def test_commit_lua_rejects_an_unknown_guard_kind(raw):
+    raw.force(raw.keys.weights(0), "NORMAL", version=0)
+    k = raw.keys
+    call = commit_call(k, record_key=k.weights(0), expected_state=WeightState.NORMAL, expected_version=0, fence="",
+                       new_state=WeightState.UPDATING, fields={}, audit={}, guards=(), effect=Effect.NONE,
+                       plan_id="", plan_key=k.plan("_none"), ep_size=0)
+    args = dict(zip(COMMIT_ARGV, call.args), guards=json.dumps([{"kind": "bogus"}]))
+    before = raw.snapshot()
+    with pytest.raises(redis.ResponseError, match="unknown guard kind bogus"):
+        raw.r.register_script(script_text("commit"))(keys=call.keys, args=[args[n] for n in COMMIT_ARGV])
+    assert raw.snapshot() == before
+
+
+def test_lease_lua_acquire_renew_release_and_a_monotonic_fence(raw):
+    script = raw.r.register_script(script_text("lease"))
+
+    def op(name, value, ttl=60_000):
+        call = lease_call(raw.keys, name, value, ttl)
+        return script(keys=call.keys, args=call.args)
+
+    first = op("acquire", "a")
+    assert first == b"1:a" and op("acquire", "b") is None  # held: refused
+    assert op("renew", "1:a") == b"1:a" and op("renew", "1:b") is None
+    assert op("release", "1:b") == 0 and op("release", "1:a") == 1
+    assert op("acquire", "b") == b"2:b"  # a fresh fence, never reused
+    assert raw.r.get(raw.keys.fence) == b"2"
+    with pytest.raises(ValueError):
+        lease_call(raw.keys, "steal", "x", 1)
+
+
+def test_tables_name_only_guards_the_script_implements():
+    script = script_text("commit")
+    for table in (CLUSTER, RANK, WEIGHTS):
+        for spec in table.transitions:
+            for g in spec.guards:
+                assert f"'{g.kind.value}'" in script
+            if spec.effect is not Effect.NONE:
+                assert f"'{spec.effect.value}'" in script

@@ -1,0 +1,120 @@
+"""The store as the Redis boundary: typed records in and out, redis-py errors mapped once, corrupt values typed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, RedisUnavailableError, StoreError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
+from fdeplb.store.records import encode_changes, parse_record
+from tests.helpers import RawRedis
+
+
+@pytest.fixture
+def store(redis_url, cluster_id):
+    store = Store(redis_url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=2, num_logical_experts=4, num_physical_experts=6, ep_size=2),
+                 np.array([[0, 1, 2, 3, 0, 1]] * 2))
+    yield store
+    store.delete_cluster()
+
+
+def test_records_come_back_typed(store):
+    cluster = store.read_cluster()
+    assert isinstance(cluster, ClusterRecord) and cluster.state is ClusterState.FREE and cluster.version == 0
+    ranks = store.read_all(RANK)
+    assert [type(r) for r in ranks] == [RankRecord, RankRecord] and ranks[1].state is RankState.IDLE
+    assert ranks[0].live_plan_id is None  # no agent has loaded yet
+    assert store.read_weights(1).state is WeightState.NORMAL
+    store.update(RANK, 1, heartbeat_ms=5, live_plan_id="", stage_ms=1.5)
+    rank = store.read_rank(1)
+    assert (rank.heartbeat_ms, rank.live_plan_id, rank.stage_ms) == (5, "", 1.5)
+    placement = store.current_placement()
+    assert placement.plan_id == "" and placement.version == 0 and placement.phy2log.dtype == np.int64
+
+
+def test_every_record_field_is_documented():
+    import ast
+    import inspect
+
+    from fdeplb.store import records
+
+    tree = ast.parse(inspect.getsource(records))
+    for cls in (ClusterRecord, RankRecord, WeightRecord, PlanEntry):
+        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+        documented = {prev.target.id for prev, nxt in zip(node.body, node.body[1:])
+                      if isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                      and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+        assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
+
+
+def test_unknown_or_commit_only_fields_are_refused(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    before = raw.snapshot()
+    with pytest.raises(InputError, match="has no field 'colour'"):
+        store.update(RANK, 0, colour="red")
+    with pytest.raises(InputError, match="written only by a commit"):
+        store.update(CLUSTER, state="DONE")
+    with pytest.raises(InputError, match="written only by a commit"):
+        encode_changes(WeightRecord, {"version": 3})
+    assert raw.snapshot() == before
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("version", "v7", "field 'version'"),
+    ("state", "EXPLODED", "field 'state'"),
+    ("round", "1.5", "field 'round'"),
+])
+def test_corrupt_record_values_are_typed_errors(store, redis_url, cluster_id, field, value, message):
+    raw = RawRedis(redis_url, cluster_id)
+    raw.r.hset(raw.keys.rearrange, field, value)
+    with pytest.raises(CorruptRecordError, match=message):
+        store.read_cluster()
+
+
+def test_corrupt_arrays_and_config_are_typed_errors(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    raw.r.hset(raw.keys.placement, "phy2log", b"\x00" * 5)
+    with pytest.raises(CorruptRecordError, match="placement"):
+        store.current_placement()
+    raw.r.hset(raw.keys.config, "ep_size", "not json")
+    with pytest.raises(CorruptRecordError, match="config"):
+        Store(redis_url, cluster_id).read_config()
+    raw.r.hset(raw.keys.load(0), mapping={"round": "x", "expert_load": b""})
+    with pytest.raises(CorruptRecordError):
+        store.load_round(0)
+
+
+def test_redis_errors_are_mapped_once_at_the_boundary(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    raw.r.delete(raw.keys.rank(0))
+    raw.r.set(raw.keys.rank(0), "a string, not a hash")  # another program wrote this key
+    with pytest.raises(StoreError, match="WRONGTYPE"):
+        store.read_rank(0)
+    with pytest.raises(RedisUnavailableError, match="unavailable"):
+        Store("redis://127.0.0.1:1/0", cluster_id).read_cluster()
+    with pytest.raises(NotFoundError):
+        store.read_weights(9)
+
+
+def test_parse_record_needs_state_and_version():
+    with pytest.raises(CorruptRecordError, match="without state or version"):
+        parse_record(ClusterRecord, "k", {"state": "FREE"})
+    rec = parse_record(WeightRecord, "k", {"state": "CLEARED", "version": "2", "from_the_future": "x"})
+    assert rec.state is WeightState.CLEARED and rec.version == 2
+
+
+def test_weight_requests_count_and_refuse_unknown_actions(store):
+    assert store.request_weights("clear", "test") == 1
+    assert store.request_weights("update") == 2
+    rec = store.read_cluster()
+    assert (rec.weights_request, rec.weights_action, rec.weights_reason) == (2, "update", "operator")
+    with pytest.raises(InputError):
+        store.request_weights("explode")
+    assert store.read_cluster().weights_request == 2
+    assert WEIGHTS.name == "weights"
