@@ -166,7 +166,7 @@ def stage_vs_raw(reader: CheckpointReader, plan: TransferPlan, device: str, repe
         try:
             return staged.read_seconds
         finally:
-            staged.release()
+            staged.release(keep_buffers=True)  # as CheckpointBackend.swap does: the next round reuses them
 
     out = {"bytes": sum(size for _, _, size in ranges), "files": len(files)}
     for cache in ("warm", "cold"):

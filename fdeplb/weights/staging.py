@@ -52,9 +52,15 @@ class StagedExperts:
     nbytes: int = 0
     read_seconds: float = 0.0
     released: bool = False
+    #: where released tensors go for reuse (the reader's buffer pool), or None to drop them
+    recycle: Any = field(default=None, repr=False)
 
-    def release(self) -> None:
-        """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent."""
+    def release(self, keep_buffers: bool = False) -> None:
+        """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent.
+        ``keep_buffers`` (after a swap): the tensors go to the reader's pool of pre-faulted staging buffers
+        (:meth:`CheckpointReader.recycle`), which the next staging reuses; otherwise their memory is freed."""
+        if keep_buffers and self.recycle is not None and self.experts:
+            self.recycle([t for tensors in self.experts for t in tensors.values()])
         self.experts.clear()
         self.checksums.clear()
         self.nbytes = 0
@@ -101,10 +107,12 @@ def stage_experts(
         )
     for layer, expert in plan.disk:
         reader.check_expert(layer, expert)
-    staged = StagedExperts(plan_key=plan.key, device=dev)
+    pinned = _paddle.is_gpu(dev)
+    staged = StagedExperts(plan_key=plan.key, device=dev,
+                           recycle=lambda tensors: reader.recycle(tensors, pinned=pinned))
     start = time.perf_counter()
     try:
-        read = reader.read_experts(plan.disk, pinned=_paddle.is_gpu(dev), workers=workers, on_read=expert_checksum)
+        read = reader.read_experts(plan.disk, pinned=pinned, workers=workers, on_read=expert_checksum)
         for tensors, checksum in read:
             staged.checksums.append(checksum)
             staged.experts.append(tensors)
