@@ -24,6 +24,12 @@ fewest experts, or, when none reaches it, the one with the lightest heaviest GPU
 no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is repaired; a cap
 below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back unchanged.
 Deterministic: ties keep the first candidate in slot / expert order.
+
+Without a move cap every layer is independent: step 2 then runs on all (layer, node) rows at once
+(:func:`repair_rows`, one action per active row per iteration, candidates narrowed to the heaviest GPU's slots,
+the lightest GPUs' slots and a few new experts), which is an order of magnitude faster than the per-row loop and
+moves a few percent more experts. With a cap the layers are repaired one at a time, worst first, so that the
+budget goes where it helps most.
 """
 
 from __future__ import annotations
@@ -191,6 +197,186 @@ class _Row:
             self.c[e] += 1
 
 
+# ---- all rows at once (no move cap) ------------------------------------------------------------------------------------
+#: swap and replace partners are looked for on this many lightest GPUs of the row (besides the heaviest one)
+_LIGHT_GPUS = 6
+#: experts tried as the new expert of a slot of the heaviest GPU (half of them restoring old contents)
+_NEW_EXPERTS = 16
+#: hard cap on iterations of the batched repair (each applies one action per active row)
+_MAX_ITER = 10_000
+
+
+def _take(a: np.ndarray, *idx: np.ndarray) -> np.ndarray:
+    """``a[r, idx...]`` for every row r of ``a`` (idx broadcast against a leading row axis)."""
+    r = np.arange(a.shape[0]).reshape((-1,) + (1,) * (max(i.ndim for i in idx) - 1))
+    return a[(r, *idx)]
+
+
+def repair_rows(rows: list[_Row], targets: np.ndarray) -> None:
+    """:meth:`_Row.repair` without a move budget, on many rows of one shape at once; rows are modified in place.
+
+    Same greedy (best gain per moved expert, gain capped at what the target needs; an action must lower the heaviest
+    GPU and lift no GPU to its level), on a narrower candidate set so that one iteration is a few numpy expressions
+    over all active rows: swaps of a slot of the heaviest GPU with a slot of the ``_LIGHT_GPUS`` lightest GPUs;
+    a slot of the heaviest GPU given to one of ``_NEW_EXPERTS`` experts (those that lower that GPU most, restoring
+    old contents first); a slot of a light GPU given to an expert of the heaviest GPU. Loads of GPUs that only lose
+    load are not tracked (the gain is the bound on the raised ones). Deterministic: ties keep the first candidate.
+
+    Args:
+        rows: :class:`_Row` objects with equal ``G``, ``S`` and expert count.
+        targets: float64 [len(rows)], absolute GPU load each row must come down to.
+    """
+    if not rows:
+        return
+    G, S, E = rows[0].G, rows[0].S, rows[0].load.size
+    P = G * S
+    if G < 2:
+        return
+    row = np.stack([r.row for r in rows])
+    M = np.stack([r.M for r in rows]).astype(np.int16)  # counts <= S: small ints keep the gathers cheap
+    Mo = np.stack([r.Mo for r in rows]).astype(np.int16)
+    c = np.stack([r.c for r in rows])
+    load = np.stack([r.load for r in rows])
+    T = np.asarray(targets, dtype=np.float64)
+    K = min(_LIGHT_GPUS, G - 1)
+    KF = min(_NEW_EXPERTS, E)
+    half = KF // 2
+    active = np.arange(len(rows))
+    for _ in range(_MAX_ITER):
+        ca, rowa, la = c[active], row[active], load[active]
+        per = la / np.maximum(ca, 1)
+        loads = np.take_along_axis(per, rowa, axis=1).reshape(-1, G, S).sum(axis=2)
+        gmax = loads.argmax(axis=1)
+        r = np.arange(active.size)
+        peak = loads[r, gmax]
+        keep = peak > T[active]
+        if not keep.all():
+            active, ca, rowa, la, per, loads, gmax, peak = (
+                x[keep] for x in (active, ca, rowa, la, per, loads, gmax, peak))
+            r = np.arange(active.size)
+        n = active.size
+        if n == 0:
+            break
+        A1, A2, A3 = active[:, None], active[:, None, None], active
+        eps = peak * _RTOL
+        need = peak - T[active]
+        lim = peak - eps
+        # light GPUs and their slots
+        masked = loads.copy()
+        masked[r, gmax] = np.inf
+        light = np.argsort(masked, axis=1, kind="stable")[:, :K]  # [n, K]
+        a = gmax[:, None] * S + np.arange(S)  # [n, S] slots of the heaviest GPU
+        b = (light[:, :, None] * S + np.arange(S)).reshape(n, K * S)  # [n, KS]
+        gb = b // S
+        ea, eb = _take(rowa, a), _take(rowa, b)
+        pa, pb = _take(per, ea), _take(per, eb)
+        Mg = M[A3, gmax]  # [n, E] heaviest GPU's contents
+        Mog = Mo[A3, gmax]
+        # -- swap a <-> b
+        d = pa[:, :, None] - pb[:, None, :]
+        na = peak[:, None, None] - d
+        nb = _take(loads, gb)[:, None, :] + d
+        M_gb_eb, Mo_gb_eb = M[A1, gb, eb], Mo[A1, gb, eb]
+        cost_s = ((_take(Mg, eb) >= _take(Mog, eb)).astype(np.int64)[:, None, :]
+                  - (_take(Mg, ea) > _take(Mog, ea))[:, :, None]
+                  + (M[A2, gb[:, None, :], ea[:, :, None]] >= Mo[A2, gb[:, None, :], ea[:, :, None]])
+                  - (M_gb_eb > Mo_gb_eb)[:, None, :])
+        ok = (na < lim[:, None, None]) & (nb < lim[:, None, None]) & (ea[:, :, None] != eb[:, None, :])
+        score_s = np.where(ok, np.minimum(peak[:, None, None] - np.maximum(na, nb), need[:, None, None])
+                           / np.maximum(cost_s, 0.5), -np.inf).reshape(n, -1)
+        # -- replace: slot a of the heaviest GPU gets expert f
+        ce = _take(ca, ea)
+        two = ce >= 2
+        ne = np.where(two, _take(la, ea) / np.maximum(ce - 1, 1), 0.0)
+        de = ne - pa  # rise of every replica of ea
+        Mea = M[A1, :, ea]  # [n, S, G]
+        up = np.where(Mea > 0, loads[:, None, :] + Mea * de[:, :, None], -np.inf)  # GPUs holding ea rise
+        up[r, :, gmax] = -np.inf
+        up_max = up.max(axis=2)  # [n, S]
+        nf_all = la / (ca + 1)
+        hf = nf_all + Mg * (nf_all - per)  # what expert f adds to the heaviest GPU
+        restoring = Mog > Mg
+        order = np.argpartition(np.where(restoring, hf, np.inf), half - 1, axis=1)[:, :half]
+        order2 = np.argpartition(hf, KF - half - 1, axis=1)[:, : KF - half]
+        f = np.concatenate([order, order2], axis=1)  # [n, KF]
+        base = peak[:, None] + _take(Mg, ea) * de - ne  # [n, S]
+        ng = base[:, :, None] + _take(hf, f)[:, None, :]
+        cost_r = ((_take(Mg, f) >= _take(Mog, f)).astype(np.int64)[:, None, :]
+                  - (_take(Mg, ea) > _take(Mog, ea))[:, :, None])
+        ok = (two[:, :, None] & (ea[:, :, None] != f[:, None, :]) & (ng < lim[:, None, None])
+              & (up_max < lim[:, None])[:, :, None])
+        local = np.maximum(ng, up_max[:, :, None])
+        score_r = np.where(ok, np.minimum(peak[:, None, None] - local, need[:, None, None])
+                           / np.maximum(cost_r, 0.5), -np.inf).reshape(n, -1)
+        # -- replace: slot b of a light GPU gets expert ea (an expert of the heaviest GPU)
+        cb = _take(ca, eb)
+        twob = cb >= 2
+        nbe = np.where(twob, _take(la, eb) / np.maximum(cb - 1, 1), 0.0)
+        dbe = nbe - pb  # [n, KS] rise of every replica of eb
+        Meb = M[A1, :, eb]  # [n, KS, G]
+        upb = np.where(Meb > 0, loads[:, None, :] + Meb * dbe[:, :, None], -np.inf)
+        upb[r, :, gmax] = -np.inf
+        upb[r[:, None], np.arange(K * S)[None, :], gb] = -np.inf
+        upb_max = upb.max(axis=2)  # [n, KS]
+        nfa = _take(la, ea) / (ce + 1)  # [n, S] new per-replica load of ea
+        dfa = nfa - pa
+        ng2 = (peak[:, None, None] + (_take(Mg, eb) * dbe)[:, :, None]
+               + (_take(Mg, ea) * dfa)[:, None, :])  # [n, KS, S]
+        mgb_ea = M[A2, gb[:, :, None], ea[:, None, :]]  # [n, KS, S]
+        nlb = (_take(loads, gb) + M_gb_eb * dbe - nbe)[:, :, None] + mgb_ea * dfa[:, None, :] + nfa[:, None, :]
+        cost_b = ((mgb_ea >= Mo[A2, gb[:, :, None], ea[:, None, :]]).astype(np.int64)
+                  - (M_gb_eb > Mo_gb_eb)[:, :, None])
+        ok = (twob[:, :, None] & (eb[:, :, None] != ea[:, None, :]) & (ng2 < lim[:, None, None])
+              & (nlb < lim[:, None, None]) & (upb_max < lim[:, None])[:, :, None])
+        local = np.maximum(np.maximum(ng2, nlb), upb_max[:, :, None])
+        score_b = np.where(ok, np.minimum(peak[:, None, None] - local, need[:, None, None])
+                           / np.maximum(cost_b, 0.5), -np.inf).reshape(n, -1)
+        # -- best per row: replace first on ties (as _Row.repair), then swaps
+        scores = np.concatenate([score_r, score_b, score_s], axis=1)
+        best = scores.argmax(axis=1)
+        found = scores[r, best] > -np.inf
+        n_r, n_b = score_r.shape[1], score_b.shape[1]
+        kind = np.where(best < n_r, 0, np.where(best < n_r + n_b, 1, 2))
+        rows_g = active
+        # replace on the heaviest GPU
+        sel = found & (kind == 0)
+        if sel.any():
+            i, j = np.divmod(best[sel], KF)
+            slot = a[sel, i]
+            _apply_replace(row, M, c, rows_g[sel], slot, f[sel, j], S)
+        sel = found & (kind == 1)
+        if sel.any():
+            i, j = np.divmod(best[sel] - n_r, S)
+            _apply_replace(row, M, c, rows_g[sel], b[sel, i], ea[sel, j], S)
+        sel = found & (kind == 2)
+        if sel.any():
+            i, j = np.divmod(best[sel] - n_r - n_b, K * S)
+            _apply_swap(row, M, rows_g[sel], a[sel, i], b[sel, j], S)
+        active = active[found]
+    for k, rr in enumerate(rows):
+        rr.row, rr.M, rr.c = row[k].copy(), M[k].astype(np.int64), c[k].copy()
+
+
+def _apply_replace(row, M, c, rr, slot, f, S):
+    e = row[rr, slot]
+    g = slot // S
+    row[rr, slot] = f
+    np.add.at(M, (rr, g, e), -1)
+    np.add.at(M, (rr, g, f), 1)
+    np.add.at(c, (rr, e), -1)
+    np.add.at(c, (rr, f), 1)
+
+
+def _apply_swap(row, M, rr, sa, sb, S):
+    ea, eb = row[rr, sa], row[rr, sb]
+    ga, gb = sa // S, sb // S
+    row[rr, sa], row[rr, sb] = eb, ea
+    np.add.at(M, (rr, ga, ea), -1)
+    np.add.at(M, (rr, ga, eb), 1)
+    np.add.at(M, (rr, gb, eb), -1)
+    np.add.at(M, (rr, gb, ea), 1)
+
+
 def _node_of_groups(
     fresh: np.ndarray, old: np.ndarray, num_groups: int, num_nodes: int, group_size: int
 ) -> np.ndarray:
@@ -253,15 +439,15 @@ def _cost(row: _Row) -> int:
 
 
 def _plan_layer(cand: _Candidate, fresh_row: np.ndarray, load_row: np.ndarray, target: float, budget: float,
-                gpus_per_node: int, S: int) -> tuple[np.ndarray, int, float]:
+                gpus_per_node: int, S: int, repaired: bool = False) -> tuple[np.ndarray, int, float]:
     """Repair every node of ``cand`` within ``budget`` (which already covers its fill cost); returns (new phy2log row,
-    moved experts, heaviest GPU load)."""
+    moved experts, heaviest GPU load). ``repaired``: the rows went through :func:`repair_rows` already."""
     out = np.empty(fresh_row.size, dtype=np.int64)
     spent = cand.fill_cost
     peak = -np.inf
     slots_per_node = gpus_per_node * S
     for span, experts, local, old_local, row in cand.nodes:
-        spent += row.repair(target, budget - spent)
+        spent += row.repaired if repaired else row.repair(target, budget - spent)
         if row.loads()[0].max() > target and budget == np.inf and cand.node_perm is not None:
             fresh_node = cand.node_perm[span.start // slots_per_node]
             fresh_span = slice(fresh_node * slots_per_node, (fresh_node + 1) * slots_per_node)
@@ -352,6 +538,20 @@ def move_aware_phy2log(
         )
     budget -= reserve.sum()
     out = np.empty_like(old)
+    if budget == np.inf:  # no cap: every layer is independent, repair all rows at once
+        rows = [(n[-1], target[layer]) for layer in range(L) for cand in candidates[layer] for n in cand.nodes]
+        before = [_cost(row) for row, _ in rows]
+        repair_rows([row for row, _ in rows], np.array([t for _, t in rows]))
+        for (row, _), b in zip(rows, before):
+            row.repaired = _cost(row) - b
+        for layer in range(L):
+            best = None
+            for cand in candidates[layer]:
+                plan = _plan_layer(cand, fresh[layer], load[layer], target[layer], np.inf, gpus_per_node, S, True)
+                if best is None or _better(plan, best, target[layer]):
+                    best = plan
+            out[layer] = best[0]
+        return align_slots(old, out, num_gpus)
     # worst layers first, so that a move budget goes where it helps most
     old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
     for layer in np.argsort(-(old_peak - target), kind="stable"):

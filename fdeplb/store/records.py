@@ -11,6 +11,7 @@ Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdepl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -170,8 +171,9 @@ def record_type(table: MachineTable) -> type:
     return RECORD_TYPES[table.name]
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls)  # cached: resolving the string annotations costs ~1 ms per call
 
 
 def _convert(cls: type, key: str, name: str, hint: Any, text: str) -> Any:
