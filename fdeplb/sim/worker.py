@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--staging-budget-bytes", type=int, default=None)
     p.add_argument("--backend", choices=("paddle", "numpy"), default="paddle",
                    help="live experts as paddle tensors from the checkpoint, or numpy arrays (fdeplb.testing)")
+    p.add_argument("--redis-wait-s", type=float, default=300.0, help="wait this long for Redis at start-up")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     configure(args.log_level)
+
+    import structlog
 
     from fdeplb.orchestration.agent import RankAgent
     from fdeplb.placement import read_expert_load
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from fdeplb.weights import import_paddle
 
     store = Store(args.redis_url, args.cluster)
+    store.wait_available(args.redis_wait_s, lambda err: structlog.get_logger("fdeplb.agent").warning(
+        "waiting for redis", url=args.redis_url, timeout_s=args.redis_wait_s, error=err))
     ep_size = store.ep_size()
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
     agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
