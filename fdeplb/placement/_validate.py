@@ -75,7 +75,7 @@ def check_counts(expert_load: object, name: str = "expert_load") -> np.ndarray:
         frac = arr != np.floor(arr)
         if frac.any():
             bad = np.argwhere(frac)[0]
-            raise InputError(f"{name} has a fractional value {arr[tuple(bad)]!r} at [layer {bad[0]}, expert "
+            raise InputError(f"{name} has a fractional value {float(arr[tuple(bad)])!r} at [layer {bad[0]}, expert "
                              f"{bad[1]}]; loads are token counts (whole numbers)")
     return arr.astype(np.int64)
 
