@@ -32,10 +32,24 @@ def redis_server_binary() -> str:
     return found
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port() -> int:
+    """A free loopback port below 55536 whose Redis Cluster bus port (port + 10000) is free too."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 55_536 and _bindable(port + 10_000):
+            return port
+    raise RuntimeError("no free loopback port pair for redis-server")
 
 
 class RedisServer:

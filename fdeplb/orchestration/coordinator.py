@@ -186,13 +186,17 @@ class Coordinator:
         problem = f"{type(err).__name__}: {err}"
         self.log.error("entry work failed", round=rec.round, state=rec.state, error=problem)
         self.store.emit_event("coordinator_error", holder=self.holder, state=rec.state, error=problem[:500])
-        expired, left = self._deadline(rec)
-        if rec.state in ABORTABLE:
-            if isinstance(err, (CorruptRecordError, InputError)) or expired:
-                return self._abort(rec, f"{rec.state} failed: {problem}")
-        elif expired and rec.state is ClusterState.SWAPPING:
-            self._alarm(rec, f"swapping deadline passed; rolling forward; entry work failing: {problem}")
-        return False, RETRY_MS if left is None else max(1, min(RETRY_MS, left))
+        if rec.state in ABORTABLE and isinstance(err, (CorruptRecordError, InputError)):
+            return self._abort(rec, f"{rec.state} failed: {problem}")
+        _, left = self._deadline(rec)
+        # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
+        self.stop_event.wait((RETRY_MS if left is None else max(1, min(RETRY_MS, left))) / 1000)
+        if self._deadline(rec)[0]:
+            if rec.state in ABORTABLE:
+                return self._abort(rec, f"{rec.state} failed until its deadline passed: {problem}")
+            if rec.state is ClusterState.SWAPPING:
+                self._alarm(rec, f"swapping deadline passed; rolling forward; entry work failing: {problem}")
+        return True, None
 
     # ---- entry work per state (idempotent) ------------------------------------------------------------------------
     def _deadline(self, rec: ClusterRecord) -> tuple[bool, int | None]:
