@@ -346,6 +346,15 @@ def test_arm_switch_fixes_the_step_once_every_rank_is_armed(redis_url, cluster_i
         assert store.read_cluster().weights_request == n + 1
 
 
+def test_switch_lua_header_matches_its_python_slots():
+    from fdeplb.store.scripts import SWITCH_ARGV, SWITCH_KEYS, SWITCH_STATUSES, script_text
+    from tests.test_scripts import header_slots
+
+    assert header_slots("switch", "KEYS") == list(SWITCH_KEYS)
+    assert header_slots("switch", "ARGV") == list(SWITCH_ARGV)
+    assert all(f"'{status}'" in script_text("switch") for status in SWITCH_STATUSES)
+
+
 # ---- the weight-status machine -----------------------------------------------------------------------------------
 def test_vllm_55228_update_after_rebalance_reloads_the_current_placement(redis_url, cluster_id, tmp_path):
     """Placement [0,1,2,3] -> [0,2,1,3], then clear and update: every slot's checksum matches the expert its
