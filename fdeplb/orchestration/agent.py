@@ -368,7 +368,8 @@ class RankAgent:
            armed rank learns the switch step before reaching it, however late its background thread learned of
            the change or however slow its worker is (a rank not armed yet holds everyone back: nobody switches).
         3. *Past it anyway.* Only a rank that could not reach Redis at its armed safe points (the script failed:
-           logged, the worker keeps serving the old placement) can find itself past the switch step. It then
+           logged, the worker keeps serving the old placement), or one whose weight request was overtaken by a
+           newer one (see :meth:`_weights_step`), can find itself past the switch step. It then
            applies the change at once (a committed plan only rolls forward; a weight request is carried out),
            records ``late_steps`` in its rank record and raises an ``alarm`` (event and audit record) naming the
            steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong
@@ -473,11 +474,14 @@ class RankAgent:
         the work runs at the safe point of the request's switch step, the outcome is committed after
         (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights).
 
-        Every rank arms for request n (``weights:<n>``), also a rank with nothing to do (clear while CLEARED), so
-        the request's switch step is fixed once all are ready and all switch at it (:meth:`at_safe_point`). A
-        request that supersedes one whose switch step is not fixed yet (possible only when it arrives before any
-        rank committed its transition: :meth:`fdeplb.store.Store.request_weights` refuses while a rank is CLEARING
-        or UPDATING) re-arms the pending work for the new request."""
+        Two phases: every rank first commits its transition (or finds nothing to do: clear while CLEARED) and arms
+        for request n (``weights:<n>``); the request's switch step is fixed once all are armed, and all switch at
+        it (:meth:`at_safe_point`). Requests are carried out one at a time
+        (:meth:`fdeplb.store.Store.request_weights` refuses a new one while a rank is CLEARING or UPDATING). A
+        request that still overtakes one (written between this rank's read of request n and its commit of the
+        transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
+        one step, but this rank then carries out the new request on its own, past that step, which raises the
+        late-switch alarm (:meth:`at_safe_point`, point 3)."""
         w: WeightRecord = self.weights.read()
         n = cluster.weights_request
         arm = _Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
