@@ -105,8 +105,13 @@ def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
 def test_operating_an_unknown_cluster_or_redis_fails_cleanly(redis_url, capsys, command):
     code, _, err = run(capsys, command, "--redis-url", redis_url, "--cluster", "t-never-initialised")
     assert code == 2 and "no cluster 't-never-initialised'" in err
-    code, _, err = run(capsys, command, "--redis-url", "redis://127.0.0.1:1/0", "--cluster", "c")
-    assert code == 7 and "cannot reach Redis" in err
+    wait = ("--redis-wait-s", "0.3") if command == "coordinator" else ()
+    code, _, err = run(capsys, command, "--redis-url", "redis://127.0.0.1:1/0", "--cluster", "c", *wait)
+    assert code == 7
+    if command == "coordinator":  # it waited for Redis (with a log line) up to its bound
+        assert "waiting for redis" in err and "did not answer within 0.3 s" in err
+    else:
+        assert "cannot reach Redis" in err
 
 
 def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, cluster_id, capsys):

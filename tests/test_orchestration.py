@@ -63,7 +63,7 @@ def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
 
 
 def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=2.0) as tc:
+    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
         store = tc.store()
         before = store.current_placement().phy2log
         tc.start()

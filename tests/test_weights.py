@@ -314,3 +314,17 @@ def test_swap_without_recorded_checksums_refuses_before_writing(ckpt):
     with pytest.raises(VerificationError, match="no checkpoint checksum"):
         wrapped.swap(plan, stage_experts(plan, reader), NEW)
     assert snapshot_bytes(wrapped) == before and not wrapped.needs_reload
+
+
+def test_released_staging_buffers_are_reused_by_the_next_staging(ckpt):
+    reader, live, plan, staged = staged_round(ckpt)
+    ids = {id(t) for tensors in staged.experts for t in tensors.values()}
+    nbytes = staged.nbytes
+    staged.release(keep_buffers=True)
+    assert reader.pooled_bytes == nbytes and staged.nbytes == 0
+    again = stage_experts(plan, reader)  # same plan: every buffer comes from the pool, contents read afresh
+    assert {id(t) for tensors in again.experts for t in tensors.values()} == ids
+    assert reader.pooled_bytes == 0
+    live.swap(plan, again, NEW)  # verifies every changed slot against the checksums of the reused buffers
+    reader.trim()
+    assert reader.pooled_bytes == 0

@@ -34,7 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--initial", default=None, help="initial placement file (fdeplb, sglang, trtllm, fastdeploy)")
     i.add_argument("--cordoned", action="store_true", help="commit only on an external request")
     i.add_argument("--min-gain", type=float, default=_CONFIG_DEFAULTS["min_gain"],
-                   help="least balancedness gain worth a round")
+                   help="least balancedness gain worth a round, in [0, 1]")
+    i.add_argument("--retain-rounds", type=int, default=_CONFIG_DEFAULTS["retain_rounds"],
+                   help="keep the snapshots and plans of this many last rounds (default %(default)s)")
+    i.add_argument("--audit-keep", type=int, default=_CONFIG_DEFAULTS["audit_keep"],
+                   help="audit records kept in Redis; 0 (default) keeps the stream complete")
+    i.add_argument("--audit-export", default="", help="JSONL file older audit records go to before trimming")
     for name, default in _DEADLINE_DEFAULTS.items():
         phase = name.removesuffix("_ms")
         i.add_argument(f"--{phase}-ms", type=int, default=default, help=f"{phase} deadline (default {default})")
@@ -53,6 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-balancedness", type=float, default=None,
                    help="periodic rounds are skipped at or above this mean balancedness (SGLang's "
                         "eplb_min_rebalancing_utilization_threshold)")
+    p.add_argument("--redis-wait-s", type=float, default=300.0,
+                   help="wait this long for Redis to answer at start-up (default %(default)s s)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run_coordinator)
 
@@ -78,6 +85,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from fdeplb.orchestration.coordinator import Coordinator
 
     configure(args.log_level)
+    wait_for_redis(args.redis_url, args.cluster, args.redis_wait_s, "coordinator")
     store = open_store(args.redis_url, args.cluster)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
                               min_balancedness=args.min_balancedness)
@@ -89,6 +97,23 @@ def run_coordinator(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     coordinator.run()
     return 0
+
+
+def wait_for_redis(url: str, cluster: str, timeout_s: float, who: str) -> None:
+    """Block until Redis at ``url`` answers (at most ``timeout_s`` s, a log line when it does not at first);
+    :class:`RedisUnavailableError` after that, :class:`InputError` for a bad bound."""
+    import math
+
+    import structlog
+
+    from fdeplb.errors import InputError
+    from fdeplb.store import Store
+
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise InputError(f"--redis-wait-s must be a finite number >= 0, got {timeout_s}")
+    log = structlog.get_logger(f"fdeplb.{who}")
+    Store(url, cluster).wait_available(
+        timeout_s, lambda err: log.warning("waiting for redis", url=url, timeout_s=timeout_s, error=err))
 
 
 def run_rearrange(args: argparse.Namespace) -> int:
@@ -104,11 +129,9 @@ def run_rearrange(args: argparse.Namespace) -> int:
         print(f"commit of plan {args.commit} requested")
         return 0
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
-    rec = store.read_cluster()
     cursor = store.cursor()
-    n = store.request_round(args.reason)
-    target = rec.round + 1
-    print(f"round {target} requested ({n} requested so far); coordinator {holder}")
+    target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
+    print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
         return 0
     return wait_for_round(store, target, cursor, args.timeout)
@@ -201,7 +224,8 @@ def run_init(args: argparse.Namespace) -> int:
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
         checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
-        min_gain=args.min_gain,
+        min_gain=args.min_gain, retain_rounds=args.retain_rounds, audit_keep=args.audit_keep,
+        audit_export_path=args.audit_export,
         deadlines=Deadlines(**{name: getattr(args, name) for name in _DEADLINE_DEFAULTS}),
     )
     if args.initial:

@@ -36,7 +36,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableE
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.placement import check_expert_load
+from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
@@ -250,7 +250,8 @@ class RankAgent:
                                            steps=self.window_steps, seconds=self.window_s)
         self._clear_stat_seen = self.store.read_cluster().clear_stat_request  # a fresh window is empty
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, **(info or {})})
-        self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen)
+        self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen,
+                        routing_digest=routing_digest(self.backend.phy2log))
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
 
@@ -545,7 +546,7 @@ class RankAgent:
             return False
         expected = (self.config.num_layers, self.config.num_logical_experts)
         try:
-            window = check_expert_load(self.load_source(round_), "load window")
+            window = check_counts(self.load_source(round_), "load window")  # fractional: refused, not truncated
             if window.shape != expected:
                 raise InputError(f"load window has shape {window.shape}, expected {expected}")
         except Exception as err:  # noqa: BLE001 - the engine's recorder is foreign code; never kill the agent
@@ -554,7 +555,7 @@ class RankAgent:
             self.log.error("load source failed", round=round_, error=str(err))
             self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
             return False
-        self.store.publish_load(self.ep_rank, round_, window.astype(np.int64))
+        self.store.publish_load(self.ep_rank, round_, window)
         return True
 
     # ---- helpers --------------------------------------------------------------------------------------------------
@@ -674,7 +675,7 @@ class RankAgent:
         self.live_plan_id = plan_id
         self._swap_attempts.pop(plan_id, None)
         report.update({"slots_verified": verified, "slots_total": total, "live_plan_id": plan_id,
-                       "verified_all": int(self.verify_all)})
+                       "verified_all": int(self.verify_all), "routing_digest": routing_digest(self.backend.phy2log)})
         if verified != total:
             self.log.error("verification failed", verified=verified, total=total)
             report["reason"] = f"{total - verified} of {total} slots do not match the checkpoint"

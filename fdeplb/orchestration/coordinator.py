@@ -21,17 +21,23 @@ from typing import Callable
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, FenceError, GuardError, InputError, RedisUnavailableError, StaleStateError
+from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardError, InputError, \
+    RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.placement import balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
+from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
 
 log = structlog.get_logger("fdeplb.coordinator")
 
 #: what a state's entry work returns: (progressed, ms until the next deadline or None)
 Step = tuple[bool, "int | None"]
+
+#: states the ``abort`` trigger leaves (before the commit point): a failing step there ends in an abort
+ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
+#: how long a failing step waits before it is retried (ms)
+RETRY_MS = 1_000
 
 
 def default_holder_id() -> str:
@@ -71,8 +77,8 @@ class Coordinator:
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
                  planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None,
                  interval_s: float | None = None, min_balancedness: float | None = None) -> None:
-        if lease_ms < 300:
-            raise InputError(f"lease_ms must be >= 300, got {lease_ms}")
+        if not isinstance(lease_ms, int) or isinstance(lease_ms, bool) or not 300 <= lease_ms <= 3_600_000:
+            raise InputError(f"lease_ms must be an integer in [300, 3600000], got {lease_ms!r}")
         if interval_s is not None and not interval_s > 0:
             raise InputError(f"interval_s must be > 0, got {interval_s}")
         if min_balancedness is not None and not 0 < min_balancedness <= 1:
@@ -125,9 +131,9 @@ class Coordinator:
         """Run until :attr:`stop_event` is set or ``until()`` is true (checked after every step).
 
         A lost Redis connection is logged and retried every 0.5 s (the lease lapses meanwhile; on return the
-        coordinator competes for it again like any other). Any other :class:`FdeplbError` out of a step is logged,
-        announced as a ``coordinator_error`` event and retried after 1 s; the deadlines end a round that cannot
-        progress."""
+        coordinator competes for it again like any other). No other exception leaves the loop: one out of a state's
+        entry work is handled by :meth:`step` (the round's deadline still fires); one anywhere else is logged,
+        announced as a ``coordinator_error`` event and retried after 1 s."""
         cursor = None
         try:
             while not self.stop_event.is_set():
@@ -139,13 +145,13 @@ class Coordinator:
                 except RedisUnavailableError as err:
                     self.log.warning("redis unavailable", error=str(err))
                     self.stop_event.wait(0.5)
-                except FdeplbError as err:  # unexpected but typed (corrupt record, bad stored array): keep leading
+                except Exception as err:  # noqa: BLE001 - no value or bug may kill the loop: log, announce, retry
                     self.log.error("step failed", error=str(err), error_type=type(err).__name__)
                     try:
-                        self.store.emit_event("coordinator_error", holder=self.holder, error=str(err))
-                    except FdeplbError:
+                        self.store.emit_event("coordinator_error", holder=self.holder, error=str(err)[:500])
+                    except Exception:  # noqa: BLE001
                         pass
-                    self.stop_event.wait(1.0)
+                    self.stop_event.wait(RETRY_MS / 1000)
         finally:
             if self.lease is not None:
                 try:
@@ -190,7 +196,31 @@ class Coordinator:
         failpoint("coordinator.hang", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
                                                 holder=self.holder))
-        return ENTRY_WORK[rec.state](self, rec)
+        try:
+            return ENTRY_WORK[rec.state](self, rec)
+        except (StateError, RedisUnavailableError):
+            raise  # lost races and a lost connection: the loop handles them
+        except Exception as err:  # noqa: BLE001 - a bad stored value or a bug: the round must still end
+            return self._step_failed(rec, err)
+
+    def _step_failed(self, rec: ClusterRecord, err: Exception) -> Step:
+        """A state's entry work raised. Before the commit point a corrupt stored value aborts the round at once
+        (the reason names the key and the problem) and any other error aborts it when its deadline passes; after
+        the commit point the deadline raises the alarm. Meanwhile the step is retried every second."""
+        problem = f"{type(err).__name__}: {err}"
+        self.log.error("entry work failed", round=rec.round, state=rec.state, error=problem)
+        self.store.emit_event("coordinator_error", holder=self.holder, state=rec.state, error=problem[:500])
+        if rec.state in ABORTABLE and isinstance(err, (CorruptRecordError, InputError)):
+            return self._abort(rec, f"{rec.state} failed: {problem}")
+        _, left = self._deadline(rec)
+        # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
+        self.stop_event.wait((RETRY_MS if left is None else max(1, min(RETRY_MS, left))) / 1000)
+        if self._deadline(rec)[0]:
+            if rec.state in ABORTABLE:
+                return self._abort(rec, f"{rec.state} failed until its deadline passed: {problem}")
+            if rec.state is ClusterState.SWAPPING:
+                self._alarm(rec, f"swapping deadline passed; rolling forward; entry work failing: {problem}")
+        return True, None
 
     # ---- entry work per state (idempotent) ------------------------------------------------------------------------
     def _deadline(self, rec: ClusterRecord) -> tuple[bool, int | None]:
@@ -200,9 +230,32 @@ class Coordinator:
         return left <= 0, max(left, 0)
 
     def _abort(self, rec: ClusterRecord, reason: str) -> Step:
+        reason = reason[:2000]
         self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
         self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
+        self._prune(rec)
         return True, None
+
+    def _prune(self, rec: ClusterRecord) -> None:
+        """After a round ended (released or aborted): drop snapshots and plans older than the last
+        ``retain_rounds`` rounds, keeping the current placement's plan; record what went in the cluster record's
+        ``pruned`` field and a ``pruned`` event; with ``audit_keep`` set, export and trim the audit stream.
+        Never fails the round: an error is logged and the next round's end prunes again."""
+        cfg = self.config
+        try:
+            dropped = self.store.prune(cfg.retain_rounds, (self.store.current_placement().plan_id,))
+            if dropped:
+                short = ",".join(k.rsplit(":", 2)[-2] + ":" + k.rsplit(":", 1)[-1] for k in dropped)
+                self.store.update(CLUSTER, pruned=short)
+                self.store.emit_event("pruned", round=rec.round, keys=short)
+                self.log.info("pruned", round=rec.round, keys=short)
+            if cfg.audit_keep:
+                trimmed = self.store.trim_audit(cfg.audit_keep, cfg.audit_export_path)
+                if trimmed:
+                    self.store.emit_event("audit_trimmed", round=rec.round, records=trimmed,
+                                          export=cfg.audit_export_path)
+        except Exception as err:  # noqa: BLE001 - retention is housekeeping
+            self.log.error("pruning failed", error=str(err))
 
     def _on_free(self, rec: ClusterRecord) -> Step:
         if rec.requested <= rec.round:
@@ -274,25 +327,43 @@ class Coordinator:
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round
+        try:
+            frozen = self.store.read_snapshot(round_) is not None
+        except CorruptRecordError as err:
+            self.store.drop_snapshot(round_)
+            return self._abort(rec, f"load snapshot of round {round_} is corrupt: {err}")
         # ---- HTTP API (issue 12): a load supplied by the operator (recv_expert_weight) replaces the windows
-        supplied = self.store.supplied_load(round_) if self.store.read_snapshot(round_) is None else None
-        if supplied is not None and supplied.shape == (self.config.num_layers, self.config.num_logical_experts):
-            self.store.save_snapshot(round_, supplied)
+        if not frozen:
+            supplied = self.store.supplied_load(round_)
+            if supplied is not None and supplied.shape == (self.config.num_layers, self.config.num_logical_experts):
+                self.store.save_snapshot(round_, supplied)
+                frozen = True
         # ---- end issue 12
-        if self.store.read_snapshot(round_) is None:
+        if not frozen:
             missing, loads = [], []
             for r in range(self.config.ep_size):
-                window = self.store.read_load(r)
+                try:
+                    window = self.store.read_load(r)
+                except CorruptRecordError as err:  # the agent publishes a fresh window next round
+                    self.store.drop_load(r)
+                    return self._abort(rec, f"load window of rank {r} is corrupt: {err}")
                 if window is None or window.round < round_:
                     missing.append(r)
                 else:
-                    loads.append(window.expert_load)
+                    loads.append((r, window.expert_load))
             if missing:
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
                 return False, left
-            self.store.save_snapshot(round_, np.sum(np.stack(loads), axis=0, dtype=np.int64))
+            total = np.zeros_like(loads[0][1], dtype=np.int64)
+            for r, load in loads:  # every window is in [0, 2**53] and so is the sum so far: exact in int64
+                total += load
+                if (total > MAX_LOAD).any():
+                    at = np.argwhere(total > MAX_LOAD)[0]
+                    return self._abort(rec, f"load windows of ranks 0..{r} sum above 2**53 at [layer {at[0]}, "
+                                            f"expert {at[1]}]: loads are refused, not wrapped")
+            self.store.save_snapshot(round_, total)
         self._fire(rec, "plan", plan_id="",
                    changes={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
         return True, None
@@ -302,13 +373,21 @@ class Coordinator:
         round_ = rec.round
         if self._deadline(rec)[0]:
             return self._abort(rec, "planning deadline passed")
-        snapshot = self.store.read_snapshot(round_)
+        try:
+            snapshot = self.store.read_snapshot(round_)
+        except CorruptRecordError as err:
+            self.store.drop_snapshot(round_)
+            return self._abort(rec, f"load snapshot of round {round_} is corrupt: {err}")
         if snapshot is None:
             return self._abort(rec, f"load snapshot of round {round_} is missing")
         current = self.store.current_placement()
         old = current.phy2log
         plan_id = plan_digest(snapshot, old, cfg.policy, cfg.topology())
-        new = self.store.plan_phy2log(plan_id)
+        try:
+            new = self.store.plan_phy2log(plan_id)
+        except CorruptRecordError as err:  # computed again next round
+            self.store.drop_plan(plan_id)
+            return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
         if new is None:
             try:
                 new = check_phy2log(self.planner(snapshot, old, cfg), cfg.num_logical_experts,
@@ -338,8 +417,22 @@ class Coordinator:
         return [(r, x.reason) for r, x in enumerate(ranks)
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
 
+    def _check_plan(self, rec: ClusterRecord) -> str | None:
+        """The round's stored plan is there and valid (what the agents stage); else why not, with the plan
+        dropped so that the next round computes it again."""
+        try:
+            if self.store.plan_phy2log(rec.plan_id) is None:
+                return f"plan {rec.plan_id} is no longer stored"
+        except CorruptRecordError as err:
+            self.store.drop_plan(rec.plan_id)
+            return f"stored plan {rec.plan_id} is corrupt: {err}"
+        return None
+
     def _on_loading(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
+        problem = self._check_plan(rec)
+        if problem:
+            return self._abort(rec, problem)
         ranks = self._rank_records()
         failed = self._failed(ranks, plan_id)
         if failed:
@@ -356,6 +449,9 @@ class Coordinator:
 
     def _on_load_succ(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
+        problem = self._check_plan(rec)
+        if problem:
+            return self._abort(rec, problem)
         failed = self._failed(self._rank_records(), plan_id)
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
@@ -378,17 +474,21 @@ class Coordinator:
         expired, left = self._deadline(rec)
         if expired:
             late = [r for r, x in enumerate(ranks) if not (x.state is RankState.SWAPPED and x.plan_id == plan_id)]
-            alarm = f"swapping deadline passed; rolling forward; ranks {late} not SWAPPED"
-            if rec.alarm != alarm:
-                self.log.error("alarm", round=rec.round, plan_id=plan_id, late_ranks=late)
-                self.store.update(CLUSTER, alarm=alarm)
-                self.store.append_alarm(rec, actor=self.holder, reason=alarm)
-                self.store.emit_event("alarm", round=rec.round, plan_id=plan_id, message=alarm)
+            self._alarm(rec, f"swapping deadline passed; rolling forward; ranks {late} not SWAPPED")
             return False, self.lease_ms // 3
         return False, left
 
+    def _alarm(self, rec: ClusterRecord, alarm: str) -> None:
+        """Raise ``alarm`` once (after the commit point the round rolls forward; the alarm makes it visible)."""
+        if rec.alarm != alarm:
+            self.log.error("alarm", round=rec.round, plan_id=rec.plan_id, alarm=alarm)
+            self.store.update(CLUSTER, alarm=alarm)
+            self.store.append_alarm(rec, actor=self.holder, reason=alarm)
+            self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
+
     def _on_done(self, rec: ClusterRecord) -> Step:
         self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
+        self._prune(rec)
         return True, None
 
 

@@ -4,9 +4,10 @@ Terms follow DESIGN.md: ``phy2log`` int64 [L, P] is the canonical placement; ``l
 it; ``expert_load`` [L, E] is tokens routed per logical expert.
 """
 
-from fdeplb.placement._validate import MAX_LOAD, check_expert_load, check_int, check_phy2log, check_topology
+from fdeplb.placement._validate import MAX_LOAD, check_counts, check_expert_load, check_int, check_phy2log, \
+    check_topology
 from fdeplb.placement.core import Placement, initial_placement
-from fdeplb.placement.digest import plan_digest
+from fdeplb.placement.digest import plan_digest, routing_digest
 from fdeplb.placement.files import FORMATS, PlacementFile, read_placement, write_placement
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
 from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
@@ -20,6 +21,7 @@ __all__ = [
     "Placement",
     "PlacementFile",
     "balancedness",
+    "check_counts",
     "check_expert_load",
     "check_int",
     "check_phy2log",
@@ -33,6 +35,7 @@ __all__ = [
     "plan_digest",
     "read_expert_load",
     "read_placement",
+    "routing_digest",
     "rebalance_experts",
     "write_placement",
 ]

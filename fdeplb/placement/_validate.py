@@ -63,6 +63,23 @@ def check_expert_load(expert_load: object, name: str = "expert_load") -> np.ndar
     return arr
 
 
+def check_counts(expert_load: object, name: str = "expert_load") -> np.ndarray:
+    """``expert_load`` (see :func:`check_expert_load`) as int64 token counts, never truncated.
+
+    Raises:
+        InputError: what :func:`check_expert_load` refuses, or a float value that is not a whole number (a
+            fractional load is refused, not rounded).
+    """
+    arr = check_expert_load(expert_load, name)
+    if arr.dtype.kind == "f":
+        frac = arr != np.floor(arr)
+        if frac.any():
+            bad = np.argwhere(frac)[0]
+            raise InputError(f"{name} has a fractional value {float(arr[tuple(bad)])!r} at [layer {bad[0]}, expert "
+                             f"{bad[1]}]; loads are token counts (whole numbers)")
+    return arr.astype(np.int64)
+
+
 def check_topology(
     num_logical_experts: int, num_replicas: object, num_groups: object, num_nodes: object, num_gpus: object
 ) -> tuple[int, int, int, int, bool]:

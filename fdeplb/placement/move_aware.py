@@ -24,6 +24,15 @@ fewest experts, or, when none reaches it, the one with the lightest heaviest GPU
 no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is repaired; a cap
 below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back unchanged.
 Deterministic: ties keep the first candidate in slot / expert order.
+
+Without a move cap every layer is independent and a different, vectorised plan runs on all (layer, node) rows at
+once (:func:`repair_rows`): replica counts first (the old ones, changed only while an expert's per-replica load
+exceeds ``_MAX_ITEM_SHARE`` of the mean GPU load), every old replica that keeps its count stays in its slot, the
+other replicas go LPT-style into the freed slots, then swaps between the ``_HEAVY_GPUS`` heaviest and the
+``_LIGHT_GPUS`` lightest GPUs (best gain per moved expert) until the target holds. In hierarchical mode a layer keeps
+the old group-to-node map when its heaviest node spread over its GPUs is within the target, else takes the balanced
+map. Layers this leaves above the target go through the per-layer repair and fallback above. With a cap the layers
+are repaired one at a time, worst first, so that the budget goes where it helps most.
 """
 
 from __future__ import annotations
@@ -191,6 +200,197 @@ class _Row:
             self.c[e] += 1
 
 
+# ---- the uncapped fast path: all (layer, node) rows at once --------------------------------------------------------
+#: partners of a swap are looked for on this many lightest GPUs of the row (besides the heaviest one)
+_LIGHT_GPUS = 8
+#: heaviest GPUs of a row that each get a swap in one iteration
+_HEAVY_GPUS = 4
+#: hard cap on iterations of the swap repair (each applies one swap per active row)
+_MAX_ITER = 10_000
+
+
+def choose_counts(load: np.ndarray, old_count: np.ndarray, num_slots: int, max_item: np.ndarray) -> np.ndarray:
+    """Replica counts int64 [R, En] per row that change ``old_count`` least: every expert gets >= 1, the total is
+    ``num_slots``, and replicas move (one at a time, from the expert whose per-replica load rises least to the one
+    with the largest per-replica load, DeepSeek's replicate rule) while some per-replica load exceeds ``max_item``
+    [R] and the move lowers the largest one. Deterministic: ties take the lowest expert id."""
+    R, En = load.shape
+    c = np.maximum(old_count, 1).astype(np.int64)
+    r = np.arange(R)
+    for _ in range(num_slots + 2 * En):
+        surplus = c.sum(axis=1) - num_slots
+        per = load / c
+        drop_cost = np.where(c >= 2, load / np.maximum(c - 1, 1), np.inf)
+        give = per.argmax(axis=1)
+        take = drop_cost.argmin(axis=1)
+        peak = per[r, give]
+        shift = (surplus == 0) & (peak > max_item) & (drop_cost[r, take] < peak) & (take != give)
+        add = surplus < 0
+        sub = surplus > 0
+        if not (shift.any() or add.any() or sub.any()):
+            break
+        c[r[add | shift], give[add | shift]] += 1
+        c[r[sub | shift], take[sub | shift]] -= 1
+    return c
+
+
+def _rank_within(keys_major: np.ndarray, *minor: np.ndarray) -> np.ndarray:
+    """For [R, n] arrays: the rank of every element among the elements of its row with the same ``keys_major``
+    value, ordered by the ``minor`` keys (first is most significant), then by position."""
+    R, n = keys_major.shape
+    rows = np.broadcast_to(np.arange(R)[:, None], (R, n)).ravel()
+    pos = np.broadcast_to(np.arange(n), (R, n)).ravel()
+    order = np.lexsort((pos, *[m.ravel() for m in reversed(minor)], keys_major.ravel(), rows))
+    grp = rows[order] * (int(keys_major.max(initial=0)) + 2) + keys_major.ravel()[order]
+    start = np.r_[True, grp[1:] != grp[:-1]]
+    idx = np.arange(order.size)
+    first = np.maximum.accumulate(np.where(start, idx, 0))
+    rank = np.empty(order.size, dtype=np.int64)
+    rank[order] = idx - first
+    return rank.reshape(R, n)
+
+
+def repair_rows(old_local: np.ndarray, load: np.ndarray, targets: np.ndarray, num_gpus: int,
+                max_item: np.ndarray) -> np.ndarray:
+    """Move-aware plan of many rows at once (a row = one layer, or one node of a layer): int64 [R, Pn] local ids.
+
+    1. Replica counts: :func:`choose_counts` from the old counts.
+    2. Every old replica whose expert keeps that many replicas stays in its slot (an expert with fewer replicas
+       keeps those on its lightest GPUs); the other slots are free (and so are slots marked -1 in ``old_local``).
+    3. The replicas without a slot, heaviest first, each go to the lightest GPU with a free slot (LPT).
+    4. Swaps between the heaviest GPU and the ``_LIGHT_GPUS`` lightest ones while the heaviest is above its target:
+       the swap with the best gain per moved expert (gain capped at what the target needs) that lowers the heaviest
+       GPU and lifts no GPU to its level; rows that get stuck stop there (the caller checks the target).
+
+    Args:
+        old_local: int64 [R, Pn] expert of every slot in the old placement (-1: a slot to fill).
+        load: float64 [R, En] load of every expert of the row.
+        targets: float64 [R] absolute GPU load every row should come down to.
+        num_gpus: GPUs per row (Pn a multiple of it).
+        max_item: float64 [R] per-replica load above which replicas are re-assigned (step 1).
+    """
+    R, Pn = old_local.shape
+    En = load.shape[1]
+    G, S = num_gpus, Pn // num_gpus
+    r = np.arange(R)
+    known = old_local >= 0
+    safe_old = np.where(known, old_local, En)  # En: a dummy expert of no load
+    old_count = np.zeros((R, En + 1), dtype=np.int64)
+    np.add.at(old_count, (r[:, None], safe_old), 1)
+    c = choose_counts(load, old_count[:, :En], Pn, max_item)
+    per = np.concatenate([load / c, np.zeros((R, 1))], axis=1)
+    gpu_of_slot = np.arange(Pn) // S
+    # 2. keep
+    old_gpu_load = per[r[:, None], safe_old].reshape(R, G, S).sum(axis=2)
+    rank = _rank_within(safe_old, old_gpu_load[:, gpu_of_slot])
+    c_ext = np.concatenate([c, np.zeros((R, 1), dtype=np.int64)], axis=1)
+    kept = known & (rank < c_ext[r[:, None], safe_old])
+    row = np.where(kept, old_local, -1)
+    kept_count = np.zeros((R, En + 1), dtype=np.int64)
+    np.add.at(kept_count, (r[:, None], np.where(kept, old_local, En)), 1)
+    need = c - kept_count[:, :En]  # replicas to place, per expert
+    # 3. LPT of the replicas without a slot
+    n_items = need.sum(axis=1)
+    K = int(n_items.max(initial=0))
+    if K:
+        items = np.full((R, K), -1, dtype=np.int64)
+        flat_r = np.repeat(np.repeat(r, En), need.ravel())
+        flat_e = np.repeat(np.tile(np.arange(En), R), need.ravel())
+        key = np.lexsort((flat_e, -per[flat_r, flat_e], flat_r))
+        flat_r, flat_e = flat_r[key], flat_e[key]
+        starts = np.cumsum(n_items) - n_items
+        items[flat_r, np.arange(flat_r.size) - starts[flat_r]] = flat_e
+        gpu_load = per[r[:, None], np.where(kept, old_local, En)].reshape(R, G, S).sum(axis=2)
+        free = (row < 0).reshape(R, G, S)
+        for j in range(K):
+            act = np.flatnonzero(items[:, j] >= 0)
+            e = items[act, j]
+            fr = free[act]
+            g = np.where(fr.any(axis=2), gpu_load[act], np.inf).argmin(axis=1)
+            s = fr[np.arange(act.size), g].argmax(axis=1)
+            row[act, g * S + s] = e
+            free[act, g, s] = False
+            gpu_load[act, g] += per[act, e]
+    # 4. swaps
+    M = np.zeros((R, G, En + 1), dtype=np.int16)
+    np.add.at(M, (r[:, None], gpu_of_slot, row), 1)
+    Mo = np.zeros((R, G, En + 1), dtype=np.int16)
+    np.add.at(Mo, (r[:, None], gpu_of_slot, safe_old), 1)
+    if G < 2:
+        return row
+    K = min(_LIGHT_GPUS, G - 1)
+    H = min(_HEAVY_GPUS, G - 1)
+    T = np.asarray(targets, dtype=np.float64)
+    item = per[r[:, None], row]  # [R, Pn] load of every slot
+    gpu_load = item.reshape(R, G, S).sum(axis=2)
+    active = np.flatnonzero(gpu_load.max(axis=1) > T)
+    arS = np.arange(S)
+    for _ in range(_MAX_ITER):
+        if active.size == 0:
+            break
+        n = active.size
+        q = np.arange(n)
+        A1, A2 = active[:, None], active[:, None, None]
+        loads = gpu_load[active]
+        Ta = T[active]
+        order = np.argsort(-loads, axis=1, kind="stable")
+        hs = order[:, :H]  # [n, H] heaviest GPUs
+        light = order[:, ::-1][:, :K]  # [n, K] lightest GPUs
+        peak = np.take_along_axis(loads, hs, axis=1)
+        heavy_ok = peak > Ta[:, None]
+        light_load = np.take_along_axis(loads, light, axis=1)
+        a = hs[:, :, None] * S + arS  # [n, H, S]
+        b = (light[:, :, None] * S + arS).reshape(n, K * S)  # [n, KS]
+        rowa = row[active]
+        ea = np.take_along_axis(rowa, a.reshape(n, -1), axis=1).reshape(n, H, S)
+        eb = np.take_along_axis(rowa, b, axis=1)
+        xa = np.take_along_axis(item[active], a.reshape(n, -1), axis=1).reshape(n, H, S)
+        xb = np.take_along_axis(item[active], b, axis=1)
+        d = xa[..., None] - xb[:, None, None, :]  # [n, H, S, KS]
+        na = peak[:, :, None, None] - d
+        nb = np.repeat(light_load, S, axis=1)[:, None, None, :] + d
+        lim = (peak * (1 - _RTOL))[:, :, None, None]
+        # moved experts: an expert arriving costs one unless it returns to a GPU that lost it; one leaving a GPU
+        # it was moved to saves one
+        extra = M[A1, gpu_of_slot, rowa] > Mo[A1, gpu_of_slot, rowa]  # [n, Pn]
+        leave_a = np.take_along_axis(extra, a.reshape(n, -1), axis=1).reshape(n, H, S)
+        leave_b = np.take_along_axis(extra, b, axis=1)
+        arrive_b = M[A2, hs[:, :, None], eb[:, None, :]] >= Mo[A2, hs[:, :, None], eb[:, None, :]]  # [n, H, KS]
+        A4 = active[:, None, None, None]
+        arrive_a = np.repeat(M[A4, light[:, None, None, :], ea[..., None]]
+                             >= Mo[A4, light[:, None, None, :], ea[..., None]], S, axis=3)  # [n, H, S, KS]
+        cost = (arrive_b[:, :, None, :].astype(np.int8) - leave_a[..., None] + arrive_a - leave_b[:, None, None, :])
+        ok = ((na < lim) & (nb < lim) & (ea[..., None] != eb[:, None, None, :])
+              & heavy_ok[:, :, None, None] & (light_load <= Ta[:, None]).repeat(S, axis=1)[:, None, None, :])
+        gain = np.minimum(peak[:, :, None, None] - np.maximum(na, nb), (peak - Ta[:, None])[:, :, None, None])
+        score = np.where(ok, gain / np.maximum(cost, 0.5), -np.inf).reshape(n, H, -1)
+        best = score.argmax(axis=2)  # [n, H]
+        found = np.take_along_axis(score, best[..., None], axis=2)[..., 0] > -np.inf
+        i, j = np.divmod(best, K * S)
+        taken = np.zeros((n, G), dtype=bool)
+        for k in range(H):  # heaviest first; a partner GPU takes one swap per iteration
+            sa = a[q, k, i[:, k]]
+            sb = b[q, j[:, k]]
+            gbb = sb // S
+            acc = found[:, k] & ~taken[q, gbb]
+            taken[q[acc], gbb[acc]] = True
+            rr, sa, sb, gbb = active[acc], sa[acc], sb[acc], gbb[acc]
+            ga = sa // S
+            va, vb = row[rr, sa], row[rr, sb]
+            row[rr, sa], row[rr, sb] = vb, va
+            M[rr, ga, va] -= 1
+            M[rr, ga, vb] += 1
+            M[rr, gbb, vb] -= 1
+            M[rr, gbb, va] += 1
+            wa, wb = item[rr, sa], item[rr, sb]
+            item[rr, sa], item[rr, sb] = wb, wa
+            gpu_load[rr, ga] += wb - wa
+            gpu_load[rr, gbb] += wa - wb
+        progressed = active[found.any(axis=1)]
+        active = progressed[gpu_load[progressed].max(axis=1) > T[progressed]]
+    return row
+
+
 def _node_of_groups(
     fresh: np.ndarray, old: np.ndarray, num_groups: int, num_nodes: int, group_size: int
 ) -> np.ndarray:
@@ -253,15 +453,15 @@ def _cost(row: _Row) -> int:
 
 
 def _plan_layer(cand: _Candidate, fresh_row: np.ndarray, load_row: np.ndarray, target: float, budget: float,
-                gpus_per_node: int, S: int) -> tuple[np.ndarray, int, float]:
+                gpus_per_node: int, S: int, repaired: bool = False) -> tuple[np.ndarray, int, float]:
     """Repair every node of ``cand`` within ``budget`` (which already covers its fill cost); returns (new phy2log row,
-    moved experts, heaviest GPU load)."""
+    moved experts, heaviest GPU load). ``repaired``: the rows went through :func:`repair_rows` already."""
     out = np.empty(fresh_row.size, dtype=np.int64)
     spent = cand.fill_cost
     peak = -np.inf
     slots_per_node = gpus_per_node * S
     for span, experts, local, old_local, row in cand.nodes:
-        spent += row.repair(target, budget - spent)
+        spent += row.repaired if repaired else row.repair(target, budget - spent)
         if row.loads()[0].max() > target and budget == np.inf and cand.node_perm is not None:
             fresh_node = cand.node_perm[span.start // slots_per_node]
             fresh_span = slice(fresh_node * slots_per_node, (fresh_node + 1) * slots_per_node)
@@ -320,26 +520,39 @@ def move_aware_phy2log(
     # a hair under the tolerance so that the ratio recomputed from scratch stays within it
     target = np.maximum(fresh_peak, (fresh_peak / np.where(mean > 0, mean, 1) + tolerance * (1 - 1e-9)) * mean)
     group_size = E // num_groups
-    # every layer's candidates: the old group-to-node map (kept as is when the old placement keeps groups on nodes)
-    # first, then the balanced plan's packing renumbered to match old (when it differs)
+    # every layer's group-to-node maps: the old one (kept as is when the old placement keeps groups on nodes) and
+    # the balanced plan's packing renumbered to match old
     if num_nodes > 1:
         group_node = _node_of_groups(fresh, old, num_groups, num_nodes, group_size)
+        old_maps = np.stack([_old_node_of_groups(old[layer], num_groups, num_nodes, group_size) for layer in range(L)])
     else:
-        group_node = np.zeros((L, num_groups), dtype=np.int64)
-    candidates = []
-    for layer in range(L):
+        group_node = old_maps = np.zeros((L, num_groups), dtype=np.int64)
+
+    def candidates_of(layer: int) -> list[_Candidate]:
+        """The old map's candidate first (when it differs from the balanced one), then the balanced map's."""
         fresh_node = np.empty(num_groups, dtype=np.int64)
         fresh_node[fresh[layer] // group_size] = np.arange(P) // slots_per_node
         node_perm = np.empty(num_nodes, dtype=np.int64)
         node_perm[group_node[layer]] = fresh_node
         cands = []
-        if num_nodes > 1:
-            old_map = _old_node_of_groups(old[layer], num_groups, num_nodes, group_size)
-            if not (old_map == group_node[layer]).all():
-                cands.append(_Candidate(old_map, load[layer], old[layer], num_nodes, gpus_per_node, group_size))
+        if num_nodes > 1 and not (old_maps[layer] == group_node[layer]).all():
+            cands.append(_Candidate(old_maps[layer], load[layer], old[layer], num_nodes, gpus_per_node, group_size))
         cands.append(_Candidate(group_node[layer], load[layer], old[layer], num_nodes, gpus_per_node, group_size,
                                 node_perm))
-        candidates.append(cands)
+        return cands
+
+    if max_moved_experts is None:  # no cap: every layer is independent, plan all (layer, node) rows at once
+        out = _plan_all(load, old, target, mean, old_maps, group_node, num_nodes, num_gpus)
+        peak = raw_gpu_loads(load, out, num_gpus).max(axis=1)
+        for layer in np.flatnonzero(peak > target):  # stuck rows: the per-layer repair with its fallback
+            best = None
+            for cand in candidates_of(layer):
+                plan = _plan_layer(cand, fresh[layer], load[layer], target[layer], np.inf, gpus_per_node, S)
+                if best is None or _better(plan, best, target[layer]):
+                    best = plan
+            out[layer] = best[0]
+        return align_slots(old, out, num_gpus)
+    candidates = [candidates_of(layer) for layer in range(L)]
     # moves no plan can avoid (groups spread over nodes in the old placement) are reserved first
     reserve = np.array([min(c.fill_cost for c in cands) for cands in candidates], dtype=np.float64)
     budget = np.inf if max_moved_experts is None else float(max_moved_experts)
@@ -366,3 +579,46 @@ def move_aware_phy2log(
         out[layer] = best[0]
         budget = layer_budget - best[1]
     return align_slots(old, out, num_gpus)
+
+
+#: "move_aware" re-assigns replicas (changes replica counts) while an expert's per-replica load exceeds this share
+#: of the mean GPU load
+_MAX_ITEM_SHARE = 0.3
+
+
+def _plan_all(load: np.ndarray, old: np.ndarray, target: np.ndarray, mean: np.ndarray, old_maps: np.ndarray,
+              fresh_maps: np.ndarray, num_nodes: int, num_gpus: int) -> np.ndarray:
+    """The uncapped plan of every layer: :func:`repair_rows` on all (layer, node) rows; int64 [L, P].
+
+    A layer already within its target whose groups sit on whole nodes keeps its placement. Otherwise the layer
+    keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the target, and
+    takes the balanced plan's (renumbered) map otherwise."""
+    L, E = load.shape
+    P = old.shape[1]
+    num_groups = old_maps.shape[1]
+    group_size = E // num_groups
+    En, Pn, Gn = E // num_nodes, P // num_nodes, num_gpus // num_nodes
+    layers = np.arange(L)
+    old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
+    node_of_slot = np.arange(P) // Pn
+    on_nodes = (old_maps[layers[:, None], old // group_size] == node_of_slot).all(axis=1)
+    todo = np.flatnonzero(~(on_nodes & (old_peak <= target)))
+    out = old.copy()
+    if todo.size == 0:
+        return out
+    node_load = np.zeros((L, num_nodes))
+    np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, group_size).sum(axis=2))
+    maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)[todo]
+    n = todo.size
+    expert_node = np.repeat(maps, group_size, axis=1)  # [n, E]
+    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(n, num_nodes, En)
+    local = np.empty((n, E), dtype=np.int64)
+    np.put_along_axis(local, experts_of.reshape(n, E), np.broadcast_to(np.arange(E) % En, (n, E)), axis=1)
+    o = old[todo]
+    rows_idx = np.arange(n)[:, None]
+    old_local = np.where(expert_node[rows_idx, o] == node_of_slot, local[rows_idx, o], -1).reshape(n * num_nodes, Pn)
+    row_load = load[todo[:, None, None], experts_of].reshape(n * num_nodes, En)
+    rows = repair_rows(old_local, row_load, np.repeat(target[todo], num_nodes), Gn,
+                       np.repeat(_MAX_ITEM_SHARE * mean[todo], num_nodes))
+    out[todo] = np.take_along_axis(experts_of, rows.reshape(n, num_nodes, Pn), axis=2).reshape(n, P)
+    return out

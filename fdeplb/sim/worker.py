@@ -32,12 +32,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="the worker's API address, registered with the rank (the only addresses `ips` may name)")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="stop when this process is gone (default: the process that started this one)")
+    p.add_argument("--redis-wait-s", type=float, default=300.0, help="wait this long for Redis at start-up")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     parent = args.parent_pid or os.getppid()
     configure(args.log_level)
 
     from fdeplb.machines.tables import RANK
+    import structlog
+
     from fdeplb.orchestration.agent import RankAgent
     from fdeplb.placement import read_expert_load
     from fdeplb.sim.shares import rank_share
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from fdeplb.weights import import_paddle
 
     store = Store(args.redis_url, args.cluster)
+    store.wait_available(args.redis_wait_s, lambda err: structlog.get_logger("fdeplb.agent").warning(
+        "waiting for redis", url=args.redis_url, timeout_s=args.redis_wait_s, error=err))
     ep_size = store.ep_size()
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
     agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],

@@ -83,6 +83,11 @@ class Keys:
         return f"{self.prefix}:ranks"
 
     @property
+    def retained(self) -> str:
+        """sorted set: snapshot and plan keys -> the round that wrote them (what the coordinator prunes from)."""
+        return f"{self.prefix}:retained"
+
+    @property
     def config(self) -> str:
         """hash: cluster topology and rearrangement settings (written once by ``init_cluster``)."""
         return f"{self.prefix}:config"

@@ -11,6 +11,7 @@ Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdepl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import types
@@ -47,7 +48,8 @@ class ClusterRecord:
     alarm: str = ""
     """Raised after the commit point when a deadline passed (the round rolls forward); "" when none."""
     requested: int = 0
-    """Rounds requested so far: the coordinator starts a round while ``requested > round``."""
+    """Highest round number asked for: the coordinator starts a round while ``requested > round``. Requests
+    coalesce (:meth:`~fdeplb.store.Store.request_round`): it is at most ``round + 1``."""
     requested_reason: str = ""
     """Who or what asked for the last round (operator, api, interval, ...)."""
     commit_requested: str = ""
@@ -70,6 +72,9 @@ class ClusterRecord:
     """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
     updated_ms: int = 0
     """Redis server time (ms) of the last commit."""
+    pruned: str = ""
+    """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
+    nothing); each pruning is also announced as a ``pruned`` event."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,9 @@ class RankRecord:
     """The worker's step counter at its last armed safe point (written only by the worker, ``lua/switch.lua``)."""
     clear_stat: int = 0
     """The cluster's ``clear_stat_request`` this rank last carried out."""
+    routing_digest: str = ""
+    """:func:`fdeplb.placement.routing_digest` of the routing tables (phy2log) the rank's live slots hold, written
+    when it loads or swaps ("" = not reported yet); must equal the current placement's (``fdeplb status``)."""
 
 
 @dataclass(frozen=True)
@@ -178,8 +186,9 @@ def record_type(table: MachineTable) -> type:
     return RECORD_TYPES[table.name]
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls)  # cached: resolving the string annotations costs ~1 ms per call
 
 
 def _convert(cls: type, key: str, name: str, hint: Any, text: str) -> Any:
@@ -305,6 +314,26 @@ class LeaseInfo:
 
 
 # ---- cluster configuration ----------------------------------------------------------------------------------------
+#: longest deadline a wait may have (7 days, in ms)
+MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
+#: most bytes one placement table (num_layers x num_physical_experts int64) may take: 256 MiB
+MAX_TABLE_BYTES = 256 * 2**20
+#: most EP ranks, layers and experts per layer a cluster may have
+MAX_EP_SIZE = 65_536
+MAX_LAYERS = 4_096
+MAX_EXPERTS = 65_536
+#: most rounds of snapshots and plans a cluster may keep
+MAX_RETAIN_ROUNDS = 1_000
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+    """:class:`InputError` unless ``value`` is an integer (not a bool) in [lo, hi]."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InputError(f"{name} must be in [{lo}, {hi}], got {value}")
+
+
 @dataclass(frozen=True)
 class Deadlines:
     """How long each wait may last (ms). Before the commit point an expired wait aborts the round; after it
@@ -318,6 +347,10 @@ class Deadlines:
     """LOAD_SUCC on a cordoned cluster: the external commit arrives."""
     swapping_ms: int = 120_000
     """SWAPPING: every rank swaps (past the commit point: an alarm, not an abort)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_int(f"deadlines.{f.name}", getattr(self, f.name), 1, MAX_DEADLINE_MS)
 
 
 @dataclass(frozen=True)
@@ -349,15 +382,42 @@ class ClusterConfig:
     """A round is skipped (audited) unless its plan raises mean balancedness by more than this."""
     cordoned: bool = False
     """Commit only on an external request (FastDeploy's ``update_weight_from_tensor``)."""
+    retain_rounds: int = 3
+    """Load snapshots and plans of the last this-many rounds are kept (besides those the current placement and
+    the round in flight refer to); the coordinator prunes older ones when a round ends. In [1, 1000]."""
+    audit_keep: int = 0
+    """Audit records kept in Redis: 0 (default) keeps the stream complete; N > 0 lets the coordinator export
+    older records to ``audit_export_path`` (JSONL, appended and fsynced) and only then trim them."""
+    audit_export_path: str = ""
+    """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0)."""
 
     def __post_init__(self) -> None:
         from fdeplb.placement import POLICIES, check_topology
 
-        for name in ("num_layers", "num_logical_experts", "num_physical_experts", "ep_size", "num_nodes",
-                     "num_groups"):
+        limits = {"num_layers": MAX_LAYERS, "num_logical_experts": MAX_EXPERTS,
+                  "num_physical_experts": 2 * MAX_EXPERTS, "ep_size": MAX_EP_SIZE, "num_nodes": MAX_EP_SIZE,
+                  "num_groups": MAX_EXPERTS}
+        for name, hi in limits.items():
             v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 1:
                 raise InputError(f"{name} must be a positive integer, got {v!r}")
+            if v > hi:
+                raise InputError(f"{name} must be at most {hi}, got {v}")
+        table_bytes = int(self.num_layers) * int(self.num_physical_experts) * 8
+        if table_bytes > MAX_TABLE_BYTES:
+            raise InputError(f"num_layers x num_physical_experts = {self.num_layers} x {self.num_physical_experts} "
+                             f"needs {table_bytes / 2**20:.0f} MiB per placement table (int64); the limit is "
+                             f"{MAX_TABLE_BYTES // 2**20} MiB")
+        if not isinstance(self.min_gain, (int, float, np.floating, np.integer)) or isinstance(self.min_gain, bool) \
+                or not math.isfinite(self.min_gain) or not 0 <= self.min_gain <= 1:
+            raise InputError(f"min_gain must be a finite number in [0, 1] (a balancedness gain; 1 never rebalances), "
+                             f"got {self.min_gain!r}")
+        if not isinstance(self.deadlines, Deadlines):
+            raise InputError(f"deadlines must be a Deadlines, got {type(self.deadlines).__name__}")
+        _check_int("retain_rounds", self.retain_rounds, 1, MAX_RETAIN_ROUNDS)
+        _check_int("audit_keep", self.audit_keep, 0, 10**9)
+        if self.audit_keep and not self.audit_export_path:
+            raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
         if self.num_physical_experts % self.ep_size:
             raise TopologyError(f"num_physical_experts ({self.num_physical_experts}) is not a multiple of "
                                 f"ep_size ({self.ep_size})")

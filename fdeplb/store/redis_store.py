@@ -42,6 +42,7 @@ from fdeplb.errors import (
 )
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, StateEnum, TransitionSpec, \
     WeightState
+from fdeplb.placement import MAX_LOAD, check_counts, routing_digest
 from fdeplb.store import arrays
 from fdeplb.store.keys import Keys
 from fdeplb.store.records import (
@@ -109,19 +110,53 @@ def _map_public_methods(cls: type) -> type:
     return cls
 
 
-def connect(url: str) -> redis.Redis:
-    """A redis-py client for ``url`` (``redis://``, ``rediss://`` or ``unix://``), bytes replies, no retries."""
+def _host_ports(netloc: str, url: str) -> list[tuple[str, int]]:
+    out = []
+    for part in netloc.rsplit("@", 1)[-1].split(","):
+        host, _, port = part.rpartition(":")
+        if not host or not port.isdigit():
+            raise InputError(f"bad Redis URL {url!r}: expected host:port[,host:port...], got {part!r}")
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
+def connect(url: str) -> Any:
+    """A redis-py client for ``url``, bytes replies, no retries of a sent command. Accepted forms:
+
+    - ``redis://host:port/db``, ``rediss://...``, ``unix:///path``: one server;
+    - ``redis+cluster://host:port[,host:port...]`` (or ``redis://host:port/?cluster=1``): a Redis Cluster, any of
+      its nodes as the seed (redis-py's ``RedisCluster``; every fdeplb script's keys share the ``{cluster}`` slot);
+    - ``redis+sentinel://host:port[,host:port...]/master_name[/db]``: the master that Sentinel names, looked up
+      again after a failover (redis-py's ``Sentinel.master_for``).
+
+    Raises :class:`InputError` for a malformed URL (nothing connects until the first command).
+    """
+    from urllib.parse import parse_qs, urlsplit
+
     if not isinstance(url, str) or "://" not in url:
-        raise InputError(f"not a Redis URL: {url!r} (expected redis://host:port/db or unix:///path)")
+        raise InputError(f"not a Redis URL: {url!r} (expected redis://host:port/db, unix:///path, "
+                         f"redis+cluster://host:port or redis+sentinel://host:port/master)")
+    opts = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0, decode_responses=False)
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
     try:
-        return redis.Redis.from_url(
-            url,
-            socket_timeout=SOCKET_TIMEOUT_S,
-            socket_connect_timeout=10.0,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=False,
-        )
-    except ValueError as exc:  # redis-py's URL parser
+        if parts.scheme in ("redis+cluster", "rediss+cluster") or query.get("cluster", ["0"])[0] in ("1", "true"):
+            from redis.cluster import ClusterNode, RedisCluster
+
+            nodes = [ClusterNode(h, p) for h, p in _host_ports(parts.netloc, url)]
+            return RedisCluster(startup_nodes=nodes, ssl=parts.scheme.startswith("rediss"),
+                                password=parts.password, username=parts.username or None, **opts)
+        if parts.scheme in ("redis+sentinel", "rediss+sentinel"):
+            from redis.sentinel import Sentinel
+
+            path = [x for x in parts.path.split("/") if x]
+            if not path:
+                raise InputError(f"bad Redis URL {url!r}: name the master, redis+sentinel://host:port/master")
+            sentinel = Sentinel(_host_ports(parts.netloc, url), socket_timeout=5.0, socket_connect_timeout=5.0)
+            return sentinel.master_for(path[0], db=int(path[1]) if len(path) > 1 else 0,
+                                       password=parts.password, retry=Retry(NoBackoff(), 0), **opts)
+        return redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **opts)
+    except ValueError as exc:  # redis-py's URL parser, a port that is not a number
         raise InputError(f"bad Redis URL {url!r}: {exc}") from None
 
 
@@ -366,16 +401,33 @@ class Store:
         return out
 
     def request_round(self, reason: str = "operator") -> int:
-        """Ask the coordinator for one more round; returns the requested round count (``requested`` field).
+        """Ask the coordinator for a round; returns the number of the round that will serve the request.
 
-        The coordinator starts a round while ``requested`` exceeds the record's ``round`` (the start itself is a
-        guarded, audited transition; a request is only a wish)."""
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hincrby(self._keys.rearrange, "requested", 1)
-        pipe.hset(self._keys.rearrange, "requested_reason", reason)
-        n, _ = pipe.execute()
-        self.emit_event("round_requested", reason=reason, requested=n)
-        return int(n)
+        Requests coalesce (one WATCHed transaction on the cluster record): while a round is in flight the request
+        is served by it; while the cluster is FREE with a round already pending, by the pending one; otherwise
+        it asks for round ``round + 1`` (``requested``). Any number of requests therefore yield exactly one round.
+        The start itself stays a guarded, audited transition; a request is only a wish."""
+        key = self._keys.rearrange
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    rec = parse_record(ClusterRecord, key, _text(pipe.hgetall(key)))
+                    if rec.state is not ClusterState.FREE:
+                        serving, write = rec.round, False
+                    elif rec.requested > rec.round:
+                        serving, write = rec.round + 1, False
+                    else:
+                        serving, write = rec.round + 1, True
+                    pipe.multi()
+                    if write:
+                        pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason})
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
+        self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
+        return serving
 
     def request_commit(self, plan_id: str) -> None:
         """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
@@ -443,17 +495,20 @@ class Store:
         return int(self._client.delete(*keys)) if keys else 0
 
     # ---- arrays: load windows, snapshots, plans, placement ------------------------------------------------------
-    def _put_once(self, key: str, mapping: dict[str, Any]) -> bool:
-        """Write a write-once hash (plans, snapshots) unless it exists; returns whether it wrote."""
+    def _put_once(self, key: str, mapping: dict[str, Any], round_: int) -> bool:
+        """Write a write-once hash (plans, snapshots) unless it exists, indexed under ``round_`` for pruning
+        (:meth:`prune`); returns whether it wrote."""
         with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)
-                    if pipe.exists(key):
+                    if pipe.exists(key):  # used again (plans are content-addressed): retained as of this round
                         pipe.unwatch()
+                        self._client.zadd(self._keys.retained, {key: int(round_)}, gt=True)
                         return False
                     pipe.multi()
                     pipe.hset(key, mapping=mapping)
+                    pipe.zadd(self._keys.retained, {key: int(round_)})
                     pipe.execute()
                     return True
                 except redis.WatchError:
@@ -468,9 +523,39 @@ class Store:
         except (InputError, ValueError, TypeError) as exc:
             raise CorruptRecordError(f"{key}: {exc}") from None
 
+    def _loads(self, key: str, arr: np.ndarray | None) -> np.ndarray | None:
+        """A stored load array checked against the configuration: int64 [L, E], in [0, 2**53]."""
+        if arr is None:
+            return None
+        cfg = self.read_config()
+        shape = (cfg.num_layers, cfg.num_logical_experts)
+        if arr.dtype != np.int64 or arr.shape != shape:
+            raise CorruptRecordError(f"{key}: expert_load is {arr.dtype} {arr.shape}, expected int64 {shape}")
+        if arr.size and (arr.min() < 0 or arr.max() > MAX_LOAD):
+            raise CorruptRecordError(f"{key}: expert_load holds values outside [0, 2**53] "
+                                     f"(min {arr.min()}, max {arr.max()})")
+        return arr
+
+    def _table(self, key: str, arr: np.ndarray, name: str) -> np.ndarray:
+        """A stored placement table checked against the configuration: int64 [L, P], ids in [0, E)."""
+        cfg = self.read_config()
+        shape = (cfg.num_layers, cfg.num_physical_experts)
+        if arr.dtype != np.int64 or arr.shape != shape:
+            raise CorruptRecordError(f"{key}: {name} is {arr.dtype} {arr.shape}, expected int64 {shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= cfg.num_logical_experts):
+            raise CorruptRecordError(f"{key}: {name} holds expert ids outside [0, {cfg.num_logical_experts})")
+        return arr
+
     def publish_load(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> None:
-        """Publish ``ep_rank``'s expert_load window (int64 [L, E]) for round ``round_`` (overwrites the last)."""
-        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
+        """Publish ``ep_rank``'s expert_load window (int64 [L, E]) for round ``round_`` (overwrites the last).
+        :class:`InputError` (nothing written) for a window :func:`fdeplb.placement.check_counts` refuses: wrong
+        shape, negative, above 2**53, NaN, or fractional (never truncated)."""
+        counts = check_counts(expert_load, f"load window of rank {ep_rank}")
+        cfg = self.read_config()
+        if counts.shape != (cfg.num_layers, cfg.num_logical_experts):
+            raise InputError(f"load window of rank {ep_rank} has shape {counts.shape}, expected "
+                             f"{(cfg.num_layers, cfg.num_logical_experts)}")
+        mapping = {**arrays.encode("expert_load", counts),
                    "round": str(int(round_)), "published_ms": str(self.now_ms())}
         self._client.hset(self._keys.load(ep_rank), mapping=mapping)
         self.emit_event("load_published", rank=ep_rank, round=round_)
@@ -491,7 +576,7 @@ class Store:
         raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
         if not raw:
             return None
-        load = self._array(key, "expert_load", raw)
+        load = self._loads(key, self._array(key, "expert_load", raw))
         try:
             return LoadWindow(ep_rank=int(ep_rank), round=int(raw.get("round", b"")), expert_load=load,
                               published_ms=int(raw.get("published_ms", b"0") or 0))
@@ -501,11 +586,14 @@ class Store:
     def save_snapshot(self, round_: int, expert_load: np.ndarray) -> bool:
         """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
         mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
-        return self._put_once(self._keys.snapshot(round_), mapping)
+        return self._put_once(self._keys.snapshot(round_), mapping, round_)
 
     def read_snapshot(self, round_: int) -> np.ndarray | None:
-        """Round ``round_``'s load snapshot, int64 [L, E], or None."""
-        return self._array(self._keys.snapshot(round_), "expert_load")
+        """Round ``round_``'s load snapshot, int64 [L, E], or None; :class:`CorruptRecordError` naming the key
+        for a stored value of the wrong dtype, shape or range."""
+        key = self._keys.snapshot(round_)
+        arr = self._array(key, "expert_load")
+        return None if arr is None else self._loads(key, arr)
 
     def save_plan(self, plan: PlanEntry) -> bool:
         """Store ``plan``; write-once (plans are content-addressed: False if this plan_id is stored)."""
@@ -517,7 +605,7 @@ class Store:
             "topology": json_text(plan.topology), "balancedness_before": f"{plan.balancedness_before:.6f}",
             "balancedness_after": f"{plan.balancedness_after:.6f}", "moved_experts": str(plan.moved_experts),
         })
-        return self._put_once(self._keys.plan(plan.plan_id), mapping)
+        return self._put_once(self._keys.plan(plan.plan_id), mapping, plan.round)
 
     def read_plan(self, plan_id: str) -> PlanEntry | None:
         """The stored plan ``plan_id`` or None; :class:`CorruptRecordError` if a field does not parse."""
@@ -531,6 +619,9 @@ class Store:
         missing = [n for n, a in arrs.items() if a is None]
         if missing:
             raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}")
+        arrs["expert_load"] = self._loads(key, arrs["expert_load"])
+        for name in ("old_phy2log", "new_phy2log"):
+            arrs[name] = self._table(key, arrs[name], name)
         text = {k: _s(v) for k, v in raw.items() if k in ("plan_id", "round", "policy", "old_plan_id", "topology",
                                                             "balancedness_before", "balancedness_after",
                                                             "moved_experts")}
@@ -545,8 +636,13 @@ class Store:
             raise CorruptRecordError(f"{key}: {exc}") from None
 
     def plan_phy2log(self, plan_id: str) -> np.ndarray | None:
-        """Only the new phy2log (int64 [L, P]) of plan ``plan_id``, or None if no such plan is stored."""
-        return self._array(self._keys.plan(plan_id), "new_phy2log") if plan_id else None
+        """Only the new phy2log (int64 [L, P]) of plan ``plan_id``, or None if no such plan is stored;
+        :class:`CorruptRecordError` naming the key for a table of the wrong dtype, shape or expert ids."""
+        if not plan_id:
+            return None
+        key = self._keys.plan(plan_id)
+        arr = self._array(key, "new_phy2log")
+        return None if arr is None else self._table(key, arr, "new_phy2log")
 
     def current_placement(self) -> PlacementEntry:
         """The cluster's current placement; :class:`NotFoundError` if the cluster has none."""
@@ -554,6 +650,7 @@ class Store:
         phy2log = self._array(self._keys.placement, "phy2log", raw)
         if phy2log is None:
             raise NotFoundError(f"cluster {self.cluster!r} has no current placement")
+        phy2log = self._table(self._keys.placement, phy2log, "phy2log")
         try:
             version = int(raw.get("version", b"0") or 0)
         except ValueError:
@@ -703,6 +800,123 @@ class Store:
         return int(n)
 
     # ---- section: retention, pruning and integrity (issue 14) -----------------------------------------------------
+    def prune(self, keep_rounds: int, keep_plan_ids: tuple[str, ...] = ()) -> list[str]:
+        """Delete the load snapshots and plans written by rounds older than the last ``keep_rounds`` (counted from
+        the newest indexed round), except the plans named in ``keep_plan_ids`` (the current placement's, the round
+        in flight's) and the snapshot of a kept plan's round. Returns the deleted keys (sorted).
+
+        Only keys in the retention index (written by :meth:`save_snapshot` / :meth:`save_plan`) are considered."""
+        newest = self._client.zrevrange(self._keys.retained, 0, 0, withscores=True)
+        if not newest:
+            return []
+        cutoff = int(newest[0][1]) - int(keep_rounds)  # rounds <= cutoff are pruned
+        keep = {self._keys.plan(p) for p in keep_plan_ids if p}
+        keep_rounds_of_plans = set()
+        for key in keep:
+            score = self._client.zscore(self._keys.retained, key)
+            if score is not None:
+                keep_rounds_of_plans.add(self._keys.snapshot(int(score)))
+        old = [_s(k) for k in self._client.zrangebyscore(self._keys.retained, "-inf", cutoff)]
+        drop = sorted(k for k in old if k not in keep and k not in keep_rounds_of_plans)
+        if drop:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(*drop)
+            pipe.zrem(self._keys.retained, *drop)
+            pipe.execute()
+        return drop
+
+    def retained_keys(self) -> dict[str, int]:
+        """Snapshot and plan keys in the retention index -> the round that wrote them."""
+        return {_s(k): int(v) for k, v in self._client.zrange(self._keys.retained, 0, -1, withscores=True)}
+
+    def drop_load(self, ep_rank: int) -> None:
+        """Delete ``ep_rank``'s published window (a corrupt one: the agent publishes a fresh one next round)."""
+        self._client.delete(self._keys.load(ep_rank))
+
+    def drop_snapshot(self, round_: int) -> None:
+        """Delete round ``round_``'s load snapshot (a corrupt one)."""
+        key = self._keys.snapshot(round_)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.zrem(self._keys.retained, key)
+        pipe.execute()
+
+    def drop_plan(self, plan_id: str) -> bool:
+        """Delete stored plan ``plan_id`` (a corrupt one: the next round computes it again) unless the current
+        placement refers to it; returns whether it deleted."""
+        key = self._keys.plan(plan_id)
+        if _s(self._client.hget(self._keys.placement, "plan_id")) == plan_id:
+            return False
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.zrem(self._keys.retained, key)
+        pipe.execute()
+        return True
+
+    def trim_audit(self, keep: int, export_path: str) -> int:
+        """Opt-in audit retention: append every audit record but the newest ``keep`` to ``export_path`` (JSONL,
+        one ``{"id": ..., **fields}`` object per line, flushed and fsynced) and only then trim them from the
+        stream (``XTRIM MINID``). Returns how many were trimmed (0 when the stream holds ``keep`` or fewer).
+        Raises OSError when the file cannot be written (nothing is trimmed then)."""
+        import os
+
+        length = self.audit_length()
+        if keep < 1 or length <= keep:
+            return 0
+        old = self.audit("-", "+", count=length - keep)
+        if not old:
+            return 0
+        with open(export_path, "a", encoding="utf-8") as fh:
+            for entry in old:
+                fh.write(json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        last = old[-1].id
+        ms, seq = last.split("-")
+        self._client.xtrim(self._keys.audit, minid=f"{ms}-{int(seq) + 1}", approximate=False)
+        return len(old)
+
+    def routing_mismatches(self) -> list[tuple[int, str, str]]:
+        """Ranks whose reported routing-table digest (:attr:`RankRecord.routing_digest`) differs from the current
+        placement's (:func:`fdeplb.placement.routing_digest`): a list of (ep_rank, reported, expected); ranks that
+        have not reported one yet are listed with "" as reported."""
+        expected = routing_digest(self.current_placement().phy2log)
+        return [(r, x.routing_digest, expected) for r, x in enumerate(self.read_all(RANK))
+                if x.routing_digest != expected]
+
+    def key_count(self) -> int:
+        """Keys of this cluster now (SCAN; used to check that nothing leaks)."""
+        pattern = f"{self._keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
+        return sum(1 for _ in self._client.scan_iter(match=pattern))
+
+    def memory_used(self) -> int:
+        """The server's ``used_memory`` in bytes (the sum over the nodes of a Redis Cluster)."""
+        info = self._client.info("memory")
+        if isinstance(info, dict) and "used_memory" in info:
+            return int(info["used_memory"])
+        return sum(int(v["used_memory"]) for v in info.values())  # RedisCluster: one dict per node
+
+    def wait_available(self, timeout_s: float, on_wait: Callable[[str], None] | None = None,
+                       interval_s: float = 0.5) -> None:
+        """Block until the server answers PING (at most ``timeout_s`` seconds); ``on_wait(error)`` is called once
+        when the first attempt fails (a log line). :class:`RedisUnavailableError` when the bound passes."""
+        import time
+
+        end = time.monotonic() + float(timeout_s)
+        told = False
+        while True:
+            try:
+                self._client.ping()
+                return
+            except redis.RedisError as exc:
+                if not told and on_wait is not None:
+                    on_wait(str(exc))
+                    told = True
+                if time.monotonic() >= end:
+                    raise RedisUnavailableError(f"Redis at {self.url} did not answer within {timeout_s:g} s: "
+                                                f"{exc}") from None
+                time.sleep(interval_s)
+
 
     # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
     def request_round_if_free(self, reason: str = "api") -> tuple[bool, ClusterRecord]:

@@ -161,6 +161,7 @@ class CheckpointBackend:
 
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray) -> dict[str, Any]:
         report = self.live.swap(staged.transfer, staged.experts, new_phy2log)
+        staged.experts.release(keep_buffers=True)  # next round's staging reuses the pre-faulted buffers
         return report.to_dict()
 
     def verify(self) -> tuple[int, int]:

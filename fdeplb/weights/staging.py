@@ -17,18 +17,19 @@ from fdeplb.weights import _paddle
 from fdeplb.weights.checkpoint import CheckpointReader
 from fdeplb.weights.plan import TransferPlan
 
-#: checksum of one expert: CRC-32 of each suffix's raw bytes, in template order
+#: checksum of one expert: CRC-32C of each suffix's raw bytes, in template order
 ExpertChecksum = tuple[int, ...]
 
 
 def expert_checksum(tensors: dict[str, Any]) -> ExpertChecksum:
-    """CRC-32 (zlib) of the raw bytes of each tensor of one expert, in the dict's order.
+    """CRC-32C (Castagnoli polynomial, google-crc32c, hardware-accelerated) of the raw bytes of each tensor of one
+    expert, in the dict's order.
 
     Exact for what it guards against (a slot written with the wrong bytes): any change of up to 32 consecutive bits is
     always caught, any other with probability 1 - 2**-32 per tensor. Host tensors are hashed in place; device
     tensors are copied to the host first.
     """
-    return tuple(_paddle.crc32(t) for t in tensors.values())
+    return tuple(_paddle.checksum(t) for t in tensors.values())
 
 
 @dataclass(eq=False)
@@ -41,7 +42,7 @@ class StagedExperts:
         experts: one ``suffix -> paddle.Tensor`` dict per entry of ``plan.disk``, same order.
         checksums: :data:`ExpertChecksum` per entry, computed from the tensors as read from the checkpoint.
         nbytes: host bytes held (0 after :meth:`release`).
-        read_seconds: wall time of reading, pinning and checksumming.
+        read_seconds: wall time of allocating, reading and checksumming.
     """
 
     plan_key: str
@@ -51,9 +52,15 @@ class StagedExperts:
     nbytes: int = 0
     read_seconds: float = 0.0
     released: bool = False
+    #: where released tensors go for reuse (the reader's buffer pool), or None to drop them
+    recycle: Any = field(default=None, repr=False)
 
-    def release(self) -> None:
-        """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent."""
+    def release(self, keep_buffers: bool = False) -> None:
+        """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent.
+        ``keep_buffers`` (after a swap): the tensors go to the reader's pool of pre-faulted staging buffers
+        (:meth:`CheckpointReader.recycle`), which the next staging reuses; otherwise their memory is freed."""
+        if keep_buffers and self.recycle is not None and self.experts:
+            self.recycle([t for tensors in self.experts for t in tensors.values()])
         self.experts.clear()
         self.checksums.clear()
         self.nbytes = 0
@@ -64,15 +71,25 @@ class StagedExperts:
 
 
 def stage_experts(
-    plan: TransferPlan, reader: CheckpointReader, budget_bytes: int | None = None, device: str | None = None
+    plan: TransferPlan,
+    reader: CheckpointReader,
+    budget_bytes: int | None = None,
+    device: str | None = None,
+    *,
+    workers: int | None = None,
 ) -> StagedExperts:
     """Read the experts ``plan`` loads from disk (``plan.disk``, each once) into host memory.
+
+    Every destination tensor is allocated (pinned on a GPU) before reading; ``workers`` threads then read whole
+    experts by offset into them and checksum each expert right after reading it
+    (:meth:`CheckpointReader.read_experts`).
 
     Args:
         plan: the rank's :class:`TransferPlan`.
         reader: the checkpoint.
         budget_bytes: most host bytes staging may hold; ``None`` is unlimited.
         device: the live experts' device (``None``: paddle's current one); a GPU gets pinned staging.
+        workers: reading threads (default :meth:`CheckpointReader.read_experts`'s); 1 reads serially.
 
     Returns:
         :class:`StagedExperts` with ``nbytes == plan.counts["disk"] * reader.expert_nbytes``.
@@ -90,12 +107,14 @@ def stage_experts(
         )
     for layer, expert in plan.disk:
         reader.check_expert(layer, expert)
-    staged = StagedExperts(plan_key=plan.key, device=dev)
+    pinned = _paddle.is_gpu(dev)
+    staged = StagedExperts(plan_key=plan.key, device=dev,
+                           recycle=lambda tensors: reader.recycle(tensors, pinned=pinned))
     start = time.perf_counter()
     try:
-        for layer, expert in plan.disk:
-            tensors = reader.read_expert(layer, expert, pinned=_paddle.is_gpu(dev))
-            staged.checksums.append(expert_checksum(tensors))
+        read = reader.read_experts(plan.disk, pinned=pinned, workers=workers, on_read=expert_checksum)
+        for tensors, checksum in read:
+            staged.checksums.append(checksum)
             staged.experts.append(tensors)
             staged.nbytes += sum(_paddle.nbytes(t) for t in tensors.values())
     except BaseException:

