@@ -15,7 +15,10 @@ per EP rank. Every worker embeds an :class:`fdeplb.orchestration.agent.EmbeddedA
 
 While it serves, the driver runs a rearrangement, a weight clear and update (FastDeploy's clear_load_weight /
 update_model_weight, reloaded in the current placement), then a second rearrangement on a shifted distribution.
-The last line is JSON; the exit status is 0 only when every check held.
+After each of these four changes it checks that every rank applied it at the change's switch step (the step the
+armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). The last line is JSON (``switches``: each change's
+switch step and the step every rank applied it at; ``loadavg_1m``: the host's load at the start and the end); the
+exit status is 0 only when every check held.
 """
 
 from __future__ import annotations
@@ -162,6 +165,7 @@ def main() -> int:
     from fdeplb.weights import write_synthetic_checkpoint
 
     t_start = time.monotonic()
+    load_start = round(os.getloadavg()[0], 2)  # the host's 1-minute load average, at the start and at the end
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 worker processes on few cores: one compute thread each
     dist, source = expert_distribution()
     ctx = mp.get_context("spawn")
@@ -173,10 +177,9 @@ def main() -> int:
                                checkpoint={"path": str(ckpt), "preset": "ernie"},
                                deadlines=Deadlines(collecting_ms=30_000, loading_ms=30_000, swapping_ms=30_000))
         init_cluster(store, config, initial_placement(L, E, P).phy2log)
-        # margin: a worker's background thread shares the GIL and 2 busy cores here; a few steps must cover it
-        coordinator = Coordinator(Store(server.url, cluster), lease_ms=1_500, switch_margin_steps=12,
-                                  switch_margin_ms=3_000)
-        threading.Thread(target=coordinator.run, daemon=True).start()
+        coordinator = Coordinator(Store(server.url, cluster), lease_ms=1_500)
+        coordinator_thread = threading.Thread(target=coordinator.run, daemon=True)
+        coordinator_thread.start()
 
         qs = [[ctx.Queue() for _ in range(EP)] for _ in range(EP)]  # qs[src][dst]
         back = [[ctx.Queue() for _ in range(EP)] for _ in range(EP)]
@@ -234,23 +237,35 @@ def main() -> int:
         def weights_all(s) -> bool:
             return all(store.read_weights(r).state is s for r in range(EP))
 
+        switches = []
+
+        def switched_together(what: str, switch_step: int) -> None:
+            """Every rank reports the step it applied the change at: it must be the switch step on every rank."""
+            wait(lambda: all(store.read_rank(r).applied_step >= switch_step for r in range(EP)), f"{what} reports")
+            applied = [store.read_rank(r).applied_step for r in range(EP)]
+            switches.append({"what": what, "switch_step": switch_step, "applied_steps": applied})
+
         ok, failure = True, ""
         try:
             wait(lambda: steps_now() >= 20, "warm-up", 120)
             store.request_round("serving_node")
             wait(lambda: round_done(1), "round 1")
-            store.request_weights("clear", "serving_node", margin_steps=12, margin_ms=3_000)
+            switched_together("round 1", store.read_cluster().switch_step)
+            store.request_weights("clear", "serving_node")
             wait(lambda: weights_all(WeightState.CLEARED), "clear")
+            switched_together("clear", store.read_cluster().weights_switch_step)
             s = steps_now()
             wait(lambda: steps_now() >= s + 5, "steps while cleared")
-            store.request_weights("update", "serving_node", margin_steps=12, margin_ms=3_000)
+            store.request_weights("update", "serving_node")
             wait(lambda: weights_all(WeightState.NORMAL), "update")
+            switched_together("update", store.read_cluster().weights_switch_step)
             phase.value = 1
             store.request_clear_stat("serving_node")
             s = steps_now()
             wait(lambda: steps_now() >= s + 20, "phase 2 load")
             store.request_round("serving_node")
             wait(lambda: round_done(2), "round 2")
+            switched_together("round 2", store.read_cluster().switch_step)
             s = steps_now()
             wait(lambda: steps_now() >= s + 10, "steps after round 2")
         except RuntimeError as err:
@@ -260,6 +275,7 @@ def main() -> int:
             p.join(60)
         drainer.join(10)
         coordinator.stop_event.set()
+        coordinator_thread.join(10)  # before the embedded Redis stops: the JSON line stays the last one
 
         audit = list(store.iter_audit())
         spans, start = [], None
@@ -282,11 +298,14 @@ def main() -> int:
             "safe_point_pause_ms": {"p50": round(float(np.median(pauses)), 3) if pauses else None,
                                     "max": round(float(np.max(pauses)), 3) if pauses else None,
                                     "applied": len(pauses)},
-            "late_switches": late, "errors": [e[2] for e in state["errors"]], "load_source": source,
+            "late_switches": late, "switches": switches, "errors": [e[2] for e in state["errors"]],
+            "load_source": source, "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
             "wall_s": round(time.monotonic() - t_start, 1),
         }
+        together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["switch_step"]] * EP
+                                              for s in switches)
         ok = ok and not summary["errors"] and rounds >= 2 and during > 0 and summary["max_rel_diff"] <= TOL \
-            and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0
+            and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together
         if failure:
             summary["failure"] = failure
         summary["ok"] = ok

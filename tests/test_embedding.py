@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from fdeplb.errors import CheckpointError, InputError
-from fdeplb.machines.tables import ClusterState, WeightState
+from fdeplb.errors import CheckpointError, InputError, StateError
+from fdeplb.machines.tables import ClusterState, RankState, WeightState
 from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
 from fdeplb.testing import NumpyWeights, expert_tensor
-from tests.helpers import thread_cluster, wait_for
+from tests.helpers import RawRedis, thread_cluster, wait_for
 
 
 def _round_done(store, n):
@@ -172,7 +172,7 @@ def test_every_rank_switches_at_the_same_step_and_only_at_safe_points(redis_url,
         for r in range(tc.config.ep_size):
             agents.append(EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), verify_all=True,
                                         block_ms=500 if r == 3 else 50, publish_interval_s=None).start())
-        tc.start_coordinator(switch_margin_ms=1_500)
+        tc.start_coordinator()
         store = tc.store()
         try:
             with _Workers(agents, tc.loads, slow=3) as workers:
@@ -202,6 +202,157 @@ def test_every_rank_switches_at_the_same_step_and_only_at_safe_points(redis_url,
         finally:
             for a in agents:
                 a.close()
+
+
+class _LateAgent(EmbeddedAgent):
+    """An agent whose background thread, once staged (rank LOADED) or with a weight request pending, does not look
+    at the commit or the request until ``gate`` is set: the rank that learns of a change late (a loaded host, a
+    GIL-starved thread)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.held = threading.Event()
+
+    def _hold(self):
+        while not self.gate.is_set() and not self.stop_event.is_set():
+            self.held.set()
+            self.gate.wait(0.05)
+
+    def step(self):
+        if self.rank.read().state is RankState.LOADED:  # staged: the commit comes (only this thread moves it)
+            self._hold()
+        return super().step()
+
+    def _weights_step(self, cluster):
+        if cluster.weights_request > self.weights.read().request:
+            self._hold()
+        return super()._weights_step(cluster)
+
+
+def test_a_rank_that_learns_late_switches_at_the_same_step_as_the_others(redis_url, cluster_id, tmp_path):
+    """The race the switch step must survive: rank 3's background thread learns of the commit (and of each weight
+    request) only after the other ranks are armed and the lockstep workers ran 100 more steps, and rank 3's
+    worker is the slow one. The switch step is fixed only once rank 3 is armed, from the current step counters,
+    so every rank still switches at one step, with no late switch and no step where the placements disagree."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), verify_all=True,
+                                publish_interval_s=None).start() for r in range(3)]
+        late = _LateAgent(tc.store(), 3, backend_factory=_Instrumented.factory(), verify_all=True,
+                          publish_interval_s=None).start()
+        agents.append(late)
+        tc.start_coordinator()
+        store = tc.store()
+
+        def held_while_others_armed(key: str) -> int:
+            """Wait until rank 3 is held and ranks 0-2 are armed for ``key``, let 100 steps pass; the step then."""
+            wait_for(lambda: late.held.is_set() and all(store.read_rank(r).armed == key for r in range(3)), 60,
+                     store, f"ranks 0-2 armed for {key}, rank 3 held")
+            start = agents[0].steps
+            wait_for(lambda: agents[0].steps >= start + 100, 60, None, "100 steps with rank 3 not armed")
+            assert store.read_rank(3).armed != key and late.steps >= start + 99  # lockstep: rank 3 ran too
+            released_at = agents[0].steps
+            late.held.clear()
+            late.gate.set()
+            return released_at
+
+        def switched_together(what: str, switch_step: int, released_at: int) -> None:
+            assert switch_step > released_at, f"{what}: switch step {switch_step} fixed before rank 3 was armed"
+            ranks = [store.read_rank(r) for r in range(4)]
+            assert [x.applied_step for x in ranks] == [switch_step] * 4, (what, ranks)
+            assert [x.late_steps for x in ranks] == [0] * 4, (what, ranks)
+
+        try:
+            with _Workers(agents, tc.loads, slow=3) as workers:
+                wait_for(lambda: all(a.steps > 0 for a in agents), 30, None, "workers stepping")
+                store.request_round("test")
+                rec = wait_for(lambda: store.read_cluster().state is ClusterState.SWAPPING and
+                               store.read_cluster(), 60, store, "commit")
+                released = held_while_others_armed(f"swap:1:{rec.plan_id}")
+                rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+                switched_together("swap", rec.switch_step, released)
+                for action, state in (("clear", WeightState.CLEARED), ("update", WeightState.NORMAL)):
+                    late.gate.clear()
+                    n = store.request_weights(action, "test")
+                    released = held_while_others_armed(f"weights:{n}")
+                    wait_for(lambda: all(store.read_weights(r).state is state and store.read_weights(r).request == n
+                                         for r in range(4)), 60, store, action)
+                    switched_together(action, store.read_cluster().weights_switch_step, released)
+            steps = min(len(p) for p in workers.placements)
+            for s in range(steps):  # at every step every rank served the same placement (or none)
+                assert len({workers.placements[r][s] for r in range(4)}) == 1, f"ranks disagree at step {s + 1}"
+            assert all(a.late_switches == 0 for a in agents)
+            assert all(inside for a in agents for _, inside, _ in a.backend.changes)
+        finally:
+            for a in agents:
+                a.close()
+
+
+def test_a_rank_past_the_switch_step_applies_at_once_and_raises_the_alarm(redis_url, cluster_id, tmp_path):
+    """The explicit path for a rank that finds itself past the switch step (here: a request written with a switch
+    step already in the past, as a rank that could not reach Redis at its armed safe points would find it): it
+    applies at its next safe point, records late_steps and raises an audited alarm."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), publish_interval_s=None)
+                  .start() for r in range(4)]
+        store = tc.store()
+        try:
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: all(a.steps >= 10 for a in agents), 30, None, "10 steps")
+                RawRedis(redis_url, cluster_id).r.hset(RawRedis(redis_url, cluster_id).keys.rearrange, mapping={
+                    "weights_request": 1, "weights_action": "clear", "weights_switch_step": 3})
+                wait_for(lambda: all(store.read_weights(r).state is WeightState.CLEARED for r in range(4)), 60,
+                         store, "cleared")
+            ranks = [store.read_rank(r) for r in range(4)]
+            assert all(x.late_steps == x.applied_step - 3 > 0 for x in ranks), ranks
+            alarms = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+            assert len(alarms) == 4 and all("past the switch step 3" in a["reason"] for a in alarms)
+            assert all(a.late_switches == 1 for a in agents)
+        finally:
+            for a in agents:
+                a.close()
+
+
+def test_arm_switch_fixes_the_step_once_every_rank_is_armed(redis_url, cluster_id, tmp_path):
+    """Store.arm_switch (lua/switch.lua) on its own: waiting until every rank is armed for the same change, then
+    fixed at the largest armed step + margin, then the same for everyone; gone once the change is not current."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        n = store.request_weights("clear", "test")
+
+        def arm(rank, step, margin=2, armed=f"weights:{n}"):
+            return store.arm_switch(rank, armed, step, "weights_switch_step", {"weights_request": n}, margin)
+
+        assert arm(0, 7) == (0, "waiting")
+        assert arm(1, 40) == (0, "waiting")
+        assert arm(2, 50, armed="weights:0") == (0, "waiting")  # armed for another change: does not count
+        assert arm(2, 9) == (0, "waiting")
+        assert arm(3, 12, margin=3) == (43, "fixed")  # max(7, 40, 9, 12) + 3
+        assert store.read_cluster().weights_switch_step == 43
+        assert arm(0, 8) == (43, "set")
+        assert [store.read_rank(r).armed_step for r in range(4)] == [8, 40, 9, 12]
+        assert store.request_weights("update", "test") == n + 1  # supersedes; resets the switch step
+        assert store.read_cluster().weights_switch_step == 0
+        assert arm(0, 9) == (0, "gone")
+        assert store.read_cluster().weights_switch_step == 0
+        with pytest.raises(InputError):
+            arm(0, 9, margin=0)
+        with pytest.raises(InputError):
+            store.arm_switch(0, "x", 1, "no_such_field", {})
+        RawRedis(redis_url, cluster_id).force(RawRedis(redis_url, cluster_id).keys.weights(2),
+                                              WeightState.CLEARING.value)
+        with pytest.raises(StateError, match="ranks \\[2\\]"):  # one request at a time once a rank started it
+            store.request_weights("update", "test")
+        assert store.read_cluster().weights_request == n + 1
+
+
+def test_switch_lua_header_matches_its_python_slots():
+    from fdeplb.store.scripts import SWITCH_ARGV, SWITCH_KEYS, SWITCH_STATUSES, script_text
+    from tests.test_scripts import header_slots
+
+    assert header_slots("switch", "KEYS") == list(SWITCH_KEYS)
+    assert header_slots("switch", "ARGV") == list(SWITCH_ARGV)
+    assert all(f"'{status}'" in script_text("switch") for status in SWITCH_STATUSES)
 
 
 # ---- the weight-status machine -----------------------------------------------------------------------------------

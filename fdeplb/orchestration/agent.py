@@ -38,6 +38,7 @@ from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, Weigh
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
+from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 
 log = structlog.get_logger("fdeplb.agent")
@@ -121,18 +122,35 @@ class ExpertLoadWindow:
             self._total[...] = 0
 
 
+class _Arm(NamedTuple):
+    """What an armed worker publishes and reads at every safe point until its change's switch step is fixed
+    (:meth:`fdeplb.store.Store.arm_switch`)."""
+
+    armed: str
+    """The change, the same on every rank: ``swap:<round>:<plan_id>`` or ``weights:<request>``."""
+    field: str
+    """The cluster-record field that holds the change's switch step."""
+    current: dict[str, Any]
+    """Cluster-record fields that identify the change while it is the cluster's current one."""
+
+
 class _SafePointOp:
     """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`RankAgent.at_safe_point` once
-    the worker's step counter reaches ``switch_step`` (at once in a threaded agent)."""
+    the worker's step counter reaches ``switch_step`` (at once in a threaded agent). With ``arm``, the switch step
+    is not known yet (None): the worker learns it at its safe points (:meth:`RankAgent.at_safe_point`). ``gone``:
+    the change stopped being the cluster's current one before its switch step was fixed (``done`` is set, ``fn``
+    never ran)."""
 
-    def __init__(self, key: tuple, switch_step: int, fn: Callable[[], Any]) -> None:
+    def __init__(self, key: tuple, switch_step: int | None, arm: _Arm | None, fn: Callable[[], Any]) -> None:
         self.key = key
-        self.switch_step = int(switch_step)
+        self.switch_step = switch_step
+        self.arm = arm
         self.fn = fn
         self.result: Any = None
         self.error: BaseException | None = None
         self.applied_step = 0
         self.pause_ms = 0.0
+        self.gone = False
         self.done = threading.Event()
 
     def apply(self, step: int) -> None:
@@ -162,15 +180,22 @@ class RankAgent:
     embedded agent, see :class:`EmbeddedAgent`); otherwise the loop applies them itself.
     ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
+    ``switch_margin_steps``: when this rank is the one that fixes a switch step, the steps it adds to the largest
+    armed step counter (>= 1; see :meth:`at_safe_point`).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
                  backend_factory: BackendFactory | None = None, staging_budget_bytes: int | None = None,
                  device: str | None = None, actor: str | None = None, verify_all: bool = False,
                  safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
-                 publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000) -> None:
+                 publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
+                 switch_margin_steps: int = SWITCH_MARGIN_STEPS) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
+        if int(switch_margin_steps) < 1:
+            raise InputError(f"switch_margin_steps must be >= 1, got {switch_margin_steps}")
+        self.switch_margin_steps = int(switch_margin_steps)
+        self._sync_failures = 0
         self.store = store
         self.ep_rank = int(ep_rank)
         self.load_source = load_source or (lambda _round: self.window.total())
@@ -202,7 +227,7 @@ class RankAgent:
         self._load_failed_round = -1
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
-        self.log = log.bind(rank=self.ep_rank, cluster=store.cluster)
+        self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
@@ -212,6 +237,8 @@ class RankAgent:
             raise InputError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
         self.rank.ensure()
         self.weights.ensure()
+        me = self.rank.read()  # a restarted worker's step counter carries on from the last one it published
+        self.steps = max(self.steps, me.step, me.armed_step)
         placement = self.store.current_placement()
         t0 = time.perf_counter()
         self.backend = self.backend_factory(self.config.checkpoint, placement.phy2log, self.ep_rank,
@@ -323,21 +350,41 @@ class RankAgent:
 
         This is the only place the live expert tensors and the routing tables (phy2log, log2phy, logcnt) change
         in an embedded agent: a committed swap (staged in the background), a weight clear or a weight update.
-        With nothing to apply it returns at once (see ``benchmarks/safe_point.py``). Returns True when it applied
-        a change (the worker was held for the in-place copy only).
+        With nothing pending it returns at once (see ``benchmarks/safe_point.py``). Returns True when it applied
+        a change (the worker was held for the in-place copy only: staging is done before the rank arms).
 
-        **Ranks switch together.** Every change carries a switch step fixed when it was decided (the commit, the
-        weight request: :meth:`fdeplb.store.Store.switch_step`, from the step counters the ranks report with
-        their heartbeats plus a margin). The agent applies it at the safe point where its own counter reaches the
-        switch step, so every EP rank routes step ``switch_step + 1`` with the new placement. A rank that learns
-        of a change when its counter is already *past* the switch step (its worker ran ahead of its reports, or
-        the margin was too small) applies it at its very next safe point (a committed plan only rolls forward),
-        records ``late_steps`` in its rank record and raises an ``alarm`` (event and audit record) naming the
-        steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong expert.
+        **Ranks switch together, by construction.** Every EP rank applies a change at the safe point where its
+        step counter reaches the change's *switch step*, so every rank routes step ``switch_step + 1`` with the new
+        placement. The switch step is not estimated from lazily reported counters; it is fixed from the ranks'
+        current counters once every rank is ready for the change:
+
+        1. *Armed window.* Once the background thread has prepared a change (a committed swap: staged, rank
+           SWAPPING; a weight request: the rank's weight-status transition committed, or nothing to do on this
+           rank), the rank is *armed*: at every safe point it runs one atomic Redis script
+           (:meth:`fdeplb.store.Store.arm_switch`, ``lua/switch.lua``) that publishes its step counter and reads the
+           switch step. Outside that window this method does no I/O.
+        2. *Fixed from current steps.* The first such call that finds *every* rank armed for the same change fixes
+           the switch step at ``max(armed step of every rank) + switch_margin_steps``, atomically with that read.
+           A rank whose last call published step s makes its next call at step s + 1 <= switch step, so every
+           armed rank learns the switch step before reaching it, however late its background thread learned of
+           the change or however slow its worker is (a rank not armed yet holds everyone back: nobody switches).
+        3. *Past it anyway.* Only a rank that could not reach Redis at its armed safe points (the script failed:
+           logged, the worker keeps serving the old placement), or one whose weight request was overtaken by a
+           newer one (see :meth:`_weights_step`), can find itself past the switch step. It then
+           applies the change at once (a committed plan only rolls forward; a weight request is carried out),
+           records ``late_steps`` in its rank record and raises an ``alarm`` (event and audit record) naming the
+           steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong
+           expert (``examples/serving_node.py`` counts them and fails).
+
+        Call it at every step, also when the engine is idle: a change waits for every rank's safe points.
         """
         self.steps += 1
         op = self._op
-        if op is None or op.done.is_set() or self.steps < op.switch_step:
+        if op is None or op.done.is_set():
+            return False
+        if op.switch_step is None and not self._learn_switch(op):
+            return False
+        if self.steps < op.switch_step:
             return False
         self._in_safe_point = True
         try:
@@ -349,22 +396,47 @@ class RankAgent:
         self.pauses_ms.append(op.pause_ms)
         return True
 
+    def _learn_switch(self, op: _SafePointOp) -> bool:
+        """An armed safe point: publish the step counter, read (or fix) the switch step; True once it is known."""
+        arm = op.arm
+        try:
+            switch, status = self.store.arm_switch(self.ep_rank, arm.armed, self.steps, arm.field, arm.current,
+                                                   self.switch_margin_steps)
+        except FdeplbError as err:  # keep serving the old placement; past the switch step it applies late, alarmed
+            self._sync_failures += 1
+            if self._sync_failures in (1, 10, 100) or self._sync_failures % 1000 == 0:
+                self.log.warning("armed safe point could not reach Redis", armed=arm.armed, step=self.steps,
+                                 failures=self._sync_failures, error=str(err))
+            return False
+        if status == "gone":  # superseded before its switch step was fixed: the background thread decides again
+            op.gone = True
+            op.done.set()
+            return False
+        if switch <= 0:
+            return False  # waiting for the other ranks to arm
+        op.switch_step = switch
+        return True
+
     @property
     def serving(self) -> bool:
         """False while the rank's expert weights are cleared (the worker must not run a forward step)."""
         return self.backend is not None and not self.backend.cleared
 
-    def _at_safe_point(self, key: tuple, switch_step: int, fn: Callable[[], Any]) -> _SafePointOp | None:
-        """Have ``fn`` applied at the safe point of ``switch_step`` (at once in a threaded agent); returns the op once
-        it was applied, None while it waits. Idempotent per ``key``."""
+    def _at_safe_point(self, key: tuple, when: "_Arm | int", fn: Callable[[], Any]) -> _SafePointOp | None:
+        """Have ``fn`` applied at a safe point (at once in a threaded agent): armed (``when`` an :class:`_Arm`: at
+        the switch step the ranks fix together, see :meth:`at_safe_point`) or at step ``when`` (0: the next one).
+        Returns the op once it was applied (or is ``gone``), None while it waits. Idempotent per ``key``; an op
+        whose change is gone is replaced by a new one (armed for what is current now)."""
         op = self._op
-        if op is None or op.key != key:
-            op = _SafePointOp(key, switch_step if self.safe_points else 0, fn)
+        if op is None or op.key != key or op.gone:
+            arm = when if isinstance(when, _Arm) else None
             if not self.safe_points:
+                op = _SafePointOp(key, 0, None, fn)
                 op.apply(self.steps)
                 self._live_phy2log = self.backend.phy2log
                 self._op = None
                 return op
+            op = _SafePointOp(key, None if arm is not None else int(when), arm, fn)
             self._op = op
         if not op.done.is_set():
             return None
@@ -401,13 +473,22 @@ class RankAgent:
         """Carry out the cluster's latest weight request through this rank's weight-status machine: the transition
         into CLEARING / UPDATING is committed first (its guards: no clear or update while a round is past FREE),
         the work runs at the safe point of the request's switch step, the outcome is committed after
-        (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights)."""
+        (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights).
+
+        Two phases: every rank first commits its transition (or finds nothing to do: clear while CLEARED) and arms
+        for request n (``weights:<n>``); the request's switch step is fixed once all are armed, and all switch at
+        it (:meth:`at_safe_point`). Requests are carried out one at a time
+        (:meth:`fdeplb.store.Store.request_weights` refuses a new one while a rank is CLEARING or UPDATING). A
+        request that still overtakes one (written between this rank's read of request n and its commit of the
+        transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
+        one step, but this rank then carries out the new request on its own, past that step, which raises the
+        late-switch alarm (:meth:`at_safe_point`, point 3)."""
         w: WeightRecord = self.weights.read()
         n = cluster.weights_request
-        switch = cluster.weights_switch_step if w.request == n else 0
+        arm = _Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
         if w.state is WeightState.CLEARING:
-            op = self._at_safe_point(("clear", w.request), switch, self.backend.clear)
-            if op is None:
+            op = self._at_safe_point(("clear", w.request), arm, self.backend.clear)
+            if op is None or op.gone:
                 return False
             if op.error is not None:  # freeing memory does not fail; if it did, say so and stay CLEARING
                 self._op = None
@@ -419,8 +500,8 @@ class RankAgent:
             return True
         if w.state is WeightState.UPDATING:
             placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
-            op = self._at_safe_point(("update", w.request), switch, lambda: self.backend.reload_in(placement.phy2log))
-            if op is None:
+            op = self._at_safe_point(("update", w.request), arm, lambda: self.backend.reload_in(placement.phy2log))
+            if op is None or op.gone:
                 return False
             applied = self._applied(op, cluster, f"weight update {w.request}")
             err = op.error
@@ -442,14 +523,18 @@ class RankAgent:
         if w.request >= n:
             return False
         action = cluster.weights_action
-        if action == "clear" and w.state is WeightState.CLEARED:
-            self.store.update(WEIGHTS, self.ep_rank, request=n)  # already cleared: nothing to free
-            return True
         if action not in ("clear", "update"):
             self.store.update(WEIGHTS, self.ep_rank, request=n, reason=f"unknown weight action {action!r}")
             return True
         if cluster.state is not ClusterState.FREE:
             return False  # the guards refuse while a round runs: wait for FREE (no retry storm)
+        if action == "clear" and w.state is WeightState.CLEARED:  # nothing to free; arms all the same
+            op = self._at_safe_point(("nothing", n), arm, lambda: None)
+            if op is None:
+                return False
+            self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
+            self.store.update(WEIGHTS, self.ep_rank, request=n)
+            return True
         self.weights.fire(action, record=w, reason=cluster.weights_reason, changes={"request": n, "reason": ""})
         return True
 
@@ -556,11 +641,13 @@ class RankAgent:
                 self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
                 return False
             staged = self.staged.staged
-            switch = cluster.switch_step if cluster.plan_id == plan_id else 0
-            op = self._at_safe_point(("swap", plan_id, attempt), switch if attempt == 1 else 0,
-                                     lambda: self._swap_or_restore(staged, new))
-            if op is None:
-                return False  # waits for the worker's safe point
+            when: _Arm | int = 0  # a retry after a failed verification: at the next safe point
+            if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
+                when = _Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
+                            {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
+            op = self._at_safe_point(("swap", plan_id, attempt), when, lambda: self._swap_or_restore(staged, new))
+            if op is None or op.gone:
+                return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
             report.update(self._applied(op, cluster, f"plan {plan_id}"))
             if isinstance(op.error, VerificationError):
                 # past the commit point: no abort. The swap restored the old placement from the checkpoint; stage

@@ -28,7 +28,6 @@ from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
-from fdeplb.store.redis_store import SWITCH_MARGIN_MS, SWITCH_MARGIN_STEPS
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -64,8 +63,12 @@ class Coordinator:
     reason ``skipped: ...`` with its numbers, also in the cluster record's ``reason``) when the current mean
     balancedness is at or above ``min_balancedness`` (SGLang's ``eplb_min_rebalancing_utilization_threshold``)
     or the planned gain is at most the cluster's ``min_gain``; otherwise a round is requested (reason
-    ``interval``). ``switch_margin_steps`` / ``switch_margin_ms``: the margin of the switch step fixed at the commit
-    (:meth:`fdeplb.store.Store.switch_step`).
+    ``interval``).
+
+    Switch step: the commit resets the cluster's ``switch_step`` to 0 (not fixed). The ranks fix it themselves once
+    every one of them is armed for the swap (:meth:`fdeplb.store.Store.arm_switch`), from their current step
+    counters: the coordinator takes no part (an estimate made here from lazily reported counters could lie behind a
+    rank that has already passed it).
 
     Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits.
@@ -73,8 +76,7 @@ class Coordinator:
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
                  planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None,
-                 interval_s: float | None = None, min_balancedness: float | None = None,
-                 switch_margin_steps: int = SWITCH_MARGIN_STEPS, switch_margin_ms: int = SWITCH_MARGIN_MS) -> None:
+                 interval_s: float | None = None, min_balancedness: float | None = None) -> None:
         if not isinstance(lease_ms, int) or isinstance(lease_ms, bool) or not 300 <= lease_ms <= 3_600_000:
             raise InputError(f"lease_ms must be an integer in [300, 3600000], got {lease_ms!r}")
         if interval_s is not None and not interval_s > 0:
@@ -83,7 +85,6 @@ class Coordinator:
             raise InputError(f"min_balancedness must be in (0, 1], got {min_balancedness}")
         self.interval_s = interval_s
         self.min_balancedness = min_balancedness
-        self.switch_margin = (int(switch_margin_steps), int(switch_margin_ms))
         self._next_periodic_ms: int | None = None
         self._refused_ranks: list[int] | None = None
         self.store = store
@@ -460,8 +461,8 @@ class Coordinator:
                 return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
-        switch = self.store.switch_step(*self.switch_margin)  # every rank applies at this step (0: at once)
-        self._fire(rec, "commit", changes={"deadline_ms": deadline, "switch_step": switch})
+        # switch_step 0: not fixed yet; the ranks fix it once all are armed for this swap (Store.arm_switch)
+        self._fire(rec, "commit", changes={"deadline_ms": deadline, "switch_step": 0})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:

@@ -61,10 +61,13 @@ class ClusterRecord:
     weights_reason: str = ""
     """Who or what asked for the latest weight request."""
     weights_switch_step: int = 0
-    """Step (the ranks' safe-point counters) at which every rank carries out the latest weight request; 0 = at
-    the next safe point."""
+    """Step (the ranks' safe-point counters) at which every rank carries out the latest weight request; 0 = not
+    fixed yet. Fixed by ``lua/switch.lua`` once every rank is armed for the request (embedded agents wait for it;
+    threaded agents do not use it)."""
     switch_step: int = 0
-    """Step at which every rank applies the committed plan (fixed by the commit; 0 = at the next safe point)."""
+    """Step at which every rank applies the committed plan; 0 = not fixed yet (the commit resets it). Fixed by
+    ``lua/switch.lua`` once every rank is armed for the swap (embedded agents wait for it; threaded agents do not
+    use it)."""
     clear_stat_request: int = 0
     """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
     updated_ms: int = 0
@@ -135,6 +138,11 @@ class RankRecord:
     """Step at which the rank last applied a swap or a weight clear/update at a safe point."""
     late_steps: int = 0
     """How many steps past the switch step the rank applied it (0 = on time; > 0 raised an alarm)."""
+    armed: str = ""
+    """The change the rank's worker is armed for ("swap:<round>:<plan_id>", "weights:<request>"; "" = never
+    armed): while armed it publishes its step counter and reads the switch step at every safe point."""
+    armed_step: int = 0
+    """The worker's step counter at its last armed safe point (written only by the worker, ``lua/switch.lua``)."""
     clear_stat: int = 0
     """The cluster's ``clear_stat_request`` this rank last carried out."""
     routing_digest: str = ""

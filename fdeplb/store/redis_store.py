@@ -18,6 +18,7 @@ not cut short by redis-py's 5 s default.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -39,7 +40,8 @@ from fdeplb.errors import (
     StateError,
     StoreError,
 )
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, TransitionSpec
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, StateEnum, TransitionSpec, \
+    WeightState
 from fdeplb.placement import MAX_LOAD, check_counts, routing_digest
 from fdeplb.store import arrays
 from fdeplb.store.keys import Keys
@@ -57,7 +59,7 @@ from fdeplb.store.records import (
     parse_record,
     record_type,
 )
-from fdeplb.store.scripts import audit_call, commit_call, lease_call, script_text
+from fdeplb.store.scripts import audit_call, commit_call, lease_call, script_text, switch_call
 
 #: longest XREAD BLOCK any fdeplb waiter issues (ms); the socket timeout is set well above it.
 MAX_BLOCK_MS = 2_000
@@ -66,9 +68,11 @@ SOCKET_TIMEOUT_S = 30.0
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
 
-#: default margin of :meth:`Store.switch_step`: at least this many steps, and at least this long at the ranks' rate
-SWITCH_MARGIN_STEPS = 4
-SWITCH_MARGIN_MS = 500
+#: default margin of a switch step (:meth:`Store.arm_switch`): steps past the largest armed step (>= 1 is safe)
+SWITCH_MARGIN_STEPS = 2
+
+#: the cluster record's field names (what :meth:`Store.arm_switch` may name)
+_CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterRecord))
 
 #: events kept in the capped wake-up stream
 EVENTS_MAXLEN = 10_000
@@ -209,6 +213,7 @@ class Store:
         self._commit = self._client.register_script(script_text("commit"))
         self._lease = self._client.register_script(script_text("lease"))
         self._append = self._client.register_script(script_text("audit"))
+        self._switch = self._client.register_script(script_text("switch"))
 
     def ping(self) -> None:
         """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
@@ -450,20 +455,35 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id)
 
-    def request_weights(self, action: str, reason: str = "operator", *, margin_steps: int = SWITCH_MARGIN_STEPS,
-                        margin_ms: int = SWITCH_MARGIN_MS) -> int:
+    def request_weights(self, action: str, reason: str = "operator") -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
         ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
-        safe point, through its weight-status machine, at the step fixed here (:meth:`switch_step`, stored as
-        ``weights_switch_step``). :class:`InputError` for another action."""
+        safe point, through its weight-status machine; embedded agents all at the same step, fixed once every rank
+        is armed for the request (``weights_switch_step``, reset to 0 = not fixed here; :meth:`arm_switch`).
+
+        Raises :class:`InputError` for another action, :class:`StateError` while a rank is still CLEARING or
+        UPDATING for an earlier request (checked and written in one WATCHed transaction; nothing is written)."""
         if action not in ("clear", "update"):
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
-        switch = self.switch_step(margin_steps, margin_ms)
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hincrby(self._keys.rearrange, "weights_request", 1)
-        pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
-                                                 "weights_switch_step": str(switch)})
-        n, _ = pipe.execute()
+        busy_states = {WeightState.CLEARING.value.encode(), WeightState.UPDATING.value.encode()}
+        wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self._keys.rearrange, *wkeys)
+                    busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
+                    if busy:
+                        pipe.unwatch()
+                        raise StateError(f"ranks {busy} are still carrying out the previous weight request "
+                                         f"(CLEARING or UPDATING); ask again when they finish")
+                    pipe.multi()
+                    pipe.hincrby(self._keys.rearrange, "weights_request", 1)
+                    pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
+                                                             "weights_switch_step": "0"})
+                    n, _ = pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
 
@@ -744,21 +764,31 @@ class Store:
                 out[r] = now - rec.heartbeat_ms
         return out
 
-    def switch_step(self, margin_steps: int = SWITCH_MARGIN_STEPS, margin_ms: int = SWITCH_MARGIN_MS) -> int:
-        """The step at which every rank should apply a change decided now (a committed plan, a weight request).
+    def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
+                   margin: int = SWITCH_MARGIN_STEPS) -> tuple[int, str]:
+        """One safe point of an armed rank (``lua/switch.lua``, atomic): publish ``ep_rank``'s step counter
+        (``armed_step``) armed for the change ``armed`` (e.g. ``"swap:<round>:<plan_id>"``), then return the
+        change's switch step, kept in the cluster-record ``field`` (``switch_step`` / ``weights_switch_step``).
 
-        Each rank reports its step counter and step rate with its heartbeat; its step now is estimated as
-        ``step + steps_per_s * (now - heartbeat_ms) / 1000``. The switch step is the largest estimate plus a
-        margin of ``max(margin_steps, steps_per_s * margin_ms / 1000)`` steps, the time every agent needs to
-        learn of the change (a Redis round trip or two). 0 (= at the next safe point) when no rank reports a
-        step counter (agents not embedded in a worker)."""
-        ranks = self.read_all(RANK)
-        if not any(r.step for r in ranks):
-            return 0
-        now = self.now_ms()
-        est = [r.step + r.steps_per_s * max(0, now - r.heartbeat_ms) / 1000 for r in ranks]
-        rate = max(r.steps_per_s for r in ranks)
-        return int(np.ceil(max(est))) + max(int(margin_steps), int(np.ceil(rate * margin_ms / 1000)))
+        The first call that finds every rank armed for ``armed`` fixes it: ``max(armed_step) + margin``. Since an
+        armed rank calls this at every safe point, a rank whose last call published step s calls again at step
+        s + 1 <= switch step: no armed rank passes the switch step without having read it (``margin`` >= 1).
+        ``current``: cluster-record fields (name -> value) that identify the change while it is the cluster's
+        current one (e.g. ``{"state": "SWAPPING", "round": 3, "plan_id": ...}``).
+
+        Returns (switch step, status): ``"fixed"`` (by this call), ``"set"`` (before), ``"waiting"`` (a rank is not
+        armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing fixed). :class:`InputError` for a
+        margin < 1 or a negative step."""
+        if int(margin) < 1 or int(step) < 0:
+            raise InputError(f"arm_switch needs margin >= 1 and step >= 0, got margin={margin} step={step}")
+        unknown = [name for name in (field, *current) if name not in _CLUSTER_FIELDS]
+        if unknown:
+            raise InputError(f"ClusterRecord has no field(s) {unknown}")
+        current = {k: v.value if isinstance(v, StateEnum) else str(v) for k, v in current.items()}
+        call = switch_call(self._keys, ep_rank=ep_rank, ep_size=self.ep_size(), armed=armed, step=step,
+                           field=field, current=current, margin=margin)
+        switch, status = self._switch(keys=call.keys, args=call.args)
+        return int(switch), _s(status)
 
     def request_clear_stat(self, reason: str = "operator") -> int:
         """Ask every rank agent to empty its expert_load window (FastDeploy's ``clear_stat`` of

@@ -101,3 +101,24 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
     fixed = {"lease": keys.lease, "fence": keys.fence}
     argv = {"op": op, "value": value, "ttl_ms": str(int(ttl_ms))}
     return CommitCall(keys=[fixed[n] for n in LEASE_KEYS], args=[argv[n] for n in LEASE_ARGV])
+
+
+# ---- switch.lua (issue 11: an armed rank's safe point) ------------------------------------------------------------
+#: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order).
+SWITCH_KEYS = ("rearrange", "rank")
+#: switch.lua ARGV[1..5], in order.
+SWITCH_ARGV = ("armed", "step", "field", "current", "margin")
+#: switch.lua's statuses (second element of its reply).
+SWITCH_STATUSES = ("fixed", "set", "waiting", "gone")
+
+
+def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int, field: str,
+                current: dict[str, str], margin: int) -> CommitCall:
+    """Lay out a ``switch.lua`` call: rank ``ep_rank`` (of ``ep_size``) publishes ``step`` armed for ``armed`` and
+    reads or fixes the switch step kept in the cluster-record ``field``, while the cluster-record fields ``current``
+    hold their values."""
+    fixed = {"rearrange": keys.rearrange, "rank": keys.rank(ep_rank)}
+    argv = {"armed": armed, "step": str(int(step)), "field": field, "current": _pairs(current),
+            "margin": str(int(margin))}
+    return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)],
+                      args=[argv[n] for n in SWITCH_ARGV])

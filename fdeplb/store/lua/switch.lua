@@ -1,0 +1,46 @@
+-- switch.lua: one safe point of an armed rank (issue 11): publish the rank's step counter, then read, or fix, the
+-- switch step of the change the rank is armed for (a committed swap, a weight clear / update).
+-- The call is laid out by fdeplb/store/scripts.py (switch_call), whose SWITCH_KEYS / SWITCH_ARGV name these slots.
+--
+-- KEYS[1]  rearrange: cluster record hash (holds the switch-step field and the fields that identify the change)
+-- KEYS[2]  rank: this rank's record hash (armed and armed_step are written here)
+-- KEYS[3..] every rank's record hash, ep_rank order (armed and armed_step are read)
+--
+-- ARGV[1]  armed: the change this rank is armed for, e.g. "swap:<round>:<plan_id>" or "weights:<request>"
+-- ARGV[2]  step: this rank's step counter at this safe point (integer >= 0)
+-- ARGV[3]  field: cluster-record field holding the change's switch step (0 or missing = not fixed yet)
+-- ARGV[4]  current: JSON array [field, value, ...] of cluster-record fields that hold these values while the
+--          change is the cluster's current one (e.g. state SWAPPING, round, plan_id)
+-- ARGV[5]  margin: steps added to the largest armed step when the switch step is fixed (integer >= 1)
+--
+-- The switch step is fixed once, by the first call that finds every rank armed for this change:
+-- switch = max(armed_step of every rank) + margin. Every armed rank runs this script at every safe point, so a rank
+-- whose last call published step s calls again at s + 1 <= switch: no armed rank can pass the switch step unseen.
+-- Returns {switch_step, status}: "fixed" (by this call), "set" (fixed before), "waiting" (a rank is not armed yet;
+-- switch_step 0), "gone" (the change is no longer the cluster's current one; switch_step 0; nothing fixed).
+
+redis.call('HSET', KEYS[2], 'armed', ARGV[1], 'armed_step', ARGV[2])
+
+local current = cjson.decode(ARGV[4])
+for i = 1, #current, 2 do
+  if redis.call('HGET', KEYS[1], current[i]) ~= current[i + 1] then
+    return {0, 'gone'}
+  end
+end
+
+local switch = tonumber(redis.call('HGET', KEYS[1], ARGV[3]) or '0') or 0
+if switch > 0 then
+  return {switch, 'set'}
+end
+
+local top = 0
+for i = 3, #KEYS do
+  local armed = redis.call('HMGET', KEYS[i], 'armed', 'armed_step')
+  if armed[1] ~= ARGV[1] then
+    return {0, 'waiting'}
+  end
+  top = math.max(top, tonumber(armed[2]) or 0)
+end
+switch = top + tonumber(ARGV[5])
+redis.call('HSET', KEYS[1], ARGV[3], tostring(switch))
+return {switch, 'fixed'}
