@@ -12,7 +12,7 @@ Scenarios (file = <name>.jsonl):
 - load_failed: rank 1 cannot stage (staging budget of 1 byte), the round aborts with its reason;
 - takeover: the first coordinator dies holding the lease once the round is LOADING; a second one takes the lease
   over when it lapses (new fence) and finishes the round;
-- gated_skip: min_gain 2.0: the round is planned and skipped as not worth it (audited, placement kept);
+- gated_skip: min_gain 1.0: the round is planned and skipped as not worth it (audited, placement kept);
 - stale_rank: TODO: a start refused while a rank's heartbeat is stale (the guard comes with the embedding issue:
   add it here once ``fdeplb.orchestration`` refuses such a start);
 - still to add once the HTTP and embedding issues land: a weight clear and update, a cordoned round committed over
@@ -87,7 +87,7 @@ def takeover(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 
 def gated_skip(url: str, cluster: str, tmp: Path, out: Path) -> dict:
-    with thread_cluster(url, cluster, tmp, min_gain=2.0) as tc:
+    with thread_cluster(url, cluster, tmp, min_gain=1.0) as tc:
         store = tc.store()
         tc.start()
         store.request_round("generate: gated_skip")
