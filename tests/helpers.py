@@ -151,3 +151,15 @@ def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 
     finally:
         tc.stop()
         store.delete_cluster()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """``fdeplb ARGV`` in-process: (exit code, stdout, stderr); argparse's usage errors give their exit code."""
+    from fdeplb.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -5,18 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdeplb.cli import main
 from fdeplb.store import Store
-from tests.helpers import RawRedis
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.helpers import run_cli as run, RawRedis
 
 
 CKPT: list[str] = []  # a tiny real checkpoint (2 MoE layers x 8 experts), written once per module

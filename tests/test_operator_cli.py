@@ -7,16 +7,7 @@ import json
 
 from fdeplb.cli import main
 from fdeplb.store import Deadlines
-from tests.helpers import thread_cluster, wait_for
-
-
-def run(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:  # argparse's usage errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+from tests.helpers import run_cli as run, thread_cluster, wait_for
 
 
 def rearrange_wait(capsys, url, cluster, *extra):

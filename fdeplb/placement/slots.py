@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 
 def align_slots(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -41,6 +40,8 @@ def overlap_assignment(overlap: np.ndarray) -> np.ndarray:
     ``overlap[i, j]`` scores placing new bin ``i`` on old bin ``j`` (experts in common). Deterministic: ties resolve
     the way scipy's solver resolves them for identical input.
     """
+    from scipy.optimize import linear_sum_assignment  # here, not at import: the CLI starts without scipy
+
     rows, cols = linear_sum_assignment(overlap, maximize=True)
     perm = np.empty(overlap.shape[0], dtype=np.int64)
     perm[rows] = cols
