@@ -102,6 +102,14 @@ def balanced_phy2log(
 
     Returns phy2log int64 [L, P]. Inputs must already be checked.
     """
+    return balanced_plan(expert_load, num_replicas, num_groups, num_nodes, num_gpus)[0]
+
+
+def balanced_plan(
+    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`balanced_phy2log` and the load of its heaviest GPU per layer: (phy2log int64 [L, P], float64 [L]
+    tokens), the peak computed once here for callers that need it ("move_aware")."""
     start, logcnt = deepseek_phy2log(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
     load = np.asarray(expert_load, dtype=np.float64)
     L, P = start.shape
@@ -114,4 +122,5 @@ def balanced_phy2log(
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)
     after = raw_gpu_loads(load, phy2log, num_gpus).max(axis=1)
-    return np.where((after <= before)[:, None], phy2log, start)
+    better = after <= before
+    return np.where(better[:, None], phy2log, start), np.where(better, after, before)

@@ -1,6 +1,24 @@
-"""The "move_aware" policy: repair the current placement just enough to come within a tolerance of "balanced".
+"""The "move_aware" policy: move as few experts as it can while staying within a tolerance of "balanced".
 
-Per layer (and per node in hierarchical mode):
+What it optimises: the number of moved experts (a replica on a GPU that did not hold it before, the unit of weight
+traffic; :func:`fdeplb.placement.moved_experts`), subject to a bound on the GPU-load max/mean excess over the
+"balanced" plan on the same loads (``tolerance``, absolute max/mean units).
+
+Without a move cap (the default):
+
+- Guarantee: the mean over layers of (max/mean of the plan - max/mean of "balanced") is at most ``tolerance``, and
+  no layer exceeds it by more than ``LAYER_CAP`` tolerances. A forward pass costs the sum over layers of each
+  layer's heaviest GPU, so the mean is what a step pays; the per-layer bound keeps any one layer close.
+- How: every (layer, node) row is repaired from the old placement by :func:`fdeplb.placement.repair.repair_rows`
+  (swaps and replica-count changes, chosen by excess above the target ``balanced + tolerance`` removed per moved
+  expert), recording each row's trajectory; then :func:`fdeplb.placement.repair.choose_stops` stops every row at
+  the point of its trajectory that minimises the total moved experts under the two bounds above (a layer that
+  is cheap to balance goes below the tolerance so that an expensive one may stop above it).
+- Layers the repair cannot bring within ``LAYER_CAP`` tolerances (or, when the mean bound cannot be met otherwise,
+  every layer above one tolerance) go through the per-layer repair below, which ends within one tolerance.
+
+With a move cap (``max_moved_experts``), per layer (and per node in hierarchical mode), worst layers first so
+that the budget goes where it helps most:
 
 1. Target: the GPU-load max/mean that "balanced" reaches on the new loads, plus ``tolerance``.
 2. Repair (from the old placement; experts stay in their slots unless moved): while the heaviest GPU is above the
@@ -10,29 +28,26 @@ Per layer (and per node in hierarchical mode):
      (zero when it restores an expert that was there in the old placement);
    - *swap*: a slot of the heaviest GPU trades experts with a slot of another GPU; costs up to two.
    An action is allowed only if it lowers the heaviest GPU and lifts no GPU to its level, so the loop ends.
-3. Fallback when the repair gets stuck above the target: the "balanced" plan with its GPUs renumbered to match
-   the old GPUs (``scipy.optimize.linear_sum_assignment`` on shared experts), then every slot that can go back to
-   its old expert without leaving the target does so.
+3. Fallback when the repair gets stuck above the target (no cap only): the "balanced" plan with its GPUs
+   renumbered to match the old GPUs (``scipy.optimize.linear_sum_assignment`` on shared experts), then every slot
+   that can go back to its old expert without leaving the target does so.
 
 In hierarchical mode every layer has up to two group-to-node maps: the old placement's (as it is when the old
 placement keeps every group on one node; otherwise the packing with num_groups / num_nodes groups per node that
 keeps the most old slots) and the node packing of the "balanced" plan, with nodes renumbered to match the old
-placement. For each map, experts of groups that changed node are re-placed first (their moves are charged to
-``max_moved_experts`` like any other), then the steps above run inside each node. A map whose relocation the
-remaining budget cannot pay is skipped; of the others the layer keeps the plan within the target that moves
-fewest experts, or, when none reaches it, the one with the lightest heaviest GPU (ties: the old map). Moves that
-no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is repaired; a cap
-below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back unchanged.
-Deterministic: ties keep the first candidate in slot / expert order.
+placement. Without a cap a layer keeps the old map when its heaviest node, spread over its GPUs, is within the
+target, else takes the balanced map; experts of groups that change node are placed first (:func:`fill_rows`).
+With a cap, for each map the relocation is charged to ``max_moved_experts`` like any other move, a map whose
+relocation the remaining budget cannot pay is skipped, and of the others the layer keeps the plan within the
+target that moves fewest experts, or, when none reaches it, the one with the lightest heaviest GPU (ties: the old
+map). Moves that no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is
+repaired; a cap below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back
+unchanged. Deterministic: ties keep the first candidate in slot / expert order.
 
-Without a move cap every layer is independent and a different, vectorised plan runs on all (layer, node) rows at
-once (:func:`repair_rows`): replica counts first (the old ones, changed only while an expert's per-replica load
-exceeds ``_MAX_ITEM_SHARE`` of the mean GPU load), every old replica that keeps its count stays in its slot, the
-other replicas go LPT-style into the freed slots, then swaps between the ``_HEAVY_GPUS`` heaviest and the
-``_LIGHT_GPUS`` lightest GPUs (best gain per moved expert) until the target holds. In hierarchical mode a layer keeps
-the old group-to-node map when its heaviest node spread over its GPUs is within the target, else takes the balanced
-map. Layers this leaves above the target go through the per-layer repair and fallback above. With a cap the layers
-are repaired one at a time, worst first, so that the budget goes where it helps most.
+Sources: spreading the tolerance over layers by a price per unit of excess is Everett's generalized Lagrange
+multiplier method for allocating a resource ("Generalized Lagrange multiplier method for solving problems of
+optimum allocation of resources", Operations Research 11(3), 1963); the repair's objective (total load above the
+target instead of the heaviest GPU alone), its actions and move weighting, and the slot bookkeeping are fdeplb's.
 """
 
 from __future__ import annotations
@@ -40,11 +55,14 @@ from __future__ import annotations
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.placement.balanced import balanced_phy2log
+from fdeplb.placement.balanced import balanced_plan
 from fdeplb.placement.metrics import raw_gpu_loads
+from fdeplb.placement.repair import choose_stops, repair_rows, replay
 from fdeplb.placement.slots import align_slots, multiset_overlap, overlap_assignment
 
 _RTOL = 1e-12
+#: without a move cap one layer may exceed "balanced" by this many tolerances (the mean over layers by one)
+LAYER_CAP = 2.0
 
 
 class _Row:
@@ -200,15 +218,7 @@ class _Row:
             self.c[e] += 1
 
 
-# ---- the uncapped fast path: all (layer, node) rows at once --------------------------------------------------------
-#: partners of a swap are looked for on this many lightest GPUs of the row (besides the heaviest one)
-_LIGHT_GPUS = 8
-#: heaviest GPUs of a row that each get a swap in one iteration
-_HEAVY_GPUS = 4
-#: hard cap on iterations of the swap repair (each applies one swap per active row)
-_MAX_ITER = 10_000
-
-
+# ---- the uncapped path: all (layer, node) rows at once -----------------------------------------------------------
 def choose_counts(load: np.ndarray, old_count: np.ndarray, num_slots: int, max_item: np.ndarray) -> np.ndarray:
     """Replica counts int64 [R, En] per row that change ``old_count`` least: every expert gets >= 1, the total is
     ``num_slots``, and replicas move (one at a time, from the expert whose per-replica load rises least to the one
@@ -250,22 +260,17 @@ def _rank_within(keys_major: np.ndarray, *minor: np.ndarray) -> np.ndarray:
     return rank.reshape(R, n)
 
 
-def repair_rows(old_local: np.ndarray, load: np.ndarray, targets: np.ndarray, num_gpus: int,
-                max_item: np.ndarray) -> np.ndarray:
-    """Move-aware plan of many rows at once (a row = one layer, or one node of a layer): int64 [R, Pn] local ids.
+def fill_rows(old_local: np.ndarray, load: np.ndarray, num_gpus: int, max_item: np.ndarray) -> np.ndarray:
+    """Fill the free slots (-1) of many rows (a row = one node of a layer): int64 [R, Pn] local expert ids.
 
     1. Replica counts: :func:`choose_counts` from the old counts.
     2. Every old replica whose expert keeps that many replicas stays in its slot (an expert with fewer replicas
-       keeps those on its lightest GPUs); the other slots are free (and so are slots marked -1 in ``old_local``).
+       keeps those on its lightest GPUs); the other slots are free, and so are the -1 slots.
     3. The replicas without a slot, heaviest first, each go to the lightest GPU with a free slot (LPT).
-    4. Swaps between the heaviest GPU and the ``_LIGHT_GPUS`` lightest ones while the heaviest is above its target:
-       the swap with the best gain per moved expert (gain capped at what the target needs) that lowers the heaviest
-       GPU and lifts no GPU to its level; rows that get stuck stop there (the caller checks the target).
 
     Args:
         old_local: int64 [R, Pn] expert of every slot in the old placement (-1: a slot to fill).
         load: float64 [R, En] load of every expert of the row.
-        targets: float64 [R] absolute GPU load every row should come down to.
         num_gpus: GPUs per row (Pn a multiple of it).
         max_item: float64 [R] per-replica load above which replicas are re-assigned (step 1).
     """
@@ -311,83 +316,6 @@ def repair_rows(old_local: np.ndarray, load: np.ndarray, targets: np.ndarray, nu
             row[act, g * S + s] = e
             free[act, g, s] = False
             gpu_load[act, g] += per[act, e]
-    # 4. swaps
-    M = np.zeros((R, G, En + 1), dtype=np.int16)
-    np.add.at(M, (r[:, None], gpu_of_slot, row), 1)
-    Mo = np.zeros((R, G, En + 1), dtype=np.int16)
-    np.add.at(Mo, (r[:, None], gpu_of_slot, safe_old), 1)
-    if G < 2:
-        return row
-    K = min(_LIGHT_GPUS, G - 1)
-    H = min(_HEAVY_GPUS, G - 1)
-    T = np.asarray(targets, dtype=np.float64)
-    item = per[r[:, None], row]  # [R, Pn] load of every slot
-    gpu_load = item.reshape(R, G, S).sum(axis=2)
-    active = np.flatnonzero(gpu_load.max(axis=1) > T)
-    arS = np.arange(S)
-    for _ in range(_MAX_ITER):
-        if active.size == 0:
-            break
-        n = active.size
-        q = np.arange(n)
-        A1, A2 = active[:, None], active[:, None, None]
-        loads = gpu_load[active]
-        Ta = T[active]
-        order = np.argsort(-loads, axis=1, kind="stable")
-        hs = order[:, :H]  # [n, H] heaviest GPUs
-        light = order[:, ::-1][:, :K]  # [n, K] lightest GPUs
-        peak = np.take_along_axis(loads, hs, axis=1)
-        heavy_ok = peak > Ta[:, None]
-        light_load = np.take_along_axis(loads, light, axis=1)
-        a = hs[:, :, None] * S + arS  # [n, H, S]
-        b = (light[:, :, None] * S + arS).reshape(n, K * S)  # [n, KS]
-        rowa = row[active]
-        ea = np.take_along_axis(rowa, a.reshape(n, -1), axis=1).reshape(n, H, S)
-        eb = np.take_along_axis(rowa, b, axis=1)
-        xa = np.take_along_axis(item[active], a.reshape(n, -1), axis=1).reshape(n, H, S)
-        xb = np.take_along_axis(item[active], b, axis=1)
-        d = xa[..., None] - xb[:, None, None, :]  # [n, H, S, KS]
-        na = peak[:, :, None, None] - d
-        nb = np.repeat(light_load, S, axis=1)[:, None, None, :] + d
-        lim = (peak * (1 - _RTOL))[:, :, None, None]
-        # moved experts: an expert arriving costs one unless it returns to a GPU that lost it; one leaving a GPU
-        # it was moved to saves one
-        extra = M[A1, gpu_of_slot, rowa] > Mo[A1, gpu_of_slot, rowa]  # [n, Pn]
-        leave_a = np.take_along_axis(extra, a.reshape(n, -1), axis=1).reshape(n, H, S)
-        leave_b = np.take_along_axis(extra, b, axis=1)
-        arrive_b = M[A2, hs[:, :, None], eb[:, None, :]] >= Mo[A2, hs[:, :, None], eb[:, None, :]]  # [n, H, KS]
-        A4 = active[:, None, None, None]
-        arrive_a = np.repeat(M[A4, light[:, None, None, :], ea[..., None]]
-                             >= Mo[A4, light[:, None, None, :], ea[..., None]], S, axis=3)  # [n, H, S, KS]
-        cost = (arrive_b[:, :, None, :].astype(np.int8) - leave_a[..., None] + arrive_a - leave_b[:, None, None, :])
-        ok = ((na < lim) & (nb < lim) & (ea[..., None] != eb[:, None, None, :])
-              & heavy_ok[:, :, None, None] & (light_load <= Ta[:, None]).repeat(S, axis=1)[:, None, None, :])
-        gain = np.minimum(peak[:, :, None, None] - np.maximum(na, nb), (peak - Ta[:, None])[:, :, None, None])
-        score = np.where(ok, gain / np.maximum(cost, 0.5), -np.inf).reshape(n, H, -1)
-        best = score.argmax(axis=2)  # [n, H]
-        found = np.take_along_axis(score, best[..., None], axis=2)[..., 0] > -np.inf
-        i, j = np.divmod(best, K * S)
-        taken = np.zeros((n, G), dtype=bool)
-        for k in range(H):  # heaviest first; a partner GPU takes one swap per iteration
-            sa = a[q, k, i[:, k]]
-            sb = b[q, j[:, k]]
-            gbb = sb // S
-            acc = found[:, k] & ~taken[q, gbb]
-            taken[q[acc], gbb[acc]] = True
-            rr, sa, sb, gbb = active[acc], sa[acc], sb[acc], gbb[acc]
-            ga = sa // S
-            va, vb = row[rr, sa], row[rr, sb]
-            row[rr, sa], row[rr, sb] = vb, va
-            M[rr, ga, va] -= 1
-            M[rr, ga, vb] += 1
-            M[rr, gbb, vb] -= 1
-            M[rr, gbb, va] += 1
-            wa, wb = item[rr, sa], item[rr, sb]
-            item[rr, sa], item[rr, sb] = wb, wa
-            gpu_load[rr, ga] += wb - wa
-            gpu_load[rr, gbb] += wa - wb
-        progressed = active[found.any(axis=1)]
-        active = progressed[gpu_load[progressed].max(axis=1) > T[progressed]]
     return row
 
 
@@ -453,16 +381,17 @@ def _cost(row: _Row) -> int:
 
 
 def _plan_layer(cand: _Candidate, fresh_row: np.ndarray, load_row: np.ndarray, target: float, budget: float,
-                gpus_per_node: int, S: int, repaired: bool = False) -> tuple[np.ndarray, int, float]:
+                gpus_per_node: int, S: int, repair: bool = True) -> tuple[np.ndarray, int, float]:
     """Repair every node of ``cand`` within ``budget`` (which already covers its fill cost); returns (new phy2log row,
-    moved experts, heaviest GPU load). ``repaired``: the rows went through :func:`repair_rows` already."""
+    moved experts, heaviest GPU load). ``repair=False`` (balanced map, no cap): every node takes the fallback."""
     out = np.empty(fresh_row.size, dtype=np.int64)
     spent = cand.fill_cost
     peak = -np.inf
     slots_per_node = gpus_per_node * S
     for span, experts, local, old_local, row in cand.nodes:
-        spent += row.repaired if repaired else row.repair(target, budget - spent)
-        if row.loads()[0].max() > target and budget == np.inf and cand.node_perm is not None:
+        if repair:
+            spent += row.repair(target, budget - spent)
+        if (not repair or row.loads()[0].max() > target) and budget == np.inf and cand.node_perm is not None:
             fresh_node = cand.node_perm[span.start // slots_per_node]
             fresh_span = slice(fresh_node * slots_per_node, (fresh_node + 1) * slots_per_node)
             candidate = local[fresh_row[fresh_span]].reshape(gpus_per_node, S)
@@ -498,7 +427,7 @@ def move_aware_phy2log(
     num_nodes: int,
     num_gpus: int,
     *,
-    tolerance: float = 0.001,
+    tolerance: float = 0.0005,
     max_moved_experts: int | None = None,
 ) -> np.ndarray:
     """Move-aware plan on checked inputs (``num_groups``/``num_nodes`` = 1 for global); returns phy2log [L, P].
@@ -511,12 +440,11 @@ def move_aware_phy2log(
     old = np.asarray(old_phy2log, dtype=np.int64)
     L, E = load.shape
     P = num_replicas
-    fresh = balanced_phy2log(expert_load, P, num_groups, num_nodes, num_gpus)
+    fresh, fresh_peak = balanced_plan(expert_load, P, num_groups, num_nodes, num_gpus)
     gpus_per_node = num_gpus // num_nodes
     slots_per_node = P // num_nodes
     S = P // num_gpus
     mean = load.sum(axis=1) / num_gpus
-    fresh_peak = raw_gpu_loads(load, fresh, num_gpus).max(axis=1)
     # a hair under the tolerance so that the ratio recomputed from scratch stays within it
     target = np.maximum(fresh_peak, (fresh_peak / np.where(mean > 0, mean, 1) + tolerance * (1 - 1e-9)) * mean)
     group_size = E // num_groups
@@ -541,17 +469,28 @@ def move_aware_phy2log(
                                 node_perm))
         return cands
 
-    if max_moved_experts is None:  # no cap: every layer is independent, plan all (layer, node) rows at once
-        out = _plan_all(load, old, target, mean, old_maps, group_node, num_nodes, num_gpus)
-        peak = raw_gpu_loads(load, out, num_gpus).max(axis=1)
-        for layer in np.flatnonzero(peak > target):  # stuck rows: the per-layer repair with its fallback
-            best = None
+    if max_moved_experts is None:  # no cap: plan all (layer, node) rows at once, then spread the tolerance
+        out, excess = _plan_all(load, old, fresh_peak, mean, tolerance, old_maps, group_node, num_nodes, num_gpus)
+        # layers the repair leaves above LAYER_CAP tolerances, or every layer above one tolerance when the mean
+        # cannot be met otherwise: the per-layer repair and its fallback, which end within one tolerance
+        safe_mean = np.where(mean > 0, mean, 1.0)
+        stuck = excess > LAYER_CAP * tolerance * (1 + 1e-9)
+        if stuck.any() or excess.mean() > tolerance:
+            rest = np.where(stuck, tolerance, excess)
+            if rest.mean() > tolerance:
+                stuck |= excess > tolerance
+        for layer in np.flatnonzero(stuck):
+            if num_nodes > 1:  # the balanced plan's nodes, GPUs matched to the old ones, then reverted
+                out[layer] = _plan_layer(candidates_of(layer)[-1], fresh[layer], load[layer], target[layer], np.inf,
+                                         gpus_per_node, S, repair=False)[0]
+                continue
+            best = None  # one row just above the cap: the exact per-layer repair usually closes it in a few moves
             for cand in candidates_of(layer):
                 plan = _plan_layer(cand, fresh[layer], load[layer], target[layer], np.inf, gpus_per_node, S)
                 if best is None or _better(plan, best, target[layer]):
                     best = plan
             out[layer] = best[0]
-        return align_slots(old, out, num_gpus)
+        return _align_where_needed(old, out, num_gpus)
     candidates = [candidates_of(layer) for layer in range(L)]
     # moves no plan can avoid (groups spread over nodes in the old placement) are reserved first
     reserve = np.array([min(c.fill_cost for c in cands) for cands in candidates], dtype=np.float64)
@@ -586,39 +525,67 @@ def move_aware_phy2log(
 _MAX_ITEM_SHARE = 0.3
 
 
-def _plan_all(load: np.ndarray, old: np.ndarray, target: np.ndarray, mean: np.ndarray, old_maps: np.ndarray,
-              fresh_maps: np.ndarray, num_nodes: int, num_gpus: int) -> np.ndarray:
-    """The uncapped plan of every layer: :func:`repair_rows` on all (layer, node) rows; int64 [L, P].
+def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
+              old_maps: np.ndarray, fresh_maps: np.ndarray, num_nodes: int,
+              num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """The uncapped plan of every layer: :func:`fdeplb.placement.repair.repair_rows` on all (layer, node) rows,
+    stopped by :func:`fdeplb.placement.repair.choose_stops`. Returns (phy2log int64 [L, P], excess float64 [L]:
+    max/mean GPU load minus the "balanced" plan's, per layer).
 
-    A layer already within its target whose groups sit on whole nodes keeps its placement. Otherwise the layer
-    keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the target, and
-    takes the balanced plan's (renumbered) map otherwise."""
+    A layer keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the
+    target (so a layer already within it whose groups sit on whole nodes keeps its placement), and takes the
+    balanced plan's (renumbered) map otherwise; experts of groups that change node fill the freed slots
+    (:func:`fill_rows`) before the repair."""
     L, E = load.shape
     P = old.shape[1]
     num_groups = old_maps.shape[1]
     group_size = E // num_groups
     En, Pn, Gn = E // num_nodes, P // num_nodes, num_gpus // num_nodes
     layers = np.arange(L)
-    old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
+    safe_mean = np.where(mean > 0, mean, 1.0)
+    # a hair under the tolerance so that the ratio recomputed from scratch stays within it
+    target = fresh_peak + tolerance * (1 - 1e-9) * safe_mean
+    if num_nodes == 1:  # global: one row per layer, the layer's own ids
+        start = old.copy()
+        points, log = repair_rows(start.copy(), load, old, target, num_gpus)
+        stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
+                                     LAYER_CAP * tolerance * (1 - 1e-9))
+        return replay(start, log, stops), excess
     node_of_slot = np.arange(P) // Pn
-    on_nodes = (old_maps[layers[:, None], old // group_size] == node_of_slot).all(axis=1)
-    todo = np.flatnonzero(~(on_nodes & (old_peak <= target)))
-    out = old.copy()
-    if todo.size == 0:
-        return out
     node_load = np.zeros((L, num_nodes))
     np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, group_size).sum(axis=2))
-    maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)[todo]
-    n = todo.size
-    expert_node = np.repeat(maps, group_size, axis=1)  # [n, E]
-    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(n, num_nodes, En)
-    local = np.empty((n, E), dtype=np.int64)
-    np.put_along_axis(local, experts_of.reshape(n, E), np.broadcast_to(np.arange(E) % En, (n, E)), axis=1)
-    o = old[todo]
-    rows_idx = np.arange(n)[:, None]
-    old_local = np.where(expert_node[rows_idx, o] == node_of_slot, local[rows_idx, o], -1).reshape(n * num_nodes, Pn)
-    row_load = load[todo[:, None, None], experts_of].reshape(n * num_nodes, En)
-    rows = repair_rows(old_local, row_load, np.repeat(target[todo], num_nodes), Gn,
-                       np.repeat(_MAX_ITEM_SHARE * mean[todo], num_nodes))
-    out[todo] = np.take_along_axis(experts_of, rows.reshape(n, num_nodes, Pn), axis=2).reshape(n, P)
-    return out
+    maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
+    expert_node = np.repeat(maps, group_size, axis=1)  # [L, E]
+    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(L, num_nodes, En)
+    local = np.empty((L, E), dtype=np.int64)
+    np.put_along_axis(local, experts_of.reshape(L, E), np.broadcast_to(np.arange(E) % En, (L, E)), axis=1)
+    rows_idx = layers[:, None]
+    old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old], -1).reshape(L * num_nodes, Pn)
+    row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
+    start = old_local.copy()
+    free = (old_local < 0).any(axis=1)
+    if free.any():
+        start[free] = fill_rows(old_local[free], row_load[free], Gn, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes)[free])
+    work = start.copy()
+    points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn)
+    stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,
+                                 tolerance * (1 - 1e-9), LAYER_CAP * tolerance * (1 - 1e-9))
+    rows = replay(start, log, stops)
+    out = np.take_along_axis(experts_of, rows.reshape(L, num_nodes, Pn), axis=2).reshape(L, P)
+    return out, excess
+
+
+def _align_where_needed(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.ndarray:
+    """:func:`align_slots` on the GPUs where an expert that stays on its GPU is not in its old slot (the repair keeps
+    slots otherwise: a swap or a copy rewrites only the slots it names); int64 [L, P]."""
+    L, P = old.shape
+    S = P // num_gpus
+    o2, n2 = old.reshape(L * num_gpus, S), new.reshape(L * num_gpus, S)
+    # a slot whose new expert differs from its old one while the GPU held that expert before
+    held = (n2[:, :, None] == o2[:, None, :]).any(axis=2)
+    gpus = np.flatnonzero(((o2 != n2) & held).any(axis=1))
+    if gpus.size == 0:
+        return new
+    out = new.copy().reshape(L * num_gpus, S)
+    out[gpus] = align_slots(o2[gpus], n2[gpus], 1)
+    return out.reshape(L, P)

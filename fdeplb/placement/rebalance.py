@@ -35,7 +35,7 @@ def _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical,
     return phy2log if old is None else align_slots(old, phy2log, num_gpus)
 
 
-def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.001,
+def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.0005,
                 max_moved_experts=None):
     if old is None:
         raise InputError("policy 'move_aware' needs old_phy2log (the current placement)")
@@ -65,7 +65,7 @@ def rebalance_experts(
     *,
     policy: str = "deepseek",
     old_phy2log: object = None,
-    tolerance: float = 0.001,
+    tolerance: float = 0.0005,
     max_moved_experts: int | None = None,
 ) -> Placement:
     """Compute a placement of ``num_replicas`` slots per layer for the given expert loads.
