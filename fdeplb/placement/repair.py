@@ -47,6 +47,10 @@ _SWAP_STEP = np.array([[-1], [1], [-1], [1]], dtype=np.int16)
 #: the DeepSeek-V3 32-GPU drift pairs of benchmarks/placement.py it changed the moved share by at most 0.2 points
 #: and cost about a fifth of the repair's time; on the 8-GPU Qwen2 pair it saves about 1.3 points)
 _INTO_MAX_GPUS = 16
+#: copies are evaluated every iteration while more than this share of the active rows took one in the last
+#: iteration, then every _COPY_EVERY-th iteration (and whenever a row found no swap)
+_COPY_SHARE = 0.02
+_COPY_EVERY = 4
 #: relative excess reduction below which an action does not count (float noise on loads of ~1e8 tokens)
 _RTOL = 1e-9
 #: hard cap on iterations (each applies at most one action per active row)
@@ -219,7 +223,8 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
         log.append((rr, 1, sl, f))
 
     active = np.flatnonzero(gpu_load.max(axis=1) > T)
-    for _ in range(_MAX_ITER):
+    copies_recent, forced = True, False
+    for it_no in range(_MAX_ITER):
         if active.size == 0:
             break
         A = active
@@ -277,7 +282,9 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
         # ---- replicas of multi-replica experts: how the excess of the GPUs holding them changes when an expert
         # loses a replica (RISE) or gains one (FALL), summed per expert
         ridx, rok = rows_of(mlist[0]), rows_of(mlist[1])
-        Nm = ridx.shape[1]
+        # copies: every iteration while rows still take them, then every _COPY_EVERY-th (they are rare by then)
+        with_copies = copies_recent or it_no % _COPY_EVERY == 0 or forced
+        Nm = ridx.shape[1] if with_copies else 0
         s1 = np.full(n, -np.inf)
         s2 = np.full(n, -np.inf)
         i1 = np.zeros(n, dtype=np.int64)
@@ -422,6 +429,10 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
                 swap(rr, aS[k, pa], bidx[k, pb])
                 swap(rr, aS[k, pa], bidx[k, pc])
                 stuck[k] = False
+        copies_recent = with_copies and int(is_copy.sum()) > _COPY_SHARE * n
+        forced = bool(stuck.any()) and not with_copies  # a stuck row gets a try with copies before it stops
+        if forced:
+            stuck[:] = False
         done = A[~stuck]
         points.append((done, moved[done].copy(), gpu_load[done].max(axis=1)))
         log.append(None)
