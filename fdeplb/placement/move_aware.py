@@ -566,7 +566,10 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old], -1).reshape(L * num_nodes, Pn)
     row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
     start = old_local.copy()
-    free = (old_local < 0).any(axis=1)
+    Rn = L * num_nodes
+    held = np.bincount((np.arange(Rn)[:, None] * (En + 1) + np.where(old_local < 0, En, old_local)).ravel(),
+                       minlength=Rn * (En + 1)).reshape(Rn, En + 1)
+    free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
     if free.any():
         start[free] = fill_rows(old_local[free], row_load[free], Gn, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes)[free])
     work = start.copy()
