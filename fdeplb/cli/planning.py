@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="FILE", help="write the new placement here")
     p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
     p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
-    p.add_argument("--tolerance", type=float, default=0.0005, help="move_aware: allowed max/mean excess")
+    p.add_argument("--tolerance", type=float, default=0.0005,
+                   help="move_aware: allowed max/mean excess over balanced, mean over layers (each layer <= 2x)")
     p.add_argument("--max-moved-experts", type=int, default=None, help="move_aware: cap on moved experts")
     p.set_defaults(handler=run)
 

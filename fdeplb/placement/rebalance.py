@@ -85,12 +85,15 @@ def rebalance_experts(
             "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored by the plan, though the
             topology is still checked as for "deepseek");
             "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
-            "move_aware": needs ``old_phy2log``; moves as few experts as it can to come within ``tolerance``
-            (max/mean GPU load, per layer) of "balanced"; a layer already within it (all-zero loads included)
-            keeps its placement, unless hierarchical mode must first put its groups on whole nodes.
+            "move_aware": needs ``old_phy2log``; moves as few experts as it can while the mean over layers of
+            its max/mean GPU load stays within ``tolerance`` of "balanced"'s, and no layer exceeds it by more
+            than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
+            already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first
+            put its groups on whole nodes. See :mod:`fdeplb.placement.move_aware`.
         old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
-        tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced", per layer (>= 0).
+        tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced" (>= 0, default 0.0005):
+            of the mean over layers, each layer at most twice it; with ``max_moved_experts``, the per-layer aim.
         max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
             repaired first and the plan may stay above the tolerance once the cap is reached. Always
             ``moved_experts(old_phy2log, result) <= max_moved_experts``; 0 returns the old placement (one that

@@ -36,7 +36,7 @@ class DemoOptions:
     trace: str | None = None  # None: the DeepSeek-V3 dump bundled in the package (fdeplb/data/SOURCE.txt)
     ranks: int = 8
     redis_url: str | None = None
-    policy: str = "deepseek"
+    policy: str = "move_aware"
     num_redundant_experts: int | None = None
     num_groups: int | None = None
     num_nodes: int = 1
