@@ -374,7 +374,8 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             e = row[rr, sl]
             gs = gos[sl]
             kg = ((rr * G)[:, None] + arG) * E1
-            new = gpu_load[rr] + Mf[kg + e[:, None]] * dplus[rr, e][:, None] - Mf[kg + f[:, None]] * dminus[rr, f][:, None]
+            new = (gpu_load[rr] + Mf[kg + e[:, None]] * dplus[rr, e][:, None]
+                   - Mf[kg + f[:, None]] * dminus[rr, f][:, None])
             new[np.arange(k.size), gs] += pnew[rr, f] - per[rr, e] - dplus[rr, e]
             ok = _relu(new - T[rr][:, None]).sum(axis=1) < ex[k].sum(axis=1) - thr[k]
             is_swap[k[~ok]] = s0[k[~ok]] > -np.inf
@@ -417,7 +418,8 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             lt2 = LTb[k][:, None, None, :]
             gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
                     + _relu(lt1) - _relu(lt1 + x_a - x_b) + _relu(lt2) - _relu(lt2 + x_b - x_c))
-            bad = (gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None] | ~bok[k][:, None, None, :]
+            bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
+                   | ~bok[k][:, None, None, :])
             gain = np.where(bad, -np.inf, gain).reshape(k.size, -1)
             best3 = gain.argmax(axis=1)
             ok3 = gain[np.arange(k.size), best3] > thr[k]
