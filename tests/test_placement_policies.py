@@ -17,6 +17,7 @@ from fdeplb.placement import (
     rebalance_experts,
 )
 from fdeplb.placement.reference import deepseek_reference
+from fdeplb.placement.repair import choose_stops
 from fdeplb.placement.slots import align_slots
 from test_placement import check_invariants, dumps, topologies
 
@@ -115,6 +116,24 @@ def test_move_aware_moves_and_slack_on_the_drift_pairs(real_data, folder, a, b, 
     assert excess.mean() <= 0.0005 + 1e-12
     assert excess.max() <= 0.001 + 1e-12
     assert moved_experts(old, plan, ep) <= 0.20 * moved_experts(old, fresh, ep)
+
+
+def test_choose_stops_spends_the_tolerance_where_moves_are_dearest():
+    """Two layers, one row each; trajectories (moved experts, heaviest GPU) with balanced's peak 1.0, mean 1.0.
+    Mean excess <= 0.001: layer 0 must go to 0 (5 moves) so that layer 1 may stop at 0.0006 (1 move) rather than
+    go on to 0 (10 moves); stopping layer 0 at 0.002 would need layer 1 at 0 (12 moves in all)."""
+    rows = np.array([0, 1])
+    points = [(rows, np.array([0, 0]), np.array([1.10, 1.05])),
+              (rows, np.array([2, 1]), np.array([1.002, 1.0006])),
+              (rows, np.array([5, 10]), np.array([1.0, 1.0]))]
+    stops, excess = choose_stops(points, rows, np.ones(2), np.ones(2), 0.001, 0.002)
+    assert stops.tolist() == [2, 1]
+    assert excess == pytest.approx([0.0, 0.0006])
+    # one layer of two node rows: the layer's excess is its heavier row's (0.0006 <= 0.001: row 1 stops at once)
+    stops, excess = choose_stops(points, np.array([0, 0]), np.ones(1), np.ones(1), 0.001, 0.002)
+    assert stops.tolist() == [2, 1] and excess == pytest.approx([0.0006])
+    stops, excess = choose_stops(points, np.array([0, 0]), np.ones(1), np.ones(1), 0.0005, 0.001)
+    assert stops.tolist() == [2, 2] and excess == pytest.approx([0.0])
 
 
 def test_move_aware_knobs(qwen2_drift):
