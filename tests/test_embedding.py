@@ -224,10 +224,10 @@ class _LateAgent(EmbeddedAgent):
             self._hold()
         return super().step()
 
-    def _weights_step(self, cluster):
-        if cluster.weights_request > self.weights.read().request:
+    def _weights_step(self, cluster, w):
+        if cluster.weights_request > w.request:
             self._hold()
-        return super()._weights_step(cluster)
+        return super()._weights_step(cluster, w)
 
 
 def test_a_rank_that_learns_late_switches_at_the_same_step_as_the_others(redis_url, cluster_id, tmp_path):

@@ -96,6 +96,7 @@ class Coordinator:
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
         self._handle: RecordHandle | None = None
+        self._plan_checked = ""  # the plan_id whose stored new_phy2log this coordinator has validated
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
 
     # ---- leadership -----------------------------------------------------------------------------------------------
@@ -340,22 +341,25 @@ class Coordinator:
                 frozen = True
         # ---- end issue 12
         if not frozen:
-            missing, loads = [], []
-            for r in range(self.config.ep_size):
-                try:
-                    window = self.store.read_load(r)
-                except CorruptRecordError as err:  # the agent publishes a fresh window next round
-                    self.store.drop_load(r)
-                    return self._abort(rec, f"load window of rank {r} is corrupt: {err}")
-                if window is None or window.round < round_:
-                    missing.append(r)
-                else:
-                    loads.append((r, window.expert_load))
-            if missing:
+            # which windows are there: one field per rank (the windows themselves are read once, when all are)
+            found: list = self.store.load_rounds()
+            complete = all(isinstance(at, int) and at >= round_ for at in found)
+            if complete:
+                found = self.store.read_loads()
+                complete = all(w is not None and (isinstance(w, CorruptRecordError) or w.round >= round_)
+                               for w in found)
+            corrupt = [(r, err) for r, err in enumerate(found) if isinstance(err, CorruptRecordError)]
+            if corrupt:  # the agent publishes a fresh window next round
+                self.store.drop_load(corrupt[0][0])
+                return self._abort(rec, f"load window of rank {corrupt[0][0]} is corrupt: {corrupt[0][1]}")
+            if not complete:
+                missing = [r for r, at in enumerate(found)
+                           if at is None or (at if isinstance(at, int) else at.round) < round_]
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
                 return False, left
+            loads = [(r, window.expert_load) for r, window in enumerate(found)]
             total = np.zeros_like(loads[0][1], dtype=np.int64)
             for r, load in loads:  # every window is in [0, 2**53] and so is the sum so far: exact in int64
                 total += load
@@ -417,20 +421,25 @@ class Coordinator:
         return [(r, x.reason) for r, x in enumerate(ranks)
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
 
-    def _check_plan(self, rec: ClusterRecord) -> str | None:
+    def _check_plan(self, rec: ClusterRecord, *, whole: bool) -> str | None:
         """The round's stored plan is there and valid (what the agents stage); else why not, with the plan
-        dropped so that the next round computes it again."""
+        dropped so that the next round computes it again. Unless ``whole`` (LOAD_SUCC: the last look before the
+        commit point), a plan this coordinator validated before is only checked to exist (LOADING wakes once
+        per rank transition)."""
+        if not whole and rec.plan_id == self._plan_checked:
+            return None if self.store.has_plan(rec.plan_id) else f"plan {rec.plan_id} is no longer stored"
         try:
             if self.store.plan_phy2log(rec.plan_id) is None:
                 return f"plan {rec.plan_id} is no longer stored"
         except CorruptRecordError as err:
             self.store.drop_plan(rec.plan_id)
             return f"stored plan {rec.plan_id} is corrupt: {err}"
+        self._plan_checked = rec.plan_id
         return None
 
     def _on_loading(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        problem = self._check_plan(rec)
+        problem = self._check_plan(rec, whole=False)
         if problem:
             return self._abort(rec, problem)
         ranks = self._rank_records()
@@ -449,7 +458,7 @@ class Coordinator:
 
     def _on_load_succ(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        problem = self._check_plan(rec)
+        problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
         failed = self._failed(self._rank_records(), plan_id)
