@@ -194,6 +194,8 @@ def test_cordoned_round_commits_with_update_weight_from_tensor(redis_url, cluste
             assert r.status_code == 200 and r.json()["plan_id"] == plan_id
             wait_for(lambda: _round_done(store, 1), 60, store, "the committed round to finish")
             assert store.current_placement().plan_id == plan_id
+            (commit,) = [a for a in store.iter_audit() if a["trigger"] == "commit"]
+            assert commit["reason"] == "external commit requested by http"
 
 
 def test_supplied_load_is_the_next_rounds_snapshot(redis_url, cluster_id, tmp_path):

@@ -66,9 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("replay", help="replay a recording through the machine tables, with no Redis",
                        description="Replay a recording (`fdeplb audit --export`) with no Redis: every record must "
                                    "follow from the ones before it (from-state, trigger, to-state, version, fence, "
-                                   "the guards across records, the audit chain) and every plan must reproduce from "
-                                   "its snapshot. Exit 0 when it replays, 1 on a mismatch naming the first bad "
-                                   "line, 2 on a usage error.")
+                                   "the guards across records, the audit chain) and every plan, and every gated "
+                                   "round's numbers, must reproduce from its snapshot. Exit 0 when it replays, 1 "
+                                   "on a mismatch naming the first bad line, 2 on a usage error.")
     r.add_argument("file", type=Path, metavar="FILE.jsonl", help="recording written by `fdeplb audit --export`")
     r.add_argument("--until", default=None, metavar="VERSION|ID",
                    help="stop after the audit record with this id, or the cluster record's transition to this "
@@ -330,7 +330,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 # ---- replay --------------------------------------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
-    from fdeplb.replay import Recorded, ReplayError, check_plans, rebuild, replay_file, whatif
+    from fdeplb.replay import Recorded, ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
     from fdeplb.store import Store
 
     if args.into is not None and args.redis_url is not None:
@@ -346,6 +346,8 @@ def run_replay(args: argparse.Namespace) -> int:
         check_plans(open_store(args.redis_url, args.cluster), report)
     elif report.header is not None:
         check_plans(Recorded(report), report)
+    if report.header is not None:
+        check_gates(report)
     rows = whatif(report, args.policy) if args.policy is not None else None
     written = rebuild(report, into) if into is not None else None
     if args.json:
@@ -367,9 +369,11 @@ def run_replay(args: argparse.Namespace) -> int:
         plans = f", {len(report.plans_checked)} plans recomputed and identical"
         if report.plans_unchecked:
             plans += f", {len(report.plans_unchecked)} pruned before the export (not checked)"
+        if report.gates_checked:
+            plans += f", {len(report.gates_checked)} gated rounds recomputed and identical"
     chain = f", chain verified over {report.chained} records" if report.chained else ", no chain (old export)"
     print(f"replay OK: {report.transitions} transitions of {len(report.final)} records, "
-          f"{report.skipped} alarms{chain}{plans}")
+          f"{report.skipped} notes (alarms, skips, start refusals){chain}{plans}")
     if rows is not None:
         print_whatif(rows, sys.stdout)
     if written is not None:

@@ -25,9 +25,11 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
     RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
+from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
+from fdeplb.store.redis_store import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -71,7 +73,9 @@ class Coordinator:
     rank that has already passed it).
 
     Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
-    audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits.
+    audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
+    that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
+    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again.
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
@@ -261,10 +265,10 @@ class Coordinator:
     def _on_free(self, rec: ClusterRecord) -> Step:
         if rec.requested <= rec.round:
             return self._periodic(rec)
-        stale = self.store.stale_ranks()
+        beats = self.store.heartbeats()
+        stale = stale_of(beats)
         if stale:
-            reason = "start refused: stale ranks " + ", ".join(f"{r} (heartbeat {ms} ms ago)"
-                                                              for r, ms in sorted(stale.items()))
+            reason = reasons.refusal(stale)
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
                 self._refused_ranks = sorted(stale)
                 self.log.warning("start refused", stale=stale)
@@ -273,10 +277,12 @@ class Coordinator:
                 self.store.emit_event("start_refused", reason=reason)
             return False, self.lease_ms // 3
         self._refused_ranks = None
+        # after a refusal (also one by a previous leader: it is the record's reason), the start shows why it may go
+        why = reasons.fresh(beats) if rec.reason.startswith(reasons.REFUSED) else ""
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.round + 1
         try:
-            self._fire(rec, "start", plan_id="", round_=round_,
+            self._fire(rec, "start", plan_id="", round_=round_, reason=why,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
             self.log.info("start waits", reason=str(err))
@@ -401,11 +407,9 @@ class Coordinator:
         before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
         after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
         moved = int(moved_experts(old, new, cfg.ep_size))
-        if moved == 0 or after - before <= cfg.min_gain:  # the rule: skip unless it moves and gains > min_gain
-            why = (f"planned gain {after - before:.4f} <= min_gain {cfg.min_gain}" if after - before <= cfg.min_gain
-                   else "the plan moves no expert")
-            return self._abort(rec, f"gated: skipped: {why} (balancedness {before:.4f} -> {after:.4f}, "
-                                    f"{moved} moved experts)")
+        skip = reasons.gate(before, after, moved, cfg.min_gain)  # skip unless it moves and gains > min_gain
+        if skip:
+            return self._abort(rec, skip)
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
@@ -471,7 +475,8 @@ class Coordinator:
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
         # switch_step 0: not fixed yet; the ranks fix it once all are armed for this swap (Store.arm_switch)
-        self._fire(rec, "commit", changes={"deadline_ms": deadline, "switch_step": 0})
+        why = reasons.external_commit(rec.commit_requested_by) if self.config.cordoned else ""
+        self._fire(rec, "commit", reason=why, changes={"deadline_ms": deadline, "switch_step": 0})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:

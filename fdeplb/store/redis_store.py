@@ -445,9 +445,10 @@ class Store:
         self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
         return serving
 
-    def request_commit(self, plan_id: str) -> None:
+    def request_commit(self, plan_id: str, by: str = "operator") -> None:
         """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
-        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction.
+        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction. ``by`` (who asked:
+        ``http``, ``cli``, ...) is kept in ``commit_requested_by`` and named in the commit's audit record.
 
         Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
         is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
@@ -464,12 +465,13 @@ class Store:
                             f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
                             f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
                     pipe.multi()
-                    pipe.hset(self._keys.rearrange, "commit_requested", plan_id)
+                    pipe.hset(self._keys.rearrange, mapping={"commit_requested": plan_id,
+                                                             "commit_requested_by": by})
                     pipe.execute()
                     break
                 except redis.WatchError:
                     continue
-        self.emit_event("commit_requested", plan_id=plan_id)
+        self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
     def request_weights(self, action: str, reason: str = "operator") -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
@@ -820,19 +822,21 @@ class Store:
                                                                                    count=count)]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
-    def stale_ranks(self) -> dict[int, int]:
-        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
-        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
-        is not registered, is never stale."""
+    def heartbeats(self) -> dict[int, tuple[int, int]]:
+        """Registered ranks' heartbeats, read at one server time: ``ep_rank -> (ms since the heartbeat, its TTL in
+        ms)`` (TTL 0: the agent wrote none, never stale). Unregistered ranks are left out."""
         registered = self.rank_info()
         if not registered:
             return {}
         now = self.now_ms()
-        out = {}
-        for r, rec in enumerate(self.read_all(RANK)):
-            if r in registered and rec.heartbeat_ttl_ms > 0 and now > rec.heartbeat_ms + rec.heartbeat_ttl_ms:
-                out[r] = now - rec.heartbeat_ms
-        return out
+        return {r: (max(0, now - rec.heartbeat_ms), rec.heartbeat_ttl_ms)
+                for r, rec in enumerate(self.read_all(RANK)) if r in registered}
+
+    def stale_ranks(self) -> dict[int, int]:
+        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
+        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
+        is not registered, is never stale (:meth:`heartbeats`)."""
+        return stale_of(self.heartbeats())
 
     def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
                    margin: int = SWITCH_MARGIN_STEPS) -> tuple[int, str]:
@@ -1117,3 +1121,7 @@ class Store:
             start = "(" + chunk[-1].id
 
 
+def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
+    whose TTL is set (> 0) and has passed."""
+    return {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
