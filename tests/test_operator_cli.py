@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import structlog.testing
+
 from fdeplb.cli import main
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli as run, thread_cluster, wait_for
@@ -27,11 +29,17 @@ def test_rearrange_wait_rearranged_prints_gain_and_moves(redis_url, cluster_id, 
 
 
 def test_rearrange_wait_skipped_exits_0_with_the_rule(redis_url, cluster_id, capsys, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
+    with structlog.testing.capture_logs() as logs, \
+            thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
         tc.start()
         code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
         assert code == 0, out + err
         assert "round 1: skipped: planned gain " in out and "<= min_gain 1.0" in out
+    # the coordinator logs the gated skip as an info "skip" with its numbers, not as a warning "abort"
+    skips = [e for e in logs if e["event"] == "skip"]
+    assert [e["log_level"] for e in skips] == ["info"], skips
+    assert skips[0]["min_gain"] == 1.0 and skips[0]["gain"] <= 1.0 and "moved_experts" in skips[0]
+    assert not [e for e in logs if e["event"] == "abort"]
 
 
 def test_rearrange_wait_aborted_exits_1_with_the_reason(redis_url, cluster_id, capsys, tmp_path):
