@@ -80,6 +80,8 @@ def test_audit_json_and_export(redis_url, fired, capsys, tmp_path):
     (["--rank", "0", "--machine", "cluster"], 2,
      "--rank selects rank and weights records; it cannot be combined with --machine cluster"),
     (["--round", "-1"], 2, "--round must be >= 0, got -1"),
+    (["--rank", "-1"], 2, "--rank must be >= 0, got -1"),
+    (["--limit", "0"], 2, "--limit must be >= 1, got 0"),
 ])
 def test_audit_bad_filters(redis_url, fired, capsys, args, code, message):
     got, out, err = cli(capsys, "audit", *where(redis_url, fired), *args)

@@ -139,20 +139,29 @@ def _utc(ts_ms: str) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
 
 
-def run_audit(args: argparse.Namespace) -> int:
-    if _through_http(args):
-        from fdeplb.cli.http_client import run_audit as run_http_audit
-
-        return run_http_audit(args)
+def check_audit_args(args: argparse.Namespace) -> None:
+    """The checks of ``fdeplb audit``'s options that need no cluster (both over Redis and over ``--url``):
+    InputError naming the option."""
     if args.round is not None and args.round < 0:
         raise InputError(f"--round must be >= 0, got {args.round}")
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
+    if args.rank is not None and args.rank < 0:
+        raise InputError(f"--rank must be >= 0, got {args.rank}")
     if args.rank is not None and args.machine == CLUSTER.name:
         raise InputError("--rank selects rank and weights records; it cannot be combined with --machine cluster")
     if args.export is not None and (args.machine or args.rank is not None or args.follow or args.json):
         raise InputError("--export writes a self-contained recording: only --round narrows it (--machine, --rank, "
                          "--follow, --json do not apply)")
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    http = _through_http(args)
+    check_audit_args(args)
+    if http:
+        from fdeplb.cli.http_client import run_audit as run_http_audit
+
+        return run_http_audit(args)
     store = open_store(args.redis_url, args.cluster)
     if args.rank is not None and not 0 <= args.rank < store.ep_size():
         raise InputError(f"--rank {args.rank} outside the cluster's ranks 0..{store.ep_size() - 1}")
