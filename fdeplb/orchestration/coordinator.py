@@ -234,9 +234,14 @@ class Coordinator:
         left = rec.deadline_ms - self.store.now_ms()
         return left <= 0, max(left, 0)
 
-    def _abort(self, rec: ClusterRecord, reason: str) -> Step:
+    def _abort(self, rec: ClusterRecord, reason: str, **skipped: float) -> Step:
+        """Fire ``abort`` with ``reason`` (audited). ``skipped``: the numbers of a gated skip (the planned gain is
+        at most min_gain, or nothing moves), logged as an info "skip" with them: not a failure."""
         reason = reason[:2000]
-        self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
+        if skipped:
+            self.log.info("skip", round=rec.round, state=rec.state, reason=reason, **skipped)
+        else:
+            self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
         self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         self._prune(rec)
         return True, None
@@ -409,7 +414,8 @@ class Coordinator:
         moved = int(moved_experts(old, new, cfg.ep_size))
         skip = reasons.gate(before, after, moved, cfg.min_gain)  # skip unless it moves and gains > min_gain
         if skip:
-            return self._abort(rec, skip)
+            return self._abort(rec, skip, balancedness_before=round(before, 4), balancedness_after=round(after, 4),
+                               gain=round(after - before, 4), min_gain=cfg.min_gain, moved_experts=moved)
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
