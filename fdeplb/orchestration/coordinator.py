@@ -242,12 +242,14 @@ class Coordinator:
             self.log.info("skip", round=rec.round, state=rec.state, reason=reason, **skipped)
         else:
             self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
-        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         self._prune(rec)
+        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         return True, None
 
     def _prune(self, rec: ClusterRecord) -> None:
-        """After a round ended (released or aborted): drop snapshots and plans older than the last
+        """As a round ends, just before its release or abort commits (so whoever sees the cluster FREE sees the
+        store pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots
+        and plans older than the last
         ``retain_rounds`` rounds, keeping the current placement's plan; record what went in the cluster record's
         ``pruned`` field and a ``pruned`` event; with ``audit_keep`` set, export and trim the audit stream.
         Never fails the round: an error is logged and the next round's end prunes again."""
@@ -507,8 +509,8 @@ class Coordinator:
             self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
 
     def _on_done(self, rec: ClusterRecord) -> Step:
-        self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         self._prune(rec)
+        self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None
 
 
