@@ -4,7 +4,6 @@ routing-table digest. Real Redis, coordinator + agents in threads (numpy weights
 from __future__ import annotations
 
 import json
-import os
 import threading
 
 import numpy as np
@@ -16,9 +15,6 @@ from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.scripts import SIGNAL_MAXLEN
 from tests.helpers import RawRedis, thread_cluster, wait_for
-
-#: FDEPLB_FAULTS=short (default, CI) or full (locally): how many rounds the long checks run
-FULL = os.environ.get("FDEPLB_FAULTS", "short") == "full"
 
 
 def round_over(store, n):
