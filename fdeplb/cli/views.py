@@ -314,7 +314,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     c, cfg, p = status["rearrange"], status["config"], status["placement"]
     pid = p["plan_id"]
     out.write(f"cluster {status['cluster']}  (ep_size {cfg['ep_size']}, {cfg['num_logical_experts']} experts in "
-              f"{cfg['num_physical_experts']} slots x {cfg['num_layers']} layers, policy {cfg['policy']}"
+              f"{cfg['num_physical_experts']} slots x {cfg['num_layers']} layer{'' if cfg['num_layers'] == 1 else 's'}, policy {cfg['policy']}"
               f"{', cordoned' if cfg['cordoned'] else ''})\n")
     out.write(f"  rearrange  {c['state']} [{c['code']}]  v{c['version']}  round {c['round']} "
               f"(requested {c['requested']})  plan {c['plan_id'] or '-'}\n")
