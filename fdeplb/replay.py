@@ -16,7 +16,12 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every a
   (LOAD_SUCC / SWAPPING / DONE only with every rank LOADED / SWAPPED for that plan, a start only with every rank
   IDLE and every weight status NORMAL, no clear while a round is past FREE, a fail / abort only before the plan is
   committed, a ``load`` only with its plan in the recording);
-- an alarm (not a transition) names the cluster record in its replayed state and version;
+- what a record says besides its states (the texts of :mod:`fdeplb.orchestration.reasons`): the start that follows
+  a start refused for stale ranks shows each of them fresh again (heartbeat age within its TTL); a cordoned
+  cluster's commit names its external request; a weight ``updated`` names the cluster's current placement (an
+  update reloads the current placement, never the initial one);
+- an alarm, skip or start refusal (not transitions) names the cluster record in its replayed state and version;
+  a skip or refusal only in FREE, a refusal only ranks of the cluster;
 - ``chain`` = :func:`chain_of` (the predecessor's chain, the record's fields): computed by the commit script, so a
   dropped, reordered, edited or forged record anywhere breaks it (the semantic checks above run first, so a record
   that also breaks them is reported with their reason).
@@ -25,8 +30,9 @@ Records whose trigger is ``alarm``, ``skip`` or ``start_refused`` are cluster ou
 record stays as it is.
 
 :func:`check_plans` then recomputes every ``load`` transition's plan from its snapshot (from the recording, or from
-a live :class:`~fdeplb.store.Store`) and checks the plan_id and ``new_phy2log``. :func:`whatif` replans every
-recorded round's snapshot with another policy. :func:`rebuild` writes the replayed records into a Redis.
+a live :class:`~fdeplb.store.Store`) and checks the plan_id and ``new_phy2log``; :func:`check_gates` recomputes
+the numbers of every gated round. :func:`whatif` replans every recorded round's snapshot with another policy.
+:func:`rebuild` writes the replayed records into a Redis.
 
 The first inconsistency raises :class:`~fdeplb.errors.ReplayError` naming the line (CLI exit 1).
 """
@@ -57,7 +63,7 @@ from fdeplb.machines.tables import (
 from fdeplb.recording import SCHEMA, array_from_json
 
 __all__ = ["ReplayError", "chain_of", "parse_lines", "read_export", "replay", "replay_file", "check_plans",
-           "whatif", "rebuild", "ReplayReport"]
+           "check_gates", "whatif", "rebuild", "ReplayReport"]
 
 #: fields every exported audit record must have
 REQUIRED = ("machine", "key", "from", "to", "trigger", "version")
@@ -136,6 +142,7 @@ class RoundSeen:
     plan_id: str = ""
     outcome: str = "running"  # running, committed, aborted
     reason: str = ""
+    where: str = ""  # the line of its abort
 
 
 @dataclass
@@ -153,6 +160,7 @@ class ReplayReport:
     snapshots: dict[int, np.ndarray] = field(default_factory=dict)
     stored_plans: dict[str, Any] = field(default_factory=dict)
     rounds: list[RoundSeen] = field(default_factory=list)
+    gates_checked: list[int] = field(default_factory=list)
     placement_plan: str = ""
     chained: int = 0
     chain: str = ""
@@ -164,7 +172,8 @@ class ReplayReport:
         return {"records": self.records, "transitions": self.transitions, "skipped": self.skipped,
                 "final": {k: asdict(v) for k, v in self.final.items()},
                 "plans": [p.plan_id for p in self.plans], "plans_checked": list(self.plans_checked),
-                "plans_unchecked": list(self.plans_unchecked), "chained": self.chained, "until": self.until,
+                "plans_unchecked": list(self.plans_unchecked), "gates_checked": list(self.gates_checked),
+                "chained": self.chained, "until": self.until,
                 "placement_plan": self.placement_plan}
 
 
@@ -267,6 +276,9 @@ class _Replay:
         self.chain: str | None = None  # None: no record carried a chain yet (and no header gave the start)
         self.stopped = False
         self.stored_at: list[tuple[str, str]] = []  # (where, plan_id) of plan_stored guards, checked at the end
+        self.cordoned = False
+        self.placement_known = True  # False while the header's start placement was pruned and no commit since
+        self.refused: tuple[str, dict[int, int]] | None = None  # (where, stale ranks) of the refusal in force
 
     # ---- header ----------------------------------------------------------------------------------------------
     def header(self, line: AuditLine) -> None:
@@ -286,6 +298,7 @@ class _Replay:
         except (InputError, KeyError, TypeError) as exc:
             raise ReplayError(f"line {line.line}: not a recording header: {exc}") from None
         self.ep_size = config.ep_size
+        self.cordoned = config.cordoned
         for key, held in records.items():
             table = self._table_of(line, key)
             self.machines[key] = _Replayed(table, key, held["state"], int(held["version"]), held.get("plan_id", ""))
@@ -293,6 +306,7 @@ class _Replay:
         self.report.chain = chain
         placement = start.get("placement") or {}
         self.report.placement_plan = str(placement.get("plan_id", ""))
+        self.placement_known = bool(placement)
         self.report.header = rec
 
     def _table_of(self, line: AuditLine, key: str, machine: str | None = None) -> MachineTable:
@@ -336,7 +350,7 @@ class _Replay:
         held = self.held(line, table, key)
         model = held.model
         if rec["trigger"] in NOT_TRANSITIONS:
-            self._alarm(line, table, held)
+            self._note(line, table, held)
             self._chain(line)
             report.skipped += 1
             report.audit.append(rec)
@@ -360,6 +374,7 @@ class _Replay:
         plan_id = str(rec.get("plan_id", ""))
         for guard in spec.guards:
             self._check_guard(line, guard, plan_id)
+        self._check_reason(line, table, spec, plan_id)
         self._chain(line)
         held.plan_id = plan_id
         report.transitions += 1
@@ -379,14 +394,61 @@ class _Replay:
             return str(line.record.get("id", "")) == self.until
         return table is CLUSTER and str(version) == self.until
 
-    def _alarm(self, line: AuditLine, table: MachineTable, held: _Replayed) -> None:
-        rec = line.record
+    def _note(self, line: AuditLine, table: MachineTable, held: _Replayed) -> None:
+        """An alarm, skip or start refusal: on the cluster as replayed; skips and refusals only in FREE (the
+        coordinator's FREE entry work writes them); a refusal names ranks of the cluster and stays in force until
+        a start."""
+        rec, trigger = line.record, str(line.record["trigger"])
         if table is not CLUSTER:
-            raise ReplayError(f"{line.where}: an alarm on {rec['key']}; alarms are raised on the cluster record")
+            raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
         state, version = held.model.state, held.model.version
         if rec["from"] != state or rec["to"] != state or _int(line, "version") != version:
-            raise ReplayError(f"{line.where}: alarm for cluster {rec['from']} v{rec['version']}, but the cluster is "
-                              f"{state} v{version} in the replay")
+            raise ReplayError(f"{line.where}: {trigger} for cluster {rec['from']} v{rec['version']}, but the cluster "
+                              f"is {state} v{version} in the replay")
+        if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
+            raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
+                              f"{CLUSTER.initial.value} only")
+        if trigger == "start_refused":
+            from fdeplb.orchestration import reasons
+
+            stale = reasons.parse_refusal(str(rec.get("reason", "")))
+            if stale is None:
+                raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
+                                  f"{str(rec.get('reason', ''))[:80]!r}")
+            strays = [r for r in stale if self.ep_size is not None and r >= self.ep_size]
+            if strays:
+                raise ReplayError(f"{line.where}: start_refused names ranks {strays}; the cluster has ranks "
+                                  f"0..{self.ep_size - 1}")
+            self.refused = (line.where, stale)
+
+    def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
+        """What a transition's record says besides its states, checked against the replayed records: the start
+        after a refusal shows every refused rank fresh again; a cordoned cluster commits on an external request
+        only; a weight update reloads the cluster's current placement."""
+        from fdeplb.orchestration import reasons
+
+        reason, where = str(line.record.get("reason", "")), line.where
+        if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
+            refused_at, stale = self.refused
+            beats = reasons.parse_fresh(reason) or {}
+            for r in sorted(stale):
+                age, ttl = beats.get(r, (None, 0))
+                if age is None or 0 < ttl < age:
+                    shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
+                    raise ReplayError(f"{where}: cluster start over stale rank {r} (start refused at "
+                                      f"{refused_at}): the start shows {shown}")
+            self.refused = None
+        elif table is CLUSTER and spec.trigger == "start":
+            self.refused = None
+        if table is CLUSTER and spec.trigger == "commit" and self.cordoned and not reason.startswith(
+                reasons.EXTERNAL):
+            raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
+                              f"(reason {reason[:80]!r})")
+        if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
+                and plan_id != self.report.placement_plan:
+            raise ReplayError(f"{where}: {line.record['key']} updated into placement {plan_id or 'initial'}, but "
+                              f"the cluster's current placement is {self.report.placement_plan or 'initial'} (an "
+                              f"update reloads the current placement)")
 
     def _check_fence(self, line: AuditLine, table: MachineTable) -> None:
         rec = line.record
@@ -469,10 +531,12 @@ class _Replay:
                 current.plan_id = plan_id
         if spec.effect is Effect.SET_PLACEMENT:
             report.placement_plan = plan_id
+            self.placement_known = True
             if current is not None:
                 current.outcome = "committed"
         if spec.trigger == "abort" and current is not None:
             current.outcome, current.reason = "aborted", str(line.record.get("reason", ""))
+            current.where = line.where
 
     # ---- snapshots and plans ---------------------------------------------------------------------------------
     def snapshot(self, line: AuditLine) -> None:
@@ -642,6 +706,62 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     return list(report.plans_checked)
 
 
+# ---- gated rounds --------------------------------------------------------------------------------------------------
+def check_gates(report: ReplayReport) -> list[int]:
+    """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
+    from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
+    recorded numbers (mean balancedness before and after to 4 decimals, moved experts, min_gain; the reason is
+    rebuilt by :func:`fdeplb.orchestration.reasons.gate`). Rounds whose snapshot or starting placement the
+    recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
+
+    Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
+    through; :class:`InputError` for a recording without header.
+    """
+    from fdeplb.orchestration import reasons
+    from fdeplb.orchestration.coordinator import default_planner
+    from fdeplb.placement import moved_experts
+
+    source = Recorded(report)
+    cfg = source.config
+    placements = _placements(report, source)
+    for seen in report.rounds:
+        if seen.outcome != "aborted" or not seen.reason.startswith(reasons.GATED):
+            continue
+        load, old = report.snapshots.get(seen.round), placements.get(seen.placement_plan)
+        if load is None or old is None:
+            continue
+        new = np.asarray(default_planner(load, old, cfg), dtype=np.int64)
+        before, after = _mean_balancedness(load, old, cfg.ep_size), _mean_balancedness(load, new, cfg.ep_size)
+        moved = int(moved_experts(old, new, cfg.ep_size))
+        expected = reasons.gate(before, after, moved, cfg.min_gain)
+        if expected is None:
+            raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
+                              f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
+                              f"min_gain {cfg.min_gain}, which the gate lets through")
+        if expected != seen.reason:
+            raise ReplayError(f"{seen.where}: gated round {seen.round} says {seen.reason!r}; recomputing its "
+                              f"{cfg.policy!r} plan gives {expected!r}")
+        report.gates_checked.append(seen.round)
+    return list(report.gates_checked)
+
+
+def _placements(report: ReplayReport, source: Recorded) -> dict[str, np.ndarray]:
+    """plan_id -> phy2log of every placement the recording holds: its start placement and every plan's new one."""
+    placements: dict[str, np.ndarray] = {}
+    start = source.start_placement()
+    if start is not None:
+        placements[start[0]] = start[1]
+    for p in report.stored_plans.values():
+        placements.setdefault(p.plan_id, p.new_phy2log)
+    return placements
+
+
+def _mean_balancedness(load: np.ndarray, phy2log: np.ndarray, ep_size: int) -> float:
+    from fdeplb.placement import balancedness
+
+    return float(np.mean(balancedness(load, phy2log, ep_size)))
+
+
 # ---- what-if -------------------------------------------------------------------------------------------------------
 def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     """Replan every recorded round that has a snapshot with ``policy`` (a name of
@@ -652,18 +772,13 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
     """
     from fdeplb.orchestration.coordinator import default_planner
-    from fdeplb.placement import POLICIES, balancedness, moved_experts
+    from fdeplb.placement import POLICIES, moved_experts
 
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     source = Recorded(report)
     cfg = replace(source.config, policy=policy)
-    placements: dict[str, np.ndarray] = {}
-    start = source.start_placement()
-    if start is not None:
-        placements[start[0]] = start[1]
-    for p in report.stored_plans.values():
-        placements.setdefault(p.plan_id, p.new_phy2log)
+    placements = _placements(report, source)
     rows = []
     for seen in report.rounds:
         load = report.snapshots.get(seen.round)
@@ -673,7 +788,7 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
             continue
         recorded = plan.new_phy2log if plan is not None else old
         new = np.asarray(default_planner(load, old, cfg), dtype=np.int64)
-        mean = lambda phy2log: float(np.mean(balancedness(load, phy2log, cfg.ep_size)))  # noqa: E731
+        mean = lambda phy2log: _mean_balancedness(load, phy2log, cfg.ep_size)  # noqa: E731
         rows.append({
             "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
             "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,

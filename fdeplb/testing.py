@@ -12,6 +12,7 @@ Use ``NumpyWeights.factory()`` as a rank agent's ``backend_factory``.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,10 +29,14 @@ EXPERT_SIZE = 64
 __all__ = ["EXPERT_SIZE", "NumpyWeights", "expert_tensor"]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def expert_tensor(layer: int, expert: int, size: int = EXPERT_SIZE) -> np.ndarray:
-    """The weights of logical expert ``expert`` of ``layer``: float32 [size], distinct for every (layer, expert)."""
+    """The weights of logical expert ``expert`` of ``layer``: float32 [size], distinct for every (layer, expert).
+    Read-only and cached (the same array for the same arguments): copy it to write."""
     rng = np.random.default_rng([int(layer), int(expert)])
-    return rng.standard_normal(size, dtype=np.float32)
+    out = rng.standard_normal(size, dtype=np.float32)
+    out.flags.writeable = False
+    return out
 
 
 @dataclass

@@ -12,6 +12,7 @@ import numpy as np
 
 import redis
 
+from fdeplb.errors import CheckpointError
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.orchestration.operations import init_cluster
@@ -57,6 +58,14 @@ def wait_for(predicate, timeout_s: float = 30.0, store: Store | None = None, wha
             store.wait(cursor, 200)
         else:
             time.sleep(0.02)
+
+
+class FailingReload(NumpyWeights):
+    """The numpy weight backend of a rank whose weight update cannot read the checkpoint (a shard is missing):
+    staging and swaps work, ``reload_in`` raises :class:`CheckpointError`."""
+
+    def reload_in(self, phy2log):
+        raise CheckpointError("shard model-00002.safetensors is missing")
 
 
 def skewed_load(num_layers: int, num_experts: int, seed: int = 0) -> np.ndarray:

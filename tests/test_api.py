@@ -194,6 +194,8 @@ def test_cordoned_round_commits_with_update_weight_from_tensor(redis_url, cluste
             assert r.status_code == 200 and r.json()["plan_id"] == plan_id
             wait_for(lambda: _round_done(store, 1), 60, store, "the committed round to finish")
             assert store.current_placement().plan_id == plan_id
+            (commit,) = [a for a in store.iter_audit() if a["trigger"] == "commit"]
+            assert commit["reason"] == "external commit requested by http"
 
 
 def test_supplied_load_is_the_next_rounds_snapshot(redis_url, cluster_id, tmp_path):
@@ -266,7 +268,8 @@ def test_hostile_input_is_4xx_one_line_and_changes_nothing(redis_url, cluster_id
                 assert 400 <= r.status_code < 500, (path, str(body)[:80], r.status_code, r.text[:200])
                 msg = r.json()["msg"]
                 assert r.json()["code"] == 1 and "\n" not in msg and 0 < len(msg) < 400, msg
-            for path, params in [("/v1/audit", {"since": "x"}), ("/v1/audit", {"limit": "-1"}),
+            for path, params in [("/v1/audit", {"since": "x"}), ("/v1/audit", {"limit": "-1"}), ("/v1/audit", {"limit": "0"}),
+                                 ("/v1/audit", {"limit": "10001"}), ("/v1/audit", {"limit": "2.5"}),
                                  ("/v1/audit", {"limit": "10000000000"}), ("/v1/audit", {"wait_ms": "1e9"}),
                                  ("/v1/placement", {"format": "csv"}), ("/v1/audit", {"since": "1-1-1"})]:
                 r = requests.get(url + path, params=params, auth=AUTH)

@@ -14,6 +14,8 @@ import pytest
 import requests
 
 from fdeplb.cli import main
+from fdeplb.machines.tables import WEIGHTS
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.placement import initial_placement
 from fdeplb.store import ClusterConfig, Store
@@ -138,10 +140,34 @@ def test_http_cli_clients_print_what_the_redis_commands_print(redis_url, cluster
                     assert strip(direct) == strip(over_http)
             else:
                 assert direct == over_http
+        # --limit N prints the first N records (of those the filters select), over HTTP as over Redis
+        for r in (0, 1):  # 4 audit records per rank: a weight clear, then an update
+            handle = RecordHandle(store, WEIGHTS, r, actor="test")
+            for trigger in ("clear", "cleared", "update", "updated"):
+                handle.fire(trigger)
+        full = _audit_lines(capsys, "--redis-url", redis_url, "--cluster", cluster_id)
+        assert len(full) == 8, full
+        full_of = lambda view: [ln for ln in full if ("weights:1" in ln if "--rank" in view else True)]
+        for view in (["--limit", "1"], ["--limit", "5"], ["--limit", "100"], ["--machine", "weights", "--limit", "3"],
+                     ["--rank", "1", "--limit", "2"]):
+            direct = _audit_lines(capsys, "--redis-url", redis_url, "--cluster", cluster_id, *view)
+            over_http = _audit_lines(capsys, "--url", url, "--credentials-file", str(creds), *view)
+            assert over_http == direct == full_of(view)[:int(view[-1])], (view, direct, over_http)
+        # with --follow it ends once N are printed, not waiting for new ones
+        assert _audit_lines(capsys, "--url", url, "--credentials-file", str(creds), "--follow", "--limit", "3") \
+            == full[:3]
+        for bad in ("0", "-3"):  # refused before any request, as over Redis
+            assert main(["audit", "--url", "http://127.0.0.1:1", "--limit", bad]) == 2
+            assert f"--limit must be >= 1, got {bad}" in capsys.readouterr().err
         assert main(["status", "--url", url]) == 2  # no credentials
         assert main(["audit", "--url", url, "--redis-url", redis_url, "--cluster", cluster_id]) == 2
     finally:
         _stop([proc])
+
+
+def _audit_lines(capsys, *args: str) -> list[str]:
+    assert main(["audit", *args]) == 0
+    return capsys.readouterr().out.splitlines()
 
 
 def test_openapi_fuzz_finds_no_5xx_and_refused_calls_change_nothing(redis_url, cluster_id):

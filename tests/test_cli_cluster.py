@@ -115,3 +115,4 @@ def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, c
     assert code == 3 and "asked: 'p2'" in err
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p1")
     assert code == 0 and store.read_cluster().commit_requested == "p1"
+    assert store.read_cluster().commit_requested_by == "cli"  # the commit's audit record names it

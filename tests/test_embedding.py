@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from fdeplb.errors import CheckpointError, InputError, StateError
+from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import ClusterState, RankState, WeightState
 from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
 from fdeplb.testing import NumpyWeights, expert_tensor
-from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.helpers import FailingReload, RawRedis, thread_cluster, wait_for
 
 
 def _round_done(store, n):
@@ -224,10 +224,10 @@ class _LateAgent(EmbeddedAgent):
             self._hold()
         return super().step()
 
-    def _weights_step(self, cluster):
-        if cluster.weights_request > self.weights.read().request:
+    def _weights_step(self, cluster, w):
+        if cluster.weights_request > w.request:
             self._hold()
-        return super()._weights_step(cluster)
+        return super()._weights_step(cluster, w)
 
 
 def test_a_rank_that_learns_late_switches_at_the_same_step_as_the_others(redis_url, cluster_id, tmp_path):
@@ -390,17 +390,12 @@ def test_vllm_55228_update_after_rebalance_reloads_the_current_placement(redis_u
         assert expert_checksum(slot1) == expert_checksum(reader.read_expert(0, 2))  # slot 1 holds expert 2
 
 
-class _FailingReload(NumpyWeights):
-    def reload_in(self, phy2log):
-        raise CheckpointError("shard model-00002.safetensors is missing")
-
-
 def test_failed_update_is_recorded_and_not_normal(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         tc.start_agents(backend_factory=NumpyWeights.factory())
         tc.agents[1].stop_event.set()
         tc.threads[1].join(10)
-        tc.start_agent(1, backend_factory=_FailingReload.factory())
+        tc.start_agent(1, backend_factory=FailingReload.factory())
         tc.start_coordinator()
         store = tc.store()
         store.request_weights("update", "test")
@@ -431,6 +426,11 @@ def test_stale_rank_refuses_a_start_with_the_reason(redis_url, cluster_id, tmp_p
         assert rec.state is ClusterState.FREE and rec.round == 0 and "stale ranks 2" in rec.reason
         tc.start_agent(2, heartbeat_ttl_ms=2_000)  # the rank comes back: the round starts and completes
         wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        from fdeplb.orchestration import reasons
+
+        (start,) = [a for a in store.iter_audit() if a["trigger"] == "start"]
+        beats = reasons.parse_fresh(start["reason"])  # the start shows rank 2 fresh again, for a replay to check
+        assert beats is not None and set(beats) == {0, 1, 2, 3} and beats[2][0] <= beats[2][1] == 2_000
 
 
 def test_periodic_trigger_skips_a_balanced_load_and_rearranges_a_skewed_one(redis_url, cluster_id, tmp_path):

@@ -12,6 +12,7 @@ from fdeplb.machines.tables import CLUSTER
 from fdeplb.machines.tables import RANK
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.placement import routing_digest
 from fdeplb.replay import replay_file
 from fdeplb.store import ClusterConfig, Store
 from tests.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
@@ -80,6 +81,8 @@ def test_audit_json_and_export(redis_url, fired, capsys, tmp_path):
     (["--rank", "0", "--machine", "cluster"], 2,
      "--rank selects rank and weights records; it cannot be combined with --machine cluster"),
     (["--round", "-1"], 2, "--round must be >= 0, got -1"),
+    (["--rank", "-1"], 2, "--rank must be >= 0, got -1"),
+    (["--limit", "0"], 2, "--limit must be >= 1, got 0"),
 ])
 def test_audit_bad_filters(redis_url, fired, capsys, args, code, message):
     got, out, err = cli(capsys, "audit", *where(redis_url, fired), *args)
@@ -120,7 +123,9 @@ def test_status_mid_round(redis_url, store, capsys):
         "COLLECTING", 1, 1, 3, 3)
     assert 0 < c["deadline_left_ms"] <= 30_000 and c["alarm"] == "swapping deadline passed"
     assert c["lease_holder"] == lease and 0 < c["lease_ttl_ms"] <= 60_000
-    assert status["placement"] == {"plan_id": "", "version": 0}
+    assert status["placement"] == {"plan_id": "", "version": 0,
+                                   "routing_digest": routing_digest(store.current_placement().phy2log)}
+    assert [r["routing"] for r in status["ranks"]] == ["not_reported"] * 2 and status["routing_mismatches"] == []
     r0, r1 = status["ranks"]
     assert (r0["state"], r0["load_result"], r0["weights"], r0["weights_code"], r0["registered"]) == (
         "IDLE", 0, "NORMAL", 0, False)
@@ -129,10 +134,10 @@ def test_status_mid_round(redis_url, store, capsys):
     assert code == 0
     assert "  rearrange  COLLECTING [1]  v1  round 3 (requested 3)  plan -\n" in out
     assert "  ALARM      swapping deadline passed\n" in out
-    assert f"  lease      {lease}  (ttl " in out and "  placement  initial  v0\n" in out
+    assert f"  lease      {lease}  (ttl " in out and "  placement  initial  v0  routing digest " in out
     assert "s left\n" in out.splitlines()[2] + "\n"
     rows = out.splitlines()[-2:]
-    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "-", "-", "-", "not", "registered"]
+    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "-", "-", "unreported", "-", "not", "registered"]
     assert rows[1].split()[:6] == ["1", "IDLE", "0", "NORMAL", "0", "-"] and rows[1].endswith("s ago")
 
 
@@ -140,6 +145,7 @@ def test_status_after_a_round(redis_url, fired, capsys):
     code, out, _ = cli(capsys, "status", *where(redis_url, fired), "--json")
     status = json.loads(out)
     assert code == 0 and status["rearrange"]["state"] == "FREE" and status["rearrange"]["version"] == 7
-    assert status["placement"] == {"plan_id": PLAN, "version": 1}
+    assert status["placement"] == {"plan_id": PLAN, "version": 1,
+                                   "routing_digest": routing_digest(fired.current_placement().phy2log)}
     assert status["ranks"][0]["plan_id"] == PLAN and status["ranks"][0]["version"] == 5
     assert status["ranks"][0]["weights_version"] == 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import structlog.testing
+
 from fdeplb.cli import main
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli as run, thread_cluster, wait_for
@@ -27,11 +29,17 @@ def test_rearrange_wait_rearranged_prints_gain_and_moves(redis_url, cluster_id, 
 
 
 def test_rearrange_wait_skipped_exits_0_with_the_rule(redis_url, cluster_id, capsys, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
+    with structlog.testing.capture_logs() as logs, \
+            thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
         tc.start()
         code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
         assert code == 0, out + err
         assert "round 1: skipped: planned gain " in out and "<= min_gain 1.0" in out
+    # the coordinator logs the gated skip as an info "skip" with its numbers, not as a warning "abort"
+    skips = [e for e in logs if e["event"] == "skip"]
+    assert [e["log_level"] for e in skips] == ["info"], skips
+    assert skips[0]["min_gain"] == 1.0 and skips[0]["gain"] <= 1.0 and "moved_experts" in skips[0]
+    assert not [e for e in logs if e["event"] == "abort"]
 
 
 def test_rearrange_wait_aborted_exits_1_with_the_reason(redis_url, cluster_id, capsys, tmp_path):
@@ -91,3 +99,42 @@ def test_status_of_a_cordoned_round_shows_the_staged_plan_and_the_commit_command
         assert main(command.split()[1:]) == 0  # the printed command works
         wait_for(lambda: store.read_cluster().state == "FREE" and store.current_placement().plan_id == plan.plan_id,
                  60, store, "the committed round")
+
+
+def test_status_marks_a_rank_whose_routing_digest_differs_from_the_placement(redis_url, cluster_id, capsys, tmp_path,
+                                                                           monkeypatch):
+    from fdeplb.api import Credentials, create_app
+    from fdeplb.machines.tables import RANK
+    from fdeplb.placement import routing_digest
+    from tests.api_helpers import PASSWORD, USER, served
+
+    def status(*where):
+        code, out, err = run(capsys, "status", *where, "--json")
+        assert code == 0, err
+        got = json.loads(next(ln for ln in out.splitlines() if ln.startswith('{"cluster"')))  # (server logs)
+        code, text, err = run(capsys, "status", *where)
+        assert code == 0, err
+        return got, text
+
+    monkeypatch.setenv("FDEPLB_API_USER", USER)
+    monkeypatch.setenv("FDEPLB_API_PASSWORD", PASSWORD)
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        assert rearrange_wait(capsys, redis_url, cluster_id)[0] == 0  # every rank swapped to a new placement
+        store = tc.store()
+        expected = routing_digest(store.current_placement().phy2log)
+        with served(create_app(store, Credentials(USER, PASSWORD))) as url:
+            for where in (["--redis-url", redis_url, "--cluster", cluster_id], ["--url", url]):
+                got, text = status(*where)  # consistent: every rank holds the placement's tables
+                assert got["placement"]["routing_digest"] == expected and got["routing_mismatches"] == []
+                assert [(r["routing"], r["routing_digest"]) for r in got["ranks"]] == [("match", expected)] * 4
+                assert "MISMATCH" not in text and f"routing digest {expected}" in text
+            store.update(RANK, 3, routing_digest="0" * 16)  # rank 3 reports other routing tables
+            for where in (["--redis-url", redis_url, "--cluster", cluster_id], ["--url", url]):
+                got, text = status(*where)
+                assert got["routing_mismatches"] == [3]
+                assert [r["routing"] for r in got["ranks"]] == ["match"] * 3 + ["mismatch"]
+                assert "ROUTING MISMATCH  rank 3 holds routing tables that differ from the placement's" in text
+                line = next(ln for ln in text.splitlines() if ln.strip().startswith("3 "))
+                assert "MISMATCH" in line and f"(digest {'0' * 16} != {expected})" in line
+                assert all("MISMATCH" not in ln for ln in text.splitlines() if ln.strip()[:2] in ("0 ", "1 ", "2 "))

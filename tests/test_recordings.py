@@ -23,7 +23,10 @@ HAPPY = REPLAYS / "happy.jsonl"
 
 
 def test_every_scenario_has_a_recording():
-    assert {p.stem for p in RECORDINGS} >= {"happy", "load_failed", "takeover", "gated_skip"}
+    from tests.replays.generate import SCENARIOS
+
+    assert {p.stem for p in RECORDINGS} == set(SCENARIOS) >= {"happy", "load_failed", "takeover", "gated_skip",
+                                                              "stale_rank", "weights", "cordoned_http"}
 
 
 @pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
@@ -51,9 +54,36 @@ def test_recordings_say_what_happened():
     assert len(set(fences)) == 2 and fences == sorted(fences, key=lambda f: int(f.split(":")[0]))
 
 
+def test_later_recordings_say_what_happened():
+    from fdeplb.orchestration import reasons
+
+    stale = replay_file(REPLAYS / "stale_rank.jsonl")
+    refusal, start = stale.audit[0], stale.audit[1]
+    assert refusal["trigger"] == "start_refused" and 1 in reasons.parse_refusal(refusal["reason"])
+    beats = reasons.parse_fresh(start["reason"])
+    assert start["trigger"] == "start" and beats[1][0] <= beats[1][1]  # rank 1 fresh again, within its TTL
+    assert [r.outcome for r in stale.rounds] == ["committed"]
+    weights = replay_file(REPLAYS / "weights.jsonl")
+    assert [r["trigger"] for r in weights.audit if r["key"] == "weights:1"] == [
+        "clear", "cleared", "update", "update_failed", "update", "updated"]
+    assert all(weights.final[f"weights:{r}"].state == "NORMAL" for r in range(2))
+    updated = [r["plan_id"] for r in weights.audit if r["trigger"] == "updated"]
+    assert updated and set(updated) == {weights.placement_plan} != {""}  # the round's placement, not the initial
+    cordoned = replay_file(REPLAYS / "cordoned_http.jsonl")
+    assert cordoned.header["config"]["cordoned"]
+    (commit,) = [r for r in cordoned.audit if r["trigger"] == "commit"]
+    assert commit["reason"] == "external commit requested by http"
+    assert cordoned.placement_plan == commit["plan_id"]
+
+
+def test_gated_round_numbers_are_recomputed(capsys):
+    assert main(["replay", str(REPLAYS / "gated_skip.jsonl")]) == 0
+    assert "1 gated rounds recomputed and identical" in capsys.readouterr().out
+
+
 # ---- mutations -----------------------------------------------------------------------------------------------------
-def _lines() -> list[dict]:
-    return [json.loads(x) for x in HAPPY.read_text().splitlines()]
+def _lines(name: str = "happy") -> list[dict]:
+    return [json.loads(x) for x in (REPLAYS / f"{name}.jsonl").read_text().splitlines()]
 
 
 def _index(lines, **match) -> int:
@@ -75,7 +105,10 @@ def drop_record(lines):
 
 
 def swap_records(lines):
-    i = _index(lines, key="rank:1", trigger="stage")
+    """Two neighbouring ``stage`` records of different ranks swapped: each still follows from its own rank's
+    record, so only the order (stream ids, chain) gives it away."""
+    i = next(i for i in range(len(lines) - 1)
+             if lines[i].get("trigger") == lines[i + 1].get("trigger") == "stage")
     lines[i], lines[i + 1] = lines[i + 1], lines[i]
     return lines
 
@@ -122,6 +155,89 @@ def drop_plan_line(lines):
     return lines
 
 
+def renumber(lines):
+    """Give the audit records increasing stream ids in file order and recompute the chain: a forger's finish."""
+    base = lines[1]["id"].partition("-")[0]
+    for seq, rec in enumerate(r for r in lines if r.get("type") == "audit"):
+        rec["id"] = f"{base}-{seq}"
+    return rechain(lines)
+
+
+def move(lines, index: int, to: int, **changes):
+    """Move the record at ``index`` to position ``to`` (after the pop), with ``changes``; renumbered, rechained."""
+    lines.insert(to, dict(lines.pop(index), **changes))
+    return renumber(lines)
+
+
+def start_without_fresh_heartbeats(lines):
+    lines[_index(lines, key="cluster", trigger="start")]["reason"] = ""
+    return rechain(lines)
+
+
+def start_with_old_heartbeat(lines):
+    start = lines[_index(lines, key="cluster", trigger="start")]
+    start["reason"] = re.sub(r"(heartbeats |, )1 \d+ ms ago", r"\g<1>1 5000 ms ago", start["reason"])
+    return rechain(lines)
+
+
+def refusal_mid_round(lines):
+    refusal = lines.pop(_index(lines, trigger="start_refused"))
+    lines.insert(_index(lines, key="cluster", trigger="load"), refusal)  # between plan and load
+    lines[_index(lines, trigger="start_refused")].update({"from": "PLANNING", "to": "PLANNING", "version": 2})
+    return renumber(lines)
+
+
+def refusal_of_a_stray_rank(lines):
+    lines[_index(lines, trigger="start_refused")]["reason"] = "start refused: stale ranks 7 (heartbeat 9000 ms ago)"
+    return rechain(lines)
+
+
+def clear_mid_round(lines):
+    return move(lines, _index(lines, key="weights:0", trigger="clear"), _index(lines, key="cluster", trigger="plan"))
+
+
+def normal_after_failed_update(lines):
+    failed = _index(lines, key="weights:1", trigger="update_failed")
+    forged = dict(lines[failed], trigger="updated", **{"from": "CLEARED", "to": "NORMAL"}, reason="")
+    forged["version"] += 1
+    lines.insert(failed + 1, forged)
+    return renumber(lines)
+
+
+def failed_update_as_updated(lines):
+    failed = lines[_index(lines, key="weights:1", trigger="update_failed")]
+    failed.update(trigger="updated", to="NORMAL", reason="")
+    lines[_index(lines, key="weights:1", trigger="update", version=5)]["from"] = "NORMAL"
+    return rechain(lines)
+
+
+def update_into_initial_placement(lines):
+    last = max(i for i, rec in enumerate(lines) if rec.get("trigger") == "updated" and rec["key"] == "weights:0")
+    lines[last]["plan_id"] = ""
+    return rechain(lines)
+
+
+def drop_commit(lines):
+    del lines[_index(lines, key="cluster", trigger="commit")]
+    return lines
+
+
+def commit_without_request(lines):
+    lines[_index(lines, key="cluster", trigger="commit")]["reason"] = ""
+    return rechain(lines)
+
+
+def gate_numbers_edited(lines):
+    gated = lines[_index(lines, key="cluster", trigger="abort")]
+    gated["reason"] = re.sub(r"-> (\d\.\d{4})", lambda m: f"-> {float(m[1]) + 0.01:.4f}", gated["reason"])
+    return rechain(lines)
+
+
+def min_gain_lowered(lines):
+    lines[0]["config"]["min_gain"] = 0.0  # the header is outside the chain: only the recomputed gate sees this
+    return lines
+
+
 MUTATIONS = {
     "dropped record": (drop_record, r"line \d+ .*chain .*a record before it was dropped"),
     "two records swapped": (swap_records, r"line \d+ .*chain .*dropped, reordered or forged"),
@@ -139,14 +255,43 @@ MUTATIONS = {
     "forged rank": (forge_rank, r"line \d+ .*'rank:99' is not a rank record of this cluster \(ranks 0..3\)"),
     "dropped plan line": (drop_plan_line, r"line 1: the header lists plan [0-9a-f]{16}, but the recording has no "
                                           r"such plan line"),
+    # (a) a stale rank refusing a start
+    "stale_rank: start over a stale rank": (start_without_fresh_heartbeats, r"line 3 .*cluster start over stale "
+                                            r"rank 1 \(start refused at line 2 .*\): the start shows no heartbeat"),
+    "stale_rank: start over an old heartbeat": (start_with_old_heartbeat, r"line 3 .*cluster start over stale rank "
+                                                r"1 .*its heartbeat 5000 ms old \(ttl 2000 ms\)"),
+    "stale_rank: refusal mid-round": (refusal_mid_round, r"line 4 .*start_refused while the cluster is PLANNING"),
+    "stale_rank: refusal of a stray rank": (refusal_of_a_stray_rank, r"line 2 .*start_refused names ranks \[7\]; "
+                                                                    r"the cluster has ranks 0..1"),
+    # (b) a weight clear and update
+    "weights: clear while a round is past FREE": (clear_mid_round, r"line 3 .*guard cluster_in\(FREE\) did not hold "
+                                                  r"when weights:0 clear committed: cluster is COLLECTING"),
+    "weights: NORMAL after a failed update": (normal_after_failed_update, r"line \d+ .*trigger 'updated' is not "
+                                                                          r"allowed from state CLEARED"),
+    "weights: failed update forged as updated": (failed_update_as_updated, r"line \d+ .*weights:1 updated into "
+                                                 r"placement initial, but the cluster's current placement is "
+                                                 r"[0-9a-f]{16}"),
+    "weights: update into the initial placement": (update_into_initial_placement, r"line \d+ .*weights:0 updated "
+                                                   r"into placement initial"),
+    # (c) a cordoned round committed over HTTP
+    "cordoned_http: dropped commit": (drop_commit, r"line \d+ .*guard cluster_in\(SWAPPING, same plan\) did not "
+                                                   r"hold when rank:\d swap committed: cluster is LOAD_SUCC"),
+    "cordoned_http: commit without a request": (commit_without_request, r"line \d+ .*cluster commit of a cordoned "
+                                                                        r"cluster without an external request"),
+    # a gated skip
+    "gated_skip: numbers edited": (gate_numbers_edited, r"line 4 .*gated round 1 says .*; recomputing its 'deepseek' "
+                                                        r"plan gives 'gated: skipped: "),
+    "gated_skip: min_gain lowered": (min_gain_lowered, r"line 4 .*round 1 was gated, but its 'deepseek' plan goes "
+                                                       r"from balancedness .* a gain above min_gain 0.0"),
 }
 
 
 @pytest.mark.parametrize("name", MUTATIONS)
 def test_mutated_recording_fails_with_its_reason(name, tmp_path, capsys):
     mutate, reason = MUTATIONS[name]
+    recording, sep, _ = name.partition(": ")
     path = tmp_path / "mutated.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in mutate(_lines())) + "\n")
+    path.write_text("\n".join(json.dumps(x) for x in mutate(_lines(recording if sep else "happy"))) + "\n")
     assert main(["replay", str(path)]) == 1
     err = capsys.readouterr().err
     assert re.search(reason, err), err

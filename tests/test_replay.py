@@ -47,7 +47,7 @@ def fire_round(store: Store) -> None:
     cluster.fire("release")
     rank.fire("finish")
     weights.fire("update")
-    weights.fire("updated")
+    weights.fire("updated", plan_id=PLAN, changes={"plan_id": PLAN})  # an update reloads the current placement
 
 
 @pytest.fixture
@@ -148,7 +148,8 @@ def test_replay_cli_on_a_fired_round(lines, tmp_path, capsys):
     assert main(["replay", str(path)]) == 0
     out = capsys.readouterr().out
     assert "cluster      FREE [0]  v7  (7 transitions, last release)" in out
-    assert "replay OK: 14 transitions of 3 records, 0 alarms, chain verified over 14 records, 1 plans" in out
+    assert ("replay OK: 14 transitions of 3 records, 0 notes (alarms, skips, start refusals), chain verified over "
+            "14 records, 1 plans") in out
     path.write_text("\n".join(tampered(lines, 6, version=9)) + "\n")
     assert main(["replay", str(path)]) == 1  # a mismatch is a verdict (exit 1), not a usage error
     assert "error: line 7 " in capsys.readouterr().err
@@ -185,3 +186,23 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
         raw.r.hset(raw.keys.plan(plan_id), "new_phy2log", new[:, ::-1].copy().tobytes())
         assert main(["replay", str(path), "--redis-url", redis_url, "--cluster", cluster]) == 1
         assert "gives a different new_phy2log" in capsys.readouterr().err
+
+
+# ---- the audited reasons a replay reads back -----------------------------------------------------------------------
+def test_reasons_parse_what_the_coordinator_writes():
+    from fdeplb.orchestration import reasons
+
+    stale = {3: 2412, 1: 5000}
+    assert reasons.refusal(stale) == "start refused: stale ranks 1 (heartbeat 5000 ms ago), 3 (heartbeat 2412 ms ago)"
+    assert reasons.parse_refusal(reasons.refusal(stale)) == stale
+    beats = {0: (12, 2000), 1: (7, 0)}
+    assert reasons.fresh(beats) == "start after a refusal: heartbeats 0 12 ms ago (ttl 2000 ms), 1 7 ms ago (no ttl)"
+    assert reasons.parse_fresh(reasons.fresh(beats)) == beats
+    for bad in ("", "start refused: stale ranks ", "start refused: stale ranks one (heartbeat 5 ms ago)",
+                "start after a refusal: heartbeats 0 12 ms ago"):
+        assert reasons.parse_refusal(bad) is None and reasons.parse_fresh(bad) is None
+    assert reasons.gate(0.5, 0.7, 3, 0.1) is None  # moves experts and gains more than min_gain: the round goes on
+    assert reasons.gate(0.5, 0.55, 3, 0.1) == ("gated: skipped: planned gain 0.0500 <= min_gain 0.1 (balancedness "
+                                               "0.5000 -> 0.5500, 3 moved experts)")
+    assert reasons.gate(0.5, 0.7, 0, 0.0).startswith("gated: skipped: the plan moves no expert")
+    assert reasons.external_commit("") == "external commit requested by operator"

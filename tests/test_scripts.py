@@ -17,6 +17,7 @@ from fdeplb.store.scripts import (
     COMMIT_KEYS,
     LEASE_ARGV,
     LEASE_KEYS,
+    SIGNAL_MAXLEN,
     commit_call,
     lease_call,
     script_text,
@@ -43,11 +44,11 @@ def test_python_slot_names_match_the_lua_headers():
 def test_key_strings_are_pinned():
     k = Keys("c1")
     assert (k.rearrange, k.rank(3), k.weights(3), k.load(3), k.snapshot(7), k.plan("ab"), k.placement, k.audit,
-            k.audit_head, k.events, k.lease, k.fence, k.ranks, k.config) == (
+            k.audit_head, k.events, k.signal, k.lease, k.fence, k.ranks, k.config) == (
         "fdeplb:{c1}:rearrange", "fdeplb:{c1}:rank:3", "fdeplb:{c1}:weights:3", "fdeplb:{c1}:load:3",
         "fdeplb:{c1}:snapshot:7", "fdeplb:{c1}:plan:ab", "fdeplb:{c1}:placement", "fdeplb:{c1}:audit",
-        "fdeplb:{c1}:audit_head", "fdeplb:{c1}:events", "fdeplb:{c1}:lease", "fdeplb:{c1}:fence",
-        "fdeplb:{c1}:ranks", "fdeplb:{c1}:config")
+        "fdeplb:{c1}:audit_head", "fdeplb:{c1}:events", "fdeplb:{c1}:signal", "fdeplb:{c1}:lease",
+        "fdeplb:{c1}:fence", "fdeplb:{c1}:ranks", "fdeplb:{c1}:config")
 
 
 def test_every_key_of_a_cluster_shares_one_hash_slot():
@@ -55,7 +56,7 @@ def test_every_key_of_a_cluster_shares_one_hash_slot():
 
     k = Keys("c1")
     keys = [k.rearrange, k.rank(0), k.weights(9), k.load(1), k.snapshot(1), k.plan("x"), k.placement, k.audit,
-            k.audit_head, k.events, k.lease, k.fence, k.ranks, k.config]
+            k.audit_head, k.events, k.signal, k.lease, k.fence, k.ranks, k.config]
     assert len({key_slot(key.encode()) for key in keys}) == 1
 
 
@@ -66,7 +67,7 @@ def test_commit_call_lays_out_per_rank_guards_after_the_fixed_keys():
                        new_state=spec.dest, fields={"deadline_ms": "0"}, audit={"machine": "cluster"},
                        guards=spec.guards, effect=spec.effect, plan_id="p1", plan_key=k.plan("p1"), ep_size=3)
     assert call.keys[:len(COMMIT_KEYS)] == [k.rearrange, k.audit, k.lease, k.rearrange, k.placement, k.plan("p1"),
-                                            k.audit_head]
+                                            k.audit_head, k.signal]
     assert call.keys[len(COMMIT_KEYS):] == [k.rank(0), k.rank(1), k.rank(2)]
     args = dict(zip(COMMIT_ARGV, call.args))
     guards = json.loads(args["guards"])
@@ -106,6 +107,28 @@ def test_commit_lua_good_call_writes_record_and_audit(raw):
     assert rec[b"state"] == b"UPDATING" and rec[b"version"] == b"1" and rec[b"reason"] == b"r"
     [(entry_id, fields)] = raw.r.xrange(raw.keys.audit)
     assert entry_id == reply[2] and fields[b"version"] == b"1" and fields[b"ts_ms"] == reply[3]
+
+
+def test_only_transitions_marked_wakes_ranks_signal_the_rank_agents(raw):
+    """A rank's or weight record's commit wakes no agent; a cluster transition marked ``wakes_ranks`` appends one
+    signal entry, capped at SIGNAL_MAXLEN (the literal commit.lua writes). Only "plan" and "loaded" (into states
+    where no rank has work) are silent."""
+    assert {t.trigger for t in CLUSTER.transitions if not t.wakes_ranks} == {"plan", "loaded"}
+    assert not any(t.wakes_ranks for table in (RANK, WEIGHTS) for t in table.transitions)
+    assert f"'MAXLEN', '~', '{SIGNAL_MAXLEN}'" in script_text("commit")
+    raw.force(raw.keys.weights(0), "NORMAL", version=0)
+    assert run_commit(raw)[0] == b"OK"
+    assert raw.r.xlen(raw.keys.signal) == 0
+    raw.force(raw.keys.rearrange, "FREE", version=2)
+    raw.r.hset(raw.keys.rearrange, "round", "7")
+    k = raw.keys
+    spec = CLUSTER.spec("FREE", "start")
+    call = commit_call(k, record_key=k.rearrange, expected_state=spec.sources[0], expected_version=2, fence="",
+                       new_state=spec.dest, fields={}, audit={"machine": "cluster"}, guards=(),
+                       effect=spec.effect, plan_id="", plan_key=k.plan("_none"), ep_size=2, signal=spec.wakes_ranks)
+    assert raw.r.register_script(script_text("commit"))(keys=call.keys, args=call.args)[0] == b"OK"
+    [(_, fields)] = raw.r.xrange(k.signal)
+    assert fields == {b"state": b"COLLECTING", b"round": b"7", b"version": b"3"}
 
 
 @pytest.mark.parametrize("case,code", [

@@ -119,7 +119,7 @@ def commit(store: Store) -> Reply:
     if rec.state is not ClusterState.LOAD_SUCC:
         return refuse(f"actual status {CLUSTER.to_code(rec.state)} ({rec.state}), expect status 2 (LOAD_SUCC)")
     try:
-        store.request_commit(rec.plan_id)
+        store.request_commit(rec.plan_id, by="http")
     except StateError as err:
         return refuse(str(err))
     log.info("commit requested", round=rec.round, plan_id=rec.plan_id)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -21,6 +22,10 @@ from fdeplb.errors import (AuthError, FdeplbError, InputError, NotFoundError, Re
 _STATUS_ERRORS = {400: InputError, 401: AuthError, 404: NotFoundError, 409: StateError, 413: InputError,
                   503: RedisUnavailableError}
 TIMEOUT_S = 30.0
+#: records per ``GET /v1/audit`` page (at most the server's limit, fdeplb.api.service.MAX_AUDIT_LIMIT)
+AUDIT_PAGE = 10_000
+#: how long one ``audit --url --follow`` request long-polls (ms)
+FOLLOW_WAIT_MS = 10_000
 
 
 class ApiClient:
@@ -105,31 +110,49 @@ def _entry(record: dict[str, Any]):
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    """``fdeplb audit --url``: page through ``GET /v1/audit`` (filters applied here, as over Redis), printing as
+    the pages come; ``--limit N`` stops after N printed records, ``--follow`` long-polls for new ones. The options
+    are checked by :func:`fdeplb.cli.views.check_audit_args` before this is called."""
     from fdeplb.cli.views import format_audit, select
     from fdeplb.recording import audit_dict
 
-    if args.round is not None and args.round < 0:
-        raise InputError(f"--round must be >= 0, got {args.round}")
     if args.export is not None:
         raise InputError("--export writes a self-contained recording (snapshots and plans too): use --redis-url")
     client = ApiClient(args.url, args.credentials_file)
-    since, entries = None, []
-    while True:  # page through everything there is
-        page = client.get("/v1/audit", since=since, limit=10_000)
-        entries += [_entry(r) for r in page["records"]]
-        since = page["last_id"]
-        if len(page["records"]) < 10_000:
-            break
-    chosen = select(entries, round_=args.round, machine=args.machine, rank=args.rank)
+    filtered = args.round is not None or args.machine is not None or args.rank is not None
+    # unfiltered, the server stops at --limit itself; filtered, the records to print are only known here
+    page_size = min(args.limit, AUDIT_PAGE) if args.limit is not None and not filtered else AUDIT_PAGE
+    printed = 0
 
-    def show(items) -> None:
-        for entry in items:
+    def show(records: list[dict[str, Any]]) -> bool:
+        """Print the selected ones of ``records``; False once --limit records are printed."""
+        nonlocal printed
+        chosen = select([_entry(r) for r in records], round_=args.round, machine=args.machine, rank=args.rank)
+        for entry in chosen:
             sys.stdout.write((json.dumps(audit_dict(entry)) if args.json else format_audit(entry)) + "\n")
+            printed += 1
+            if args.limit is not None and printed >= args.limit:
+                sys.stdout.flush()
+                return False
         sys.stdout.flush()
+        return True
 
-    show(chosen)
-    while args.follow:
-        page = client.get("/v1/audit", since=since, limit=10_000, wait_ms=10_000)
-        since = page["last_id"]
-        show(select([_entry(r) for r in page["records"]], round_=args.round, machine=args.machine, rank=args.rank))
+    since = None
+    try:
+        while True:  # everything there is so far
+            page = client.get("/v1/audit", since=since, limit=page_size)
+            since = page["last_id"]
+            if not show(page["records"]):
+                return 0
+            if len(page["records"]) < page_size:
+                break
+        while args.follow:
+            page = client.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
+            since = page["last_id"]
+            if not show(page["records"]):
+                return 0
+    except BrokenPipeError:  # `fdeplb audit --url ... | head`: the reader has what it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt:  # Ctrl-C ends --follow
+        sys.stdout.flush()
     return 0

@@ -129,7 +129,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
         raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
-        store.request_commit(args.commit)
+        store.request_commit(args.commit, by="cli")
         print(f"commit of plan {args.commit} requested")
         return 0
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))

@@ -18,7 +18,7 @@ INSECURE_WARNING = ("WARNING: --insecure-no-auth: the API accepts every request 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a cluster's HTTP API (FastDeploy's EPLB routes, state, metrics)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--redis-url", required=True)
     p.add_argument("--cluster", required=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")

@@ -24,7 +24,7 @@ STALE_EXIT = 1
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("statecharts", help="write the machines' state diagrams (Mermaid, DOT, SVG)",
-                       description=__doc__)
+                       description=__doc__.replace("``", "`"))
     p.add_argument("--out", type=Path, default=None,
                    help="folder to write or check (default: statecharts/ of the checkout fdeplb runs from)")
     p.add_argument("--check", action="store_true",

@@ -5,7 +5,8 @@
   (``--export FILE [--round N]``, :mod:`fdeplb.recording`) for ``replay``.
 - ``status`` shows every machine's record now: the cluster rearrangement (state and FastDeploy code, round, plan,
   deadline left, reason, alarm, lease holder), each rank (rank state and load result, weight status, plan,
-  heartbeat age) and the current placement.
+  whether the routing tables it holds have the current placement's digest, heartbeat age) and the current
+  placement.
 - ``replay`` replays a recording with no Redis (:mod:`fdeplb.replay`): every transition, fence, guard and chain,
   every plan recomputed from its snapshot; ``--until`` stops at a record, ``--into`` rebuilds it in a Redis,
   ``--policy`` replans every round with another policy (what-if). Exit 0 when it replays, 1 on a mismatch (naming
@@ -27,7 +28,7 @@ from typing import Any, Iterable, TextIO
 
 from fdeplb.cli._common import open_store
 from fdeplb.errors import InputError, NotFoundError
-from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS, ClusterState
+from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS, ClusterState, RankState
 from fdeplb.recording import audit_dict, export_recording
 
 #: how long one ``audit --follow`` read blocks before it checks again (ms)
@@ -66,9 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = sub.add_parser("replay", help="replay a recording through the machine tables, with no Redis",
                        description="Replay a recording (`fdeplb audit --export`) with no Redis: every record must "
                                    "follow from the ones before it (from-state, trigger, to-state, version, fence, "
-                                   "the guards across records, the audit chain) and every plan must reproduce from "
-                                   "its snapshot. Exit 0 when it replays, 1 on a mismatch naming the first bad "
-                                   "line, 2 on a usage error.")
+                                   "the guards across records, the audit chain) and every plan, and every gated "
+                                   "round's numbers, must reproduce from its snapshot. Exit 0 when it replays, 1 "
+                                   "on a mismatch naming the first bad line, 2 on a usage error.")
     r.add_argument("file", type=Path, metavar="FILE.jsonl", help="recording written by `fdeplb audit --export`")
     r.add_argument("--until", default=None, metavar="VERSION|ID",
                    help="stop after the audit record with this id, or the cluster record's transition to this "
@@ -139,20 +140,29 @@ def _utc(ts_ms: str) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
 
 
-def run_audit(args: argparse.Namespace) -> int:
-    if _through_http(args):
-        from fdeplb.cli.http_client import run_audit as run_http_audit
-
-        return run_http_audit(args)
+def check_audit_args(args: argparse.Namespace) -> None:
+    """The checks of ``fdeplb audit``'s options that need no cluster (both over Redis and over ``--url``):
+    InputError naming the option."""
     if args.round is not None and args.round < 0:
         raise InputError(f"--round must be >= 0, got {args.round}")
     if args.limit is not None and args.limit < 1:
         raise InputError(f"--limit must be >= 1, got {args.limit}")
+    if args.rank is not None and args.rank < 0:
+        raise InputError(f"--rank must be >= 0, got {args.rank}")
     if args.rank is not None and args.machine == CLUSTER.name:
         raise InputError("--rank selects rank and weights records; it cannot be combined with --machine cluster")
     if args.export is not None and (args.machine or args.rank is not None or args.follow or args.json):
         raise InputError("--export writes a self-contained recording: only --round narrows it (--machine, --rank, "
                          "--follow, --json do not apply)")
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    http = _through_http(args)
+    check_audit_args(args)
+    if http:
+        from fdeplb.cli.http_client import run_audit as run_http_audit
+
+        return run_http_audit(args)
     store = open_store(args.redis_url, args.cluster)
     if args.rank is not None and not 0 <= args.rank < store.ep_size():
         raise InputError(f"--rank {args.rank} outside the cluster's ranks 0..{store.ep_size() - 1}")
@@ -197,7 +207,16 @@ def run_audit(args: argparse.Namespace) -> int:
 def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str = "URL") -> dict[str, Any]:
     """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock).
     A rank whose heartbeat is older than ``stale_after_ms`` is ``stale``; a cordoned round in LOAD_SUCC comes with
-    its staged plan (``staged``: balancedness before/after, moved experts, the command that commits it)."""
+    its staged plan (``staged``: balancedness before/after, moved experts, the command that commits it).
+
+    Routing: each rank's ``routing`` compares the digest of the routing tables it reported holding
+    (``routing_digest``, written when it loads or swaps) with the current placement's
+    (``placement.routing_digest``, :func:`fdeplb.placement.routing_digest` of its phy2log): ``match``,
+    ``mismatch`` (listed in ``routing_mismatches``: the rank dispatches tokens differently from the others),
+    ``swap_pending`` (the cluster is SWAPPING and the rank has not swapped yet: its old tables are expected),
+    ``not_reported`` (no digest yet), or None (no rank record or no placement)."""
+    from fdeplb.placement import routing_digest
+
     config = store.read_config()
     now = store.now_ms()
     rec = store.read_cluster()
@@ -206,8 +225,9 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
     try:
         placement = store.current_placement()
         placement_plan, placement_version = placement.plan_id, placement.version
+        expected = routing_digest(placement.phy2log)
     except NotFoundError:
-        placement_plan, placement_version = None, None
+        placement_plan, placement_version, expected = None, None, None
     registered = store.rank_info()
     ranks = []
     for r in range(config.ep_size):
@@ -228,6 +248,8 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
             "weights": weights.state if weights else None,
             "weights_code": WEIGHTS.to_code(weights.state) if weights else None,
             "weights_version": weights.version if weights else None,
+            "routing_digest": (rank.routing_digest or None) if rank else None,
+            "routing": _routing(rank, expected, rec.state),
         })
     staged = None
     if config.cordoned and rec.plan_id and rec.state is ClusterState.LOAD_SUCC:
@@ -257,9 +279,23 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
             "lease_holder": lease.holder,
             "lease_ttl_ms": lease.ttl_ms,
         },
-        "placement": {"plan_id": placement_plan, "version": placement_version},
+        "placement": {"plan_id": placement_plan, "version": placement_version, "routing_digest": expected},
+        "routing_mismatches": [r["ep_rank"] for r in ranks if r["routing"] == "mismatch"],
         "ranks": ranks,
     }
+
+
+def _routing(rank, expected: str | None, cluster_state: ClusterState) -> str | None:
+    """How ``rank``'s reported routing digest compares with the placement's ``expected`` (see cluster_status)."""
+    if rank is None or expected is None:
+        return None
+    if not rank.routing_digest:
+        return "not_reported"
+    if rank.routing_digest == expected:
+        return "match"
+    if cluster_state is ClusterState.SWAPPING and rank.state is not RankState.SWAPPED:
+        return "swap_pending"
+    return "mismatch"
 
 
 def _maybe_record(store, table, ep_rank: int):
@@ -278,7 +314,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     c, cfg, p = status["rearrange"], status["config"], status["placement"]
     pid = p["plan_id"]
     out.write(f"cluster {status['cluster']}  (ep_size {cfg['ep_size']}, {cfg['num_logical_experts']} experts in "
-              f"{cfg['num_physical_experts']} slots x {cfg['num_layers']} layers, policy {cfg['policy']}"
+              f"{cfg['num_physical_experts']} slots x {cfg['num_layers']} layer{'' if cfg['num_layers'] == 1 else 's'}, policy {cfg['policy']}"
               f"{', cordoned' if cfg['cordoned'] else ''})\n")
     out.write(f"  rearrange  {c['state']} [{c['code']}]  v{c['version']}  round {c['round']} "
               f"(requested {c['requested']})  plan {c['plan_id'] or '-'}\n")
@@ -295,17 +331,31 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     out.write(f"  lease      {c['lease_holder'] or '- (no coordinator leads)'}"
               f"{'  (ttl ' + _ms(c['lease_ttl_ms']) + ')' if c['lease_holder'] else ''}\n")
     out.write(f"  placement  {'-' if pid is None else (pid or 'initial')}"
-              f"{'' if p['version'] is None else '  v' + str(p['version'])}\n")
+              f"{'' if p['version'] is None else '  v' + str(p['version'])}"
+              f"{'  routing digest ' + p['routing_digest'] if p.get('routing_digest') else ''}\n")
+    mismatches = status.get("routing_mismatches") or []
+    if mismatches:
+        out.write(f"  ROUTING MISMATCH  rank{'s' if len(mismatches) > 1 else ''} "
+                  f"{', '.join(map(str, mismatches))} hold{'' if len(mismatches) > 1 else 's'} routing tables that "
+                  f"differ from the placement's: tokens are dispatched inconsistently\n")
     out.write(f"  {'rank':<6}{'state':<12}{'load_result':<12}{'weights':<10}{'code':<6}{'plan':<18}{'live':<18}"
-              f"heartbeat\n")
+              f"{'routing':<14}heartbeat\n")
     for r in status["ranks"]:
         live = "-" if r["live_plan_id"] is None else (r["live_plan_id"] or "initial")
+        routing = _ROUTING_TEXT.get(r.get("routing"), "-")
+        bad = (f"  ROUTING MISMATCH (digest {r['routing_digest']} != {p['routing_digest']})"
+               if r.get("routing") == "mismatch" else "")
         line = (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
-                f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}"
+                f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}{routing:<14}"
                 f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
                 f"{'' if r['registered'] else 'not registered'}"
-                f"{'  STALE (> ' + _ms(status['stale_after_ms']) + ')' if r.get('stale') else ''}")
+                f"{'  STALE (> ' + _ms(status['stale_after_ms']) + ')' if r.get('stale') else ''}"
+                f"{bad}")
         out.write(line.rstrip() + "\n")
+
+
+#: the routing column of ``status``'s text (see :func:`cluster_status` for the values)
+_ROUTING_TEXT = {"match": "ok", "mismatch": "MISMATCH", "swap_pending": "swap pending", "not_reported": "unreported"}
 
 
 def _opt(value: Any) -> str:
@@ -330,7 +380,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 # ---- replay --------------------------------------------------------------------------------------------------------
 def run_replay(args: argparse.Namespace) -> int:
-    from fdeplb.replay import Recorded, ReplayError, check_plans, rebuild, replay_file, whatif
+    from fdeplb.replay import Recorded, ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
     from fdeplb.store import Store
 
     if args.into is not None and args.redis_url is not None:
@@ -346,6 +396,8 @@ def run_replay(args: argparse.Namespace) -> int:
         check_plans(open_store(args.redis_url, args.cluster), report)
     elif report.header is not None:
         check_plans(Recorded(report), report)
+    if report.header is not None:
+        check_gates(report)
     rows = whatif(report, args.policy) if args.policy is not None else None
     written = rebuild(report, into) if into is not None else None
     if args.json:
@@ -367,9 +419,11 @@ def run_replay(args: argparse.Namespace) -> int:
         plans = f", {len(report.plans_checked)} plans recomputed and identical"
         if report.plans_unchecked:
             plans += f", {len(report.plans_unchecked)} pruned before the export (not checked)"
+        if report.gates_checked:
+            plans += f", {len(report.gates_checked)} gated rounds recomputed and identical"
     chain = f", chain verified over {report.chained} records" if report.chained else ", no chain (old export)"
     print(f"replay OK: {report.transitions} transitions of {len(report.final)} records, "
-          f"{report.skipped} alarms{chain}{plans}")
+          f"{report.skipped} notes (alarms, skips, start refusals){chain}{plans}")
     if rows is not None:
         print_whatif(rows, sys.stdout)
     if written is not None:

@@ -108,6 +108,10 @@ class TransitionSpec:
     guards: tuple[Guard, ...] = ()
     effect: Effect = Effect.NONE  # extra write in the same atomic step
     doc: str = ""
+    #: the commit also appends to the cluster's signal stream, waking every rank agent: set on the cluster
+    #: transitions into a state where a rank has work (publish its load, stage, swap, finish, drop a staging,
+    #: carry out a weight request waiting for FREE); "plan" and "loaded" wake no rank
+    wakes_ranks: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # one object per machine: compared and hashed by identity
@@ -218,13 +222,13 @@ CLUSTER = MachineTable(
     doc="One per cluster, driven by the coordinator that holds the lease (every commit is fenced).",
     transitions=(
         TransitionSpec(
-            "start", (C.FREE,), C.COLLECTING,
+            "start", (C.FREE,), C.COLLECTING, wakes_ranks=True,
             guards=(Guard(GuardKind.RANKS_IN, state=R.IDLE), Guard(GuardKind.WEIGHTS_IN, state=W.NORMAL)),
             doc="open a round; freezes the load window of every rank",
         ),
         TransitionSpec("plan", (C.COLLECTING,), C.PLANNING, doc="the round's load snapshot is stored"),
         TransitionSpec(
-            "load", (C.PLANNING,), C.LOADING, guards=(Guard(GuardKind.PLAN_STORED),),
+            "load", (C.PLANNING,), C.LOADING, guards=(Guard(GuardKind.PLAN_STORED),), wakes_ranks=True,
             doc="the plan is stored; ranks stage the experts their new slots need",
         ),
         TransitionSpec(
@@ -233,18 +237,19 @@ CLUSTER = MachineTable(
             doc="every rank staged this plan",
         ),
         TransitionSpec(
-            "commit", (C.LOAD_SUCC,), C.SWAPPING, effect=Effect.SET_PLACEMENT,
+            "commit", (C.LOAD_SUCC,), C.SWAPPING, effect=Effect.SET_PLACEMENT, wakes_ranks=True,
             guards=(Guard(GuardKind.RANKS_IN, state=R.LOADED, same_plan=True),),
             doc="commit point: the plan becomes the cluster's current placement in the same step; every rank "
                 "must still hold its staging (none failed since LOAD_SUCC)",
         ),
         TransitionSpec(
             "swapped", (C.SWAPPING,), C.DONE,
-            guards=(Guard(GuardKind.RANKS_IN, state=R.SWAPPED, same_plan=True),),
+            guards=(Guard(GuardKind.RANKS_IN, state=R.SWAPPED, same_plan=True),), wakes_ranks=True,
             doc="every rank swapped its slots and routing tables",
         ),
-        TransitionSpec("release", (C.DONE,), C.FREE, doc="round finished"),
-        TransitionSpec("abort", _PRE_COMMIT, C.FREE, doc="before the commit point only; old placement stays"),
+        TransitionSpec("release", (C.DONE,), C.FREE, wakes_ranks=True, doc="round finished"),
+        TransitionSpec("abort", _PRE_COMMIT, C.FREE, wakes_ranks=True,
+                       doc="before the commit point only; old placement stays"),
     ),
 )
 

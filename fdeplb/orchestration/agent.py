@@ -211,6 +211,8 @@ class RankAgent:
         self._in_safe_point = False
         self._live_phy2log: np.ndarray | None = None
         self._next_publish = 0.0
+        self._published_round = -1  # the newest round this agent knows its window was published for
+        self._plan_read: tuple[str, np.ndarray | None] = ("", None)  # (plan_id, its new phy2log)
         self._hb = (0.0, 0, 0.0)  # (monotonic time, steps, steps_per_s) of the last heartbeat
         self._clear_stat_seen = 0
         self._swap_attempts: dict[str, int] = {}
@@ -262,7 +264,7 @@ class RankAgent:
         retried after 1 s. The worker's live experts keep serving either way."""
         if self.backend is None:
             self.start()
-        cursor = self.store.cursor()
+        cursor = self.store.signal_cursor()  # wakes on cluster-record changes only (not every rank's transitions)
         while not self.stop_event.is_set():
             try:
                 try:
@@ -274,7 +276,7 @@ class RankAgent:
                     return
                 if not progressed:
                     self._heartbeat()
-                    self.store.wait(cursor, block_ms)
+                    self.store.wait(cursor, self._wait_ms(block_ms))
             except RedisUnavailableError as err:  # Redis away: the live experts keep serving
                 self.log.warning("redis unavailable", error=str(err))
                 self.stop_event.wait(0.5)
@@ -286,24 +288,47 @@ class RankAgent:
                     pass
                 self.stop_event.wait(1.0)
 
+    def _wait_ms(self, block_ms: int) -> int:
+        """How long the loop may block: ``block_ms``, cut short by the next heartbeat and the next periodic
+        load publication (both are timers, not wake-ups)."""
+        now = time.monotonic()
+        due = self._hb[0] + self.heartbeat_ttl_ms / 4000
+        if self.publish_interval_s:
+            due = min(due, self._next_publish)
+        return max(1, min(int(block_ms), int((due - now) * 1000) + 1))
+
     def step(self) -> bool:
         """One reconcile step; True if it changed something (the caller loops without waiting)."""
-        cluster = self.store.read_cluster()
-        me = self.rank.read()
-        failpoint("rank.hang", me.state,
-                  lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
+        cluster, me, weights = self.store.read_view(self.ep_rank)
+        self._failpoint(me)
         if cluster.clear_stat_request > self._clear_stat_seen:
             self.window.clear()
             self._clear_stat_seen = cluster.clear_stat_request
             self.rank.update(clear_stat=cluster.clear_stat_request)
-        if cluster.state is ClusterState.COLLECTING and self._publish_load(cluster):
-            return True
+        if cluster.state is ClusterState.COLLECTING:
+            self._publish_load(cluster)  # nothing else to do for it: no second look needed
         if self.publish_interval_s and time.monotonic() >= self._next_publish:
             self._next_publish = time.monotonic() + self.publish_interval_s
             self.store.publish_load(self.ep_rank, cluster.round, self.load_source(cluster.round).astype(np.int64))
-        if self._weights_step(cluster):
+        if self._weights_step(cluster, weights):
             return True
-        return ENTRY_WORK[me.state](self, me, cluster)
+        self.rank.take_committed()
+        progressed = ENTRY_WORK[me.state](self, me, cluster)
+        # chain this rank's own transitions (stage -> staged, swap -> swapped) on the record the commit left,
+        # without reading it again: the cluster record read above is at most as stale as a fresh read would be
+        # by the time of the next commit, and every commit still checks version and guards in Redis
+        for _ in RankState:
+            after = self.rank.take_committed()
+            if not progressed or after is None:
+                break
+            self._failpoint(after)
+            progressed = ENTRY_WORK[after.state](self, after, cluster)
+        return progressed
+
+    def _failpoint(self, me: RankRecord) -> None:
+        """The ``rank.hang`` failpoint (tests): before the entry work of every rank state this agent runs."""
+        failpoint("rank.hang", me.state,
+                  lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
 
     # ---- the worker's side: record, safe points ------------------------------------------------------------------
     def record(self, counts: Any, *, physical: bool | None = None) -> None:
@@ -469,7 +494,7 @@ class RankAgent:
                              steps_per_s=round(rate, 3), **changes)
 
     # ---- weight status (dynamic clear / update) ---------------------------------------------------------------------
-    def _weights_step(self, cluster: ClusterRecord) -> bool:
+    def _weights_step(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
         """Carry out the cluster's latest weight request through this rank's weight-status machine: the transition
         into CLEARING / UPDATING is committed first (its guards: no clear or update while a round is past FREE),
         the work runs at the safe point of the request's switch step, the outcome is committed after
@@ -482,8 +507,7 @@ class RankAgent:
         request that still overtakes one (written between this rank's read of request n and its commit of the
         transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
         one step, but this rank then carries out the new request on its own, past that step, which raises the
-        late-switch alarm (:meth:`at_safe_point`, point 3)."""
-        w: WeightRecord = self.weights.read()
+        late-switch alarm (:meth:`at_safe_point`, point 3). ``w``: this rank's weight-status record as read."""
         n = cluster.weights_request
         arm = _Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
         if w.state is WeightState.CLEARING:
@@ -495,8 +519,9 @@ class RankAgent:
                 self.store.emit_event("alarm", rank=self.ep_rank, message=f"weight clear failed: {op.error}")
                 self.store.update(WEIGHTS, self.ep_rank, reason=f"clear failed: {op.error}")
                 return False
-            self.weights.fire("cleared", record=w, changes={"reason": ""})
+            # the rank's report first: whoever sees CLEARED sees when it was applied
             self.rank.update(**self._applied(op, cluster, f"weight clear {w.request}"))
+            self.weights.fire("cleared", record=w, changes={"reason": ""})
             return True
         if w.state is WeightState.UPDATING:
             placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
@@ -508,6 +533,9 @@ class RankAgent:
             if err is None and op.result[0] != op.result[1]:
                 err = VerificationError(f"{op.result[1] - op.result[0]} of {op.result[1]} slots differ from the "
                                         "checkpoint after the update")
+            if err is None:
+                applied["live_plan_id"] = placement.plan_id
+            self.rank.update(**applied)  # the rank's report first: whoever sees the outcome sees when it applied
             if err is not None:
                 reason = f"update failed: {err}"
                 self.log.error("weight update failed", error=str(err))
@@ -517,8 +545,6 @@ class RankAgent:
                 self.live_plan_id = placement.plan_id
                 self.weights.fire("updated", record=w, plan_id=placement.plan_id,
                                   changes={"plan_id": placement.plan_id, "reason": ""})
-                applied["live_plan_id"] = placement.plan_id
-            self.rank.update(**applied)
             return True
         if w.request >= n:
             return False
@@ -541,8 +567,9 @@ class RankAgent:
     # ---- collecting -----------------------------------------------------------------------------------------------
     def _publish_load(self, cluster: ClusterRecord) -> bool:
         round_ = cluster.round
-        published = self.store.load_round(self.ep_rank)
-        if (published is not None and published >= round_) or self._load_failed_round == round_:
+        if self._published_round < 0:  # a fresh process: a previous one may have published for this round
+            self._published_round = self.store.load_round(self.ep_rank) or 0
+        if self._published_round >= round_ or self._load_failed_round == round_:
             return False
         expected = (self.config.num_layers, self.config.num_logical_experts)
         try:
@@ -556,6 +583,7 @@ class RankAgent:
             self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
             return False
         self.store.publish_load(self.ep_rank, round_, window)
+        self._published_round = round_
         return True
 
     # ---- helpers --------------------------------------------------------------------------------------------------
@@ -565,10 +593,13 @@ class RankAgent:
                                                                 ClusterState.SWAPPING)
 
     def _new_phy2log(self, plan_id: str) -> np.ndarray:
-        new = self.store.plan_phy2log(plan_id)
-        if new is None:
-            raise WeightError(f"plan {plan_id} has no new_phy2log")
-        return new
+        """The plan's new phy2log, read once per plan (plans are content-addressed and write-once)."""
+        if self._plan_read[0] != plan_id:
+            new = self.store.plan_phy2log(plan_id)
+            if new is None:
+                raise WeightError(f"plan {plan_id} has no new_phy2log")
+            self._plan_read = (plan_id, new)
+        return self._plan_read[1]
 
     def _stage(self, plan_id: str) -> dict[str, Any]:
         """Stage the experts the plan needs on this rank (idempotent: reuses a staging of the same plan); returns

@@ -25,9 +25,11 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
     RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
+from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
+from fdeplb.store.redis_store import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -71,7 +73,9 @@ class Coordinator:
     rank that has already passed it).
 
     Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
-    audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits.
+    audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
+    that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
+    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again.
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
@@ -96,6 +100,7 @@ class Coordinator:
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
         self._handle: RecordHandle | None = None
+        self._plan_checked = ""  # the plan_id whose stored new_phy2log this coordinator has validated
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
 
     # ---- leadership -----------------------------------------------------------------------------------------------
@@ -229,15 +234,22 @@ class Coordinator:
         left = rec.deadline_ms - self.store.now_ms()
         return left <= 0, max(left, 0)
 
-    def _abort(self, rec: ClusterRecord, reason: str) -> Step:
+    def _abort(self, rec: ClusterRecord, reason: str, **skipped: float) -> Step:
+        """Fire ``abort`` with ``reason`` (audited). ``skipped``: the numbers of a gated skip (the planned gain is
+        at most min_gain, or nothing moves), logged as an info "skip" with them: not a failure."""
         reason = reason[:2000]
-        self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
-        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
+        if skipped:
+            self.log.info("skip", round=rec.round, state=rec.state, reason=reason, **skipped)
+        else:
+            self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
         self._prune(rec)
+        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         return True, None
 
     def _prune(self, rec: ClusterRecord) -> None:
-        """After a round ended (released or aborted): drop snapshots and plans older than the last
+        """As a round ends, just before its release or abort commits (so whoever sees the cluster FREE sees the
+        store pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots
+        and plans older than the last
         ``retain_rounds`` rounds, keeping the current placement's plan; record what went in the cluster record's
         ``pruned`` field and a ``pruned`` event; with ``audit_keep`` set, export and trim the audit stream.
         Never fails the round: an error is logged and the next round's end prunes again."""
@@ -260,10 +272,10 @@ class Coordinator:
     def _on_free(self, rec: ClusterRecord) -> Step:
         if rec.requested <= rec.round:
             return self._periodic(rec)
-        stale = self.store.stale_ranks()
+        beats = self.store.heartbeats()
+        stale = stale_of(beats)
         if stale:
-            reason = "start refused: stale ranks " + ", ".join(f"{r} (heartbeat {ms} ms ago)"
-                                                              for r, ms in sorted(stale.items()))
+            reason = reasons.refusal(stale)
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
                 self._refused_ranks = sorted(stale)
                 self.log.warning("start refused", stale=stale)
@@ -272,10 +284,12 @@ class Coordinator:
                 self.store.emit_event("start_refused", reason=reason)
             return False, self.lease_ms // 3
         self._refused_ranks = None
+        # after a refusal (also one by a previous leader: it is the record's reason), the start shows why it may go
+        why = reasons.fresh(beats) if rec.reason.startswith(reasons.REFUSED) else ""
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.round + 1
         try:
-            self._fire(rec, "start", plan_id="", round_=round_,
+            self._fire(rec, "start", plan_id="", round_=round_, reason=why,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
             self.log.info("start waits", reason=str(err))
@@ -340,22 +354,25 @@ class Coordinator:
                 frozen = True
         # ---- end issue 12
         if not frozen:
-            missing, loads = [], []
-            for r in range(self.config.ep_size):
-                try:
-                    window = self.store.read_load(r)
-                except CorruptRecordError as err:  # the agent publishes a fresh window next round
-                    self.store.drop_load(r)
-                    return self._abort(rec, f"load window of rank {r} is corrupt: {err}")
-                if window is None or window.round < round_:
-                    missing.append(r)
-                else:
-                    loads.append((r, window.expert_load))
-            if missing:
+            # which windows are there: one field per rank (the windows themselves are read once, when all are)
+            found: list = self.store.load_rounds()
+            complete = all(isinstance(at, int) and at >= round_ for at in found)
+            if complete:
+                found = self.store.read_loads()
+                complete = all(w is not None and (isinstance(w, CorruptRecordError) or w.round >= round_)
+                               for w in found)
+            corrupt = [(r, err) for r, err in enumerate(found) if isinstance(err, CorruptRecordError)]
+            if corrupt:  # the agent publishes a fresh window next round
+                self.store.drop_load(corrupt[0][0])
+                return self._abort(rec, f"load window of rank {corrupt[0][0]} is corrupt: {corrupt[0][1]}")
+            if not complete:
+                missing = [r for r, at in enumerate(found)
+                           if at is None or (at if isinstance(at, int) else at.round) < round_]
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
                 return False, left
+            loads = [(r, window.expert_load) for r, window in enumerate(found)]
             total = np.zeros_like(loads[0][1], dtype=np.int64)
             for r, load in loads:  # every window is in [0, 2**53] and so is the sum so far: exact in int64
                 total += load
@@ -397,11 +414,10 @@ class Coordinator:
         before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
         after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
         moved = int(moved_experts(old, new, cfg.ep_size))
-        if moved == 0 or after - before <= cfg.min_gain:  # the rule: skip unless it moves and gains > min_gain
-            why = (f"planned gain {after - before:.4f} <= min_gain {cfg.min_gain}" if after - before <= cfg.min_gain
-                   else "the plan moves no expert")
-            return self._abort(rec, f"gated: skipped: {why} (balancedness {before:.4f} -> {after:.4f}, "
-                                    f"{moved} moved experts)")
+        skip = reasons.gate(before, after, moved, cfg.min_gain)  # skip unless it moves and gains > min_gain
+        if skip:
+            return self._abort(rec, skip, balancedness_before=round(before, 4), balancedness_after=round(after, 4),
+                               gain=round(after - before, 4), min_gain=cfg.min_gain, moved_experts=moved)
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
@@ -417,20 +433,25 @@ class Coordinator:
         return [(r, x.reason) for r, x in enumerate(ranks)
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
 
-    def _check_plan(self, rec: ClusterRecord) -> str | None:
+    def _check_plan(self, rec: ClusterRecord, *, whole: bool) -> str | None:
         """The round's stored plan is there and valid (what the agents stage); else why not, with the plan
-        dropped so that the next round computes it again."""
+        dropped so that the next round computes it again. Unless ``whole`` (LOAD_SUCC: the last look before the
+        commit point), a plan this coordinator validated before is only checked to exist (LOADING wakes once
+        per rank transition)."""
+        if not whole and rec.plan_id == self._plan_checked:
+            return None if self.store.has_plan(rec.plan_id) else f"plan {rec.plan_id} is no longer stored"
         try:
             if self.store.plan_phy2log(rec.plan_id) is None:
                 return f"plan {rec.plan_id} is no longer stored"
         except CorruptRecordError as err:
             self.store.drop_plan(rec.plan_id)
             return f"stored plan {rec.plan_id} is corrupt: {err}"
+        self._plan_checked = rec.plan_id
         return None
 
     def _on_loading(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        problem = self._check_plan(rec)
+        problem = self._check_plan(rec, whole=False)
         if problem:
             return self._abort(rec, problem)
         ranks = self._rank_records()
@@ -449,7 +470,7 @@ class Coordinator:
 
     def _on_load_succ(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        problem = self._check_plan(rec)
+        problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
         failed = self._failed(self._rank_records(), plan_id)
@@ -462,7 +483,8 @@ class Coordinator:
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
         # switch_step 0: not fixed yet; the ranks fix it once all are armed for this swap (Store.arm_switch)
-        self._fire(rec, "commit", changes={"deadline_ms": deadline, "switch_step": 0})
+        why = reasons.external_commit(rec.commit_requested_by) if self.config.cordoned else ""
+        self._fire(rec, "commit", reason=why, changes={"deadline_ms": deadline, "switch_step": 0})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:
@@ -487,8 +509,8 @@ class Coordinator:
             self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
 
     def _on_done(self, rec: ClusterRecord) -> Step:
-        self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         self._prune(rec)
+        self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None
 
 

@@ -7,6 +7,7 @@ Lua script (state + version + fence + guards + audit in one step). Memory change
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ class Fired:
     before: Any
     state: StateEnum
     commit: CommitResult
+    after: Any
+    """The record as the commit left it (state, version, updated_ms and the written ``changes``), without a read."""
 
 
 class RecordHandle:
@@ -40,6 +43,7 @@ class RecordHandle:
         self.label = table.name if table is CLUSTER else f"{table.name}:{int(ep_rank)}"
         self._machine = None  # built on first fire, then reused (building one per call costs ~0.2 ms)
         self._mirror: RecordModel | None = None
+        self.committed: Any = None  # see take_committed
 
     def ensure(self) -> bool:
         """Create the record in the table's initial state if it does not exist (no audit: version 0)."""
@@ -74,7 +78,18 @@ class RecordHandle:
 
         model = self._model(rec, commit)
         state = model.fire(trigger)
-        return Fired(before=rec, state=state, commit=result["c"])
+        c = result["c"]
+        names = {f.name for f in dataclasses.fields(rec)}
+        after = dataclasses.replace(rec, state=state, version=c.version, updated_ms=c.ts_ms,
+                                    **{k: v for k, v in (changes or {}).items() if k in names})
+        self.committed = after
+        return Fired(before=rec, state=state, commit=c, after=after)
+
+    def take_committed(self) -> Any:
+        """The record as this handle's last commit left it, once (None if nothing was committed since the last
+        call): lets a reconcile loop run the next state's entry work without reading the record again."""
+        after, self.committed = self.committed, None
+        return after
 
     def _model(self, rec: Any, commit) -> RecordModel:
         """The handle's model, attached once to a machine of its table, moved (in memory) to ``rec``'s state."""

@@ -68,6 +68,13 @@ class Keys:
         return f"{self.prefix}:events"
 
     @property
+    def signal(self) -> str:
+        """stream: one entry per write of the cluster record that rank agents act on (a cluster transition, a
+        weight or clear-stat request); capped. Rank agents block on it instead of the audit stream, so a round
+        wakes each agent once per cluster transition, not once per rank transition (N, not N**2, wake-ups)."""
+        return f"{self.prefix}:signal"
+
+    @property
     def lease(self) -> str:
         """string: the coordinator lease, ``<fence>:<holder>``, with a TTL."""
         return f"{self.prefix}:lease"

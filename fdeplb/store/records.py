@@ -54,6 +54,9 @@ class ClusterRecord:
     """Who or what asked for the last round (operator, api, interval, ...)."""
     commit_requested: str = ""
     """plan_id an operator allowed to commit on a cordoned cluster ("" = none)."""
+    commit_requested_by: str = ""
+    """Who allowed it (``http``: the API's ``update_weight_from_tensor``; ``cli``: ``fdeplb rearrange --commit``);
+    the commit's audit record names it."""
     weights_request: int = 0
     """Weight clear/update requests so far; a rank carries out request n once (its record's ``request``)."""
     weights_action: str = ""

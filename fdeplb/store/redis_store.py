@@ -59,7 +59,7 @@ from fdeplb.store.records import (
     parse_record,
     record_type,
 )
-from fdeplb.store.scripts import audit_call, commit_call, lease_call, script_text, switch_call
+from fdeplb.store.scripts import SIGNAL_MAXLEN, audit_call, commit_call, lease_call, script_text, switch_call
 
 #: longest XREAD BLOCK any fdeplb waiter issues (ms); the socket timeout is set well above it.
 MAX_BLOCK_MS = 2_000
@@ -270,6 +270,21 @@ class Store:
             out.append(parse_record(record_type(table), key, _text(raw)))
         return out
 
+    def read_view(self, ep_rank: int) -> tuple[ClusterRecord, RankRecord, WeightRecord]:
+        """What a rank agent's reconcile step reads: the cluster record and ``ep_rank``'s rank and weight-status
+        records, in one round trip. :class:`NotFoundError` / :class:`CorruptRecordError` as :meth:`read`."""
+        tables = ((CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank))
+        keys = [self._record_key(t, r) for t, r in tables]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        out = []
+        for (table, _), key, raw in zip(tables, keys, pipe.execute()):
+            if not raw:
+                raise NotFoundError(f"no {table.name} record at {key}")
+            out.append(parse_record(record_type(table), key, _text(raw)))
+        return out[0], out[1], out[2]
+
     def ensure(self, table: MachineTable, ep_rank: int | None = None) -> bool:
         """Create the record in the table's initial state at version 0 unless it exists (both fields in one MULTI,
         so a crash cannot leave a record without a version); True if created."""
@@ -327,6 +342,7 @@ class Store:
             fence=fence, new_state=spec.dest, fields=encode_changes(record_type(table), changes or {}),
             audit={k: audit[k] for k in AUDIT_FIELDS}, guards=spec.guards, effect=spec.effect, plan_id=plan_id,
             plan_key=self._keys.plan(plan_id or "_none"), ep_size=self.ep_size() if per_rank else 0,
+            signal=spec.wakes_ranks,
         )
         reply = self._commit(keys=call.keys, args=call.args)
         status = _s(reply[0])
@@ -429,9 +445,10 @@ class Store:
         self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
         return serving
 
-    def request_commit(self, plan_id: str) -> None:
+    def request_commit(self, plan_id: str, by: str = "operator") -> None:
         """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
-        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction.
+        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction. ``by`` (who asked:
+        ``http``, ``cli``, ...) is kept in ``commit_requested_by`` and named in the commit's audit record.
 
         Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
         is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
@@ -448,12 +465,13 @@ class Store:
                             f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
                             f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
                     pipe.multi()
-                    pipe.hset(self._keys.rearrange, "commit_requested", plan_id)
+                    pipe.hset(self._keys.rearrange, mapping={"commit_requested": plan_id,
+                                                             "commit_requested_by": by})
                     pipe.execute()
                     break
                 except redis.WatchError:
                     continue
-        self.emit_event("commit_requested", plan_id=plan_id)
+        self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
     def request_weights(self, action: str, reason: str = "operator") -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
@@ -480,7 +498,8 @@ class Store:
                     pipe.hincrby(self._keys.rearrange, "weights_request", 1)
                     pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
                                                              "weights_switch_step": "0"})
-                    n, _ = pipe.execute()
+                    self._signal(pipe, "weights")
+                    n, _, _ = pipe.execute()
                     break
                 except redis.WatchError:
                     continue
@@ -557,8 +576,11 @@ class Store:
                              f"{(cfg.num_layers, cfg.num_logical_experts)}")
         mapping = {**arrays.encode("expert_load", counts),
                    "round": str(int(round_)), "published_ms": str(self.now_ms())}
-        self._client.hset(self._keys.load(ep_rank), mapping=mapping)
-        self.emit_event("load_published", rank=ep_rank, round=round_)
+        pipe = self._client.pipeline(transaction=True)  # the window and its wake-up event, one round trip
+        pipe.hset(self._keys.load(ep_rank), mapping=mapping)
+        pipe.xadd(self._keys.events, {"kind": "load_published", "rank": str(int(ep_rank)), "round": str(int(round_))},
+                  maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.execute()
 
     def load_round(self, ep_rank: int) -> int | None:
         """Round of ``ep_rank``'s last published window (None if it never published)."""
@@ -570,10 +592,43 @@ class Store:
         except ValueError:
             raise CorruptRecordError(f"{self._keys.load(ep_rank)}: round {_s(value)!r} is not an integer") from None
 
+    def load_rounds(self) -> list[int | CorruptRecordError | None]:
+        """Round of every rank's last published window (None: never published), ep_rank order, one round trip;
+        a round that is not an integer is returned as a :class:`CorruptRecordError` naming the key, not raised."""
+        keys = [self._keys.load(r) for r in range(self.ep_size())]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "round")
+        out: list[int | CorruptRecordError | None] = []
+        for key, value in zip(keys, pipe.execute()):
+            try:
+                out.append(None if value is None else int(value))
+            except ValueError:
+                out.append(CorruptRecordError(f"{key}: round {_s(value)!r} is not an integer"))
+        return out
+
     def read_load(self, ep_rank: int) -> LoadWindow | None:
-        """``ep_rank``'s last published window (None if it never published)."""
+        """``ep_rank``'s last published window (None if it never published); :class:`CorruptRecordError` naming
+        the key for a window of the wrong dtype, shape or range."""
+        return self._load_window(ep_rank, self._client.hgetall(self._keys.load(ep_rank)))
+
+    def read_loads(self) -> list[LoadWindow | CorruptRecordError | None]:
+        """Every rank's last published window, ep_rank order, one round trip; a window that does not parse is
+        returned as its :class:`CorruptRecordError` (the caller names the rank), not raised."""
+        pipe = self._client.pipeline(transaction=False)
+        for r in range(self.ep_size()):
+            pipe.hgetall(self._keys.load(r))
+        out: list[LoadWindow | CorruptRecordError | None] = []
+        for r, raw in enumerate(pipe.execute()):
+            try:
+                out.append(self._load_window(r, raw))
+            except CorruptRecordError as err:
+                out.append(err)
+        return out
+
+    def _load_window(self, ep_rank: int, raw: dict) -> LoadWindow | None:
         key = self._keys.load(ep_rank)
-        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        raw = {_s(k): v for k, v in raw.items()}
         if not raw:
             return None
         load = self._loads(key, self._array(key, "expert_load", raw))
@@ -643,6 +698,10 @@ class Store:
         key = self._keys.plan(plan_id)
         arr = self._array(key, "new_phy2log")
         return None if arr is None else self._table(key, arr, "new_phy2log")
+
+    def has_plan(self, plan_id: str) -> bool:
+        """Whether plan ``plan_id`` is stored (one EXISTS; its content is checked by :meth:`plan_phy2log`)."""
+        return bool(plan_id) and bool(self._client.exists(self._keys.plan(plan_id)))
 
     def current_placement(self) -> PlacementEntry:
         """The cluster's current placement; :class:`NotFoundError` if the cluster has none."""
@@ -717,6 +776,18 @@ class Store:
         body = {"kind": kind, **{k: str(v) for k, v in fields.items()}}
         return _s(self._client.xadd(self._keys.events, body, maxlen=EVENTS_MAXLEN, approximate=True))
 
+    def _signal(self, pipe: Any, what: str) -> None:
+        """Queue a signal-stream entry on ``pipe`` (in the same transaction as the cluster-record write it
+        announces): rank agents blocked in :meth:`wait` on a :meth:`signal_cursor` wake up."""
+        pipe.xadd(self._keys.signal, {"what": what}, maxlen=SIGNAL_MAXLEN, approximate=True)
+
+    def signal_cursor(self) -> Cursor:
+        """A position after the latest signal entry: what a rank agent waits on with :meth:`wait`. The signal
+        stream gets an entry per cluster transition (commit.lua) and per weight or clear-stat request, so an agent
+        wakes once per change of the cluster record, not once per audit record of every rank."""
+        last = self._client.xrevrange(self._keys.signal, count=1)
+        return {self._keys.signal: _s(last[0][0]) if last else "0-0"}
+
     def cursor(self, *, events_from: str | None = None) -> Cursor:
         """A position after the latest audit and events entries: where a new waiter starts reading.
         ``events_from`` starts the events stream at that id instead (e.g. "0-0": from its beginning)."""
@@ -729,8 +800,9 @@ class Store:
         return out
 
     def wait(self, cursor: Cursor, block_ms: int) -> list[AuditRecord]:
-        """Block until a new audit or event entry appears after ``cursor`` (updated in place) or ``block_ms``
-        passed; returns the new entries (audit records have a ``machine`` field, events a ``kind``).
+        """Block until a new entry appears in a stream of ``cursor`` (updated in place) or ``block_ms`` passed;
+        returns the new entries (audit records have a ``machine`` field, events a ``kind``, signals a ``state`` or a
+        ``what``). ``cursor`` comes from :meth:`cursor` (audit + events) or :meth:`signal_cursor`.
 
         ``XREAD BLOCK`` from the last seen id, so nothing is lost across reconnects (unlike pub/sub).
         """
@@ -750,19 +822,21 @@ class Store:
                                                                                    count=count)]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
-    def stale_ranks(self) -> dict[int, int]:
-        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
-        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
-        is not registered, is never stale."""
+    def heartbeats(self) -> dict[int, tuple[int, int]]:
+        """Registered ranks' heartbeats, read at one server time: ``ep_rank -> (ms since the heartbeat, its TTL in
+        ms)`` (TTL 0: the agent wrote none, never stale). Unregistered ranks are left out."""
         registered = self.rank_info()
         if not registered:
             return {}
         now = self.now_ms()
-        out = {}
-        for r, rec in enumerate(self.read_all(RANK)):
-            if r in registered and rec.heartbeat_ttl_ms > 0 and now > rec.heartbeat_ms + rec.heartbeat_ttl_ms:
-                out[r] = now - rec.heartbeat_ms
-        return out
+        return {r: (max(0, now - rec.heartbeat_ms), rec.heartbeat_ttl_ms)
+                for r, rec in enumerate(self.read_all(RANK)) if r in registered}
+
+    def stale_ranks(self) -> dict[int, int]:
+        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
+        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
+        is not registered, is never stale (:meth:`heartbeats`)."""
+        return stale_of(self.heartbeats())
 
     def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
                    margin: int = SWITCH_MARGIN_STEPS) -> tuple[int, str]:
@@ -795,6 +869,7 @@ class Store:
         ``get_per_expert_tokens_stats``); returns the request number (``clear_stat_request``)."""
         pipe = self._client.pipeline(transaction=True)
         pipe.hincrby(self._keys.rearrange, "clear_stat_request", 1)
+        self._signal(pipe, "clear_stat")
         n = pipe.execute()[0]
         self.emit_event("clear_stat_requested", request=n, reason=reason)
         return int(n)
@@ -1046,3 +1121,7 @@ class Store:
             start = "(" + chunk[-1].id
 
 
+def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
+    whose TTL is set (> 0) and has passed."""
+    return {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}

@@ -16,10 +16,13 @@ from typing import Any, Sequence
 from fdeplb.machines.tables import Effect, Guard, GuardKind, StateEnum
 from fdeplb.store.keys import Keys
 
-#: commit.lua KEYS[1..7], in order; per-rank guard keys follow from KEYS[len(COMMIT_KEYS) + 1] on.
-COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan", "audit_head")
-#: commit.lua ARGV[1..8], in order.
-COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect")
+#: commit.lua KEYS[1..8], in order; per-rank guard keys follow from KEYS[len(COMMIT_KEYS) + 1] on.
+COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan", "audit_head", "signal")
+#: entries kept in the signal stream (``XADD MAXLEN ~``); commit.lua writes the same literal (tests/test_scripts.py).
+SIGNAL_MAXLEN = 64
+#: commit.lua ARGV[1..9], in order.
+COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect",
+               "signal")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
 COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD")
 
@@ -53,16 +56,19 @@ def _pairs(mapping: dict[str, str]) -> str:
 
 def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,
                 new_state: StateEnum, fields: dict[str, str], audit: dict[str, str],
-                guards: Sequence[Guard], effect: Effect, plan_id: str, plan_key: str, ep_size: int) -> CommitCall:
+                guards: Sequence[Guard], effect: Effect, plan_id: str, plan_key: str, ep_size: int,
+                signal: bool = False) -> CommitCall:
     """Lay out a ``commit.lua`` call.
 
     ``guards`` are the transition's guards; a per-rank guard (:attr:`GuardKind.per_rank`) adds one key per EP rank
     (``ep_size`` of them) after the fixed keys and tells the script where its range starts. ``plan_id`` is what
     ``same_plan`` guards and :attr:`GuardKind.PLAN_NOT_CURRENT` compare against; ``plan_key`` is the hash of that
-    plan (``plan_stored`` and :attr:`Effect.SET_PLACEMENT` read it).
+    plan (``plan_stored`` and :attr:`Effect.SET_PLACEMENT` read it). ``signal``: also wake the rank agents
+    (:attr:`fdeplb.machines.tables.TransitionSpec.wakes_ranks`).
     """
     fixed = {"record": record_key, "audit": keys.audit, "lease": keys.lease, "rearrange": keys.rearrange,
-             "placement": keys.placement, "plan": plan_key, "audit_head": keys.audit_head}
+             "placement": keys.placement, "plan": plan_key, "audit_head": keys.audit_head,
+             "signal": keys.signal}
     key_list = [fixed[name] for name in COMMIT_KEYS]
     guard_args: list[dict[str, Any]] = []
     for g in guards:
@@ -81,7 +87,7 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
     argv = {
         "expected_state": expected_state.value, "expected_version": str(int(expected_version)), "fence": fence,
         "new_state": new_state.value, "fields": _pairs(fields), "audit": _pairs(audit),
-        "guards": json.dumps(guard_args), "effect": effect.value,
+        "guards": json.dumps(guard_args), "effect": effect.value, "signal": "1" if signal else "",
     }
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
 

@@ -13,14 +13,23 @@ Scenarios (file = <name>.jsonl):
 - takeover: the first coordinator dies holding the lease once the round is LOADING; a second one takes the lease
   over when it lapses (new fence) and finishes the round;
 - gated_skip: min_gain 1.0: the round is planned and skipped as not worth it (audited, placement kept);
-- stale_rank: TODO: a start refused while a rank's heartbeat is stale (the guard comes with the embedding issue:
-  add it here once ``fdeplb.orchestration`` refuses such a start);
-- still to add once the HTTP and embedding issues land: a weight clear and update, a cordoned round committed over
-  HTTP.
+- stale_rank: rank 1's worker stops (its heartbeat lapses): the requested start is refused (``start_refused``);
+  the worker comes back and the round starts, its start record showing the heartbeats fresh again;
+- weights: a round, then a weight clear (NORMAL -> CLEARING -> CLEARED) and an update in which rank 1 cannot read
+  the checkpoint (UPDATING -> CLEARED, update_failed), then rank 1's worker restarts and a second update brings
+  every rank back to NORMAL in the round's placement;
+- cordoned_http: a cordoned cluster driven over HTTP by an ``fdeplb serve`` process on loopback (credentials in
+  the body, as FastDeploy's clients send them): start, LOAD_SUCC, then the commit requested with
+  ``update_weight_from_tensor``.
+
+The last three run a smaller cluster (2 ranks, 2 layers, 8 experts + 2 redundant). Every scenario names its policy
+(:data:`POLICY`), so a change of the default policy does not change the recordings.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -29,12 +38,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))  # the repository root: fdeplb and tests.helpers
 
+from fdeplb.machines.tables import WeightState  # noqa: E402
 from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
 from fdeplb.recording import export_recording  # noqa: E402
 from fdeplb.store import Store  # noqa: E402
-from tests.helpers import thread_cluster, wait_for  # noqa: E402
+from tests.helpers import FailingReload, thread_cluster, wait_for  # noqa: E402
 
 TIMEOUT_S = 120
+#: the placement policy of every recording, named (not the default: recordings must not follow a default's change)
+POLICY = "deepseek"
+#: the cluster of the later scenarios: small, so the recordings and the tests replaying them stay small
+SMALL = {"num_layers": 2, "num_experts": 8, "num_redundant": 2, "ep_size": 2}
 
 
 def round_over(store: Store, round_: int, ep_size: int):
@@ -46,7 +60,7 @@ def round_over(store: Store, round_: int, ep_size: int):
 
 
 def happy(url: str, cluster: str, tmp: Path, out: Path) -> dict:
-    with thread_cluster(url, cluster, tmp) as tc:
+    with thread_cluster(url, cluster, tmp, policy=POLICY) as tc:
         store = tc.store()
         tc.start()
         store.request_round("generate: happy")
@@ -57,7 +71,7 @@ def happy(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 
 def load_failed(url: str, cluster: str, tmp: Path, out: Path) -> dict:
-    with thread_cluster(url, cluster, tmp) as tc:
+    with thread_cluster(url, cluster, tmp, policy=POLICY) as tc:
         store = tc.store()
         for r in range(4):
             tc.start_agent(r, **({"staging_budget_bytes": 1} if r == 1 else {}))
@@ -70,7 +84,7 @@ def load_failed(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 
 def takeover(url: str, cluster: str, tmp: Path, out: Path) -> dict:
-    with thread_cluster(url, cluster, tmp) as tc:
+    with thread_cluster(url, cluster, tmp, policy=POLICY) as tc:
         store = tc.store()
         tc.start_agents()
         first = Coordinator(tc.store(), holder="coordinator-first", lease_ms=1_500)
@@ -87,7 +101,7 @@ def takeover(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 
 def gated_skip(url: str, cluster: str, tmp: Path, out: Path) -> dict:
-    with thread_cluster(url, cluster, tmp, min_gain=1.0) as tc:
+    with thread_cluster(url, cluster, tmp, policy=POLICY, min_gain=1.0) as tc:
         store = tc.store()
         tc.start()
         store.request_round("generate: gated_skip")
@@ -97,7 +111,91 @@ def gated_skip(url: str, cluster: str, tmp: Path, out: Path) -> dict:
         return export_recording(store, out)  # inside: thread_cluster deletes the cluster on exit
 
 
-SCENARIOS = {"happy": happy, "load_failed": load_failed, "takeover": takeover, "gated_skip": gated_skip}
+def stale_rank(url: str, cluster: str, tmp: Path, out: Path) -> dict:
+    with thread_cluster(url, cluster, tmp, policy=POLICY, **SMALL) as tc:
+        store = tc.store()
+        tc.start_agents(heartbeat_ttl_ms=2_000)
+        tc.agents[1].stop_event.set()  # rank 1's worker stops beating; it stays registered
+        tc.threads[1].join(10)
+        wait_for(lambda: 1 in store.stale_ranks(), TIMEOUT_S, store, "rank 1 stale")
+        tc.start_coordinator()
+        store.request_round("generate: stale_rank")
+        wait_for(lambda: any(a["trigger"] == "start_refused" for a in store.iter_audit()), TIMEOUT_S, store,
+                 "the start refused")
+        tc.start_agent(1, heartbeat_ttl_ms=2_000)  # the worker comes back: the round starts and completes
+        wait_for(round_over(store, 1, 2), TIMEOUT_S, store, "round 1 over")
+        tc.stop()
+        assert store.current_placement().plan_id, "the round did not commit"
+        return export_recording(store, out)
+
+
+def weights(url: str, cluster: str, tmp: Path, out: Path) -> dict:
+    def weights_done(request: int, *states: WeightState):
+        return lambda: all((w := store.read_weights(r)).request == request and w.state is state
+                           for r, state in enumerate(states))
+
+    with thread_cluster(url, cluster, tmp, policy=POLICY, **SMALL) as tc:
+        store = tc.store()
+        tc.start_agent(0)
+        tc.start_agent(1, backend_factory=FailingReload.factory())  # stages and swaps; cannot reload
+        tc.start_coordinator()
+        store.request_round("generate: weights")
+        wait_for(round_over(store, 1, 2), TIMEOUT_S, store, "round 1 over")
+        assert store.current_placement().plan_id, "the round did not commit"
+        n = store.request_weights("clear", "generate: weights")
+        wait_for(weights_done(n, WeightState.CLEARED, WeightState.CLEARED), TIMEOUT_S, store, "cleared")
+        n = store.request_weights("update", "generate: weights")
+        wait_for(weights_done(n, WeightState.NORMAL, WeightState.CLEARED), TIMEOUT_S, store, "rank 1 failed")
+        tc.agents[1].stop_event.set()  # rank 1's worker restarts with a readable checkpoint
+        tc.threads[1].join(10)
+        tc.start_agent(1)
+        n = store.request_weights("update", "generate: weights")
+        wait_for(weights_done(n, WeightState.NORMAL, WeightState.NORMAL), TIMEOUT_S, store, "updated")
+        tc.stop()
+        return export_recording(store, out)
+
+
+def cordoned_http(url: str, cluster: str, tmp: Path, out: Path) -> dict:
+    import requests
+
+    from tests.api_helpers import CREDS, PASSWORD, USER, free_port, wait_http
+
+    with thread_cluster(url, cluster, tmp, policy=POLICY, cordoned=True, **SMALL) as tc:
+        store = tc.store()
+        tc.start()
+        ips = []
+        for r in range(2):  # addresses the API may name (never contacted here)
+            store.register_rank(r, {**store.rank_info().get(r, {}), "api_address": f"10.0.0.{r + 1}:8000"})
+            ips.append(f"10.0.0.{r + 1}:8000")
+        port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(HERE.parents[1]), "FDEPLB_API_USER": USER,
+               "FDEPLB_API_PASSWORD": PASSWORD}
+        server = subprocess.Popen([sys.executable, "-m", "fdeplb", "serve", "--redis-url", url, "--cluster", cluster,
+                                   "--port", str(port)], env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        api = f"http://127.0.0.1:{port}"
+        try:
+            wait_http(api, proc=server)
+            r = requests.post(f"{api}/rearrange_experts", json={**CREDS, "ips": ips}, timeout=60)
+            assert r.status_code == 200 and r.json()["round"] == 1, r.text
+            wait_for(lambda: store.read_cluster().state == "LOAD_SUCC", TIMEOUT_S, store, "LOAD_SUCC")
+            r = requests.post(f"{api}/check_redundant", json={**CREDS, "action": "check_load_weight_result"},
+                              timeout=60)
+            assert r.json()["data"] == [1, 1], r.text
+            r = requests.post(f"{api}/rearrange_experts", json={**CREDS, "action": "update_weight_from_tensor"},
+                              timeout=60)
+            assert r.status_code == 200, r.text
+            wait_for(round_over(store, 1, 2), TIMEOUT_S, store, "the committed round over")
+        finally:
+            server.terminate()
+            server.wait(30)
+        tc.stop()
+        assert store.current_placement().plan_id == r.json()["plan_id"]
+        return export_recording(store, out)
+
+
+SCENARIOS = {"happy": happy, "load_failed": load_failed, "takeover": takeover, "gated_skip": gated_skip,
+             "stale_rank": stale_rank, "weights": weights, "cordoned_http": cordoned_http}
 
 
 def main(names: list[str]) -> int:

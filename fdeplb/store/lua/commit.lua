@@ -8,7 +8,8 @@
 -- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
 -- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
 -- KEYS[7]  audit_head: string, the chain of the newest audit record ("" or missing before the first)
--- KEYS[8..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
+-- KEYS[8]  signal: stream the rank agents block on (written only when ARGV[9] is "1")
+-- KEYS[9..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
 --
 -- ARGV[1]  expected_state: the state the caller read
 -- ARGV[2]  expected_version: the version the caller read (integer, "0" for a fresh record)
@@ -18,6 +19,8 @@
 -- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence, ts_ms and chain are appended here
 -- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS)
 -- ARGV[8]  effect: "" or "set_placement"
+-- ARGV[9]  signal: "1" to append {state, round, version} of the record to KEYS[8] (capped), waking the rank
+--          agents (a cluster transition into a state where ranks have work), else ""
 --
 -- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order:
 --         name .. "=" .. byte length of value .. ":" .. value .. "\n"); KEYS[7] then holds it (fdeplb/replay.py
@@ -145,4 +148,8 @@ end
 table.insert(xadd, 'chain')
 table.insert(xadd, chain)
 local id = redis.call(unpack(xadd))
+if ARGV[9] == '1' then
+  local round = redis.call('HGET', rec, 'round') or '0'
+  redis.call('XADD', KEYS[8], 'MAXLEN', '~', '64', '*', 'state', ARGV[4], 'round', round, 'version', new_version)
+end
 return {'OK', new_version, id, ts_ms}
