@@ -185,19 +185,24 @@ def balanced_packing(load: np.ndarray, num_packs: int, *, tie_order: str = "stab
             np.zeros((X, n), dtype=np.int64),
         )
     order = np.argsort(-load, axis=1, kind="stable") if tie_order == "stable" else torch_sort_desc(load)
-    rows = np.arange(X)
-    pack_load = np.zeros((X, num_packs), dtype=load.dtype)
-    pack_items = np.zeros((X, num_packs), dtype=np.int64)
+    sorted_load = np.take_along_axis(load, order, axis=1)
+    flat_row = np.arange(X) * num_packs  # flat index of (row, pack) = flat_row + pack
+    open_load = np.zeros(X * num_packs, dtype=load.dtype)  # a pack's load, inf once it is full
+    pack_items = np.zeros(X * num_packs, dtype=np.int64)
+    pack_by_pos = np.empty((n, X), dtype=np.int64)  # pack / rank of the item at sorted position j
+    rank_by_pos = np.empty((n, X), dtype=np.int64)
+    full = np.array(np.inf, dtype=load.dtype)
+    for j in range(n):
+        at = flat_row + open_load.reshape(X, num_packs).argmin(axis=1)  # lightest open pack, lowest index
+        pack_by_pos[j] = at - flat_row
+        rank_by_pos[j] = pack_items[at]
+        open_load[at] += sorted_load[:, j]  # the same float additions, in the same order, as DeepSeek's
+        pack_items[at] += 1
+        open_load[at[pack_items[at] == per_pack]] = full
     pack_index = np.empty((X, n), dtype=np.int64)
     rank_in_pack = np.empty((X, n), dtype=np.int64)
-    inf = np.array(np.inf, dtype=load.dtype)
-    for j in range(n):
-        item = order[:, j]
-        pack = np.where(pack_items < per_pack, pack_load, inf).argmin(axis=1)
-        pack_index[rows, item] = pack
-        rank_in_pack[rows, item] = pack_items[rows, pack]
-        pack_load[rows, pack] += load[rows, item]
-        pack_items[rows, pack] += 1
+    np.put_along_axis(pack_index, order, pack_by_pos.T, axis=1)
+    np.put_along_axis(rank_in_pack, order, rank_by_pos.T, axis=1)
     return pack_index, rank_in_pack
 
 
