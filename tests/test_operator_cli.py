@@ -101,6 +101,31 @@ def test_status_of_a_cordoned_round_shows_the_staged_plan_and_the_commit_command
                  60, store, "the committed round")
 
 
+def test_rearrange_wait_on_a_cordoned_cluster_ends_when_staged_and_commit_wait_follows_the_round(
+        redis_url, cluster_id, capsys, tmp_path):
+    """A cordoned round waits in LOAD_SUCC for the operator: ``--wait`` returns then (not after --timeout) with
+    the staged plan and the command; ``--commit PLAN --wait`` follows the committed round to its end."""
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        tc.start()
+        store = tc.store()
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0, out + err
+        rec = store.read_cluster()
+        assert rec.state == "LOAD_SUCC" and rec.round == 1
+        plan = store.read_plan(rec.plan_id)
+        command = f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster_id} --commit {plan.plan_id}"
+        assert (f"round 1: staged, plan {plan.plan_id}: balancedness {plan.balancedness_before:.4f} -> "
+                f"{plan.balancedness_after:.4f}") in out
+        assert f"{plan.moved_experts} moved experts; the cluster is cordoned: it commits on {command}\n" in out
+        # asked again while staged: the staged round serves it, and --wait says so at once
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0 and f"round 1: staged, plan {plan.plan_id}" in out, out + err
+        code, out, err = run(capsys, *command.split()[1:], "--wait", "--timeout", "120")
+        assert code == 0, out + err
+        assert f"round 1: rearranged, plan {plan.plan_id}: balancedness" in out
+        assert store.read_cluster().state == "FREE" and store.current_placement().plan_id == plan.plan_id
+
+
 def test_status_marks_a_rank_whose_routing_digest_differs_from_the_placement(redis_url, cluster_id, capsys, tmp_path,
                                                                            monkeypatch):
     from fdeplb.api import Credentials, create_app

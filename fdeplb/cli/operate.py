@@ -73,7 +73,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--reason", default="operator", help="why (written to the audit; default %(default)s)")
     r.add_argument("--wait", action="store_true",
                    help="wait for the requested round to end: exit 0 if it rearranged or was skipped (nothing worth "
-                        "moving), 1 if it aborted, 6 on timeout")
+                        "moving), 1 if it aborted, 6 on timeout. On a cordoned cluster it ends when the round is "
+                        "staged (exit 0; prints the plan and the --commit command); with --commit, when the "
+                        "committed round is over")
     r.add_argument("--timeout", type=float, default=300.0,
                    help="seconds --wait waits (default %(default)s)")
     r.set_defaults(handler=run_rearrange)
@@ -129,16 +131,19 @@ def run_rearrange(args: argparse.Namespace) -> int:
         raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
-        store.request_commit(args.commit, by="cli")
+        cursor = store.cursor()  # before the request: the round's end is never missed
+        target = store.read_cluster().round
+        store.request_commit(args.commit, by="cli")  # checks that round `target` is LOAD_SUCC with this plan
         print(f"commit of plan {args.commit} requested")
-        return 0
+        return wait_for_round(store, target, cursor, args.timeout) if args.wait else 0
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
         return 0
-    return wait_for_round(store, target, cursor, args.timeout)
+    return wait_for_round(store, target, cursor, args.timeout,
+                          redis_url=args.redis_url if store.read_config().cordoned else None)
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:
@@ -160,10 +165,14 @@ def _wait_for_lease(store, timeout_s: float) -> str:
         time.sleep(0.2)
 
 
-def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
+def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str | None = None) -> int:
     """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
     balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
-    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds."""
+    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
+
+    ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
+    returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
+    moved experts) and the ``rearrange --commit`` command that commits it."""
     import time
 
     from fdeplb.errors import DeadlineError
@@ -173,6 +182,10 @@ def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
     end = time.monotonic() + timeout_s
     last = None
     while last is None:
+        if redis_url is not None:  # read each pass: a round staged before the cursor is seen too
+            rec = store.read_cluster()
+            if rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
+                return _print_staged(store, rec, redis_url)
         left = end - time.monotonic()
         if left <= 0:
             rec = store.read_cluster()
@@ -190,13 +203,25 @@ def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
         if plan is None:
             print(f"round {last['round']}: rearranged (plan {last['plan_id'] or '?'})")
         else:
-            print(f"round {last['round']}: rearranged, plan {plan.plan_id}: balancedness "
-                  f"{plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f} "
-                  f"(gain {plan.balancedness_after - plan.balancedness_before:+.4f}), "
-                  f"{plan.moved_experts} moved experts")
+            print(f"round {last['round']}: rearranged, plan {plan.plan_id}: {_plan_numbers(plan)}")
         return 0
     print(f"round {last['round']}: {outcome}: {reason}")
     return 0 if outcome == "skipped" else 1
+
+
+def _plan_numbers(plan) -> str:
+    return (f"balancedness {plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f} "
+            f"(gain {plan.balancedness_after - plan.balancedness_before:+.4f}), {plan.moved_experts} moved experts")
+
+
+def _print_staged(store, rec, redis_url: str) -> int:
+    from fdeplb.cli.views import commit_command
+
+    plan = store.read_plan(rec.plan_id)
+    numbers = "" if plan is None else f": {_plan_numbers(plan)}"
+    print(f"round {rec.round}: staged, plan {rec.plan_id}{numbers}; the cluster is cordoned: it commits on "
+          f"{commit_command(redis_url, store.cluster, rec.plan_id)}")
+    return 0
 
 
 def check_checkpoint(path: str, preset: str, num_layers: int, num_logical_experts: int) -> None:

@@ -204,6 +204,11 @@ def run_audit(args: argparse.Namespace) -> int:
 
 
 # ---- status --------------------------------------------------------------------------------------------------------
+def commit_command(redis_url: str, cluster: str, plan_id: str) -> str:
+    """The command that commits a cordoned cluster's staged plan ``plan_id``."""
+    return f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster} --commit {plan_id}"
+
+
 def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str = "URL") -> dict[str, Any]:
     """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock).
     A rank whose heartbeat is older than ``stale_after_ms`` is ``stale``; a cordoned round in LOAD_SUCC comes with
@@ -257,8 +262,7 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
         if plan is not None:
             staged = {"plan_id": plan.plan_id, "balancedness_before": plan.balancedness_before,
                       "balancedness_after": plan.balancedness_after, "moved_experts": plan.moved_experts,
-                      "commit_command": f"fdeplb rearrange --redis-url {redis_url} --cluster {store.cluster} "
-                                        f"--commit {plan.plan_id}"}
+                      "commit_command": commit_command(redis_url, store.cluster, plan.plan_id)}
     return {
         "cluster": store.cluster,
         "now_ms": now,
