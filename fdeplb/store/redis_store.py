@@ -391,11 +391,18 @@ class Store:
             raw = self._client.hgetall(self._keys.config)
             if not raw:
                 raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
+            data = {}
+            for k, v in raw.items():
+                try:
+                    data[_s(k)] = json.loads(_s(v))
+                except json.JSONDecodeError:
+                    raise CorruptRecordError(f"{self._keys.config}: field {_s(k)!r} holds {_s(v)[:60]!r}, which is "
+                                             f"not JSON") from None
             try:
-                data = {_s(k): json.loads(_s(v)) for k, v in raw.items()}
                 self._config = ClusterConfig.from_json(data)
-            except (json.JSONDecodeError, InputError) as exc:
-                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {exc}") from None
+            except InputError as exc:
+                why = str(exc).removeprefix("not a cluster configuration: ")
+                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}") from None
         return self._config
 
     def ep_size(self) -> int:
