@@ -96,6 +96,7 @@ class Coordinator:
         self.lease_ms = int(lease_ms)
         self.lease: str | None = None
         self._renewed_ms = 0
+        self._standing_by = False
         self.planner = planner or default_planner
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
@@ -119,7 +120,11 @@ class Coordinator:
         if value:
             self.lease = value
             self._renewed_ms = now
+            self._standing_by = False
             self.log.info("leading", lease=value)
+        elif not self._standing_by:  # said once per stretch of standing by, with the leader it waits on
+            self._standing_by = True
+            self.log.info("standing by", leader=self.store.lease_info().holder)
         return self.lease is not None
 
     def _fire(self, rec: ClusterRecord, trigger: str, **kwargs) -> None:
