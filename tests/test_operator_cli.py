@@ -8,6 +8,7 @@ import json
 import structlog.testing
 
 from fdeplb.cli import main
+from fdeplb.machines.tables import WEIGHTS
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli as run, thread_cluster, wait_for
 
@@ -60,6 +61,28 @@ def test_rearrange_wait_times_out_with_exit_6(redis_url, cluster_id, capsys, tmp
         code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
                              "--timeout", "2")
         assert code == 6 and "round 1 not over after 2s" in err
+
+
+def test_rearrange_says_why_a_round_waits_on_cleared_weights(redis_url, cluster_id, capsys, tmp_path):
+    """A round cannot start while weights are cleared: the request says so at once, --wait's timeout names it, and
+    the coordinator logs the wait once, not at every retry."""
+    with structlog.testing.capture_logs() as logs, thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        store = tc.store()
+        store.request_weights("clear", "test")
+        wait_for(lambda: all(w.state == "CLEARED" for w in store.read_all(WEIGHTS)), 60, store, "weights CLEARED")
+        code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                             "--timeout", "3")
+        assert code == 6, out + err
+        why = "waits: weights not NORMAL on ranks 0 CLEARED, 1 CLEARED, 2 CLEARED, 3 CLEARED"
+        assert f"note: round 1 {why}" in err
+        assert f"round 1 not over after 3s (cluster FREE, round 0; it {why}" in err
+        store.request_weights("update", "test")
+        code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                             "--timeout", "120")
+        assert code == 0 and "round 1: rearranged" in out, out + err
+    waits = [e for e in logs if e["event"] == "start waits"]
+    assert len({e["reason"] for e in waits}) == len(waits) >= 1, waits  # once per reason
 
 
 def test_status_marks_a_rank_whose_heartbeat_is_stale(redis_url, cluster_id, capsys, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import sys
 
 from fdeplb.placement import POLICIES
 from fdeplb.store import ClusterConfig, Deadlines
@@ -140,6 +141,9 @@ def run_rearrange(args: argparse.Namespace) -> int:
     cursor = store.cursor()
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
+    blocker = _start_blocker(store)
+    if blocker:
+        print(f"note: round {target} {blocker}", file=sys.stderr)
     if not args.wait:
         return 0
     return wait_for_round(store, target, cursor, args.timeout,
@@ -189,8 +193,10 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
         left = end - time.monotonic()
         if left <= 0:
             rec = store.read_cluster()
+            blocker = _start_blocker(store) if rec.state is ClusterState.FREE and rec.round < target else ""
             raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
-                                f"{rec.round}); it may still finish: fdeplb status --cluster {store.cluster}")
+                                f"{rec.round}{'; it ' + blocker if blocker else ''}); it may still finish: "
+                                f"fdeplb status --cluster {store.cluster}")
         for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
             if (a["machine"] == CLUSTER.name and a["to"] == ClusterState.FREE
                     and a["round"].isdigit() and int(a["round"]) >= target):
@@ -207,6 +213,19 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
         return 0
     print(f"round {last['round']}: {outcome}: {reason}")
     return 0 if outcome == "skipped" else 1
+
+
+def _start_blocker(store) -> str:
+    """Why a requested round cannot start now, as the end of a sentence ("waits: ..."), or "": ranks whose weights
+    are not NORMAL (cleared or being updated; the start's guard)."""
+    from fdeplb.machines.tables import WEIGHTS, WeightState
+
+    off = [(r, w.state) for r, w in enumerate(store.read_all(WEIGHTS)) if w.state is not WeightState.NORMAL]
+    if not off:
+        return ""
+    ranks = ", ".join(f"{r} {state}" for r, state in off)
+    return (f"waits: weights not NORMAL on ranks {ranks}; it starts once they are "
+            f"(GET /update_model_weight reloads cleared weights)")
 
 
 def _plan_numbers(plan) -> str:

@@ -91,6 +91,7 @@ class Coordinator:
         self.min_balancedness = min_balancedness
         self._next_periodic_ms: int | None = None
         self._refused_ranks: list[int] | None = None
+        self._start_waits: str | None = None  # the last reason a requested start waited on (logged once)
         self.store = store
         self.holder = holder or default_holder_id()
         self.lease_ms = int(lease_ms)
@@ -297,8 +298,11 @@ class Coordinator:
             self._fire(rec, "start", plan_id="", round_=round_, reason=why,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
-            self.log.info("start waits", reason=str(err))
+            if str(err) != self._start_waits:  # logged once per reason, not at every retry
+                self._start_waits = str(err)
+                self.log.info("start waits", reason=str(err))
             return False, self.lease_ms // 3
+        self._start_waits = None
         return True, None
 
     def _periodic(self, rec: ClusterRecord) -> Step:
