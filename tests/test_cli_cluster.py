@@ -116,3 +116,19 @@ def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, c
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p1")
     assert code == 0 and store.read_cluster().commit_requested == "p1"
     assert store.read_cluster().commit_requested_by == "cli"  # the commit's audit record names it
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
+    """`fdeplb ... | head -1`: the command's output hits a closed pipe; it ends quietly, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fdeplb", "statecharts", "--check"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

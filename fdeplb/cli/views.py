@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -196,8 +195,6 @@ def run_audit(args: argparse.Namespace) -> int:
         while going and args.follow:
             going = emit(tracked(store.follow_audit(last_id, FOLLOW_BLOCK_MS)))
         sys.stdout.flush()
-    except BrokenPipeError:  # `fdeplb audit ... | head`: the reader has what it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except KeyboardInterrupt:  # Ctrl-C ends --follow
         sys.stdout.flush()
     return 0
