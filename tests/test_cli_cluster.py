@@ -91,6 +91,16 @@ def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     assert store.read_cluster().commit_requested == ""
 
 
+@pytest.mark.parametrize("holder", ["", "two words", "x" * 100_000, "tab\there", "naïve"])
+def test_coordinator_refuses_a_bad_holder_before_anything(redis_url, cluster_id, capsys, holder):
+    """The holder is the actor of every audit record: a 100 kB one made each record 200 kB."""
+    run(capsys, *init_args(redis_url, cluster_id))
+    code, _, err = run(capsys, "coordinator", "--redis-url", "redis://127.0.0.1:1/0", "--cluster", cluster_id,
+                       "--holder", holder, "--redis-wait-s", "30")  # refused before waiting for Redis
+    assert code == 2 and "holder must be 1 to 300 printable ASCII characters" in err and len(err) < 300
+    assert Store(redis_url, cluster_id).lease_info().holder is None
+
+
 @pytest.mark.parametrize("command", ["rearrange", "coordinator"])
 def test_operating_an_unknown_cluster_or_redis_fails_cleanly(redis_url, capsys, command):
     code, _, err = run(capsys, command, "--redis-url", redis_url, "--cluster", "t-never-initialised")

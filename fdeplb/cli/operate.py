@@ -85,13 +85,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
     from fdeplb.log import configure
-    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.orchestration.coordinator import Coordinator, check_holder
 
     from fdeplb.errors import InputError
 
     configure(args.log_level)
     if not 300 <= args.lease_ms <= 3_600_000:  # before waiting for Redis: a bad option fails at once
         raise InputError(f"lease_ms must be an integer in [300, 3600000], got {args.lease_ms!r}")
+    if args.holder is not None:
+        check_holder(args.holder)
     wait_for_redis(args.redis_url, args.cluster, args.redis_wait_s, "coordinator")
     store = open_store(args.redis_url, args.cluster)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
