@@ -81,6 +81,23 @@ def test_rearrange_without_a_coordinator_says_so_and_requests_nothing(redis_url,
     assert store.read_cluster().requested == 0
 
 
+@pytest.mark.parametrize("reason", ["r" * 501, "two\nlines", "\x1b[31mred"])
+def test_rearrange_refuses_a_bad_reason_and_requests_nothing(redis_url, cluster_id, capsys, reason):
+    import json
+
+    run(capsys, *init_args(redis_url, cluster_id))
+    store = Store(redis_url, cluster_id)
+    assert store.acquire_lease("test-coordinator", 60_000)  # a coordinator leads: the request would go through
+    code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--reason", reason)
+    assert code == 2 and "reason must be at most 500 characters without control characters" in err, out + err
+    assert store.read_cluster().requested == 0 and store.read_cluster().requested_reason == ""
+    code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--reason",
+                         "naïve but fine: " + "r" * 484)
+    assert code == 0 and store.read_cluster().requested == 1, out + err
+    code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id, "--json")
+    assert json.loads(out)["rearrange"]["requested_reason"] == "naïve but fine: " + "r" * 484
+
+
 def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)

@@ -71,7 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--cluster", required=True)
     r.add_argument("--commit", metavar="PLAN_ID", default=None,
                    help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
-    r.add_argument("--reason", default="operator", help="why (written to the audit; default %(default)s)")
+    r.add_argument("--reason", default="operator",
+                   help="why (at most 500 characters; kept with the request: `status --json` shows it as "
+                        "requested_reason, and the round_requested event; default %(default)s)")
     r.add_argument("--wait", action="store_true",
                    help="wait for the requested round to end: exit 0 if it rearranged or was skipped (nothing worth "
                         "moving), 1 if it aborted, 6 on timeout. On a cordoned cluster it ends when the round is "

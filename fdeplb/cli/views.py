@@ -273,6 +273,7 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
             "version": rec.version,
             "round": rec.round,
             "requested": rec.requested,
+            "requested_reason": rec.requested_reason,
             "plan_id": rec.plan_id,
             "deadline_left_ms": deadline - now if deadline else None,
             "reason": rec.reason,

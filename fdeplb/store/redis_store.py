@@ -54,6 +54,7 @@ from fdeplb.store.records import (
     PlanEntry,
     RankRecord,
     WeightRecord,
+    check_request_reason,
     encode_changes,
     json_text,
     parse_record,
@@ -429,7 +430,12 @@ class Store:
         Requests coalesce (one WATCHed transaction on the cluster record): while a round is in flight the request
         is served by it; while the cluster is FREE with a round already pending, by the pending one; otherwise
         it asks for round ``round + 1`` (``requested``). Any number of requests therefore yield exactly one round.
-        The start itself stays a guarded, audited transition; a request is only a wish."""
+        The start itself stays a guarded, audited transition; a request is only a wish.
+
+        ``reason`` (kept as ``requested_reason`` and in the ``round_requested`` event): at most
+        :data:`MAX_REQUEST_REASON` characters, none of them a control character; :class:`InputError` otherwise
+        (nothing is written)."""
+        check_request_reason(reason)
         key = self._keys.rearrange
         with self._client.pipeline(transaction=True) as pipe:
             while True:
@@ -1005,7 +1011,9 @@ class Store:
         """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``), checked
         and written in one WATCHed transaction: of many concurrent callers, exactly one is accepted.
 
-        Returns (accepted, the cluster record as read). Nothing is written when refused."""
+        Returns (accepted, the cluster record as read). Nothing is written when refused. ``reason`` as for
+        :meth:`request_round`."""
+        check_request_reason(reason)
         key = self._keys.rearrange
         with self._client.pipeline(transaction=True) as pipe:
             while True:
