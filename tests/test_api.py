@@ -342,3 +342,35 @@ def test_health_reports_stale_heartbeats_503(redis_url, cluster_id, tmp_path):
         r = requests.get(f"{url}/health", auth=AUTH)
         assert r.status_code == 503 and r.json()["code"] == 1
         assert requests.get(f"{url}/metrics", auth=AUTH).status_code == 200  # fdeplb_up 0, not a 500
+
+
+def test_long_polls_have_their_own_threads_and_leave_health_answering(redis_url, cluster_id, tmp_path, monkeypatch):
+    """50 pending long-polls (more than the 40 threads every other route shares) used to leave /health unanswered
+    until they ended; now they take at most ``max_waiting`` threads of their own and queue for them."""
+    from fdeplb.api import service
+
+    release, entered, lock = threading.Event(), [0], threading.Lock()
+
+    def pending_audit(*_args):  # a long-poll that nothing answers until the test says so
+        with lock:
+            entered[0] += 1
+        release.wait(120)
+        return {"records": []}
+
+    monkeypatch.setattr(service, "audit", pending_audit)
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc, served(_app(tc, max_waiting=4)) as url:
+        answers: list[int] = []
+        polls = [threading.Thread(target=lambda: answers.append(requests.get(
+            f"{url}/v1/audit", params={"wait_ms": "30000"}, auth=AUTH, timeout=180).status_code)) for _ in range(50)]
+        try:
+            for t in polls:
+                t.start()
+            wait_for(lambda: entered[0] >= 4, 60, what="4 long-polls in their threads")
+            health = requests.get(f"{url}/health", auth=AUTH, timeout=60)  # answered while all 50 are pending
+            assert health.status_code in (200, 503) and "code" in health.json(), health.text
+            assert entered[0] == 4 and not answers  # the other 46 wait for one of the 4 threads, not for others'
+        finally:
+            release.set()
+            for t in polls:
+                t.join(timeout=120)
+        assert answers == [200] * 50

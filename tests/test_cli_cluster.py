@@ -81,6 +81,23 @@ def test_rearrange_without_a_coordinator_says_so_and_requests_nothing(redis_url,
     assert store.read_cluster().requested == 0
 
 
+@pytest.mark.parametrize("reason", ["r" * 501, "two\nlines", "\x1b[31mred"])
+def test_rearrange_refuses_a_bad_reason_and_requests_nothing(redis_url, cluster_id, capsys, reason):
+    import json
+
+    run(capsys, *init_args(redis_url, cluster_id))
+    store = Store(redis_url, cluster_id)
+    assert store.acquire_lease("test-coordinator", 60_000)  # a coordinator leads: the request would go through
+    code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--reason", reason)
+    assert code == 2 and "reason must be at most 500 characters without control characters" in err, out + err
+    assert store.read_cluster().requested == 0 and store.read_cluster().requested_reason == ""
+    code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--reason",
+                         "naïve but fine: " + "r" * 484)
+    assert code == 0 and store.read_cluster().requested == 1, out + err
+    code, out, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id, "--json")
+    assert json.loads(out)["rearrange"]["requested_reason"] == "naïve but fine: " + "r" * 484
+
+
 def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)
@@ -89,6 +106,16 @@ def test_rearrange_refuses_a_stray_commit(redis_url, cluster_id, capsys):
     code, _, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "abc")
     assert code == 3 and "not cordoned" in err
     assert store.read_cluster().commit_requested == ""
+
+
+@pytest.mark.parametrize("holder", ["", "two words", "x" * 100_000, "tab\there", "naïve"])
+def test_coordinator_refuses_a_bad_holder_before_anything(redis_url, cluster_id, capsys, holder):
+    """The holder is the actor of every audit record: a 100 kB one made each record 200 kB."""
+    run(capsys, *init_args(redis_url, cluster_id))
+    code, _, err = run(capsys, "coordinator", "--redis-url", "redis://127.0.0.1:1/0", "--cluster", cluster_id,
+                       "--holder", holder, "--redis-wait-s", "30")  # refused before waiting for Redis
+    assert code == 2 and "holder must be 1 to 300 printable ASCII characters" in err and len(err) < 300
+    assert Store(redis_url, cluster_id).lease_info().holder is None
 
 
 @pytest.mark.parametrize("command", ["rearrange", "coordinator"])
@@ -116,3 +143,19 @@ def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, c
     code, out, _ = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--commit", "p1")
     assert code == 0 and store.read_cluster().commit_requested == "p1"
     assert store.read_cluster().commit_requested_by == "cli"  # the commit's audit record names it
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
+    """`fdeplb ... | head -1`: the command's output hits a closed pipe; it ends quietly, exit 0."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first byte
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fdeplb", "statecharts", "--check"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr

@@ -92,6 +92,15 @@ def test_demo_refuses_more_ranks_than_the_machine_holds():
     assert "--ranks 1000" in proc.stderr and "at most" in proc.stderr
 
 
+def test_demo_refuses_an_export_into_a_missing_folder_before_running(tmp_path):
+    """Not after a whole round: nothing is started, nothing printed on stdout."""
+    target = tmp_path / "missing" / "run.jsonl"
+    proc = subprocess.run(demo_cmd("--ranks", "2", "--export-audit", str(target)), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"--export-audit {target}: folder {target.parent} does not exist" in proc.stderr
+
+
 def start_demo_until_ranks_ready(tmp_path) -> tuple[subprocess.Popen, list, Path]:
     """A demo with its own TMPDIR, read until both ranks are ready; returns it, its descendants and TMPDIR."""
     tmp = tmp_path / "tmp"

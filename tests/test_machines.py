@@ -185,3 +185,19 @@ def test_unknown_trigger_is_typed(redis_url, cluster_id):
     store, _ = make_cluster(redis_url, cluster_id)
     with pytest.raises(IllegalTransitionError, match="unknown trigger"):
         RecordHandle(store, RANK, 0, actor="t").fire("explode")
+
+
+def test_a_standby_coordinator_says_once_whom_it_waits_on(redis_url, cluster_id):
+    import structlog.testing
+
+    from fdeplb.orchestration.coordinator import Coordinator
+
+    store, _ = make_cluster(redis_url, cluster_id)
+    leader = store.acquire_lease("leader", 60_000)
+    standby = Coordinator(store, "standby")
+    with structlog.testing.capture_logs() as logs:
+        assert not standby.ensure_leadership() and not standby.ensure_leadership()
+        assert store.release_lease(leader)
+        assert standby.ensure_leadership()
+    events = [(e["event"], e.get("leader") or e.get("lease")) for e in logs]
+    assert events == [("standing by", leader), ("leading", standby.lease)], logs

@@ -8,6 +8,7 @@ import json
 import structlog.testing
 
 from fdeplb.cli import main
+from fdeplb.machines.tables import WEIGHTS
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli as run, thread_cluster, wait_for
 
@@ -62,6 +63,28 @@ def test_rearrange_wait_times_out_with_exit_6(redis_url, cluster_id, capsys, tmp
         assert code == 6 and "round 1 not over after 2s" in err
 
 
+def test_rearrange_says_why_a_round_waits_on_cleared_weights(redis_url, cluster_id, capsys, tmp_path):
+    """A round cannot start while weights are cleared: the request says so at once, --wait's timeout names it, and
+    the coordinator logs the wait once, not at every retry."""
+    with structlog.testing.capture_logs() as logs, thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        store = tc.store()
+        store.request_weights("clear", "test")
+        wait_for(lambda: all(w.state == "CLEARED" for w in store.read_all(WEIGHTS)), 60, store, "weights CLEARED")
+        code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                             "--timeout", "3")
+        assert code == 6, out + err
+        why = "waits: weights not NORMAL on ranks 0 CLEARED, 1 CLEARED, 2 CLEARED, 3 CLEARED"
+        assert f"note: round 1 {why}" in err
+        assert f"round 1 not over after 3s (cluster FREE, round 0; it {why}" in err
+        store.request_weights("update", "test")
+        code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                             "--timeout", "120")
+        assert code == 0 and "round 1: rearranged" in out, out + err
+    waits = [e for e in logs if e["event"] == "start waits"]
+    assert len({e["reason"] for e in waits}) == len(waits) >= 1, waits  # once per reason
+
+
 def test_status_marks_a_rank_whose_heartbeat_is_stale(redis_url, cluster_id, capsys, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         tc.start_agents()
@@ -99,6 +122,31 @@ def test_status_of_a_cordoned_round_shows_the_staged_plan_and_the_commit_command
         assert main(command.split()[1:]) == 0  # the printed command works
         wait_for(lambda: store.read_cluster().state == "FREE" and store.current_placement().plan_id == plan.plan_id,
                  60, store, "the committed round")
+
+
+def test_rearrange_wait_on_a_cordoned_cluster_ends_when_staged_and_commit_wait_follows_the_round(
+        redis_url, cluster_id, capsys, tmp_path):
+    """A cordoned round waits in LOAD_SUCC for the operator: ``--wait`` returns then (not after --timeout) with
+    the staged plan and the command; ``--commit PLAN --wait`` follows the committed round to its end."""
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        tc.start()
+        store = tc.store()
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0, out + err
+        rec = store.read_cluster()
+        assert rec.state == "LOAD_SUCC" and rec.round == 1
+        plan = store.read_plan(rec.plan_id)
+        command = f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster_id} --commit {plan.plan_id}"
+        assert (f"round 1: staged, plan {plan.plan_id}: balancedness {plan.balancedness_before:.4f} -> "
+                f"{plan.balancedness_after:.4f}") in out
+        assert f"{plan.moved_experts} moved experts; the cluster is cordoned: it commits on {command}\n" in out
+        # asked again while staged: the staged round serves it, and --wait says so at once
+        code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
+        assert code == 0 and f"round 1: staged, plan {plan.plan_id}" in out, out + err
+        code, out, err = run(capsys, *command.split()[1:], "--wait", "--timeout", "120")
+        assert code == 0, out + err
+        assert f"round 1: rearranged, plan {plan.plan_id}: balancedness" in out
+        assert store.read_cluster().state == "FREE" and store.current_placement().plan_id == plan.plan_id
 
 
 def test_status_marks_a_rank_whose_routing_digest_differs_from_the_placement(redis_url, cluster_id, capsys, tmp_path,

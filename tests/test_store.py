@@ -80,11 +80,23 @@ def test_corrupt_record_values_are_typed_errors(store, redis_url, cluster_id, fi
 def test_corrupt_arrays_and_config_are_typed_errors(store, redis_url, cluster_id):
     raw = RawRedis(redis_url, cluster_id)
     raw.r.hset(raw.keys.placement, "phy2log", b"\x00" * 5)
-    with pytest.raises(CorruptRecordError, match="placement"):
+    with pytest.raises(CorruptRecordError, match=r"placement: array 'phy2log': 5 bytes are not a whole number of "
+                                                 r"int64 elements"):
         store.current_placement()
+    for field, value, message in (("phy2log:dtype", "|O", "refused"), ("phy2log:dtype", "nonsense", "not a numpy"),
+                                  ("phy2log:shape", "3,x", "not a list of sizes"),
+                                  ("phy2log:shape", "-1,8", "not a list of sizes")):
+        raw.r.hset(raw.keys.placement, mapping={"phy2log": b"\x00" * 64, "phy2log:dtype": "<i8", "phy2log:shape": "8",
+                                                field: value})
+        with pytest.raises(CorruptRecordError, match=f"placement: array 'phy2log': .*{message}"):
+            store.current_placement()
     raw.r.hset(raw.keys.config, "ep_size", "not json")
-    with pytest.raises(CorruptRecordError, match="config"):
+    with pytest.raises(CorruptRecordError, match=r"config: field 'ep_size' holds 'not json', which is not JSON"):
         Store(redis_url, cluster_id).read_config()
+    raw.r.hset(raw.keys.config, mapping={"ep_size": "4", "deadlines": '{"x": 1}'})
+    with pytest.raises(CorruptRecordError) as info:
+        Store(redis_url, cluster_id).read_config()
+    assert str(info.value).count("not a cluster configuration") == 1, info.value
     raw.r.hset(raw.keys.load(0), mapping={"round": "x", "expert_load": b""})
     with pytest.raises(CorruptRecordError):
         store.load_round(0)

@@ -13,6 +13,8 @@ import functools
 import time
 from typing import Any, Callable
 
+import anyio
+import anyio.to_thread
 import structlog
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -69,6 +71,14 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     ``credentials`` None serves without authentication (``fdeplb serve --insecure-no-auth`` only)."""
     settings = settings or ApiSettings()
     router = APIRouter()
+    waiting_limiter: list[anyio.CapacityLimiter] = []  # made on first use, inside the event loop
+
+    async def in_waiting_thread(fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread of the waiting calls' own pool (:attr:`ApiSettings.max_waiting`), not
+        of the one every other route shares: 40 long-polls used to leave /health unanswered until they ended."""
+        if not waiting_limiter:
+            waiting_limiter.append(anyio.CapacityLimiter(settings.max_waiting))
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=waiting_limiter[0])
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ClusterCollector(store))
 
@@ -120,14 +130,14 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     async def update_model_weight(request: Request) -> Response:
         """Reload every rank's weights (in the current placement) and wait for them."""
         basic(request)
-        return _reply(await run_in_threadpool(service.drive_weights, store, "update", settings.weights_timeout_s))
+        return _reply(await in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
 
     @router.get("/clear_load_weight", tags=["fastdeploy"])
     @_guarded
     async def clear_load_weight(request: Request) -> Response:
         """Free every rank's weights and wait for them."""
         basic(request)
-        return _reply(await run_in_threadpool(service.drive_weights, store, "clear", settings.weights_timeout_s))
+        return _reply(await in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
 
     @router.get("/health", tags=["fastdeploy"])
     @_guarded
@@ -150,7 +160,8 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
                        wait_ms: str | None = None) -> Response:
         """Audit records after ``since`` (an audit id), at most ``limit`` (default 1000); ``wait_ms`` long-polls."""
         basic(request)
-        return JSONResponse(await run_in_threadpool(service.audit, store, since, limit, wait_ms))
+        run = in_waiting_thread if wait_ms not in (None, "", "0") else run_in_threadpool
+        return JSONResponse(await run(service.audit, store, since, limit, wait_ms))
 
     @router.get("/v1/placement", tags=["fdeplb"])
     @_guarded

@@ -51,13 +51,17 @@ class ApiSettings:
     ``weights_timeout_s``: how long ``/update_model_weight`` and ``/clear_load_weight`` wait for every rank
     (FastDeploy: 300 s). ``heartbeat_stale_ms``: ``/health`` reports a registered rank unhealthy past this
     (FastDeploy: 30 s). ``max_body_bytes`` / ``max_depth``: request body limits. ``statecharts_dir``: where the
-    ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz)."""
+    ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz).
+    ``max_waiting``: calls that wait on the cluster (``/v1/audit`` with ``wait_ms``, ``/update_model_weight``,
+    ``/clear_load_weight``) served at once; more wait their turn. They have their own worker threads, so however
+    many are pending, the other routes (``/health`` first) still answer at once."""
 
     weights_timeout_s: float = 300.0
     heartbeat_stale_ms: int = 30_000
     max_body_bytes: int = 8 << 20
     max_depth: int = 16
     statecharts_dir: Path | None = None
+    max_waiting: int = 16
 
 
 def _status_msg(rec, expect: int) -> str:

@@ -1,7 +1,8 @@
 """``fdeplb`` command line: run a demo, plan placements, operate and inspect clusters.
 
 A subcommand's handler returns an exit code; :class:`fdeplb.errors.FdeplbError` raised by it is printed as
-``error: <message>`` on stderr and mapped to its exit code by :func:`fdeplb.errors.exit_code`.
+``error: <message>`` on stderr and mapped to its exit code by :func:`fdeplb.errors.exit_code`. A reader that
+closes the pipe early (``| head``) ends the command quietly with exit 0.
 """
 
 from __future__ import annotations
@@ -34,12 +35,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then caught below
+        return code
     except FdeplbError as err:
         print(f"error: {err}", file=sys.stderr)
         return exit_code(err)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `fdeplb status | head -1`: the reader has what it wants; no traceback
+        _silence_stdout()
+        return 0
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush does not hit the closed pipe again."""
+    import os
+
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from fdeplb.errors import NotFoundError
+from pathlib import Path
+
+from fdeplb.errors import InputError, NotFoundError
+
+
+def check_out_folder(flag: str, path: str | None) -> None:
+    """Before any work: :class:`InputError` when the folder that output file ``path`` (given as ``flag``) goes
+    into does not exist. Nothing to check when ``path`` is None."""
+    if path is not None and not Path(path).resolve().parent.is_dir():
+        raise InputError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
 
 
 def open_store(url: str, cluster: str):

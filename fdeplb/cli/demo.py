@@ -79,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     from fdeplb.sim.demo_driver import run_demo
     from fdeplb.weights import import_paddle
 
+    from fdeplb.cli._common import check_out_folder
+
+    check_out_folder("--export-audit", args.export_audit)  # not after a whole round
     configure(args.log_level)
     import_paddle()  # paddle's own SIGTERM handler aborts the process; ours (installed after) unwinds cleanly
     _install_interrupt_handlers()

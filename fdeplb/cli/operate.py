@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import sys
 
 from fdeplb.placement import POLICIES
 from fdeplb.store import ClusterConfig, Deadlines
@@ -70,10 +71,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--cluster", required=True)
     r.add_argument("--commit", metavar="PLAN_ID", default=None,
                    help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
-    r.add_argument("--reason", default="operator", help="why (written to the audit; default %(default)s)")
+    r.add_argument("--reason", default="operator",
+                   help="why (at most 500 characters; kept with the request: `status --json` shows it as "
+                        "requested_reason, and the round_requested event; default %(default)s)")
     r.add_argument("--wait", action="store_true",
                    help="wait for the requested round to end: exit 0 if it rearranged or was skipped (nothing worth "
-                        "moving), 1 if it aborted, 6 on timeout")
+                        "moving), 1 if it aborted, 6 on timeout. On a cordoned cluster it ends when the round is "
+                        "staged (exit 0; prints the plan and the --commit command); with --commit, when the "
+                        "committed round is over")
     r.add_argument("--timeout", type=float, default=300.0,
                    help="seconds --wait waits (default %(default)s)")
     r.set_defaults(handler=run_rearrange)
@@ -82,13 +87,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
     from fdeplb.log import configure
-    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.orchestration.coordinator import Coordinator, check_holder
 
     from fdeplb.errors import InputError
 
     configure(args.log_level)
     if not 300 <= args.lease_ms <= 3_600_000:  # before waiting for Redis: a bad option fails at once
         raise InputError(f"lease_ms must be an integer in [300, 3600000], got {args.lease_ms!r}")
+    if args.holder is not None:
+        check_holder(args.holder)
     wait_for_redis(args.redis_url, args.cluster, args.redis_wait_s, "coordinator")
     store = open_store(args.redis_url, args.cluster)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
@@ -129,16 +136,22 @@ def run_rearrange(args: argparse.Namespace) -> int:
         raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
-        store.request_commit(args.commit, by="cli")
+        cursor = store.cursor()  # before the request: the round's end is never missed
+        target = store.read_cluster().round
+        store.request_commit(args.commit, by="cli")  # checks that round `target` is LOAD_SUCC with this plan
         print(f"commit of plan {args.commit} requested")
-        return 0
+        return wait_for_round(store, target, cursor, args.timeout) if args.wait else 0
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
+    blocker = _start_blocker(store)
+    if blocker:
+        print(f"note: round {target} {blocker}", file=sys.stderr)
     if not args.wait:
         return 0
-    return wait_for_round(store, target, cursor, args.timeout)
+    return wait_for_round(store, target, cursor, args.timeout,
+                          redis_url=args.redis_url if store.read_config().cordoned else None)
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:
@@ -160,10 +173,14 @@ def _wait_for_lease(store, timeout_s: float) -> str:
         time.sleep(0.2)
 
 
-def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
+def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str | None = None) -> int:
     """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
     balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
-    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds."""
+    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
+
+    ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
+    returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
+    moved experts) and the ``rearrange --commit`` command that commits it."""
     import time
 
     from fdeplb.errors import DeadlineError
@@ -173,11 +190,17 @@ def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
     end = time.monotonic() + timeout_s
     last = None
     while last is None:
+        if redis_url is not None:  # read each pass: a round staged before the cursor is seen too
+            rec = store.read_cluster()
+            if rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
+                return _print_staged(store, rec, redis_url)
         left = end - time.monotonic()
         if left <= 0:
             rec = store.read_cluster()
+            blocker = _start_blocker(store) if rec.state is ClusterState.FREE and rec.round < target else ""
             raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
-                                f"{rec.round}); it may still finish: fdeplb status --cluster {store.cluster}")
+                                f"{rec.round}{'; it ' + blocker if blocker else ''}); it may still finish: "
+                                f"fdeplb status --cluster {store.cluster}")
         for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
             if (a["machine"] == CLUSTER.name and a["to"] == ClusterState.FREE
                     and a["round"].isdigit() and int(a["round"]) >= target):
@@ -190,13 +213,38 @@ def wait_for_round(store, target: int, cursor, timeout_s: float) -> int:
         if plan is None:
             print(f"round {last['round']}: rearranged (plan {last['plan_id'] or '?'})")
         else:
-            print(f"round {last['round']}: rearranged, plan {plan.plan_id}: balancedness "
-                  f"{plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f} "
-                  f"(gain {plan.balancedness_after - plan.balancedness_before:+.4f}), "
-                  f"{plan.moved_experts} moved experts")
+            print(f"round {last['round']}: rearranged, plan {plan.plan_id}: {_plan_numbers(plan)}")
         return 0
     print(f"round {last['round']}: {outcome}: {reason}")
     return 0 if outcome == "skipped" else 1
+
+
+def _start_blocker(store) -> str:
+    """Why a requested round cannot start now, as the end of a sentence ("waits: ..."), or "": ranks whose weights
+    are not NORMAL (cleared or being updated; the start's guard)."""
+    from fdeplb.machines.tables import WEIGHTS, WeightState
+
+    off = [(r, w.state) for r, w in enumerate(store.read_all(WEIGHTS)) if w.state is not WeightState.NORMAL]
+    if not off:
+        return ""
+    ranks = ", ".join(f"{r} {state}" for r, state in off)
+    return (f"waits: weights not NORMAL on ranks {ranks}; it starts once they are "
+            f"(GET /update_model_weight reloads cleared weights)")
+
+
+def _plan_numbers(plan) -> str:
+    return (f"balancedness {plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f} "
+            f"(gain {plan.balancedness_after - plan.balancedness_before:+.4f}), {plan.moved_experts} moved experts")
+
+
+def _print_staged(store, rec, redis_url: str) -> int:
+    from fdeplb.cli.views import commit_command
+
+    plan = store.read_plan(rec.plan_id)
+    numbers = "" if plan is None else f": {_plan_numbers(plan)}"
+    print(f"round {rec.round}: staged, plan {rec.plan_id}{numbers}; the cluster is cordoned: it commits on "
+          f"{commit_command(redis_url, store.cluster, rec.plan_id)}")
+    return 0
 
 
 def check_checkpoint(path: str, preset: str, num_layers: int, num_logical_experts: int) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -62,9 +61,10 @@ def _row(label: str, load: np.ndarray, phy2log: np.ndarray, num_gpus: int, moved
 
 def run(args: argparse.Namespace) -> int:
     """Plan, print the before/after table, and write --out / --plot."""
+    from fdeplb.cli._common import check_out_folder
+
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise InputError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
+        check_out_folder(flag, path)
     dump = read_expert_load(args.load)
     load = dump.expert_load
     L, E = dump.expert_load.shape

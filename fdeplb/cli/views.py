@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -196,14 +195,17 @@ def run_audit(args: argparse.Namespace) -> int:
         while going and args.follow:
             going = emit(tracked(store.follow_audit(last_id, FOLLOW_BLOCK_MS)))
         sys.stdout.flush()
-    except BrokenPipeError:  # `fdeplb audit ... | head`: the reader has what it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except KeyboardInterrupt:  # Ctrl-C ends --follow
         sys.stdout.flush()
     return 0
 
 
 # ---- status --------------------------------------------------------------------------------------------------------
+def commit_command(redis_url: str, cluster: str, plan_id: str) -> str:
+    """The command that commits a cordoned cluster's staged plan ``plan_id``."""
+    return f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster} --commit {plan_id}"
+
+
 def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str = "URL") -> dict[str, Any]:
     """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock).
     A rank whose heartbeat is older than ``stale_after_ms`` is ``stale``; a cordoned round in LOAD_SUCC comes with
@@ -257,8 +259,7 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
         if plan is not None:
             staged = {"plan_id": plan.plan_id, "balancedness_before": plan.balancedness_before,
                       "balancedness_after": plan.balancedness_after, "moved_experts": plan.moved_experts,
-                      "commit_command": f"fdeplb rearrange --redis-url {redis_url} --cluster {store.cluster} "
-                                        f"--commit {plan.plan_id}"}
+                      "commit_command": commit_command(redis_url, store.cluster, plan.plan_id)}
     return {
         "cluster": store.cluster,
         "now_ms": now,
@@ -272,6 +273,7 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
             "version": rec.version,
             "round": rec.round,
             "requested": rec.requested,
+            "requested_reason": rec.requested_reason,
             "plan_id": rec.plan_id,
             "deadline_left_ms": deadline - now if deadline else None,
             "reason": rec.reason,

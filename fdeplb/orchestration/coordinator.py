@@ -13,6 +13,7 @@ work of whatever state it finds, which is how a kill at any point converges.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import uuid
@@ -40,6 +41,20 @@ Step = tuple[bool, "int | None"]
 ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
 #: how long a failing step waits before it is retried (ms)
 RETRY_MS = 1_000
+
+
+#: longest holder id (a hostname is at most 253 characters; the default adds pid and a random suffix)
+MAX_HOLDER = 300
+_HOLDER = re.compile(f"[!-~]{{1,{MAX_HOLDER}}}")
+
+
+def check_holder(holder: str) -> str:
+    """``holder`` if it is a valid coordinator holder id (1 to :data:`MAX_HOLDER` printable ASCII characters, no
+    spaces: it is the actor of every audit record the coordinator writes); :class:`InputError` otherwise."""
+    if not (isinstance(holder, str) and _HOLDER.fullmatch(holder)):
+        raise InputError(f"holder must be 1 to {MAX_HOLDER} printable ASCII characters without spaces, got "
+                         f"{str(holder)[:80]!r}{'...' if len(str(holder)) > 80 else ''}")
+    return holder
 
 
 def default_holder_id() -> str:
@@ -81,6 +96,8 @@ class Coordinator:
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
                  planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None,
                  interval_s: float | None = None, min_balancedness: float | None = None) -> None:
+        if holder is not None:
+            check_holder(holder)
         if not isinstance(lease_ms, int) or isinstance(lease_ms, bool) or not 300 <= lease_ms <= 3_600_000:
             raise InputError(f"lease_ms must be an integer in [300, 3600000], got {lease_ms!r}")
         if interval_s is not None and not interval_s > 0:
@@ -91,11 +108,13 @@ class Coordinator:
         self.min_balancedness = min_balancedness
         self._next_periodic_ms: int | None = None
         self._refused_ranks: list[int] | None = None
+        self._start_waits: str | None = None  # the last reason a requested start waited on (logged once)
         self.store = store
         self.holder = holder or default_holder_id()
         self.lease_ms = int(lease_ms)
         self.lease: str | None = None
         self._renewed_ms = 0
+        self._standing_by = False
         self.planner = planner or default_planner
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
@@ -119,7 +138,11 @@ class Coordinator:
         if value:
             self.lease = value
             self._renewed_ms = now
+            self._standing_by = False
             self.log.info("leading", lease=value)
+        elif not self._standing_by:  # said once per stretch of standing by, with the leader it waits on
+            self._standing_by = True
+            self.log.info("standing by", leader=self.store.lease_info().holder)
         return self.lease is not None
 
     def _fire(self, rec: ClusterRecord, trigger: str, **kwargs) -> None:
@@ -292,8 +315,11 @@ class Coordinator:
             self._fire(rec, "start", plan_id="", round_=round_, reason=why,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
-            self.log.info("start waits", reason=str(err))
+            if str(err) != self._start_waits:  # logged once per reason, not at every retry
+                self._start_waits = str(err)
+                self.log.info("start waits", reason=str(err))
             return False, self.lease_ms // 3
+        self._start_waits = None
         return True, None
 
     def _periodic(self, rec: ClusterRecord) -> Step:

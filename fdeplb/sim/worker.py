@@ -82,6 +82,13 @@ def watch_parent(parent: int, stop_event: threading.Event, period_s: float = 0.5
     started_by_parent = os.getppid() == parent
     while not stop_event.wait(period_s):
         if (os.getppid() != parent) if started_by_parent else not _alive(parent):
+            # said at WARNING: a worker started in the background of a shell that then exits stops here, and
+            # without this line its log would not say why (pass --parent-pid of a process that stays)
+            import structlog
+
+            structlog.get_logger("fdeplb.agent").warning(
+                "parent process gone: stopping", parent_pid=parent,
+                hint="--parent-pid names the process whose end stops this worker")
             stop_event.set()
             if not _exited.wait(grace_s):
                 os._exit(1)

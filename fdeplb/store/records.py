@@ -51,7 +51,7 @@ class ClusterRecord:
     """Highest round number asked for: the coordinator starts a round while ``requested > round``. Requests
     coalesce (:meth:`~fdeplb.store.Store.request_round`): it is at most ``round + 1``."""
     requested_reason: str = ""
-    """Who or what asked for the last round (operator, api, interval, ...)."""
+    """Who or what asked for the last round (operator, api, interval, ...); see :func:`check_request_reason`."""
     commit_requested: str = ""
     """plan_id an operator allowed to commit on a cordoned cluster ("" = none)."""
     commit_requested_by: str = ""
@@ -465,3 +465,20 @@ class ClusterConfig:
 def json_text(obj: object) -> str:
     """Canonical JSON text (sorted keys) of a stored document."""
     return json.dumps(obj, sort_keys=True)
+
+
+#: longest ``reason`` of a round request (``fdeplb rearrange --reason``)
+MAX_REQUEST_REASON = 500
+
+
+def check_request_reason(reason: str) -> str:
+    """``reason`` if it may be kept as a round request's ``requested_reason``: a str of at most
+    :data:`MAX_REQUEST_REASON` characters with no control character (it is shown on terminals); else
+    :class:`InputError`."""
+    if not isinstance(reason, str) or len(reason) > MAX_REQUEST_REASON or any(
+            ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in reason):
+        shown = repr(reason[:60]) + ("..." if isinstance(reason, str) and len(reason) > 60 else "")
+        raise InputError(f"reason must be at most {MAX_REQUEST_REASON} characters without control characters, "
+                         f"got {shown} ({len(reason) if isinstance(reason, str) else type(reason).__name__}"
+                         f"{' characters' if isinstance(reason, str) else ''})")
+    return reason

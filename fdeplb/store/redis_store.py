@@ -54,6 +54,7 @@ from fdeplb.store.records import (
     PlanEntry,
     RankRecord,
     WeightRecord,
+    check_request_reason,
     encode_changes,
     json_text,
     parse_record,
@@ -391,11 +392,18 @@ class Store:
             raw = self._client.hgetall(self._keys.config)
             if not raw:
                 raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
+            data = {}
+            for k, v in raw.items():
+                try:
+                    data[_s(k)] = json.loads(_s(v))
+                except json.JSONDecodeError:
+                    raise CorruptRecordError(f"{self._keys.config}: field {_s(k)!r} holds {_s(v)[:60]!r}, which is "
+                                             f"not JSON") from None
             try:
-                data = {_s(k): json.loads(_s(v)) for k, v in raw.items()}
                 self._config = ClusterConfig.from_json(data)
-            except (json.JSONDecodeError, InputError) as exc:
-                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {exc}") from None
+            except InputError as exc:
+                why = str(exc).removeprefix("not a cluster configuration: ")
+                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}") from None
         return self._config
 
     def ep_size(self) -> int:
@@ -422,7 +430,12 @@ class Store:
         Requests coalesce (one WATCHed transaction on the cluster record): while a round is in flight the request
         is served by it; while the cluster is FREE with a round already pending, by the pending one; otherwise
         it asks for round ``round + 1`` (``requested``). Any number of requests therefore yield exactly one round.
-        The start itself stays a guarded, audited transition; a request is only a wish."""
+        The start itself stays a guarded, audited transition; a request is only a wish.
+
+        ``reason`` (kept as ``requested_reason`` and in the ``round_requested`` event): at most
+        :data:`MAX_REQUEST_REASON` characters, none of them a control character; :class:`InputError` otherwise
+        (nothing is written)."""
+        check_request_reason(reason)
         key = self._keys.rearrange
         with self._client.pipeline(transaction=True) as pipe:
             while True:
@@ -998,7 +1011,9 @@ class Store:
         """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``), checked
         and written in one WATCHed transaction: of many concurrent callers, exactly one is accepted.
 
-        Returns (accepted, the cluster record as read). Nothing is written when refused."""
+        Returns (accepted, the cluster record as read). Nothing is written when refused. ``reason`` as for
+        :meth:`request_round`."""
+        check_request_reason(reason)
         key = self._keys.rearrange
         with self._client.pipeline(transaction=True) as pipe:
             while True:
