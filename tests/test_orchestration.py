@@ -311,3 +311,26 @@ def test_broken_load_source_aborts_by_deadline_and_the_agent_survives(redis_url,
         last = last_cluster_transition(store)
         assert last["trigger"] == "abort" and 3 in json.loads(last["reason"].rsplit("ranks ", 1)[1])
         assert tc.threads[3].is_alive()  # the agent logged it and goes on serving
+
+
+def test_a_second_agent_for_a_rank_supersedes_the_first(redis_url, cluster_id, tmp_path):
+    """A worker restarted while its old process still runs: the older agent sees the registry name the newer one at
+    its next heartbeat, raises an audited alarm naming both and stops; the newer one drives the rank's records and
+    the next round completes with it."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=400)  # heartbeats every 0.1 s
+        old = tc.agents[2]
+        new = tc.start_agent(2, heartbeat_ttl_ms=400)
+        thread = tc.threads[2]
+        thread.join(timeout=30)
+        assert not thread.is_alive() and old.stop_event.is_set()
+        assert store.rank_agent(2) == new.agent_id != old.agent_id
+        [alarm] = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+        assert f"superseded by agent {new.agent_id}" in alarm["reason"] and old.agent_id in alarm["reason"]
+        assert not new.stop_event.is_set()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-1] == ("DONE", "FREE", "release")
+        assert np.array_equal(new.backend.phy2log, store.current_placement().phy2log)
+        assert store.routing_mismatches() == []

@@ -26,6 +26,7 @@ import dataclasses
 import os
 import threading
 import time
+import uuid
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -220,6 +221,7 @@ class RankAgent:
         self.staging_budget_bytes = staging_budget_bytes
         self.verify_all = verify_all
         self.actor = actor or f"rank{ep_rank}@{os.getpid()}"
+        self.agent_id = uuid.uuid4().hex  # this agent instance, in the registry (see _check_superseded)
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
         self.backend: WeightBackend | None = None
@@ -251,7 +253,8 @@ class RankAgent:
             self.window = ExpertLoadWindow(self.config.num_layers, self.config.num_logical_experts,
                                            steps=self.window_steps, seconds=self.window_s)
         self._clear_stat_seen = self.store.read_cluster().clear_stat_request  # a fresh window is empty
-        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, **(info or {})})
+        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
+                                                **(info or {})})
         self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen,
                         routing_digest=routing_digest(self.backend.phy2log))
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
@@ -492,6 +495,22 @@ class RankAgent:
         self._hb = (now, self.steps, rate)
         self.store.heartbeat(self.ep_rank, heartbeat_ttl_ms=self.heartbeat_ttl_ms, step=self.steps,
                              steps_per_s=round(rate, 3), **changes)
+        self._check_superseded()
+
+    def _check_superseded(self) -> None:
+        """One agent per rank: a worker restarted while its old process still runs registers a new agent for the
+        same rank. The older one finds the registry naming another agent at its next heartbeat (within
+        ``heartbeat_ttl_ms / 4``), raises an alarm (event and audit record) naming both and stops its loop, so only
+        the newest agent drives the rank's records (until then both commit under the records' version checks)."""
+        owner = self.store.rank_agent(self.ep_rank)
+        if owner is None or owner == self.agent_id or self.stop_event.is_set():
+            return
+        message = (f"rank {self.ep_rank}: agent {self.actor} ({self.agent_id}) superseded by agent {owner}, "
+                   "registered later for the same rank; this agent stops")
+        self.log.error("superseded", agent_id=self.agent_id, by=owner)
+        self.store.emit_event("alarm", rank=self.ep_rank, message=message)
+        self.store.append_alarm(self.store.read_cluster(), actor=self.actor, reason=message)
+        self.stop_event.set()
 
     # ---- weight status (dynamic clear / update) ---------------------------------------------------------------------
     def _weights_step(self, cluster: ClusterRecord, w: WeightRecord) -> bool:

@@ -414,6 +414,19 @@ class Store:
         """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
         self._client.hset(self._keys.ranks, str(int(ep_rank)), json_text(info))
 
+    def rank_agent(self, ep_rank: int) -> str | None:
+        """The ``agent_id`` the registry names for ``ep_rank`` (the agent that registered last), or None;
+        :class:`CorruptRecordError` for an entry that is not a rank's JSON."""
+        raw = self._client.hget(self._keys.ranks, str(int(ep_rank)))
+        if raw is None:
+            return None
+        try:
+            info = json.loads(_s(raw))
+        except ValueError:
+            raise CorruptRecordError(f"{self._keys.ranks}: entry {int(ep_rank)} is not a rank's JSON") from None
+        agent = info.get("agent_id") if isinstance(info, dict) else None
+        return None if agent is None else str(agent)
+
     def rank_info(self) -> dict[int, dict[str, Any]]:
         """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not JSON."""
         out = {}
