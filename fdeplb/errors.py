@@ -135,9 +135,15 @@ class RedisUnavailableError(FdeplbError):
 class CorruptRecordError(FdeplbError):
     """A value read from Redis that fdeplb did not write that way (unparsable field, wrong shape, unknown state).
 
-    The message names the key and the field; nothing was changed."""
+    The message names the key and the field; nothing was changed. ``key`` is the Redis key of the value (None when
+    the raiser did not say), so a reader that goes on past one bad value (``fdeplb status``, the metrics) can name
+    it."""
 
     code = "corrupt_record"
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 class StoreError(FdeplbError):

@@ -123,8 +123,9 @@ def test_status_mid_round(redis_url, store, capsys):
         "COLLECTING", 1, 1, 3, 3)
     assert 0 < c["deadline_left_ms"] <= 30_000 and c["alarm"] == "swapping deadline passed"
     assert c["lease_holder"] == lease and 0 < c["lease_ttl_ms"] <= 60_000
-    assert status["placement"] == {"plan_id": "", "version": 0,
+    assert status["placement"] == {"plan_id": "", "version": 0, "corrupt": False,
                                    "routing_digest": routing_digest(store.current_placement().phy2log)}
+    assert status["corrupt"] == []
     assert [r["routing"] for r in status["ranks"]] == ["not_reported"] * 2 and status["routing_mismatches"] == []
     r0, r1 = status["ranks"]
     assert (r0["state"], r0["load_result"], r0["weights"], r0["weights_code"], r0["registered"]) == (
@@ -145,7 +146,7 @@ def test_status_after_a_round(redis_url, fired, capsys):
     code, out, _ = cli(capsys, "status", *where(redis_url, fired), "--json")
     status = json.loads(out)
     assert code == 0 and status["rearrange"]["state"] == "FREE" and status["rearrange"]["version"] == 7
-    assert status["placement"] == {"plan_id": PLAN, "version": 1,
+    assert status["placement"] == {"plan_id": PLAN, "version": 1, "corrupt": False,
                                    "routing_digest": routing_digest(fired.current_placement().phy2log)}
     assert status["ranks"][0]["plan_id"] == PLAN and status["ranks"][0]["version"] == 5
     assert status["ranks"][0]["weights_version"] == 2

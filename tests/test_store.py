@@ -73,8 +73,21 @@ def test_unknown_or_commit_only_fields_are_refused(store, redis_url, cluster_id)
 def test_corrupt_record_values_are_typed_errors(store, redis_url, cluster_id, field, value, message):
     raw = RawRedis(redis_url, cluster_id)
     raw.r.hset(raw.keys.rearrange, field, value)
-    with pytest.raises(CorruptRecordError, match=message):
+    with pytest.raises(CorruptRecordError, match=message) as info:
         store.read_cluster()
+    assert info.value.key == raw.keys.rearrange  # for readers that go on past it (fdeplb status, the metrics)
+
+
+def test_read_each_returns_a_corrupt_record_in_its_place(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    raw.r.hset(raw.keys.rank(1), "state", "EXPLODED")
+    raw.r.delete(raw.keys.weights(0))
+    got = store.read_each(RANK)
+    assert len(got) == 2 and got[0].state is RankState.IDLE
+    assert isinstance(got[1], CorruptRecordError) and got[1].key == raw.keys.rank(1)
+    assert "field 'state' holds 'EXPLODED'" in str(got[1])
+    weights = store.read_each(WEIGHTS)
+    assert weights[0] is None and weights[1].state is WeightState.NORMAL
 
 
 def test_corrupt_arrays_and_config_are_typed_errors(store, redis_url, cluster_id):

@@ -13,6 +13,11 @@ Gauges come from the records as they are now.
   ``fdeplb_moved_experts`` of the latest plan
 - ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
   ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging)
+- ``fdeplb_up``: 1 when Redis answered the scrape, 0 when it did not (only then); ``fdeplb_corrupt_records``: the
+  stored values this scrape read that did not parse (the configuration, the cluster, rank and weight-status records,
+  the placement, the latest plan or load snapshot). The other gauges skip such a value instead of failing: a corrupt
+  cluster record drops ``fdeplb_cluster_state_code`` and ``fdeplb_round``, a corrupt rank record that rank's
+  series; a corrupt configuration leaves only these two.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from fdeplb.errors import FdeplbError, NotFoundError
-from fdeplb.machines.tables import CLUSTER, ClusterState
+from fdeplb.errors import CorruptRecordError, FdeplbError, NotFoundError, RedisUnavailableError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState
 from fdeplb.placement import balancedness
 from fdeplb.store import Store
 
@@ -128,35 +133,55 @@ class ClusterCollector(Collector):
         yield p
 
     def _gauges(self):
-        up = GaugeMetricFamily("fdeplb_up", "1 when Redis answered this scrape")
+        up = GaugeMetricFamily("fdeplb_up", "1 when Redis answered this scrape (whatever the values it holds)")
+        corrupt: set[str] = set()
         try:
-            gauges = list(self._state_gauges())
-        except FdeplbError:
+            gauges = list(self._state_gauges(corrupt))
+        except RedisUnavailableError:
             up.add_metric([], 0)
             yield up
             return
+        except CorruptRecordError as err:  # the configuration: nothing can be laid out without it
+            corrupt.add(err.key or str(err))
+            gauges = []
+        except FdeplbError:  # Redis answered, but no cluster there (or it refused a command): no state gauges
+            gauges = []
         up.add_metric([], 1)
         yield up
+        yield GaugeMetricFamily("fdeplb_corrupt_records", "Stored values read by this scrape that did not parse "
+                                "(the other gauges skip them)", value=len(corrupt))
         yield from gauges
 
-    def _state_gauges(self):
+    def _state_gauges(self, corrupt: set[str]):
+        """The gauges from the records as they are now; a value that does not parse is added to ``corrupt`` (its
+        key) and skipped. Raises what reading the configuration raises."""
+
+        def parsed(read, *args):
+            try:
+                return read(*args)
+            except CorruptRecordError as err:
+                corrupt.add(err.key or str(err))
+                return None
+
         store = self.store
         cfg = store.read_config()
-        rec = store.read_cluster()
-        yield GaugeMetricFamily("fdeplb_cluster_state_code", "FastDeploy rearrange status code of the cluster",
-                                value=CLUSTER.to_code(rec.state))
-        yield GaugeMetricFamily("fdeplb_round", "Round in progress or last finished", value=rec.round)
+        rec = parsed(store.read_cluster)
+        if rec is not None:
+            yield GaugeMetricFamily("fdeplb_cluster_state_code", "FastDeploy rearrange status code of the cluster",
+                                    value=CLUSTER.to_code(rec.state))
+            yield GaugeMetricFamily("fdeplb_round", "Round in progress or last finished", value=rec.round)
         bal = GaugeMetricFamily("fdeplb_balancedness", "Mean over layers of mean/max GPU load on the latest "
                                 "round's load snapshot", labels=["placement"])
         moved = GaugeMetricFamily("fdeplb_moved_experts", "Moved experts of the latest plan")
-        plan = store.read_plan(rec.plan_id) if rec.plan_id else None
-        snapshot = plan.expert_load if plan is not None else store.read_snapshot(rec.round)
-        if snapshot is not None:
-            try:
-                current = store.current_placement().phy2log
-                bal.add_metric(["current"], float(np.mean(balancedness(snapshot, current, cfg.ep_size))))
-            except (NotFoundError, FdeplbError):
-                pass
+        plan = parsed(store.read_plan, rec.plan_id) if rec is not None and rec.plan_id else None
+        snapshot = (plan.expert_load if plan is not None
+                    else parsed(store.read_snapshot, rec.round) if rec is not None else None)
+        try:  # read on every scrape, also without a snapshot: a corrupt placement is counted
+            placement = parsed(store.current_placement)
+        except NotFoundError:
+            placement = None
+        if snapshot is not None and placement is not None:
+            bal.add_metric(["current"], float(np.mean(balancedness(snapshot, placement.phy2log, cfg.ep_size))))
         if plan is not None:
             bal.add_metric(["planned"], plan.balancedness_after)
             moved.add_metric([], plan.moved_experts)
@@ -167,13 +192,15 @@ class ClusterCollector(Collector):
                                 labels=["ep_rank"])
         staging = GaugeMetricFamily("fdeplb_staging_bytes", "Bytes read and copied by each rank's last staging",
                                     labels=["ep_rank"])
-        for r in range(cfg.ep_size):
-            try:
-                rank = store.read_rank(r)
-            except NotFoundError:
+        for r, rank in enumerate(store.read_each(RANK)):
+            if isinstance(rank, CorruptRecordError):
+                corrupt.add(rank.key or str(rank))
+                continue
+            if rank is None:
                 continue
             if rank.heartbeat_ms:
                 age.add_metric([str(r)], max(now - rank.heartbeat_ms, 0) / 1000)
             staging.add_metric([str(r)], rank.disk_bytes + rank.local_bytes)
+        corrupt.update(w.key or str(w) for w in store.read_each(WEIGHTS) if isinstance(w, CorruptRecordError))
         yield age
         yield staging

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from fdeplb.errors import InputError, NotFoundError, StateError
+from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, StateError
 from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
 from fdeplb.store import Store
 
@@ -244,11 +244,18 @@ def health(store: Store, stale_ms: int) -> Reply:
 
 # ---- read-only /v1 routes ------------------------------------------------------------------------------------------
 def state(store: Store) -> dict[str, Any]:
-    """Every machine's record now (``fdeplb status --json``) plus the ranks' registered API addresses."""
+    """Every machine's record now (``fdeplb status --json``) plus the ranks' registered API addresses (none when the
+    registry does not parse: it is then listed in ``corrupt``). A record that does not parse is listed in
+    ``corrupt`` and the others are shown (200: the service works, part of the data is bad); a corrupt configuration
+    is a :class:`~fdeplb.errors.CorruptRecordError` (500)."""
     from fdeplb.cli.views import cluster_status
 
     out = cluster_status(store)
-    out["api_addresses"] = {str(r): info.get("api_address") for r, info in sorted(store.rank_info().items())}
+    try:
+        info = store.rank_info()
+    except CorruptRecordError:
+        info = {}
+    out["api_addresses"] = {str(r): i.get("api_address") for r, i in sorted(info.items())}
     return out
 
 

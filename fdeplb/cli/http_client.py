@@ -92,15 +92,11 @@ def run_trigger(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from fdeplb.cli.views import print_status
+    from fdeplb.cli.views import show_status
 
     status = ApiClient(args.url, args.credentials_file).get("/v1/state")
     status.pop("api_addresses", None)
-    if args.json:
-        print(json.dumps(status, sort_keys=True))
-    else:
-        print_status(status, sys.stdout)
-    return 0
+    return show_status(status, args.json)
 
 
 def _entry(record: dict[str, Any]):

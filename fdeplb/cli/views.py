@@ -6,7 +6,9 @@
 - ``status`` shows every machine's record now: the cluster rearrangement (state and FastDeploy code, round, plan,
   deadline left, reason, alarm, lease holder), each rank (rank state and load result, weight status, plan,
   whether the routing tables it holds have the current placement's digest, heartbeat age) and the current
-  placement.
+  placement. A record that does not parse is shown as CORRUPT (a line naming key and field; ``--json``: the
+  ``corrupt`` list) beside every other record, and the exit code is then 8; a corrupt configuration is only the
+  error (exit 8).
 - ``replay`` replays a recording with no Redis (:mod:`fdeplb.replay`): every transition, fence, guard and chain,
   every plan recomputed from its snapshot; ``--until`` stops at a record, ``--into`` rebuilds it in a Redis,
   ``--policy`` replans every round with another policy (what-if). Exit 0 when it replays, 1 on a mismatch (naming
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, TextIO
 
 from fdeplb.cli._common import open_store
-from fdeplb.errors import InputError, NotFoundError
+from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, exit_code
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS, ClusterState, RankState
 from fdeplb.recording import audit_dict, export_recording
 
@@ -34,6 +36,8 @@ from fdeplb.recording import audit_dict, export_recording
 FOLLOW_BLOCK_MS = 1_000
 #: default heartbeat age (ms) after which ``status`` marks a rank STALE
 STALE_AFTER_MS = 10_000
+#: how ``status`` shows a record that does not parse (in place of its state)
+CORRUPT = "CORRUPT"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -216,50 +220,57 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
     (``placement.routing_digest``, :func:`fdeplb.placement.routing_digest` of its phy2log): ``match``,
     ``mismatch`` (listed in ``routing_mismatches``: the rank dispatches tokens differently from the others),
     ``swap_pending`` (the cluster is SWAPPING and the rank has not swapped yet: its old tables are expected),
-    ``not_reported`` (no digest yet), or None (no rank record or no placement)."""
+    ``not_reported`` (no digest yet), or None (no rank record or no placement).
+
+    Corrupt values: each record is read on its own, and one that does not parse (a value fdeplb did not write that
+    way, :class:`~fdeplb.errors.CorruptRecordError`) is listed in ``corrupt`` (``[{"key", "error"}]``, the error
+    naming the key and the field) and shown as ``CORRUPT`` while every other record is shown as usual: the
+    cluster record as ``rearrange.state`` ``CORRUPT`` (its other fields None), a rank or weight-status record as
+    that rank's ``state`` / ``weights`` ``CORRUPT``, the placement as ``placement.corrupt`` true (its fields None),
+    a corrupt rank registry as every rank's ``registered`` None, a corrupt staged plan as ``staged`` None. A corrupt
+    configuration raises :class:`~fdeplb.errors.CorruptRecordError` (without it nothing can be laid out); so do
+    :class:`~fdeplb.errors.NotFoundError` (no cluster) and Redis errors."""
     from fdeplb.placement import routing_digest
 
     config = store.read_config()
+    corrupt: list[dict[str, str]] = []
+
+    def parsed(value):
+        """``value`` unless it is a CorruptRecordError, which is listed in ``corrupt`` (then CORRUPT)."""
+        if isinstance(value, CorruptRecordError):
+            corrupt.append({"key": value.key or "", "error": str(value)})
+            return CORRUPT
+        return value
+
+    def read(fn, *args):
+        try:
+            return fn(*args)
+        except CorruptRecordError as err:
+            return parsed(err)
+
     now = store.now_ms()
-    rec = store.read_cluster()
-    deadline = rec.deadline_ms
+    rec = read(store.read_cluster)
+    cluster_state = None if rec is CORRUPT else rec.state
     lease = store.lease_info()
     try:
-        placement = store.current_placement()
-        placement_plan, placement_version = placement.plan_id, placement.version
-        expected = routing_digest(placement.phy2log)
+        placement = read(store.current_placement)
     except NotFoundError:
-        placement_plan, placement_version, expected = None, None, None
-    registered = store.rank_info()
-    ranks = []
-    for r in range(config.ep_size):
-        rank = _maybe_record(store, RANK, r)
-        weights = _maybe_record(store, WEIGHTS, r)
-        heartbeat = rank.heartbeat_ms if rank else 0
-        ranks.append({
-            "ep_rank": r,
-            "registered": r in registered,
-            "state": rank.state if rank else None,
-            "load_result": RANK.to_code(rank.state) if rank else None,
-            "version": rank.version if rank else None,
-            "plan_id": rank.plan_id if rank else None,
-            "live_plan_id": rank.live_plan_id if rank else None,  # None: no agent has run yet
-            "reason": rank.reason if rank else None,
-            "heartbeat_age_ms": now - heartbeat if heartbeat else None,
-            "stale": bool(heartbeat) and now - heartbeat > stale_after_ms,
-            "weights": weights.state if weights else None,
-            "weights_code": WEIGHTS.to_code(weights.state) if weights else None,
-            "weights_version": weights.version if weights else None,
-            "routing_digest": (rank.routing_digest or None) if rank else None,
-            "routing": _routing(rank, expected, rec.state),
-        })
+        placement = None
+    expected = routing_digest(placement.phy2log) if placement not in (None, CORRUPT) else None
+    registered = read(store.rank_info)
+    rank_records = [parsed(x) for x in store.read_each(RANK)]
+    weight_records = [parsed(x) for x in store.read_each(WEIGHTS)]
+    ranks = [_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, stale_after_ms,
+                          expected, cluster_state)
+             for r, (rank, weights) in enumerate(zip(rank_records, weight_records))]
     staged = None
-    if config.cordoned and rec.plan_id and rec.state is ClusterState.LOAD_SUCC:
-        plan = store.read_plan(rec.plan_id)
-        if plan is not None:
+    if config.cordoned and cluster_state is ClusterState.LOAD_SUCC and rec.plan_id:
+        plan = read(store.read_plan, rec.plan_id)
+        if plan not in (None, CORRUPT):
             staged = {"plan_id": plan.plan_id, "balancedness_before": plan.balancedness_before,
                       "balancedness_after": plan.balancedness_after, "moved_experts": plan.moved_experts,
                       "commit_command": commit_command(redis_url, store.cluster, plan.plan_id)}
+    has_placement = placement not in (None, CORRUPT)
     return {
         "cluster": store.cluster,
         "now_ms": now,
@@ -267,27 +278,63 @@ def cluster_status(store, stale_after_ms: int = STALE_AFTER_MS, redis_url: str =
         "staged": staged,
         "config": {"ep_size": config.ep_size, "policy": config.policy, "cordoned": config.cordoned,
                    **config.topology()},
-        "rearrange": {
-            "state": rec.state,
-            "code": CLUSTER.to_code(rec.state),
-            "version": rec.version,
-            "round": rec.round,
-            "requested": rec.requested,
-            "requested_reason": rec.requested_reason,
-            "plan_id": rec.plan_id,
-            "deadline_left_ms": deadline - now if deadline else None,
-            "reason": rec.reason,
-            "alarm": rec.alarm,
-            "lease_holder": lease.holder,
-            "lease_ttl_ms": lease.ttl_ms,
-        },
-        "placement": {"plan_id": placement_plan, "version": placement_version, "routing_digest": expected},
+        "rearrange": {**_rearrange_status(rec, now), "lease_holder": lease.holder, "lease_ttl_ms": lease.ttl_ms},
+        "placement": {"plan_id": placement.plan_id if has_placement else None,
+                      "version": placement.version if has_placement else None, "routing_digest": expected,
+                      "corrupt": placement is CORRUPT},
         "routing_mismatches": [r["ep_rank"] for r in ranks if r["routing"] == "mismatch"],
         "ranks": ranks,
+        "corrupt": corrupt,
     }
 
 
-def _routing(rank, expected: str | None, cluster_state: ClusterState) -> str | None:
+def _rearrange_status(rec, now: int) -> dict[str, Any]:
+    """The cluster record's part of :func:`cluster_status` (state CORRUPT and every other field None for one that
+    does not parse)."""
+    if rec is CORRUPT:
+        return {"state": CORRUPT, **dict.fromkeys(("code", "version", "round", "requested", "requested_reason",
+                                                    "plan_id", "deadline_left_ms", "reason", "alarm"))}
+    return {
+        "state": rec.state,
+        "code": CLUSTER.to_code(rec.state),
+        "version": rec.version,
+        "round": rec.round,
+        "requested": rec.requested,
+        "requested_reason": rec.requested_reason,
+        "plan_id": rec.plan_id,
+        "deadline_left_ms": rec.deadline_ms - now if rec.deadline_ms else None,
+        "reason": rec.reason,
+        "alarm": rec.alarm,
+    }
+
+
+def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale_after_ms: int,
+                 expected: str | None, cluster_state: ClusterState | None) -> dict[str, Any]:
+    """One rank's row of :func:`cluster_status`: ``rank`` / ``weights`` are its records, None (missing) or CORRUPT
+    (shown as that state, the fields that come from the record None)."""
+    has_rank = rank not in (None, CORRUPT)
+    has_weights = weights not in (None, CORRUPT)
+    heartbeat = rank.heartbeat_ms if has_rank else 0
+    return {
+        "ep_rank": r,
+        "registered": registered,
+        "state": rank.state if has_rank else rank,
+        "load_result": RANK.to_code(rank.state) if has_rank else None,
+        "version": rank.version if has_rank else None,
+        "plan_id": rank.plan_id if has_rank else None,
+        "live_plan_id": rank.live_plan_id if has_rank else None,  # None: no agent has run yet
+        "reason": rank.reason if has_rank else None,
+        "heartbeat_age_ms": now - heartbeat if heartbeat else None,
+        "stale": bool(heartbeat) and now - heartbeat > stale_after_ms,
+        "weights": weights.state if has_weights else weights,
+        "weights_code": WEIGHTS.to_code(weights.state) if has_weights else None,
+        "weights_version": weights.version if has_weights else None,
+        "routing_digest": (rank.routing_digest or None) if has_rank else None,
+        "routing": _routing(rank, expected, cluster_state) if has_rank else None,
+    }
+
+
+def _routing(rank, expected: str | None, cluster_state: ClusterState | None) -> str | None:
     """How ``rank``'s reported routing digest compares with the placement's ``expected`` (see cluster_status)."""
     if rank is None or expected is None:
         return None
@@ -298,13 +345,6 @@ def _routing(rank, expected: str | None, cluster_state: ClusterState) -> str | N
     if cluster_state is ClusterState.SWAPPING and rank.state is not RankState.SWAPPED:
         return "swap_pending"
     return "mismatch"
-
-
-def _maybe_record(store, table, ep_rank: int):
-    try:
-        return store.read(table, ep_rank)
-    except NotFoundError:
-        return None
 
 
 def _ms(value: int | None, suffix: str = "") -> str:
@@ -318,8 +358,13 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
     out.write(f"cluster {status['cluster']}  (ep_size {cfg['ep_size']}, {cfg['num_logical_experts']} experts in "
               f"{cfg['num_physical_experts']} slots x {cfg['num_layers']} layer{'' if cfg['num_layers'] == 1 else 's'}, policy {cfg['policy']}"
               f"{', cordoned' if cfg['cordoned'] else ''})\n")
-    out.write(f"  rearrange  {c['state']} [{c['code']}]  v{c['version']}  round {c['round']} "
-              f"(requested {c['requested']})  plan {c['plan_id'] or '-'}\n")
+    for bad in status.get("corrupt") or []:
+        out.write(f"  CORRUPT    {bad['error']}\n")
+    if c["state"] == CORRUPT:
+        out.write("  rearrange  CORRUPT (the cluster record does not parse)\n")
+    else:
+        out.write(f"  rearrange  {c['state']} [{c['code']}]  v{c['version']}  round {c['round']} "
+                  f"(requested {c['requested']})  plan {c['plan_id'] or '-'}\n")
     out.write(f"  deadline   {_ms(c['deadline_left_ms'], ' left')}\n")
     if c["reason"]:
         out.write(f"  reason     {c['reason']}\n")
@@ -332,7 +377,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  commit     {st['commit_command']}\n")
     out.write(f"  lease      {c['lease_holder'] or '- (no coordinator leads)'}"
               f"{'  (ttl ' + _ms(c['lease_ttl_ms']) + ')' if c['lease_holder'] else ''}\n")
-    out.write(f"  placement  {'-' if pid is None else (pid or 'initial')}"
+    out.write(f"  placement  {CORRUPT if p.get('corrupt') else '-' if pid is None else (pid or 'initial')}"
               f"{'' if p['version'] is None else '  v' + str(p['version'])}"
               f"{'  routing digest ' + p['routing_digest'] if p.get('routing_digest') else ''}\n")
     mismatches = status.get("routing_mismatches") or []
@@ -350,7 +395,7 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         line = (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
                 f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}{routing:<14}"
                 f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
-                f"{'' if r['registered'] else 'not registered'}"
+                f"{'not registered' if r['registered'] is False else ''}"
                 f"{'  STALE (> ' + _ms(status['stale_after_ms']) + ')' if r.get('stale') else ''}"
                 f"{bad}")
         out.write(line.rstrip() + "\n")
@@ -372,12 +417,24 @@ def run_status(args: argparse.Namespace) -> int:
     if not args.stale_after > 0:
         raise InputError(f"--stale-after must be > 0 seconds, got {args.stale_after}")
     store = open_store(args.redis_url, args.cluster)
-    status = cluster_status(store, int(args.stale_after * 1000), args.redis_url)
-    if args.json:
+    return show_status(cluster_status(store, int(args.stale_after * 1000), args.redis_url), args.json)
+
+
+def show_status(status: dict[str, Any], as_json: bool) -> int:
+    """Print ``status`` (:func:`cluster_status`'s dict, from Redis or ``GET /v1/state``) as JSON or text; the exit
+    code: 0, or that of :class:`~fdeplb.errors.CorruptRecordError` (8) when a record did not parse (everything
+    readable is printed all the same, and stderr names the corrupt keys)."""
+    if as_json:
         print(json.dumps(status, sort_keys=True))
     else:
         print_status(status, sys.stdout)
-    return 0
+    corrupt = status.get("corrupt") or []
+    if not corrupt:
+        return 0
+    sys.stdout.flush()
+    print(f"error: {len(corrupt)} stored value{'s' if len(corrupt) > 1 else ''} of cluster {status['cluster']} did "
+          f"not parse: {', '.join(c['key'] or '?' for c in corrupt)}", file=sys.stderr)
+    return exit_code(CorruptRecordError(""))
 
 
 # ---- replay --------------------------------------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def _convert(cls: type, key: str, name: str, hint: Any, text: str) -> Any:
         return text
     except ValueError:
         raise CorruptRecordError(f"{key}: field {name!r} holds {text[:40]!r}, not a valid "
-                                 f"{getattr(hint, '__name__', hint)} ({cls.__name__})") from None
+                                 f"{getattr(hint, '__name__', hint)} ({cls.__name__})", key=key) from None
 
 
 def parse_record(cls: type, key: str, raw: Mapping[str, str]) -> Any:
@@ -222,7 +222,7 @@ def parse_record(cls: type, key: str, raw: Mapping[str, str]) -> Any:
     Raises :class:`CorruptRecordError` when ``state`` or ``version`` is missing or a field does not parse.
     """
     if "state" not in raw or "version" not in raw:
-        raise CorruptRecordError(f"{key}: record without state or version")
+        raise CorruptRecordError(f"{key}: record without state or version", key=key)
     hints = _hints(cls)
     values: dict[str, Any] = {"key": key}
     for f in dataclasses.fields(cls):

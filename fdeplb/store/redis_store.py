@@ -271,6 +271,22 @@ class Store:
             out.append(parse_record(record_type(table), key, _text(raw)))
         return out
 
+    def read_each(self, table: MachineTable) -> list[Any]:
+        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip, each on its own: a
+        missing record is None and one that does not parse is returned as its :class:`CorruptRecordError` (naming
+        the key), not raised, so a reader can show the others (``fdeplb status``, the metrics)."""
+        keys = [self._record_key(table, r) for r in range(self.ep_size())]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        out: list[Any] = []
+        for key, raw in zip(keys, pipe.execute()):
+            try:
+                out.append(parse_record(record_type(table), key, _text(raw)) if raw else None)
+            except CorruptRecordError as err:
+                out.append(err)
+        return out
+
     def read_view(self, ep_rank: int) -> tuple[ClusterRecord, RankRecord, WeightRecord]:
         """What a rank agent's reconcile step reads: the cluster record and ``ep_rank``'s rank and weight-status
         records, in one round trip. :class:`NotFoundError` / :class:`CorruptRecordError` as :meth:`read`."""
@@ -398,12 +414,13 @@ class Store:
                     data[_s(k)] = json.loads(_s(v))
                 except json.JSONDecodeError:
                     raise CorruptRecordError(f"{self._keys.config}: field {_s(k)!r} holds {_s(v)[:60]!r}, which is "
-                                             f"not JSON") from None
+                                             f"not JSON", key=self._keys.config) from None
             try:
                 self._config = ClusterConfig.from_json(data)
             except InputError as exc:
                 why = str(exc).removeprefix("not a cluster configuration: ")
-                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}") from None
+                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}",
+                                         key=self._keys.config) from None
         return self._config
 
     def ep_size(self) -> int:
@@ -434,7 +451,8 @@ class Store:
             try:
                 out[int(_s(k))] = json.loads(_s(v))
             except ValueError:
-                raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON") from None
+                raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON",
+                                         key=self._keys.ranks) from None
         return out
 
     def request_round(self, reason: str = "operator") -> int:
@@ -566,7 +584,7 @@ class Store:
         try:
             return arrays.decode(name, raw)
         except (InputError, ValueError, TypeError) as exc:
-            raise CorruptRecordError(f"{key}: {exc}") from None
+            raise CorruptRecordError(f"{key}: {exc}", key=key) from None
 
     def _loads(self, key: str, arr: np.ndarray | None) -> np.ndarray | None:
         """A stored load array checked against the configuration: int64 [L, E], in [0, 2**53]."""
@@ -575,10 +593,10 @@ class Store:
         cfg = self.read_config()
         shape = (cfg.num_layers, cfg.num_logical_experts)
         if arr.dtype != np.int64 or arr.shape != shape:
-            raise CorruptRecordError(f"{key}: expert_load is {arr.dtype} {arr.shape}, expected int64 {shape}")
+            raise CorruptRecordError(f"{key}: expert_load is {arr.dtype} {arr.shape}, expected int64 {shape}", key=key)
         if arr.size and (arr.min() < 0 or arr.max() > MAX_LOAD):
             raise CorruptRecordError(f"{key}: expert_load holds values outside [0, 2**53] "
-                                     f"(min {arr.min()}, max {arr.max()})")
+                                     f"(min {arr.min()}, max {arr.max()})", key=key)
         return arr
 
     def _table(self, key: str, arr: np.ndarray, name: str) -> np.ndarray:
@@ -586,9 +604,9 @@ class Store:
         cfg = self.read_config()
         shape = (cfg.num_layers, cfg.num_physical_experts)
         if arr.dtype != np.int64 or arr.shape != shape:
-            raise CorruptRecordError(f"{key}: {name} is {arr.dtype} {arr.shape}, expected int64 {shape}")
+            raise CorruptRecordError(f"{key}: {name} is {arr.dtype} {arr.shape}, expected int64 {shape}", key=key)
         if arr.size and (arr.min() < 0 or arr.max() >= cfg.num_logical_experts):
-            raise CorruptRecordError(f"{key}: {name} holds expert ids outside [0, {cfg.num_logical_experts})")
+            raise CorruptRecordError(f"{key}: {name} holds expert ids outside [0, {cfg.num_logical_experts})", key=key)
         return arr
 
     def publish_load(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> None:
@@ -616,7 +634,8 @@ class Store:
         try:
             return int(value)
         except ValueError:
-            raise CorruptRecordError(f"{self._keys.load(ep_rank)}: round {_s(value)!r} is not an integer") from None
+            key = self._keys.load(ep_rank)
+            raise CorruptRecordError(f"{key}: round {_s(value)!r} is not an integer", key=key) from None
 
     def load_rounds(self) -> list[int | CorruptRecordError | None]:
         """Round of every rank's last published window (None: never published), ep_rank order, one round trip;
@@ -630,7 +649,7 @@ class Store:
             try:
                 out.append(None if value is None else int(value))
             except ValueError:
-                out.append(CorruptRecordError(f"{key}: round {_s(value)!r} is not an integer"))
+                out.append(CorruptRecordError(f"{key}: round {_s(value)!r} is not an integer", key=key))
         return out
 
     def read_load(self, ep_rank: int) -> LoadWindow | None:
@@ -662,7 +681,7 @@ class Store:
             return LoadWindow(ep_rank=int(ep_rank), round=int(raw.get("round", b"")), expert_load=load,
                               published_ms=int(raw.get("published_ms", b"0") or 0))
         except ValueError:
-            raise CorruptRecordError(f"{key}: round or published_ms is not an integer") from None
+            raise CorruptRecordError(f"{key}: round or published_ms is not an integer", key=key) from None
 
     def save_snapshot(self, round_: int, expert_load: np.ndarray) -> bool:
         """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
@@ -699,7 +718,7 @@ class Store:
         arrs = {name: self._array(key, name, raw) for name in ("expert_load", "old_phy2log", "new_phy2log")}
         missing = [n for n, a in arrs.items() if a is None]
         if missing:
-            raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}")
+            raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}", key=key)
         arrs["expert_load"] = self._loads(key, arrs["expert_load"])
         for name in ("old_phy2log", "new_phy2log"):
             arrs[name] = self._table(key, arrs[name], name)
@@ -714,7 +733,7 @@ class Store:
                 balancedness_after=float(text.get("balancedness_after", "nan")),
                 moved_experts=int(text.get("moved_experts", "")), **arrs)
         except ValueError as exc:  # JSONDecodeError is a ValueError
-            raise CorruptRecordError(f"{key}: {exc}") from None
+            raise CorruptRecordError(f"{key}: {exc}", key=key) from None
 
     def plan_phy2log(self, plan_id: str) -> np.ndarray | None:
         """Only the new phy2log (int64 [L, P]) of plan ``plan_id``, or None if no such plan is stored;
@@ -739,7 +758,8 @@ class Store:
         try:
             version = int(raw.get("version", b"0") or 0)
         except ValueError:
-            raise CorruptRecordError(f"{self._keys.placement}: version is not an integer") from None
+            key = self._keys.placement
+            raise CorruptRecordError(f"{key}: version is not an integer", key=key) from None
         return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version)
 
     # ---- lease ---------------------------------------------------------------------------------------------------
