@@ -77,8 +77,8 @@ class RedisServer:
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
         end = time.monotonic() + timeout_s
         while True:
-            try:
-                if client.ping():
+            try:  # the server answering must be this one (free_port can race with another test run's server)
+                if int(client.info("server")["process_id"]) == self.proc.pid:
                     client.close()
                     return
             except redis.BusyLoadingError:

@@ -171,12 +171,14 @@ def faults(real_data, tmp_path_factory):
         report = replay_file(workdir / "faults.jsonl")
         assert report.chained == store.audit_length() > 0 and report.chain == f.chain[1]
     finally:
-        for p in f.coordinators:
-            stop_process(p, signal.SIGKILL)
-        cluster.stop()
-        store.delete_cluster()
-        assert store.key_count() == 0
-        server.close()
+        try:
+            for p in f.coordinators:
+                stop_process(p, signal.SIGKILL)
+            cluster.stop()
+            store.delete_cluster()
+            assert store.key_count() == 0
+        finally:
+            server.close()  # whatever failed above: never leave the redis-server running
         leaked = [c for c in psutil.Process().children(recursive=True) if c.pid not in before and c.is_running()
                   and c.status() != psutil.STATUS_ZOMBIE
                   and "fdeplb.reaper" not in c.cmdline()]  # the reaper lives as long as this test process

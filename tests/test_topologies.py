@@ -13,6 +13,7 @@ import pytest
 import redis
 from redis.cluster import key_slot
 
+from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import Store
 from fdeplb.store.keys import Keys
 from tests.helpers import thread_cluster, wait_for
@@ -102,9 +103,11 @@ def sentinel_setup(tmp_path):
 
 
 def _safe(fn):
+    """``fn()``, or False while the topology has no reachable master (a sentinel may briefly see none on a loaded
+    machine; the cluster's own loops retry the same way)."""
     try:
         return fn()
-    except redis.RedisError:
+    except (redis.RedisError, RedisUnavailableError):
         return False
 
 
@@ -114,7 +117,8 @@ def test_rounds_through_sentinel_with_a_failover_during_a_round(sentinel_setup, 
         store = tc.store()
         tc.start()
         store.request_round()
-        rec = wait_for(lambda: (r := store.read_cluster()).state == "LOAD_SUCC" and r, 90, store, "LOAD_SUCC")
+        rec = wait_for(lambda: _safe(lambda: (r := store.read_cluster()).state == "LOAD_SUCC" and r), 90,
+                       what="LOAD_SUCC")
         # the replica must hold everything written so far before the master dies
         wait_for(lambda: redis.Redis(port=master.port).execute_command("WAIT", 1, 1000) >= 1, 30,
                  what="replica caught up")
