@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from contextlib import contextmanager
@@ -172,3 +173,21 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
         code = exc.code
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def real_traces_28x64(real_data: Path, workdir: Path) -> list[str]:
+    """Two real loads of 28 layers x 64 experts that the rounds alternate between: the Qwen2-57B dumps from
+    ../shared/real_data, or, on a plain clone, two 64-expert slices of the DeepSeek-V3 dump bundled in the package
+    (measured loads either way), so the process tests (kill, fault suite) run in CI without ../shared."""
+    qwen = [real_data / "qwen2_57b_oeplb" / "counts57b.json", real_data / "qwen2_57b_oeplb" / "counts57b_share.json"]
+    if all(p.is_file() for p in qwen):
+        return [str(p) for p in qwen]
+    from fdeplb.placement import read_expert_load
+
+    dump = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "decode_in1000out1000.json").expert_load
+    out = []
+    for i, experts in enumerate((slice(0, 64), slice(64, 128))):
+        path = workdir / f"dsv3_slice{i}.json"
+        path.write_text(json.dumps({"counts": dump[:28, experts].tolist()}))
+        out.append(str(path))
+    return out

@@ -22,7 +22,7 @@ import pytest
 
 from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.helpers import wait_for
+from tests.helpers import real_traces_28x64, wait_for
 from tests.servers import RedisServer
 from tests.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 
@@ -145,22 +145,21 @@ def faults(real_data, tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("faults")
     before = {c.pid for c in psutil.Process().children(recursive=True)}  # e.g. the session's embedded Redis
+    traces = real_traces_28x64(real_data, workdir)
     server = RedisServer(workdir / "redis")
-    traces = [str(real_data / "qwen2_57b_oeplb" / "counts57b.json"),
-              str(real_data / "qwen2_57b_oeplb" / "counts57b_share.json")]
     config = ClusterConfig(num_layers=28, num_logical_experts=64, num_physical_experts=72, ep_size=EP,
                            deadlines=Deadlines(collecting_ms=30_000, loading_ms=6_000, commit_ms=30_000,
                                                swapping_ms=30_000))
     store = Store(server.url, new_cluster_id("faults"))
     cluster = LocalCluster(store=store, redis_url=server.url, config=config, trace=traces, workdir=workdir,
                            backend="numpy")
-    cluster.init(initial_placement(28, 64, 72).phy2log)
-    cluster.start_ranks()
-    cluster.wait_ready(timeout_s=120)
     f = Faults(server, store, cluster)
-    f.spawn()
-    f.spawn()
     try:
+        cluster.init(initial_placement(28, 64, 72).phy2log)
+        cluster.start_ranks()
+        cluster.wait_ready(timeout_s=120)
+        f.spawn()
+        f.spawn()
         yield f
         # the whole audit of every round above replays with no Redis: transitions legal, versions contiguous,
         # fences monotonic, cross-record guards held, the chain intact (plans of pruned rounds are not recomputed)

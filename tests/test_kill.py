@@ -20,7 +20,7 @@ import pytest
 
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.helpers import wait_for
+from tests.helpers import real_traces_28x64, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,7 @@ def proc_cluster(redis_url, real_data, tmp_path_factory):
     from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
 
     workdir = tmp_path_factory.mktemp("kill")
-    traces = [str(real_data / "qwen2_57b_oeplb" / "counts57b.json"),
-              str(real_data / "qwen2_57b_oeplb" / "counts57b_share.json")]
+    traces = real_traces_28x64(real_data, workdir)
     checkpoint = {}
     if BACKEND == "paddle":
         from fdeplb.weights import write_synthetic_checkpoint
