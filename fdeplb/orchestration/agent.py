@@ -279,7 +279,11 @@ class RankAgent:
                     return
                 if not progressed:
                     self._heartbeat()
-                    self.store.wait(cursor, self._wait_ms(block_ms))
+                    op = self._op
+                    if op is not None and not op.done.is_set():  # the worker's safe point applies it: report then
+                        op.done.wait(self._wait_ms(block_ms) / 1000)
+                    else:
+                        self.store.wait(cursor, self._wait_ms(block_ms))
             except RedisUnavailableError as err:  # Redis away: the live experts keep serving
                 self.log.warning("redis unavailable", error=str(err))
                 self.stop_event.wait(0.5)
