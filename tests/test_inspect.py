@@ -104,6 +104,7 @@ def test_bad_cluster_and_redis(redis_url, store, capsys, command):
     assert code == 7 and err.startswith("error: cannot reach Redis at redis://127.0.0.1:1/0: ")
     code, _, err = cli(capsys, command, "--redis-url", "http://127.0.0.1:1", "--cluster", store.cluster)
     assert code == 2 and err.startswith("error: bad Redis URL 'http://127.0.0.1:1'")
+    assert "unknown scheme 'http'" in err and "redis+cluster://" in err and "redis+sentinel://" in err
     code, _, err = cli(capsys, command, "--redis-url", url, "--cluster", "no/such")
     assert code == 2 and "cluster id must match" in err
 

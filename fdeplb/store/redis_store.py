@@ -134,11 +134,15 @@ def connect(url: str) -> Any:
     """
     from urllib.parse import parse_qs, urlsplit
 
+    forms = "redis://host:port/db, rediss://..., unix:///path, redis+cluster://host:port or " \
+            "redis+sentinel://host:port/master"
     if not isinstance(url, str) or "://" not in url:
-        raise InputError(f"not a Redis URL: {url!r} (expected redis://host:port/db, unix:///path, "
-                         f"redis+cluster://host:port or redis+sentinel://host:port/master)")
+        raise InputError(f"not a Redis URL: {url!r} (expected {forms})")
     opts = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0, decode_responses=False)
     parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
+                            "rediss+sentinel"):
+        raise InputError(f"bad Redis URL {url!r}: unknown scheme {parts.scheme!r} (accepted: {forms})")
     query = parse_qs(parts.query)
     try:
         if parts.scheme in ("redis+cluster", "rediss+cluster") or query.get("cluster", ["0"])[0] in ("1", "true"):
