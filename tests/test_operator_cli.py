@@ -186,3 +186,33 @@ def test_status_marks_a_rank_whose_routing_digest_differs_from_the_placement(red
                 line = next(ln for ln in text.splitlines() if ln.strip().startswith("3 "))
                 assert "MISMATCH" in line and f"(digest {'0' * 16} != {expected})" in line
                 assert all("MISMATCH" not in ln for ln in text.splitlines() if ln.strip()[:2] in ("0 ", "1 ", "2 "))
+
+
+def test_status_shows_swap_pending_while_ranks_wait_for_their_safe_point(redis_url, cluster_id, capsys, tmp_path):
+    """Past the commit point the placement is new but a rank's routing tables change only at its worker's safe
+    point: until then status says "swap pending" (not MISMATCH) for it; once every rank swapped, "match"."""
+    from fdeplb.cli.views import cluster_status
+    from fdeplb.orchestration.agent import EmbeddedAgent
+    from tests.test_embedding import _Instrumented, _Workers
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), publish_interval_s=None,
+                                load_source=lambda _round, r=r: tc.loads[r]).start() for r in range(4)]
+        try:
+            tc.start_coordinator()
+            store.request_round()  # no worker calls at_safe_point yet: the ranks stage, commit, then wait armed
+            wait_for(lambda: store.read_cluster().state == "SWAPPING" and all(
+                store.read_rank(r).state == "SWAPPING" for r in range(4)), 60, store, "ranks armed in SWAPPING")
+            got = cluster_status(store)
+            assert [r["routing"] for r in got["ranks"]] == ["swap_pending"] * 4 and got["routing_mismatches"] == []
+            code, text, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id)
+            assert code == 0 and "swap pending" in text and "MISMATCH" not in text
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: store.read_cluster().state == "FREE" and store.read_cluster().round == 1 and all(
+                    store.read_rank(r).state == "IDLE" for r in range(4)), 60, store, "round 1 over")
+            got = cluster_status(store)
+            assert [r["routing"] for r in got["ranks"]] == ["match"] * 4
+        finally:
+            for a in agents:
+                a.close()
