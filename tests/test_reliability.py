@@ -9,12 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-from fdeplb.cli import main
 from fdeplb.errors import InputError
 from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.scripts import SIGNAL_MAXLEN
-from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
 
 def round_over(store, n):
@@ -27,15 +26,6 @@ def round_over(store, n):
 
 def cluster_audit(store):
     return [a for a in store.iter_audit() if a["machine"] == "cluster"]
-
-
-def run_cli(capsys, *argv):
-    try:
-        code = main(list(argv))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---- coalesced requests ------------------------------------------------------------------------------------------

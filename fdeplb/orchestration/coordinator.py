@@ -380,20 +380,18 @@ class Coordinator:
                 frozen = True
         # ---- end issue 12
         if not frozen:
-            # which windows are there: one field per rank (the windows themselves are read once, when all are)
+            # which windows are there: one field per rank (the windows themselves are read once, when all are);
+            # an entry is a round (int), a LoadWindow, None (never published) or a CorruptRecordError
             found: list = self.store.load_rounds()
-            complete = all(isinstance(at, int) and at >= round_ for at in found)
-            if complete:
+            if all(isinstance(at, int) and at >= round_ for at in found):
                 found = self.store.read_loads()
-                complete = all(w is not None and (isinstance(w, CorruptRecordError) or w.round >= round_)
-                               for w in found)
             corrupt = [(r, err) for r, err in enumerate(found) if isinstance(err, CorruptRecordError)]
             if corrupt:  # the agent publishes a fresh window next round
                 self.store.drop_load(corrupt[0][0])
                 return self._abort(rec, f"load window of rank {corrupt[0][0]} is corrupt: {corrupt[0][1]}")
-            if not complete:
-                missing = [r for r, at in enumerate(found)
-                           if at is None or (at if isinstance(at, int) else at.round) < round_]
+            missing = [r for r, at in enumerate(found)
+                       if at is None or (at if isinstance(at, int) else at.round) < round_]
+            if missing:
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")

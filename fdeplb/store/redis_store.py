@@ -261,50 +261,48 @@ class Store:
         """The weight-status record of ``ep_rank``."""
         return self.read(WEIGHTS, ep_rank)
 
-    def read_all(self, table: MachineTable) -> list[Any]:
-        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip; a missing one is
-        :class:`NotFoundError`."""
-        keys = [self._record_key(table, r) for r in range(self.ep_size())]
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        out = []
-        for key, raw in zip(keys, pipe.execute()):
-            if not raw:
-                raise NotFoundError(f"no {table.name} record at {key}")
-            out.append(parse_record(record_type(table), key, _text(raw)))
-        return out
-
-    def read_each(self, table: MachineTable) -> list[Any]:
-        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip, each on its own: a
-        missing record is None and one that does not parse is returned as its :class:`CorruptRecordError` (naming
-        the key), not raised, so a reader can show the others (``fdeplb status``, the metrics)."""
-        keys = [self._record_key(table, r) for r in range(self.ep_size())]
+    def _read_records(self, which: list[tuple[MachineTable, int | None]]) -> list[Any]:
+        """The records ``which`` names ((table, ep_rank) pairs), in one round trip, each typed, or None where it does
+        not exist, or its :class:`CorruptRecordError` where it does not parse (returned, not raised)."""
+        keys = [self._record_key(table, r) for table, r in which]
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
         out: list[Any] = []
-        for key, raw in zip(keys, pipe.execute()):
+        for (table, _), key, raw in zip(which, keys, pipe.execute()):
             try:
                 out.append(parse_record(record_type(table), key, _text(raw)) if raw else None)
             except CorruptRecordError as err:
                 out.append(err)
         return out
 
+    def _strict(self, which: list[tuple[MachineTable, int | None]]) -> list[Any]:
+        """:meth:`_read_records`, raising for the first record (in ``which``'s order) that is missing
+        (:class:`NotFoundError`) or does not parse (its :class:`CorruptRecordError`)."""
+        out = self._read_records(which)
+        for (table, r), rec in zip(which, out):
+            if rec is None:
+                raise NotFoundError(f"no {table.name} record at {self._record_key(table, r)}")
+            if isinstance(rec, CorruptRecordError):
+                raise rec
+        return out
+
+    def read_all(self, table: MachineTable) -> list[Any]:
+        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip; a missing one is
+        :class:`NotFoundError`."""
+        return self._strict([(table, r) for r in range(self.ep_size())])
+
+    def read_each(self, table: MachineTable) -> list[Any]:
+        """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip, each on its own: a
+        missing record is None and one that does not parse is returned as its :class:`CorruptRecordError` (naming
+        the key), not raised, so a reader can show the others (``fdeplb status``, the metrics)."""
+        return self._read_records([(table, r) for r in range(self.ep_size())])
+
     def read_view(self, ep_rank: int) -> tuple[ClusterRecord, RankRecord, WeightRecord]:
         """What a rank agent's reconcile step reads: the cluster record and ``ep_rank``'s rank and weight-status
         records, in one round trip. :class:`NotFoundError` / :class:`CorruptRecordError` as :meth:`read`."""
-        tables = ((CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank))
-        keys = [self._record_key(t, r) for t, r in tables]
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        out = []
-        for (table, _), key, raw in zip(tables, keys, pipe.execute()):
-            if not raw:
-                raise NotFoundError(f"no {table.name} record at {key}")
-            out.append(parse_record(record_type(table), key, _text(raw)))
-        return out[0], out[1], out[2]
+        cluster, rank, weights = self._strict([(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)])
+        return cluster, rank, weights
 
     def ensure(self, table: MachineTable, ep_rank: int | None = None) -> bool:
         """Create the record in the table's initial state at version 0 unless it exists (both fields in one MULTI,
