@@ -219,10 +219,10 @@ class _LateAgent(EmbeddedAgent):
             self.held.set()
             self.gate.wait(0.05)
 
-    def step(self):
+    def step(self, *args, **kwargs):
         if self.rank.read().state is RankState.LOADED:  # staged: the commit comes (only this thread moves it)
             self._hold()
-        return super().step()
+        return super().step(*args, **kwargs)
 
     def _weights_step(self, cluster, w):
         if cluster.weights_request > w.request:

@@ -38,7 +38,7 @@ from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_counts, routing_digest
-from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
+from fdeplb.store import ClusterConfig, ClusterRecord, PendingWrite, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 
@@ -229,6 +229,7 @@ class RankAgent:
         self.staged: _Staging | None = None
         self._stage_ms = 0.0
         self._load_failed_round = -1
+        self._outbox: list[PendingWrite] = []  # the step's last writes, sent with the next wait (see run)
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
@@ -264,36 +265,71 @@ class RankAgent:
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
         """Reconcile until :attr:`stop_event` is set or ``until()`` is true. A lost Redis connection is logged
         and retried every 0.5 s; another :class:`FdeplbError` out of a step raises an ``alarm`` event and is
-        retried after 1 s. The worker's live experts keep serving either way."""
+        retried after 1 s. The worker's live experts keep serving either way.
+
+        One round trip per wake-up (issue #9): a step's last write (a load window, or a transition after which only
+        a cluster change gives the rank work: ``staged``, ``swapped``, ``finish``) is not sent on its own but
+        with the wait that follows it, and the wait reads the next step's view as it returns
+        (:meth:`fdeplb.store.Store.wait_view`)."""
         if self.backend is None:
             self.start()
         cursor = self.store.signal_cursor()  # wakes on cluster-record changes only (not every rank's transitions)
-        while not self.stop_event.is_set():
+        view = None
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    given, view = view, None
+                    try:
+                        progressed = self.step(given, send=False)
+                    except (StaleStateError, GuardError) as err:
+                        self.log.info("retry", error=str(err))
+                        progressed = True
+                    if until is not None and until():
+                        return
+                    if not progressed:
+                        self._heartbeat()
+                        op = self._op
+                        if op is not None and not op.done.is_set():  # the worker's safe point applies it
+                            self._send()
+                            op.done.wait(self._wait_ms(block_ms) / 1000)
+                        else:
+                            view = self._send(cursor, self._wait_ms(block_ms))
+                except RedisUnavailableError as err:  # Redis away: the live experts keep serving
+                    self.log.warning("redis unavailable", error=str(err))
+                    self.stop_event.wait(0.5)
+                except FdeplbError as err:  # typed but unexpected (a missing plan, a corrupt record): keep serving
+                    self.log.error("step failed", error=str(err), error_type=type(err).__name__)
+                    try:
+                        self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
+                    except FdeplbError:
+                        pass
+                    self.stop_event.wait(1.0)
+        finally:
             try:
-                try:
-                    progressed = self.step()
-                except (StaleStateError, GuardError) as err:
-                    self.log.info("retry", error=str(err))
-                    progressed = True
-                if until is not None and until():
-                    return
-                if not progressed:
-                    self._heartbeat()
-                    op = self._op
-                    if op is not None and not op.done.is_set():  # the worker's safe point applies it: report then
-                        op.done.wait(self._wait_ms(block_ms) / 1000)
-                    else:
-                        self.store.wait(cursor, self._wait_ms(block_ms))
-            except RedisUnavailableError as err:  # Redis away: the live experts keep serving
-                self.log.warning("redis unavailable", error=str(err))
-                self.stop_event.wait(0.5)
-            except FdeplbError as err:  # typed but unexpected (a missing plan, a corrupt record): keep serving
-                self.log.error("step failed", error=str(err), error_type=type(err).__name__)
-                try:
-                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
-                except FdeplbError:
-                    pass
-                self.stop_event.wait(1.0)
+                self._send()
+            except FdeplbError as err:
+                self.log.warning("last writes not sent", error=str(err))
+
+    def _send(self, cursor: dict | None = None, block_ms: int = 0) -> Any:
+        """Send the deferred writes (one round trip); with ``cursor``, in the pipeline of the wait on it, and
+        return the view read after the wait. A refused write is logged (the next step sees why in the view); when
+        the round trip fails, the writes' fate is unknown and the next steps redo them (the load window: its
+        round is looked up again)."""
+        writes, self._outbox = self._outbox, []
+        try:
+            if cursor is None:
+                outcomes, view = self.store.send(writes), None
+            else:
+                _, view, outcomes = self.store.wait_view(cursor, self.ep_rank, block_ms, writes)
+        except FdeplbError:
+            if writes:
+                self._published_round = -1
+            raise
+        for w, out in zip(writes, outcomes):
+            if isinstance(out, FdeplbError):
+                self.log.info("retry", write=w.what, error=str(out))
+                self._published_round = -1
+        return view
 
     def _wait_ms(self, block_ms: int) -> int:
         """How long the loop may block: ``block_ms``, cut short by the next heartbeat and the next periodic
@@ -304,9 +340,17 @@ class RankAgent:
             due = min(due, self._next_publish)
         return max(1, min(int(block_ms), int((due - now) * 1000) + 1))
 
-    def step(self) -> bool:
-        """One reconcile step; True if it changed something (the caller loops without waiting)."""
-        cluster, me, weights = self.store.read_view(self.ep_rank)
+    def step(self, view: tuple[ClusterRecord, RankRecord, WeightRecord] | None = None, *, send: bool = True) -> bool:
+        """One reconcile step on ``view`` (cluster, own rank and weight-status records; read now when None);
+        True if the caller should look again without waiting. With ``send`` (the default) the step's deferred
+        writes are sent before it returns (True then); :meth:`run` leaves them to its wait."""
+        progressed = self._reconcile(*(view or self.store.read_view(self.ep_rank)))
+        if send and self._outbox:
+            self._send()
+            return True
+        return progressed
+
+    def _reconcile(self, cluster: ClusterRecord, me: RankRecord, weights: WeightRecord) -> bool:
         self._failpoint(me)
         if cluster.clear_stat_request > self._clear_stat_seen:
             self.window.clear()
@@ -605,8 +649,8 @@ class RankAgent:
             self.log.error("load source failed", round=round_, error=str(err))
             self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
             return False
-        self.store.publish_load(self.ep_rank, round_, window)
-        self._published_round = round_
+        self._outbox.append(self.store.deferred_publish(self.ep_rank, round_, window))  # sent with the next wait
+        self._published_round = round_  # reset to "look it up" if the write is refused or its fate unknown
         return True
 
     # ---- helpers --------------------------------------------------------------------------------------------------
@@ -661,8 +705,8 @@ class RankAgent:
             self.log.error("staging failed", plan_id=plan_id, error=str(err))
             self.rank.fire("fail", record=me, reason=str(err), changes={"reason": str(err)})
             return True
-        self.rank.fire("staged", record=me, changes=info)
-        return True
+        self.rank.fire("staged", record=me, changes=info, defer=self._outbox)  # next work: the cluster's commit
+        return False
 
     def _on_loaded(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
@@ -736,8 +780,8 @@ class RankAgent:
             self.rank.update(**report)
             self.store.emit_event("alarm", rank=self.ep_rank, message=report["reason"])
             return False
-        self.rank.fire("swapped", record=me, changes=report)
-        return True
+        self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the cluster's DONE
+        return False
 
     def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> dict[str, Any]:
         """Swap in place (at the safe point); on a failed verification rewrite the old placement from the source
@@ -751,8 +795,8 @@ class RankAgent:
     def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
             return False  # the other ranks are still swapping
-        self.rank.fire("finish", record=me)
-        return True
+        self.rank.fire("finish", record=me, defer=self._outbox)  # next work: the next round's LOADING
+        return False
 
     def _on_load_failed(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         if self._plan_alive(me.plan_id, cluster):

@@ -29,7 +29,7 @@ from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
-from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store
+from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
 from fdeplb.store.redis_store import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
@@ -450,12 +450,17 @@ class Coordinator:
         self._fire(rec, "load", plan_id=plan_id, changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
 
-    def _rank_records(self) -> list[RankRecord]:
-        return self.store.read_all(RANK)
-
-    def _failed(self, ranks: list[RankRecord], plan_id: str) -> list[tuple[int, str]]:
-        return [(r, x.reason) for r, x in enumerate(ranks)
+    def _failed(self, states: list[tuple[RankState, str]], plan_id: str) -> list[tuple[int, str]]:
+        """Ranks that failed to load ``plan_id``, with their reasons (their whole records are read only then)."""
+        if not any(st is RankState.LOAD_FAILED and pid == plan_id for st, pid in states):
+            return []
+        return [(r, x.reason) for r, x in enumerate(self.store.read_all(RANK))
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
+
+    @staticmethod
+    def _not_in(states: list[tuple[RankState, str]], state: RankState, plan_id: str) -> list[int]:
+        """Ranks not in ``state`` for ``plan_id``."""
+        return [r for r, (st, pid) in enumerate(states) if not (st is state and pid == plan_id)]
 
     def _check_plan(self, rec: ClusterRecord, *, whole: bool) -> str | None:
         """The round's stored plan is there and valid (what the agents stage); else why not, with the plan
@@ -478,17 +483,17 @@ class Coordinator:
         problem = self._check_plan(rec, whole=False)
         if problem:
             return self._abort(rec, problem)
-        ranks = self._rank_records()
-        failed = self._failed(ranks, plan_id)
+        states = self.store.rank_states()
+        failed = self._failed(states, plan_id)
         if failed:
             return self._abort(rec, "; ".join(f"rank {r} failed to load: {why}" for r, why in failed))
-        if all(x.state is RankState.LOADED and x.plan_id == plan_id for x in ranks):
+        late = self._not_in(states, RankState.LOADED, plan_id)
+        if not late:
             deadline = self.store.now_ms() + self.config.deadlines.commit_ms if self.config.cordoned else 0
             self._fire(rec, "loaded", changes={"deadline_ms": deadline})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
-            late = [r for r, x in enumerate(ranks) if not (x.state is RankState.LOADED and x.plan_id == plan_id)]
             return self._abort(rec, f"loading deadline passed: ranks {late} not LOADED")
         return False, left
 
@@ -497,7 +502,7 @@ class Coordinator:
         problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
-        failed = self._failed(self._rank_records(), plan_id)
+        failed = self._failed(self.store.rank_states(), plan_id)
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
         if self.config.cordoned and rec.commit_requested != plan_id:
@@ -513,13 +518,12 @@ class Coordinator:
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        ranks = self._rank_records()
-        if all(x.state is RankState.SWAPPED and x.plan_id == plan_id for x in ranks):
+        late = self._not_in(self.store.rank_states(), RankState.SWAPPED, plan_id)
+        if not late:
             self._fire(rec, "swapped", changes={"deadline_ms": 0})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
-            late = [r for r, x in enumerate(ranks) if not (x.state is RankState.SWAPPED and x.plan_id == plan_id)]
             self._alarm(rec, f"swapping deadline passed; rolling forward; ranks {late} not SWAPPED")
             return False, self.lease_ms // 3
         return False, left

@@ -13,7 +13,8 @@ from typing import Any
 
 from fdeplb.machines.model import RecordModel, build_machine
 from fdeplb.machines.tables import CLUSTER, MachineTable, StateEnum, TransitionSpec
-from fdeplb.store import CommitResult, Store
+from fdeplb.store import CommitResult, PendingWrite, Store
+from fdeplb.store.records import field_names
 
 
 @dataclass(frozen=True)
@@ -58,28 +59,38 @@ class RecordHandle:
         self.store.update(self.table, self.ep_rank, **changes)
 
     def fire(self, trigger: str, *, record: Any = None, plan_id: str | None = None, reason: str = "",
-             changes: dict[str, Any] | None = None, round_: int | None = None) -> Fired:
+             changes: dict[str, Any] | None = None, round_: int | None = None,
+             defer: list[PendingWrite] | None = None) -> Fired | None:
         """Fire ``trigger`` on the record (``record`` = what the caller read; re-read when None).
 
         ``plan_id`` defaults to the record's plan_id; ``changes`` are other record fields written in the same
         atomic step. Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
         :class:`~fdeplb.errors.StateError`); nothing is written then.
+
+        ``defer``: the machine checks the trigger is legal now, but the commit is appended to ``defer`` as a
+        :class:`~fdeplb.store.PendingWrite` for the caller's next :meth:`fdeplb.store.Store.wait_view` (which
+        returns its outcome, a refusal included); returns None then, and :meth:`take_committed` has nothing.
         """
         rec = record if record is not None else self.read()
         pid = rec.plan_id if plan_id is None else plan_id
         result: dict[str, CommitResult] = {}
 
         def commit(model: RecordModel, spec: TransitionSpec, _kwargs: dict[str, Any]) -> None:
-            result["c"] = self.store.commit(
-                self.table, spec, rec, actor=self.actor, label=self.label, fence=self.fence, plan_id=pid,
-                round_=round_, reason=reason, changes=changes,
-            )
-            model.version = result["c"].version
+            how = self.store.commit if defer is None else self.store.deferred_commit
+            out = how(self.table, spec, rec, actor=self.actor, label=self.label, fence=self.fence, plan_id=pid,
+                      round_=round_, reason=reason, changes=changes)
+            if defer is not None:
+                defer.append(out)
+                return
+            result["c"] = out
+            model.version = out.version
 
         model = self._model(rec, commit)
         state = model.fire(trigger)
+        if defer is not None:
+            return None
         c = result["c"]
-        names = {f.name for f in dataclasses.fields(rec)}
+        names = field_names(type(rec))
         after = dataclasses.replace(rec, state=state, version=c.version, updated_ms=c.ts_ms,
                                     **{k: v for k, v in (changes or {}).items() if k in names})
         self.committed = after

@@ -17,7 +17,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -194,26 +194,35 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # cached: resolving the string annotations costs ~1 ms per call
 
 
-def _convert(cls: type, key: str, name: str, hint: Any, text: str) -> Any:
-    """``text`` (a stored hash value) as the field's type; CorruptRecordError if it does not parse."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = args[0]
-    try:
+def _int_or_zero(text: str) -> int:
+    return int(text) if text != "" else 0
+
+
+def _finite_float(text: str) -> float:
+    value = float(text) if text != "" else 0.0
+    if not math.isfinite(value):
+        raise ValueError("not finite")
+    return value
+
+
+@functools.cache
+def _parsers(cls: type) -> tuple[tuple[str, Callable[[str], Any] | None, Any], ...]:
+    """Per field of ``cls`` (but ``key``): its name, the function that parses its stored text (None: kept as text)
+    and its type (for error messages); built once per record type (parsing runs at every agent wake-up)."""
+    hints = _hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name == "key":
+            continue
+        hint = hints[f.name]
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            hint = [a for a in typing.get_args(hint) if a is not type(None)][0]
         if isinstance(hint, type) and issubclass(hint, StateEnum):
-            return hint(text)
-        if hint is int:
-            return int(text) if text != "" else 0
-        if hint is float:
-            value = float(text) if text != "" else 0.0
-            if not math.isfinite(value):
-                raise ValueError("not finite")
-            return value
-        return text
-    except ValueError:
-        raise CorruptRecordError(f"{key}: field {name!r} holds {text[:40]!r}, not a valid "
-                                 f"{getattr(hint, '__name__', hint)} ({cls.__name__})", key=key) from None
+            parse: Callable[[str], Any] | None = hint
+        else:
+            parse = {int: _int_or_zero, float: _finite_float}.get(hint)
+        out.append((f.name, parse, hint))
+    return tuple(out)
 
 
 def parse_record(cls: type, key: str, raw: Mapping[str, str]) -> Any:
@@ -223,13 +232,26 @@ def parse_record(cls: type, key: str, raw: Mapping[str, str]) -> Any:
     """
     if "state" not in raw or "version" not in raw:
         raise CorruptRecordError(f"{key}: record without state or version", key=key)
-    hints = _hints(cls)
     values: dict[str, Any] = {"key": key}
-    for f in dataclasses.fields(cls):
-        if f.name == "key" or f.name not in raw:
+    for name, parse, hint in _parsers(cls):
+        text = raw.get(name)
+        if text is None:
             continue
-        values[f.name] = _convert(cls, key, f.name, hints[f.name], raw[f.name])
+        if parse is None:
+            values[name] = text
+            continue
+        try:
+            values[name] = parse(text)
+        except ValueError:
+            raise CorruptRecordError(f"{key}: field {name!r} holds {text[:40]!r}, not a valid "
+                                     f"{getattr(hint, '__name__', hint)} ({cls.__name__})", key=key) from None
     return cls(**values)
+
+
+@functools.cache
+def field_names(cls: type) -> frozenset[str]:
+    """The field names of record type ``cls`` (computed once per type)."""
+    return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def encode_changes(cls: type, changes: Mapping[str, Any]) -> dict[str, str]:
@@ -238,7 +260,7 @@ def encode_changes(cls: type, changes: Mapping[str, Any]) -> dict[str, str]:
     Raises :class:`InputError` for a name the record does not have, or for ``key``, ``state``, ``version`` and
     ``updated_ms`` (written only by the commit script).
     """
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = field_names(cls)
     out: dict[str, str] = {}
     for name, value in changes.items():
         if name not in names:

@@ -40,8 +40,8 @@ from fdeplb.errors import (
     StateError,
     StoreError,
 )
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, StateEnum, TransitionSpec, \
-    WeightState
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, RankState, StateEnum, \
+    TransitionSpec, WeightState
 from fdeplb.placement import MAX_LOAD, check_counts, routing_digest
 from fdeplb.store import arrays
 from fdeplb.store.keys import Keys
@@ -60,7 +60,8 @@ from fdeplb.store.records import (
     parse_record,
     record_type,
 )
-from fdeplb.store.scripts import SIGNAL_MAXLEN, audit_call, commit_call, lease_call, script_text, switch_call
+from fdeplb.store.scripts import SIGNAL_MAXLEN, CommitCall, audit_call, commit_call, lease_call, publish_call, \
+    script_text, switch_call
 
 #: longest XREAD BLOCK any fdeplb waiter issues (ms); the socket timeout is set well above it.
 MAX_BLOCK_MS = 2_000
@@ -170,7 +171,10 @@ def _s(value: Any) -> str:
 
 
 def _text(raw: dict) -> dict[str, str]:
-    return {_s(k): _s(v) for k, v in raw.items()}
+    try:  # replies are bytes (decode_responses=False): the direct decode is the hot path of every record read
+        return {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in raw.items()}
+    except AttributeError:
+        return {_s(k): _s(v) for k, v in raw.items()}
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,25 @@ class AuditRecord:
 Cursor = dict
 
 
+@dataclass(frozen=True)
+class PendingWrite:
+    """A script call laid out now and sent later, in the pipeline of the next :meth:`Store.wait_view` before its
+    ``XREAD``: the last write of a rank agent's step then costs no round trip of its own (issue #9), and is still
+    in Redis before the agent blocks. Made by :meth:`Store.deferred_commit` and :meth:`Store.deferred_publish`.
+
+    Nothing is known to be written until the wait returns its outcome (the value or the typed error the immediate
+    call would return or raise); a wait that fails (Redis unavailable) leaves it unknown, and the reconcile loop's
+    next step does the work again (every such write is idempotent or version-checked)."""
+
+    what: str
+    """What the write is, for logs and errors (``rank commit on rank:3``, ``load window of rank 3``)."""
+    script: Any
+    """The redis-py ``Script`` the call runs (sent as ``EVALSHA``; loaded and run again on ``NOSCRIPT``)."""
+    call: CommitCall
+    outcome: Callable[[Any], Any]
+    """The script's reply -> the write's result; raises the typed error of a refusal."""
+
+
 @_map_public_methods
 class Store:
     """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is.
@@ -219,6 +242,7 @@ class Store:
         self._lease = self._client.register_script(script_text("lease"))
         self._append = self._client.register_script(script_text("audit"))
         self._switch = self._client.register_script(script_text("switch"))
+        self._publish = self._client.register_script(script_text("publish"))
 
     def ping(self) -> None:
         """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
@@ -268,18 +292,22 @@ class Store:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
+        return self._parse_records(which, keys, pipe.execute())
+
+    @staticmethod
+    def _parse_records(which: list[tuple[MachineTable, int | None]], keys: list[str], raws: list[Any]) -> list[Any]:
         out: list[Any] = []
-        for (table, _), key, raw in zip(which, keys, pipe.execute()):
+        for (table, _), key, raw in zip(which, keys, raws):
             try:
                 out.append(parse_record(record_type(table), key, _text(raw)) if raw else None)
             except CorruptRecordError as err:
                 out.append(err)
         return out
 
-    def _strict(self, which: list[tuple[MachineTable, int | None]]) -> list[Any]:
-        """:meth:`_read_records`, raising for the first record (in ``which``'s order) that is missing
-        (:class:`NotFoundError`) or does not parse (its :class:`CorruptRecordError`)."""
-        out = self._read_records(which)
+    def _strict(self, which: list[tuple[MachineTable, int | None]], out: list[Any] | None = None) -> list[Any]:
+        """:meth:`_read_records` (or ``out``, records already read), raising for the first record (in ``which``'s
+        order) that is missing (:class:`NotFoundError`) or does not parse (its :class:`CorruptRecordError`)."""
+        out = self._read_records(which) if out is None else out
         for (table, r), rec in zip(which, out):
             if rec is None:
                 raise NotFoundError(f"no {table.name} record at {self._record_key(table, r)}")
@@ -291,6 +319,26 @@ class Store:
         """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip; a missing one is
         :class:`NotFoundError`."""
         return self._strict([(table, r) for r in range(self.ep_size())])
+
+    def rank_states(self) -> list[tuple[RankState, str]]:
+        """Every rank's (state, plan_id), ep_rank order, in one round trip of two fields per rank: what the
+        coordinator checks at each wake-up while the ranks load or swap (a whole record is parsed only when it
+        needs more). :class:`NotFoundError` for a missing record, :class:`CorruptRecordError` naming the key for a
+        state that is not a :class:`RankState`."""
+        keys = [self._keys.rank(r) for r in range(self.ep_size())]
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hmget(key, "state", "plan_id")
+        out = []
+        for key, (state, plan_id) in zip(keys, pipe.execute()):
+            if state is None:
+                raise NotFoundError(f"no rank record at {key}")
+            try:
+                out.append((RankState(_s(state)), _s(plan_id)))
+            except ValueError:
+                raise CorruptRecordError(f"{key}: field 'state' holds {_s(state)[:40]!r}, not a valid RankState",
+                                         key=key) from None
+        return out
 
     def read_each(self, table: MachineTable) -> list[Any]:
         """Every rank's record of ``table`` (rank or weights), ep_rank order, in one round trip, each on its own: a
@@ -350,6 +398,23 @@ class Store:
         :class:`StaleStateError` (record changed since read) or :class:`GuardError` (a guard refused); Redis is
         unchanged then.
         """
+        call, what = self._commit_call(table, spec, record, actor=actor, label=label, fence=fence, plan_id=plan_id,
+                                       round_=round_, reason=reason, changes=changes)
+        return self._commit_outcome(self._commit(keys=call.keys, args=call.args), what)
+
+    def deferred_commit(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
+                        fence: str = "", plan_id: str = "", round_: int | None = None, reason: str = "",
+                        changes: dict[str, Any] | None = None) -> "PendingWrite":
+        """:meth:`commit`, laid out now and sent with the next :meth:`wait_view` (see :class:`PendingWrite`);
+        its outcome is a :class:`CommitResult` or the error :meth:`commit` would raise."""
+        call, what = self._commit_call(table, spec, record, actor=actor, label=label, fence=fence, plan_id=plan_id,
+                                       round_=round_, reason=reason, changes=changes)
+        return PendingWrite(what, self._commit, call, lambda reply: self._commit_outcome(reply, what))
+
+    def _commit_call(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
+                     fence: str, plan_id: str, round_: int | None, reason: str,
+                     changes: dict[str, Any] | None) -> tuple[CommitCall, str]:
+        """The ``commit.lua`` call of a transition, and what it is (for error messages)."""
         round_ = record.round if round_ is None else round_
         audit = {
             "machine": table.name, "key": label, "from": record.state.value, "to": spec.dest.value,
@@ -363,11 +428,15 @@ class Store:
             plan_key=self._keys.plan(plan_id or "_none"), ep_size=self.ep_size() if per_rank else 0,
             signal=spec.wakes_ranks,
         )
-        reply = self._commit(keys=call.keys, args=call.args)
+        return call, f"{table.name} {spec.trigger} on {label}"
+
+    @staticmethod
+    def _commit_outcome(reply: Any, what: str) -> CommitResult:
+        """``commit.lua``'s reply as a :class:`CommitResult`, or its refusal as the typed error."""
         status = _s(reply[0])
         if status == "OK":
             return CommitResult(version=int(_s(reply[1])), audit_id=_s(reply[2]), ts_ms=int(_s(reply[3])))
-        detail = f"{table.name} {spec.trigger} on {label}: {_s(reply[1])}"
+        detail = f"{what}: {_s(reply[1])}"
         if status == "ERR_FENCE":
             raise FenceError(detail)
         if status == "ERR_GUARD":
@@ -615,18 +684,24 @@ class Store:
         """Publish ``ep_rank``'s expert_load window (int64 [L, E]) for round ``round_`` (overwrites the last).
         :class:`InputError` (nothing written) for a window :func:`fdeplb.placement.check_counts` refuses: wrong
         shape, negative, above 2**53, NaN, or fractional (never truncated)."""
+        call = self._publish_call(ep_rank, round_, expert_load)
+        self._publish(keys=call.keys, args=call.args)
+
+    def deferred_publish(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> PendingWrite:
+        """:meth:`publish_load`, checked now and sent with the next :meth:`wait_view` (:class:`PendingWrite`;
+        its outcome is the window's ``published_ms``). :class:`InputError` at once, as :meth:`publish_load`."""
+        call = self._publish_call(ep_rank, round_, expert_load)
+        return PendingWrite(f"load window of rank {int(ep_rank)}", self._publish, call, lambda reply: int(reply))
+
+    def _publish_call(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> CommitCall:
         counts = check_counts(expert_load, f"load window of rank {ep_rank}")
         cfg = self.read_config()
         if counts.shape != (cfg.num_layers, cfg.num_logical_experts):
             raise InputError(f"load window of rank {ep_rank} has shape {counts.shape}, expected "
                              f"{(cfg.num_layers, cfg.num_logical_experts)}")
-        mapping = {**arrays.encode("expert_load", counts),
-                   "round": str(int(round_)), "published_ms": str(self.now_ms())}
-        pipe = self._client.pipeline(transaction=True)  # the window and its wake-up event, one round trip
-        pipe.hset(self._keys.load(ep_rank), mapping=mapping)
-        pipe.xadd(self._keys.events, {"kind": "load_published", "rank": str(int(ep_rank)), "round": str(int(round_))},
-                  maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.execute()
+        # the window, its server time and its wake-up event: one atomic script call, one round trip
+        return publish_call(self._keys, ep_rank=ep_rank, round_=round_, window=arrays.encode("expert_load", counts),
+                            events_maxlen=EVENTS_MAXLEN)
 
     def load_round(self, ep_rank: int) -> int | None:
         """Round of ``ep_rank``'s last published window (None if it never published)."""
@@ -855,14 +930,76 @@ class Store:
         ``XREAD BLOCK`` from the last seen id, so nothing is lost across reconnects (unlike pub/sub).
         """
         block = max(1, min(int(block_ms), MAX_BLOCK_MS))
-        reply = self._client.xread(cursor, block=block, count=1000) or []
+        return self._advance(cursor, self._client.xread(cursor, block=block, count=1000))
+
+    @staticmethod
+    def _advance(cursor: Cursor, reply: Any) -> list[AuditRecord]:
+        """An ``XREAD`` reply as entries, with ``cursor`` moved past them."""
         out = []
-        for stream, entries in reply:
+        for stream, entries in reply or []:
             stream = _s(stream)
             for entry_id, raw in entries:
                 cursor[stream] = _s(entry_id)
                 out.append(AuditRecord(_s(entry_id), _text(raw)))
         return out
+
+    def wait_view(self, cursor: Cursor, ep_rank: int, block_ms: int, writes: list[PendingWrite] = ()
+                  ) -> tuple[list[AuditRecord], tuple[ClusterRecord, RankRecord, WeightRecord], list[Any]]:
+        """A rank agent's wait, in one round trip: ``writes`` (sent first, in order), then :meth:`wait` on
+        ``cursor`` (a :meth:`signal_cursor`), then :meth:`read_view` of ``ep_rank``, all in one pipeline (Redis
+        runs a client's pipelined commands in order, the reads as soon as the blocking ``XREAD`` returns).
+
+        Returns (the new signal entries, the view as read after the wait, each write's outcome as :meth:`send`).
+        Raises as :meth:`read_view` for the view, :class:`RedisUnavailableError` when the round trip fails (then
+        the writes' fate is unknown)."""
+        block = max(1, min(int(block_ms), MAX_BLOCK_MS))
+        which = [(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)]
+        keys = [self._record_key(table, r) for table, r in which]
+        pipe = self._client.pipeline(transaction=False)
+        self._queue_writes(pipe, writes)
+        pipe.xread(cursor, block=block, count=1000)
+        for key in keys:
+            pipe.hgetall(key)
+        replies = pipe.execute(raise_on_error=False)
+        outcomes = self._write_outcomes(writes, replies)
+        replies = replies[len(writes):]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        signals = self._advance(cursor, replies[0])
+        view = self._strict(which, self._parse_records(which, keys, replies[1:]))
+        return signals, tuple(view), outcomes
+
+    def send(self, writes: list[PendingWrite]) -> list[Any]:
+        """Send ``writes`` now, in order, in one round trip (no wait). Returns each write's outcome: its result, or
+        the typed :class:`~fdeplb.errors.StateError` / :class:`~fdeplb.errors.StoreError` it met (returned, not
+        raised; one write's refusal does not stop the next). :class:`RedisUnavailableError` when the round trip
+        fails (then their fate is unknown)."""
+        if not writes:
+            return []
+        pipe = self._client.pipeline(transaction=False)
+        self._queue_writes(pipe, writes)
+        return self._write_outcomes(writes, pipe.execute(raise_on_error=False))
+
+    @staticmethod
+    def _queue_writes(pipe: Any, writes: list[PendingWrite]) -> None:
+        # EVALSHA, not the Script object: on a pipeline redis-py would first ask SCRIPT EXISTS (a round trip)
+        for w in writes:
+            pipe.evalsha(w.script.sha, len(w.call.keys), *w.call.keys, *w.call.args)
+
+    def _write_outcomes(self, writes: list[PendingWrite], replies: list[Any]) -> list[Any]:
+        outcomes: list[Any] = []
+        for w, reply in zip(writes, replies):
+            try:
+                with _redis_errors(self.url):
+                    if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted server: load and run it
+                        reply = w.script(keys=w.call.keys, args=w.call.args)
+                    elif isinstance(reply, Exception):
+                        raise reply
+                    outcomes.append(w.outcome(reply))
+            except (StateError, StoreError) as err:
+                outcomes.append(err)
+        return outcomes
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""

@@ -47,7 +47,7 @@ class CommitCall:
     """The arguments of one ``commit.lua`` call."""
 
     keys: list[str]
-    args: list[str]
+    args: list[str | bytes]
 
 
 def _pairs(mapping: dict[str, str]) -> str:
@@ -128,3 +128,18 @@ def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int
             "margin": str(int(margin))}
     return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)],
                       args=[argv[n] for n in SWITCH_ARGV])
+
+
+# ---- publish.lua (issue 9: a rank's load window in one round trip) ------------------------------------------------
+#: publish.lua KEYS[1..2] and ARGV[1..3], in order; the encoded window's field, value pairs follow ARGV[3].
+PUBLISH_KEYS = ("load", "events")
+PUBLISH_ARGV = ("events_maxlen", "ep_rank", "round")
+
+
+def publish_call(keys: Keys, *, ep_rank: int, round_: int, window: dict[str, Any], events_maxlen: int) -> CommitCall:
+    """Lay out a ``publish.lua`` call: rank ``ep_rank``'s encoded window (:func:`fdeplb.store.arrays.encode`
+    fields) for round ``round_``, stamped with the server's clock, and its ``load_published`` event."""
+    fixed = {"load": keys.load(ep_rank), "events": keys.events}
+    argv = {"events_maxlen": str(int(events_maxlen)), "ep_rank": str(int(ep_rank)), "round": str(int(round_))}
+    return CommitCall(keys=[fixed[n] for n in PUBLISH_KEYS],
+                      args=[argv[n] for n in PUBLISH_ARGV] + [x for kv in window.items() for x in kv])
