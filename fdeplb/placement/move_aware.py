@@ -527,6 +527,30 @@ def move_aware_phy2log(
 #: "move_aware" re-assigns replicas (changes replica counts) while an expert's per-replica load exceeds this share
 #: of the mean GPU load
 _MAX_ITEM_SHARE = 0.3
+#: a row whose experts need at least this many more replicas in all to bring every per-replica load under the
+#: layer cap (``LAYER_CAP`` tolerances above "balanced": no stop above it is chosen while the layer can get under
+#: it) gets its replica counts in bulk (:func:`fill_rows`) before the repair, which spends one iteration per copy.
+#: No row of the drift pairs of benchmarks/placement.py needs more than 3; under the zipf(1.5) loads of
+#: benchmarks/control_plane.py (4 layers x 64 experts, 128 slots, 64 GPUs) every row needs 30-55.
+_BULK_COPIES = 8
+
+
+def _replica_counts(row: np.ndarray, num_experts: int) -> np.ndarray:
+    """int64 [R, E + 1]: replicas of every expert in every row of ``row`` int64 [R, P] (local ids 0..E-1); the last
+    column counts the -1 slots (slots to fill)."""
+    R = row.shape[0]
+    E1 = num_experts + 1
+    return np.bincount((np.arange(R)[:, None] * E1 + np.where(row < 0, num_experts, row)).ravel(),
+                       minlength=R * E1).reshape(R, E1)
+
+
+def _forced_copies(row: np.ndarray, load: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """int64 [R]: replicas the experts of every row need in all so that none has a per-replica load above ``cap``
+    float64 [R] (tokens), counted from ``row`` int64 [R, P] (local ids; -1: a slot to fill); ``load`` float64
+    [R, E]."""
+    E = load.shape[1]
+    need = np.ceil(load / np.maximum(cap, np.finfo(np.float64).tiny)[:, None]).astype(np.int64)
+    return np.maximum(need - np.maximum(_replica_counts(row, E)[:, :E], 1), 0).sum(axis=1)
 
 
 def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
@@ -549,8 +573,12 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     safe_mean = np.where(mean > 0, mean, 1.0)
     # rows are repaired a little below the tolerance, so that the stop choice can let expensive layers stop above it
     target = fresh_peak + _REPAIR_SHARE * tolerance * safe_mean
+    cap = fresh_peak + LAYER_CAP * tolerance * (1 - 1e-9) * safe_mean
     if num_nodes == 1:  # global: one row per layer, the layer's own ids
         start = old.copy()
+        bulk = _forced_copies(old, load, cap) >= _BULK_COPIES
+        if bulk.any():
+            start[bulk] = fill_rows(old[bulk], load[bulk], num_gpus, cap[bulk])
         points, log = repair_rows(start.copy(), load, old, target, num_gpus)
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9))
@@ -567,12 +595,14 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old], -1).reshape(L * num_nodes, Pn)
     row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
     start = old_local.copy()
-    Rn = L * num_nodes
-    held = np.bincount((np.arange(Rn)[:, None] * (En + 1) + np.where(old_local < 0, En, old_local)).ravel(),
-                       minlength=Rn * (En + 1)).reshape(Rn, En + 1)
+    held = _replica_counts(old_local, En)
     free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
-    if free.any():
-        start[free] = fill_rows(old_local[free], row_load[free], Gn, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes)[free])
+    row_cap = np.repeat(cap, num_nodes)
+    bulk = ~free & (_forced_copies(old_local, row_load, row_cap) >= _BULK_COPIES)
+    fill = free | bulk
+    if fill.any():
+        max_item = np.where(free, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes), row_cap)
+        start[fill] = fill_rows(old_local[fill], row_load[fill], Gn, max_item[fill])
     work = start.copy()
     points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn)
     stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,

@@ -148,15 +148,14 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
     rowf, itemf, loadf = row.reshape(-1), item.reshape(-1), gpu_load.reshape(-1)
     m_slotf, moved_slotf, multi_slotf = m_slot.reshape(-1), moved_slot.reshape(-1), multi_slot.reshape(-1)
     slot_keyf = slot_key.reshape(-1)
-    mlist = list(_compact(multi_slot, P))
+    mlist = list(_compact(multi_slot, P))  # the multi-replica slots of every row (indices, valid), kept up to date
     buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)]
 
     def scratch(i, shape):  # a reused float32 work array (large temporaries cost page faults every iteration)
-        size = int(np.prod(shape))
+        size = shape[0] * shape[1] * shape[2]
         if buffers[i].size < size:
             buffers[i] = np.empty(size, dtype=np.float32)
         return buffers[i][:size].reshape(shape)
-  # the multi-replica slots of every row (indices, valid), kept up to date
 
     def refresh(rr, gpus):  # per-slot counts of the slots of GPUs ``gpus`` [k] of rows ``rr`` [k]
         sl = (rr * P + gpus * S)[:, None] + arS
