@@ -10,14 +10,23 @@ import pytest
 import redis
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, Effect, Guard, GuardKind, RankState, WeightState
+from fdeplb.recording import audit_dict
+from fdeplb.replay import chain_of
+from fdeplb.store import AuditRecord
 from fdeplb.store.keys import Keys
+from fdeplb.store.redis_store import AUDIT_FIELDS
 from fdeplb.store.scripts import (
+    AUDIT_ARGV,
+    AUDIT_FILLED,
     COMMIT_ARGV,
     COMMIT_ERRORS,
+    COMMIT_FILLED,
     COMMIT_KEYS,
     LEASE_ARGV,
     LEASE_KEYS,
     SIGNAL_MAXLEN,
+    audit_call,
+    chain_order,
     commit_call,
     lease_call,
     script_text,
@@ -35,6 +44,7 @@ def header_slots(script: str, kind: str) -> list[str]:
 def test_python_slot_names_match_the_lua_headers():
     assert header_slots("commit", "KEYS") == list(COMMIT_KEYS)
     assert header_slots("commit", "ARGV") == list(COMMIT_ARGV)
+    assert header_slots("audit", "ARGV") == list(AUDIT_ARGV)
     assert header_slots("lease", "KEYS") == list(LEASE_KEYS)
     assert header_slots("lease", "ARGV") == list(LEASE_ARGV)
     for code in COMMIT_ERRORS:
@@ -78,6 +88,32 @@ def test_commit_call_lays_out_per_rank_guards_after_the_fixed_keys():
     assert json.loads(args["fields"]) == ["deadline_ms", "0"]
 
 
+def test_chain_order_lists_the_audit_names_in_byte_order():
+    """The scripts hash the audit record in the order chain_order gives, so it must be the byte order of every name
+    the record will hold (the caller's, then the ones the script fills) whatever they are: a new audit field sorts
+    into place. The store's own field set is checked by name, and names where byte order is not the order a naive
+    sort of the caller's names alone would give."""
+    k = Keys("c1")
+    for audit in ({n: "x" for n in AUDIT_FIELDS}, {}, {"machine": "cluster"},
+                  {"zz": "1", "Version": "2", "fences": "3", "ts": "4", "_": "5", "t\u00e9": "6", "te": "7"}):
+        call = commit_call(k, record_key=k.rank(0), expected_state=RankState.IDLE, expected_version=0, fence="",
+                           new_state=RankState.LOADING, fields={}, audit=audit, guards=(), effect=Effect.NONE,
+                           plan_id="", plan_key=k.plan("_none"), ep_size=0)
+        names = [*audit, *COMMIT_FILLED]
+        order = json.loads(dict(zip(COMMIT_ARGV, call.args))["chain_order"])
+        assert [names[i - 1] for i in order] == sorted(names, key=str.encode)
+        names = [*audit, *AUDIT_FILLED]
+        order = json.loads(dict(zip(AUDIT_ARGV, audit_call(k, fence="", audit=audit).args))["chain_order"])
+        assert [names[i - 1] for i in order] == sorted(names, key=str.encode)
+    full = json.loads(chain_order((*AUDIT_FIELDS, *COMMIT_FILLED)))
+    assert [[*AUDIT_FIELDS, *COMMIT_FILLED][i - 1] for i in full] == [
+        "actor", "fence", "from", "key", "machine", "plan_id", "reason", "round", "to", "trigger", "ts_ms", "version"]
+    with pytest.raises(ValueError, match="repeat"):
+        commit_call(k, record_key=k.rank(0), expected_state=RankState.IDLE, expected_version=0, fence="",
+                    new_state=RankState.LOADING, fields={}, audit={"version": "3"}, guards=(), effect=Effect.NONE,
+                    plan_id="", plan_key=k.plan("_none"), ep_size=0)
+
+
 @pytest.fixture
 def raw(redis_url, cluster_id):
     raw = RawRedis(redis_url, cluster_id)
@@ -107,6 +143,59 @@ def test_commit_lua_good_call_writes_record_and_audit(raw):
     assert rec[b"state"] == b"UPDATING" and rec[b"version"] == b"1" and rec[b"reason"] == b"r"
     [(entry_id, fields)] = raw.r.xrange(raw.keys.audit)
     assert entry_id == reply[2] and fields[b"version"] == b"1" and fields[b"ts_ms"] == reply[3]
+    # stream order: the caller's audit fields, then version, fence, ts_ms, chain
+    assert list(fields) == [b"machine", b"key", b"version", b"fence", b"ts_ms", b"chain"]
+
+
+def raw_entries(raw: RawRedis) -> list[tuple[str, dict[str, str]]]:
+    return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in raw.r.xrange(raw.keys.audit)]
+
+
+@pytest.mark.parametrize("audit", [{n: f"v{i} \u00e9" for i, n in enumerate(AUDIT_FIELDS)}, {},
+                                   {"zz": "1", "Version": "", "fences": "3", "ts": "4", "_": "5", "te": "7"}])
+def test_both_scripts_chain_every_record_as_replay_computes_it(raw, audit):
+    """commit.lua and audit.lua, called in turn, leave a chain that chain_of recomputes from the stream entries
+    alone, whatever the audit names (a new field cannot break the chain silently), and audit_head holds the last."""
+    raw.force(raw.keys.weights(0), "NORMAL", version=0)
+    commit = raw.r.register_script(script_text("commit"))
+    append = raw.r.register_script(script_text("audit"))
+    k = raw.keys
+    states = (WeightState.NORMAL, WeightState.UPDATING, WeightState.NORMAL)
+    for version in range(2):
+        call = commit_call(k, record_key=k.weights(0), expected_state=states[version], expected_version=version,
+                           fence="", new_state=states[version + 1], fields={}, audit=audit, guards=(),
+                           effect=Effect.NONE, plan_id="", plan_key=k.plan("_none"), ep_size=0)
+        assert commit(keys=call.keys, args=call.args)[0] == b"OK"
+        call = audit_call(k, fence="", audit={**audit, "version": str(version + 1)})
+        assert append(keys=call.keys, args=call.args)[0] == b"OK"
+    chain = ""
+    entries = raw_entries(raw)
+    assert len(entries) == 4
+    for entry_id, fields in entries:
+        assert list(fields)[:len(audit)] == list(audit)  # the caller's fields first, in the caller's order
+        chain = chain_of(chain, audit_dict(AuditRecord(entry_id, fields)))
+        assert fields["chain"] == chain
+    assert raw.r.get(k.audit_head).decode() == chain
+
+
+@pytest.mark.parametrize("script", ["commit", "audit"])
+def test_a_chain_order_that_misses_a_field_is_refused_with_nothing_written(raw, script):
+    raw.force(raw.keys.weights(0), "NORMAL", version=0)
+    k = raw.keys
+    if script == "commit":
+        call = commit_call(k, record_key=k.weights(0), expected_state=WeightState.NORMAL, expected_version=0,
+                           fence="", new_state=WeightState.UPDATING, fields={"reason": "r"}, audit={"machine": "w"},
+                           guards=(), effect=Effect.NONE, plan_id="", plan_key=k.plan("_none"), ep_size=0)
+        names = COMMIT_ARGV
+    else:
+        call = audit_call(k, fence="", audit={"machine": "w"})
+        names = AUDIT_ARGV
+    args = dict(zip(names, call.args))
+    args["chain_order"] = json.dumps(json.loads(args["chain_order"])[:-1])
+    before = raw.snapshot()
+    with pytest.raises(redis.ResponseError, match="chain_order names"):
+        raw.r.register_script(script_text(script))(keys=call.keys, args=[args[n] for n in names])
+    assert raw.snapshot() == before
 
 
 def test_only_transitions_marked_wakes_ranks_signal_the_rank_agents(raw):

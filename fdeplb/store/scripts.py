@@ -8,6 +8,7 @@ slots in the same order (``tests/test_recordings.py`` checks the headers agree).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -20,15 +21,19 @@ from fdeplb.store.keys import Keys
 COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan", "audit_head", "signal")
 #: entries kept in the signal stream (``XADD MAXLEN ~``); commit.lua writes the same literal (tests/test_scripts.py).
 SIGNAL_MAXLEN = 64
-#: commit.lua ARGV[1..9], in order.
+#: commit.lua ARGV[1..10], in order.
 COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect",
-               "signal")
+               "signal", "chain_order")
+#: audit fields commit.lua appends after the caller's, in this order (their values are the server's).
+COMMIT_FILLED = ("version", "fence", "ts_ms")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
 COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD")
 
-#: audit.lua KEYS[1..3] and ARGV[1..2], in order (an audit record that is not a transition: an alarm).
+#: audit.lua KEYS[1..3] and ARGV[1..3], in order (an audit record that is not a transition: an alarm).
 AUDIT_KEYS = ("audit", "audit_head", "lease")
-AUDIT_ARGV = ("fence", "audit")
+AUDIT_ARGV = ("fence", "audit", "chain_order")
+#: audit fields audit.lua appends after the caller's, in this order.
+AUDIT_FILLED = ("fence", "ts_ms")
 
 #: lease.lua KEYS[1..2] and ARGV[1..3], in order.
 LEASE_KEYS = ("lease", "fence")
@@ -52,6 +57,17 @@ class CommitCall:
 
 def _pairs(mapping: dict[str, str]) -> str:
     return json.dumps([x for kv in mapping.items() for x in kv])
+
+
+@functools.lru_cache(maxsize=256)
+def chain_order(names: tuple[str, ...]) -> str:
+    """The ``chain_order`` argument of commit.lua / audit.lua: JSON array of the 1-based positions of ``names`` (the
+    audit record's field names in stream order, the script-filled ones included) sorted by name in byte order,
+    the order :func:`fdeplb.replay.chain_of` hashes them in. Sorted here, once per set of names, not by the script
+    on every call. Raises ValueError on a repeated name (the chain hashes each field once)."""
+    if len(set(names)) != len(names):
+        raise ValueError(f"audit field names repeat: {sorted(names)}")
+    return json.dumps(sorted(range(1, len(names) + 1), key=lambda i: names[i - 1].encode()))
 
 
 def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,
@@ -88,6 +104,7 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
         "expected_state": expected_state.value, "expected_version": str(int(expected_version)), "fence": fence,
         "new_state": new_state.value, "fields": _pairs(fields), "audit": _pairs(audit),
         "guards": json.dumps(guard_args), "effect": effect.value, "signal": "1" if signal else "",
+        "chain_order": chain_order((*audit, *COMMIT_FILLED)),
     }
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
 
@@ -96,7 +113,7 @@ def audit_call(keys: Keys, *, fence: str, audit: dict[str, str]) -> CommitCall:
     """Lay out an ``audit.lua`` call: append ``audit`` (fields as text; fence, ts_ms and chain are added by the
     script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease."""
     fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease}
-    argv = {"fence": fence, "audit": _pairs(audit)}
+    argv = {"fence": fence, "audit": _pairs(audit), "chain_order": chain_order((*audit, *AUDIT_FILLED))}
     return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS], args=[argv[n] for n in AUDIT_ARGV])
 
 

@@ -7,6 +7,8 @@
 --
 -- ARGV[1]  fence: the caller's lease value, or "" (then the record's fence field is "")
 -- ARGV[2]  audit: JSON array [field, value, ...] of audit fields; fence, ts_ms and chain are appended here
+-- ARGV[3]  chain_order: JSON array of the 1-based pair indexes of the audit record (ARGV[2]'s pairs, then fence,
+--          ts_ms) in byte order of their names, sorted by the caller (scripts.py chain_order)
 --
 -- chain: as in commit.lua (sha1hex of the previous chain and the record's other fields, by name in byte order).
 -- Returns {"OK", audit_stream_id, ts_ms}, or {"ERR_FENCE", detail} with nothing written.
@@ -18,39 +20,25 @@ if ARGV[1] ~= '' then
   end
 end
 
-local t = redis.call('TIME')
-local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
 local fields = cjson.decode(ARGV[2])
-for _, v in ipairs({'fence', ARGV[1], 'ts_ms', ts_ms}) do
-  table.insert(fields, v)
+local order = cjson.decode(ARGV[3])
+if #order * 2 ~= #fields + 4 then
+  return redis.error_reply('audit.lua: chain_order names ' .. #order .. ' fields, the audit record has ' ..
+    (#fields / 2 + 2))
 end
 
-local function bytes_lt(a, b)  -- byte order, whatever the server's locale (Lua's < uses strcoll)
-  for i = 1, math.min(#a, #b) do
-    local x, y = string.byte(a, i), string.byte(b, i)
-    if x ~= y then return x < y end
-  end
-  return #a < #b
-end
-local value_of, names = {}, {}
-for i = 1, #fields, 2 do
-  value_of[fields[i]] = fields[i + 1]
-  table.insert(names, fields[i])
-end
-table.sort(names, bytes_lt)
+local t = redis.call('TIME')
+local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+local n = #fields
+fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'fence', ARGV[1], 'ts_ms', ts_ms
 local body = {redis.call('GET', KEYS[2]) or '', '\n'}
-for _, name in ipairs(names) do
-  local v = value_of[name]
-  table.insert(body, name .. '=' .. #v .. ':' .. v .. '\n')
+for j, i in ipairs(order) do
+  local v = fields[2 * i]
+  body[j + 2] = fields[2 * i - 1] .. '=' .. #v .. ':' .. v .. '\n'
 end
 local chain = redis.sha1hex(table.concat(body))
 redis.call('SET', KEYS[2], chain)
 
-local xadd = {'XADD', KEYS[1], '*'}
-for _, v in ipairs(fields) do
-  table.insert(xadd, v)
-end
-table.insert(xadd, 'chain')
-table.insert(xadd, chain)
-local id = redis.call(unpack(xadd))
+fields[n + 5], fields[n + 6] = 'chain', chain
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
 return {'OK', id, ts_ms}

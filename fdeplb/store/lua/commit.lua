@@ -17,21 +17,23 @@
 -- ARGV[4]  new_state: the state the transition reaches
 -- ARGV[5]  fields: JSON array [field, value, ...] of extra record fields to set (strings)
 -- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence, ts_ms and chain are appended here
--- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS)
+-- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS); "[]" = none
 -- ARGV[8]  effect: "" or "set_placement"
 -- ARGV[9]  signal: "1" to append {state, round, version} of the record to KEYS[8] (capped), waking the rank
 --          agents (a cluster transition into a state where ranks have work), else ""
+-- ARGV[10] chain_order: JSON array of the 1-based pair indexes of the audit record (ARGV[6]'s pairs, then
+--          version, fence, ts_ms) in byte order of their names, sorted by the caller (scripts.py chain_order)
 --
--- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order:
---         name .. "=" .. byte length of value .. ":" .. value .. "\n"); KEYS[7] then holds it (fdeplb/replay.py
---         computes the same in chain_of; audit.lua, which appends alarms, too).
+-- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order
+--         (the order ARGV[10] gives): name .. "=" .. byte length of value .. ":" .. value .. "\n"); KEYS[7] then
+--         holds it (fdeplb/replay.py computes the same in chain_of; audit.lua, which appends alarms, too).
 --
 -- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:
 -- ERR_FENCE, ERR_STALE, ERR_GUARD.
 
 local rec = KEYS[1]
-local cur_state = redis.call('HGET', rec, 'state')
-local cur_version = redis.call('HGET', rec, 'version')
+local cur = redis.call('HMGET', rec, 'state', 'version')
+local cur_state, cur_version = cur[1], cur[2]
 if not cur_state or not cur_version then
   return {'ERR_STALE', 'record ' .. rec .. ' does not exist or has no state/version'}
 end
@@ -53,19 +55,21 @@ local function field_of(key, field)
   return v
 end
 
-for _, g in ipairs(cjson.decode(ARGV[7])) do
+local guards = {}
+if ARGV[7] ~= '[]' then guards = cjson.decode(ARGV[7]) end
+for _, g in ipairs(guards) do
   if g.kind == 'ranks_in' or g.kind == 'weights_in' then
     if g.count == 0 then
       return {'ERR_GUARD', g.kind .. ': no ranks registered'}
     end
     for i = g.first, g.first + g.count - 1 do
-      local st = field_of(KEYS[i], 'state')
+      local got = redis.call('HMGET', KEYS[i], 'state', 'plan_id')
+      local st, plan = got[1] or '', got[2] or ''
       if st ~= g.state then
         return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' is ' .. st .. ', not ' .. g.state}
       end
-      if g.plan_id ~= '' and field_of(KEYS[i], 'plan_id') ~= g.plan_id then
-        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' holds plan ' .. field_of(KEYS[i], 'plan_id') ..
-          ', not ' .. g.plan_id}
+      if g.plan_id ~= '' and plan ~= g.plan_id then
+        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' holds plan ' .. plan .. ', not ' .. g.plan_id}
       end
     end
   elseif g.kind == 'cluster_in' then
@@ -93,6 +97,14 @@ for _, g in ipairs(cjson.decode(ARGV[7])) do
   end
 end
 
+local set = cjson.decode(ARGV[5])
+local fields = cjson.decode(ARGV[6])
+local order = cjson.decode(ARGV[10])
+if #order * 2 ~= #fields + 6 then
+  return redis.error_reply('commit.lua: chain_order names ' .. #order .. ' fields, the audit record has ' ..
+    (#fields / 2 + 3))
+end
+
 local t = redis.call('TIME')
 local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
 local new_version = tostring(tonumber(cur_version) + 1)
@@ -109,45 +121,21 @@ elseif ARGV[8] ~= '' then
   return redis.error_reply('commit.lua: unknown effect ' .. ARGV[8])
 end
 
-local hset = {'HSET', rec, 'state', ARGV[4], 'version', new_version, 'updated_ms', ts_ms}
-for _, v in ipairs(cjson.decode(ARGV[5])) do
-  table.insert(hset, v)
-end
-redis.call(unpack(hset))
+redis.call('HSET', rec, 'state', ARGV[4], 'version', new_version, 'updated_ms', ts_ms, unpack(set))
 
-local fields = cjson.decode(ARGV[6])
-for _, v in ipairs({'version', new_version, 'fence', ARGV[3], 'ts_ms', ts_ms}) do
-  table.insert(fields, v)
-end
-
-local function bytes_lt(a, b)  -- byte order, whatever the server's locale (Lua's < uses strcoll)
-  for i = 1, math.min(#a, #b) do
-    local x, y = string.byte(a, i), string.byte(b, i)
-    if x ~= y then return x < y end
-  end
-  return #a < #b
-end
-local value_of, names = {}, {}
-for i = 1, #fields, 2 do
-  value_of[fields[i]] = fields[i + 1]
-  table.insert(names, fields[i])
-end
-table.sort(names, bytes_lt)
+local n = #fields
+fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4], fields[n + 5], fields[n + 6] =
+  'version', new_version, 'fence', ARGV[3], 'ts_ms', ts_ms
 local body = {redis.call('GET', KEYS[7]) or '', '\n'}
-for _, name in ipairs(names) do
-  local v = value_of[name]
-  table.insert(body, name .. '=' .. #v .. ':' .. v .. '\n')
+for j, i in ipairs(order) do
+  local v = fields[2 * i]
+  body[j + 2] = fields[2 * i - 1] .. '=' .. #v .. ':' .. v .. '\n'
 end
 local chain = redis.sha1hex(table.concat(body))
 redis.call('SET', KEYS[7], chain)
 
-local xadd = {'XADD', KEYS[2], '*'}
-for _, v in ipairs(fields) do
-  table.insert(xadd, v)
-end
-table.insert(xadd, 'chain')
-table.insert(xadd, chain)
-local id = redis.call(unpack(xadd))
+fields[n + 7], fields[n + 8] = 'chain', chain
+local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
 if ARGV[9] == '1' then
   local round = redis.call('HGET', rec, 'round') or '0'
   redis.call('XADD', KEYS[8], 'MAXLEN', '~', '64', '*', 'state', ARGV[4], 'round', round, 'version', new_version)
