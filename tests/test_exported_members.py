@@ -29,7 +29,7 @@ PUBLIC = {
     "fdeplb.sim": ["LocalCluster", "integral_load", "new_cluster_id", "rank_share", "temp_workdir"],
     "fdeplb.store": [
         "AuditRecord", "ClusterConfig", "ClusterRecord", "CommitResult", "Cursor", "Deadlines", "EmbeddedRedis",
-        "LeaseInfo", "LoadWindow", "PlacementEntry", "PlanEntry", "RankRecord", "Store", "WeightRecord"],
+        "LeaseInfo", "LoadWindow", "PendingCall", "PlacementEntry", "PlanEntry", "RankRecord", "Store", "WeightRecord"],
 }
 
 

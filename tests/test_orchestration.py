@@ -62,6 +62,67 @@ def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):
         assert all(v == list(range(1, len(v) + 1)) for v in versions.values())
 
 
+class _RoundTrips:
+    """Counts the round trips of one redis-py client: commands sent alone, and pipelines (one round trip each)."""
+
+    def __init__(self, client):
+        self.n = 0
+        self.calls: list[str] = []
+        send, pipeline = client.execute_command, client.pipeline
+
+        def execute_command(*args, **kwargs):
+            self.n += 1
+            self.calls.append(str(args[0]))
+            return send(*args, **kwargs)
+
+        def make_pipeline(*args, **kwargs):
+            pipe = pipeline(*args, **kwargs)
+            execute = pipe.execute
+
+            def counted(*a, **k):
+                self.n += 1
+                self.calls.append("+".join(str(c[0][0]) for c in pipe.command_stack))
+                return execute(*a, **k)
+
+            pipe.execute = counted
+            return pipe
+
+        client.execute_command, client.pipeline = execute_command, make_pipeline
+
+
+def test_a_rank_agent_makes_seven_round_trips_per_round(redis_url, cluster_id, tmp_path):
+    """Issue #9: a rank agent's round costs one round trip per wake-up (start, load, commit, swapped, release: each
+    wait also carries the previous step's last write and reads the next view) plus the stage commit sent with the
+    plan read and the swap commit: 7, counted on the agent's own client from the request to the round's end."""
+    import threading
+
+    from fdeplb.orchestration.agent import RankAgent
+    from fdeplb.testing import NumpyWeights
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start_agents(ranks=[0, 2, 3])
+        agent = RankAgent(tc.store(), 1, load_source=lambda _round: tc.loads[1], heartbeat_ttl_ms=3_600_000,
+                          backend_factory=NumpyWeights.factory())
+        agent.start()
+        counter = _RoundTrips(agent.store._client)
+        t = threading.Thread(target=agent.run, kwargs={"block_ms": 2_000}, daemon=True)
+        t.start()
+        tc.agents.append(agent)
+        tc.threads.append(t)
+        tc.start_coordinator()
+        store.request_round()  # round 1 also pays once-per-process reads (the published round, script loads)
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        wait_for(lambda: agent._outbox == [], 10, store, "rank 1 blocked after round 1")
+        tc.loads = np.ascontiguousarray(tc.loads[:, :, ::-1])  # new loads: round 2 moves experts again
+        before = counter.n
+        store.request_round()
+        wait_for(round_over(store, 2), 60, store, "round 2")
+        wait_for(lambda: counter.n - before >= 7, 10, store, "rank 1's wait after round 2")
+        assert last_cluster_transition(store)["trigger"] == "release"
+        assert counter.n - before == 7, counter.calls[-(counter.n - before):]
+
+
 def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, min_gain=1.0) as tc:
         store = tc.store()

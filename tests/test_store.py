@@ -143,3 +143,81 @@ def test_weight_requests_count_and_refuse_unknown_actions(store):
         store.request_weights("explode")
     assert store.read_cluster().weights_request == 2
     assert WEIGHTS.name == "weights"
+
+
+# ---- calls sent later, in one pipeline (issue #9: one round trip per rank-agent wake-up) ------------------------
+def test_publish_lua_header_names_the_slots_scripts_py_lays_out():
+    import re
+
+    from fdeplb.store.scripts import PUBLISH_ARGV, PUBLISH_KEYS, script_text
+
+    text = script_text("publish")
+    assert tuple(re.findall(r"^-- KEYS\[(\d+)\]\s+(\w+):", text, re.M)) == (("1", "load"), ("2", "events"))
+    assert tuple(n for _, n in re.findall(r"^-- KEYS\[(\d+)\]\s+(\w+):", text, re.M)) == PUBLISH_KEYS
+    assert tuple(n for _, n in re.findall(r"^-- ARGV\[(\d+)\]\s+(\w+):", text, re.M)) == PUBLISH_ARGV
+
+
+def test_wait_view_sends_the_deferred_writes_before_it_blocks_and_reads_the_view_after(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    cursor = store.signal_cursor()
+    load = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=np.int64)
+    w = store.read_weights(0)
+    writes = [store.deferred_publish(0, 3, load),
+              store.deferred_commit(WEIGHTS, WEIGHTS.spec(w.state, "clear"), w, actor="t", label="weights:0")]
+    assert store.read_load(0) is None and raw.audit_len() == 0  # nothing sent yet
+    raw.r.xadd(raw.keys.signal, {"what": "test"})  # a pending wake-up: the wait returns at once
+    signals, (cluster, rank, weights), outcomes = store.wait_view(cursor, 0, 2_000, writes)
+    assert [s["what"] for s in signals] == ["test"]
+    assert isinstance(outcomes[0], int) and outcomes[0] > 0  # the window's published_ms (server time)
+    assert outcomes[1].version == w.version + 1
+    assert weights.state is WeightState.CLEARING  # the view was read after the writes
+    window = store.read_load(0)
+    assert window.round == 3 and np.array_equal(window.expert_load, load) and window.published_ms == outcomes[0]
+    events = raw.r.xrange(raw.keys.events)
+    assert events[-1][1] == {b"kind": b"load_published", b"rank": b"0", b"round": b"3"}
+    # nothing new: the wait blocks until its timeout, then reads the view all the same
+    signals, view, outcomes = store.wait_view(cursor, 0, 50)
+    assert signals == [] and outcomes == [] and view[2].state is WeightState.CLEARING
+
+
+def test_a_refused_deferred_commit_comes_back_as_its_error_and_writes_nothing(store, redis_url, cluster_id):
+    from fdeplb.errors import GuardError, StaleStateError
+
+    raw = RawRedis(redis_url, cluster_id)
+    me = store.read_rank(0)
+    w = store.read_weights(1)
+    stale = dataclasses.replace(w, version=w.version + 7)
+    calls = [store.deferred_commit(RANK, RANK.spec(me.state, "stage"), me, actor="t", label="rank:0", plan_id="p1"),
+             store.deferred_commit(WEIGHTS, WEIGHTS.spec(w.state, "clear"), stale, actor="t", label="weights:1")]
+    before = raw.snapshot()
+    outcomes = store.send(calls)
+    assert isinstance(outcomes[0], GuardError) and "cluster is FREE" in str(outcomes[0])  # stage needs LOADING
+    assert isinstance(outcomes[1], StaleStateError)
+    assert raw.snapshot() == before
+
+
+def test_a_deferred_call_survives_a_server_that_lost_its_scripts(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    w = store.read_weights(0)
+    seen = []
+    call = dataclasses.replace(store.deferred_commit(WEIGHTS, WEIGHTS.spec(w.state, "clear"), w, actor="t",
+                                                     label="weights:0"), then=seen.append)
+    raw.r.script_flush()  # as after a restart: EVALSHA answers NOSCRIPT
+    outcomes = store.send([call, store.deferred_plan_read("no-such-plan")])
+    assert outcomes[0].version == w.version + 1 and seen == [outcomes[0]]  # loaded, run, then reported
+    assert outcomes[1] is None  # the plan read beside it: no such plan
+    assert store.read_weights(0).state is WeightState.CLEARING
+
+
+def test_rank_states_pairs_and_their_typed_errors(store, redis_url, cluster_id):
+    raw = RawRedis(redis_url, cluster_id)
+    assert store.rank_states() == [(RankState.IDLE, ""), (RankState.IDLE, "")]
+    raw.force(raw.keys.rank(1), "LOADED", plan_id="p9")
+    assert store.rank_states()[1] == (RankState.LOADED, "p9")
+    raw.force(raw.keys.rank(1), "SLEEPING")
+    with pytest.raises(CorruptRecordError, match="rank:1.*SLEEPING") as err:
+        store.rank_states()
+    assert err.value.key == raw.keys.rank(1)
+    raw.r.delete(raw.keys.rank(1))
+    with pytest.raises(NotFoundError, match="rank:1"):
+        store.rank_states()

@@ -38,7 +38,7 @@ from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_counts, routing_digest
-from fdeplb.store import ClusterConfig, ClusterRecord, PendingWrite, RankRecord, Store, WeightRecord
+from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 
@@ -229,7 +229,7 @@ class RankAgent:
         self.staged: _Staging | None = None
         self._stage_ms = 0.0
         self._load_failed_round = -1
-        self._outbox: list[PendingWrite] = []  # the step's last writes, sent with the next wait (see run)
+        self._outbox: list[PendingCall] = []  # the step's last writes, sent with the next wait (see run)
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
@@ -264,8 +264,9 @@ class RankAgent:
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
         """Reconcile until :attr:`stop_event` is set or ``until()`` is true. A lost Redis connection is logged
-        and retried every 0.5 s; another :class:`FdeplbError` out of a step raises an ``alarm`` event and is
-        retried after 1 s. The worker's live experts keep serving either way.
+        and retried every 0.5 s; any other exception out of a step (a typed :class:`FdeplbError` or a bug) raises an
+        ``alarm`` event and is retried after 1 s: no value kills the loop. The worker's live experts keep serving
+        either way.
 
         One round trip per wake-up (issue #9): a step's last write (a load window, or a transition after which only
         a cluster change gives the rank work: ``staged``, ``swapped``, ``finish``) is not sent on its own but
@@ -286,6 +287,8 @@ class RankAgent:
                         progressed = True
                     if until is not None and until():
                         return
+                    if progressed and self._outbox:  # the next step reads: it must see this one's writes
+                        self._send()
                     if not progressed:
                         self._heartbeat()
                         op = self._op
@@ -297,7 +300,7 @@ class RankAgent:
                 except RedisUnavailableError as err:  # Redis away: the live experts keep serving
                     self.log.warning("redis unavailable", error=str(err))
                     self.stop_event.wait(0.5)
-                except FdeplbError as err:  # typed but unexpected (a missing plan, a corrupt record): keep serving
+                except Exception as err:  # noqa: BLE001 - a missing plan, a corrupt record, a bug: keep serving
                     self.log.error("step failed", error=str(err), error_type=type(err).__name__)
                     try:
                         self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
@@ -668,6 +671,10 @@ class RankAgent:
             self._plan_read = (plan_id, new)
         return self._plan_read[1]
 
+    def _keep_plan(self, plan_id: str, new: np.ndarray | None) -> None:
+        if new is not None:  # a missing plan is reported by _new_phy2log when staging asks for it
+            self._plan_read = (plan_id, new)
+
     def _stage(self, plan_id: str) -> dict[str, Any]:
         """Stage the experts the plan needs on this rank (idempotent: reuses a staging of the same plan); returns
         the rank-record fields that report it."""
@@ -691,7 +698,13 @@ class RankAgent:
             return False
         plan_id = cluster.plan_id
         self.rank.fire("stage", record=me, plan_id=plan_id, round_=cluster.round,
-                       changes={"plan_id": plan_id, "round": cluster.round, "reason": ""})
+                       changes={"plan_id": plan_id, "round": cluster.round, "reason": ""}, defer=self._outbox)
+        # the stage commit and the read of the plan it stages, in one round trip; the chain goes on to LOADING's
+        # staging only if the commit succeeded (RecordHandle.take_committed), else the next step looks again
+        if self._plan_read[0] != plan_id:
+            read = self.store.deferred_plan_read(plan_id)
+            self._outbox.append(dataclasses.replace(read, then=lambda new: self._keep_plan(plan_id, new)))
+        self._send()
         return True
 
     def _on_loading(self, me: RankRecord, cluster: ClusterRecord) -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 
 from fdeplb.machines.model import RecordModel, build_machine
 from fdeplb.machines.tables import CLUSTER, MachineTable, StateEnum, TransitionSpec
-from fdeplb.store import CommitResult, PendingWrite, Store
+from fdeplb.store import CommitResult, PendingCall, Store
 from fdeplb.store.records import field_names
 
 
@@ -60,7 +60,7 @@ class RecordHandle:
 
     def fire(self, trigger: str, *, record: Any = None, plan_id: str | None = None, reason: str = "",
              changes: dict[str, Any] | None = None, round_: int | None = None,
-             defer: list[PendingWrite] | None = None) -> Fired | None:
+             defer: list[PendingCall] | None = None) -> Fired | None:
         """Fire ``trigger`` on the record (``record`` = what the caller read; re-read when None).
 
         ``plan_id`` defaults to the record's plan_id; ``changes`` are other record fields written in the same
@@ -68,33 +68,38 @@ class RecordHandle:
         :class:`~fdeplb.errors.StateError`); nothing is written then.
 
         ``defer``: the machine checks the trigger is legal now, but the commit is appended to ``defer`` as a
-        :class:`~fdeplb.store.PendingWrite` for the caller's next :meth:`fdeplb.store.Store.wait_view` (which
-        returns its outcome, a refusal included); returns None then, and :meth:`take_committed` has nothing.
+        :class:`~fdeplb.store.PendingCall` for the caller to send (:meth:`fdeplb.store.Store.wait_view` or
+        :meth:`~fdeplb.store.Store.send`, which return its outcome, a refusal included); returns None then, and
+        :meth:`take_committed` has the record once the call succeeded.
         """
         rec = record if record is not None else self.read()
         pid = rec.plan_id if plan_id is None else plan_id
         result: dict[str, CommitResult] = {}
 
         def commit(model: RecordModel, spec: TransitionSpec, _kwargs: dict[str, Any]) -> None:
-            how = self.store.commit if defer is None else self.store.deferred_commit
-            out = how(self.table, spec, rec, actor=self.actor, label=self.label, fence=self.fence, plan_id=pid,
-                      round_=round_, reason=reason, changes=changes)
-            if defer is not None:
-                defer.append(out)
+            kwargs = dict(actor=self.actor, label=self.label, fence=self.fence, plan_id=pid, round_=round_,
+                          reason=reason, changes=changes)
+            if defer is None:
+                result["c"] = self.store.commit(self.table, spec, rec, **kwargs)
+                model.version = result["c"].version
                 return
-            result["c"] = out
-            model.version = out.version
+            call = self.store.deferred_commit(self.table, spec, rec, **kwargs)
+            defer.append(dataclasses.replace(call, then=lambda c: self._remember(rec, spec.dest, c, changes)))
 
         model = self._model(rec, commit)
         state = model.fire(trigger)
         if defer is not None:
             return None
         c = result["c"]
+        return Fired(before=rec, state=state, commit=c, after=self._remember(rec, state, c, changes))
+
+    def _remember(self, rec: Any, state: StateEnum, c: CommitResult, changes: dict[str, Any] | None) -> Any:
+        """The record as a commit left it (state, version, updated_ms and the written ``changes``), kept for
+        :meth:`take_committed`."""
         names = field_names(type(rec))
-        after = dataclasses.replace(rec, state=state, version=c.version, updated_ms=c.ts_ms,
-                                    **{k: v for k, v in (changes or {}).items() if k in names})
-        self.committed = after
-        return Fired(before=rec, state=state, commit=c, after=after)
+        self.committed = dataclasses.replace(rec, state=state, version=c.version, updated_ms=c.ts_ms,
+                                             **{k: v for k, v in (changes or {}).items() if k in names})
+        return self.committed
 
     def take_committed(self) -> Any:
         """The record as this handle's last commit left it, once (None if nothing was committed since the last

@@ -12,7 +12,7 @@ from fdeplb.store.records import (
     RankRecord,
     WeightRecord,
 )
-from fdeplb.store.redis_store import AuditRecord, CommitResult, Cursor, PendingWrite, Store
+from fdeplb.store.redis_store import AuditRecord, CommitResult, Cursor, PendingCall, Store
 
 __all__ = [
     "AuditRecord",
@@ -24,7 +24,7 @@ __all__ = [
     "EmbeddedRedis",
     "LeaseInfo",
     "LoadWindow",
-    "PendingWrite",
+    "PendingCall",
     "PlacementEntry",
     "PlanEntry",
     "RankRecord",

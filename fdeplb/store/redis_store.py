@@ -91,7 +91,7 @@ def _redis_errors(url: str) -> Iterator[None]:
         raise RedisUnavailableError(f"Redis at {url} is unavailable: {exc}") from None
     except redis.ResponseError as exc:
         raise StoreError(f"Redis at {url} refused a command: {exc}") from None
-    except redis.RedisError as exc:
+    except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise StoreError(f"Redis client error ({url}): {exc}") from None
 
 
@@ -202,22 +202,26 @@ Cursor = dict
 
 
 @dataclass(frozen=True)
-class PendingWrite:
-    """A script call laid out now and sent later, in the pipeline of the next :meth:`Store.wait_view` before its
-    ``XREAD``: the last write of a rank agent's step then costs no round trip of its own (issue #9), and is still
-    in Redis before the agent blocks. Made by :meth:`Store.deferred_commit` and :meth:`Store.deferred_publish`.
+class PendingCall:
+    """One Redis call laid out now and sent later in a pipeline with others: before the ``XREAD`` of the next
+    :meth:`Store.wait_view` (a rank agent's step's last write then costs no round trip of its own, and is in
+    Redis before the agent blocks), or with the calls :meth:`Store.send` is given (a commit and a read that do not
+    depend on each other: one round trip). Made by :meth:`Store.deferred_commit`, :meth:`Store.deferred_publish`
+    and :meth:`Store.deferred_plan_read` (issue #9).
 
-    Nothing is known to be written until the wait returns its outcome (the value or the typed error the immediate
-    call would return or raise); a wait that fails (Redis unavailable) leaves it unknown, and the reconcile loop's
-    next step does the work again (every such write is idempotent or version-checked)."""
+    Nothing is known to be done until the pipeline returns the call's outcome (the value, or the typed error the
+    immediate call would raise); a round trip that fails (Redis unavailable) leaves it unknown, and the reconcile
+    loop's next step does the work again (every such write is idempotent or version-checked)."""
 
     what: str
-    """What the write is, for logs and errors (``rank commit on rank:3``, ``load window of rank 3``)."""
-    script: Any
-    """The redis-py ``Script`` the call runs (sent as ``EVALSHA``; loaded and run again on ``NOSCRIPT``)."""
-    call: CommitCall
+    """What the call is, for logs and errors (``rank stage on rank:3``, ``load window of rank 3``)."""
+    queue: Callable[[Any], Any]
+    """Adds the call, one command, to a redis-py pipeline."""
     outcome: Callable[[Any], Any]
-    """The script's reply -> the write's result; raises the typed error of a refusal."""
+    """The command's reply (a redis-py exception object where it failed) -> the call's result; raises the typed
+    error of a refusal."""
+    then: Callable[[Any], None] | None = None
+    """Called with the result once the call succeeded (e.g. a handle remembering the record a commit left)."""
 
 
 @_map_public_methods
@@ -243,6 +247,7 @@ class Store:
         self._append = self._client.register_script(script_text("audit"))
         self._switch = self._client.register_script(script_text("switch"))
         self._publish = self._client.register_script(script_text("publish"))
+        self._loaded: set[str] = set()  # scripts this store loaded for calls sent in pipelines (EVALSHA)
 
     def ping(self) -> None:
         """Check the server answers; :class:`RedisUnavailableError` (refused, unknown host, timeout, auth) if not."""
@@ -404,12 +409,12 @@ class Store:
 
     def deferred_commit(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
                         fence: str = "", plan_id: str = "", round_: int | None = None, reason: str = "",
-                        changes: dict[str, Any] | None = None) -> "PendingWrite":
-        """:meth:`commit`, laid out now and sent with the next :meth:`wait_view` (see :class:`PendingWrite`);
+                        changes: dict[str, Any] | None = None) -> "PendingCall":
+        """:meth:`commit`, laid out now and sent with the next :meth:`wait_view` (see :class:`PendingCall`);
         its outcome is a :class:`CommitResult` or the error :meth:`commit` would raise."""
         call, what = self._commit_call(table, spec, record, actor=actor, label=label, fence=fence, plan_id=plan_id,
                                        round_=round_, reason=reason, changes=changes)
-        return PendingWrite(what, self._commit, call, lambda reply: self._commit_outcome(reply, what))
+        return self._deferred_script(what, self._commit, call, lambda reply: self._commit_outcome(reply, what))
 
     def _commit_call(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
                      fence: str, plan_id: str, round_: int | None, reason: str,
@@ -687,11 +692,43 @@ class Store:
         call = self._publish_call(ep_rank, round_, expert_load)
         self._publish(keys=call.keys, args=call.args)
 
-    def deferred_publish(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> PendingWrite:
-        """:meth:`publish_load`, checked now and sent with the next :meth:`wait_view` (:class:`PendingWrite`;
+    def deferred_publish(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> PendingCall:
+        """:meth:`publish_load`, checked now and sent with the next :meth:`wait_view` (:class:`PendingCall`;
         its outcome is the window's ``published_ms``). :class:`InputError` at once, as :meth:`publish_load`."""
         call = self._publish_call(ep_rank, round_, expert_load)
-        return PendingWrite(f"load window of rank {int(ep_rank)}", self._publish, call, lambda reply: int(reply))
+        return self._deferred_script(f"load window of rank {int(ep_rank)}", self._publish, call, int)
+
+    def deferred_plan_read(self, plan_id: str) -> PendingCall:
+        """:meth:`plan_phy2log` as a :class:`PendingCall` (for :meth:`send`, next to a commit)."""
+        key = self._keys.plan(plan_id)
+        names = ["new_phy2log", "new_phy2log:dtype", "new_phy2log:shape"]
+
+        def outcome(reply: Any) -> np.ndarray | None:
+            if isinstance(reply, Exception):
+                raise reply
+            arr = self._array(key, names[0], dict(zip(names, reply)))
+            return None if arr is None else self._table(key, arr, names[0])
+
+        return PendingCall(f"plan {plan_id}", lambda pipe: pipe.hmget(key, names), outcome)
+
+    def _deferred_script(self, what: str, script: Any, call: CommitCall, parse: Callable[[Any], Any]) -> PendingCall:
+        """A script call as a :class:`PendingCall`: sent as ``EVALSHA`` (on a pipeline redis-py's ``Script`` would
+        first ask ``SCRIPT EXISTS``, a round trip of its own), the script loaded once per store beforehand; a
+        server that lost it since (restarted) gets it loaded and the call run again, after the pipeline."""
+        if script.sha not in self._loaded:
+            self._client.script_load(script.script)
+            self._loaded.add(script.sha)
+
+        def outcome(reply: Any) -> Any:
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                reply = script(keys=call.keys, args=call.args)
+            elif isinstance(reply, Exception):
+                raise reply
+            return parse(reply)
+
+        # execute_command, not pipe.evalsha: redis-py's cluster pipeline refuses the named script methods
+        return PendingCall(what, lambda pipe: pipe.execute_command("EVALSHA", script.sha, len(call.keys), *call.keys,
+                                                                   *call.args), outcome)
 
     def _publish_call(self, ep_rank: int, round_: int, expert_load: np.ndarray) -> CommitCall:
         counts = check_counts(expert_load, f"load window of rank {ep_rank}")
@@ -943,7 +980,7 @@ class Store:
                 out.append(AuditRecord(_s(entry_id), _text(raw)))
         return out
 
-    def wait_view(self, cursor: Cursor, ep_rank: int, block_ms: int, writes: list[PendingWrite] = ()
+    def wait_view(self, cursor: Cursor, ep_rank: int, block_ms: int, writes: list[PendingCall] = ()
                   ) -> tuple[list[AuditRecord], tuple[ClusterRecord, RankRecord, WeightRecord], list[Any]]:
         """A rank agent's wait, in one round trip: ``writes`` (sent first, in order), then :meth:`wait` on
         ``cursor`` (a :meth:`signal_cursor`), then :meth:`read_view` of ``ep_rank``, all in one pipeline (Redis
@@ -956,7 +993,8 @@ class Store:
         which = [(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)]
         keys = [self._record_key(table, r) for table, r in which]
         pipe = self._client.pipeline(transaction=False)
-        self._queue_writes(pipe, writes)
+        for w in writes:
+            w.queue(pipe)
         pipe.xread(cursor, block=block, count=1000)
         for key in keys:
             pipe.hgetall(key)
@@ -970,7 +1008,7 @@ class Store:
         view = self._strict(which, self._parse_records(which, keys, replies[1:]))
         return signals, tuple(view), outcomes
 
-    def send(self, writes: list[PendingWrite]) -> list[Any]:
+    def send(self, writes: list[PendingCall]) -> list[Any]:
         """Send ``writes`` now, in order, in one round trip (no wait). Returns each write's outcome: its result, or
         the typed :class:`~fdeplb.errors.StateError` / :class:`~fdeplb.errors.StoreError` it met (returned, not
         raised; one write's refusal does not stop the next). :class:`RedisUnavailableError` when the round trip
@@ -978,27 +1016,22 @@ class Store:
         if not writes:
             return []
         pipe = self._client.pipeline(transaction=False)
-        self._queue_writes(pipe, writes)
+        for w in writes:
+            w.queue(pipe)
         return self._write_outcomes(writes, pipe.execute(raise_on_error=False))
 
-    @staticmethod
-    def _queue_writes(pipe: Any, writes: list[PendingWrite]) -> None:
-        # EVALSHA, not the Script object: on a pipeline redis-py would first ask SCRIPT EXISTS (a round trip)
-        for w in writes:
-            pipe.evalsha(w.script.sha, len(w.call.keys), *w.call.keys, *w.call.args)
-
-    def _write_outcomes(self, writes: list[PendingWrite], replies: list[Any]) -> list[Any]:
+    def _write_outcomes(self, calls: list[PendingCall], replies: list[Any]) -> list[Any]:
         outcomes: list[Any] = []
-        for w, reply in zip(writes, replies):
+        for c, reply in zip(calls, replies):
             try:
                 with _redis_errors(self.url):
-                    if isinstance(reply, redis.exceptions.NoScriptError):  # a restarted server: load and run it
-                        reply = w.script(keys=w.call.keys, args=w.call.args)
-                    elif isinstance(reply, Exception):
-                        raise reply
-                    outcomes.append(w.outcome(reply))
+                    result = c.outcome(reply)
             except (StateError, StoreError) as err:
                 outcomes.append(err)
+                continue
+            outcomes.append(result)
+            if c.then is not None:
+                c.then(result)
         return outcomes
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
