@@ -13,6 +13,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.scripts import SIGNAL_MAXLEN
+from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
 
@@ -173,6 +174,49 @@ def test_corrupt_plan_aborts_before_commit_and_the_next_round_recomputes_it(redi
         store.request_commit(rec2.plan_id)
         wait_for(round_over(store, 2), 60, store, "round 2")
         assert store.current_placement().plan_id == rec.plan_id and store.routing_mismatches() == []
+
+
+#: a rank record corrupted in a field other than its state (the coordinator checks only (state, plan_id) per rank
+#: at each wake-up; the rank's agent cannot read the record, so the rank never moves), and one without a state
+RANK_CORRUPTIONS = {
+    "version not a number": lambda raw, key: raw.r.hset(key, "version", "abc"),
+    "heartbeat not a number": lambda raw, key: raw.r.hset(key, "heartbeat_ms", "x1"),
+    "state deleted": lambda raw, key: raw.r.hdel(key, "state"),
+}
+
+
+@pytest.mark.parametrize("kind", list(RANK_CORRUPTIONS))
+def test_corrupt_rank_record_while_loading_aborts_naming_the_key_not_at_the_deadline(redis_url, cluster_id, tmp_path,
+                                                                                       kind):
+    entered, gate = threading.Event(), threading.Event()
+
+    class Gated(NumpyWeights):  # rank 2 stages only once the test let it: the round waits in LOADING meanwhile
+        def stage(self, new_phy2log, budget_bytes):
+            if self.ep_rank == 2:
+                entered.set()
+                gate.wait(60)
+            return super().stage(new_phy2log, budget_bytes)
+
+    # a loading deadline far past the test's wait: an abort by the deadline cannot be what the test sees
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=600_000, commit_ms=20_000, swapping_ms=20_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        store, raw = tc.store(), RawRedis(redis_url, cluster_id)
+        tc.start(backend_factory=lambda _ckpt, phy2log, r, n: Gated(phy2log, r, n))
+        store.request_round()
+        assert entered.wait(60)
+        RANK_CORRUPTIONS[kind](raw, raw.keys.rank(2))
+        try:
+            rec = wait_for(round_over_any(store, 1), 60, store, "aborted round 1")
+        finally:
+            gate.set()
+        assert rec.reason.startswith("LOADING failed: CorruptRecordError") and raw.keys.rank(2) in rec.reason, \
+            rec.reason
+        assert store.current_placement().plan_id == ""
+
+
+def round_over_any(store, n):
+    """The cluster is FREE after round ``n`` (whatever the ranks are doing)."""
+    return lambda: (rec := store.read_cluster()).state == "FREE" and rec.round >= n and rec
 
 
 def test_a_step_that_keeps_raising_still_ends_the_round_at_its_deadline(redis_url, cluster_id, tmp_path):

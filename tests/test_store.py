@@ -218,6 +218,10 @@ def test_rank_states_pairs_and_their_typed_errors(store, redis_url, cluster_id):
     with pytest.raises(CorruptRecordError, match="rank:1.*SLEEPING") as err:
         store.rank_states()
     assert err.value.key == raw.keys.rank(1)
+    raw.r.hdel(raw.keys.rank(1), "state")  # a record without a state is corrupt, not missing
+    with pytest.raises(CorruptRecordError, match="rank:1.*without state") as err:
+        store.rank_states()
+    assert err.value.key == raw.keys.rank(1)
     raw.r.delete(raw.keys.rank(1))
     with pytest.raises(NotFoundError, match="rank:1"):
         store.rank_states()

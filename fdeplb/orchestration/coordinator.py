@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import threading
+import time
 import uuid
 from typing import Callable
 
@@ -120,6 +121,7 @@ class Coordinator:
         self.config: ClusterConfig | None = None
         self._handle: RecordHandle | None = None
         self._plan_checked = ""  # the plan_id whose stored new_phy2log this coordinator has validated
+        self._whole_look: tuple[tuple[int, str], float] = ((0, ""), 0.0)  # (round, state), next whole-record look
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
 
     # ---- leadership -----------------------------------------------------------------------------------------------
@@ -450,6 +452,22 @@ class Coordinator:
         self._fire(rec, "load", plan_id=plan_id, changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
 
+    def _rank_states(self, rec: ClusterRecord) -> list[tuple[RankState, str]]:
+        """Every rank's (state, plan_id) (:meth:`fdeplb.store.Store.rank_states`: two fields per rank at each
+        wake-up). Once the ranks have been awaited in this round's state for ``RETRY_MS``, and then at most every
+        ``RETRY_MS``, their whole records are parsed too: a rank record corrupt in another field (its agent cannot
+        read it, so the rank never moves) raises its :class:`CorruptRecordError` naming the key, which aborts the
+        round before the commit point (:meth:`_step_failed`) instead of letting it wait for its deadline."""
+        states = self.store.rank_states()
+        now = time.monotonic()
+        phase = (rec.round, rec.state.value)
+        if self._whole_look[0] != phase:
+            self._whole_look = (phase, now + RETRY_MS / 1000)
+        elif now >= self._whole_look[1]:
+            self._whole_look = (phase, now + RETRY_MS / 1000)
+            self.store.read_all(RANK)  # raises for the first missing or corrupt record
+        return states
+
     def _failed(self, states: list[tuple[RankState, str]], plan_id: str) -> list[tuple[int, str]]:
         """Ranks that failed to load ``plan_id``, with their reasons (their whole records are read only then)."""
         if not any(st is RankState.LOAD_FAILED and pid == plan_id for st, pid in states):
@@ -483,7 +501,7 @@ class Coordinator:
         problem = self._check_plan(rec, whole=False)
         if problem:
             return self._abort(rec, problem)
-        states = self.store.rank_states()
+        states = self._rank_states(rec)
         failed = self._failed(states, plan_id)
         if failed:
             return self._abort(rec, "; ".join(f"rank {r} failed to load: {why}" for r, why in failed))
@@ -502,7 +520,7 @@ class Coordinator:
         problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
-        failed = self._failed(self.store.rank_states(), plan_id)
+        failed = self._failed(self._rank_states(rec), plan_id)
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
         if self.config.cordoned and rec.commit_requested != plan_id:
@@ -518,7 +536,7 @@ class Coordinator:
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        late = self._not_in(self.store.rank_states(), RankState.SWAPPED, plan_id)
+        late = self._not_in(self._rank_states(rec), RankState.SWAPPED, plan_id)
         if not late:
             self._fire(rec, "swapped", changes={"deadline_ms": 0})
             return True, None

@@ -329,15 +329,17 @@ class Store:
         """Every rank's (state, plan_id), ep_rank order, in one round trip of two fields per rank: what the
         coordinator checks at each wake-up while the ranks load or swap (a whole record is parsed only when it
         needs more). :class:`NotFoundError` for a missing record, :class:`CorruptRecordError` naming the key for a
-        state that is not a :class:`RankState`."""
+        state that is not a :class:`RankState` or a record without one."""
         keys = [self._keys.rank(r) for r in range(self.ep_size())]
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hmget(key, "state", "plan_id")
         out = []
-        for key, (state, plan_id) in zip(keys, pipe.execute()):
-            if state is None:
-                raise NotFoundError(f"no rank record at {key}")
+        for r, (key, (state, plan_id)) in enumerate(zip(keys, pipe.execute())):
+            if state is None:  # no record (NotFoundError), or one without a state (its CorruptRecordError)
+                rec = self._strict([(RANK, r)])[0]
+                out.append((rec.state, rec.plan_id))  # written meanwhile
+                continue
             try:
                 out.append((RankState(_s(state)), _s(plan_id)))
             except ValueError:
