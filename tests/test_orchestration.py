@@ -395,3 +395,38 @@ def test_a_second_agent_for_a_rank_supersedes_the_first(redis_url, cluster_id, t
         assert transitions_of(store)[-1] == ("DONE", "FREE", "release")
         assert np.array_equal(new.backend.phy2log, store.current_placement().phy2log)
         assert store.routing_mismatches() == []
+
+
+@pytest.mark.parametrize("lost", ["request", "reply"])
+def test_a_wait_that_loses_its_deferred_writes_redoes_them_and_the_round_completes(redis_url, cluster_id, tmp_path,
+                                                                                    lost):
+    """Issue #9: a step's last write rides on the next wait. When that round trip fails (Redis away), the writes'
+    fate is unknown: lost with the request, or done and only the reply lost. Either way the agent's next steps
+    redo them (the window is published again, the transition fired again on the record as read) and the round
+    ends normally, not at a deadline (600 s here). Rank 1 loses each of its four deferred writes (load window,
+    staged, swapped, finish) once."""
+    deadlines = Deadlines(collecting_ms=600_000, loading_ms=600_000, commit_ms=600_000, swapping_ms=600_000)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        store = tc.store()
+        tc.start()
+        agent = tc.agents[1]
+        wait_view, send = agent.store.wait_view, agent.store.send
+        lost_writes: list[str] = []
+
+        def failing_wait_view(cursor, ep_rank, block_ms, writes=()):
+            what = [w.what.split(" on ")[0] for w in writes]
+            if what and what[0] not in lost_writes:
+                lost_writes.append(what[0])
+                if lost == "reply":
+                    send(list(writes))  # done in Redis; the agent never hears of it
+                raise RedisUnavailableError("connection lost (test)")
+            return wait_view(cursor, ep_rank, block_ms, writes)
+
+        agent.store.wait_view = failing_wait_view
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert lost_writes == ["load window of rank 1", "rank staged", "rank swapped", "rank finish"]
+        rec = cluster_state(store)
+        assert rec.reason == "" and rec.plan_id == store.current_placement().plan_id != ""
+        assert [t for _, _, t in transitions_of(store, "rank") if t != "abort"].count("finish") == tc.config.ep_size
+        assert store.routing_mismatches() == []
