@@ -214,6 +214,23 @@ def test_corrupt_rank_record_while_loading_aborts_naming_the_key_not_at_the_dead
         assert store.current_placement().plan_id == ""
 
 
+def test_a_rank_record_corrupt_at_the_commit_point_aborts_the_round_instead_of_committing(redis_url, cluster_id,
+                                                                                         tmp_path):
+    """LOAD_SUCC is the coordinator's last look before the commit point: it reads the ranks' whole records, so one
+    corrupt in a field other than (state, plan_id) aborts the round naming the key, and the plan is not committed."""
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True) as tc:
+        store, raw = tc.store(), RawRedis(redis_url, cluster_id)
+        tc.start()
+        store.request_round()
+        rec = wait_for(lambda: (r := store.read_cluster()).state == "LOAD_SUCC" and r, 60, store, "staged round")
+        RANK_CORRUPTIONS["version not a number"](raw, raw.keys.rank(1))
+        store.request_commit(rec.plan_id)
+        rec = wait_for(round_over_any(store, 1), 60, store, "aborted round 1")
+        assert rec.reason.startswith("LOAD_SUCC failed: CorruptRecordError") and raw.keys.rank(1) in rec.reason, \
+            rec.reason
+        assert store.current_placement().plan_id == ""
+
+
 def round_over_any(store, n):
     """The cluster is FREE after round ``n`` (whatever the ranks are doing)."""
     return lambda: (rec := store.read_cluster()).state == "FREE" and rec.round >= n and rec

@@ -32,7 +32,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, \
+from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
     VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
@@ -329,8 +329,15 @@ class RankAgent:
                 self._published_round = -1
             raise
         for w, out in zip(writes, outcomes):
-            if isinstance(out, FdeplbError):
+            if isinstance(out, StateError):  # a lost race: the view read with it shows why
                 self.log.info("retry", write=w.what, error=str(out))
+            elif isinstance(out, FdeplbError):  # Redis refused the write itself (out of memory, read-only replica)
+                self.log.error("write failed", write=w.what, error=str(out))
+                try:
+                    self.store.emit_event("alarm", rank=self.ep_rank, message=f"{w.what} failed: {out}")
+                except FdeplbError:
+                    pass  # logged above; the next step redoes the write
+            if isinstance(out, FdeplbError):
                 self._published_round = -1
         return view
 

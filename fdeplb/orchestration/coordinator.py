@@ -520,7 +520,10 @@ class Coordinator:
         problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
-        failed = self._failed(self._rank_states(rec), plan_id)
+        # the last look before the commit point reads whole records: one corrupt in any field raises its
+        # CorruptRecordError naming the key, which aborts the round (_step_failed) before it is committed
+        failed = [(r, x.reason) for r, x in enumerate(self.store.read_all(RANK))
+                  if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
         if self.config.cordoned and rec.commit_requested != plan_id:
