@@ -177,10 +177,10 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
         store.delete_cluster()
 
 
-#: a rank agent's round: 5 wake-ups (start, load, commit, swapped, release), each one round trip that also carries
-#: the previous step's last write, plus 2 (the stage commit with the plan read, the swap commit); pinned by
-#: tests/test_orchestration.py::test_a_rank_agent_makes_seven_round_trips_per_round
-AGENT_WAKES, AGENT_ROUND_TRIPS = 5, 7
+#: a rank agent's round: 4 wake-ups (start, load, commit, release), each one round trip that also carries the
+#: previous step's last write, plus 2 (the stage commit with the plan read, the swap commit); pinned by
+#: tests/test_orchestration.py::test_a_rank_agent_makes_six_round_trips_per_round
+AGENT_WAKES, AGENT_ROUND_TRIPS = 4, 6
 
 
 def floor_process(url: str, stream: str, reports: str, extra: int, ready, stop) -> None:

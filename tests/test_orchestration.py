@@ -90,10 +90,11 @@ class _RoundTrips:
         client.execute_command, client.pipeline = execute_command, make_pipeline
 
 
-def test_a_rank_agent_makes_seven_round_trips_per_round(redis_url, cluster_id, tmp_path):
-    """Issue #9: a rank agent's round costs one round trip per wake-up (start, load, commit, swapped, release: each
-    wait also carries the previous step's last write and reads the next view) plus the stage commit sent with the
-    plan read and the swap commit: 7, counted on the agent's own client from the request to the round's end."""
+def test_a_rank_agent_makes_six_round_trips_per_round(redis_url, cluster_id, tmp_path):
+    """Issue #9: a rank agent's round costs one round trip per wake-up (start, load, commit, release: each wait also
+    carries the previous step's last write and reads the next view; "swapped" wakes no rank, a SWAPPED rank
+    finishes at the release) plus the stage commit sent with the plan read and the swap commit: 6, counted on the
+    agent's own client from the request to the round's end."""
     import threading
 
     from fdeplb.orchestration.agent import RankAgent
@@ -118,9 +119,9 @@ def test_a_rank_agent_makes_seven_round_trips_per_round(redis_url, cluster_id, t
         before = counter.n
         store.request_round()
         wait_for(round_over(store, 2), 60, store, "round 2")
-        wait_for(lambda: counter.n - before >= 7, 10, store, "rank 1's wait after round 2")
+        wait_for(lambda: counter.n - before >= 6, 10, store, "rank 1's wait after round 2")
         assert last_cluster_transition(store)["trigger"] == "release"
-        assert counter.n - before == 7, counter.calls[-(counter.n - before):]
+        assert counter.n - before == 6, counter.calls[-(counter.n - before):]
 
 
 def test_gated_round_is_audited_not_silent(redis_url, cluster_id, tmp_path):

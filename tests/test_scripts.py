@@ -202,7 +202,7 @@ def test_only_transitions_marked_wakes_ranks_signal_the_rank_agents(raw):
     """A rank's or weight record's commit wakes no agent; a cluster transition marked ``wakes_ranks`` appends one
     signal entry, capped at SIGNAL_MAXLEN (the literal commit.lua writes). Only "plan" and "loaded" (into states
     where no rank has work) are silent."""
-    assert {t.trigger for t in CLUSTER.transitions if not t.wakes_ranks} == {"plan", "loaded"}
+    assert {t.trigger for t in CLUSTER.transitions if not t.wakes_ranks} == {"plan", "loaded", "swapped"}
     assert not any(t.wakes_ranks for table in (RANK, WEIGHTS) for t in table.transitions)
     assert f"'MAXLEN', '~', '{SIGNAL_MAXLEN}'" in script_text("commit")
     raw.force(raw.keys.weights(0), "NORMAL", version=0)

@@ -109,8 +109,9 @@ class TransitionSpec:
     effect: Effect = Effect.NONE  # extra write in the same atomic step
     doc: str = ""
     #: the commit also appends to the cluster's signal stream, waking every rank agent: set on the cluster
-    #: transitions into a state where a rank has work (publish its load, stage, swap, finish, drop a staging,
-    #: carry out a weight request waiting for FREE); "plan" and "loaded" wake no rank
+    #: transitions into a state where a rank has work (publish its load, stage, swap, drop a staging, finish the
+    #: round once it is released, carry out a weight request waiting for FREE); "plan", "loaded" and "swapped"
+    #: wake no rank (a SWAPPED rank finishes at "release": one wake-up per rank per round less, issue #9)
     wakes_ranks: bool = False
 
 
@@ -244,7 +245,7 @@ CLUSTER = MachineTable(
         ),
         TransitionSpec(
             "swapped", (C.SWAPPING,), C.DONE,
-            guards=(Guard(GuardKind.RANKS_IN, state=R.SWAPPED, same_plan=True),), wakes_ranks=True,
+            guards=(Guard(GuardKind.RANKS_IN, state=R.SWAPPED, same_plan=True),),
             doc="every rank swapped its slots and routing tables",
         ),
         TransitionSpec("release", (C.DONE,), C.FREE, wakes_ranks=True, doc="round finished"),

@@ -800,7 +800,7 @@ class RankAgent:
             self.rank.update(**report)
             self.store.emit_event("alarm", rank=self.ep_rank, message=report["reason"])
             return False
-        self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the cluster's DONE
+        self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
 
     def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> dict[str, Any]:
@@ -814,7 +814,7 @@ class RankAgent:
 
     def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
-            return False  # the other ranks are still swapping
+            return False  # the other ranks are still swapping (the round's release wakes this rank)
         self.rank.fire("finish", record=me, defer=self._outbox)  # next work: the next round's LOADING
         return False
 
