@@ -477,7 +477,6 @@ def move_aware_phy2log(
         out, excess = _plan_all(load, old, fresh_peak, mean, tolerance, old_maps, group_node, num_nodes, num_gpus)
         # layers the repair leaves above LAYER_CAP tolerances, or every layer above one tolerance when the mean
         # cannot be met otherwise: the per-layer repair and its fallback, which end within one tolerance
-        safe_mean = np.where(mean > 0, mean, 1.0)
         stuck = excess > LAYER_CAP * tolerance * (1 + 1e-9)
         if stuck.any() or excess.mean() > tolerance:
             rest = np.where(stuck, tolerance, excess)

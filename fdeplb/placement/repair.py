@@ -119,7 +119,7 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
     E = load.shape[1]
     E1 = E + 1  # expert E: the dummy of old slots with no expert of the row
     gos = np.arange(P) // S
-    arS, arG, arP = np.arange(S), np.arange(G), np.arange(P)
+    arS, arG = np.arange(S), np.arange(G)
     M = _gpu_expert_counts(row, G, E1)
     Mo = _gpu_expert_counts(np.where(old >= 0, old, E), G, E1)
     Mf, Mof = M.reshape(-1), Mo.reshape(-1)
