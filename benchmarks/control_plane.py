@@ -81,19 +81,23 @@ def rank_load(round_: int, rank: int, num_layers: int, num_experts: int) -> np.n
     return (rng.zipf(1.5, size=(num_layers, num_experts)) * 10).astype(np.int64)
 
 
-def make_agent(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int) -> RankAgent:
-    """Rank agent ``r`` with its own Redis client, the benchmark's loads and the numpy weight backend, started."""
+def make_agent(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int,
+               rounds: int) -> RankAgent:
+    """Rank agent ``r`` with its own Redis client, the benchmark's loads and the numpy weight backend, started.
+    The windows of rounds 1..``rounds`` are drawn beforehand: a serving worker's window is an array it already
+    holds (:class:`fdeplb.orchestration.agent.ExpertLoadWindow`), not a draw from a random generator."""
+    windows = {n: rank_load(n, r, num_layers, num_experts) for n in range(1, rounds + 1)}
     agent = RankAgent(Store(url, cluster), r,
-                      load_source=lambda round_: rank_load(round_, r, num_layers, num_experts),
+                      load_source=lambda round_: windows.get(round_, windows[1]),
                       backend_factory=NumpyWeights.factory(expert_size=expert_size))
     agent.start()
     return agent
 
 
-def agent_process(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int,
+def agent_process(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int, rounds: int,
                   ready: "multiprocessing.synchronize.Semaphore", stop: "multiprocessing.synchronize.Event") -> None:
     """Body of one agent process (``--agents processes``): start, say so, reconcile until ``stop``."""
-    agent = make_agent(url, cluster, r, num_layers, num_experts, expert_size)
+    agent = make_agent(url, cluster, r, num_layers, num_experts, expert_size, rounds)
     ready.release()
     agent.run(until=stop.is_set, block_ms=500)
 
@@ -115,10 +119,10 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
         for r in range(ranks):
             if agents_as == "processes":
                 procs.append(ctx.Process(target=agent_process, daemon=True, args=(
-                    url, cluster, r, num_layers, num_experts, expert_size, ready, stop)))
+                    url, cluster, r, num_layers, num_experts, expert_size, rounds + 1, ready, stop)))
                 procs[-1].start()
             else:
-                agents.append(make_agent(url, cluster, r, num_layers, num_experts, expert_size))
+                agents.append(make_agent(url, cluster, r, num_layers, num_experts, expert_size, rounds + 1))
                 threads.append(threading.Thread(target=agents[-1].run, kwargs={"block_ms": 2_000}, daemon=True))
         for _ in procs:
             if not ready.acquire(timeout=300):
