@@ -472,6 +472,11 @@ class Coordinator:
         """Ranks that failed to load ``plan_id``, with their reasons (their whole records are read only then)."""
         if not any(st is RankState.LOAD_FAILED and pid == plan_id for st, pid in states):
             return []
+        return self._load_failures(plan_id)
+
+    def _load_failures(self, plan_id: str) -> list[tuple[int, str]]:
+        """(rank, reason) of every rank LOAD_FAILED for ``plan_id``, from the ranks' whole records (one corrupt in
+        any field raises its :class:`CorruptRecordError` naming the key)."""
         return [(r, x.reason) for r, x in enumerate(self.store.read_all(RANK))
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
 
@@ -520,10 +525,9 @@ class Coordinator:
         problem = self._check_plan(rec, whole=True)
         if problem:
             return self._abort(rec, problem)
-        # the last look before the commit point reads whole records: one corrupt in any field raises its
-        # CorruptRecordError naming the key, which aborts the round (_step_failed) before it is committed
-        failed = [(r, x.reason) for r, x in enumerate(self.store.read_all(RANK))
-                  if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
+        # the last look before the commit point reads whole records: one corrupt in any field aborts the round
+        # (_step_failed) before it is committed
+        failed = self._load_failures(plan_id)
         if failed:  # a rank lost its staging after LOAD_SUCC (e.g. restarted and could not stage again)
             return self._abort(rec, "; ".join(f"rank {r} failed after loading: {why}" for r, why in failed))
         if self.config.cordoned and rec.commit_requested != plan_id:

@@ -356,8 +356,13 @@ class Store:
     def read_view(self, ep_rank: int) -> tuple[ClusterRecord, RankRecord, WeightRecord]:
         """What a rank agent's reconcile step reads: the cluster record and ``ep_rank``'s rank and weight-status
         records, in one round trip. :class:`NotFoundError` / :class:`CorruptRecordError` as :meth:`read`."""
-        cluster, rank, weights = self._strict([(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)])
+        cluster, rank, weights = self._strict(self._view_of(ep_rank))
         return cluster, rank, weights
+
+    @staticmethod
+    def _view_of(ep_rank: int) -> list[tuple[MachineTable, int | None]]:
+        """The records of a rank agent's view, in order: cluster, ``ep_rank``'s rank and weight-status records."""
+        return [(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)]
 
     def ensure(self, table: MachineTable, ep_rank: int | None = None) -> bool:
         """Create the record in the table's initial state at version 0 unless it exists (both fields in one MULTI,
@@ -992,7 +997,7 @@ class Store:
         Raises as :meth:`read_view` for the view, :class:`RedisUnavailableError` when the round trip fails (then
         the writes' fate is unknown)."""
         block = max(1, min(int(block_ms), MAX_BLOCK_MS))
-        which = [(CLUSTER, None), (RANK, ep_rank), (WEIGHTS, ep_rank)]
+        which = self._view_of(ep_rank)
         keys = [self._record_key(table, r) for table, r in which]
         pipe = self._client.pipeline(transaction=False)
         for w in writes:

@@ -1,9 +1,10 @@
 """The KEYS / ARGV contract of the Lua scripts in ``lua/``, built in one place with named slots.
 
-``commit.lua``, ``audit.lua`` and ``lease.lua`` document their slots in a header comment; :data:`COMMIT_KEYS`,
-:data:`COMMIT_ARGV`, :data:`AUDIT_KEYS`, :data:`AUDIT_ARGV`, :data:`LEASE_KEYS` and :data:`LEASE_ARGV` name the same
-slots in the same order (``tests/test_recordings.py`` checks the headers agree). :func:`commit_call`,
-:func:`audit_call` and :func:`lease_call` are the only places that lay out a script call.
+Every script documents its slots in a header comment; :data:`COMMIT_KEYS` / :data:`COMMIT_ARGV`,
+:data:`AUDIT_KEYS` / :data:`AUDIT_ARGV`, :data:`LEASE_KEYS` / :data:`LEASE_ARGV`, :data:`SWITCH_KEYS` /
+:data:`SWITCH_ARGV` and :data:`PUBLISH_KEYS` / :data:`PUBLISH_ARGV` name the same slots in the same order (tests check
+the headers agree). :func:`commit_call`, :func:`audit_call`, :func:`lease_call`, :func:`switch_call` and
+:func:`publish_call` are the only places that lay out a script call.
 """
 
 from __future__ import annotations
