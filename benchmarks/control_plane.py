@@ -10,7 +10,8 @@ loads are new (seeded by round and rank) so every plan moves experts. Each round
 (every rank IDLE, as in service, where rounds are minutes apart). Per round it measures the wall time from the
 request to the observed release, the time per phase (from the audit records' ``ts_ms``), the *tail* (from the
 release until every rank has finished: its release wake-up), the Redis commands the whole cluster sent
-(``INFO commandstats``, summed over commands, the benchmark's own calls included) and the CPU time of every part,
+(``INFO commandstats``, summed over commands, the benchmark's own calls included except its looks at the ranks
+during the tail) and the CPU time of every part,
 tail included: the agents (each process writes its ``time.process_time()`` to shared memory before each wait;
 threads: their thread clocks), the coordinator's thread, this benchmark's main thread, the Redis server
 (``INFO cpu``, user + sys). A round cannot take less wall time than its CPU time over the machine's CPUs.
@@ -139,13 +140,19 @@ class CpuMeter:
         return out
 
 
-def wait_ranks_idle(store: Store, cursor, deadline: float) -> None:
+def wait_ranks_idle(store: Store, cursor, ranks: int, deadline: float) -> int:
     """Wait (on the audit stream) until every rank record is IDLE: the round's tail (each rank's release wake-up
-    and finish) is over."""
-    while not all(state is RankState.IDLE for state, _ in store.rank_states()):
+    and finish) is over. Returns the Redis commands this wait sent (``ranks`` HMGETs per look, one XREAD per wait),
+    so that they are not counted as the cluster's."""
+    sent = 0
+    while True:
+        sent += ranks
+        if all(state is RankState.IDLE for state, _ in store.rank_states()):
+            return sent
         if time.monotonic() > deadline:
             raise RuntimeError(f"ranks not IDLE in time: {store.rank_states()}")
         store.wait(cursor, 200)
+        sent += 1
 
 
 def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts: int, expert_size: int,
@@ -183,7 +190,7 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
         samples = []
         for i in range(rounds + 1):
             if i == 0:  # each round starts on a quiet cluster (every rank IDLE), as in service: rounds minutes apart
-                wait_ranks_idle(store, cursor, time.monotonic() + 120)
+                wait_ranks_idle(store, cursor, ranks, time.monotonic() + 120)
             if i == 1:
                 cpu_before = meter.read()
             audit_from = store.last_audit_id()
@@ -199,9 +206,9 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
                     raise RuntimeError(f"round {target} did not finish in 120 s (state {rec.state})")
                 store.wait(cursor, 1_000)
             wall_ms = (time.perf_counter() - t0) * 1e3
-            wait_ranks_idle(store, cursor, time.monotonic() + 120)
+            own = wait_ranks_idle(store, cursor, ranks, time.monotonic() + 120)
             tail_ms = (time.perf_counter() - t0) * 1e3 - wall_ms
-            used = commands(raw) - before
+            used = commands(raw) - before - own
             trail = [a for a in store.audit(audit_from) if a["machine"] == "cluster" and a.id != audit_from]
             triggers = [a["trigger"] for a in trail]
             if "release" not in triggers:

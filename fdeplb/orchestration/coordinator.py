@@ -114,7 +114,8 @@ class Coordinator:
         self.holder = holder or default_holder_id()
         self.lease_ms = int(lease_ms)
         self.lease: str | None = None
-        self._renewed_ms = 0
+        self._renewed_at = 0.0  # time.monotonic() of the last acquire / renewal
+        self._now_ms = 0  # the server's clock as the current step read the cluster record (deadlines compare to it)
         self._standing_by = False
         self.planner = planner or default_planner
         self.stop_event = threading.Event()
@@ -126,20 +127,22 @@ class Coordinator:
 
     # ---- leadership -----------------------------------------------------------------------------------------------
     def ensure_leadership(self) -> bool:
-        """Acquire or renew the lease; True while this coordinator leads."""
-        now = self.store.now_ms()
+        """Acquire or renew the lease; True while this coordinator leads. The lease is renewed once a third of its
+        TTL has passed since the last renewal, timed on the local monotonic clock (elapsed time, as the server
+        counts a key's TTL: no round trip to ask the server's clock at every step)."""
+        now = time.monotonic()
         if self.lease is not None:
-            if now - self._renewed_ms < self.lease_ms // 3:
+            if now - self._renewed_at < self.lease_ms / 3000:
                 return True
             if self.store.renew_lease(self.lease, self.lease_ms):
-                self._renewed_ms = now
+                self._renewed_at = now
                 return True
             self.log.warning("lease lost", lease=self.lease)
             self.lease = None
         value = self.store.acquire_lease(self.holder, self.lease_ms)
         if value:
             self.lease = value
-            self._renewed_ms = now
+            self._renewed_at = now
             self._standing_by = False
             self.log.info("leading", lease=value)
         elif not self._standing_by:  # said once per stretch of standing by, with the leader it waits on
@@ -222,7 +225,7 @@ class Coordinator:
         """
         if self.config is None:
             self.config = self.store.read_config()
-        rec = self.store.read_cluster()
+        rec, self._now_ms = self.store.read_cluster_at()
         failpoint("coordinator.hang", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
                                                 holder=self.holder))
@@ -245,6 +248,7 @@ class Coordinator:
         _, left = self._deadline(rec)
         # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
         self.stop_event.wait((RETRY_MS if left is None else max(1, min(RETRY_MS, left))) / 1000)
+        self._now_ms = self.store.now_ms()
         if self._deadline(rec)[0]:
             if rec.state in ABORTABLE:
                 return self._abort(rec, f"{rec.state} failed until its deadline passed: {problem}")
@@ -254,9 +258,10 @@ class Coordinator:
 
     # ---- entry work per state (idempotent) ------------------------------------------------------------------------
     def _deadline(self, rec: ClusterRecord) -> tuple[bool, int | None]:
+        """(passed, ms left) of the round's deadline at the server time the step read ``rec`` with."""
         if not rec.deadline_ms:
             return False, None
-        left = rec.deadline_ms - self.store.now_ms()
+        left = rec.deadline_ms - self._now_ms
         return left <= 0, max(left, 0)
 
     def _abort(self, rec: ClusterRecord, reason: str, **skipped: float) -> Step:

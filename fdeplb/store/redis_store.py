@@ -282,6 +282,21 @@ class Store:
         """The cluster rearrangement record."""
         return self.read(CLUSTER)
 
+    def read_cluster_at(self) -> tuple[ClusterRecord, int]:
+        """The cluster record and the server's clock (ms) when it was read, in one round trip (the coordinator
+        compares the round's deadline with that time; two round trips on Redis Cluster, whose pipelines refuse
+        keyless commands such as TIME). Errors as :meth:`read`."""
+        if isinstance(self._client, redis.cluster.RedisCluster):
+            return self.read(CLUSTER), self.now_ms()
+        key = self._record_key(CLUSTER, None)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hgetall(key)
+        pipe.time()
+        raw, (sec, usec) = pipe.execute()
+        if not raw:
+            raise NotFoundError(f"no {CLUSTER.name} record at {key}")
+        return parse_record(record_type(CLUSTER), key, _text(raw)), int(sec) * 1000 + int(usec) // 1000
+
     def read_rank(self, ep_rank: int) -> RankRecord:
         """The rank record of ``ep_rank``."""
         return self.read(RANK, ep_rank)
