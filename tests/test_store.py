@@ -225,3 +225,17 @@ def test_rank_states_pairs_and_their_typed_errors(store, redis_url, cluster_id):
     raw.r.delete(raw.keys.rank(1))
     with pytest.raises(NotFoundError, match="rank:1"):
         store.rank_states()
+
+
+def test_read_cluster_at_reads_the_record_and_the_server_clock_together(store, redis_url, cluster_id):
+    before = store.now_ms()
+    rec, at = store.read_cluster_at()
+    assert rec == store.read_cluster()
+    assert before <= at <= store.now_ms()
+    raw = RawRedis(redis_url, cluster_id)
+    raw.force(raw.keys.rearrange, "SLEEPING")
+    with pytest.raises(CorruptRecordError, match="SLEEPING"):
+        store.read_cluster_at()
+    raw.r.delete(raw.keys.rearrange)
+    with pytest.raises(NotFoundError, match="cluster record"):
+        store.read_cluster_at()
