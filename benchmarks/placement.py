@@ -190,7 +190,7 @@ MOVE_AWARE_TIME_RATIO, MOVE_AWARE_MOVED_SHARE, MOVE_AWARE_SLACK = 2.0, 0.20, 0.0
 MOVE_AWARE_SPEED_PAIR = ("dsv3_sglang_ep_stats", "prefill_in1024", "decode_in1000out1000")
 
 
-def move_aware_speed(real_data: Path, repeats: int = 5) -> list[dict]:
+def move_aware_speed(real_data: Path, repeats: int = 11) -> list[dict]:
     """Median ms of "balanced" and "move_aware" on the DeepSeek-V3 drift pair (288 slots, 8 groups, 32 GPUs) with 1
     and 4 nodes, old = "balanced" on A with the same topology, both given ``old_phy2log``; interleaved runs."""
     folder, a, b = MOVE_AWARE_SPEED_PAIR
