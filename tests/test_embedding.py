@@ -11,7 +11,7 @@ import pytest
 from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import ClusterState, RankState, WeightState
 from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
-from fdeplb.testing import NumpyWeights, expert_tensor
+from fdeplb.testing import NumpyWeights
 from tests.helpers import FailingReload, RawRedis, thread_cluster, wait_for
 
 

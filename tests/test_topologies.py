@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ import redis
 from redis.cluster import key_slot
 
 from fdeplb.errors import RedisUnavailableError
-from fdeplb.store import Store
 from fdeplb.store.keys import Keys
 from tests.helpers import thread_cluster, wait_for
 from tests.servers import RedisServer, free_port, redis_server_binary
