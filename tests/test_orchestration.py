@@ -4,14 +4,18 @@ needs paddle tensors."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
 
 from fdeplb.errors import RedisUnavailableError, StateError
+from fdeplb.orchestration.agent import RankAgent
 from fdeplb.placement import balancedness
 from fdeplb.store import Deadlines
+from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.servers import RedisServer
 
 
 def cluster_state(store):
@@ -442,3 +446,34 @@ def test_a_wait_that_loses_its_deferred_writes_redoes_them_and_the_round_complet
         assert rec.reason == "" and rec.plan_id == store.current_placement().plan_id != ""
         assert [t for _, _, t in transitions_of(store, "rank") if t != "abort"].count("finish") == tc.config.ep_size
         assert store.routing_mismatches() == []
+
+
+def test_run_honours_until_while_redis_is_away(tmp_path, cluster_id):
+    """``RankAgent.run(until=...)`` returns once ``until()`` is true even while every step fails because Redis is
+    gone (it used to retry the failing step every 0.5 s without asking ``until``: a benchmark's agent processes
+    outlived their run by the join timeout)."""
+    server = RedisServer(tmp_path / "redis")
+    try:
+        with thread_cluster(server.url, cluster_id, tmp_path) as tc:
+            agent = RankAgent(tc.store(), 0, load_source=lambda _round: tc.loads[0],
+                              backend_factory=NumpyWeights.factory())
+            agent.start()
+            asked, leave = threading.Event(), threading.Event()
+
+            def until():
+                asked.set()
+                return leave.is_set()
+
+            t = threading.Thread(target=agent.run, kwargs={"until": until, "block_ms": 200}, daemon=True)
+            t.start()
+            assert asked.wait(30)  # the loop runs (and asks) while Redis is up
+            server.kill()
+            leave.set()
+            t.join(timeout=30)
+            stuck = t.is_alive()
+            agent.stop_event.set()
+            t.join(timeout=30)
+            server.start()  # the fixture's teardown deletes the cluster (appendonly: the data is still there)
+            assert not stuck
+    finally:
+        server.close()
