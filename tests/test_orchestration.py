@@ -9,8 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from fdeplb.errors import RedisUnavailableError, StateError
+from fdeplb.errors import CorruptRecordError, RedisUnavailableError, StateError
 from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.placement import balancedness
 from fdeplb.store import Deadlines
 from fdeplb.testing import NumpyWeights
@@ -477,3 +478,18 @@ def test_run_honours_until_while_redis_is_away(tmp_path, cluster_id):
             assert not stuck
     finally:
         server.close()
+
+
+def test_a_negative_round_in_redis_is_corrupt_and_starts_no_round(redis_url, cluster_id, tmp_path):
+    """A cluster record whose ``round`` is -7 (requested 0 > -7) used to parse, and the coordinator started an
+    unrequested round -6 from it; now the record is corrupt: the step raises the typed error, nothing changes."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        raw = RawRedis(redis_url, cluster_id)
+        raw.r.hset(raw.keys.rearrange, "round", "-7")
+        coordinator = Coordinator(tc.store(), lease_ms=3_000)
+        assert coordinator.ensure_leadership()
+        before = raw.snapshot()
+        with pytest.raises(CorruptRecordError, match="field 'round' holds '-7'"):
+            coordinator.step()
+        assert raw.snapshot() == before
+        raw.r.hset(raw.keys.rearrange, "round", "0")  # the teardown reads the cluster
