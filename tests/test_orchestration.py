@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -493,3 +494,27 @@ def test_a_negative_round_in_redis_is_corrupt_and_starts_no_round(redis_url, clu
             coordinator.step()
         assert raw.snapshot() == before
         raw.r.hset(raw.keys.rearrange, "round", "0")  # the teardown reads the cluster
+
+
+def test_a_failing_step_with_a_short_lease_keeps_the_lease(redis_url, cluster_id, tmp_path):
+    """With ``lease_ms`` below the 1 s error back-off (300 ms is allowed), a coordinator whose step keeps failing
+    (a corrupt cluster record) used to let its lease lapse at every retry and take it again with a new fence; the
+    back-off is now at most a third of the lease, so it is renewed in time: one fence for the whole stretch."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        raw = RawRedis(redis_url, cluster_id)
+        store = tc.store()
+        cursor = store.cursor()
+        raw.r.hset(raw.keys.rearrange, "state", "BOGUS")
+        coordinator = Coordinator(tc.store(), lease_ms=600)
+        t = threading.Thread(target=coordinator.run, daemon=True)
+        t.start()
+        try:
+            errors, end = 0, time.monotonic() + 60
+            while errors < 4:  # four failed steps: 4 s of back-off before, 0.8 s now; the lease is 0.6 s
+                assert time.monotonic() < end, "the coordinator did not report its failing step"
+                errors += sum(e["kind"] == "coordinator_error" for e in store.wait(cursor, 500))
+        finally:
+            coordinator.stop_event.set()
+            t.join(timeout=30)
+            raw.r.hset(raw.keys.rearrange, "state", "FREE")
+        assert int(raw.r.get(raw.keys.fence)) == 1
