@@ -23,6 +23,9 @@ what fdeplb's own work costs on top of redis-py, the server and the scheduler.
 Prints two tables (times, CPU) and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``,
 ``redis_commands_per_round``, ``floor_p50_ms``, ``p50_vs_floor``, ``cpu_ms_per_round``, ``floor_cpu_ms_per_round``
 (totals) and ``cpus`` of the last N, ``runs``: every N, CPU by part). Target (issue #9): p50 < 50 ms at 64 ranks.
+Exit status: 0, 1 when the target fails, 2 for bad arguments (a rank count below 2: one rank is always balanced, so
+every round would be a skip); a run that cannot go on (Redis unreachable or lost, a round that did not complete)
+stops its processes, prints one line on stderr and exits with fdeplb's code for the error (7: Redis unavailable).
 
     python benchmarks/control_plane.py [--ranks N ...] [--rounds R] [--agents processes|threads]
                                        [--redis-url URL] [--policy NAME]
@@ -51,6 +54,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
+from fdeplb.errors import FdeplbError, exit_code  # noqa: E402
 from fdeplb.machines.tables import ClusterState, RankState  # noqa: E402
 from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
@@ -140,6 +144,33 @@ class CpuMeter:
         return out
 
 
+def wait_ready(ready: "multiprocessing.synchronize.Semaphore", procs: list, what: str, timeout_s: float = 300) -> None:
+    """Wait until each of ``procs`` has released ``ready`` once; raise at once, naming it, when one exits first
+    (it cannot connect to Redis, ...) instead of waiting out ``timeout_s``."""
+    end, pending = time.monotonic() + timeout_s, len(procs)
+    while pending:
+        if ready.acquire(timeout=0.2):
+            pending -= 1
+            continue
+        dead = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
+        if dead:
+            raise RuntimeError(f"{what} process {dead[0][0]} exited (code {dead[0][1]}) before it was ready")
+        if time.monotonic() > end:
+            raise RuntimeError(f"{pending} {what} processes did not start within {timeout_s:.0f} s")
+
+
+def stop_processes(procs: list, timeout_s: float = 10) -> None:
+    """Join ``procs`` (already told to stop) within ``timeout_s`` in all; kill those still running."""
+    end = time.monotonic() + timeout_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(timeout=max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def wait_ranks_idle(store: Store, cursor, ranks: int, deadline: float) -> int:
     """Wait (on the audit stream) until every rank record is IDLE: the round's tail (each rank's release wake-up
     and finish) is over. Returns the Redis commands this wait sent (``ranks`` HMGETs per look, one XREAD per wait),
@@ -178,9 +209,7 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
             else:
                 agents.append(make_agent(url, cluster, r, num_layers, num_experts, expert_size, rounds + 1))
                 threads.append(threading.Thread(target=agents[-1].run, kwargs={"block_ms": 2_000}, daemon=True))
-        for _ in procs:
-            if not ready.acquire(timeout=300):
-                raise RuntimeError("agent processes did not start within 300 s")
+        wait_ready(ready, procs, "agent")
         threads.append(threading.Thread(target=coordinator.run, daemon=True))
         for t in threads:
             t.start()
@@ -237,12 +266,19 @@ def run_ranks(url: str, ranks: int, rounds: int, *, num_layers: int, num_experts
             a.stop_event.set()
         coordinator.stop_event.set()
         for t in threads:
-            t.join(timeout=10)
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        store.delete_cluster()
+            if t.ident is not None:  # started
+                t.join(timeout=10)
+        stop_processes(procs)
+        cleanup(store.delete_cluster)
+
+
+def cleanup(fn) -> None:
+    """Run a clean-up step; when it fails (Redis went away), say so on stderr instead of raising over the error
+    that ended the run."""
+    try:
+        fn()
+    except (FdeplbError, redis.RedisError) as err:
+        print(f"control_plane.py: clean-up skipped: {err}", file=sys.stderr)
 
 
 #: a rank agent's round: 4 wake-ups (start, load, commit, release), each one round trip that also carries the
@@ -295,9 +331,7 @@ def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
     try:
         for p in procs:
             p.start()
-        for _ in procs:
-            if not ready.acquire(timeout=300):
-                raise RuntimeError("floor processes did not start within 300 s")
+        wait_ready(ready, procs, "floor")
         cursor = {reports: "0-0"}
         samples = []
         for i in range(rounds + 1):
@@ -319,11 +353,8 @@ def floor_ranks(url: str, ranks: int, rounds: int) -> dict:
                 "p50_ms": round(statistics.median(samples), 1), "cpu_ms_per_round": cpu}
     finally:
         stop.set()
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        client.delete(stream, reports)
+        stop_processes(procs)
+        cleanup(lambda: client.delete(stream, reports))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,6 +370,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--expert-size", type=int, default=16, help="float32 values per expert (numpy backend)")
     args = parser.parse_args(argv)
+    if min(args.ranks) < 2:  # one rank is always balanced: every round would be a skip, nothing to measure
+        parser.error(f"--ranks: every rank count must be >= 2, got {min(args.ranks)}")
+    for name in ("rounds", "layers", "experts", "expert_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        return report(args)
+    except (FdeplbError, redis.RedisError, RuntimeError) as err:  # Redis away, a round that failed: one line
+        print(f"control_plane.py: error: {err}", file=sys.stderr)
+        return exit_code(err)  # fdeplb's table (2 bad input, 7 Redis unavailable, ...); 1 for the others
+
+
+def report(args: argparse.Namespace) -> int:
+    """Run every rank count of ``args`` and print the tables and the JSON line; 0 unless the target failed."""
     embedded = None
     url = args.redis_url
     if url is None:

@@ -4,14 +4,20 @@ needs paddle tensors."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from fdeplb.errors import RedisUnavailableError, StateError
+from fdeplb.errors import CorruptRecordError, RedisUnavailableError, StateError
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.placement import balancedness
 from fdeplb.store import Deadlines
+from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.servers import RedisServer
 
 
 def cluster_state(store):
@@ -442,3 +448,73 @@ def test_a_wait_that_loses_its_deferred_writes_redoes_them_and_the_round_complet
         assert rec.reason == "" and rec.plan_id == store.current_placement().plan_id != ""
         assert [t for _, _, t in transitions_of(store, "rank") if t != "abort"].count("finish") == tc.config.ep_size
         assert store.routing_mismatches() == []
+
+
+def test_run_honours_until_while_redis_is_away(tmp_path, cluster_id):
+    """``RankAgent.run(until=...)`` returns once ``until()`` is true even while every step fails because Redis is
+    gone (it used to retry the failing step every 0.5 s without asking ``until``: a benchmark's agent processes
+    outlived their run by the join timeout)."""
+    server = RedisServer(tmp_path / "redis")
+    try:
+        with thread_cluster(server.url, cluster_id, tmp_path) as tc:
+            agent = RankAgent(tc.store(), 0, load_source=lambda _round: tc.loads[0],
+                              backend_factory=NumpyWeights.factory())
+            agent.start()
+            asked, leave = threading.Event(), threading.Event()
+
+            def until():
+                asked.set()
+                return leave.is_set()
+
+            t = threading.Thread(target=agent.run, kwargs={"until": until, "block_ms": 200}, daemon=True)
+            t.start()
+            assert asked.wait(30)  # the loop runs (and asks) while Redis is up
+            server.kill()
+            leave.set()
+            t.join(timeout=30)
+            stuck = t.is_alive()
+            agent.stop_event.set()
+            t.join(timeout=30)
+            server.start()  # the fixture's teardown deletes the cluster (appendonly: the data is still there)
+            assert not stuck
+    finally:
+        server.close()
+
+
+def test_a_negative_round_in_redis_is_corrupt_and_starts_no_round(redis_url, cluster_id, tmp_path):
+    """A cluster record whose ``round`` is -7 (requested 0 > -7) used to parse, and the coordinator started an
+    unrequested round -6 from it; now the record is corrupt: the step raises the typed error, nothing changes."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        raw = RawRedis(redis_url, cluster_id)
+        raw.r.hset(raw.keys.rearrange, "round", "-7")
+        coordinator = Coordinator(tc.store(), lease_ms=3_000)
+        assert coordinator.ensure_leadership()
+        before = raw.snapshot()
+        with pytest.raises(CorruptRecordError, match="field 'round' holds '-7'"):
+            coordinator.step()
+        assert raw.snapshot() == before
+        raw.r.hset(raw.keys.rearrange, "round", "0")  # the teardown reads the cluster
+
+
+def test_a_failing_step_with_a_short_lease_keeps_the_lease(redis_url, cluster_id, tmp_path):
+    """With ``lease_ms`` below the 1 s error back-off (300 ms is allowed), a coordinator whose step keeps failing
+    (a corrupt cluster record) used to let its lease lapse at every retry and take it again with a new fence; the
+    back-off is now at most a third of the lease, so it is renewed in time: one fence for the whole stretch."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        raw = RawRedis(redis_url, cluster_id)
+        store = tc.store()
+        cursor = store.cursor()
+        raw.r.hset(raw.keys.rearrange, "state", "BOGUS")
+        coordinator = Coordinator(tc.store(), lease_ms=600)
+        t = threading.Thread(target=coordinator.run, daemon=True)
+        t.start()
+        try:
+            errors, end = 0, time.monotonic() + 60
+            while errors < 4:  # four failed steps: 4 s of back-off before, 0.8 s now; the lease is 0.6 s
+                assert time.monotonic() < end, "the coordinator did not report its failing step"
+                errors += sum(e["kind"] == "coordinator_error" for e in store.wait(cursor, 500))
+        finally:
+            coordinator.stop_event.set()
+            t.join(timeout=30)
+            raw.r.hset(raw.keys.rearrange, "state", "FREE")
+        assert int(raw.r.get(raw.keys.fence)) == 1

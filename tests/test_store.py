@@ -69,6 +69,10 @@ def test_unknown_or_commit_only_fields_are_refused(store, redis_url, cluster_id)
     ("version", "v7", "field 'version'"),
     ("state", "EXPLODED", "field 'state'"),
     ("round", "1.5", "field 'round'"),
+    ("round", "-7", "field 'round' holds '-7', not a valid int"),  # counters, versions and times are >= 0
+    ("version", "-1", "field 'version'"),
+    ("deadline_ms", "-5", "field 'deadline_ms'"),
+    ("requested", str(2**60), "field 'requested'"),  # above 2**53: the Lua scripts' numbers are doubles
 ])
 def test_corrupt_record_values_are_typed_errors(store, redis_url, cluster_id, field, value, message):
     raw = RawRedis(redis_url, cluster_id)

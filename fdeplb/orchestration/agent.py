@@ -263,10 +263,10 @@ class RankAgent:
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
-        """Reconcile until :attr:`stop_event` is set or ``until()`` is true. A lost Redis connection is logged
-        and retried every 0.5 s; any other exception out of a step (a typed :class:`FdeplbError` or a bug) raises an
-        ``alarm`` event and is retried after 1 s: no value kills the loop. The worker's live experts keep serving
-        either way.
+        """Reconcile until :attr:`stop_event` is set or ``until()`` is true (asked after every step, a failed one
+        included). A lost Redis connection is logged and retried every 0.5 s; any other exception out of a step (a
+        typed :class:`FdeplbError` or a bug) raises an ``alarm`` event and is retried after 1 s: no value kills the
+        loop. The worker's live experts keep serving either way.
 
         One round trip per wake-up (issue #9): a step's last write (a load window, or a transition after which only
         a cluster change gives the rank work: ``staged``, ``swapped``, ``finish``) is not sent on its own but
@@ -299,6 +299,8 @@ class RankAgent:
                             view = self._send(cursor, self._wait_ms(block_ms))
                 except RedisUnavailableError as err:  # Redis away: the live experts keep serving
                     self.log.warning("redis unavailable", error=str(err))
+                    if until is not None and until():
+                        return
                     self.stop_event.wait(0.5)
                 except Exception as err:  # noqa: BLE001 - a missing plan, a corrupt record, a bug: keep serving
                     self.log.error("step failed", error=str(err), error_type=type(err).__name__)
@@ -306,6 +308,8 @@ class RankAgent:
                         self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
                     except FdeplbError:
                         pass
+                    if until is not None and until():
+                        return
                     self.stop_event.wait(1.0)
         finally:
             try:

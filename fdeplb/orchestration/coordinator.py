@@ -40,7 +40,7 @@ Step = tuple[bool, "int | None"]
 
 #: states the ``abort`` trigger leaves (before the commit point): a failing step there ends in an abort
 ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
-#: how long a failing step waits before it is retried (ms)
+#: how long a failing step waits before it is retried (ms); at most a third of the lease (:meth:`Coordinator._retry_ms`)
 RETRY_MS = 1_000
 
 
@@ -184,7 +184,7 @@ class Coordinator:
                         self.store.emit_event("coordinator_error", holder=self.holder, error=str(err)[:500])
                     except Exception:  # noqa: BLE001
                         pass
-                    self.stop_event.wait(RETRY_MS / 1000)
+                    self.stop_event.wait(self._retry_ms() / 1000)
         finally:
             if self.lease is not None:
                 try:
@@ -192,6 +192,11 @@ class Coordinator:
                 except FdeplbError:
                     pass  # it expires on its own
                 self.lease = None
+
+    def _retry_ms(self) -> int:
+        """The back-off after a failed step: :data:`RETRY_MS`, but at most a third of the lease, so that the lease
+        is renewed in time however short it is (a longer back-off let it lapse at every retry)."""
+        return min(RETRY_MS, self.lease_ms // 3)
 
     def _iterate(self, cursor: dict, until: Callable[[], bool] | None) -> bool:
         """One pass of the loop: lead, step, wait. True when ``until()`` says to stop."""
@@ -247,7 +252,8 @@ class Coordinator:
             return self._abort(rec, f"{rec.state} failed: {problem}")
         _, left = self._deadline(rec)
         # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
-        self.stop_event.wait((RETRY_MS if left is None else max(1, min(RETRY_MS, left))) / 1000)
+        retry = self._retry_ms()
+        self.stop_event.wait((retry if left is None else max(1, min(retry, left))) / 1000)
         self._now_ms = self.store.now_ms()
         if self._deadline(rec)[0]:
             if rec.state in ABORTABLE:

@@ -194,8 +194,17 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)  # cached: resolving the string annotations costs ~1 ms per call
 
 
+#: the largest integer a record field may hold: the Lua scripts compute with doubles, exact up to 2**53
+MAX_RECORD_INT = 2**53
+
+
 def _int_or_zero(text: str) -> int:
-    return int(text) if text != "" else 0
+    """A machine record's integer field ("" = 0): a version, round, counter, step or server time, so in
+    [0, :data:`MAX_RECORD_INT`]; anything else is a ValueError (the record is corrupt)."""
+    value = int(text) if text != "" else 0
+    if not 0 <= value <= MAX_RECORD_INT:
+        raise ValueError("out of range")
+    return value
 
 
 def _finite_float(text: str) -> float:
