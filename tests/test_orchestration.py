@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from fdeplb.errors import CorruptRecordError, RedisUnavailableError, StateError
+from fdeplb.machines.tables import ClusterState
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.placement import balancedness
@@ -518,3 +519,43 @@ def test_a_failing_step_with_a_short_lease_keeps_the_lease(redis_url, cluster_id
             t.join(timeout=30)
             raw.r.hset(raw.keys.rearrange, "state", "FREE")
         assert int(raw.r.get(raw.keys.fence)) == 1
+
+
+def test_run_begun_while_redis_is_away_waits_for_it_and_then_serves_rounds(tmp_path, cluster_id):
+    """An agent whose loop starts while Redis is down (its worker started, then Redis went away) retries until
+    Redis is back and then takes part in rounds: its first read of the signal stream used to sit outside the
+    retry loop, so ``run`` raised and the agent thread died."""
+    server = RedisServer(tmp_path / "redis")
+    try:
+        with thread_cluster(server.url, cluster_id, tmp_path) as tc:
+            for r in range(tc.config.ep_size):
+                tc.agents.append(RankAgent(tc.store(), r, load_source=lambda _round, r=r: tc.loads[r],
+                                           backend_factory=NumpyWeights.factory()))
+                tc.agents[-1].start()
+            refused = [threading.Event() for _ in tc.agents]
+            for agent, event in zip(tc.agents, refused):
+                first = agent.store.signal_cursor
+
+                def signal_cursor(first=first, event=event):
+                    try:
+                        return first()
+                    except RedisUnavailableError:
+                        event.set()
+                        raise
+
+                agent.store.signal_cursor = signal_cursor
+            server.kill()
+            for agent in tc.agents:
+                tc.threads.append(threading.Thread(target=agent.run, kwargs={"block_ms": 200}, daemon=True))
+                tc.threads[-1].start()
+            assert all(event.wait(30) for event in refused)  # each loop met Redis away at its first read
+            server.start()
+            store = tc.store()
+            tc.start_coordinator()
+            target = store.request_round("test")
+            wait_for(lambda: (lambda c: c.round >= target and c.state is ClusterState.FREE)(store.read_cluster()),
+                     60, store=store, what="a round after Redis came back")
+            assert [a["trigger"] for a in store.audit() if a["machine"] == "cluster"][-1] == "release"
+            assert all(t.is_alive() for t in tc.threads)
+    finally:
+        server.close()

@@ -274,11 +274,13 @@ class RankAgent:
         (:meth:`fdeplb.store.Store.wait_view`)."""
         if self.backend is None:
             self.start()
-        cursor = self.store.signal_cursor()  # wakes on cluster-record changes only (not every rank's transitions)
+        cursor = None  # on the signal stream: wakes on cluster-record changes only (not every rank's transitions)
         view = None
         try:
             while not self.stop_event.is_set():
                 try:
+                    if cursor is None:  # in the loop: Redis may be away when run() begins
+                        cursor = self.store.signal_cursor()
                     given, view = view, None
                     try:
                         progressed = self.step(given, send=False)
