@@ -559,3 +559,25 @@ def test_run_begun_while_redis_is_away_waits_for_it_and_then_serves_rounds(tmp_p
             assert all(t.is_alive() for t in tc.threads)
     finally:
         server.close()
+
+
+def test_a_corrupt_fence_counter_is_named_and_the_coordinator_leads_once_it_is_repaired(redis_url, cluster_id,
+                                                                                       tmp_path):
+    """A fence counter that holds a non-integer (written by someone else) makes every lease acquisition fail: the
+    coordinator's loop survives, its ``coordinator_error`` events name the key, nothing else is written, and once
+    the counter is repaired it leads with the next fence."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        raw = RawRedis(redis_url, cluster_id)
+        raw.r.set(raw.keys.fence, "abc")
+        before = raw.snapshot()
+        store = tc.store()
+        cursor = store.cursor()
+        coordinator = tc.start_coordinator()
+        errors = []
+        wait_for(lambda: errors.extend(e for e in store.wait(cursor, 500) if e["kind"] == "coordinator_error")
+                 or errors, 30, what="a coordinator_error event")
+        assert raw.keys.fence in errors[0]["error"] and "abc" in errors[0]["error"]
+        assert raw.snapshot() == before  # no lease, no fence, no record changed
+        raw.r.set(raw.keys.fence, "41")
+        wait_for(lambda: store.lease_info().holder == f"42:{coordinator.holder}", 30, store=store,
+                 what="the lease taken with fence 42")

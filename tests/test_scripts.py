@@ -280,6 +280,12 @@ def test_lease_lua_acquire_renew_release_and_a_monotonic_fence(raw):
     assert raw.r.get(raw.keys.fence) == b"2"
     with pytest.raises(ValueError):
         lease_call(raw.keys, "steal", "x", 1)
+    op("release", "2:b")
+    raw.r.set(raw.keys.fence, "abc")  # not a counter: refused naming the key, nothing written
+    before = raw.snapshot()
+    with pytest.raises(redis.ResponseError, match=r"corrupt fence counter fdeplb:\{.*\}:fence holds \"abc\""):
+        op("acquire", "c")
+    assert raw.snapshot() == before and raw.r.get(raw.keys.lease) is None
 
 
 def test_tables_name_only_guards_the_script_implements():

@@ -904,8 +904,15 @@ class Store:
         return self._lease(keys=call.keys, args=call.args)
 
     def acquire_lease(self, holder: str, ttl_ms: int) -> str | None:
-        """Take the coordinator lease if free; returns the lease value ``<fence>:<holder>`` (the fencing token)."""
-        value = self._lease_op("acquire", holder, ttl_ms)
+        """Take the coordinator lease if free; returns the lease value ``<fence>:<holder>`` (the fencing token).
+        :class:`CorruptRecordError` naming the fence key when the fence counter holds something else than a
+        non-negative integer (nothing is changed then)."""
+        try:
+            value = self._lease_op("acquire", holder, ttl_ms)
+        except redis.ResponseError as exc:
+            if "corrupt fence counter" in str(exc):
+                raise CorruptRecordError(str(exc).split("lease.lua: ", 1)[-1], key=self._keys.fence) from None
+            raise
         return _s(value) if value else None
 
     def renew_lease(self, value: str, ttl_ms: int) -> bool:

@@ -15,6 +15,11 @@
 local cur = redis.call('GET', KEYS[1])
 if ARGV[1] == 'acquire' then
   if cur then return false end
+  -- a fence that is not a counter (written by someone else) is refused naming the key, before anything changes
+  local held = redis.call('GET', KEYS[2])
+  if held and not string.match(held, '^%d+$') then
+    return redis.error_reply('lease.lua: corrupt fence counter ' .. KEYS[2] .. ' holds ' .. string.format('%q', string.sub(held, 1, 40)) .. ', not a non-negative integer')
+  end
   local fence = redis.call('INCR', KEYS[2])
   local value = tostring(fence) .. ':' .. ARGV[2]
   redis.call('SET', KEYS[1], value, 'PX', ARGV[3])
