@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from fdeplb.errors import FdeplbError, exit_code  # noqa: E402
+from fdeplb.errors import FdeplbError, RedisUnavailableError, exit_code  # noqa: E402
 from fdeplb.machines.tables import ClusterState, RankState  # noqa: E402
 from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return report(args)
     except (FdeplbError, redis.RedisError, RuntimeError) as err:  # Redis away, a round that failed: one line
+        if isinstance(err, (redis.ConnectionError, redis.TimeoutError)):  # the benchmark's own redis-py clients
+            err = RedisUnavailableError(f"Redis at {args.redis_url or 'the embedded server'} is unavailable: {err}")
         print(f"control_plane.py: error: {err}", file=sys.stderr)
         return exit_code(err)  # fdeplb's table (2 bad input, 7 Redis unavailable, ...); 1 for the others
 
