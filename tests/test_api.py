@@ -271,7 +271,13 @@ def test_hostile_input_is_4xx_one_line_and_changes_nothing(redis_url, cluster_id
             for path, params in [("/v1/audit", {"since": "x"}), ("/v1/audit", {"limit": "-1"}), ("/v1/audit", {"limit": "0"}),
                                  ("/v1/audit", {"limit": "10001"}), ("/v1/audit", {"limit": "2.5"}),
                                  ("/v1/audit", {"limit": "10000000000"}), ("/v1/audit", {"wait_ms": "1e9"}),
-                                 ("/v1/placement", {"format": "csv"}), ("/v1/audit", {"since": "1-1-1"})]:
+                                 ("/v1/placement", {"format": "csv"}), ("/v1/audit", {"since": "1-1-1"}),
+                                 # stream ids past 2**64 - 1, non-ASCII digits, a trailing newline: Redis refused
+                                 # them with a 500; the limit took Arabic-Indic digits as 12
+                                 ("/v1/audit", {"since": "99999999999999999999-0"}),
+                                 ("/v1/audit", {"since": "0-18446744073709551616"}),
+                                 ("/v1/audit", {"since": "\u0661-\u0662"}), ("/v1/audit", {"since": "1-2\n"}),
+                                 ("/v1/audit", {"limit": "\u0661\u0662"}), ("/v1/audit", {"wait_ms": "\u0661"})]:
                 r = requests.get(url + path, params=params, auth=AUTH)
                 assert r.status_code == 400 and r.json()["code"] == 1, (path, params, r.text)
             assert requests.put(f"{url}/rearrange_experts", auth=AUTH).status_code == 405

@@ -28,8 +28,9 @@ log = structlog.get_logger("fdeplb.api")
 
 #: FastDeploy's RearrangeExpertStatus names by code (CLUSTER.to_code gives the code of an fdeplb state)
 FD_STATUS = FASTDEPLOY_STATUS_NAMES
-#: stream ids (``<ms>-<seq>``) accepted by ``since``
-_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+#: stream ids (``<ms>-<seq>``, ASCII digits, each part at most 2**64 - 1) accepted by ``since``
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_U64_MAX = 2**64 - 1
 MAX_AUDIT_LIMIT = 10_000
 MAX_WAIT_MS = 30_000
 
@@ -262,7 +263,7 @@ def state(store: Store) -> dict[str, Any]:
 def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
     if value is None:
         return default
-    if not re.fullmatch(r"\d{1,9}", value):
+    if not re.fullmatch(r"[0-9]{1,9}", value):
         raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value[:40]!r}")
     n = int(value)
     if not lo <= n <= hi:
@@ -275,7 +276,8 @@ def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | Non
     long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
     from fdeplb.cli.views import audit_dict
 
-    if since is not None and not _STREAM_ID.match(since):
+    parts = _STREAM_ID.fullmatch(since) if since is not None else None
+    if since is not None and (parts is None or max(int(p) for p in parts.groups()) > _U64_MAX):
         raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}")
     count = _int_param(limit, "limit", 1000, 1, MAX_AUDIT_LIMIT)
     wait = _int_param(wait_ms, "wait_ms", 0, 0, MAX_WAIT_MS)
