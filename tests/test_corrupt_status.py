@@ -131,3 +131,20 @@ def test_a_corrupt_configuration_is_still_a_typed_error_with_exit_8(redis_url, s
         text = metrics(url)  # Redis answered: up; the configuration is the one corrupt value; no state gauges
         assert "fdeplb_up 1.0" in text and "fdeplb_corrupt_records 1.0" in text
         assert "fdeplb_round " not in text
+
+
+@pytest.mark.parametrize("entry", ['"10.0.0.2:8000"', "[1]", "null", "7"])
+def test_a_registry_entry_that_is_json_but_not_an_object_is_named(redis_url, store, url, capsys, entry):
+    """Valid JSON that is not an object used to pass the registry's parse and fail later with a generic
+    ``internal error (AttributeError)`` 500 on /v1/state and POST /rearrange_experts (found by the QA pass)."""
+    from tests.api_helpers import CREDS
+
+    raw = RawRedis(redis_url, store.cluster)
+    raw.r.hset(raw.keys.ranks, "1", entry)
+    before = raw.snapshot()
+    r = requests.get(f"{url}/v1/state", auth=AUTH)
+    assert r.status_code == 200 and r.json()["api_addresses"] == {}
+    assert [c["key"] for c in r.json()["corrupt"]] == [raw.keys.ranks]
+    r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ["10.0.0.2:8000"]})
+    assert r.status_code == 500 and r.json() == {"code": 1, "msg": f"{raw.keys.ranks}: entry '1' is not a rank's JSON"}
+    assert raw.snapshot() == before

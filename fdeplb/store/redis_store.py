@@ -543,11 +543,14 @@ class Store:
         return None if agent is None else str(agent)
 
     def rank_info(self) -> dict[int, dict[str, Any]]:
-        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not JSON."""
+        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not a JSON object
+        under a rank number."""
         out = {}
         for k, v in self._client.hgetall(self._keys.ranks).items():
             try:
-                out[int(_s(k))] = json.loads(_s(v))
+                out[int(_s(k))] = info = json.loads(_s(v))
+                if not isinstance(info, dict):
+                    raise ValueError(type(info).__name__)
             except ValueError:
                 raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON",
                                          key=self._keys.ranks) from None
