@@ -73,7 +73,8 @@ def _status_msg(rec, expect: int) -> str:
 # ---- POST /rearrange_experts ---------------------------------------------------------------------------------------
 def start_round(store: Store, ips: list[str] | None) -> Reply:
     """Action "": start a round if every address of ``ips`` is a registered rank's and the cluster is FREE with no
-    round pending (atomic: of concurrent calls exactly one is accepted)."""
+    round pending and every rank's weights NORMAL with no clear pending (atomic: of concurrent calls exactly one is
+    accepted, and a concurrent clear refuses either the start or itself)."""
     if ips is None:
         return refuse("ips in request is None")
     if not ips:
@@ -88,7 +89,10 @@ def start_round(store: Store, ips: list[str] | None) -> Reply:
     if not_normal:
         return refuse(f"weights of ranks {not_normal} are not NORMAL ({weights[not_normal[0]].state}); "
                       f"a round needs every rank's weights loaded (GET /update_model_weight)")
-    accepted, rec = store.request_round_if_free("api")
+    try:
+        accepted, rec = store.request_round_if_free("api")
+    except StateError as err:  # weights cleared or a clear asked since the check above
+        return refuse(f"{err}; a round needs every rank's weights loaded (GET /update_model_weight)")
     if not accepted:
         if rec.state is ClusterState.FREE:
             return refuse(f"rearrange is doing. actual status 0 (FREE), expect status 0 with no round pending: "
@@ -199,12 +203,11 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
     busy = [r for r, w in enumerate(records) if w.state in (WeightState.UPDATING, WeightState.CLEARING)]
     if busy:
         return refuse(f"ranks {busy} are {records[busy[0]].state} already; try again when they finish")
-    if action == "clear":
-        rec = store.read_cluster()
-        if rec.state is not ClusterState.FREE:
-            return refuse(f"cannot clear weights while a rearrangement round runs (cluster {rec.state})")
     cursor = store.cursor()
-    n = store.request_weights(action, reason="api")
+    try:  # a clear: refused while a round runs or is pending (checked where the request is written)
+        n = store.request_weights(action, reason="api", when_idle=action == "clear")
+    except StateError as err:
+        return refuse(str(err))
     log.info("weights requested", action=action, request=n)
     end = time.monotonic() + timeout_s
     while True:

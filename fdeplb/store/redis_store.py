@@ -618,14 +618,16 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
-    def request_weights(self, action: str, reason: str = "operator") -> int:
+    def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
         ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
         safe point, through its weight-status machine; embedded agents all at the same step, fixed once every rank
         is armed for the request (``weights_switch_step``, reset to 0 = not fixed here; :meth:`arm_switch`).
 
         Raises :class:`InputError` for another action, :class:`StateError` while a rank is still CLEARING or
-        UPDATING for an earlier request (checked and written in one WATCHed transaction; nothing is written)."""
+        UPDATING for an earlier request, and with ``when_idle`` also while the cluster is not FREE or has a round
+        pending (the API's clear: a round accepted meanwhile would wait for the weights to be loaded again). Checked
+        and written in one WATCHed transaction; nothing is written when refused."""
         if action not in ("clear", "update"):
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
         busy_states = {WeightState.CLEARING.value.encode(), WeightState.UPDATING.value.encode()}
@@ -635,6 +637,14 @@ class Store:
                 try:
                     pipe.watch(self._keys.rearrange, *wkeys)
                     busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
+                    if when_idle and not busy:
+                        rec = parse_record(ClusterRecord, self._keys.rearrange,
+                                           _text(pipe.hgetall(self._keys.rearrange)))
+                        if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                            pipe.unwatch()
+                            raise StateError(f"cannot {action} weights while rearrangement round "
+                                             f"{max(rec.round, rec.requested)} is "
+                                             f"{'pending' if rec.state is ClusterState.FREE else rec.state}")
                     if busy:
                         pipe.unwatch()
                         raise StateError(f"ranks {busy} are still carrying out the previous weight request "
@@ -1245,17 +1255,21 @@ class Store:
 
     # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
     def request_round_if_free(self, reason: str = "api") -> tuple[bool, ClusterRecord]:
-        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``), checked
-        and written in one WATCHed transaction: of many concurrent callers, exactly one is accepted.
+        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``) and every
+        rank's weights are NORMAL with no clear pending, checked and written in one WATCHed transaction: of many
+        concurrent callers, exactly one is accepted, and a clear requested meanwhile
+        (:meth:`request_weights`) refuses the start instead of leaving the round waiting for an update.
 
-        Returns (accepted, the cluster record as read). Nothing is written when refused. ``reason`` as for
-        :meth:`request_round`."""
+        Returns (accepted, the cluster record as read); :class:`StateError` when the weights refuse it,
+        :class:`CorruptRecordError` for a weight-status record that does not parse. Nothing is written when
+        refused. ``reason`` as for :meth:`request_round`."""
         check_request_reason(reason)
         key = self._keys.rearrange
+        wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
         with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(key)
+                    pipe.watch(key, *wkeys)
                     raw = pipe.hgetall(key)
                     if not raw:
                         pipe.unwatch()
@@ -1264,6 +1278,15 @@ class Store:
                     if rec.state is not ClusterState.FREE or rec.requested > rec.round:
                         pipe.unwatch()
                         return False, rec
+                    weights = [parse_record(WeightRecord, wk, _text(pipe.hgetall(wk))) for wk in wkeys]
+                    unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
+                    clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
+                                and w.request < rec.weights_request]
+                    if unloaded or clearing:
+                        pipe.unwatch()
+                        raise StateError(
+                            f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
+                            else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
                     pipe.multi()
                     pipe.hincrby(key, "requested", 1)
                     pipe.hset(key, "requested_reason", reason)
