@@ -148,3 +148,29 @@ def test_a_registry_entry_that_is_json_but_not_an_object_is_named(redis_url, sto
     r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ["10.0.0.2:8000"]})
     assert r.status_code == 500 and r.json() == {"code": 1, "msg": f"{raw.keys.ranks}: entry '1' is not a rank's JSON"}
     assert raw.snapshot() == before
+
+
+@pytest.mark.parametrize("which,method,path", [
+    ("rearrange", "POST", "/check_redundant"), ("placement", "GET", "/v1/placement"),
+    ("ranks", "POST", "/rearrange_experts"), ("load:0", "POST", "/get_per_expert_tokens_stats"),
+    ("audit", "GET", "/v1/audit"),
+])
+def test_a_key_of_the_wrong_redis_type_is_named(redis_url, store, url, which, method, path):
+    """A string where fdeplb keeps a hash (or stream) used to answer with Redis's bare 'WRONGTYPE Operation
+    against a key holding the wrong kind of value', naming no key (found by the QA pass)."""
+    from tests.api_helpers import CREDS
+
+    raw = RawRedis(redis_url, store.cluster)
+    store.register_rank(0, {"api_address": "10.0.0.1:8000"})
+    key = f"{raw.keys.prefix}:{which}"
+    raw.r.delete(key)
+    raw.r.set(key, "planted")
+    before = raw.snapshot()
+    r = (requests.post(url + path, json={**CREDS, "ips": ["10.0.0.1:8000"]} if which == "ranks" else CREDS)
+         if method == "POST" else requests.get(url + path, auth=AUTH))
+    assert r.status_code == 500 and r.json()["msg"].startswith(f"{key}: "), r.text
+    assert "refused a command" not in r.text
+    r = requests.get(f"{url}/v1/state", auth=AUTH)
+    if which in ("rearrange", "placement", "ranks"):  # shown per record, the rest as usual
+        assert r.status_code == 200 and key in [c["key"] for c in r.json()["corrupt"]], r.text
+    assert raw.snapshot() == before

@@ -7,8 +7,10 @@ bytes. Callers never see a key, a field name or a redis-py exception: every publ
 fdeplb's once, here (:func:`_redis_errors`, the pattern of httpx's ``map_httpcore_exceptions``):
 
 - connection refused / reset / timed out, authentication: :class:`~fdeplb.errors.RedisUnavailableError`;
-- any other server error (e.g. ``WRONGTYPE`` on a key another program wrote): :class:`~fdeplb.errors.StoreError`;
-- a stored value fdeplb cannot parse: :class:`~fdeplb.errors.CorruptRecordError` naming the key and field.
+- any other server error: :class:`~fdeplb.errors.StoreError`;
+- a stored value fdeplb cannot parse: :class:`~fdeplb.errors.CorruptRecordError` naming the key and field; so is a
+  key of another Redis type than fdeplb keeps there (``WRONGTYPE``: another program wrote it) where fdeplb reads a
+  record, the registry, a load window, a snapshot, a plan, the placement or the audit stream.
 
 Clients are created without retries and with a socket timeout longer than any ``XREAD BLOCK`` we issue: a commit
 whose reply was lost is *not* re-sent (the caller re-reads the record and sees what happened), and blocking reads are
@@ -93,6 +95,30 @@ def _redis_errors(url: str) -> Iterator[None]:
         raise StoreError(f"Redis at {url} refused a command: {exc}") from None
     except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise StoreError(f"Redis client error ({url}): {exc}") from None
+
+
+def _wrong_type(key: str, exc: Exception) -> CorruptRecordError | None:
+    """The :class:`CorruptRecordError` naming ``key`` when ``exc`` is Redis's WRONGTYPE (another program wrote a
+    value of another type there), else None."""
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE"):
+        return CorruptRecordError(f"{key}: is not of the Redis type fdeplb keeps there (WRONGTYPE)", key=key)
+    return None
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def _hgetall(client: Any, key: str) -> dict:
+    """``HGETALL key`` on a client (or a WATCHing pipeline); :class:`CorruptRecordError` naming ``key`` when it is not
+    a hash."""
+    try:
+        return client.hgetall(key)
+    except redis.ResponseError as exc:
+        err = _wrong_type(key, exc)
+        if err is None:
+            raise
+        raise err from None
 
 
 def _mapped(fn: F) -> F:
@@ -273,7 +299,7 @@ class Store:
         (:class:`ClusterRecord` / :class:`RankRecord` / :class:`WeightRecord`). :class:`NotFoundError` if it does
         not exist, :class:`CorruptRecordError` if it does not parse."""
         key = self._record_key(table, ep_rank)
-        raw = self._client.hgetall(key)
+        raw = _hgetall(self._client, key)
         if not raw:
             raise NotFoundError(f"no {table.name} record at {key}")
         return parse_record(record_type(table), key, _text(raw))
@@ -312,12 +338,15 @@ class Store:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
-        return self._parse_records(which, keys, pipe.execute())
+        return self._parse_records(which, keys, pipe.execute(raise_on_error=False))
 
     @staticmethod
     def _parse_records(which: list[tuple[MachineTable, int | None]], keys: list[str], raws: list[Any]) -> list[Any]:
         out: list[Any] = []
         for (table, _), key, raw in zip(which, keys, raws):
+            if isinstance(raw, Exception):  # WRONGTYPE: the record's error; anything else: raised as before
+                out.append(_wrong_type(key, raw) or _raise(raw))
+                continue
             try:
                 out.append(parse_record(record_type(table), key, _text(raw)) if raw else None)
             except CorruptRecordError as err:
@@ -503,7 +532,7 @@ class Store:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
         :class:`CorruptRecordError` if it does not parse. Cached: a cluster's configuration never changes."""
         if self._config is None:
-            raw = self._client.hgetall(self._keys.config)
+            raw = _hgetall(self._client, self._keys.config)
             if not raw:
                 raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
             data = {}
@@ -546,7 +575,7 @@ class Store:
         """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not a JSON object
         under a rank number."""
         out = {}
-        for k, v in self._client.hgetall(self._keys.ranks).items():
+        for k, v in _hgetall(self._client, self._keys.ranks).items():
             try:
                 out[int(_s(k))] = info = json.loads(_s(v))
                 if not isinstance(info, dict):
@@ -573,7 +602,7 @@ class Store:
             while True:
                 try:
                     pipe.watch(key)
-                    rec = parse_record(ClusterRecord, key, _text(pipe.hgetall(key)))
+                    rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
                     if rec.state is not ClusterState.FREE:
                         serving, write = rec.round, False
                     elif rec.requested > rec.round:
@@ -603,7 +632,7 @@ class Store:
             while True:
                 try:
                     pipe.watch(self._keys.rearrange)
-                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(pipe.hgetall(self._keys.rearrange)))
+                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(_hgetall(pipe, self._keys.rearrange)))
                     if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
                         pipe.unwatch()
                         raise StateError(
@@ -639,7 +668,7 @@ class Store:
                     busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
                     if when_idle and not busy:
                         rec = parse_record(ClusterRecord, self._keys.rearrange,
-                                           _text(pipe.hgetall(self._keys.rearrange)))
+                                           _text(_hgetall(pipe, self._keys.rearrange)))
                         if rec.state is not ClusterState.FREE or rec.requested > rec.round:
                             pipe.unwatch()
                             raise StateError(f"cannot {action} weights while rearrangement round "
@@ -804,7 +833,7 @@ class Store:
     def read_load(self, ep_rank: int) -> LoadWindow | None:
         """``ep_rank``'s last published window (None if it never published); :class:`CorruptRecordError` naming
         the key for a window of the wrong dtype, shape or range."""
-        return self._load_window(ep_rank, self._client.hgetall(self._keys.load(ep_rank)))
+        return self._load_window(ep_rank, _hgetall(self._client, self._keys.load(ep_rank)))
 
     def read_loads(self) -> list[LoadWindow | CorruptRecordError | None]:
         """Every rank's last published window, ep_rank order, one round trip; a window that does not parse is
@@ -861,7 +890,7 @@ class Store:
         if not plan_id:
             return None
         key = self._keys.plan(plan_id)
-        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw:
             return None
         arrs = {name: self._array(key, name, raw) for name in ("expert_load", "old_phy2log", "new_phy2log")}
@@ -899,7 +928,7 @@ class Store:
 
     def current_placement(self) -> PlacementEntry:
         """The cluster's current placement; :class:`NotFoundError` if the cluster has none."""
-        raw = {_s(k): v for k, v in self._client.hgetall(self._keys.placement).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, self._keys.placement).items()}
         phy2log = self._array(self._keys.placement, "phy2log", raw)
         if phy2log is None:
             raise NotFoundError(f"cluster {self.cluster!r} has no current placement")
@@ -1078,8 +1107,11 @@ class Store:
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""
-        return [AuditRecord(_s(i), _text(raw)) for i, raw in self._client.xrange(self._keys.audit, start, end,
-                                                                                   count=count)]
+        try:
+            entries = self._client.xrange(self._keys.audit, start, end, count=count)
+        except redis.ResponseError as exc:
+            raise _wrong_type(self._keys.audit, exc) or exc from None
+        return [AuditRecord(_s(i), _text(raw)) for i, raw in entries]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
     def heartbeats(self) -> dict[int, tuple[int, int]]:
@@ -1270,7 +1302,7 @@ class Store:
             while True:
                 try:
                     pipe.watch(key, *wkeys)
-                    raw = pipe.hgetall(key)
+                    raw = _hgetall(pipe, key)
                     if not raw:
                         pipe.unwatch()
                         raise NotFoundError(f"no cluster record at {key}")
@@ -1278,7 +1310,7 @@ class Store:
                     if rec.state is not ClusterState.FREE or rec.requested > rec.round:
                         pipe.unwatch()
                         return False, rec
-                    weights = [parse_record(WeightRecord, wk, _text(pipe.hgetall(wk))) for wk in wkeys]
+                    weights = [parse_record(WeightRecord, wk, _text(_hgetall(pipe, wk))) for wk in wkeys]
                     unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
                     clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
                                 and w.request < rec.weights_request]
@@ -1311,7 +1343,7 @@ class Store:
     def supplied_load(self, round_: int) -> np.ndarray | None:
         """The operator-supplied expert_load (int64 [L, E]) for round ``round_``, or None."""
         key = self._keys.supplied_load
-        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw or _s(raw.get("round", b"")) != str(int(round_)):
             return None
         return self._array(key, "expert_load", raw)
