@@ -153,7 +153,8 @@ def test_a_registry_entry_that_is_json_but_not_an_object_is_named(redis_url, sto
 @pytest.mark.parametrize("which,method,path", [
     ("rearrange", "POST", "/check_redundant"), ("placement", "GET", "/v1/placement"),
     ("ranks", "POST", "/rearrange_experts"), ("load:0", "POST", "/get_per_expert_tokens_stats"),
-    ("audit", "GET", "/v1/audit"),
+    ("audit", "GET", "/v1/audit"), ("audit", "GET", "/clear_load_weight"), ("events", "GET", "/update_model_weight"),
+    ("snapshot:1", "POST", "/check_redundant"),
 ])
 def test_a_key_of_the_wrong_redis_type_is_named(redis_url, store, url, which, method, path):
     """A string where fdeplb keeps a hash (or stream) used to answer with Redis's bare 'WRONGTYPE Operation
@@ -163,11 +164,16 @@ def test_a_key_of_the_wrong_redis_type_is_named(redis_url, store, url, which, me
     raw = RawRedis(redis_url, store.cluster)
     store.register_rank(0, {"api_address": "10.0.0.1:8000"})
     key = f"{raw.keys.prefix}:{which}"
+    if which == "snapshot:1":  # read for the workloads of a cluster past round 1
+        raw.r.hset(raw.keys.rearrange, "round", "1")
+    if which == "events":  # a rank to update: the route waits on the streams
+        raw.r.hset(raw.keys.weights(0), "state", "CLEARED")
     raw.r.delete(key)
     raw.r.set(key, "planted")
     before = raw.snapshot()
-    r = (requests.post(url + path, json={**CREDS, "ips": ["10.0.0.1:8000"]} if which == "ranks" else CREDS)
-         if method == "POST" else requests.get(url + path, auth=AUTH))
+    body = {**CREDS, "ips": ["10.0.0.1:8000"]} if which == "ranks" else \
+        {**CREDS, "check_get_workloads": True} if which == "snapshot:1" else CREDS
+    r = requests.post(url + path, json=body) if method == "POST" else requests.get(url + path, auth=AUTH)
     assert r.status_code == 500 and r.json()["msg"].startswith(f"{key}: "), r.text
     assert "refused a command" not in r.text
     r = requests.get(f"{url}/v1/state", auth=AUTH)

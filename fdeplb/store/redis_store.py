@@ -109,16 +109,20 @@ def _raise(exc: Exception) -> Any:
     raise exc
 
 
-def _hgetall(client: Any, key: str) -> dict:
-    """``HGETALL key`` on a client (or a WATCHing pipeline); :class:`CorruptRecordError` naming ``key`` when it is not
-    a hash."""
+@contextlib.contextmanager
+def _typed(key: str) -> Iterator[None]:
+    """Commands on ``key`` inside: WRONGTYPE becomes :class:`CorruptRecordError` naming ``key`` (:func:`_wrong_type`);
+    other Redis errors pass on to :func:`_redis_errors`."""
     try:
-        return client.hgetall(key)
+        yield
     except redis.ResponseError as exc:
-        err = _wrong_type(key, exc)
-        if err is None:
-            raise
-        raise err from None
+        raise _wrong_type(key, exc) or exc from None
+
+
+def _hgetall(client: Any, key: str) -> dict:
+    """``HGETALL key`` on a client (or a WATCHing pipeline), as :func:`_typed`."""
+    with _typed(key):
+        return client.hgetall(key)
 
 
 def _mapped(fn: F) -> F:
@@ -719,7 +723,8 @@ class Store:
 
     def _array(self, key: str, name: str, raw: dict | None = None) -> np.ndarray | None:
         if raw is None:
-            values = self._client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
+            with _typed(key):
+                values = self._client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
             raw = {name: values[0], f"{name}:dtype": values[1], f"{name}:shape": values[2]}
         try:
             return arrays.decode(name, raw)
@@ -1024,7 +1029,8 @@ class Store:
         ``events_from`` starts the events stream at that id instead (e.g. "0-0": from its beginning)."""
         out = {}
         for key in (self._keys.audit, self._keys.events):
-            last = self._client.xrevrange(key, count=1)
+            with _typed(key):
+                last = self._client.xrevrange(key, count=1)
             out[key] = _s(last[0][0]) if last else "0-0"
         if events_from is not None:
             out[self._keys.events] = events_from
@@ -1107,10 +1113,8 @@ class Store:
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""
-        try:
+        with _typed(self._keys.audit):
             entries = self._client.xrange(self._keys.audit, start, end, count=count)
-        except redis.ResponseError as exc:
-            raise _wrong_type(self._keys.audit, exc) or exc from None
         return [AuditRecord(_s(i), _text(raw)) for i, raw in entries]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
