@@ -271,7 +271,13 @@ def test_hostile_input_is_4xx_one_line_and_changes_nothing(redis_url, cluster_id
             for path, params in [("/v1/audit", {"since": "x"}), ("/v1/audit", {"limit": "-1"}), ("/v1/audit", {"limit": "0"}),
                                  ("/v1/audit", {"limit": "10001"}), ("/v1/audit", {"limit": "2.5"}),
                                  ("/v1/audit", {"limit": "10000000000"}), ("/v1/audit", {"wait_ms": "1e9"}),
-                                 ("/v1/placement", {"format": "csv"}), ("/v1/audit", {"since": "1-1-1"})]:
+                                 ("/v1/placement", {"format": "csv"}), ("/v1/audit", {"since": "1-1-1"}),
+                                 # stream ids past 2**64 - 1, non-ASCII digits, a trailing newline: Redis refused
+                                 # them with a 500; the limit took Arabic-Indic digits as 12
+                                 ("/v1/audit", {"since": "99999999999999999999-0"}),
+                                 ("/v1/audit", {"since": "0-18446744073709551616"}),
+                                 ("/v1/audit", {"since": "\u0661-\u0662"}), ("/v1/audit", {"since": "1-2\n"}),
+                                 ("/v1/audit", {"limit": "\u0661\u0662"}), ("/v1/audit", {"wait_ms": "\u0661"})]:
                 r = requests.get(url + path, params=params, auth=AUTH)
                 assert r.status_code == 400 and r.json()["code"] == 1, (path, params, r.text)
             assert requests.put(f"{url}/rearrange_experts", auth=AUTH).status_code == 405
@@ -374,3 +380,46 @@ def test_long_polls_have_their_own_threads_and_leave_health_answering(redis_url,
             for t in polls:
                 t.join(timeout=120)
         assert answers == [200] * 50
+
+
+def test_a_weight_clear_racing_a_start_never_leaves_an_accepted_round_waiting_on_cleared_weights(
+        redis_url, cluster_id, tmp_path):
+    """A start is only accepted with every rank's weights loaded, and a clear only with no round running or pending,
+    each checked in the transaction that writes the request: a clear taken between the start's weight check and its
+    request used to be accepted too, and once the ranks cleared, the accepted round waited for an update (found by
+    the QA pass). Either order of the two requests now refuses the second and writes nothing for it."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        ips = _register(tc)
+        store, raw = tc.store(), RawRedis(redis_url, cluster_id)
+        with served(create_app(store, Credentials(USER, PASSWORD), ApiSettings(weights_timeout_s=0.5))) as url:
+            # a clear asked between the start's weight check and its request: the start is refused
+            request_round_if_free = store.request_round_if_free
+
+            def clear_first(*args, **kwargs):
+                tc.store().request_weights("clear", "racing clear")
+                return request_round_if_free(*args, **kwargs)
+
+            store.request_round_if_free = clear_first
+            r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips})
+            assert r.status_code == 400 and "weight" in r.json()["msg"], r.text
+            rec = store.read_cluster()
+            assert rec.requested == rec.round == 0 and rec.weights_request == 1
+            # the ranks carry out the clear and update again (no round pending: nothing waits)
+            stop = threading.Event()
+            agent = threading.Thread(target=_weights_agent, args=(tc.store(), stop, tc.config.ep_size), daemon=True)
+            agent.start()
+            try:
+                wait_for(lambda: all(w.request == 1 for w in store.read_all(WEIGHTS)), 30, store, "clear 1")
+                store.request_weights("update", "test")
+                wait_for(lambda: all(w.request == 2 and w.state is WeightState.NORMAL
+                                     for w in store.read_all(WEIGHTS)), 30, store, "update 2")
+            finally:
+                stop.set()
+                agent.join(timeout=10)
+            store.request_round_if_free = request_round_if_free
+            # a round accepted (pending: no coordinator runs), then a clear: the clear is refused
+            assert requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips}).status_code == 200
+            before = raw.snapshot()
+            r = requests.get(f"{url}/clear_load_weight", auth=AUTH)
+            assert r.status_code == 400 and "round" in r.json()["msg"], r.text
+            assert raw.snapshot() == before and store.read_cluster().weights_request == 2

@@ -131,3 +131,52 @@ def test_a_corrupt_configuration_is_still_a_typed_error_with_exit_8(redis_url, s
         text = metrics(url)  # Redis answered: up; the configuration is the one corrupt value; no state gauges
         assert "fdeplb_up 1.0" in text and "fdeplb_corrupt_records 1.0" in text
         assert "fdeplb_round " not in text
+
+
+@pytest.mark.parametrize("entry", ['"10.0.0.2:8000"', "[1]", "null", "7"])
+def test_a_registry_entry_that_is_json_but_not_an_object_is_named(redis_url, store, url, capsys, entry):
+    """Valid JSON that is not an object used to pass the registry's parse and fail later with a generic
+    ``internal error (AttributeError)`` 500 on /v1/state and POST /rearrange_experts (found by the QA pass)."""
+    from tests.api_helpers import CREDS
+
+    raw = RawRedis(redis_url, store.cluster)
+    raw.r.hset(raw.keys.ranks, "1", entry)
+    before = raw.snapshot()
+    r = requests.get(f"{url}/v1/state", auth=AUTH)
+    assert r.status_code == 200 and r.json()["api_addresses"] == {}
+    assert [c["key"] for c in r.json()["corrupt"]] == [raw.keys.ranks]
+    r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ["10.0.0.2:8000"]})
+    assert r.status_code == 500 and r.json() == {"code": 1, "msg": f"{raw.keys.ranks}: entry '1' is not a rank's JSON"}
+    assert raw.snapshot() == before
+
+
+@pytest.mark.parametrize("which,method,path", [
+    ("rearrange", "POST", "/check_redundant"), ("placement", "GET", "/v1/placement"),
+    ("ranks", "POST", "/rearrange_experts"), ("load:0", "POST", "/get_per_expert_tokens_stats"),
+    ("audit", "GET", "/v1/audit"), ("audit", "GET", "/clear_load_weight"), ("events", "GET", "/update_model_weight"),
+    ("snapshot:1", "POST", "/check_redundant"),
+])
+def test_a_key_of_the_wrong_redis_type_is_named(redis_url, store, url, which, method, path):
+    """A string where fdeplb keeps a hash (or stream) used to answer with Redis's bare 'WRONGTYPE Operation
+    against a key holding the wrong kind of value', naming no key (found by the QA pass)."""
+    from tests.api_helpers import CREDS
+
+    raw = RawRedis(redis_url, store.cluster)
+    store.register_rank(0, {"api_address": "10.0.0.1:8000"})
+    key = f"{raw.keys.prefix}:{which}"
+    if which == "snapshot:1":  # read for the workloads of a cluster past round 1
+        raw.r.hset(raw.keys.rearrange, "round", "1")
+    if which == "events":  # a rank to update: the route waits on the streams
+        raw.r.hset(raw.keys.weights(0), "state", "CLEARED")
+    raw.r.delete(key)
+    raw.r.set(key, "planted")
+    before = raw.snapshot()
+    body = {**CREDS, "ips": ["10.0.0.1:8000"]} if which == "ranks" else \
+        {**CREDS, "check_get_workloads": True} if which == "snapshot:1" else CREDS
+    r = requests.post(url + path, json=body) if method == "POST" else requests.get(url + path, auth=AUTH)
+    assert r.status_code == 500 and r.json()["msg"].startswith(f"{key}: "), r.text
+    assert "refused a command" not in r.text
+    r = requests.get(f"{url}/v1/state", auth=AUTH)
+    if which in ("rearrange", "placement", "ranks"):  # shown per record, the rest as usual
+        assert r.status_code == 200 and key in [c["key"] for c in r.json()["corrupt"]], r.text
+    assert raw.snapshot() == before

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 
-from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, RedisUnavailableError, StoreError
+from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
@@ -123,8 +124,9 @@ def test_redis_errors_are_mapped_once_at_the_boundary(store, redis_url, cluster_
     raw = RawRedis(redis_url, cluster_id)
     raw.r.delete(raw.keys.rank(0))
     raw.r.set(raw.keys.rank(0), "a string, not a hash")  # another program wrote this key
-    with pytest.raises(StoreError, match="WRONGTYPE"):
+    with pytest.raises(CorruptRecordError, match=re.escape(f"{raw.keys.rank(0)}: ")) as info:  # names the key
         store.read_rank(0)
+    assert info.value.key == raw.keys.rank(0) and "WRONGTYPE" in str(info.value)
     with pytest.raises(RedisUnavailableError, match="unavailable"):
         Store("redis://127.0.0.1:1/0", cluster_id).read_cluster()
     with pytest.raises(NotFoundError):

@@ -28,8 +28,9 @@ log = structlog.get_logger("fdeplb.api")
 
 #: FastDeploy's RearrangeExpertStatus names by code (CLUSTER.to_code gives the code of an fdeplb state)
 FD_STATUS = FASTDEPLOY_STATUS_NAMES
-#: stream ids (``<ms>-<seq>``) accepted by ``since``
-_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+#: stream ids (``<ms>-<seq>``, ASCII digits, each part at most 2**64 - 1) accepted by ``since``
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+_U64_MAX = 2**64 - 1
 MAX_AUDIT_LIMIT = 10_000
 MAX_WAIT_MS = 30_000
 
@@ -72,7 +73,8 @@ def _status_msg(rec, expect: int) -> str:
 # ---- POST /rearrange_experts ---------------------------------------------------------------------------------------
 def start_round(store: Store, ips: list[str] | None) -> Reply:
     """Action "": start a round if every address of ``ips`` is a registered rank's and the cluster is FREE with no
-    round pending (atomic: of concurrent calls exactly one is accepted)."""
+    round pending and every rank's weights NORMAL with no clear pending (atomic: of concurrent calls exactly one is
+    accepted, and a concurrent clear refuses either the start or itself)."""
     if ips is None:
         return refuse("ips in request is None")
     if not ips:
@@ -87,7 +89,10 @@ def start_round(store: Store, ips: list[str] | None) -> Reply:
     if not_normal:
         return refuse(f"weights of ranks {not_normal} are not NORMAL ({weights[not_normal[0]].state}); "
                       f"a round needs every rank's weights loaded (GET /update_model_weight)")
-    accepted, rec = store.request_round_if_free("api")
+    try:
+        accepted, rec = store.request_round_if_free("api")
+    except StateError as err:  # weights cleared or a clear asked since the check above
+        return refuse(f"{err}; a round needs every rank's weights loaded (GET /update_model_weight)")
     if not accepted:
         if rec.state is ClusterState.FREE:
             return refuse(f"rearrange is doing. actual status 0 (FREE), expect status 0 with no round pending: "
@@ -198,12 +203,11 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
     busy = [r for r, w in enumerate(records) if w.state in (WeightState.UPDATING, WeightState.CLEARING)]
     if busy:
         return refuse(f"ranks {busy} are {records[busy[0]].state} already; try again when they finish")
-    if action == "clear":
-        rec = store.read_cluster()
-        if rec.state is not ClusterState.FREE:
-            return refuse(f"cannot clear weights while a rearrangement round runs (cluster {rec.state})")
     cursor = store.cursor()
-    n = store.request_weights(action, reason="api")
+    try:  # a clear: refused while a round runs or is pending (checked where the request is written)
+        n = store.request_weights(action, reason="api", when_idle=action == "clear")
+    except StateError as err:
+        return refuse(str(err))
     log.info("weights requested", action=action, request=n)
     end = time.monotonic() + timeout_s
     while True:
@@ -262,7 +266,7 @@ def state(store: Store) -> dict[str, Any]:
 def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
     if value is None:
         return default
-    if not re.fullmatch(r"\d{1,9}", value):
+    if not re.fullmatch(r"[0-9]{1,9}", value):
         raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value[:40]!r}")
     n = int(value)
     if not lo <= n <= hi:
@@ -275,7 +279,8 @@ def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | Non
     long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
     from fdeplb.cli.views import audit_dict
 
-    if since is not None and not _STREAM_ID.match(since):
+    parts = _STREAM_ID.fullmatch(since) if since is not None else None
+    if since is not None and (parts is None or max(int(p) for p in parts.groups()) > _U64_MAX):
         raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}")
     count = _int_param(limit, "limit", 1000, 1, MAX_AUDIT_LIMIT)
     wait = _int_param(wait_ms, "wait_ms", 0, 0, MAX_WAIT_MS)

@@ -7,8 +7,10 @@ bytes. Callers never see a key, a field name or a redis-py exception: every publ
 fdeplb's once, here (:func:`_redis_errors`, the pattern of httpx's ``map_httpcore_exceptions``):
 
 - connection refused / reset / timed out, authentication: :class:`~fdeplb.errors.RedisUnavailableError`;
-- any other server error (e.g. ``WRONGTYPE`` on a key another program wrote): :class:`~fdeplb.errors.StoreError`;
-- a stored value fdeplb cannot parse: :class:`~fdeplb.errors.CorruptRecordError` naming the key and field.
+- any other server error: :class:`~fdeplb.errors.StoreError`;
+- a stored value fdeplb cannot parse: :class:`~fdeplb.errors.CorruptRecordError` naming the key and field; so is a
+  key of another Redis type than fdeplb keeps there (``WRONGTYPE``: another program wrote it) where fdeplb reads a
+  record, the registry, a load window, a snapshot, a plan, the placement or the audit stream.
 
 Clients are created without retries and with a socket timeout longer than any ``XREAD BLOCK`` we issue: a commit
 whose reply was lost is *not* re-sent (the caller re-reads the record and sees what happened), and blocking reads are
@@ -93,6 +95,34 @@ def _redis_errors(url: str) -> Iterator[None]:
         raise StoreError(f"Redis at {url} refused a command: {exc}") from None
     except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
         raise StoreError(f"Redis client error ({url}): {exc}") from None
+
+
+def _wrong_type(key: str, exc: Exception) -> CorruptRecordError | None:
+    """The :class:`CorruptRecordError` naming ``key`` when ``exc`` is Redis's WRONGTYPE (another program wrote a
+    value of another type there), else None."""
+    if isinstance(exc, redis.ResponseError) and str(exc).startswith("WRONGTYPE"):
+        return CorruptRecordError(f"{key}: is not of the Redis type fdeplb keeps there (WRONGTYPE)", key=key)
+    return None
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+@contextlib.contextmanager
+def _typed(key: str) -> Iterator[None]:
+    """Commands on ``key`` inside: WRONGTYPE becomes :class:`CorruptRecordError` naming ``key`` (:func:`_wrong_type`);
+    other Redis errors pass on to :func:`_redis_errors`."""
+    try:
+        yield
+    except redis.ResponseError as exc:
+        raise _wrong_type(key, exc) or exc from None
+
+
+def _hgetall(client: Any, key: str) -> dict:
+    """``HGETALL key`` on a client (or a WATCHing pipeline), as :func:`_typed`."""
+    with _typed(key):
+        return client.hgetall(key)
 
 
 def _mapped(fn: F) -> F:
@@ -273,7 +303,7 @@ class Store:
         (:class:`ClusterRecord` / :class:`RankRecord` / :class:`WeightRecord`). :class:`NotFoundError` if it does
         not exist, :class:`CorruptRecordError` if it does not parse."""
         key = self._record_key(table, ep_rank)
-        raw = self._client.hgetall(key)
+        raw = _hgetall(self._client, key)
         if not raw:
             raise NotFoundError(f"no {table.name} record at {key}")
         return parse_record(record_type(table), key, _text(raw))
@@ -312,12 +342,15 @@ class Store:
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
             pipe.hgetall(key)
-        return self._parse_records(which, keys, pipe.execute())
+        return self._parse_records(which, keys, pipe.execute(raise_on_error=False))
 
     @staticmethod
     def _parse_records(which: list[tuple[MachineTable, int | None]], keys: list[str], raws: list[Any]) -> list[Any]:
         out: list[Any] = []
         for (table, _), key, raw in zip(which, keys, raws):
+            if isinstance(raw, Exception):  # WRONGTYPE: the record's error; anything else: raised as before
+                out.append(_wrong_type(key, raw) or _raise(raw))
+                continue
             try:
                 out.append(parse_record(record_type(table), key, _text(raw)) if raw else None)
             except CorruptRecordError as err:
@@ -503,7 +536,7 @@ class Store:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
         :class:`CorruptRecordError` if it does not parse. Cached: a cluster's configuration never changes."""
         if self._config is None:
-            raw = self._client.hgetall(self._keys.config)
+            raw = _hgetall(self._client, self._keys.config)
             if not raw:
                 raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
             data = {}
@@ -543,11 +576,14 @@ class Store:
         return None if agent is None else str(agent)
 
     def rank_info(self) -> dict[int, dict[str, Any]]:
-        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not JSON."""
+        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not a JSON object
+        under a rank number."""
         out = {}
-        for k, v in self._client.hgetall(self._keys.ranks).items():
+        for k, v in _hgetall(self._client, self._keys.ranks).items():
             try:
-                out[int(_s(k))] = json.loads(_s(v))
+                out[int(_s(k))] = info = json.loads(_s(v))
+                if not isinstance(info, dict):
+                    raise ValueError(type(info).__name__)
             except ValueError:
                 raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON",
                                          key=self._keys.ranks) from None
@@ -570,7 +606,7 @@ class Store:
             while True:
                 try:
                     pipe.watch(key)
-                    rec = parse_record(ClusterRecord, key, _text(pipe.hgetall(key)))
+                    rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
                     if rec.state is not ClusterState.FREE:
                         serving, write = rec.round, False
                     elif rec.requested > rec.round:
@@ -600,7 +636,7 @@ class Store:
             while True:
                 try:
                     pipe.watch(self._keys.rearrange)
-                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(pipe.hgetall(self._keys.rearrange)))
+                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(_hgetall(pipe, self._keys.rearrange)))
                     if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
                         pipe.unwatch()
                         raise StateError(
@@ -615,14 +651,16 @@ class Store:
                     continue
         self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
-    def request_weights(self, action: str, reason: str = "operator") -> int:
+    def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
         """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
         ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
         safe point, through its weight-status machine; embedded agents all at the same step, fixed once every rank
         is armed for the request (``weights_switch_step``, reset to 0 = not fixed here; :meth:`arm_switch`).
 
         Raises :class:`InputError` for another action, :class:`StateError` while a rank is still CLEARING or
-        UPDATING for an earlier request (checked and written in one WATCHed transaction; nothing is written)."""
+        UPDATING for an earlier request, and with ``when_idle`` also while the cluster is not FREE or has a round
+        pending (the API's clear: a round accepted meanwhile would wait for the weights to be loaded again). Checked
+        and written in one WATCHed transaction; nothing is written when refused."""
         if action not in ("clear", "update"):
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
         busy_states = {WeightState.CLEARING.value.encode(), WeightState.UPDATING.value.encode()}
@@ -632,6 +670,14 @@ class Store:
                 try:
                     pipe.watch(self._keys.rearrange, *wkeys)
                     busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
+                    if when_idle and not busy:
+                        rec = parse_record(ClusterRecord, self._keys.rearrange,
+                                           _text(_hgetall(pipe, self._keys.rearrange)))
+                        if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                            pipe.unwatch()
+                            raise StateError(f"cannot {action} weights while rearrangement round "
+                                             f"{max(rec.round, rec.requested)} is "
+                                             f"{'pending' if rec.state is ClusterState.FREE else rec.state}")
                     if busy:
                         pipe.unwatch()
                         raise StateError(f"ranks {busy} are still carrying out the previous weight request "
@@ -677,7 +723,8 @@ class Store:
 
     def _array(self, key: str, name: str, raw: dict | None = None) -> np.ndarray | None:
         if raw is None:
-            values = self._client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
+            with _typed(key):
+                values = self._client.hmget(key, [name, f"{name}:dtype", f"{name}:shape"])
             raw = {name: values[0], f"{name}:dtype": values[1], f"{name}:shape": values[2]}
         try:
             return arrays.decode(name, raw)
@@ -791,7 +838,7 @@ class Store:
     def read_load(self, ep_rank: int) -> LoadWindow | None:
         """``ep_rank``'s last published window (None if it never published); :class:`CorruptRecordError` naming
         the key for a window of the wrong dtype, shape or range."""
-        return self._load_window(ep_rank, self._client.hgetall(self._keys.load(ep_rank)))
+        return self._load_window(ep_rank, _hgetall(self._client, self._keys.load(ep_rank)))
 
     def read_loads(self) -> list[LoadWindow | CorruptRecordError | None]:
         """Every rank's last published window, ep_rank order, one round trip; a window that does not parse is
@@ -848,7 +895,7 @@ class Store:
         if not plan_id:
             return None
         key = self._keys.plan(plan_id)
-        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw:
             return None
         arrs = {name: self._array(key, name, raw) for name in ("expert_load", "old_phy2log", "new_phy2log")}
@@ -886,7 +933,7 @@ class Store:
 
     def current_placement(self) -> PlacementEntry:
         """The cluster's current placement; :class:`NotFoundError` if the cluster has none."""
-        raw = {_s(k): v for k, v in self._client.hgetall(self._keys.placement).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, self._keys.placement).items()}
         phy2log = self._array(self._keys.placement, "phy2log", raw)
         if phy2log is None:
             raise NotFoundError(f"cluster {self.cluster!r} has no current placement")
@@ -982,7 +1029,8 @@ class Store:
         ``events_from`` starts the events stream at that id instead (e.g. "0-0": from its beginning)."""
         out = {}
         for key in (self._keys.audit, self._keys.events):
-            last = self._client.xrevrange(key, count=1)
+            with _typed(key):
+                last = self._client.xrevrange(key, count=1)
             out[key] = _s(last[0][0]) if last else "0-0"
         if events_from is not None:
             out[self._keys.events] = events_from
@@ -1065,8 +1113,9 @@ class Store:
 
     def audit(self, start: str = "-", end: str = "+", count: int | None = None) -> list[AuditRecord]:
         """Audit records between stream ids ``start`` and ``end``, oldest first."""
-        return [AuditRecord(_s(i), _text(raw)) for i, raw in self._client.xrange(self._keys.audit, start, end,
-                                                                                   count=count)]
+        with _typed(self._keys.audit):
+            entries = self._client.xrange(self._keys.audit, start, end, count=count)
+        return [AuditRecord(_s(i), _text(raw)) for i, raw in entries]
 
     # ---- section: embedding in a serving worker (issue 11) -------------------------------------------------------
     def heartbeats(self) -> dict[int, tuple[int, int]]:
@@ -1242,18 +1291,22 @@ class Store:
 
     # ---- section: HTTP API support (issue 12) ---------------------------------------------------------------------
     def request_round_if_free(self, reason: str = "api") -> tuple[bool, ClusterRecord]:
-        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``), checked
-        and written in one WATCHed transaction: of many concurrent callers, exactly one is accepted.
+        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``) and every
+        rank's weights are NORMAL with no clear pending, checked and written in one WATCHed transaction: of many
+        concurrent callers, exactly one is accepted, and a clear requested meanwhile
+        (:meth:`request_weights`) refuses the start instead of leaving the round waiting for an update.
 
-        Returns (accepted, the cluster record as read). Nothing is written when refused. ``reason`` as for
-        :meth:`request_round`."""
+        Returns (accepted, the cluster record as read); :class:`StateError` when the weights refuse it,
+        :class:`CorruptRecordError` for a weight-status record that does not parse. Nothing is written when
+        refused. ``reason`` as for :meth:`request_round`."""
         check_request_reason(reason)
         key = self._keys.rearrange
+        wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
         with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(key)
-                    raw = pipe.hgetall(key)
+                    pipe.watch(key, *wkeys)
+                    raw = _hgetall(pipe, key)
                     if not raw:
                         pipe.unwatch()
                         raise NotFoundError(f"no cluster record at {key}")
@@ -1261,6 +1314,15 @@ class Store:
                     if rec.state is not ClusterState.FREE or rec.requested > rec.round:
                         pipe.unwatch()
                         return False, rec
+                    weights = [parse_record(WeightRecord, wk, _text(_hgetall(pipe, wk))) for wk in wkeys]
+                    unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
+                    clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
+                                and w.request < rec.weights_request]
+                    if unloaded or clearing:
+                        pipe.unwatch()
+                        raise StateError(
+                            f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
+                            else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
                     pipe.multi()
                     pipe.hincrby(key, "requested", 1)
                     pipe.hset(key, "requested_reason", reason)
@@ -1285,7 +1347,7 @@ class Store:
     def supplied_load(self, round_: int) -> np.ndarray | None:
         """The operator-supplied expert_load (int64 [L, E]) for round ``round_``, or None."""
         key = self._keys.supplied_load
-        raw = {_s(k): v for k, v in self._client.hgetall(key).items()}
+        raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw or _s(raw.get("round", b"")) != str(int(round_)):
             return None
         return self._array(key, "expert_load", raw)
