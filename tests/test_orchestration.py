@@ -581,3 +581,55 @@ def test_a_corrupt_fence_counter_is_named_and_the_coordinator_leads_once_it_is_r
         raw.r.set(raw.keys.fence, "41")
         wait_for(lambda: store.lease_info().holder == f"42:{coordinator.holder}", 30, store=store,
                  what="the lease taken with fence 42")
+
+
+def test_a_load_supplied_between_the_coordinators_check_and_its_freeze_is_the_one_frozen(redis_url, cluster_id,
+                                                                                         tmp_path):
+    """The API's recv_expert_weight writes a supplied load while the coordinator collects. Landing right after the
+    coordinator looked for one and before it froze the ranks' windows, it used to be passed over while the API had
+    answered 200; now the freeze refuses (both writes are WATCHed transactions on the snapshot and the supplied
+    load) and the next step freezes the supplied load. The other order: a load supplied after the freeze is
+    refused (StateError, nothing written)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        store = tc.store()
+        coordinator = Coordinator(tc.store(), lease_ms=3_000)
+        assert coordinator.ensure_leadership()
+        round_ = store.request_round("test")
+        while store.read_cluster().state is not ClusterState.COLLECTING:
+            coordinator.step()
+        wait_for(lambda: all(at == round_ for at in store.load_rounds()), 30, store=store, what="every window")
+        supplied = np.full((tc.config.num_layers, tc.config.num_logical_experts), 7, dtype=np.int64)
+        api = tc.store()
+        looked = coordinator.store.supplied_load
+
+        def racing(r):  # the coordinator's look finds nothing; the API's write lands right after it
+            found = looked(r)
+            coordinator.store.supplied_load = looked
+            api.supply_load(r, supplied)
+            return found
+
+        coordinator.store.supplied_load = racing
+        while store.read_cluster().state is ClusterState.COLLECTING:
+            coordinator.step()
+        assert np.array_equal(store.read_snapshot(round_), supplied)
+        before = RawRedis(redis_url, cluster_id).snapshot()
+        with pytest.raises(StateError, match=f"round {round_}'s load snapshot is frozen already"):
+            api.supply_load(round_, supplied + 1)
+        assert RawRedis(redis_url, cluster_id).snapshot() == before
+
+
+def test_a_supplied_load_of_the_wrong_shape_aborts_the_round_naming_it(redis_url, cluster_id, tmp_path):
+    """A supplied load the API did not check (written otherwise) whose shape is not [num_layers, num_experts]
+    aborts the round being collected with the shapes in the reason (it used to be passed over in silence)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        coordinator = Coordinator(tc.store(), lease_ms=3_000)
+        assert coordinator.ensure_leadership()
+        round_ = store.request_round("test")
+        coordinator.step()
+        assert store.read_cluster().state is ClusterState.COLLECTING
+        store.supply_load(round_, np.ones((1, 2), dtype=np.int64))
+        coordinator.step()
+        rec = store.read_cluster()
+        assert rec.state is ClusterState.FREE and "has shape (1, 2), expected (3, 16)" in rec.reason

@@ -117,7 +117,16 @@ def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
     rec = store.read_cluster()
     collecting = rec.state is ClusterState.COLLECTING and store.read_snapshot(rec.round) is None
     round_ = rec.round if collecting else rec.round + 1
-    store.supply_load(round_, load)
+    try:
+        try:
+            store.supply_load(round_, load)
+        except StateError:
+            if not collecting:
+                raise
+            round_ += 1  # the round being collected froze its load meanwhile: the load is the next round's
+            store.supply_load(round_, load)
+    except StateError as err:
+        return refuse(str(err))
     log.info("load supplied", round=round_, total=int(load.sum()))
     return ok(round=round_)
 

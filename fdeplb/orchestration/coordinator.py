@@ -388,7 +388,11 @@ class Coordinator:
         # ---- HTTP API (issue 12): a load supplied by the operator (recv_expert_weight) replaces the windows
         if not frozen:
             supplied = self.store.supplied_load(round_)
-            if supplied is not None and supplied.shape == (self.config.num_layers, self.config.num_logical_experts):
+            if supplied is not None:
+                expected = (self.config.num_layers, self.config.num_logical_experts)
+                if supplied.shape != expected:  # the API checks the shape: only a value written otherwise
+                    return self._abort(rec, f"the load supplied for round {round_} has shape {supplied.shape}, "
+                                            f"expected {expected}")
                 self.store.save_snapshot(round_, supplied)
                 frozen = True
         # ---- end issue 12
@@ -417,7 +421,8 @@ class Coordinator:
                     at = np.argwhere(total > MAX_LOAD)[0]
                     return self._abort(rec, f"load windows of ranks 0..{r} sum above 2**53 at [layer {at[0]}, "
                                             f"expert {at[1]}]: loads are refused, not wrapped")
-            self.store.save_snapshot(round_, total)
+            if not self.store.freeze_windows(round_, total):
+                return True, None  # a load was supplied for this round meanwhile: the next step freezes it
         self._fire(rec, "plan", plan_id="",
                    changes={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
         return True, None

@@ -702,16 +702,21 @@ class Store:
         return int(self._client.delete(*keys)) if keys else 0
 
     # ---- arrays: load windows, snapshots, plans, placement ------------------------------------------------------
-    def _put_once(self, key: str, mapping: dict[str, Any], round_: int) -> bool:
+    def _put_once(self, key: str, mapping: dict[str, Any], round_: int, *, unless_supplied: bool = False) -> bool:
         """Write a write-once hash (plans, snapshots) unless it exists, indexed under ``round_`` for pruning
-        (:meth:`prune`); returns whether it wrote."""
+        (:meth:`prune`); returns whether it wrote. ``unless_supplied``: nor when an operator-supplied load for
+        ``round_`` is stored (:meth:`supply_load`), checked in the same WATCHed transaction."""
+        supplied = self._keys.supplied_load
         with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    pipe.watch(key)
+                    pipe.watch(key, *([supplied] if unless_supplied else []))
                     if pipe.exists(key):  # used again (plans are content-addressed): retained as of this round
                         pipe.unwatch()
                         self._client.zadd(self._keys.retained, {key: int(round_)}, gt=True)
+                        return False
+                    if unless_supplied and _s(pipe.hget(supplied, "round")) == str(int(round_)):
+                        pipe.unwatch()
                         return False
                     pipe.multi()
                     pipe.hset(key, mapping=mapping)
@@ -870,6 +875,17 @@ class Store:
         """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
         mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
         return self._put_once(self._keys.snapshot(round_), mapping, round_)
+
+    def freeze_windows(self, round_: int, expert_load: np.ndarray) -> bool:
+        """Freeze round ``round_``'s snapshot from the ranks' windows (``expert_load``, int64 [L, E], their sum)
+        unless a load was supplied for the round meanwhile (:meth:`supply_load`, whose write checks the snapshot in
+        a WATCHed transaction as this one checks the supplied load): of the two, the first to commit wins, so a
+        load the API accepted is never passed over. False when a supplied load is there (nothing written: freeze
+        that one); True otherwise (written, or a snapshot was frozen already)."""
+        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
+        if self._put_once(self._keys.snapshot(round_), mapping, round_, unless_supplied=True):
+            return True
+        return bool(self._client.exists(self._keys.snapshot(round_)))
 
     def read_snapshot(self, round_: int) -> np.ndarray | None:
         """Round ``round_``'s load snapshot, int64 [L, E], or None; :class:`CorruptRecordError` naming the key
@@ -1335,13 +1351,29 @@ class Store:
 
     def supply_load(self, round_: int, expert_load: np.ndarray) -> None:
         """Store an operator-supplied expert_load (int64 [L, E]) to be round ``round_``'s snapshot instead of the
-        ranks' windows (FastDeploy's ``recv_expert_weight``); replaces an earlier one. The caller checks the shape."""
+        ranks' windows (FastDeploy's ``recv_expert_weight``); replaces an earlier one. The caller checks the shape.
+
+        Raises :class:`StateError` when round ``round_``'s snapshot is frozen already (the load could no longer be
+        used; nothing is written): checked and written in one WATCHed transaction against
+        :meth:`freeze_windows`."""
         mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
                    "round": str(int(round_)), "supplied_ms": str(self.now_ms())}
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._keys.supplied_load)
-        pipe.hset(self._keys.supplied_load, mapping=mapping)
-        pipe.execute()
+        snapshot, key = self._keys.snapshot(round_), self._keys.supplied_load
+        with self._client.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(snapshot, key)
+                    if pipe.exists(snapshot):
+                        pipe.unwatch()
+                        raise StateError(f"round {round_}'s load snapshot is frozen already: a load supplied now "
+                                         "would not be used")
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.hset(key, mapping=mapping)
+                    pipe.execute()
+                    break
+                except redis.WatchError:
+                    continue
         self.emit_event("load_supplied", round=round_)
 
     def supplied_load(self, round_: int) -> np.ndarray | None:
