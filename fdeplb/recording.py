@@ -19,6 +19,7 @@ one from a live cluster; :mod:`fdeplb.replay` reads and replays it with no Redis
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -46,8 +47,9 @@ def array_from_json(value: Any, what: str) -> np.ndarray:
             or not isinstance(value.get("data"), list):
         raise ReplayError(f"{what}: not an int64 array object {{dtype, shape, data}}")
     shape = value["shape"]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape) \
-            or int(np.prod(shape, dtype=np.int64)) != len(value["data"]):
+    dims_ok = all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in shape)
+    # math.prod on Python ints: a product above int64 cannot wrap round to the data's length
+    if not dims_ok or math.prod(shape) != len(value["data"]):
         raise ReplayError(f"{what}: shape {shape} does not hold {len(value['data'])} values")
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in value["data"]):
         raise ReplayError(f"{what}: values are not all integers")

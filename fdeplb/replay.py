@@ -193,6 +193,8 @@ def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ReplayError(f"line {n}: not JSON ({exc.msg} at column {exc.colno})") from None
+        except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
+            raise ReplayError(f"line {n}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
         if not isinstance(record, dict):
             raise ReplayError(f"line {n}: expected a JSON object, got {type(record).__name__}")
         kind = record.get("type", "audit")
@@ -208,12 +210,22 @@ def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
 def read_export(path: str | Path) -> Iterator[AuditLine]:
     """The parsed lines of a recording file; :class:`InputError` (exit 2) if it cannot be read."""
     try:
-        handle = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the generator below
+        handle = open(path, "rb")  # noqa: SIM115 - closed by the generator below
     except OSError as exc:
         raise InputError(f"cannot read recording {path}: {exc.strerror}") from None
     with handle:
         # readline(limit) never holds more than one bounded chunk, even for a file without newlines (/dev/zero)
-        yield from parse_lines(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), ""))
+        yield from parse_lines(_decoded(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b"")))
+
+
+def _decoded(chunks: Iterable[bytes]) -> Iterator[str]:
+    """Each line as UTF-8 text; :class:`ReplayError` naming the first line that is not UTF-8."""
+    for n, chunk in enumerate(chunks, start=1):
+        try:
+            yield chunk.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ReplayError(f"line {n}: not UTF-8 (byte {exc.start + 1} of the line is {chunk[exc.start]:#04x})") \
+                from None
 
 
 def _int(line: AuditLine, name: str) -> int:
