@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
@@ -204,6 +205,9 @@ def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
             missing = [f for f in REQUIRED if f not in record]
             if missing:
                 raise ReplayError(f"line {n}: audit record without {', '.join(missing)}")
+            for name, value in record.items():  # the stream holds text; the export writes version etc. as ints
+                if name != "type" and (isinstance(value, bool) or not isinstance(value, (str, int))):
+                    raise ReplayError(f"line {n}: audit field {name} is {type(value).__name__}, not text")
         yield AuditLine(n, record)
 
 
@@ -256,6 +260,51 @@ def _fence(line: AuditLine) -> tuple[int, str]:
     return int(n), holder
 
 
+def _check_header(line: AuditLine) -> None:
+    """The types of a header's fields (docs/recordings.md); :class:`ReplayError` naming the first that is off."""
+    rec = line.record
+
+    def bad(what: str, want: str) -> ReplayError:
+        return ReplayError(f"line {line.line}: not a recording header: {what} is not {want}")
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def str_list(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    def int_list(v: Any) -> bool:
+        return isinstance(v, list) and all(is_int(x) for x in v)
+
+    if not isinstance(rec.get("config"), dict):
+        raise bad("config", "an object (the cluster configuration)")
+    start = rec.get("start")
+    if not isinstance(start, dict):
+        raise bad("start", "an object {chain, records, placement}")
+    if not isinstance(start.get("chain"), str):
+        raise bad("start.chain", "text")
+    if not isinstance(start.get("records"), dict):
+        raise bad("start.records", "an object of machine records")
+    for key, held in start["records"].items():
+        if not isinstance(held, dict) or not isinstance(held.get("state"), str) or not is_int(held.get("version")) \
+                or not isinstance(held.get("plan_id", ""), str):
+            raise bad(f"start.records.{key}", "{state: text, version: integer, plan_id: text}")
+    placement = start.get("placement")
+    if placement is not None and (not isinstance(placement, dict) or not isinstance(placement.get("plan_id"), str)):
+        raise bad("start.placement", "null or {plan_id: text, phy2log: array}")
+    contents, missing = rec.get("contents", {}), rec.get("missing", {})
+    if not isinstance(contents, dict) or not is_int(contents.get("records", 0)) \
+            or not int_list(contents.get("snapshots", [])) or not str_list(contents.get("plans", [])):
+        raise bad("contents", "{records: integer, snapshots: [round], plans: [plan_id]}")
+    if not isinstance(missing, dict) or not int_list(missing.get("snapshots", [])) \
+            or not str_list(missing.get("plans", [])):
+        raise bad("missing", "{snapshots: [round], plans: [plan_id]}")
+    span = rec.get("range", {})
+    if not isinstance(span, dict) or any(not isinstance(span.get(k), (str, type(None))) for k in
+                                         ("first_id", "last_id")):
+        raise bad("range", "{round, first_id: text or null, last_id: text or null}")
+
+
 # ---- replay --------------------------------------------------------------------------------------------------------
 class _Replayed:
     """One key's ``transitions`` machine, fired without a store: the commit hook only notes the spec."""
@@ -297,25 +346,27 @@ class _Replay:
         rec = line.record
         if self.report.header is not None or self.report.records:
             raise ReplayError(f"line {line.line}: a header must be the first line, and only one")
-        if rec.get("schema") != SCHEMA:
+        if type(rec.get("schema")) is not int or rec.get("schema") != SCHEMA:
             raise ReplayError(f"line {line.line}: recording schema {rec.get('schema')!r}; this fdeplb reads "
                               f"schema {SCHEMA}")
+        _check_header(line)
         from fdeplb.store.records import ClusterConfig
 
         try:
-            config = ClusterConfig.from_json(rec.get("config") or {})
-            start = rec["start"]
-            records = start["records"]
-            chain = str(start["chain"])
-        except (InputError, KeyError, TypeError) as exc:
+            config = ClusterConfig.from_json(rec["config"])
+        except InputError as exc:
             raise ReplayError(f"line {line.line}: not a recording header: {exc}") from None
+        start = rec["start"]
         self.ep_size = config.ep_size
         self.cordoned = config.cordoned
-        for key, held in records.items():
+        for key, held in start["records"].items():
             table = self._table_of(line, key)
-            self.machines[key] = _Replayed(table, key, held["state"], int(held["version"]), held.get("plan_id", ""))
-        self.chain = chain
-        self.report.chain = chain
+            try:
+                self.machines[key] = _Replayed(table, key, held["state"], held["version"], held.get("plan_id", ""))
+            except InputError as exc:
+                raise ReplayError(f"line {line.line}: start record {key}: {exc}") from None
+        self.chain = start["chain"]
+        self.report.chain = self.chain
         placement = start.get("placement") or {}
         self.report.placement_plan = str(placement.get("plan_id", ""))
         self.placement_known = bool(placement)
@@ -592,6 +643,14 @@ class _Replay:
         if contents.get("records") not in (None, report.records) and report.until is None:
             raise ReplayError(f"line 1: the header counts {contents['records']} audit records, the recording has "
                               f"{report.records}")
+        span = header.get("range") or {}
+        ids = [str(rec.get("id", "")) for rec in report.audit]
+        for name, seen in (("first_id", ids[0] if ids else None), ("last_id", ids[-1] if ids else None)):
+            if name in span and span[name] != seen and not (name == "last_id" and report.until is not None):
+                # the header is not in the chain: its range ties it to the records it was exported with
+                raise ReplayError(f"line 1: the header's range.{name} is {span[name]}, but the recording's "
+                                  f"{'first' if name == 'first_id' else 'last'} audit record is {seen} (a header "
+                                  f"of another export?)")
         for where, plan_id in self.stored_at:
             if plan_id not in report.stored_plans and plan_id not in missing.get("plans", []):
                 raise ReplayError(f"{where}: guard plan_stored did not hold: plan {plan_id or '-'} is neither in "
@@ -669,7 +728,7 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
     from fdeplb.orchestration.coordinator import default_planner
-    from fdeplb.placement import plan_digest
+    from fdeplb.placement import moved_experts, plan_digest
 
     config = source.read_config()
     new_of: dict[str, np.ndarray] = {}
@@ -713,6 +772,13 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
                                   f"({diff} of {new.size} slots differ)")
             recomputed.add(plan.plan_id)
+        figures = {"balancedness_before": _mean_balancedness(load, old, config.ep_size),
+                   "balancedness_after": _mean_balancedness(load, new, config.ep_size),
+                   "moved_experts": int(moved_experts(old, new, config.ep_size))}
+        for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
+            # the store keeps balancedness to 6 decimals (Store.save_plan); moved experts exactly
+            if not math.isclose(getattr(stored, name), value, rel_tol=0.0, abs_tol=1e-6):
+                raise ReplayError(f"{where}: {name} is {getattr(stored, name)}, its arrays give {value}")
         new_of[plan.plan_id] = new
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
