@@ -8,8 +8,10 @@ from fdeplb.errors import InputError, NotFoundError
 
 
 def check_out_folder(flag: str, path: str | None) -> None:
-    """Before any work: :class:`InputError` when the folder that output file ``path`` (given as ``flag``) goes
-    into does not exist. Nothing to check when ``path`` is None."""
+    """Before any work: :class:`InputError` when output file ``path`` (given as ``flag``) is a folder or the folder
+    it goes into does not exist. Nothing to check when ``path`` is None."""
+    if path is not None and Path(path).is_dir():
+        raise InputError(f"{flag} {path}: is a folder; name the file to write")
     if path is not None and not Path(path).resolve().parent.is_dir():
         raise InputError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
 

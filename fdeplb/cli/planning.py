@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         check_out_folder(flag, path)
+    if args.out and args.format == "trtllm" and Path(args.out).suffix not in (".yaml", ".yml"):
+        # read_placement (--old) knows a TensorRT-LLM file by its suffix: a .json one would not read back
+        raise InputError(f"--out {args.out}: a trtllm placement is YAML; name it *.yaml or *.yml")
     dump = read_expert_load(args.load)
     load = dump.expert_load
     L, E = dump.expert_load.shape

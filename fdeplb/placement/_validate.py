@@ -178,7 +178,11 @@ def read_document(path, error: type[InputError], what: str) -> object:
             return yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise error(f"{p}: not YAML ({exc})") from None
+        except RecursionError:
+            raise error(f"{p}: not YAML (nested too deep)") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise error(f"{p}: not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
+        raise error(f"{p}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None

@@ -125,10 +125,10 @@ def write_placement(
             "log2phy": placement.log2phy.tolist(),
             "logcnt": placement.logcnt.tolist(),
         }
-        p.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+        _write(p, json.dumps(doc, separators=(",", ":")) + "\n")
     elif format == "sglang":
         rows, _, _ = _full_rows(placement, layer_ids, num_model_layers)
-        p.write_text(json.dumps({"physical_to_logical_map": rows.tolist()}, separators=(",", ":")) + "\n")
+        _write(p, json.dumps({"physical_to_logical_map": rows.tolist()}, separators=(",", ":")) + "\n")
     elif format == "trtllm":
         import yaml
 
@@ -138,7 +138,7 @@ def write_placement(
             "initial_global_assignments": {int(i): row.tolist() for i, row in zip(ids, rows)},
             "layer_updates_per_iter": 0,
         }
-        p.write_text(yaml.safe_dump(doc, default_flow_style=None, width=2**31 - 1, sort_keys=False))
+        _write(p, yaml.safe_dump(doc, default_flow_style=None, width=2**31 - 1, sort_keys=False))
     else:  # fastdeploy
         rows, _, where = _full_rows(placement, layer_ids, num_model_layers)
         E, P = placement.num_logical_experts, placement.num_physical_experts
@@ -162,8 +162,15 @@ def write_placement(
             "cost_milliseconds": 0,
             "meta_file_name": str(p),
         }
-        p.write_text(json.dumps(doc) + "\n")
+        _write(p, json.dumps(doc) + "\n")
     return p
+
+
+def _write(p: Path, text: str) -> None:
+    try:
+        p.write_text(text)
+    except OSError as exc:
+        raise PlacementFileError(f"{p}: cannot write placement file: {exc.strerror}") from None
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

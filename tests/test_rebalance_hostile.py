@@ -1,0 +1,59 @@
+"""Hostile inputs to ``fdeplb rebalance``: exit 2 with one ``error:`` line and nothing written, never a traceback
+(found by the planning CLI QA pass)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fdeplb.cli import main
+from fdeplb.placement import read_placement
+
+ARGS = ["--num-replicas", "8", "--num-gpus", "2"]
+
+
+@pytest.fixture
+def load(tmp_path):
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"counts": [[5, 1, 2, 9], [3, 3, 0, 7]]}))
+    return path
+
+
+def _fails(argv, capsys, pattern: str) -> None:
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and pattern in err, err
+    assert "wrote" not in out
+
+
+@pytest.mark.parametrize("raw", [b'{"counts":' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+                                 b'{"counts":[[' + b"9" * 5000 + b",1,2,3]]}"], ids=["nested", "5000 digits"])
+def test_load_file_json_the_parser_refuses_is_a_load_file_error(raw, tmp_path, capsys):
+    path = tmp_path / "load.json"
+    path.write_bytes(raw)
+    _fails(["rebalance", "--load", str(path), *ARGS], capsys, "not JSON")
+
+
+def test_out_or_plot_that_is_a_folder_is_refused_before_planning(load, tmp_path, capsys):
+    _fails(["rebalance", "--load", str(load), *ARGS, "--out", str(tmp_path)], capsys, "is a folder")
+    _fails(["rebalance", "--load", str(load), *ARGS, "--plot", str(tmp_path)], capsys, "is a folder")
+    assert not tmp_path.with_suffix(".png").exists()
+
+
+def test_out_that_cannot_be_written_is_a_typed_error(load, capsys):
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    assert main(["rebalance", "--load", str(load), *ARGS, "--out", "/dev/full"]) == 2  # every write: ENOSPC
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "cannot write" in err, err
+
+
+def test_trtllm_placement_must_be_named_as_yaml_so_it_reads_back(load, tmp_path, capsys):
+    _fails(["rebalance", "--load", str(load), *ARGS, "--format", "trtllm", "--out", str(tmp_path / "p.json")],
+           capsys, ".yaml")
+    assert not (tmp_path / "p.json").exists()
+    out = tmp_path / "p.yaml"
+    assert main(["rebalance", "--load", str(load), *ARGS, "--format", "trtllm", "--out", str(out)]) == 0
+    assert read_placement(out, num_logical_experts=4, num_gpus=2).placement.phy2log.shape == (2, 8)
