@@ -55,6 +55,7 @@ def test_record_logical_physical_any_int_dtype_and_int64_totals(redis_url, clust
     np.ones((16,), np.int64),                           # wrong rank
     np.full((3, 16), 2**63, np.uint64),                 # past int64
     [[0.5] * 16] * 3,                                   # fractional, as a list
+    [[1] * 16] * 2 + [[1] * 15],                        # ragged list
 ])
 def test_record_refuses_bad_input_and_records_nothing(redis_url, cluster_id, tmp_path, bad):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
@@ -65,6 +66,30 @@ def test_record_refuses_bad_input_and_records_nothing(redis_url, cluster_id, tmp
         with pytest.raises(InputError):
             agent.record(bad)
         assert np.array_equal(agent.window.total(), before) and len(agent.window) == steps
+
+
+@pytest.mark.parametrize("shape", ["logical", "physical"])
+def test_record_refuses_a_step_that_would_wrap_the_int64_window(redis_url, cluster_id, tmp_path, shape):
+    """Counts that fit int64 one by one but not summed (per logical expert, or into the window) are refused:
+    the window never wraps to negative counts."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), window_steps=2)
+        agent.start()
+        L, E, P = tc.config.num_layers, tc.config.num_logical_experts, tc.config.num_physical_experts
+        top = np.iinfo(np.int64).max
+        if shape == "physical":  # every logical expert with a replica sums >= 2 slots of 2**62
+            with pytest.raises(InputError, match="int64"):
+                agent.record(np.full((L, P), 2**62, np.int64))
+            assert len(agent.window) == 0 and not agent.window.total().any()
+            return
+        agent.record(np.full((L, E), top - 1, np.int64))
+        with pytest.raises(InputError, match="int64"):
+            agent.record(np.full((L, E), 2, np.int64))
+        assert len(agent.window) == 1 and (agent.window.total() == top - 1).all()
+        agent.record(np.ones((L, E), np.int64))  # fits exactly
+        assert (agent.window.total() == top).all()
+        agent.record(np.full((L, E), 5, np.int64))  # the step limit drops the big step first: fits
+        assert len(agent.window) == 2 and (agent.window.total() == 6).all()
 
 
 def test_window_keeps_last_steps_and_seconds_and_clears():
