@@ -473,3 +473,51 @@ def test_periodic_trigger_skips_a_balanced_load_and_rearranges_a_skewed_one(redi
         rec = wait_for(lambda: _round_done(store, 1), 60, store, "a periodic round")
         assert rec.requested_reason.startswith("interval")
         assert store.current_placement().plan_id == rec.plan_id != ""
+
+
+def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(redis_url, cluster_id, tmp_path):
+    """A worker with two threads reaching at_safe_point together (an overlap scheduler, a hostile integrator): the
+    pending change of the live experts runs exactly once, and the second caller returns only once it is applied
+    (it never steps on half-changed tensors)."""
+    from fdeplb.orchestration.agent import _SafePointOp
+
+    class _NotingLock:
+        def __init__(self):
+            self.lock, self.waiting = threading.Lock(), threading.Event()
+
+        def __enter__(self):
+            self.waiting.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = EmbeddedAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=None)
+        RankAgent.start(agent)  # no background loop: the op below is the only change pending
+        agent._apply_lock = noting = _NotingLock()
+        inside, release, runs, returned = threading.Event(), threading.Event(), [], {}
+
+        def change():
+            runs.append(threading.current_thread().name)
+            inside.set()
+            assert release.wait(30)
+
+        def call(name):
+            returned[name] = (agent.at_safe_point(), list(runs))
+
+        agent._op = _SafePointOp(("test",), 0, None, change)
+        first = threading.Thread(target=call, args=("first",), name="first")
+        first.start()
+        assert inside.wait(30)
+        noting.waiting.clear()
+        second = threading.Thread(target=call, args=("second",), name="second")
+        second.start()
+        wait_for(lambda: len(runs) > 1 or noting.waiting.is_set(), 30, None, "second caller at the safe point")
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert runs == ["first"], runs
+        assert returned["first"][0] is True and returned["second"] == (False, ["first"]) and agent._op.done.is_set()
+        assert agent.at_safe_point() is False and runs == ["first"]
+        agent.close()

@@ -219,6 +219,7 @@ class RankAgent:
         self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
         self.late_switches = 0
         self._op: _SafePointOp | None = None
+        self._apply_lock = threading.Lock()  # held while a safe point applies a change (see at_safe_point)
         self._in_safe_point = False
         self._live_phy2log: np.ndarray | None = None
         self._next_publish = 0.0
@@ -489,7 +490,8 @@ class RankAgent:
            steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong
            expert (``examples/serving_node.py`` counts them and fails).
 
-        Call it at every step, also when the engine is idle: a change waits for every rank's safe points.
+        Call it at every step, also when the engine is idle: a change waits for every rank's safe points. Calls
+        from several threads apply a change once; a call that arrives while another applies it waits for it.
         """
         self.steps += 1
         op = self._op
@@ -499,13 +501,16 @@ class RankAgent:
             return False
         if self.steps < op.switch_step:
             return False
-        self._in_safe_point = True
-        try:
-            op.apply(self.steps)
-            if op.error is None:
-                self._live_phy2log = self.backend.phy2log
-        finally:
-            self._in_safe_point = False
+        with self._apply_lock:  # a second thread at a safe point waits for the change, never applies it again
+            if op.done.is_set():
+                return False
+            self._in_safe_point = True
+            try:
+                op.apply(self.steps)
+                if op.error is None:
+                    self._live_phy2log = self.backend.phy2log
+            finally:
+                self._in_safe_point = False
         self.pauses_ms.append(op.pause_ms)
         return True
 
