@@ -55,6 +55,7 @@ def test_record_logical_physical_any_int_dtype_and_int64_totals(redis_url, clust
     np.ones((16,), np.int64),                           # wrong rank
     np.full((3, 16), 2**63, np.uint64),                 # past int64
     [[0.5] * 16] * 3,                                   # fractional, as a list
+    [[1] * 16] * 2 + [[1] * 15],                        # ragged list
 ])
 def test_record_refuses_bad_input_and_records_nothing(redis_url, cluster_id, tmp_path, bad):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
@@ -65,6 +66,30 @@ def test_record_refuses_bad_input_and_records_nothing(redis_url, cluster_id, tmp
         with pytest.raises(InputError):
             agent.record(bad)
         assert np.array_equal(agent.window.total(), before) and len(agent.window) == steps
+
+
+@pytest.mark.parametrize("shape", ["logical", "physical"])
+def test_record_refuses_a_step_that_would_wrap_the_int64_window(redis_url, cluster_id, tmp_path, shape):
+    """Counts that fit int64 one by one but not summed (per logical expert, or into the window) are refused:
+    the window never wraps to negative counts."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), window_steps=2)
+        agent.start()
+        L, E, P = tc.config.num_layers, tc.config.num_logical_experts, tc.config.num_physical_experts
+        top = np.iinfo(np.int64).max
+        if shape == "physical":  # every logical expert with a replica sums >= 2 slots of 2**62
+            with pytest.raises(InputError, match="int64"):
+                agent.record(np.full((L, P), 2**62, np.int64))
+            assert len(agent.window) == 0 and not agent.window.total().any()
+            return
+        agent.record(np.full((L, E), top - 1, np.int64))
+        with pytest.raises(InputError, match="int64"):
+            agent.record(np.full((L, E), 2, np.int64))
+        assert len(agent.window) == 1 and (agent.window.total() == top - 1).all()
+        agent.record(np.ones((L, E), np.int64))  # fits exactly
+        assert (agent.window.total() == top).all()
+        agent.record(np.full((L, E), 5, np.int64))  # the step limit drops the big step first: fits
+        assert len(agent.window) == 2 and (agent.window.total() == 6).all()
 
 
 def test_window_keeps_last_steps_and_seconds_and_clears():
@@ -448,3 +473,51 @@ def test_periodic_trigger_skips_a_balanced_load_and_rearranges_a_skewed_one(redi
         rec = wait_for(lambda: _round_done(store, 1), 60, store, "a periodic round")
         assert rec.requested_reason.startswith("interval")
         assert store.current_placement().plan_id == rec.plan_id != ""
+
+
+def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(redis_url, cluster_id, tmp_path):
+    """A worker with two threads reaching at_safe_point together (an overlap scheduler, a hostile integrator): the
+    pending change of the live experts runs exactly once, and the second caller returns only once it is applied
+    (it never steps on half-changed tensors)."""
+    from fdeplb.orchestration.agent import _SafePointOp
+
+    class _NotingLock:
+        def __init__(self):
+            self.lock, self.waiting = threading.Lock(), threading.Event()
+
+        def __enter__(self):
+            self.waiting.set()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = EmbeddedAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=None)
+        RankAgent.start(agent)  # no background loop: the op below is the only change pending
+        agent._apply_lock = noting = _NotingLock()
+        inside, release, runs, returned = threading.Event(), threading.Event(), [], {}
+
+        def change():
+            runs.append(threading.current_thread().name)
+            inside.set()
+            assert release.wait(30)
+
+        def call(name):
+            returned[name] = (agent.at_safe_point(), list(runs))
+
+        agent._op = _SafePointOp(("test",), 0, None, change)
+        first = threading.Thread(target=call, args=("first",), name="first")
+        first.start()
+        assert inside.wait(30)
+        noting.waiting.clear()
+        second = threading.Thread(target=call, args=("second",), name="second")
+        second.start()
+        wait_for(lambda: len(runs) > 1 or noting.waiting.is_set(), 30, None, "second caller at the safe point")
+        release.set()
+        first.join(30)
+        second.join(30)
+        assert runs == ["first"], runs
+        assert returned["first"][0] is True and returned["second"] == (False, ["first"]) and agent._op.done.is_set()
+        assert agent.at_safe_point() is False and runs == ["first"]
+        agent.close()

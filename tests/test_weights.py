@@ -182,6 +182,44 @@ def test_missing_tensor_fails_in_loading_naming_tensor_and_file(tmp_path):
         stage_experts(plan, CheckpointReader(path))
 
 
+def _rewrite_header(shard, name, lie):
+    """Rewrite the safetensors header of ``shard``: tensor ``name``'s entry updated with ``lie(entry)``."""
+    import struct
+
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header[name].update(lie(header[name]))
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    shard.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("lie", [
+    lambda t: {"data_offsets": [str(x) for x in t["data_offsets"]]},    # offsets as strings
+    lambda t: {"data_offsets": dict(zip("be", t["data_offsets"]))},     # offsets as an object
+    lambda t: {"data_offsets": [x + 0.5 for x in t["data_offsets"]]},   # fractional offsets, right size
+    lambda t: {"shape": [-t["shape"][0], *t["shape"][1:]],              # negative dim, reversed offsets:
+               "data_offsets": t["data_offsets"][::-1]},                # the sizes agree
+    lambda t: {"dtype": [t["dtype"]]},                                  # dtype not a string
+], ids=["str-offsets", "object-offsets", "fractional-offsets", "negative-shape", "list-dtype"])
+def test_lying_shard_header_met_while_staging_is_a_checkpoint_error(tmp_path, lie):
+    """A shard first opened by staging (the live slots were loaded before it was rewritten) whose header lies
+    about a needed expert: a CheckpointError naming the tensor and the file, never a bare TypeError / paddle error;
+    nothing read, live slots unchanged."""
+    path = write_synthetic_checkpoint(tmp_path / "ck", 2, 4)
+    old = np.array([[0, 1, 2, 3, 0, 1]] * 2)
+    new = np.array([[0, 1, 2, 3, 0, 1], [3, 1, 2, 0, 1, 2]])  # layer 1: rank 0 of 2 needs expert 3 from disk
+    live = LiveExperts.from_checkpoint(CheckpointReader(path), old, 0, 2, device="cpu")
+    before = snapshot_bytes(live)
+    name = "ernie.layers.1.mlp.experts.3.down_proj.weight"
+    shard = path / json.loads((path / "model.safetensors.index.json").read_text())["weight_map"][name]
+    _rewrite_header(shard, name, lie)
+    with pytest.raises(CheckpointError, match=r"experts\.3\.down_proj.*safetensors"):
+        stage_experts(plan_transfer(old, new, 0, 2), CheckpointReader(path))
+    assert snapshot_bytes(live) == before
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

@@ -91,14 +91,24 @@ class ExpertLoadWindow:
         self._lock = threading.Lock()
 
     def add(self, load: np.ndarray) -> None:
-        """Add one step's load, int64 [L, E] (checked by the caller; the window keeps ``load`` itself)."""
+        """Add one step's load, int64 [L, E], each count >= 0 (checked by the caller; the window keeps ``load``
+        itself).
+
+        Raises:
+            InputError: the window's sum would pass the int64 range (it would wrap to negative counts); nothing
+                is added then.
+        """
         now = self.clock()
         with self._lock:
-            if self.max_steps is not None and len(self._entries) == self.max_steps:
+            self._expire(now)  # time-based: would drop on any read as well
+            full = self.max_steps is not None and len(self._entries) == self.max_steps
+            kept = self._total - self._entries[0][1] if full else self._total  # >= 0: no wrap below
+            if load.size and bool(np.any(load > _INT64_MAX - kept)):
+                raise InputError("expert counts would take the load window's sum past the int64 range")
+            if full:
                 self._total -= self._entries.popleft()[1]
             self._entries.append((now, load))
             self._total += load
-            self._expire(now)
 
     def _expire(self, now: float) -> None:
         if self.seconds is not None:
@@ -209,6 +219,7 @@ class RankAgent:
         self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
         self.late_switches = 0
         self._op: _SafePointOp | None = None
+        self._apply_lock = threading.Lock()  # held while a safe point applies a change (see at_safe_point)
         self._in_safe_point = False
         self._live_phy2log: np.ndarray | None = None
         self._next_publish = 0.0
@@ -407,24 +418,31 @@ class RankAgent:
         which (None: by shape; when E == P a [L, E] array is taken as logical). Accumulated in int64.
 
         Raises:
-            InputError: not an integer array (float, NaN, bool), wrong shape, a negative count, a count past the
-                int64 range, or the agent is not started. Nothing is recorded then.
+            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a negative count, a count
+                past the int64 range (also once summed per logical expert or into the window), or the agent is
+                not started. Nothing is recorded then.
         """
         if self.window is None or self._live_phy2log is None:
             raise InputError("record() before start(): the agent has no load window yet")
         arr = counts
         if not isinstance(arr, np.ndarray):
-            arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
+            try:
+                arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
+            except ValueError as err:  # a ragged nested list
+                raise InputError(f"expert counts are not an array: {err}") from None
         if arr.dtype.kind not in "iu":
             raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
         num_layers, num_phy = self._live_phy2log.shape
         num_log = self.window.shape[1]
+        wanted = f"{(num_layers, num_log)} (logical) or {(num_layers, num_phy)} (physical)"
         if physical is None:
             physical = arr.shape == (num_layers, num_phy) and num_phy != num_log
+        else:
+            physical = bool(physical)
+            wanted = f"{(num_layers, num_phy) if physical else (num_layers, num_log)} (physical={physical})"
         expected = (num_layers, num_phy) if physical else (num_layers, num_log)
         if arr.shape != expected:
-            raise InputError(f"expert counts have shape {arr.shape}, expected {(num_layers, num_log)} (logical) "
-                             f"or {(num_layers, num_phy)} (physical)")
+            raise InputError(f"expert counts have shape {arr.shape}, expected {wanted}")
         if arr.size:
             if arr.dtype.kind == "i" and int(arr.min()) < 0:
                 raise InputError(f"expert counts must be >= 0, found {int(arr.min())}")
@@ -432,9 +450,13 @@ class RankAgent:
                 raise InputError(f"expert count {int(arr.max())} is past the int64 range")
         arr = arr.astype(np.int64)
         if physical:
-            logical = np.zeros((num_layers, num_log), dtype=np.int64)
-            np.add.at(logical, (np.arange(num_layers)[:, None], self._live_phy2log), arr)
-            arr = logical
+            # a layer's row sum bounds each of its logical sums: past int64 // P, fold exactly in Python ints
+            wide = arr.size and int(arr.max()) > _INT64_MAX // num_phy
+            logical = np.zeros((num_layers, num_log), dtype=object if wide else np.int64)
+            np.add.at(logical, (np.arange(num_layers)[:, None], self._live_phy2log), arr.astype(logical.dtype))
+            if wide and max(logical.ravel().tolist()) > _INT64_MAX:
+                raise InputError("expert counts per slot sum past the int64 range for a logical expert")
+            arr = logical.astype(np.int64)
         self.window.add(arr)
 
     def at_safe_point(self) -> bool:
@@ -468,7 +490,8 @@ class RankAgent:
            steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong
            expert (``examples/serving_node.py`` counts them and fails).
 
-        Call it at every step, also when the engine is idle: a change waits for every rank's safe points.
+        Call it at every step, also when the engine is idle: a change waits for every rank's safe points. Calls
+        from several threads apply a change once; a call that arrives while another applies it waits for it.
         """
         self.steps += 1
         op = self._op
@@ -478,13 +501,16 @@ class RankAgent:
             return False
         if self.steps < op.switch_step:
             return False
-        self._in_safe_point = True
-        try:
-            op.apply(self.steps)
-            if op.error is None:
-                self._live_phy2log = self.backend.phy2log
-        finally:
-            self._in_safe_point = False
+        with self._apply_lock:  # a second thread at a safe point waits for the change, never applies it again
+            if op.done.is_set():
+                return False
+            self._in_safe_point = True
+            try:
+                op.apply(self.steps)
+                if op.error is None:
+                    self._live_phy2log = self.backend.phy2log
+            finally:
+                self._in_safe_point = False
         self.pauses_ms.append(op.pause_ms)
         return True
 

@@ -335,10 +335,13 @@ class _Shard:
             if name == "__metadata__":
                 continue
             try:
-                code, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+                code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError) as exc:
                 raise CheckpointError(f"tensor {name!r} in {self.path}: malformed header entry ({exc})") from exc
-            if code not in _DTYPES:
+            if not all(_is_count(v) for v in (*shape, begin, end)) or end < begin:
+                raise CheckpointError(f"tensor {name!r} in {self.path}: malformed header entry (shape {list(shape)} "
+                                      f"and data_offsets [{begin!r}, {end!r}] must be integers >= 0, begin <= end)")
+            if not isinstance(code, str) or code not in _DTYPES:
                 raise CheckpointError(f"tensor {name!r} in {self.path} has dtype {code}, which fdeplb does not handle")
             dtype, itemsize = _DTYPES[code]
             if end - begin != math.prod(shape) * itemsize or begin < 0 or base + end > size:
@@ -364,6 +367,11 @@ class _Shard:
 
 
 # ---- synthetic checkpoints -------------------------------------------------------------------------------------------
+def _is_count(value: Any) -> bool:
+    """A JSON integer >= 0 (not a bool, a float or a string)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _synthetic_shape(suffix: str, hidden: int, intermediate: int, in_out: bool) -> list[int]:
     """Shape of a synthetic expert tensor from its suffix: up/gate map hidden -> intermediate (x2 when fused),
     down maps intermediate -> hidden; ``weight_scale`` has one entry per output channel; ``in_out`` is paddle's
