@@ -26,11 +26,11 @@ import structlog
 from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardError, InputError, \
     RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
-from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
+from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
@@ -123,6 +123,7 @@ class Coordinator:
         self._handle: RecordHandle | None = None
         self._plan_checked = ""  # the plan_id whose stored new_phy2log this coordinator has validated
         self._whole_look: tuple[tuple[int, str], float] = ((0, ""), 0.0)  # (round, state), next whole-record look
+        self._weights_seen: tuple[int, float, bool] | None = None  # (request, monotonic first seen, alarm raised)
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
 
     # ---- leadership -----------------------------------------------------------------------------------------------
@@ -306,6 +307,7 @@ class Coordinator:
             self.log.error("pruning failed", error=str(err))
 
     def _on_free(self, rec: ClusterRecord) -> Step:
+        self._watch_weights(rec)
         if rec.requested <= rec.round:
             return self._periodic(rec)
         beats = self.store.heartbeats()
@@ -334,6 +336,40 @@ class Coordinator:
             return False, self.lease_ms // 3
         self._start_waits = None
         return True, None
+
+    def _watch_weights(self, rec: ClusterRecord) -> None:
+        """A weight clear / update whose switch step is not fixed ``deadlines.weights_ms`` after this coordinator
+        first saw it pending raises an audited alarm (once per request) naming the ranks whose workers never armed
+        for it at a safe point (a worker that stopped calling ``at_safe_point``, or never calls it): it would
+        otherwise wait without a sign. The request keeps waiting: no rank has applied it, and the ranks switch
+        together once the last one arms."""
+        n = rec.weights_request
+        if n <= 0 or rec.weights_switch_step:  # no request, or every rank armed: the switch step is fixed
+            self._weights_seen = None
+            return
+        now = time.monotonic()
+        if self._weights_seen is None or self._weights_seen[0] != n:
+            self._weights_seen = (n, now, False)
+            return
+        _, since, alarmed = self._weights_seen
+        if alarmed or now - since < self.config.deadlines.weights_ms / 1000:
+            return
+        weights, ranks = self.store.read_each(WEIGHTS), self.store.read_each(RANK)
+        pending = [r for r, w in enumerate(weights) if isinstance(w, WeightRecord)
+                   and (w.request < n or w.state in (WeightState.CLEARING, WeightState.UPDATING))]
+        unarmed = [r for r in pending if not (isinstance(ranks[r], RankRecord) and ranks[r].armed == f"weights:{n}")]
+        if not pending:  # carried out without a switch step (agents without safe points)
+            self._weights_seen = (n, since, True)
+            return
+        if not unarmed:
+            return  # the last one armed just now: the switch step is being fixed
+        reason = (f"weight {rec.weights_action} {n} not switched {self.config.deadlines.weights_ms} ms after it was "
+                  f"requested: the workers of ranks {unarmed} never reached a safe point armed for it (they must "
+                  f"call at_safe_point); ranks {pending} wait for them")
+        self.log.error("alarm", weights_request=n, ranks=unarmed, alarm=reason)
+        self.store.emit_event("alarm", message=reason)
+        self.store.append_alarm(rec, actor=self.holder, reason=reason, fence=self.lease or "")
+        self._weights_seen = (n, since, True)
 
     def _periodic(self, rec: ClusterRecord) -> Step:
         """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""

@@ -381,6 +381,10 @@ class Deadlines:
     """LOAD_SUCC on a cordoned cluster: the external commit arrives."""
     swapping_ms: int = 120_000
     """SWAPPING: every rank swaps (past the commit point: an alarm, not an abort)."""
+    weights_ms: int = 120_000
+    """A weight clear / update: its switch step is fixed once every rank's worker is armed for it at a safe point.
+    Past this (from the coordinator first seeing the request pending), an audited alarm names the ranks not armed;
+    the request keeps waiting (no rank applied it)."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
