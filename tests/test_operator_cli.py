@@ -61,6 +61,12 @@ def test_rearrange_wait_times_out_with_exit_6(redis_url, cluster_id, capsys, tmp
         code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
                              "--timeout", "2")
         assert code == 6 and "round 1 not over after 2s" in err
+        # the command it suggests runs as printed: `status` needs the Redis URL too (it said `status --cluster ID`,
+        # which exits 2 asking for --redis-url)
+        hint = err.rsplit("it may still finish: ", 1)[1].strip()
+        assert hint == f"fdeplb status --redis-url {redis_url} --cluster {cluster_id}", err
+        code, out, err = run(capsys, *hint.split()[1:])
+        assert code == 0 and "COLLECTING" in out, out + err
 
 
 def test_rearrange_says_why_a_round_waits_on_cleared_weights(redis_url, cluster_id, capsys, tmp_path):

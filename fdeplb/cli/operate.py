@@ -140,7 +140,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
         target = store.read_cluster().round
         store.request_commit(args.commit, by="cli")  # checks that round `target` is LOAD_SUCC with this plan
         print(f"commit of plan {args.commit} requested")
-        return wait_for_round(store, target, cursor, args.timeout) if args.wait else 0
+        return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url) if args.wait else 0
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
@@ -151,7 +151,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
     if not args.wait:
         return 0
     return wait_for_round(store, target, cursor, args.timeout,
-                          redis_url=args.redis_url if store.read_config().cordoned else None)
+                          redis_url=args.redis_url if store.read_config().cordoned else None, store_url=args.redis_url)
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:
@@ -173,14 +173,18 @@ def _wait_for_lease(store, timeout_s: float) -> str:
         time.sleep(0.2)
 
 
-def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str | None = None) -> int:
+def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str | None = None,
+                   store_url: str | None = None) -> int:
     """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
     balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
     skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
 
     ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
     returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
-    moved experts) and the ``rearrange --commit`` command that commits it."""
+    moved experts) and the ``rearrange --commit`` command that commits it.
+
+    ``store_url``: the ``--redis-url`` the store was opened with; the timeout's message suggests
+    ``fdeplb status --redis-url <store_url> --cluster <id>`` (``URL`` when not given)."""
     import time
 
     from fdeplb.errors import DeadlineError
@@ -200,7 +204,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
             blocker = _start_blocker(store) if rec.state is ClusterState.FREE and rec.round < target else ""
             raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
                                 f"{rec.round}{'; it ' + blocker if blocker else ''}); it may still finish: "
-                                f"fdeplb status --cluster {store.cluster}")
+                                f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}")
         for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
             if (a["machine"] == CLUSTER.name and a["to"] == ClusterState.FREE
                     and a["round"].isdigit() and int(a["round"]) >= target):
