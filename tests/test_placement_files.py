@@ -141,3 +141,30 @@ def test_cli_errors_map_to_exit_codes(real_data, tmp_path, capsys):
     old = write_placement(initial_placement(2, 64, 72, num_gpus=8), tmp_path / "old.json")
     assert main(["rebalance", "--load", str(load), "--num-replicas", "72", "--num-gpus", "8", "--old", str(old)]) == 2
     assert "no row for model layer" in capsys.readouterr().err
+
+
+def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_path, capsys):
+    """``*.json.gz`` dumps (the one bundled in the package) read as their JSON; a file named .gz that is not gzip,
+    or gzip of bytes that are not UTF-8, is a LoadFileError naming it (exit 2), as an unreadable JSON file is."""
+    import gzip
+    import importlib.resources
+
+    from fdeplb.errors import LoadFileError
+    from fdeplb.placement import read_expert_load
+
+    rows = [[5, 0, 3, 9], [1, 1, 2, 8]]
+    plain, packed = tmp_path / "load.json", tmp_path / "load.json.gz"
+    plain.write_text(json.dumps({"logical_count": rows}))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert np.array_equal(read_expert_load(packed).expert_load, read_expert_load(plain).expert_load)
+    bundled = importlib.resources.files("fdeplb.data").joinpath("dsv3_decode_in1000out1000.json.gz")
+    assert read_expert_load(bundled).expert_load.shape == (58, 256)
+    code = main(["rebalance", "--load", str(bundled), "--num-replicas", "288", "--num-gpus", "32"])
+    assert code == 0 and "balancedness" in capsys.readouterr().out
+    (tmp_path / "fake.json.gz").write_text(json.dumps({"logical_count": rows}))
+    (tmp_path / "latin.json.gz").write_bytes(gzip.compress(b'{"logical_count": [[1, 2]], "x": "\xff"}'))
+    for name in ("fake.json.gz", "latin.json.gz"):
+        with pytest.raises(LoadFileError, match=f"{name}: cannot read expert-load file"):
+            read_expert_load(tmp_path / name)
+    assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
+                 "--num-gpus", "2"]) == 2

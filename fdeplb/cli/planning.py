@@ -34,7 +34,7 @@ def register(subparsers) -> None:
         "and print balancedness, imbalance, max GPU load and moved experts before and after. 'Before' is the "
         "--old placement, or the trivial one (slot p holds expert p mod E).",
     )
-    p.add_argument("--load", required=True, metavar="FILE", help="expert-load dump (JSON)")
+    p.add_argument("--load", required=True, metavar="FILE", help="expert-load dump (JSON; gzip when named .gz)")
     p.add_argument("--num-replicas", required=True, type=int, metavar="R", help="slots per layer (physical experts)")
     p.add_argument("--num-groups", type=int, default=1, metavar="G", help="expert groups (DeepSeek-V3: 8)")
     p.add_argument("--num-nodes", type=int, default=1, metavar="N", help="server nodes")

@@ -160,18 +160,33 @@ def check_phy2log(
     return arr
 
 
+#: the most a gzip-compressed document may hold once decompressed (bytes): a real expert-load dump is a few MB
+MAX_GZIP_DOCUMENT_BYTES = 1 << 30
+
+
 def read_document(path, error: type[InputError], what: str) -> object:
-    """Parse a JSON file (YAML for ``.yaml``/``.yml``); failures raise ``error`` naming the file and ``what`` it is."""
+    """Parse a JSON file (YAML for ``.yaml``/``.yml``), gzip-compressed when its name ends in ``.gz`` (e.g. the dump
+    bundled in the package, ``fdeplb/data/*.json.gz``; at most :data:`MAX_GZIP_DOCUMENT_BYTES` decompressed);
+    failures raise ``error`` naming the file and ``what`` it is."""
+    import gzip
     from pathlib import Path
 
     p = Path(path)
+    name = p.name[:-3] if p.name.endswith(".gz") else p.name
     try:
-        text = p.read_text(encoding="utf-8")
+        if name == p.name:
+            text = p.read_text(encoding="utf-8")
+        else:
+            with gzip.open(p, "rb") as f:
+                data = f.read(MAX_GZIP_DOCUMENT_BYTES + 1)
+            if len(data) > MAX_GZIP_DOCUMENT_BYTES:
+                raise error(f"{p}: {what} holds more than {MAX_GZIP_DOCUMENT_BYTES} bytes once decompressed")
+            text = data.decode("utf-8")
     except FileNotFoundError:
         raise error(f"{p}: {what} not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
         raise error(f"{p}: cannot read {what}: {exc}") from None
-    if p.suffix in (".yaml", ".yml"):
+    if Path(name).suffix in (".yaml", ".yml"):
         import yaml
 
         try:
