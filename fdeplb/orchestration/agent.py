@@ -103,7 +103,9 @@ class ExpertLoadWindow:
             self._expire(now)  # time-based: would drop on any read as well
             full = self.max_steps is not None and len(self._entries) == self.max_steps
             kept = self._total - self._entries[0][1] if full else self._total  # >= 0: no wrap below
-            if load.size and bool(np.any(load > _INT64_MAX - kept)):
+            # per serving step: the two maxima bound every sum; the elementwise test only when they could wrap
+            if (load.size and int(load.max()) > _INT64_MAX - int(np.max(kept))
+                    and bool(np.any(load > _INT64_MAX - kept))):
                 raise InputError("expert counts would take the load window's sum past the int64 range")
             if full:
                 self._total -= self._entries.popleft()[1]

@@ -303,7 +303,11 @@ class Store:
         (:class:`ClusterRecord` / :class:`RankRecord` / :class:`WeightRecord`). :class:`NotFoundError` if it does
         not exist, :class:`CorruptRecordError` if it does not parse."""
         key = self._record_key(table, ep_rank)
-        raw = _hgetall(self._client, key)
+        return self._record(table, key, _hgetall(self._client, key))
+
+    @staticmethod
+    def _record(table: MachineTable, key: str, raw: dict) -> Any:
+        """``raw`` (HGETALL of ``key``) as a typed record of ``table``; errors as :meth:`read`."""
         if not raw:
             raise NotFoundError(f"no {table.name} record at {key}")
         return parse_record(record_type(table), key, _text(raw))
@@ -322,10 +326,9 @@ class Store:
         pipe = self._client.pipeline(transaction=False)
         pipe.hgetall(key)
         pipe.time()
-        raw, (sec, usec) = pipe.execute()
-        if not raw:
-            raise NotFoundError(f"no {CLUSTER.name} record at {key}")
-        return parse_record(record_type(CLUSTER), key, _text(raw)), int(sec) * 1000 + int(usec) // 1000
+        with _typed(key):
+            raw, (sec, usec) = pipe.execute()
+        return self._record(CLUSTER, key, raw), int(sec) * 1000 + int(usec) // 1000
 
     def read_rank(self, ep_rank: int) -> RankRecord:
         """The rank record of ``ep_rank``."""
@@ -1313,7 +1316,8 @@ class Store:
         (:meth:`request_weights`) refuses the start instead of leaving the round waiting for an update.
 
         Returns (accepted, the cluster record as read); :class:`StateError` when the weights refuse it,
-        :class:`CorruptRecordError` for a weight-status record that does not parse. Nothing is written when
+        :class:`CorruptRecordError` for a weight-status record that does not parse (:class:`NotFoundError` for a
+        missing one). Nothing is written when
         refused. ``reason`` as for :meth:`request_round`."""
         check_request_reason(reason)
         key = self._keys.rearrange
@@ -1330,7 +1334,8 @@ class Store:
                     if rec.state is not ClusterState.FREE or rec.requested > rec.round:
                         pipe.unwatch()
                         return False, rec
-                    weights = [parse_record(WeightRecord, wk, _text(_hgetall(pipe, wk))) for wk in wkeys]
+                    # read in one round trip (another connection): WATCH, issued before, still sees any change
+                    weights = self._strict([(WEIGHTS, r) for r in range(len(wkeys))])
                     unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
                     clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
                                 and w.request < rec.weights_request]
