@@ -727,8 +727,8 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     coordinator's planner on that snapshot gives the stored ``new_phy2log``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
-    from fdeplb.orchestration.coordinator import default_planner
-    from fdeplb.placement import moved_experts, plan_digest
+    from fdeplb.orchestration.gating import decide, default_planner
+    from fdeplb.placement import plan_digest
 
     config = source.read_config()
     new_of: dict[str, np.ndarray] = {}
@@ -772,9 +772,9 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
                                   f"({diff} of {new.size} slots differ)")
             recomputed.add(plan.plan_id)
-        figures = {"balancedness_before": _mean_balancedness(load, old, config.ep_size),
-                   "balancedness_after": _mean_balancedness(load, new, config.ep_size),
-                   "moved_experts": int(moved_experts(old, new, config.ep_size))}
+        decision = decide(load, old, new, config)
+        figures = {"balancedness_before": decision.balancedness_before,
+                   "balancedness_after": decision.balancedness_after, "moved_experts": decision.moved_experts}
         for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
             # the store keeps balancedness to 6 decimals (Store.save_plan); moved experts exactly
             if not math.isclose(getattr(stored, name), value, rel_tol=0.0, abs_tol=1e-6):
@@ -796,8 +796,7 @@ def check_gates(report: ReplayReport) -> list[int]:
     through; :class:`InputError` for a recording without header.
     """
     from fdeplb.orchestration import reasons
-    from fdeplb.orchestration.coordinator import default_planner
-    from fdeplb.placement import moved_experts
+    from fdeplb.orchestration.gating import plan_round
 
     source = Recorded(report)
     cfg = source.config
@@ -808,10 +807,9 @@ def check_gates(report: ReplayReport) -> list[int]:
         load, old = report.snapshots.get(seen.round), placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        new = np.asarray(default_planner(load, old, cfg), dtype=np.int64)
-        before, after = _mean_balancedness(load, old, cfg.ep_size), _mean_balancedness(load, new, cfg.ep_size)
-        moved = int(moved_experts(old, new, cfg.ep_size))
-        expected = reasons.gate(before, after, moved, cfg.min_gain)
+        decision = plan_round(load, old, cfg)
+        before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
+        expected = reasons.gated(decision)
         if expected is None:
             raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
                               f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
@@ -834,12 +832,6 @@ def _placements(report: ReplayReport, source: Recorded) -> dict[str, np.ndarray]
     return placements
 
 
-def _mean_balancedness(load: np.ndarray, phy2log: np.ndarray, ep_size: int) -> float:
-    from fdeplb.placement import balancedness
-
-    return float(np.mean(balancedness(load, phy2log, ep_size)))
-
-
 # ---- what-if -------------------------------------------------------------------------------------------------------
 def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     """Replan every recorded round that has a snapshot with ``policy`` (a name of
@@ -849,8 +841,8 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
     moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
     """
-    from fdeplb.orchestration.coordinator import default_planner
-    from fdeplb.placement import POLICIES, moved_experts
+    from fdeplb.orchestration.gating import decide, plan_round
+    from fdeplb.placement import POLICIES
 
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -864,15 +856,14 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
         old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        recorded = plan.new_phy2log if plan is not None else old
-        new = np.asarray(default_planner(load, old, cfg), dtype=np.int64)
-        mean = lambda phy2log: _mean_balancedness(load, phy2log, cfg.ep_size)  # noqa: E731
+        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg)
+        new = plan_round(load, old, cfg)
         rows.append({
             "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
             "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,
-            "balancedness_before": mean(old), "balancedness_recorded": mean(recorded), "balancedness_new": mean(new),
-            "moved_recorded": int(moved_experts(old, recorded, cfg.ep_size)),
-            "moved_new": int(moved_experts(old, new, cfg.ep_size)),
+            "balancedness_before": new.balancedness_before, "balancedness_recorded": recorded.balancedness_after,
+            "balancedness_new": new.balancedness_after,
+            "moved_recorded": recorded.moved_experts, "moved_new": new.moved_experts,
         })
     return rows
 

@@ -26,13 +26,12 @@ import re
 import threading
 from collections import Counter, defaultdict
 
-import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from fdeplb.errors import CorruptRecordError, FdeplbError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState
-from fdeplb.placement import balancedness
+from fdeplb.orchestration.gating import mean_balancedness
 from fdeplb.store import Store
 
 #: histogram bucket bounds in seconds
@@ -181,7 +180,7 @@ class ClusterCollector(Collector):
         except NotFoundError:
             placement = None
         if snapshot is not None and placement is not None:
-            bal.add_metric(["current"], float(np.mean(balancedness(snapshot, placement.phy2log, cfg.ep_size))))
+            bal.add_metric(["current"], mean_balancedness(snapshot, placement.phy2log, cfg.ep_size))
         if plan is not None:
             bal.add_metric(["planned"], plan.balancedness_after)
             moved.add_metric([], plan.moved_experts)

@@ -1,7 +1,8 @@
 """Orchestration: the coordinator (lease + fence) and the rank agent, reconcile loops that meet only in Redis."""
 
 from fdeplb.orchestration.agent import RankAgent
-from fdeplb.orchestration.coordinator import Coordinator, default_planner
+from fdeplb.orchestration.coordinator import Coordinator
+from fdeplb.orchestration.gating import default_planner
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.orchestration.handles import Fired, RecordHandle
 

@@ -28,8 +28,9 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
 from fdeplb.orchestration import reasons
+from fdeplb.orchestration.gating import Planner, decide, default_planner, mean_balancedness, plan_round
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.placement import MAX_LOAD, balancedness, check_phy2log, moved_experts, plan_digest, rebalance_experts
+from fdeplb.placement import MAX_LOAD, plan_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import stale_of
 
@@ -62,14 +63,6 @@ def default_holder_id() -> str:
     return f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
-    """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts` to the round's snapshot
-    (int64 [L, E]) and the current placement (int64 [L, P]); returns the new phy2log, int64 [L, P]."""
-    placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
-                                  cfg.ep_size, policy=cfg.policy, old_phy2log=old_phy2log)
-    return placement.phy2log
-
-
 class Coordinator:
     """Leader-elected driver of one cluster's rearrangement machine.
 
@@ -95,7 +88,7 @@ class Coordinator:
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
-                 planner: Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray] | None = None,
+                 planner: Planner | None = None,
                  interval_s: float | None = None, min_balancedness: float | None = None) -> None:
         if holder is not None:
             check_holder(holder)
@@ -390,17 +383,15 @@ class Coordinator:
         if not load.any():
             return self._skip(rec, "skipped: no tokens in the ranks' load windows")
         old = self.store.current_placement().phy2log
-        before = float(np.mean(balancedness(load, old, cfg.ep_size)))
+        before = mean_balancedness(load, old, cfg.ep_size)
         if self.min_balancedness is not None and before >= self.min_balancedness:
             return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
         try:
-            new = check_phy2log(self.planner(load, old, cfg), cfg.num_logical_experts, name="planned phy2log",
-                                shape=old.shape)
+            decision = plan_round(load, old, cfg, self.planner)
         except FdeplbError as err:
             return self._skip(rec, f"skipped: planning failed: {err}")
-        after = float(np.mean(balancedness(load, new, cfg.ep_size)))
-        moved = int(moved_experts(old, new, cfg.ep_size))
-        if moved == 0 or after - before <= cfg.min_gain:
+        after, moved = decision.balancedness_after, decision.moved_experts
+        if not decision.goes_on:
             return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
                                    f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts")
         self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
@@ -483,19 +474,18 @@ class Coordinator:
         except CorruptRecordError as err:  # computed again next round
             self.store.drop_plan(plan_id)
             return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
-        if new is None:
-            try:
-                new = check_phy2log(self.planner(snapshot, old, cfg), cfg.num_logical_experts,
-                                    name="planned phy2log", shape=old.shape)
-            except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
-                return self._abort(rec, f"planning failed: {err}")
-        before = float(np.mean(balancedness(snapshot, old, cfg.ep_size)))
-        after = float(np.mean(balancedness(snapshot, new, cfg.ep_size)))
-        moved = int(moved_experts(old, new, cfg.ep_size))
-        skip = reasons.gate(before, after, moved, cfg.min_gain)  # skip unless it moves and gains > min_gain
+        try:
+            if new is None:
+                decision = plan_round(snapshot, old, cfg, self.planner)
+            else:  # content-addressed: a retried round reuses the stored plan
+                decision = decide(snapshot, old, new, cfg)
+        except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
+            return self._abort(rec, f"planning failed: {err}")
+        new, before, after, moved = (decision.new_phy2log, decision.balancedness_before,
+                                     decision.balancedness_after, decision.moved_experts)
+        skip = reasons.gated(decision)  # skip unless it moves and gains > min_gain
         if skip:
-            return self._abort(rec, skip, balancedness_before=round(before, 4), balancedness_after=round(after, 4),
-                               gain=round(after - before, 4), min_gain=cfg.min_gain, moved_experts=moved)
+            return self._abort(rec, skip, **decision.detail())
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,

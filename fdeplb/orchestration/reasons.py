@@ -12,7 +12,13 @@ Pure text functions, no I/O. Ages and TTLs are milliseconds (Redis server clock)
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from enum import Enum
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from fdeplb.orchestration.gating import GateDecision
 
 #: reason of a ``start_refused`` note: ``start refused: stale ranks 2 (heartbeat 2412 ms ago), 3 (...)``
 REFUSED = "start refused: stale ranks "
@@ -49,19 +55,53 @@ def parse_fresh(reason: str) -> dict[int, tuple[int, int]] | None:
     return _items(reason, FRESH, _FRESH_ITEM, lambda m: (int(m[2]), int(m[3] or 0)))
 
 
-def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
-    """The gate on a planned round: None when it goes on (it moves an expert and gains more than ``min_gain`` in
-    mean balancedness ``after - before``), else the abort reason of the skip, with the numbers (4 decimals)."""
-    if moved != 0 and after - before > min_gain:
+def gated(decision: "GateDecision") -> str | None:
+    """The abort reason of a round the gate skips (:class:`fdeplb.orchestration.gating.GateDecision`), with the
+    numbers (4 decimals); None when the round goes on."""
+    why = decision.why_skipped
+    if why is None:
         return None
-    why = (f"planned gain {after - before:.4f} <= min_gain {min_gain}" if after - before <= min_gain
-           else "the plan moves no expert")
-    return f"{GATED}{why} (balancedness {before:.4f} -> {after:.4f}, {moved} moved experts)"
+    return (f"{GATED}{why} (balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}, "
+            f"{decision.moved_experts} moved experts)")
+
+
+def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
+    """:func:`gated` for bare figures: mean balancedness ``before`` / ``after``, ``moved`` experts, ``min_gain``."""
+    from fdeplb.orchestration.gating import GateDecision
+
+    return gated(GateDecision(np.empty((0, 0), dtype=np.int64), before, after, moved, min_gain))
 
 
 def external_commit(by: str) -> str:
     """The reason of a cordoned cluster's commit, naming who requested it (``""``: an older request, unnamed)."""
     return EXTERNAL + (by or "operator")
+
+
+class RoundOutcome(str, Enum):
+    """How a round ended, as :func:`round_outcome` reads it from the round's last cluster audit record."""
+
+    RUNNING = "running"        # not back to FREE yet
+    REARRANGED = "rearranged"  # DONE -> FREE: the plan was committed and swapped everywhere
+    SKIPPED = "skipped"        # a gated abort: nothing worth moving (a normal outcome, with its numbers)
+    ABORTED = "aborted"        # any other abort: the old placement stayed active
+
+
+def round_outcome(last: Mapping[str, Any] | None) -> tuple[RoundOutcome, str]:
+    """The one rule for a round's outcome: (outcome, reason) from its last cluster audit record (a mapping with
+    ``from``, ``to``, ``trigger``, ``reason``; None: nothing recorded, an abort). The reason of a skip is the gate's
+    text without its ``gated: skipped:`` prefix."""
+    from fdeplb.machines.tables import ClusterState
+
+    if last is None:
+        return RoundOutcome.ABORTED, "no cluster transition recorded"
+    if last["to"] != ClusterState.FREE:
+        return RoundOutcome.RUNNING, ""
+    if last["from"] == ClusterState.DONE:
+        return RoundOutcome.REARRANGED, ""
+    reason = str(last["reason"])
+    if reason.startswith(GATED):
+        return RoundOutcome.SKIPPED, reason.removeprefix(GATED).strip()
+    return RoundOutcome.ABORTED, reason or f"{last['from']} -> {last['to']} ({last['trigger']})"
 
 
 def _items(reason: str, prefix: str, item: re.Pattern, value):

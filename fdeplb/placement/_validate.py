@@ -7,24 +7,16 @@ and arguments, :class:`TopologyError` for a topology that cannot hold a placemen
 from __future__ import annotations
 
 import json
-import operator
-
 import numpy as np
 
+from fdeplb.checks import check_int as strict_int
 from fdeplb.errors import InputError, TopologyError
 
 
 def check_int(value: object, name: str, *, minimum: int = 1) -> int:
-    """``value`` as a Python int >= ``minimum``; bools, floats and strings are refused with :class:`InputError`."""
-    if isinstance(value, bool):
-        raise InputError(f"{name} must be an integer, got bool {value!r}")
-    try:
-        out = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise InputError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
-    if out < minimum:
-        raise InputError(f"{name} must be >= {minimum}, got {out}")
-    return out
+    """``value`` as a Python int >= ``minimum``; bools, floats and strings are refused with :class:`InputError`
+    (:func:`fdeplb.checks.check_int`)."""
+    return strict_int(value, name, lo=minimum)
 
 
 #: largest expert_load value accepted (tokens): 2**53, the last integer float64 holds exactly.

@@ -91,16 +91,12 @@ def plural(n: int, word: str, many: str | None = None) -> str:
 
 
 def outcome_of(last: Any) -> tuple[str, str]:
-    """(``outcome``, ``reason``) of a round from its last cluster audit record: ``rearranged`` (DONE -> FREE),
-    ``skipped`` (a gated abort: nothing worth moving; the reason has its numbers) or ``aborted`` (any other abort)."""
-    if last is None:
-        return "aborted", "no cluster transition recorded"
-    if last["to"] == ClusterState.FREE and last["from"] == ClusterState.DONE:
-        return "rearranged", ""
-    reason = last["reason"]
-    if reason.startswith("gated:"):
-        return "skipped", reason.removeprefix("gated:").strip().removeprefix("skipped:").strip()
-    return "aborted", reason or f"{last['from']} -> {last['to']} ({last['trigger']})"
+    """(``outcome``, ``reason``) of a round from its last cluster audit record
+    (:func:`fdeplb.orchestration.reasons.round_outcome`, as text)."""
+    from fdeplb.orchestration.reasons import round_outcome
+
+    outcome, reason = round_outcome(last)
+    return outcome.value, reason
 
 
 def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str, Any]:
@@ -111,7 +107,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     """
     if not opts.timeout_s > 0:
         raise InputError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
-    from fdeplb.placement import balancedness, initial_placement, read_expert_load
+    from fdeplb.placement import initial_placement, read_expert_load
     from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id, temp_workdir
     from fdeplb.sim.shares import integral_load
     from fdeplb.store.embedded import EmbeddedRedis
@@ -199,7 +195,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
             from fdeplb.recording import export_recording
 
             export_recording(store, opts.export_audit)
-        summary = _summarize(store, config, load, initial, audit, final, balancedness)
+        summary = _summarize(store, config, load, initial, audit, final)
         summary["round_seconds"] = round(round_s, 3)
         summary["trace"] = str(opts.trace) if opts.trace else f"bundled:{Path(trace.path).name}"
         outcome = summary["outcome"]
@@ -269,7 +265,9 @@ def format_audit(a) -> str:
 
 
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
-               final: dict, balancedness) -> dict[str, Any]:
+               final: dict) -> dict[str, Any]:
+    from fdeplb.orchestration.gating import mean_balancedness
+
     placement = store.current_placement()
     plan_id, current = placement.plan_id, placement.phy2log
     plan = store.read_plan(plan_id)
@@ -297,8 +295,8 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "plan_id": plan_id,
         "policy": config.policy,
         "topology": config.topology(),
-        "balancedness_before": float(np.mean(balancedness(load, initial, config.ep_size))),
-        "balancedness_after": float(np.mean(balancedness(load, current, config.ep_size))),
+        "balancedness_before": mean_balancedness(load, initial, config.ep_size),
+        "balancedness_after": mean_balancedness(load, current, config.ep_size),
         "moved_experts": plan.moved_experts if plan and outcome == "rearranged" else 0,
         "experts_loaded_from_disk": sum(r.disk for r in ranks),
         "experts_copied_locally": sum(r.local for r in ranks),

@@ -1,0 +1,106 @@
+"""Gating: whether a planned round is worth running. The one rule, used by the coordinator (its periodic trigger
+and PLANNING) and by the replay (plan, gate and what-if checks), so the live cluster and a recording's check
+cannot disagree.
+
+A round goes on when its plan moves at least one expert **and** gains more than the cluster's ``min_gain`` in mean
+balancedness (``after - before``, balancedness as :func:`fdeplb.placement.balancedness`: per layer mean GPU load /
+max GPU load, averaged over layers). Otherwise it is *skipped*: a normal, audited outcome with its numbers, not a
+failure. This is the gain gate of SGLang's ``eplb_min_rebalancing_utilization_threshold`` turned into a planned
+comparison: the plan is computed first, so the gate judges the placement the round would actually commit.
+
+Pure numpy, no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from fdeplb.placement import balancedness, check_phy2log, moved_experts, rebalance_experts
+from fdeplb.store import ClusterConfig
+
+__all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balancedness", "plan_round"]
+
+#: (expert_load int64 [L, E], old phy2log int64 [L, P], config) -> new phy2log int64 [L, P]
+Planner = Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray]
+
+
+def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+    """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts` to the round's snapshot
+    (int64 [L, E]) and the current placement (int64 [L, P]); returns the new phy2log, int64 [L, P].
+
+    Raises :class:`~fdeplb.errors.InputError` / :class:`~fdeplb.errors.TopologyError` for a load or topology the
+    policy cannot place."""
+    placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
+                                  cfg.ep_size, policy=cfg.policy, old_phy2log=old_phy2log)
+    return placement.phy2log
+
+
+def mean_balancedness(expert_load: np.ndarray, phy2log: np.ndarray, ep_size: int) -> float:
+    """Mean over layers of :func:`fdeplb.placement.balancedness` (``expert_load`` [L, E], ``phy2log`` int64
+    [L, P]): the one figure the gate, ``status`` and the replay compare. A float in (0, 1]."""
+    return float(np.mean(balancedness(expert_load, phy2log, ep_size)))
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """A planned round and the gate's verdict on it.
+
+    ``new_phy2log``: int64 [L, P], the plan; ``balancedness_before`` / ``balancedness_after``: mean balancedness of
+    the current placement and of the plan on the round's load; ``moved_experts``: experts the plan puts on a GPU
+    that did not hold them (:func:`fdeplb.placement.moved_experts`); ``min_gain``: the cluster's threshold.
+    """
+
+    new_phy2log: np.ndarray
+    balancedness_before: float
+    balancedness_after: float
+    moved_experts: int
+    min_gain: float
+
+    @property
+    def gain(self) -> float:
+        return self.balancedness_after - self.balancedness_before
+
+    @property
+    def goes_on(self) -> bool:
+        """The rule: the plan moves an expert and gains more than ``min_gain``."""
+        return self.moved_experts != 0 and self.gain > self.min_gain
+
+    @property
+    def why_skipped(self) -> str | None:
+        """None when the round goes on; else why not, with the numbers (4 decimals)."""
+        if self.goes_on:
+            return None
+        if self.gain <= self.min_gain:
+            return f"planned gain {self.gain:.4f} <= min_gain {self.min_gain}"
+        return "the plan moves no expert"
+
+    def detail(self) -> dict[str, Any]:
+        """The gate's figures as JSON-able values (the structured detail an audit record carries)."""
+        return {"balancedness_before": self.balancedness_before, "balancedness_after": self.balancedness_after,
+                "gain": self.gain, "min_gain": self.min_gain, "moved_experts": self.moved_experts}
+
+
+def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.ndarray,
+           cfg: ClusterConfig) -> GateDecision:
+    """The gate on an already planned ``new_phy2log`` (int64 [L, P]) for ``expert_load`` [L, E] from
+    ``old_phy2log`` (int64 [L, P]), with ``cfg.min_gain``. No error for well-formed arrays."""
+    return GateDecision(new_phy2log=new_phy2log,
+                        balancedness_before=mean_balancedness(expert_load, old_phy2log, cfg.ep_size),
+                        balancedness_after=mean_balancedness(expert_load, new_phy2log, cfg.ep_size),
+                        moved_experts=int(moved_experts(old_phy2log, new_phy2log, cfg.ep_size)),
+                        min_gain=cfg.min_gain)
+
+
+def plan_round(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig,
+               planner: Planner = default_planner) -> GateDecision:
+    """Plan ``expert_load`` (int64 [L, E]) from ``old_phy2log`` (int64 [L, P]) with ``planner`` and gate the plan.
+
+    The planner's output is checked (:func:`fdeplb.placement.check_phy2log`: shape [L, P], every logical expert
+    present): a planner bug is an :class:`~fdeplb.errors.InputError`, never a committed malformed placement.
+    Raises what ``planner`` raises (an :class:`~fdeplb.errors.FdeplbError` for a load or topology it refuses)."""
+    new = check_phy2log(planner(expert_load, old_phy2log, cfg), cfg.num_logical_experts, name="planned phy2log",
+                        shape=old_phy2log.shape)
+    return decide(expert_load, old_phy2log, np.asarray(new, dtype=np.int64), cfg)
