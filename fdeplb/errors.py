@@ -38,6 +38,18 @@ class TopologyError(InputError):
     code = "bad_topology"
 
 
+class RedundancyError(TopologyError):
+    """Fail closed: some logical expert would have no replica on a live EP rank (every replica sat on excluded
+    ranks and the live ranks hold no redundant replica to give up). ``orphans`` lists the uncovered experts as
+    ``(layer, log_id)`` pairs, in order; nothing is placed or committed."""
+
+    code = "redundancy_insufficient"
+
+    def __init__(self, message: str, orphans: "list[tuple[int, int]] | None" = None) -> None:
+        super().__init__(message)
+        self.orphans = list(orphans or [])
+
+
 class ReplayError(InputError):
     """A recording (exported audit) that does not replay: an illegal or out-of-order transition, a version gap, a
     fence going backwards, a guard that did not hold, a broken audit chain, or a plan that does not reproduce. The

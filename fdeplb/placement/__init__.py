@@ -9,6 +9,7 @@ from fdeplb.placement._validate import MAX_LOAD, check_counts, check_expert_load
 from fdeplb.placement.core import Placement, initial_placement
 from fdeplb.placement.digest import plan_digest, routing_digest
 from fdeplb.placement.files import FORMATS, PlacementFile, read_placement, write_placement
+from fdeplb.placement.live_ranks import check_live_ranks, live_maps, orphaned_experts, replace_orphans
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
 from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
 from fdeplb.placement.rebalance import POLICIES, rebalance_experts
@@ -24,17 +25,21 @@ __all__ = [
     "check_counts",
     "check_expert_load",
     "check_int",
+    "check_live_ranks",
     "check_phy2log",
     "check_topology",
     "gpu_loads",
     "imbalance",
     "initial_placement",
+    "live_maps",
     "load_digest",
     "moved_bytes",
     "moved_experts",
+    "orphaned_experts",
     "plan_digest",
     "read_expert_load",
     "read_placement",
+    "replace_orphans",
     "routing_digest",
     "rebalance_experts",
     "write_placement",

@@ -6,12 +6,13 @@ from typing import Callable
 
 import numpy as np
 
-from fdeplb.errors import InputError
+from fdeplb.errors import InputError, RedundancyError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
 from fdeplb.placement.core import Placement
 from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_placement
 from fdeplb.placement.greedy import greedy_phy2log
+from fdeplb.placement.live_ranks import check_live_ranks, live_slots, replace_orphans
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
 
@@ -67,6 +68,7 @@ def rebalance_experts(
     old_phy2log: object = None,
     tolerance: float = 0.0005,
     max_moved_experts: int | None = None,
+    live_ranks: object = None,
 ) -> Placement:
     """Compute a placement of ``num_replicas`` slots per layer for the given expert loads.
 
@@ -101,6 +103,13 @@ def rebalance_experts(
             hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) moving groups to another node is
             charged to the cap too: when the cap cannot pay for "balanced"'s node packing, the old group-to-node
             map is kept and only moves inside nodes are made.
+        live_ranks: which EP ranks serve (bool [num_gpus] or a list of ep_rank ints; default None: all). With some
+            rank not live, the policy plans on the live ranks' slots only (see :mod:`fdeplb.placement.live_ranks`):
+            experts orphaned in ``old_phy2log`` first take a redundant live slot (:func:`replace_orphans`), then
+            the policy runs over the live GPUs (hierarchically when every node keeps the same number of live
+            GPUs, else the global policy) and its result fills the live slots; slots of the other ranks keep
+            their old entries (the initial placement's without ``old_phy2log``) and are never routed to. log2phy
+            is then in phy_id order.
 
     Returns:
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
@@ -111,6 +120,7 @@ def rebalance_experts(
             a ``max_moved_experts`` below the moves needed to put every group on one node when ``old_phy2log``
             spreads a group over several nodes.
         TopologyError: a topology that cannot hold the placement (see :func:`check_topology`).
+        RedundancyError: (a TopologyError) with ``live_ranks``, some logical expert cannot get a live slot.
     """
     load = check_expert_load(expert_load)
     L, E = load.shape
@@ -131,6 +141,11 @@ def rebalance_experts(
             raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
         cap = None if max_moved_experts is None else check_int(max_moved_experts, "max_moved_experts", minimum=0)
         options = {"tolerance": tol, "max_moved_experts": cap}
+    live = check_live_ranks(live_ranks, num_gpus)
+    if not live.all():
+        phy2log = _plan_live(fn, load, num_replicas, num_groups, num_nodes, num_gpus, old, live, options)
+        return Placement.from_phy2log(phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes,
+                                      num_gpus=num_gpus)
     phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
     rank = None
     if isinstance(phy2log, tuple):
@@ -138,3 +153,27 @@ def rebalance_experts(
     return Placement.from_phy2log(
         phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, replica_rank=rank
     )
+
+
+def _plan_live(fn, load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+               old: np.ndarray | None, live: np.ndarray, options: dict) -> np.ndarray:
+    """phy2log int64 [L, P] planned by ``fn`` over the live ranks' slots only (see ``live_ranks`` above)."""
+    L, E = load.shape
+    slots = live_slots(num_replicas, num_gpus, live)
+    n_live = int(live.sum())
+    p_live = int(slots.sum())
+    if p_live < E:
+        raise RedundancyError(f"redundancy insufficient: the {n_live} live ranks hold {p_live} slots per layer, "
+                              f"fewer than the {E} logical experts", [(l, e) for l in range(L) for e in range(E)])
+    base = (np.tile(np.arange(num_replicas, dtype=np.int64) % E, (L, 1)) if old is None
+            else replace_orphans(old, E, num_gpus, live, load))
+    per_node = live.reshape(num_nodes, -1).sum(axis=1)
+    groups, nodes = (num_groups, num_nodes) if (per_node == per_node[0]).all() else (1, 1)
+    p_live, groups, nodes, n_live, hierarchical = check_topology(E, p_live, groups, nodes, n_live)
+    planned = fn(load, p_live, groups, nodes, n_live, hierarchical, None if old is None else base[:, slots],
+                 **options)
+    if isinstance(planned, tuple):
+        planned = planned[0]
+    new = base.copy()
+    new[:, slots] = planned
+    return new
