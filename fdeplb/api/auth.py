@@ -1,87 +1,26 @@
-"""API credentials: where they come from, and the constant-time check.
+"""How the API authenticates a request: FastDeploy's body fields on POST routes, HTTP Basic on GET routes.
 
-Credentials come from the environment (``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD``) or from a file whose first
-line is ``USER:PASSWORD`` (``--credentials-file``); never from a command-line value (it would show in ``ps``). Both
-values are registered with :func:`fdeplb.log.register_secret`, so no log line ever carries them.
-
-POST routes take FastDeploy's ``user`` / ``passwd`` body fields; GET routes take HTTP Basic auth. Both are compared
-with :func:`hmac.compare_digest` (user and password always both compared: the time does not say which was wrong).
+POST routes take FastDeploy's ``user`` / ``passwd`` body fields; GET routes take HTTP Basic auth, parsed by
+:class:`fastapi.security.HTTPBasic` (``auto_error=False``: a missing or malformed header is our own 401, not
+FastAPI's). Both are compared by :meth:`Credentials.matches` (constant time). Where the credentials come from
+(environment or file) is :mod:`fdeplb.credentials`, re-exported here.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
-import os
-import stat
-from dataclasses import dataclass
-from pathlib import Path
+from fastapi import HTTPException, Request
+from fastapi.security import HTTPBasic
 
-from fdeplb.errors import AuthError, InputError
-from fdeplb.log import register_secret
+from fdeplb.credentials import ENV_PASSWORD, ENV_USER, Credentials, file_is_private, load_credentials
+from fdeplb.errors import AuthError
 
-ENV_USER = "FDEPLB_API_USER"
-ENV_PASSWORD = "FDEPLB_API_PASSWORD"
+__all__ = ["AUTH_FAILED", "ENV_PASSWORD", "ENV_USER", "Credentials", "check_basic", "check_body",
+           "file_is_private", "load_credentials"]
+
 #: FastDeploy's answer to wrong credentials (same text)
 AUTH_FAILED = "user or passwd is invalid"
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """The one user and password the API accepts. ``repr`` never shows the password."""
-
-    user: str
-    password: str
-
-    def __post_init__(self) -> None:
-        if not self.user or not self.password:
-            raise InputError("API credentials need a non-empty user and a non-empty password")
-        if ":" in self.user:
-            raise InputError("the API user may not contain ':' (HTTP Basic separates user and password with it)")
-        register_secret(self.password)
-
-    def __repr__(self) -> str:
-        return f"Credentials(user={self.user!r}, password=[redacted])"
-
-    def matches(self, user: object, password: object) -> bool:
-        """Constant-time comparison of both values (a non-string never matches)."""
-        u = user.encode() if isinstance(user, str) else b""
-        p = password.encode() if isinstance(password, str) else b""
-        ok_user = hmac.compare_digest(u, self.user.encode())
-        ok_password = hmac.compare_digest(p, self.password.encode())
-        return ok_user & ok_password & isinstance(user, str) & isinstance(password, str)
-
-
-def load_credentials(credentials_file: str | os.PathLike | None = None,
-                     environ: dict[str, str] | None = None) -> Credentials | None:
-    """Credentials from ``credentials_file`` (first line ``USER:PASSWORD``) or else from the environment; None when
-    neither gives any. :class:`InputError` for an unreadable or malformed file, or only one of the two variables."""
-    env = os.environ if environ is None else environ
-    if credentials_file is not None:
-        path = Path(credentials_file)
-        try:
-            first = path.read_text(encoding="utf-8").splitlines()[:1]
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"cannot read the credentials file {path}: {exc}") from None
-        user, sep, password = (first[0] if first else "").partition(":")
-        if not sep:
-            raise InputError(f"credentials file {path}: the first line must be USER:PASSWORD")
-        return Credentials(user.strip(), password.rstrip("\r\n"))
-    user, password = env.get(ENV_USER, ""), env.get(ENV_PASSWORD, "")
-    if not user and not password:
-        return None
-    if not user or not password:
-        raise InputError(f"set both {ENV_USER} and {ENV_PASSWORD} (only one is set)")
-    return Credentials(user, password)
-
-
-def file_is_private(path: str | os.PathLike) -> bool:
-    """True unless the file is readable by group or others."""
-    try:
-        return not (os.stat(path).st_mode & (stat.S_IRGRP | stat.S_IROTH))
-    except OSError:
-        return True
+#: the HTTP Basic parser; ``auto_error=False`` returns None for a missing header or another scheme
+_BASIC = HTTPBasic(auto_error=False)
 
 
 def check_body(credentials: Credentials | None, body: dict) -> None:
@@ -90,25 +29,14 @@ def check_body(credentials: Credentials | None, body: dict) -> None:
         raise AuthError(AUTH_FAILED)
 
 
-def basic_pair(header: str | None) -> tuple[str, str] | None:
-    """(user, password) of an ``Authorization: Basic ...`` header, None when absent or malformed."""
-    if not header:
-        return None
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "basic" or not token:
-        return None
-    try:
-        text = base64.b64decode(token.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        return None
-    user, sep, password = text.partition(":")
-    return (user, password) if sep else None
-
-
-def check_basic(credentials: Credentials | None, header: str | None) -> None:
-    """HTTP Basic auth of a GET route; :class:`AuthError` unless it matches (None: no auth)."""
+async def check_basic(credentials: Credentials | None, request: Request) -> None:
+    """HTTP Basic auth of a GET route; :class:`AuthError` unless it matches (None: no auth). A header that is
+    absent, of another scheme, not base64 or without ``:`` is the same :class:`AuthError` as a wrong password."""
     if credentials is None:
         return
-    pair = basic_pair(header)
-    if pair is None or not credentials.matches(*pair):
+    try:
+        given = await _BASIC(request)
+    except HTTPException:  # malformed: HTTPBasic raises even with auto_error=False
+        given = None
+    if given is None or not credentials.matches(given.username, given.password):
         raise AuthError(AUTH_FAILED)

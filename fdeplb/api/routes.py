@@ -1,10 +1,11 @@
 """The FastAPI router (mountable into a serving node's existing app) and the app factory of ``fdeplb serve``.
 
-Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic), then
-validates, then acts. Errors never escape as 5xx tracebacks: a :class:`~fdeplb.errors.FdeplbError` becomes
-``{"code": 1, "msg": "<one line>"}`` with the status of :func:`fdeplb.errors.http_status`; anything else is a 500
-with a generic message (and a log line). Query parameters are taken as text and checked here, so a bad one is a
-400 with one line, not FastAPI's 422 list.
+Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic, parsed by
+``fastapi.security.HTTPBasic``), then validates, then acts. Errors never escape as 5xx tracebacks: a
+:class:`~fdeplb.errors.FdeplbError` becomes ``{"code": 1, "msg": "<one line>"}`` with the status of
+:func:`fdeplb.errors.http_status`; anything else is a 500 with a generic message (and a log line). Query parameters
+are taken as text and checked after the authentication (:mod:`fdeplb.api.service`), so a bad one is a 400 with one
+line, not FastAPI's 422 list.
 """
 
 from __future__ import annotations
@@ -65,40 +66,58 @@ def _reply(reply: tuple[int, dict]) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
+class _Routes:
+    """What every route of one router shares: the store, the settings, the credentials check, the body reader, the
+    waiting calls' own thread pool and the metrics registry."""
+
+    def __init__(self, store: Store, credentials: Credentials | None, settings: ApiSettings) -> None:
+        self.store, self.credentials, self.settings = store, credentials, settings
+        self._waiting_limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ClusterCollector(store))
+
+    async def in_waiting_thread(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread of the waiting calls' own pool (:attr:`ApiSettings.max_waiting`), not
+        of the one every other route shares: 40 long-polls used to leave /health unanswered until they ended."""
+        if self._waiting_limiter is None:
+            self._waiting_limiter = anyio.CapacityLimiter(self.settings.max_waiting)
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=self._waiting_limiter)
+
+    async def body_of(self, request: Request, model):
+        """The JSON body of a POST route, authenticated (FastDeploy's ``user`` / ``passwd``), then validated."""
+        doc = await read_json_object(request, max_bytes=self.settings.max_body_bytes,
+                                     max_depth=self.settings.max_depth)
+        log.debug("request body", path=request.url.path,  # passwd is redacted by fdeplb.log, whatever it holds
+                  body={k: v if k in ("user", "passwd", "action") else type(v).__name__ for k, v in doc.items()})
+        check_body(self.credentials, doc)
+        return validate(model, doc)
+
+    async def basic(self, request: Request) -> None:
+        """HTTP Basic authentication of a GET route (:func:`fdeplb.api.auth.check_basic`)."""
+        await check_basic(self.credentials, request)
+
+
 def create_router(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> APIRouter:
     """The EPLB routes of one cluster (see README "Operating over HTTP").
 
     ``credentials`` None serves without authentication (``fdeplb serve --insecure-no-auth`` only)."""
-    settings = settings or ApiSettings()
     router = APIRouter()
-    waiting_limiter: list[anyio.CapacityLimiter] = []  # made on first use, inside the event loop
+    routes = _Routes(store, credentials, settings or ApiSettings())
+    _fastdeploy_routes(router, routes)
+    _read_only_routes(router, routes)
+    return router
 
-    async def in_waiting_thread(fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` in a worker thread of the waiting calls' own pool (:attr:`ApiSettings.max_waiting`), not
-        of the one every other route shares: 40 long-polls used to leave /health unanswered until they ended."""
-        if not waiting_limiter:
-            waiting_limiter.append(anyio.CapacityLimiter(settings.max_waiting))
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args), limiter=waiting_limiter[0])
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(ClusterCollector(store))
 
-    async def body_of(request: Request, model):
-        doc = await read_json_object(request, max_bytes=settings.max_body_bytes, max_depth=settings.max_depth)
-        log.debug("request body", path=request.url.path,  # passwd is redacted by fdeplb.log, whatever it holds
-                  body={k: v if k in ("user", "passwd", "action") else type(v).__name__ for k, v in doc.items()})
-        check_body(credentials, doc)
-        return validate(model, doc)
+def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
+    """FastDeploy's EPLB routes, with its bodies and answers."""
+    store, settings = ctx.store, ctx.settings
 
-    def basic(request: Request) -> None:
-        check_basic(credentials, request.headers.get("authorization"))
-
-    # ---- FastDeploy's routes ----------------------------------------------------------------------------------
     @router.post("/rearrange_experts", openapi_extra=openapi_body(RearrangeBody), tags=["fastdeploy"])
     @_guarded
     async def rearrange_experts(request: Request) -> Response:
         """Start a round (action ""), supply the next round's load (recv_expert_weight) or commit a cordoned
         round (update_weight_from_tensor)."""
-        body = await body_of(request, RearrangeBody)
+        body = await ctx.body_of(request, RearrangeBody)
         if body.action == "":
             return _reply(await run_in_threadpool(service.start_round, store, body.ips))
         if body.action == "recv_expert_weight":
@@ -111,14 +130,14 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     @_guarded
     async def get_per_expert_tokens_stats(request: Request) -> Response:
         """Every rank's last published expert_load window."""
-        body = await body_of(request, StatsBody)
+        body = await ctx.body_of(request, StatsBody)
         return _reply(await run_in_threadpool(service.expert_stats, store, body.clear_stat))
 
     @router.post("/check_redundant", openapi_extra=openapi_body(CheckBody), tags=["fastdeploy"])
     @_guarded
     async def check_redundant(request: Request) -> Response:
         """The rearrangement status (action "") or the ranks' load results (check_load_weight_result)."""
-        body = await body_of(request, CheckBody)
+        body = await ctx.body_of(request, CheckBody)
         if body.action == "":
             return _reply(await run_in_threadpool(service.rearrange_status, store, body.check_get_workloads))
         if body.action == "check_load_weight_result":
@@ -129,29 +148,34 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     @_guarded
     async def update_model_weight(request: Request) -> Response:
         """Reload every rank's weights (in the current placement) and wait for them."""
-        basic(request)
-        return _reply(await in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
+        await ctx.basic(request)
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
 
     @router.get("/clear_load_weight", tags=["fastdeploy"])
     @_guarded
     async def clear_load_weight(request: Request) -> Response:
         """Free every rank's weights and wait for them."""
-        basic(request)
-        return _reply(await in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
+        await ctx.basic(request)
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
 
     @router.get("/health", tags=["fastdeploy"])
     @_guarded
     async def health(request: Request) -> Response:
-        """200 when Redis answers and every registered rank's heartbeat is fresh, else 503 with the reason."""
-        basic(request)
-        return _reply(await run_in_threadpool(service.health, store, settings.heartbeat_stale_ms))
+        """200 when Redis answers and every registered rank's heartbeat is within its TTL, else 503 with the
+        reason."""
+        await ctx.basic(request)
+        return _reply(await run_in_threadpool(service.health, store))
 
-    # ---- read-only routes -------------------------------------------------------------------------------------
+
+def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
+    """fdeplb's own read-only routes: state, audit, placement, statecharts, metrics."""
+    store, settings = ctx.store, ctx.settings
+
     @router.get("/v1/state", tags=["fdeplb"])
     @_guarded
     async def v1_state(request: Request) -> Response:
         """Every machine's state, version, round and plan (as ``fdeplb status --json``)."""
-        basic(request)
+        await ctx.basic(request)
         return JSONResponse(await run_in_threadpool(service.state, store))
 
     @router.get("/v1/audit", tags=["fdeplb"])
@@ -159,15 +183,15 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     async def v1_audit(request: Request, since: str | None = None, limit: str | None = None,
                        wait_ms: str | None = None) -> Response:
         """Audit records after ``since`` (an audit id), at most ``limit`` (default 1000); ``wait_ms`` long-polls."""
-        basic(request)
-        run = in_waiting_thread if wait_ms not in (None, "", "0") else run_in_threadpool
+        await ctx.basic(request)
+        run = ctx.in_waiting_thread if wait_ms not in (None, "", "0") else run_in_threadpool
         return JSONResponse(await run(service.audit, store, since, limit, wait_ms))
 
     @router.get("/v1/placement", tags=["fdeplb"])
     @_guarded
     async def v1_placement(request: Request, format: str | None = None) -> Response:  # noqa: A002 - the query name
         """The current placement as phy2log / log2phy / logcnt, or as a placement file (``format``)."""
-        basic(request)
+        await ctx.basic(request)
         out = await run_in_threadpool(service.placement, store, format)
         if isinstance(out, dict):
             return JSONResponse(out)
@@ -178,7 +202,7 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     @_guarded
     async def v1_statechart(request: Request, machine: str) -> Response:
         """The state diagram of ``machine`` (cluster, rank, weights) as SVG."""
-        basic(request)
+        await ctx.basic(request)
         svg = await run_in_threadpool(service.statechart_svg, machine, settings.statecharts_dir)
         return Response(svg, media_type="image/svg+xml")
 
@@ -186,10 +210,8 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     @_guarded
     async def metrics(request: Request) -> Response:
         """Prometheus metrics of the cluster (computed from Redis at scrape time)."""
-        basic(request)
-        return Response(await run_in_threadpool(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
-
-    return router
+        await ctx.basic(request)
+        return Response(await run_in_threadpool(generate_latest, ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def create_app(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> FastAPI:

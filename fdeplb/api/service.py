@@ -11,7 +11,6 @@ agents registered (``Store.rank_info()``), and Redis carries the fan-out.
 from __future__ import annotations
 
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +19,11 @@ from typing import Any
 import numpy as np
 import structlog
 
+from fdeplb.checks import check_int
 from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, StateError
 from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
+from fdeplb.recording import audit_dict
+from fdeplb.status import cluster_status, unhealthy_ranks
 from fdeplb.store import Store
 
 log = structlog.get_logger("fdeplb.api")
@@ -50,15 +52,15 @@ class ApiSettings:
     """How the API serves one cluster.
 
     ``weights_timeout_s``: how long ``/update_model_weight`` and ``/clear_load_weight`` wait for every rank
-    (FastDeploy: 300 s). ``heartbeat_stale_ms``: ``/health`` reports a registered rank unhealthy past this
-    (FastDeploy: 30 s). ``max_body_bytes`` / ``max_depth``: request body limits. ``statecharts_dir``: where the
+    (FastDeploy: 300 s). ``/health`` has no setting of its own: a rank is unhealthy when its heartbeat outlived
+    the TTL its agent wrote (the coordinator's rule, :mod:`fdeplb.status`). ``max_body_bytes`` / ``max_depth``:
+    request body limits. ``statecharts_dir``: where the
     ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz).
     ``max_waiting``: calls that wait on the cluster (``/v1/audit`` with ``wait_ms``, ``/update_model_weight``,
     ``/clear_load_weight``) served at once; more wait their turn. They have their own worker threads, so however
     many are pending, the other routes (``/health`` first) still answer at once."""
 
     weights_timeout_s: float = 300.0
-    heartbeat_stale_ms: int = 30_000
     max_body_bytes: int = 8 << 20
     max_depth: int = 16
     statecharts_dir: Path | None = None
@@ -237,22 +239,15 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
 
 
 # ---- GET /health ---------------------------------------------------------------------------------------------------
-def health(store: Store, stale_ms: int) -> Reply:
-    """200 when Redis answers and every registered rank's heartbeat is at most ``stale_ms`` old, else 503."""
-    store.ping()
-    registered = sorted(store.rank_info())
-    now = store.now_ms()
-    stale = []
-    for r in registered:
-        try:
-            beat = store.read_rank(r).heartbeat_ms
-        except NotFoundError:
-            beat = 0
-        if not beat or now - beat > stale_ms:
-            stale.append(r)
-    if stale:
-        return refuse(f"ranks {stale} have no heartbeat for over {stale_ms / 1000:g} s", 503, ranks=len(registered))
-    return ok(ranks=len(registered))
+def health(store: Store) -> Reply:
+    """200 when Redis answers and every registered rank has a live heartbeat (one that has not outlived the TTL its
+    agent wrote with it: the coordinator's rule), else 503 naming the ranks and why
+    (:func:`fdeplb.status.unhealthy_ranks`; a fixed number of round trips, however many ranks)."""
+    registered, unhealthy = unhealthy_ranks(store)
+    if unhealthy:
+        why = "; ".join(f"rank {r} {text}" for r, text in unhealthy.items())
+        return refuse(f"ranks {sorted(unhealthy)} have no live heartbeat ({why})", 503, ranks=registered)
+    return ok(ranks=registered)
 
 
 # ---- read-only /v1 routes ------------------------------------------------------------------------------------------
@@ -261,8 +256,6 @@ def state(store: Store) -> dict[str, Any]:
     registry does not parse: it is then listed in ``corrupt``). A record that does not parse is listed in
     ``corrupt`` and the others are shown (200: the service works, part of the data is bad); a corrupt configuration
     is a :class:`~fdeplb.errors.CorruptRecordError` (500)."""
-    from fdeplb.cli.views import cluster_status
-
     out = cluster_status(store)
     try:
         info = store.rank_info()
@@ -273,21 +266,20 @@ def state(store: Store) -> dict[str, Any]:
 
 
 def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> int:
+    """A query parameter's integer in [lo, hi] (``default`` when absent): ASCII digits only (``int()`` would take
+    ``"1_0"``, ``" 12"`` or Arabic-Indic digits), then :func:`fdeplb.checks.check_int`; :class:`InputError`
+    (400) naming it. Checked here, after the route authenticated, not by FastAPI before it (``Query(ge=, le=)``
+    would answer a bad value to a caller without credentials, and with a 422 in an app that mounts the router)."""
     if value is None:
         return default
     if not re.fullmatch(r"[0-9]{1,9}", value):
         raise InputError(f"{name} must be an integer in [{lo}, {hi}], got {value[:40]!r}")
-    n = int(value)
-    if not lo <= n <= hi:
-        raise InputError(f"{name} must be in [{lo}, {hi}], got {n}")
-    return n
+    return check_int(int(value), name, lo=lo, hi=hi)
 
 
 def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | None) -> dict[str, Any]:
     """Audit records after stream id ``since`` (all when absent), at most ``limit``; with ``wait_ms``, wait that
     long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
-    from fdeplb.cli.views import audit_dict
-
     parts = _STREAM_ID.fullmatch(since) if since is not None else None
     if since is not None and (parts is None or max(int(p) for p in parts.groups()) > _U64_MAX):
         raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}")
@@ -313,8 +305,9 @@ PLACEMENT_MEDIA = {"sglang": "application/json", "fastdeploy": "application/json
 def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]:
     """The current placement: phy2log / log2phy / logcnt as JSON, or (text, media type) of a placement file in
     ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
-    from fdeplb.placement import FORMATS, write_placement
+    from fdeplb.placement import FORMATS
     from fdeplb.placement.core import Placement
+    from fdeplb.placement.files import render_placement
 
     cfg = store.read_config()
     current = store.current_placement()
@@ -326,28 +319,22 @@ def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]
                 "phy2log": pl.phy2log.tolist(), "log2phy": pl.log2phy.tolist(), "logcnt": pl.logcnt.tolist()}
     if fmt not in FORMATS:
         raise InputError(f"format must be one of {', '.join(FORMATS)}, got {fmt[:40]!r}")
-    with tempfile.TemporaryDirectory(prefix="fdeplb-placement-") as tmp:
-        path = write_placement(pl, Path(tmp) / f"placement.{'yaml' if fmt == 'trtllm' else 'json'}", format=fmt)
-        return path.read_text(encoding="utf-8"), PLACEMENT_MEDIA[fmt]
+    return render_placement(pl, fmt, meta_file_name="placement.json"), PLACEMENT_MEDIA[fmt]
 
 
 def statechart_svg(machine: str, folder: Path | None) -> str:
     """The SVG diagram of ``machine`` (a table name): from ``folder`` (default the checkout's statecharts/), else
     rendered with Graphviz. :class:`NotFoundError` for an unknown machine."""
-    from fdeplb.machines import diagrams
+    from fdeplb.machines.diagrams import default_dir, dot, render_svg
     from fdeplb.machines.tables import TABLES
 
     if machine not in TABLES:
         raise NotFoundError(f"no machine {machine[:40]!r}; machines: {', '.join(TABLES)}")
     if folder is None:
-        from fdeplb.cli.statecharts import default_dir
-
         try:
             folder = default_dir()
         except InputError:
             folder = None
     if folder is not None and (folder / f"{machine}.svg").is_file():
         return (folder / f"{machine}.svg").read_text(encoding="utf-8")
-    from fdeplb.cli.statecharts import render_svg
-
-    return render_svg(diagrams.dot(TABLES[machine]))
+    return render_svg(dot(TABLES[machine]))

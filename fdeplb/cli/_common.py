@@ -1,10 +1,13 @@
-"""Helpers shared by the CLI subcommands."""
+"""Helpers shared by the CLI subcommands: output-file checks, opening a cluster's store, and the options of the
+views that read either from Redis or through ``fdeplb serve``'s HTTP API."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from fdeplb.errors import InputError, NotFoundError
+from fdeplb.options import cluster_parent
 
 
 def check_out_folder(flag: str, path: str | None) -> None:
@@ -31,3 +34,23 @@ def open_store(url: str, cluster: str):
     except NotFoundError:
         raise NotFoundError(f"no cluster {cluster!r} at {url} (never initialised, or another Redis db)") from None
     return store
+
+
+def redis_or_url_parent() -> argparse.ArgumentParser:
+    """An argparse parent for a view that reads from Redis (``--redis-url`` and ``--cluster``) or through an
+    ``fdeplb serve`` (``--url``, ``--credentials-file``); which one is given is checked by :func:`through_http`."""
+    p = argparse.ArgumentParser(add_help=False, parents=[cluster_parent(required=False)])
+    p.add_argument("--url", default=None, help="read through the HTTP API (http://host:port) instead of Redis")
+    p.add_argument("--credentials-file", default=None, metavar="FILE", help="with --url: USER:PASSWORD file")
+    return p
+
+
+def through_http(args: argparse.Namespace) -> bool:
+    """True when the view reads through ``--url``; InputError when neither --url nor --redis-url + --cluster."""
+    if args.url is not None:
+        if args.redis_url is not None or args.cluster is not None:
+            raise InputError("give --url, or --redis-url and --cluster, not both")
+        return True
+    if args.redis_url is None or args.cluster is None:
+        raise InputError("give --redis-url and --cluster (or --url of an `fdeplb serve`)")
+    return False

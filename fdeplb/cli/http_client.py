@@ -1,22 +1,23 @@
-"""HTTP clients of ``fdeplb serve`` (requests): ``fdeplb trigger --url``, ``fdeplb status --url`` and
-``fdeplb audit --url [--follow]``, with the same output as the Redis-backed commands (the formatting functions of
-:mod:`fdeplb.cli.views`).
+"""The HTTP transport of the command line: a small client of ``fdeplb serve`` (requests), and ``fdeplb trigger``.
 
-``status`` and ``audit`` are the subcommands :mod:`fdeplb.cli.views` defines; given ``--url`` they call
-:func:`run_status` / :func:`run_audit` here. Credentials come from the same places as the server's
-(``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file``).
+``fdeplb status --url`` and ``fdeplb audit --url`` (:mod:`fdeplb.cli.status_view`, :mod:`fdeplb.cli.audit_view`)
+take their data from :class:`ApiClient` and print it as they print what they read from Redis. This module is a
+leaf: it imports no other ``fdeplb.cli`` module, and neither fastapi nor :mod:`fdeplb.api`, so the HTTP clients
+work on an install without the ``api`` extra. Credentials come from the same places as the server's
+(``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file``, :mod:`fdeplb.credentials`).
+
+An HTTP error status is raised as the error of the CLI's error table (:data:`_STATUS_ERRORS`); no answer at all
+(refused, unreachable, timed out) is :class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from typing import Any
+from typing import Any, Iterator
 
-from fdeplb.errors import (AuthError, FdeplbError, InputError, NotFoundError, RedisUnavailableError, StateError,
-                           StoreError)
+from fdeplb.credentials import load_credentials
+from fdeplb.errors import (AuthError, DependencyError, FdeplbError, InputError, NotFoundError, RedisUnavailableError,
+                           StateError, StoreError)
 
 #: HTTP status -> the error the client raises (so the CLI exits with the code of the error table)
 _STATUS_ERRORS = {400: InputError, 401: AuthError, 404: NotFoundError, 409: StateError, 413: InputError,
@@ -28,12 +29,20 @@ AUDIT_PAGE = 10_000
 FOLLOW_WAIT_MS = 10_000
 
 
+def _requests():
+    """The ``requests`` module (a core dependency); :class:`DependencyError` naming the install line if absent."""
+    try:
+        import requests
+    except ImportError:  # pragma: no cover - only on an install that skipped fdeplb's dependencies
+        raise DependencyError("the HTTP client (--url) needs requests: pip install 'requests>=2.31' "
+                              "(a dependency of fdeplb: reinstall it with pip install 'fdeplb')") from None
+    return requests
+
+
 class ApiClient:
     """A small client of one ``fdeplb serve`` URL (``http://host:port``)."""
 
     def __init__(self, url: str, credentials_file: str | None = None, timeout_s: float = TIMEOUT_S) -> None:
-        from fdeplb.api.auth import load_credentials
-
         if not url.startswith(("http://", "https://")):
             raise InputError(f"--url must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
@@ -41,8 +50,7 @@ class ApiClient:
         self.timeout_s = timeout_s
 
     def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        import requests
-
+        requests = _requests()
         try:
             resp = requests.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout_s),
                                     **kwargs)
@@ -68,6 +76,29 @@ class ApiClient:
             body = {"user": self.credentials.user, "passwd": self.credentials.password, **body}
         return self._send("POST", path, json=body)
 
+    def audit_pages(self, page_size: int = AUDIT_PAGE, follow: bool = False) -> Iterator[list]:
+        """The audit stream as pages of :class:`~fdeplb.store.AuditRecord` (``GET /v1/audit``, oldest first):
+        every record there is so far, ``page_size`` at a time; then, with ``follow``, each long poll's new records
+        (an empty page when none came within :data:`FOLLOW_WAIT_MS`), until the caller stops asking."""
+        since = None
+        while True:
+            page = self.get("/v1/audit", since=since, limit=page_size)
+            since = page["last_id"]
+            yield [_entry(r) for r in page["records"]]
+            if len(page["records"]) < page_size:
+                break
+        while follow:
+            page = self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
+            since = page["last_id"]
+            yield [_entry(r) for r in page["records"]]
+
+
+def _entry(record: dict[str, Any]):
+    """One JSON audit record of ``GET /v1/audit`` as the :class:`~fdeplb.store.AuditRecord` Redis gives."""
+    from fdeplb.store import AuditRecord
+
+    return AuditRecord(str(record.get("id", "")), {k: str(v) for k, v in record.items() if k != "id"})
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("trigger", help="ask a cluster's API for a rearrangement round (POST /rearrange_experts)",
@@ -88,67 +119,4 @@ def run_trigger(args: argparse.Namespace) -> int:
             raise InputError(f"no rank registered an API address at {args.url}; pass --ips")
     reply = client.post("/rearrange_experts", {"action": "", "ips": ips})
     print(f"round {reply.get('round', '?')} requested")
-    return 0
-
-
-def run_status(args: argparse.Namespace) -> int:
-    from fdeplb.cli.views import show_status
-
-    status = ApiClient(args.url, args.credentials_file).get("/v1/state")
-    status.pop("api_addresses", None)
-    return show_status(status, args.json)
-
-
-def _entry(record: dict[str, Any]):
-    from fdeplb.store import AuditRecord
-
-    return AuditRecord(str(record.get("id", "")), {k: str(v) for k, v in record.items() if k != "id"})
-
-
-def run_audit(args: argparse.Namespace) -> int:
-    """``fdeplb audit --url``: page through ``GET /v1/audit`` (filters applied here, as over Redis), printing as
-    the pages come; ``--limit N`` stops after N printed records, ``--follow`` long-polls for new ones. The options
-    are checked by :func:`fdeplb.cli.views.check_audit_args` before this is called."""
-    from fdeplb.cli.views import format_audit, select
-    from fdeplb.recording import audit_dict
-
-    if args.export is not None:
-        raise InputError("--export writes a self-contained recording (snapshots and plans too): use --redis-url")
-    client = ApiClient(args.url, args.credentials_file)
-    filtered = args.round is not None or args.machine is not None or args.rank is not None
-    # unfiltered, the server stops at --limit itself; filtered, the records to print are only known here
-    page_size = min(args.limit, AUDIT_PAGE) if args.limit is not None and not filtered else AUDIT_PAGE
-    printed = 0
-
-    def show(records: list[dict[str, Any]]) -> bool:
-        """Print the selected ones of ``records``; False once --limit records are printed."""
-        nonlocal printed
-        chosen = select([_entry(r) for r in records], round_=args.round, machine=args.machine, rank=args.rank)
-        for entry in chosen:
-            sys.stdout.write((json.dumps(audit_dict(entry)) if args.json else format_audit(entry)) + "\n")
-            printed += 1
-            if args.limit is not None and printed >= args.limit:
-                sys.stdout.flush()
-                return False
-        sys.stdout.flush()
-        return True
-
-    since = None
-    try:
-        while True:  # everything there is so far
-            page = client.get("/v1/audit", since=since, limit=page_size)
-            since = page["last_id"]
-            if not show(page["records"]):
-                return 0
-            if len(page["records"]) < page_size:
-                break
-        while args.follow:
-            page = client.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
-            since = page["last_id"]
-            if not show(page["records"]):
-                return 0
-    except BrokenPipeError:  # `fdeplb audit --url ... | head`: the reader has what it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except KeyboardInterrupt:  # Ctrl-C ends --follow
-        sys.stdout.flush()
     return 0

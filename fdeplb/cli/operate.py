@@ -8,6 +8,7 @@ import dataclasses
 import signal
 import sys
 
+from fdeplb.options import cluster_parent, positive_float
 from fdeplb.placement import POLICIES
 from fdeplb.store import ClusterConfig, Deadlines
 
@@ -19,9 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("init-cluster", help="create a cluster's configuration, placement and machine records",
                        description="Create a cluster in Redis: its topology and settings, the initial placement "
                                    "(trivial, or --initial FILE) and one record per machine at version 0. "
-                                   "An existing cluster with the same topology is left as it is.")
-    i.add_argument("--redis-url", required=True)
-    i.add_argument("--cluster", required=True)
+                                   "An existing cluster with the same topology is left as it is.",
+                       parents=[cluster_parent()])
     i.add_argument("--num-layers", type=int, required=True, help="MoE layers")
     i.add_argument("--num-logical-experts", type=int, required=True)
     i.add_argument("--num-redundant-experts", type=int, required=True)
@@ -48,9 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
                        description="Run a coordinator next to the workers. Several may run: one holds the lease "
-                                   "and drives the cluster machine, the others take over when its lease lapses.")
-    p.add_argument("--redis-url", required=True)
-    p.add_argument("--cluster", required=True)
+                                   "and drives the cluster machine, the others take over when its lease lapses.",
+                       parents=[cluster_parent()])
     p.add_argument("--holder", default=None, help="holder id (default coordinator@host:pid:random)")
     p.add_argument("--lease-ms", type=int, default=3_000, help="lease time to live in ms (default 3000)")
     p.add_argument("--interval", type=float, default=None, metavar="SECONDS",
@@ -66,9 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     r = sub.add_parser("rearrange", help="ask the cluster's coordinator for one rearrangement round",
                        description="Request a rearrangement round (FastDeploy's rearrange_experts), or with "
-                                   "--commit PLAN_ID allow a cordoned cluster's staged plan to commit.")
-    r.add_argument("--redis-url", required=True)
-    r.add_argument("--cluster", required=True)
+                                   "--commit PLAN_ID allow a cordoned cluster's staged plan to commit.",
+                       parents=[cluster_parent()])
     r.add_argument("--commit", metavar="PLAN_ID", default=None,
                    help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
     r.add_argument("--reason", default="operator",
@@ -79,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "moving), 1 if it aborted, 6 on timeout. On a cordoned cluster it ends when the round is "
                         "staged (exit 0; prints the plan and the --commit command); with --commit, when the "
                         "committed round is over")
-    r.add_argument("--timeout", type=float, default=300.0,
+    r.add_argument("--timeout", type=positive_float, default=300.0,
                    help="seconds --wait waits (default %(default)s)")
     r.set_defaults(handler=run_rearrange)
 
@@ -130,10 +128,6 @@ def wait_for_redis(url: str, cluster: str, timeout_s: float, who: str) -> None:
 def run_rearrange(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
 
-    if not args.timeout > 0:
-        from fdeplb.errors import InputError
-
-        raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
         cursor = store.cursor()  # before the request: the round's end is never missed
@@ -189,7 +183,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
 
     from fdeplb.errors import DeadlineError
     from fdeplb.machines.tables import CLUSTER, ClusterState
-    from fdeplb.sim.demo_driver import outcome_of
+    from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
 
     end = time.monotonic() + timeout_s
     last = None
@@ -210,8 +204,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
                     and a["round"].isdigit() and int(a["round"]) >= target):
                 last = a
                 break
-    outcome, reason = outcome_of(last)
-    if outcome == "rearranged":
+    outcome, reason = round_outcome(last)
+    if outcome is RoundOutcome.REARRANGED:
         plan_id = last["plan_id"] or store.current_placement().plan_id
         plan = store.read_plan(plan_id) if plan_id else None
         if plan is None:
@@ -219,8 +213,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
         else:
             print(f"round {last['round']}: rearranged, plan {plan.plan_id}: {_plan_numbers(plan)}")
         return 0
-    print(f"round {last['round']}: {outcome}: {reason}")
-    return 0 if outcome == "skipped" else 1
+    print(f"round {last['round']}: {outcome.value}: {reason}")
+    return 0 if outcome is RoundOutcome.SKIPPED else 1
 
 
 def _start_blocker(store) -> str:
@@ -242,7 +236,7 @@ def _plan_numbers(plan) -> str:
 
 
 def _print_staged(store, rec, redis_url: str) -> int:
-    from fdeplb.cli.views import commit_command
+    from fdeplb.status import commit_command
 
     plan = store.read_plan(rec.plan_id)
     numbers = "" if plan is None else f": {_plan_numbers(plan)}"

@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from fdeplb.errors import DependencyError, InputError
+from fdeplb.options import cluster_parent, positive_float
 
 INSECURE_WARNING = ("WARNING: --insecure-no-auth: the API accepts every request without credentials; anyone who "
                     "can reach {host}:{port} can start rounds and clear weights")
@@ -18,19 +19,16 @@ INSECURE_WARNING = ("WARNING: --insecure-no-auth: the API accepts every request 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a cluster's HTTP API (FastDeploy's EPLB routes, state, metrics)",
-                       description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--redis-url", required=True)
-    p.add_argument("--cluster", required=True)
+                       description=__doc__.replace("``", "`"), formatter_class=argparse.RawDescriptionHelpFormatter,
+                       parents=[cluster_parent()])
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     p.add_argument("--credentials-file", default=None, metavar="FILE",
                    help="file whose first line is USER:PASSWORD (instead of FDEPLB_API_USER / FDEPLB_API_PASSWORD)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve without credentials (never on a reachable address)")
-    p.add_argument("--weights-timeout-s", type=float, default=300.0,
+    p.add_argument("--weights-timeout-s", type=positive_float, default=300.0,
                    help="how long /update_model_weight and /clear_load_weight wait for the ranks (default 300)")
-    p.add_argument("--heartbeat-stale-s", type=float, default=30.0,
-                   help="/health reports a rank whose heartbeat is older than this (default 30)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(handler=run)
 
@@ -43,17 +41,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from fdeplb.api import ApiSettings, create_app, load_credentials
-        from fdeplb.api.auth import file_is_private
+        from fdeplb.api import ApiSettings, create_app
     except ImportError as exc:
-        raise DependencyError(f"fdeplb serve needs the api extra (pip install 'fdeplb[api]'): {exc}") from None
+        raise DependencyError(f"fdeplb serve needs the api extra: pip install 'fdeplb[api]' ({exc})") from None
+    from fdeplb.credentials import file_is_private, load_credentials
     import structlog
 
     log = structlog.get_logger("fdeplb.serve")
     if not 0 < args.port < 65536:
         raise InputError(f"--port must be in 1..65535, got {args.port}")
-    if args.weights_timeout_s <= 0 or args.heartbeat_stale_s <= 0:
-        raise InputError("--weights-timeout-s and --heartbeat-stale-s must be > 0")
     credentials = load_credentials(args.credentials_file)
     if credentials is None and not args.insecure_no_auth:
         raise InputError("no API credentials: set FDEPLB_API_USER and FDEPLB_API_PASSWORD or pass "
@@ -66,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(INSECURE_WARNING.format(host=args.host, port=args.port), file=sys.stderr, flush=True)
         log.warning("serving without authentication", host=args.host, port=args.port)
     store = open_store(args.redis_url, args.cluster)
-    settings = ApiSettings(weights_timeout_s=args.weights_timeout_s,
-                           heartbeat_stale_ms=int(args.heartbeat_stale_s * 1000))
+    settings = ApiSettings(weights_timeout_s=args.weights_timeout_s)
     app = create_app(store, credentials, settings)
     log.info("serving", cluster=args.cluster, host=args.host, port=args.port, auth=credentials is not None)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,

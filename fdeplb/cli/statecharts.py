@@ -9,13 +9,12 @@ binary; it exits 1 naming every stale file.
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from fdeplb.errors import DependencyError, FdeplbError, InputError
+from fdeplb.errors import DependencyError
 from fdeplb.machines import diagrams
+from fdeplb.machines.diagrams import default_dir, render_svg
 from fdeplb.machines.tables import TABLES, MachineTable
 
 #: exit status of ``--check`` when a file is stale or missing
@@ -32,33 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run)
 
 
-def default_dir() -> Path:
-    """``statecharts/`` next to the ``fdeplb`` package when it runs from a checkout; :class:`InputError` when it
-    does not (an installed wheel has no such folder: pass ``--out``)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "pyproject.toml").is_file():
-        raise InputError(f"fdeplb does not run from a checkout ({root} has no pyproject.toml): pass --out DIR")
-    return root / "statecharts"
-
-
 def sources(table: MachineTable) -> dict[str, str]:
     """The text files of one table: ``{"<name>.mmd": mermaid, "<name>.dot": dot}``."""
     return {f"{table.name}.mmd": diagrams.mermaid(table), f"{table.name}.dot": diagrams.dot(table)}
-
-
-def render_svg(dot_source: str, dot_binary: str = "dot") -> str:
-    """Render DOT text to SVG with Graphviz, stamped with the source's digest.
-
-    Raises :class:`DependencyError` when ``dot_binary`` is not installed, :class:`FdeplbError` if it fails.
-    """
-    exe = shutil.which(dot_binary)
-    if exe is None:
-        raise DependencyError(f"Graphviz's {dot_binary!r} binary is needed to render SVG "
-                              "(Debian/Ubuntu: apt-get install graphviz)")
-    proc = subprocess.run([exe, "-Tsvg"], input=dot_source.encode("utf-8"), capture_output=True, timeout=60)
-    if proc.returncode != 0:
-        raise FdeplbError(f"{dot_binary} -Tsvg failed: {proc.stderr.decode(errors='replace').strip()}")
-    return diagrams.stamp_svg(proc.stdout.decode("utf-8"), dot_source)
 
 
 def stale_files(out: Path, tables: dict[str, MachineTable] = TABLES) -> list[str]:

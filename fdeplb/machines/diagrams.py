@@ -1,4 +1,4 @@
-"""State diagrams of the machine tables, as text: Mermaid and Graphviz DOT (no I/O here).
+"""State diagrams of the machine tables: Mermaid and Graphviz DOT text, and the SVG rendered from the DOT.
 
 One table = one diagram (DESIGN.md section 2). Every state is labelled with its FastDeploy code
 (``LOAD_SUCC [2]``) and coloured by that code, so states FastDeploy cannot tell apart share a colour. Every edge
@@ -13,17 +13,23 @@ inside the commit script, the effect the extra write made in the same atomic ste
 Both are deterministic (same table, same ``transitions`` version -> same bytes); ``fdeplb statecharts --check``
 relies on that. SVGs rendered from the DOT text carry :func:`dot_digest` of their source in a comment
 (:func:`stamp_svg`), so they can be checked without Graphviz's ``dot`` binary.
+
+The only I/O is at the end: :func:`render_svg` runs Graphviz's ``dot`` binary, and :func:`default_dir` names the
+checkout's ``statecharts/`` folder (used by ``fdeplb statecharts`` and by the API's ``/v1/statecharts`` route).
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 from transitions import State
 from transitions.extensions import GraphMachine
 
-from fdeplb.errors import InputError
+from fdeplb.errors import DependencyError, FdeplbError, InputError
 from fdeplb.machines.tables import MachineTable, TransitionSpec
 
 #: fill colour of a state by its FastDeploy code (the same code has the same colour in every machine).
@@ -207,3 +213,28 @@ def svg_stamp(svg: str) -> str | None:
     """The DOT digest an SVG was stamped with, or None if it carries no stamp."""
     m = _STAMP_RE.search(svg)
     return m.group(1) if m else None
+
+
+# ---- rendering and the committed folder (I/O) ------------------------------------------------------------------
+def render_svg(dot_source: str, dot_binary: str = "dot") -> str:
+    """Render DOT text to SVG with Graphviz, stamped with the source's digest (:func:`stamp_svg`).
+
+    Raises :class:`DependencyError` when ``dot_binary`` is not installed, :class:`FdeplbError` if it fails.
+    """
+    exe = shutil.which(dot_binary)
+    if exe is None:
+        raise DependencyError(f"Graphviz's {dot_binary!r} binary is needed to render SVG "
+                              "(Debian/Ubuntu: apt-get install graphviz)")
+    proc = subprocess.run([exe, "-Tsvg"], input=dot_source.encode("utf-8"), capture_output=True, timeout=60)
+    if proc.returncode != 0:
+        raise FdeplbError(f"{dot_binary} -Tsvg failed: {proc.stderr.decode(errors='replace').strip()}")
+    return stamp_svg(proc.stdout.decode("utf-8"), dot_source)
+
+
+def default_dir() -> Path:
+    """``statecharts/`` next to the ``fdeplb`` package when it runs from a checkout; :class:`InputError` when it
+    does not (an installed wheel has no such folder: pass ``--out``)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "pyproject.toml").is_file():
+        raise InputError(f"fdeplb does not run from a checkout ({root} has no pyproject.toml): pass --out DIR")
+    return root / "statecharts"

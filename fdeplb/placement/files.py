@@ -83,17 +83,18 @@ def _full_rows(placement: Placement, layer_ids, num_model_layers) -> tuple[np.nd
     return rows, np.arange(num_model_layers), ids
 
 
-def write_placement(
+def render_placement(
     placement: Placement,
-    path: str | Path,
-    *,
     format: str = "fdeplb",
+    *,
     layer_ids=None,
     num_model_layers: int | None = None,
     load_digest: str | None = None,
     expert_load=None,
-) -> Path:
-    """Write ``placement`` to ``path`` in one of :data:`FORMATS`; returns the path.
+    meta_file_name: str = "",
+) -> str:
+    """The text of ``placement`` as a placement file in one of :data:`FORMATS` (what :func:`write_placement`
+    writes; JSON, or YAML for "trtllm"), ending in a newline.
 
     Args:
         layer_ids: model layer index of every row (default 0..L-1).
@@ -101,13 +102,13 @@ def write_placement(
             ``layer_ids`` (dense layers).
         load_digest: "fdeplb": digest of the load the plan came from (:func:`fdeplb.placement.load_digest`).
         expert_load: "fastdeploy": [L, E] loads for ``tokens_per_expert_stats_list`` (zeros when omitted).
+        meta_file_name: "fastdeploy": the ``meta_file_name`` field (the file's own path when written).
 
     Raises:
         InputError: unknown format or inconsistent layer_ids / num_model_layers / expert_load.
     """
     if format not in FORMATS:
         raise InputError(f"unknown placement file format {format!r}; choose one of {list(FORMATS)}")
-    p = Path(path)
     if format == "fdeplb":
         _, ids, _ = _full_rows(placement, layer_ids, None)
         doc = {
@@ -125,10 +126,10 @@ def write_placement(
             "log2phy": placement.log2phy.tolist(),
             "logcnt": placement.logcnt.tolist(),
         }
-        _write(p, json.dumps(doc, separators=(",", ":")) + "\n")
+        return json.dumps(doc, separators=(",", ":")) + "\n"
     elif format == "sglang":
         rows, _, _ = _full_rows(placement, layer_ids, num_model_layers)
-        _write(p, json.dumps({"physical_to_logical_map": rows.tolist()}, separators=(",", ":")) + "\n")
+        return json.dumps({"physical_to_logical_map": rows.tolist()}, separators=(",", ":")) + "\n"
     elif format == "trtllm":
         import yaml
 
@@ -138,7 +139,7 @@ def write_placement(
             "initial_global_assignments": {int(i): row.tolist() for i, row in zip(ids, rows)},
             "layer_updates_per_iter": 0,
         }
-        _write(p, yaml.safe_dump(doc, default_flow_style=None, width=2**31 - 1, sort_keys=False))
+        return yaml.safe_dump(doc, default_flow_style=None, width=2**31 - 1, sort_keys=False)
     else:  # fastdeploy
         rows, _, where = _full_rows(placement, layer_ids, num_model_layers)
         E, P = placement.num_logical_experts, placement.num_physical_experts
@@ -160,9 +161,38 @@ def write_placement(
             "expert_id_to_ep_rank_array": padded.tolist(),
             "expert_in_rank_num_list": logcnt.tolist(),
             "cost_milliseconds": 0,
-            "meta_file_name": str(p),
+            "meta_file_name": meta_file_name,
         }
-        _write(p, json.dumps(doc) + "\n")
+        return json.dumps(doc) + "\n"
+
+
+def write_placement(
+    placement: Placement,
+    path: str | Path,
+    *,
+    format: str = "fdeplb",
+    layer_ids=None,
+    num_model_layers: int | None = None,
+    load_digest: str | None = None,
+    expert_load=None,
+) -> Path:
+    """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`); returns
+    the path.
+
+    Args:
+        layer_ids: model layer index of every row (default 0..L-1).
+        num_model_layers: "sglang"/"fastdeploy": write this many rows, the trivial placement for the layers not in
+            ``layer_ids`` (dense layers).
+        load_digest: "fdeplb": digest of the load the plan came from (:func:`fdeplb.placement.load_digest`).
+        expert_load: "fastdeploy": [L, E] loads for ``tokens_per_expert_stats_list`` (zeros when omitted).
+
+    Raises:
+        InputError: unknown format or inconsistent layer_ids / num_model_layers / expert_load.
+        PlacementFileError: the file cannot be written.
+    """
+    p = Path(path)
+    _write(p, render_placement(placement, format, layer_ids=layer_ids, num_model_layers=num_model_layers,
+                               load_digest=load_digest, expert_load=expert_load, meta_file_name=str(p)))
     return p
 
 

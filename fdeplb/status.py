@@ -1,0 +1,202 @@
+"""The status read model: a cluster's machine records as they stand now, as JSON-ready data.
+
+One reader for every view of "now": ``fdeplb status`` (over Redis), ``GET /v1/state`` (which ``fdeplb status --url``
+prints) and ``GET /health``. It sits below the API and the command line, which both import it; it reads
+through :class:`~fdeplb.store.Store` only and writes nothing.
+
+Staleness has one rule, the coordinator's (:func:`fdeplb.store.redis_store.stale_of`): a registered rank is stale
+once its heartbeat is older than the TTL its agent wrote with it (``RankRecord.heartbeat_ttl_ms``; no TTL written:
+never stale). Ages and TTLs are milliseconds of the Redis server's clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fdeplb.errors import CorruptRecordError, NotFoundError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
+from fdeplb.store import RankRecord
+from fdeplb.store.redis_store import stale_of
+
+__all__ = ["CORRUPT", "cluster_status", "commit_command", "heartbeats_of", "unhealthy_ranks"]
+
+#: how ``status`` shows a record that does not parse (in place of its state)
+CORRUPT = "CORRUPT"
+
+
+def commit_command(redis_url: str, cluster: str, plan_id: str) -> str:
+    """The command that commits a cordoned cluster's staged plan ``plan_id``."""
+    return f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster} --commit {plan_id}"
+
+
+def heartbeats_of(records: Sequence[Any], now_ms: int, registered=None) -> dict[int, tuple[int, int]]:
+    """:meth:`Store.heartbeats`' answer, ``ep_rank -> (ms since the heartbeat, its TTL in ms)``, from rank
+    records already read (``records`` in ep_rank order, as :meth:`Store.read_each` gives them) at server time
+    ``now_ms``: every rank in ``registered`` (None: every rank) whose record parses and that has beaten at least
+    once. Feed it to ``stale_of`` for the stale ones."""
+    return {r: (max(0, now_ms - rec.heartbeat_ms), rec.heartbeat_ttl_ms) for r, rec in enumerate(records)
+            if isinstance(rec, RankRecord) and rec.heartbeat_ms and (registered is None or r in registered)}
+
+
+def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
+    """(number of registered ranks, ``{ep_rank: why}`` for those without a live heartbeat): never beat (or no rank
+    record), or stale by the TTL rule. Three round trips whatever the number of ranks (registry, server time, every
+    rank record in one pipeline). :class:`CorruptRecordError` for a registered rank's record or a registry that
+    does not parse; Redis errors as the store raises them."""
+    registered = store.rank_info()
+    if not registered:
+        return 0, {}
+    now = store.now_ms()
+    records = store.read_each(RANK)
+    for r in sorted(registered):
+        if r < len(records) and isinstance(records[r], CorruptRecordError):
+            raise records[r]
+    beats = heartbeats_of(records, now, registered)
+    out = {r: "never beat" for r in registered if r not in beats}
+    for r, age in stale_of(beats).items():
+        out[r] = f"last beat {age / 1000:.1f} s ago, past its {beats[r][1] / 1000:g} s TTL"
+    return len(registered), dict(sorted(out.items()))
+
+
+def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
+    """Every machine record of the cluster now, as a JSON-ready dict (times from the Redis server's clock).
+    A registered rank whose heartbeat outlived its TTL is ``stale`` (the coordinator's rule, see the module); a
+    cordoned round in LOAD_SUCC comes with its staged plan (``staged``: balancedness before/after, moved experts,
+    the command that commits it).
+
+    Routing: each rank's ``routing`` compares the digest of the routing tables it reported holding
+    (``routing_digest``, written when it loads or swaps) with the current placement's
+    (``placement.routing_digest``, :func:`fdeplb.placement.routing_digest` of its phy2log): ``match``,
+    ``mismatch`` (listed in ``routing_mismatches``: the rank dispatches tokens differently from the others),
+    ``swap_pending`` (the cluster is SWAPPING and the rank has not swapped yet: its old tables are expected),
+    ``not_reported`` (no digest yet), or None (no rank record or no placement).
+
+    Corrupt values: each record is read on its own, and one that does not parse (a value fdeplb did not write that
+    way, :class:`~fdeplb.errors.CorruptRecordError`) is listed in ``corrupt`` (``[{"key", "error"}]``, the error
+    naming the key and the field) and shown as ``CORRUPT`` while every other record is shown as usual: the
+    cluster record as ``rearrange.state`` ``CORRUPT`` (its other fields None), a rank or weight-status record as
+    that rank's ``state`` / ``weights`` ``CORRUPT``, the placement as ``placement.corrupt`` true (its fields None),
+    a corrupt rank registry as every rank's ``registered`` None, a corrupt staged plan as ``staged`` None. A corrupt
+    configuration raises :class:`~fdeplb.errors.CorruptRecordError` (without it nothing can be laid out); so do
+    :class:`~fdeplb.errors.NotFoundError` (no cluster) and Redis errors."""
+    from fdeplb.placement import routing_digest
+
+    config = store.read_config()
+    corrupt: list[dict[str, str]] = []
+
+    def parsed(value):
+        """``value`` unless it is a CorruptRecordError, which is listed in ``corrupt`` (then CORRUPT)."""
+        if isinstance(value, CorruptRecordError):
+            corrupt.append({"key": value.key or "", "error": str(value)})
+            return CORRUPT
+        return value
+
+    def read(fn, *args):
+        try:
+            return fn(*args)
+        except CorruptRecordError as err:
+            return parsed(err)
+
+    now = store.now_ms()
+    rec = read(store.read_cluster)
+    cluster_state = None if rec is CORRUPT else rec.state
+    lease = store.lease_info()
+    try:
+        placement = read(store.current_placement)
+    except NotFoundError:
+        placement = None
+    expected = routing_digest(placement.phy2log) if placement not in (None, CORRUPT) else None
+    registered = read(store.rank_info)
+    rank_records = [parsed(x) for x in store.read_each(RANK)]
+    weight_records = [parsed(x) for x in store.read_each(WEIGHTS)]
+    stale = stale_of(heartbeats_of(rank_records, now, None if registered is CORRUPT else registered))
+    ranks = [_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, r in stale,
+                          expected, cluster_state)
+             for r, (rank, weights) in enumerate(zip(rank_records, weight_records))]
+    has_placement = placement not in (None, CORRUPT)
+    return {
+        "cluster": store.cluster,
+        "now_ms": now,
+        "staged": _staged(store, config, rec, cluster_state, read, redis_url),
+        "config": {"ep_size": config.ep_size, "policy": config.policy, "cordoned": config.cordoned,
+                   **config.topology()},
+        "rearrange": {**_rearrange_status(rec, now), "lease_holder": lease.holder, "lease_ttl_ms": lease.ttl_ms},
+        "placement": {"plan_id": placement.plan_id if has_placement else None,
+                      "version": placement.version if has_placement else None, "routing_digest": expected,
+                      "corrupt": placement is CORRUPT},
+        "routing_mismatches": [r["ep_rank"] for r in ranks if r["routing"] == "mismatch"],
+        "ranks": ranks,
+        "corrupt": corrupt,
+    }
+
+
+def _staged(store, config, rec, cluster_state, read, redis_url: str) -> dict[str, Any] | None:
+    """The staged plan of a cordoned cluster in LOAD_SUCC (None otherwise, or when the plan is gone or corrupt)."""
+    if not (config.cordoned and cluster_state is ClusterState.LOAD_SUCC and rec.plan_id):
+        return None
+    plan = read(store.read_plan, rec.plan_id)
+    if plan in (None, CORRUPT):
+        return None
+    return {"plan_id": plan.plan_id, "balancedness_before": plan.balancedness_before,
+            "balancedness_after": plan.balancedness_after, "moved_experts": plan.moved_experts,
+            "commit_command": commit_command(redis_url, store.cluster, plan.plan_id)}
+
+
+def _rearrange_status(rec, now: int) -> dict[str, Any]:
+    """The cluster record's part of :func:`cluster_status` (state CORRUPT and every other field None for one that
+    does not parse)."""
+    if rec is CORRUPT:
+        return {"state": CORRUPT, **dict.fromkeys(("code", "version", "round", "requested", "requested_reason",
+                                                    "plan_id", "deadline_left_ms", "reason", "alarm"))}
+    return {
+        "state": rec.state,
+        "code": CLUSTER.to_code(rec.state),
+        "version": rec.version,
+        "round": rec.round,
+        "requested": rec.requested,
+        "requested_reason": rec.requested_reason,
+        "plan_id": rec.plan_id,
+        "deadline_left_ms": rec.deadline_ms - now if rec.deadline_ms else None,
+        "reason": rec.reason,
+        "alarm": rec.alarm,
+    }
+
+
+def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale: bool,
+                 expected: str | None, cluster_state: ClusterState | None) -> dict[str, Any]:
+    """One rank's row of :func:`cluster_status`: ``rank`` / ``weights`` are its records, None (missing) or CORRUPT
+    (shown as that state, the fields that come from the record None)."""
+    has_rank = rank not in (None, CORRUPT)
+    has_weights = weights not in (None, CORRUPT)
+    heartbeat = rank.heartbeat_ms if has_rank else 0
+    return {
+        "ep_rank": r,
+        "registered": registered,
+        "state": rank.state if has_rank else rank,
+        "load_result": RANK.to_code(rank.state) if has_rank else None,
+        "version": rank.version if has_rank else None,
+        "plan_id": rank.plan_id if has_rank else None,
+        "live_plan_id": rank.live_plan_id if has_rank else None,  # None: no agent has run yet
+        "reason": rank.reason if has_rank else None,
+        "heartbeat_age_ms": now - heartbeat if heartbeat else None,
+        "heartbeat_ttl_ms": (rank.heartbeat_ttl_ms or None) if has_rank else None,
+        "stale": stale,
+        "weights": weights.state if has_weights else weights,
+        "weights_code": WEIGHTS.to_code(weights.state) if has_weights else None,
+        "weights_version": weights.version if has_weights else None,
+        "routing_digest": (rank.routing_digest or None) if has_rank else None,
+        "routing": _routing(rank, expected, cluster_state) if has_rank else None,
+    }
+
+
+def _routing(rank, expected: str | None, cluster_state: ClusterState | None) -> str | None:
+    """How ``rank``'s reported routing digest compares with the placement's ``expected`` (see cluster_status)."""
+    if rank is None or expected is None:
+        return None
+    if not rank.routing_digest:
+        return "not_reported"
+    if rank.routing_digest == expected:
+        return "match"
+    if cluster_state is ClusterState.SWAPPING and rank.state is not RankState.SWAPPED:
+        return "swap_pending"
+    return "mismatch"
