@@ -40,13 +40,9 @@ from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import check_counts, routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
-from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
+from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
 
 log = structlog.get_logger("fdeplb.agent")
-
-#: rank-record fields a swap report may fill (the record type names them once)
-_REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(RankRecord))
-
 
 class _Staging(NamedTuple):
     """What the agent staged for one plan."""
@@ -641,9 +637,9 @@ class RankAgent:
                 return False
             applied = self._applied(op, cluster, f"weight update {w.request}")
             err = op.error
-            if err is None and op.result[0] != op.result[1]:
-                err = VerificationError(f"{op.result[1] - op.result[0]} of {op.result[1]} slots differ from the "
-                                        "checkpoint after the update")
+            if err is None and op.result.verified != op.result.total:
+                err = VerificationError(f"{op.result.total - op.result.verified} of {op.result.total} slots differ "
+                                        "from the checkpoint after the update")
             if err is None:
                 applied["live_plan_id"] = placement.plan_id
             self.rank.update(**applied)  # the rank's report first: whoever sees the outcome sees when it applied
@@ -815,9 +811,10 @@ class RankAgent:
             if op.error is not None:
                 self._drop_staging()
                 raise op.error
-            report.update(info)
-            report.update({k: v for k, v in op.result.items() if k in _REPORT_FIELDS})
-            report["swap_ms"] = round(op.pause_ms, 3)
+            swap: SwapReport = op.result
+            report.update(info)  # the staging's counts: the swap carried out the same transfer
+            report.update(snapshots=swap.snapshots, bytes_from_staging=swap.bytes_from_staging,
+                          bytes_local=swap.bytes_local, swap_ms=round(op.pause_ms, 3))
             self._drop_staging()
         total = self.backend.slots_total
         if self.verify_all:
@@ -837,7 +834,7 @@ class RankAgent:
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
 
-    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> dict[str, Any]:
+    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> SwapReport:
         """Swap in place (at the safe point); on a failed verification rewrite the old placement from the source
         of truth before re-raising, so the rank keeps serving the old placement consistently."""
         try:
@@ -874,24 +871,6 @@ ENTRY_WORK = entry_work(RANK, {
 })
 
 
-def _attach_factory(tensors: dict[str, list[Any]], device: str | None) -> BackendFactory:
-    """A backend factory that wraps the engine's own live expert tensors (``LiveExperts.attach``: verified against
-    the checkpoint, never copied) instead of allocating new ones."""
-
-    def build(checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int) -> WeightBackend:
-        from fdeplb.errors import CheckpointError
-        from fdeplb.weights.checkpoint import CheckpointReader
-        from fdeplb.weights.live import LiveExperts
-
-        if not checkpoint.get("path"):
-            raise CheckpointError("the cluster has no checkpoint path: attached tensors are verified against it")
-        reader = CheckpointReader(checkpoint["path"], preset=checkpoint.get("preset", "ernie"))
-        live = LiveExperts.attach(tensors, phy2log, ep_rank, ep_size, reader, device=device)
-        return CheckpointBackend(live, reader, device=device)
-
-    return build
-
-
 class EmbeddedAgent(RankAgent):
     """The rank agent embedded in a serving worker: the engine owns the forward loop and calls :meth:`record` and
     :meth:`at_safe_point`; the reconcile loop (publishing the load window, staging, the weight-status machine,
@@ -926,7 +905,7 @@ class EmbeddedAgent(RankAgent):
         if tensors is not None:
             if kwargs.get("backend_factory") is not None:
                 raise InputError("give the engine's tensors or a backend_factory, not both")
-            kwargs["backend_factory"] = _attach_factory(tensors, device)
+            kwargs["backend_factory"] = CheckpointBackend.attached(tensors, device)
         super().__init__(store, ep_rank, safe_points=True, device=device, publish_interval_s=publish_interval_s,
                          **kwargs)
         self.block_ms = int(block_ms)
