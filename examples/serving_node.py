@@ -2,7 +2,7 @@
 
 Run with no arguments: ``python examples/serving_node.py``. It starts an embedded Redis, writes a small synthetic
 safetensors checkpoint (2 MoE layers x 8 experts, 4 redundant slots), a coordinator thread, and one worker process
-per EP rank. Every worker embeds an :class:`fdeplb.orchestration.agent.EmbeddedAgent` and, every step:
+per EP rank. Every worker embeds an :class:`fdeplb.orchestration.embedded_agent.EmbeddedAgent` and, every step:
 
 1. draws its batch of tokens (seeded per step and rank) and runs each MoE layer: gate -> top-k (the gate is biased
    by a real DeepSeek-V3 dump's expert distribution, ``../shared/real_data``; a Zipf one when it is absent) ->
@@ -69,7 +69,7 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, qs, b
     import paddle
     import paddle.nn.functional as F
 
-    from fdeplb.orchestration.agent import EmbeddedAgent
+    from fdeplb.orchestration.embedded_agent import EmbeddedAgent
     from fdeplb.weights.checkpoint import CheckpointReader
 
     paddle.set_device("cpu")

@@ -15,12 +15,11 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
-from fdeplb.weights.backend import BackendFactory, StageReport
+from fdeplb.weights.backend import BackendFactory, SlotCheck, StageReport, SwapReport
 from fdeplb.weights.plan import TransferPlan, plan_transfer, rank_slots
 
 #: float32 values per expert in :class:`NumpyWeights` (its bytes per expert are 4x this)
@@ -113,7 +112,7 @@ class NumpyWeights:
         self.slots = None
         return freed
 
-    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+    def reload_in(self, phy2log: np.ndarray) -> SlotCheck:
         new = np.array(phy2log, dtype=np.int64, copy=True)
         if new.shape != self._phy2log.shape:
             raise WeightError(f"rank {self.ep_rank}: phy2log has shape {new.shape}, expected {self._phy2log.shape}")
@@ -133,7 +132,7 @@ class NumpyWeights:
         experts = {(layer, e): expert_tensor(layer, e, self.expert_size) for layer, e in transfer.disk}
         return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes))
 
-    def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray) -> dict[str, Any]:
+    def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray) -> SwapReport:
         if staged.released:
             raise WeightError(f"rank {self.ep_rank}: the staged experts were released; stage the plan again")
         new = np.asarray(new_phy2log, dtype=np.int64)
@@ -153,6 +152,7 @@ class NumpyWeights:
                 else:
                     self.slots[layer, s] = staged.experts[(layer, e)]
                     bytes_staged += self.expert_nbytes
+        t1 = time.perf_counter()
         changed = old_rank != new_rank
         expected = self._expected(new)
         bad = np.argwhere(changed & ~np.all(self.slots == expected, axis=-1))
@@ -161,9 +161,13 @@ class NumpyWeights:
                                     f"{bad[:8].tolist()}")
         self._phy2log = new.copy()
         self.swaps += 1
-        return {"snapshots": 0, "bytes_from_staging": bytes_staged, "bytes_local": bytes_local,
-                "seconds": time.perf_counter() - t0}
+        transfer, counts = staged.transfer, staged.transfer.counts
+        return SwapReport(ep_rank=self.ep_rank, plan_key=transfer.key, keep=counts["keep"], local=counts["local"],
+                          disk=counts["disk"], disk_slots=transfer.disk_slots, snapshots=0,
+                          slots_verified=int(np.count_nonzero(changed)), bytes_from_staging=bytes_staged,
+                          bytes_local=bytes_local, bytes_snapshot=0, copy_seconds=t1 - t0,
+                          verify_seconds=time.perf_counter() - t1, routing_seconds=0.0)
 
-    def verify(self) -> tuple[int, int]:
+    def verify(self) -> SlotCheck:
         ok = np.all(self.slots == self._expected(self._phy2log), axis=-1)
-        return int(ok.sum()), int(ok.size)
+        return SlotCheck(int(ok.sum()), int(ok.size))

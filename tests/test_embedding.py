@@ -110,6 +110,27 @@ def test_window_keeps_last_steps_and_seconds_and_clears():
         ExpertLoadWindow(1, 2, steps=None, seconds=None)
 
 
+def test_the_periodic_publication_refuses_a_fractional_window_as_a_round_does(redis_url, cluster_id, tmp_path):
+    """The periodic publication (``publish_interval_s``) takes the round's checked path: a fractional window is
+    refused with an alarm, not truncated into the store; a whole-numbered one is published."""
+    import structlog.testing
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        windows = [np.full((3, 16), 2.5)]
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=3600,
+                          load_source=lambda _round: windows[-1])
+        agent.start()
+        store = tc.store()
+        with structlog.testing.capture_logs() as logs:
+            agent.step()
+        assert store.read_load(0) is None
+        assert [e for e in logs if e["event"] == "load source failed" and "fractional" in e["error"]], logs
+        windows.append(np.full((3, 16), 3.0))
+        agent._next_publish = 0.0  # the next interval is due
+        agent.step()
+        assert store.read_load(0).expert_load.tolist() == [[3] * 16] * 3
+
+
 def test_clear_stat_request_empties_every_window(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         agents = [EmbeddedAgent(tc.store(), r, backend_factory=NumpyWeights.factory()).start()
@@ -480,7 +501,7 @@ def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(re
     """A worker with two threads reaching at_safe_point together (an overlap scheduler, a hostile integrator): the
     pending change of the live experts runs exactly once, and the second caller returns only once it is applied
     (it never steps on half-changed tensors)."""
-    from fdeplb.orchestration.agent import _SafePointOp
+    from fdeplb.orchestration.safe_points import SafePointOp
 
     class _NotingLock:
         def __init__(self):
@@ -507,7 +528,7 @@ def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(re
         def call(name):
             returned[name] = (agent.at_safe_point(), list(runs))
 
-        agent._op = _SafePointOp(("test",), 0, None, change)
+        agent._op = SafePointOp(("test",), 0, None, change)
         first = threading.Thread(target=call, args=("first",), name="first")
         first.start()
         assert inside.wait(30)

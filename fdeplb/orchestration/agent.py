@@ -8,20 +8,23 @@ Like the coordinator it is a reconcile loop over (cluster record, own rank recor
 entry work, so an agent restarted at any point rebuilds its live experts from the cluster's *current placement*
 and carries on from what the records say.
 
-Two ways to run it, built on the same pieces:
+This module owns the loop, its start-up, heartbeat and rank-state entry work; the pieces it is built from live
+beside it: the load recorder (:mod:`~fdeplb.orchestration.load_window`), the safe-point switch protocol
+(:mod:`~fdeplb.orchestration.safe_points`), the weight-status driver (:mod:`~fdeplb.orchestration.weight_status`)
+and the embedding in a serving worker (:mod:`~fdeplb.orchestration.embedded_agent`). Two ways to run it:
 
 - **threaded** (:meth:`RankAgent.run`, the simulated cluster): the loop applies swaps and weight clear / update in
   its own thread as soon as it reaches them;
-- **embedded in a serving worker** (:class:`EmbeddedAgent`): the worker calls :meth:`RankAgent.record` once per
-  forward step and :meth:`RankAgent.at_safe_point` between steps; the loop runs in a background thread, stages in
-  the background, and leaves every change of the live expert tensors and routing tables (a committed swap, a weight
-  clear or update) to the safe point where the worker's step counter reaches the change's *switch step* (see
-  :meth:`RankAgent.at_safe_point`), so that every EP rank switches at the same step.
+- **embedded in a serving worker** (:class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`): the worker calls
+  :meth:`RankAgent.record` once per forward step and :meth:`RankAgent.at_safe_point` between steps; the loop runs
+  in a background thread, stages in the background, and leaves every change of the live expert tensors and routing
+  tables (a committed swap, a weight clear or update) to the safe point where the worker's step counter reaches
+  the change's *switch step* (see :meth:`RankAgent.at_safe_point`), so that every EP rank switches at the same
+  step.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import threading
@@ -32,20 +35,24 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
-    VerificationError, WeightError
+from fdeplb.errors import FdeplbError, GuardError, InputError, StaleStateError, StateError, VerificationError, \
+    WeightError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
+from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.placement import check_counts, routing_digest
+from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
+from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration.safe_points import Arm
+from fdeplb.orchestration.weight_status import WeightStatusDriver
+from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
-from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
+from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
 
 log = structlog.get_logger("fdeplb.agent")
 
-#: rank-record fields a swap report may fill (the record type names them once)
-_REPORT_FIELDS = frozenset(f.name for f in dataclasses.fields(RankRecord))
+#: ExpertLoadWindow and LoadSource are importable from here as before (tests, benchmarks); EmbeddedAgent too (below)
+__all__ = ["ENTRY_WORK", "ExpertLoadWindow", "LoadSource", "RankAgent"]
 
 
 class _Staging(NamedTuple):
@@ -55,129 +62,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-#: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
-LoadSource = Callable[[int], np.ndarray]
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-class ExpertLoadWindow:
-    """The rank's sliding expert_load window: the last ``steps`` recorded steps (vLLM's ``expert_load_window``)
-    and/or the steps of the last ``seconds`` seconds, summed in int64 (exact past 2**31, where FastDeploy's int32
-    accumulator wraps). Thread-safe: the worker adds, the agent's background thread reads.
-
-    Args:
-        num_layers, num_logical_experts: the shape [L, E] of one step's load.
-        steps: keep at most this many steps (None: no step limit; then ``seconds`` is needed).
-        seconds: drop steps older than this (None: no time limit).
-        clock: monotonic seconds (tests pass their own).
-
-    Raises:
-        InputError: neither limit given, or a limit that is not positive.
-    """
-
-    def __init__(self, num_layers: int, num_logical_experts: int, *, steps: int | None = 1000,
-                 seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        if steps is None and seconds is None:
-            raise InputError("a load window needs steps, seconds or both")
-        if (steps is not None and int(steps) < 1) or (seconds is not None and not float(seconds) > 0):
-            raise InputError(f"load window limits must be positive, got steps={steps!r} seconds={seconds!r}")
-        self.shape = (int(num_layers), int(num_logical_experts))
-        self.max_steps = None if steps is None else int(steps)
-        self.seconds = None if seconds is None else float(seconds)
-        self.clock = clock
-        self._entries: collections.deque[tuple[float, np.ndarray]] = collections.deque()
-        self._total = np.zeros(self.shape, dtype=np.int64)
-        self._lock = threading.Lock()
-
-    def add(self, load: np.ndarray) -> None:
-        """Add one step's load, int64 [L, E], each count >= 0 (checked by the caller; the window keeps ``load``
-        itself).
-
-        Raises:
-            InputError: the window's sum would pass the int64 range (it would wrap to negative counts); nothing
-                is added then.
-        """
-        now = self.clock()
-        with self._lock:
-            self._expire(now)  # time-based: would drop on any read as well
-            full = self.max_steps is not None and len(self._entries) == self.max_steps
-            kept = self._total - self._entries[0][1] if full else self._total  # >= 0: no wrap below
-            # per serving step: the two maxima bound every sum; the elementwise test only when they could wrap
-            if (load.size and int(load.max()) > _INT64_MAX - int(np.max(kept))
-                    and bool(np.any(load > _INT64_MAX - kept))):
-                raise InputError("expert counts would take the load window's sum past the int64 range")
-            if full:
-                self._total -= self._entries.popleft()[1]
-            self._entries.append((now, load))
-            self._total += load
-
-    def _expire(self, now: float) -> None:
-        if self.seconds is not None:
-            while self._entries and self._entries[0][0] < now - self.seconds:
-                self._total -= self._entries.popleft()[1]
-
-    def total(self) -> np.ndarray:
-        """The window's sum, int64 [L, E] (a copy)."""
-        with self._lock:
-            self._expire(self.clock())
-            return self._total.copy()
-
-    def __len__(self) -> int:
-        """Steps in the window."""
-        with self._lock:
-            return len(self._entries)
-
-    def clear(self) -> None:
-        """Empty the window (FastDeploy's ``clear_stat``)."""
-        with self._lock:
-            self._entries.clear()
-            self._total[...] = 0
-
-
-class _Arm(NamedTuple):
-    """What an armed worker publishes and reads at every safe point until its change's switch step is fixed
-    (:meth:`fdeplb.store.Store.arm_switch`)."""
-
-    armed: str
-    """The change, the same on every rank: ``swap:<round>:<plan_id>`` or ``weights:<request>``."""
-    field: str
-    """The cluster-record field that holds the change's switch step."""
-    current: dict[str, Any]
-    """Cluster-record fields that identify the change while it is the cluster's current one."""
-
-
-class _SafePointOp:
-    """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`RankAgent.at_safe_point` once
-    the worker's step counter reaches ``switch_step`` (at once in a threaded agent). With ``arm``, the switch step
-    is not known yet (None): the worker learns it at its safe points (:meth:`RankAgent.at_safe_point`). ``gone``:
-    the change stopped being the cluster's current one before its switch step was fixed (``done`` is set, ``fn``
-    never ran)."""
-
-    def __init__(self, key: tuple, switch_step: int | None, arm: _Arm | None, fn: Callable[[], Any]) -> None:
-        self.key = key
-        self.switch_step = switch_step
-        self.arm = arm
-        self.fn = fn
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.applied_step = 0
-        self.pause_ms = 0.0
-        self.gone = False
-        self.done = threading.Event()
-
-    def apply(self, step: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.result = self.fn()
-        except Exception as err:  # noqa: BLE001 - reported by the agent's loop (an alarm or a recorded failure)
-            self.error = err
-        self.pause_ms = (time.perf_counter() - t0) * 1000
-        self.applied_step = step
-        self.done.set()
-
-
-class RankAgent:
+class RankAgent(LoadRecorder, WeightStatusDriver):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -190,7 +75,9 @@ class RankAgent:
     backend's swap itself.
     ``load_source`` defaults to the agent's own :class:`ExpertLoadWindow` (``window_steps`` / ``window_s``), fed
     by :meth:`record`. ``safe_points``: leave every change of the live experts to :meth:`at_safe_point` (an
-    embedded agent, see :class:`EmbeddedAgent`); otherwise the loop applies them itself.
+    embedded agent, see :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies
+    them itself (the protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
+    :class:`~fdeplb.orchestration.weight_status.WeightStatusDriver`).
     ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
     ``switch_margin_steps``: when this rank is the one that fixes a switch step, the steps it adds to the largest
@@ -205,30 +92,13 @@ class RankAgent:
                  switch_margin_steps: int = SWITCH_MARGIN_STEPS) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
-        if int(switch_margin_steps) < 1:
-            raise InputError(f"switch_margin_steps must be >= 1, got {switch_margin_steps}")
-        self.switch_margin_steps = int(switch_margin_steps)
-        self._sync_failures = 0
+        self._init_safe_points(safe_points, switch_margin_steps)
+        self._init_load(load_source, window_steps, window_s, publish_interval_s)
         self.store = store
         self.ep_rank = int(ep_rank)
-        self.load_source = load_source or (lambda _round: self.window.total())
-        self.safe_points = bool(safe_points)
-        self.window_steps, self.window_s = window_steps, window_s
-        self.window: ExpertLoadWindow | None = None
-        self.publish_interval_s = publish_interval_s
         self.heartbeat_ttl_ms = int(heartbeat_ttl_ms)
-        self.steps = 0  # safe points passed (the worker's step counter)
-        self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
-        self.late_switches = 0
-        self._op: _SafePointOp | None = None
-        self._apply_lock = threading.Lock()  # held while a safe point applies a change (see at_safe_point)
-        self._in_safe_point = False
-        self._live_phy2log: np.ndarray | None = None
-        self._next_publish = 0.0
-        self._published_round = -1  # the newest round this agent knows its window was published for
         self._plan_read: tuple[str, np.ndarray | None] = ("", None)  # (plan_id, its new phy2log)
         self._hb = (0.0, 0, 0.0)  # (monotonic time, steps, steps_per_s) of the last heartbeat
-        self._clear_stat_seen = 0
         self._swap_attempts: dict[str, int] = {}
         self.backend_factory = backend_factory or CheckpointBackend.factory(device=device)
         self.staging_budget_bytes = staging_budget_bytes
@@ -241,7 +111,6 @@ class RankAgent:
         self.live_plan_id: str | None = None
         self.staged: _Staging | None = None
         self._stage_ms = 0.0
-        self._load_failed_round = -1
         self._outbox: list[PendingCall] = []  # the step's last writes, sent with the next wait (see run)
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
@@ -263,10 +132,7 @@ class RankAgent:
                                             self.config.ep_size)
         self._live_phy2log = self.backend.phy2log
         self.live_plan_id = placement.plan_id
-        if self.window is None:
-            self.window = ExpertLoadWindow(self.config.num_layers, self.config.num_logical_experts,
-                                           steps=self.window_steps, seconds=self.window_s)
-        self._clear_stat_seen = self.store.read_cluster().clear_stat_request  # a fresh window is empty
+        self._open_window(self.config)
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
                                                 **(info or {})})
         self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen,
@@ -289,43 +155,35 @@ class RankAgent:
             self.start()
         cursor = None  # on the signal stream: wakes on cluster-record changes only (not every rank's transitions)
         view = None
-        try:
-            while not self.stop_event.is_set():
-                try:
-                    if cursor is None:  # in the loop: Redis may be away when run() begins
-                        cursor = self.store.signal_cursor()
-                    given, view = view, None
-                    try:
-                        progressed = self.step(given, send=False)
-                    except (StaleStateError, GuardError) as err:
-                        self.log.info("retry", error=str(err))
-                        progressed = True
-                    if until is not None and until():
-                        return
-                    if progressed and self._outbox:  # the next step reads: it must see this one's writes
-                        self._send()
-                    if not progressed:
-                        self._heartbeat()
-                        op = self._op
-                        if op is not None and not op.done.is_set():  # the worker's safe point applies it
-                            self._send()
-                            op.done.wait(self._wait_ms(block_ms) / 1000)
-                        else:
-                            view = self._send(cursor, self._wait_ms(block_ms))
-                except RedisUnavailableError as err:  # Redis away: the live experts keep serving
-                    self.log.warning("redis unavailable", error=str(err))
-                    if until is not None and until():
-                        return
-                    self.stop_event.wait(0.5)
-                except Exception as err:  # noqa: BLE001 - a missing plan, a corrupt record, a bug: keep serving
-                    self.log.error("step failed", error=str(err), error_type=type(err).__name__)
-                    try:
-                        self.store.emit_event("alarm", rank=self.ep_rank, message=f"agent step failed: {err}")
-                    except FdeplbError:
-                        pass
-                    if until is not None and until():
-                        return
-                    self.stop_event.wait(1.0)
+
+        def iterate() -> bool:
+            nonlocal cursor, view
+            if cursor is None:  # in the loop: Redis may be away when run() begins
+                cursor = self.store.signal_cursor()
+            given, view = view, None
+            try:
+                progressed = self.step(given, send=False)
+            except (StaleStateError, GuardError) as err:
+                self.log.info("retry", error=str(err))
+                progressed = True
+            if until is not None and until():
+                return True
+            if progressed and self._outbox:  # the next step reads: it must see this one's writes
+                self._send()
+            if not progressed:
+                self._heartbeat()
+                op = self._op
+                if op is not None and not op.done.is_set():  # the worker's safe point applies it
+                    self._send()
+                    op.done.wait(self._wait_ms(block_ms) / 1000)
+                else:
+                    view = self._send(cursor, self._wait_ms(block_ms))
+            return False
+
+        try:  # the live experts keep serving whatever happens here
+            run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: 1.0, until=until,
+                              announce=lambda err: self.store.emit_event("alarm", rank=self.ep_rank,
+                                                                         message=f"agent step failed: {err}"))
         finally:
             try:
                 self._send()
@@ -381,15 +239,7 @@ class RankAgent:
 
     def _reconcile(self, cluster: ClusterRecord, me: RankRecord, weights: WeightRecord) -> bool:
         self._failpoint(me)
-        if cluster.clear_stat_request > self._clear_stat_seen:
-            self.window.clear()
-            self._clear_stat_seen = cluster.clear_stat_request
-            self.rank.update(clear_stat=cluster.clear_stat_request)
-        if cluster.state is ClusterState.COLLECTING:
-            self._publish_load(cluster)  # nothing else to do for it: no second look needed
-        if self.publish_interval_s and time.monotonic() >= self._next_publish:
-            self._next_publish = time.monotonic() + self.publish_interval_s
-            self.store.publish_load(self.ep_rank, cluster.round, self.load_source(cluster.round).astype(np.int64))
+        self._load_step(cluster)  # nothing else to do for it: no second look needed
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()
@@ -410,170 +260,10 @@ class RankAgent:
         failpoint("rank.hang", me.state,
                   lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
 
-    # ---- the worker's side: record, safe points ------------------------------------------------------------------
-    def record(self, counts: Any, *, physical: bool | None = None) -> None:
-        """Add one forward step's routed tokens to the load window. Call once per step from the worker.
-
-        ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
-        physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
-        the one the step routed with); a numpy array or a paddle tensor of any integer dtype. ``physical`` says
-        which (None: by shape; when E == P a [L, E] array is taken as logical). Accumulated in int64.
-
-        Raises:
-            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a negative count, a count
-                past the int64 range (also once summed per logical expert or into the window), or the agent is
-                not started. Nothing is recorded then.
-        """
-        if self.window is None or self._live_phy2log is None:
-            raise InputError("record() before start(): the agent has no load window yet")
-        arr = counts
-        if not isinstance(arr, np.ndarray):
-            try:
-                arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
-            except ValueError as err:  # a ragged nested list
-                raise InputError(f"expert counts are not an array: {err}") from None
-        if arr.dtype.kind not in "iu":
-            raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
-        num_layers, num_phy = self._live_phy2log.shape
-        num_log = self.window.shape[1]
-        wanted = f"{(num_layers, num_log)} (logical) or {(num_layers, num_phy)} (physical)"
-        if physical is None:
-            physical = arr.shape == (num_layers, num_phy) and num_phy != num_log
-        else:
-            physical = bool(physical)
-            wanted = f"{(num_layers, num_phy) if physical else (num_layers, num_log)} (physical={physical})"
-        expected = (num_layers, num_phy) if physical else (num_layers, num_log)
-        if arr.shape != expected:
-            raise InputError(f"expert counts have shape {arr.shape}, expected {wanted}")
-        if arr.size:
-            if arr.dtype.kind == "i" and int(arr.min()) < 0:
-                raise InputError(f"expert counts must be >= 0, found {int(arr.min())}")
-            if arr.dtype.kind == "u" and int(arr.max()) > _INT64_MAX:
-                raise InputError(f"expert count {int(arr.max())} is past the int64 range")
-        arr = arr.astype(np.int64)
-        if physical:
-            # a layer's row sum bounds each of its logical sums: past int64 // P, fold exactly in Python ints
-            wide = arr.size and int(arr.max()) > _INT64_MAX // num_phy
-            logical = np.zeros((num_layers, num_log), dtype=object if wide else np.int64)
-            np.add.at(logical, (np.arange(num_layers)[:, None], self._live_phy2log), arr.astype(logical.dtype))
-            if wide and max(logical.ravel().tolist()) > _INT64_MAX:
-                raise InputError("expert counts per slot sum past the int64 range for a logical expert")
-            arr = logical.astype(np.int64)
-        self.window.add(arr)
-
-    def at_safe_point(self) -> bool:
-        """Call between forward steps: counts the step and applies a pending change whose switch step is reached.
-
-        This is the only place the live expert tensors and the routing tables (phy2log, log2phy, logcnt) change
-        in an embedded agent: a committed swap (staged in the background), a weight clear or a weight update.
-        With nothing pending it returns at once (see ``benchmarks/safe_point.py``). Returns True when it applied
-        a change (the worker was held for the in-place copy only: staging is done before the rank arms).
-
-        **Ranks switch together, by construction.** Every EP rank applies a change at the safe point where its
-        step counter reaches the change's *switch step*, so every rank routes step ``switch_step + 1`` with the new
-        placement. The switch step is not estimated from lazily reported counters; it is fixed from the ranks'
-        current counters once every rank is ready for the change:
-
-        1. *Armed window.* Once the background thread has prepared a change (a committed swap: staged, rank
-           SWAPPING; a weight request: the rank's weight-status transition committed, or nothing to do on this
-           rank), the rank is *armed*: at every safe point it runs one atomic Redis script
-           (:meth:`fdeplb.store.Store.arm_switch`, ``lua/switch.lua``) that publishes its step counter and reads the
-           switch step. Outside that window this method does no I/O.
-        2. *Fixed from current steps.* The first such call that finds *every* rank armed for the same change fixes
-           the switch step at ``max(armed step of every rank) + switch_margin_steps``, atomically with that read.
-           A rank whose last call published step s makes its next call at step s + 1 <= switch step, so every
-           armed rank learns the switch step before reaching it, however late its background thread learned of
-           the change or however slow its worker is (a rank not armed yet holds everyone back: nobody switches).
-        3. *Past it anyway.* Only a rank that could not reach Redis at its armed safe points (the script failed:
-           logged, the worker keeps serving the old placement), or one whose weight request was overtaken by a
-           newer one (see :meth:`_weights_step`), can find itself past the switch step. It then
-           applies the change at once (a committed plan only rolls forward; a weight request is carried out),
-           records ``late_steps`` in its rank record and raises an ``alarm`` (event and audit record) naming the
-           steps during which the ranks' placements disagreed: tokens routed then may have reached the wrong
-           expert (``examples/serving_node.py`` counts them and fails).
-
-        Call it at every step, also when the engine is idle: a change waits for every rank's safe points. Calls
-        from several threads apply a change once; a call that arrives while another applies it waits for it.
-        """
-        self.steps += 1
-        op = self._op
-        if op is None or op.done.is_set():
-            return False
-        if op.switch_step is None and not self._learn_switch(op):
-            return False
-        if self.steps < op.switch_step:
-            return False
-        with self._apply_lock:  # a second thread at a safe point waits for the change, never applies it again
-            if op.done.is_set():
-                return False
-            self._in_safe_point = True
-            try:
-                op.apply(self.steps)
-                if op.error is None:
-                    self._live_phy2log = self.backend.phy2log
-            finally:
-                self._in_safe_point = False
-        self.pauses_ms.append(op.pause_ms)
-        return True
-
-    def _learn_switch(self, op: _SafePointOp) -> bool:
-        """An armed safe point: publish the step counter, read (or fix) the switch step; True once it is known."""
-        arm = op.arm
-        try:
-            switch, status = self.store.arm_switch(self.ep_rank, arm.armed, self.steps, arm.field, arm.current,
-                                                   self.switch_margin_steps)
-        except FdeplbError as err:  # keep serving the old placement; past the switch step it applies late, alarmed
-            self._sync_failures += 1
-            if self._sync_failures in (1, 10, 100) or self._sync_failures % 1000 == 0:
-                self.log.warning("armed safe point could not reach Redis", armed=arm.armed, step=self.steps,
-                                 failures=self._sync_failures, error=str(err))
-            return False
-        if status == "gone":  # superseded before its switch step was fixed: the background thread decides again
-            op.gone = True
-            op.done.set()
-            return False
-        if switch <= 0:
-            return False  # waiting for the other ranks to arm
-        op.switch_step = switch
-        return True
-
     @property
     def serving(self) -> bool:
         """False while the rank's expert weights are cleared (the worker must not run a forward step)."""
         return self.backend is not None and not self.backend.cleared
-
-    def _at_safe_point(self, key: tuple, when: "_Arm | int", fn: Callable[[], Any]) -> _SafePointOp | None:
-        """Have ``fn`` applied at a safe point (at once in a threaded agent): armed (``when`` an :class:`_Arm`: at
-        the switch step the ranks fix together, see :meth:`at_safe_point`) or at step ``when`` (0: the next one).
-        Returns the op once it was applied (or is ``gone``), None while it waits. Idempotent per ``key``; an op
-        whose change is gone is replaced by a new one (armed for what is current now)."""
-        op = self._op
-        if op is None or op.key != key or op.gone:
-            arm = when if isinstance(when, _Arm) else None
-            if not self.safe_points:
-                op = _SafePointOp(key, 0, None, fn)
-                op.apply(self.steps)
-                self._live_phy2log = self.backend.phy2log
-                self._op = None
-                return op
-            op = _SafePointOp(key, None if arm is not None else int(when), arm, fn)
-            self._op = op
-        if not op.done.is_set():
-            return None
-        return op
-
-    def _applied(self, op: _SafePointOp, cluster: ClusterRecord, what: str) -> dict[str, Any]:
-        """Rank-record fields reporting an applied op; raises the late alarm when it came after its switch step."""
-        self._op = None
-        late = op.applied_step - op.switch_step if op.switch_step and self.safe_points else 0
-        if late > 0:
-            self.late_switches += 1
-            message = (f"rank {self.ep_rank} applied {what} at step {op.applied_step}, {late} step(s) past the "
-                       f"switch step {op.switch_step}: the ranks' placements disagreed for those steps")
-            self.log.error("late switch", applied_step=op.applied_step, switch_step=op.switch_step)
-            self.store.emit_event("alarm", rank=self.ep_rank, message=message)
-            self.store.append_alarm(cluster, actor=self.actor, reason=message)
-        return {"applied_step": op.applied_step, "late_steps": max(late, 0)}
 
     def _heartbeat(self, force: bool = False, **changes: Any) -> None:
         """Heartbeat with TTL, step counter and step rate (at most every ttl / 4 unless ``force``)."""
@@ -603,99 +293,6 @@ class RankAgent:
         self.store.emit_event("alarm", rank=self.ep_rank, message=message)
         self.store.append_alarm(self.store.read_cluster(), actor=self.actor, reason=message)
         self.stop_event.set()
-
-    # ---- weight status (dynamic clear / update) ---------------------------------------------------------------------
-    def _weights_step(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
-        """Carry out the cluster's latest weight request through this rank's weight-status machine: the transition
-        into CLEARING / UPDATING is committed first (its guards: no clear or update while a round is past FREE),
-        the work runs at the safe point of the request's switch step, the outcome is committed after
-        (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights).
-
-        Two phases: every rank first commits its transition (or finds nothing to do: clear while CLEARED) and arms
-        for request n (``weights:<n>``); the request's switch step is fixed once all are armed, and all switch at
-        it (:meth:`at_safe_point`). Requests are carried out one at a time
-        (:meth:`fdeplb.store.Store.request_weights` refuses a new one while a rank is CLEARING or UPDATING). A
-        request that still overtakes one (written between this rank's read of request n and its commit of the
-        transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
-        one step, but this rank then carries out the new request on its own, past that step, which raises the
-        late-switch alarm (:meth:`at_safe_point`, point 3). ``w``: this rank's weight-status record as read."""
-        n = cluster.weights_request
-        arm = _Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
-        if w.state is WeightState.CLEARING:
-            op = self._at_safe_point(("clear", w.request), arm, self.backend.clear)
-            if op is None or op.gone:
-                return False
-            if op.error is not None:  # freeing memory does not fail; if it did, say so and stay CLEARING
-                self._op = None
-                self.store.emit_event("alarm", rank=self.ep_rank, message=f"weight clear failed: {op.error}")
-                self.store.update(WEIGHTS, self.ep_rank, reason=f"clear failed: {op.error}")
-                return False
-            # the rank's report first: whoever sees CLEARED sees when it was applied
-            self.rank.update(**self._applied(op, cluster, f"weight clear {w.request}"))
-            self.weights.fire("cleared", record=w, changes={"reason": ""})
-            return True
-        if w.state is WeightState.UPDATING:
-            placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
-            op = self._at_safe_point(("update", w.request), arm, lambda: self.backend.reload_in(placement.phy2log))
-            if op is None or op.gone:
-                return False
-            applied = self._applied(op, cluster, f"weight update {w.request}")
-            err = op.error
-            if err is None and op.result[0] != op.result[1]:
-                err = VerificationError(f"{op.result[1] - op.result[0]} of {op.result[1]} slots differ from the "
-                                        "checkpoint after the update")
-            if err is None:
-                applied["live_plan_id"] = placement.plan_id
-            self.rank.update(**applied)  # the rank's report first: whoever sees the outcome sees when it applied
-            if err is not None:
-                reason = f"update failed: {err}"
-                self.log.error("weight update failed", error=str(err))
-                self.store.emit_event("alarm", rank=self.ep_rank, message=reason)
-                self.weights.fire("update_failed", record=w, reason=reason, changes={"reason": reason})
-            else:
-                self.live_plan_id = placement.plan_id
-                self.weights.fire("updated", record=w, plan_id=placement.plan_id,
-                                  changes={"plan_id": placement.plan_id, "reason": ""})
-            return True
-        if w.request >= n:
-            return False
-        action = cluster.weights_action
-        if action not in ("clear", "update"):
-            self.store.update(WEIGHTS, self.ep_rank, request=n, reason=f"unknown weight action {action!r}")
-            return True
-        if cluster.state is not ClusterState.FREE:
-            return False  # the guards refuse while a round runs: wait for FREE (no retry storm)
-        if action == "clear" and w.state is WeightState.CLEARED:  # nothing to free; arms all the same
-            op = self._at_safe_point(("nothing", n), arm, lambda: None)
-            if op is None:
-                return False
-            self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
-            self.store.update(WEIGHTS, self.ep_rank, request=n)
-            return True
-        self.weights.fire(action, record=w, reason=cluster.weights_reason, changes={"request": n, "reason": ""})
-        return True
-
-    # ---- collecting -----------------------------------------------------------------------------------------------
-    def _publish_load(self, cluster: ClusterRecord) -> bool:
-        round_ = cluster.round
-        if self._published_round < 0:  # a fresh process: a previous one may have published for this round
-            self._published_round = self.store.load_round(self.ep_rank) or 0
-        if self._published_round >= round_ or self._load_failed_round == round_:
-            return False
-        expected = (self.config.num_layers, self.config.num_logical_experts)
-        try:
-            window = check_counts(self.load_source(round_), "load window")  # fractional: refused, not truncated
-            if window.shape != expected:
-                raise InputError(f"load window has shape {window.shape}, expected {expected}")
-        except Exception as err:  # noqa: BLE001 - the engine's recorder is foreign code; never kill the agent
-            # publish nothing: the coordinator's collecting deadline aborts the round and names this rank
-            self._load_failed_round = round_  # once per round: no retry storm
-            self.log.error("load source failed", round=round_, error=str(err))
-            self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
-            return False
-        self._outbox.append(self.store.deferred_publish(self.ep_rank, round_, window))  # sent with the next wait
-        self._published_round = round_  # reset to "look it up" if the write is refused or its fate unknown
-        return True
 
     # ---- helpers --------------------------------------------------------------------------------------------------
     def _plan_alive(self, plan_id: str, cluster: ClusterRecord) -> bool:
@@ -793,9 +390,9 @@ class RankAgent:
                 self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
                 return False
             staged = self.staged.staged
-            when: _Arm | int = 0  # a retry after a failed verification: at the next safe point
+            when: Arm | int = 0  # a retry after a failed verification: at the next safe point
             if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
-                when = _Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
+                when = Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
                             {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
             op = self._at_safe_point(("swap", plan_id, attempt), when, lambda: self._swap_or_restore(staged, new))
             if op is None or op.gone:
@@ -815,9 +412,10 @@ class RankAgent:
             if op.error is not None:
                 self._drop_staging()
                 raise op.error
-            report.update(info)
-            report.update({k: v for k, v in op.result.items() if k in _REPORT_FIELDS})
-            report["swap_ms"] = round(op.pause_ms, 3)
+            swap: SwapReport = op.result
+            report.update(info)  # the staging's counts: the swap carried out the same transfer
+            report.update(snapshots=swap.snapshots, bytes_from_staging=swap.bytes_from_staging,
+                          bytes_local=swap.bytes_local, swap_ms=round(op.pause_ms, 3))
             self._drop_staging()
         total = self.backend.slots_total
         if self.verify_all:
@@ -837,7 +435,7 @@ class RankAgent:
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
 
-    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> dict[str, Any]:
+    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> SwapReport:
         """Swap in place (at the safe point); on a failed verification rewrite the old placement from the source
         of truth before re-raising, so the rank keeps serving the old placement consistently."""
         try:
@@ -874,82 +472,11 @@ ENTRY_WORK = entry_work(RANK, {
 })
 
 
-def _attach_factory(tensors: dict[str, list[Any]], device: str | None) -> BackendFactory:
-    """A backend factory that wraps the engine's own live expert tensors (``LiveExperts.attach``: verified against
-    the checkpoint, never copied) instead of allocating new ones."""
+def __getattr__(name: str) -> Any:
+    """``EmbeddedAgent`` is importable from here as before (README's path until it moved): it lives in
+    :mod:`fdeplb.orchestration.embedded_agent`, which imports this module, so it is looked up on first use."""
+    if name == "EmbeddedAgent":
+        from fdeplb.orchestration.embedded_agent import EmbeddedAgent
 
-    def build(checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int) -> WeightBackend:
-        from fdeplb.errors import CheckpointError
-        from fdeplb.weights.checkpoint import CheckpointReader
-        from fdeplb.weights.live import LiveExperts
-
-        if not checkpoint.get("path"):
-            raise CheckpointError("the cluster has no checkpoint path: attached tensors are verified against it")
-        reader = CheckpointReader(checkpoint["path"], preset=checkpoint.get("preset", "ernie"))
-        live = LiveExperts.attach(tensors, phy2log, ep_rank, ep_size, reader, device=device)
-        return CheckpointBackend(live, reader, device=device)
-
-    return build
-
-
-class EmbeddedAgent(RankAgent):
-    """The rank agent embedded in a serving worker: the engine owns the forward loop and calls :meth:`record` and
-    :meth:`at_safe_point`; the reconcile loop (publishing the load window, staging, the weight-status machine,
-    heartbeats with a TTL) runs in a background daemon thread started by :meth:`start`.
-
-    Args:
-        store: a :class:`~fdeplb.store.Store`, or a Redis URL (then ``cluster`` names the cluster).
-        ep_rank: this worker's EP rank.
-        tensors: the engine's live expert tensors, ``suffix -> [paddle.Tensor per MoE layer, each
-            [slots_per_rank, *shape]]``, already holding the cluster's current placement: attached in place and
-            verified against the checkpoint (:meth:`fdeplb.weights.LiveExperts.attach`). Without them the agent
-            loads the rank's slots from the cluster's checkpoint (or uses ``backend_factory``).
-        device: paddle device of the tensors ("cpu", "gpu:0"; None = paddle's current one).
-        block_ms: longest wait of the background loop between looks at Redis.
-        publish_interval_s: publish the load window this often (None: only when a round collects).
-        **kwargs: the other :class:`RankAgent` arguments (``window_steps``, ``window_s``, ``heartbeat_ttl_ms``,
-            ``backend_factory``, ``verify_all``, ``staging_budget_bytes`` ...).
-
-    Raises:
-        InputError: a URL without a cluster, both ``tensors`` and ``backend_factory``.
-
-    Use as a context manager or call :meth:`close`; see README "Embedding in a serving worker".
-    """
-
-    def __init__(self, store: Store | str, ep_rank: int, *, cluster: str | None = None,
-                 tensors: dict[str, list[Any]] | None = None, device: str | None = None, block_ms: int = 50,
-                 publish_interval_s: float | None = 5.0, **kwargs: Any) -> None:
-        if isinstance(store, str):
-            if not cluster:
-                raise InputError("EmbeddedAgent(url, ...) needs cluster=")
-            store = Store(store, cluster)
-        if tensors is not None:
-            if kwargs.get("backend_factory") is not None:
-                raise InputError("give the engine's tensors or a backend_factory, not both")
-            kwargs["backend_factory"] = _attach_factory(tensors, device)
-        super().__init__(store, ep_rank, safe_points=True, device=device, publish_interval_s=publish_interval_s,
-                         **kwargs)
-        self.block_ms = int(block_ms)
-        self._thread: threading.Thread | None = None
-
-    def start(self, info: dict[str, Any] | None = None) -> "EmbeddedAgent":
-        """Load (or attach) the live experts, register the rank and start the background loop."""
-        super().start(info)
-        self._thread = threading.Thread(target=self.run, kwargs={"block_ms": self.block_ms}, daemon=True,
-                                        name=f"fdeplb-rank{self.ep_rank}")
-        self._thread.start()
-        return self
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the background loop (waits up to ``timeout_s``) and close the store's connections. The rank's
-        heartbeat then lapses after its TTL; the live experts stay as they are."""
-        self.stop_event.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        self.store.close()
-
-    def __enter__(self) -> "EmbeddedAgent":
-        return self if self._thread is not None else self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return EmbeddedAgent
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

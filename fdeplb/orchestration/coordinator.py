@@ -8,16 +8,16 @@ The coordinator is a reconcile loop: read the cluster record, run the *entry wor
 idempotent and may fire the next trigger; otherwise block on the audit and events streams (``XREAD BLOCK``) until
 something changes or a deadline or the lease renewal is due. A replacement coordinator therefore re-runs the entry
 work of whatever state it finds, which is how a kill at any point converges.
+
+This module owns the loop and the round's entry work per cluster state (with the periodic trigger, gated by
+:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, retention and the
+weights watchdog are :mod:`~fdeplb.orchestration.housekeeping`'s.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import socket
 import threading
 import time
-import uuid
 from typing import Callable
 
 import numpy as np
@@ -26,12 +26,14 @@ import structlog
 from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardError, InputError, \
     RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState, entry_work
+from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.gating import Planner, decide, default_planner, mean_balancedness, plan_round
-from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
+from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
+from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.placement import MAX_LOAD, plan_digest
-from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
+from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
 from fdeplb.store.redis_store import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
@@ -45,25 +47,12 @@ ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
 RETRY_MS = 1_000
 
 
-#: longest holder id (a hostname is at most 253 characters; the default adds pid and a random suffix)
-MAX_HOLDER = 300
-_HOLDER = re.compile(f"[!-~]{{1,{MAX_HOLDER}}}")
+#: importable from here as before (``fdeplb.cli.operate`` checks a holder before it builds a coordinator)
+__all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "Step", "check_holder",
+           "default_holder_id"]
 
 
-def check_holder(holder: str) -> str:
-    """``holder`` if it is a valid coordinator holder id (1 to :data:`MAX_HOLDER` printable ASCII characters, no
-    spaces: it is the actor of every audit record the coordinator writes); :class:`InputError` otherwise."""
-    if not (isinstance(holder, str) and _HOLDER.fullmatch(holder)):
-        raise InputError(f"holder must be 1 to {MAX_HOLDER} printable ASCII characters without spaces, got "
-                         f"{str(holder)[:80]!r}{'...' if len(str(holder)) > 80 else ''}")
-    return holder
-
-
-def default_holder_id() -> str:
-    return f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-class Coordinator:
+class Coordinator(Leadership):
     """Leader-elected driver of one cluster's rearrangement machine.
 
     ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
@@ -90,10 +79,7 @@ class Coordinator:
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
                  planner: Planner | None = None,
                  interval_s: float | None = None, min_balancedness: float | None = None) -> None:
-        if holder is not None:
-            check_holder(holder)
-        if not isinstance(lease_ms, int) or isinstance(lease_ms, bool) or not 300 <= lease_ms <= 3_600_000:
-            raise InputError(f"lease_ms must be an integer in [300, 3600000], got {lease_ms!r}")
+        self._init_leadership(holder, lease_ms)
         if interval_s is not None and not interval_s > 0:
             raise InputError(f"interval_s must be > 0, got {interval_s}")
         if min_balancedness is not None and not 0 < min_balancedness <= 1:
@@ -104,54 +90,14 @@ class Coordinator:
         self._refused_ranks: list[int] | None = None
         self._start_waits: str | None = None  # the last reason a requested start waited on (logged once)
         self.store = store
-        self.holder = holder or default_holder_id()
-        self.lease_ms = int(lease_ms)
-        self.lease: str | None = None
-        self._renewed_at = 0.0  # time.monotonic() of the last acquire / renewal
         self._now_ms = 0  # the server's clock as the current step read the cluster record (deadlines compare to it)
-        self._standing_by = False
         self.planner = planner or default_planner
         self.stop_event = threading.Event()
         self.config: ClusterConfig | None = None
-        self._handle: RecordHandle | None = None
         self._plan_checked = ""  # the plan_id whose stored new_phy2log this coordinator has validated
         self._whole_look: tuple[tuple[int, str], float] = ((0, ""), 0.0)  # (round, state), next whole-record look
-        self._weights_seen: tuple[int, float, bool] | None = None  # (request, monotonic first seen, alarm raised)
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
-
-    # ---- leadership -----------------------------------------------------------------------------------------------
-    def ensure_leadership(self) -> bool:
-        """Acquire or renew the lease; True while this coordinator leads. The lease is renewed once a third of its
-        TTL has passed since the last renewal, timed on the local monotonic clock (elapsed time, as the server
-        counts a key's TTL: no round trip to ask the server's clock at every step)."""
-        now = time.monotonic()
-        if self.lease is not None:
-            if now - self._renewed_at < self.lease_ms / 3000:
-                return True
-            if self.store.renew_lease(self.lease, self.lease_ms):
-                self._renewed_at = now
-                return True
-            self.log.warning("lease lost", lease=self.lease)
-            self.lease = None
-        value = self.store.acquire_lease(self.holder, self.lease_ms)
-        if value:
-            self.lease = value
-            self._renewed_at = now
-            self._standing_by = False
-            self.log.info("leading", lease=value)
-        elif not self._standing_by:  # said once per stretch of standing by, with the leader it waits on
-            self._standing_by = True
-            self.log.info("standing by", leader=self.store.lease_info().holder)
-        return self.lease is not None
-
-    def _fire(self, rec: ClusterRecord, trigger: str, **kwargs) -> None:
-        """Fire a cluster trigger with this coordinator's fence (the ``coordinator.stop`` failpoint sits here)."""
-        failpoint("coordinator.stop", rec.state,
-                  lambda: self.store.emit_event("failpoint", name="coordinator.stop", state=rec.state,
-                                                holder=self.holder))
-        if self._handle is None or self._handle.fence != (self.lease or ""):  # one per lease: reuses its machine
-            self._handle = RecordHandle(self.store, CLUSTER, actor=self.holder, fence=self.lease or "")
-        self._handle.fire(trigger, record=rec, **kwargs)
+        self._weights_watch = WeightsWatchdog(store, self.holder, self.log)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:
@@ -162,30 +108,19 @@ class Coordinator:
         entry work is handled by :meth:`step` (the round's deadline still fires); one anywhere else is logged,
         announced as a ``coordinator_error`` event and retried after 1 s."""
         cursor = None
-        try:
-            while not self.stop_event.is_set():
-                try:
-                    if cursor is None:
-                        cursor = self.store.cursor()
-                    if self._iterate(cursor, until):
-                        return
-                except RedisUnavailableError as err:
-                    self.log.warning("redis unavailable", error=str(err))
-                    self.stop_event.wait(0.5)
-                except Exception as err:  # noqa: BLE001 - no value or bug may kill the loop: log, announce, retry
-                    self.log.error("step failed", error=str(err), error_type=type(err).__name__)
-                    try:
-                        self.store.emit_event("coordinator_error", holder=self.holder, error=str(err)[:500])
-                    except Exception:  # noqa: BLE001
-                        pass
-                    self.stop_event.wait(self._retry_ms() / 1000)
+
+        def iterate() -> bool:
+            nonlocal cursor
+            if cursor is None:
+                cursor = self.store.cursor()
+            return self._iterate(cursor, until)
+
+        try:  # no value or bug may kill the loop: log, announce, retry
+            run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: self._retry_ms() / 1000,
+                              announce=lambda err: self.store.emit_event("coordinator_error", holder=self.holder,
+                                                                         error=str(err)[:500]))
         finally:
-            if self.lease is not None:
-                try:
-                    self.store.release_lease(self.lease)
-                except FdeplbError:
-                    pass  # it expires on its own
-                self.lease = None
+            self._release_leadership()
 
     def _retry_ms(self) -> int:
         """The back-off after a failed step: :data:`RETRY_MS`, but at most a third of the lease, so that the lease
@@ -272,35 +207,12 @@ class Coordinator:
             self.log.info("skip", round=rec.round, state=rec.state, reason=reason, **skipped)
         else:
             self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
-        self._prune(rec)
+        prune_after_round(self.store, self.config, rec, self.log)
         self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
         return True, None
 
-    def _prune(self, rec: ClusterRecord) -> None:
-        """As a round ends, just before its release or abort commits (so whoever sees the cluster FREE sees the
-        store pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots
-        and plans older than the last
-        ``retain_rounds`` rounds, keeping the current placement's plan; record what went in the cluster record's
-        ``pruned`` field and a ``pruned`` event; with ``audit_keep`` set, export and trim the audit stream.
-        Never fails the round: an error is logged and the next round's end prunes again."""
-        cfg = self.config
-        try:
-            dropped = self.store.prune(cfg.retain_rounds, (self.store.current_placement().plan_id,))
-            if dropped:
-                short = ",".join(k.rsplit(":", 2)[-2] + ":" + k.rsplit(":", 1)[-1] for k in dropped)
-                self.store.update(CLUSTER, pruned=short)
-                self.store.emit_event("pruned", round=rec.round, keys=short)
-                self.log.info("pruned", round=rec.round, keys=short)
-            if cfg.audit_keep:
-                trimmed = self.store.trim_audit(cfg.audit_keep, cfg.audit_export_path)
-                if trimmed:
-                    self.store.emit_event("audit_trimmed", round=rec.round, records=trimmed,
-                                          export=cfg.audit_export_path)
-        except Exception as err:  # noqa: BLE001 - retention is housekeeping
-            self.log.error("pruning failed", error=str(err))
-
     def _on_free(self, rec: ClusterRecord) -> Step:
-        self._watch_weights(rec)
+        self._weights_watch.watch(rec, self.config, self.lease or "")
         if rec.requested <= rec.round:
             return self._periodic(rec)
         beats = self.store.heartbeats()
@@ -329,40 +241,6 @@ class Coordinator:
             return False, self.lease_ms // 3
         self._start_waits = None
         return True, None
-
-    def _watch_weights(self, rec: ClusterRecord) -> None:
-        """A weight clear / update whose switch step is not fixed ``deadlines.weights_ms`` after this coordinator
-        first saw it pending raises an audited alarm (once per request) naming the ranks whose workers never armed
-        for it at a safe point (a worker that stopped calling ``at_safe_point``, or never calls it): it would
-        otherwise wait without a sign. The request keeps waiting: no rank has applied it, and the ranks switch
-        together once the last one arms."""
-        n = rec.weights_request
-        if n <= 0 or rec.weights_switch_step:  # no request, or every rank armed: the switch step is fixed
-            self._weights_seen = None
-            return
-        now = time.monotonic()
-        if self._weights_seen is None or self._weights_seen[0] != n:
-            self._weights_seen = (n, now, False)
-            return
-        _, since, alarmed = self._weights_seen
-        if alarmed or now - since < self.config.deadlines.weights_ms / 1000:
-            return
-        weights, ranks = self.store.read_each(WEIGHTS), self.store.read_each(RANK)
-        pending = [r for r, w in enumerate(weights) if isinstance(w, WeightRecord)
-                   and (w.request < n or w.state in (WeightState.CLEARING, WeightState.UPDATING))]
-        unarmed = [r for r in pending if not (isinstance(ranks[r], RankRecord) and ranks[r].armed == f"weights:{n}")]
-        if not pending:  # carried out without a switch step (agents without safe points)
-            self._weights_seen = (n, since, True)
-            return
-        if not unarmed:
-            return  # the last one armed just now: the switch step is being fixed
-        reason = (f"weight {rec.weights_action} {n} not switched {self.config.deadlines.weights_ms} ms after it was "
-                  f"requested: the workers of ranks {unarmed} never reached a safe point armed for it (they must "
-                  f"call at_safe_point); ranks {pending} wait for them")
-        self.log.error("alarm", weights_request=n, ranks=unarmed, alarm=reason)
-        self.store.emit_event("alarm", message=reason)
-        self.store.append_alarm(rec, actor=self.holder, reason=reason, fence=self.lease or "")
-        self._weights_seen = (n, since, True)
 
     def _periodic(self, rec: ClusterRecord) -> Step:
         """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""
@@ -604,7 +482,7 @@ class Coordinator:
             self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
 
     def _on_done(self, rec: ClusterRecord) -> Step:
-        self._prune(rec)
+        prune_after_round(self.store, self.config, rec, self.log)
         self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None
 

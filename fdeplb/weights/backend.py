@@ -2,7 +2,8 @@
 
 A rank agent needs these things of the weights it serves: which placement its live slots hold, to stage the experts
 a new placement needs, to swap them in, to verify the slots, to reload them, and to clear them and reload them in a
-given placement (the dynamic weight clear / update). :class:`WeightBackend` names those;
+given placement (the dynamic weight clear / update). :class:`WeightBackend` names those, with the typed records they
+return (:class:`StageReport`, :class:`SwapReport`, :class:`SlotCheck`);
 :class:`CheckpointBackend` implements them with paddle tensors read from a safetensors checkpoint
 (:class:`~fdeplb.weights.LiveExperts`), and :class:`fdeplb.testing.NumpyWeights` with numpy arrays, so that the
 coordinator, the agent, gating, replay and the kill tests run without paddle.
@@ -10,8 +11,8 @@ coordinator, the agent, gating, replay and the kill tests run without paddle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,6 +46,51 @@ class StageReport:
                    disk_bytes=nbytes["disk"], local_bytes=nbytes["local"])
 
 
+@dataclass(frozen=True)
+class SwapReport:
+    """What one swap did (:meth:`WeightBackend.swap`). Bytes are device bytes written into live slots; seconds are
+    wall time.
+
+    ``keep`` / ``local`` / ``disk`` / ``disk_slots``: the transfer's counts (as :class:`StageReport`);
+    ``slots_verified``: slots the swap wrote and verified; ``bytes_from_staging``: staged (disk) experts copied in,
+    one per disk slot; ``bytes_local``: slot-to-slot copies; ``bytes_snapshot``: slots copied aside to break copy
+    cycles; ``copy_seconds``: the writes including the final device synchronisation; ``verify_seconds``:
+    checksumming every changed slot; ``routing_seconds``: switching the routing tables.
+    """
+
+    ep_rank: int
+    plan_key: str
+    keep: int
+    local: int
+    disk: int
+    disk_slots: int
+    snapshots: int
+    slots_verified: int
+    bytes_from_staging: int
+    bytes_local: int
+    bytes_snapshot: int
+    copy_seconds: float
+    verify_seconds: float
+    routing_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.copy_seconds + self.verify_seconds + self.routing_seconds
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "seconds": self.seconds}
+
+
+class SlotCheck(NamedTuple):
+    """A verification of a rank's live slots against the source of truth (:meth:`WeightBackend.verify`,
+    :meth:`WeightBackend.reload_in`); ``verified < total`` means corrupted slots."""
+
+    verified: int
+    """Slots holding exactly their logical expert's weights."""
+    total: int
+    """Slots of the rank (num_layers x slots per rank)."""
+
+
 class Staged(Protocol):
     """A staged plan held by a backend until it is swapped in or released."""
 
@@ -74,12 +120,11 @@ class WeightBackend(Protocol):
         """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
         read, when it needs more than ``budget_bytes``)."""
 
-    def swap(self, staged: Staged, new_phy2log: np.ndarray) -> dict[str, Any]:
+    def swap(self, staged: Staged, new_phy2log: np.ndarray) -> SwapReport:
         """Write the staged plan into the live slots in place and switch the routing tables to ``new_phy2log``;
-        every written slot is verified (VerificationError). Returns numbers of the swap (``snapshots``,
-        ``bytes_from_staging``, ``bytes_local``, ``seconds`` ...)."""
+        every written slot is verified (VerificationError). Returns what the swap did (:class:`SwapReport`)."""
 
-    def verify(self) -> tuple[int, int]:
+    def verify(self) -> SlotCheck:
         """(slots holding exactly their logical expert's weights, slots in total)."""
 
     def reload(self) -> None:
@@ -92,10 +137,10 @@ class WeightBackend(Protocol):
     def clear(self) -> int:
         """Free the live slots' memory (FastDeploy's ``clear_load_weight``); returns the bytes freed."""
 
-    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+    def reload_in(self, phy2log: np.ndarray) -> SlotCheck:
         """Reload every slot from the source of truth for placement ``phy2log`` (int64 [L, P], the cluster's
         current one: vLLM PR #55228), re-allocating cleared slots, switch the routing tables to it and verify every
-        slot; returns (slots verified, slots total). Raises WeightError subclasses when it cannot."""
+        slot; returns the verification (:class:`SlotCheck`). Raises WeightError subclasses when it cannot."""
 
 
 #: builds a rank's backend: (checkpoint {"path", "preset"}, placement int64 [L, P], ep_rank, ep_size) -> backend
@@ -116,7 +161,8 @@ class CheckpointBackend:
     """:class:`WeightBackend` over paddle tensors loaded from a safetensors checkpoint (the ``[paddle]`` extra).
 
     Build with :meth:`open` (loads the rank's slots from the checkpoint) or wrap an engine's own
-    :class:`~fdeplb.weights.LiveExperts` (``LiveExperts.attach``) and its :class:`~fdeplb.weights.CheckpointReader`.
+    :class:`~fdeplb.weights.LiveExperts` (``LiveExperts.attach``) and its :class:`~fdeplb.weights.CheckpointReader`;
+    :meth:`factory` and :meth:`attached` give the matching :data:`BackendFactory` for a rank agent.
     """
 
     def __init__(self, live: Any, reader: Any, *, device: str | None = None) -> None:
@@ -144,6 +190,25 @@ class CheckpointBackend:
         return lambda checkpoint, phy2log, ep_rank, ep_size: cls.open(checkpoint, phy2log, ep_rank, ep_size,
                                                                      device=device)
 
+    @classmethod
+    def attached(cls, tensors: dict[str, list[Any]], device: str | None = None) -> BackendFactory:
+        """A :data:`BackendFactory` that wraps the engine's own live expert tensors (``suffix -> [tensor per MoE
+        layer, each [slots_per_rank, *shape]]``: :meth:`fdeplb.weights.LiveExperts.attach`, verified against the
+        checkpoint, never copied) instead of allocating new ones. The factory raises CheckpointError when the
+        cluster has no checkpoint path, VerificationError when a slot does not hold its expert."""
+
+        def build(checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int) -> "CheckpointBackend":
+            from fdeplb.weights.checkpoint import CheckpointReader
+            from fdeplb.weights.live import LiveExperts
+
+            if not checkpoint.get("path"):
+                raise CheckpointError("the cluster has no checkpoint path: attached tensors are verified against it")
+            reader = CheckpointReader(checkpoint["path"], preset=checkpoint.get("preset", "ernie"))
+            live = LiveExperts.attach(tensors, phy2log, ep_rank, ep_size, reader, device=device)
+            return cls(live, reader, device=device)
+
+        return build
+
     @property
     def phy2log(self) -> np.ndarray:
         return self.live.phy2log
@@ -159,13 +224,13 @@ class CheckpointBackend:
         experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device)
         return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes))
 
-    def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray) -> dict[str, Any]:
+    def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray) -> SwapReport:
         report = self.live.swap(staged.transfer, staged.experts, new_phy2log)
         staged.experts.release(keep_buffers=True)  # next round's staging reuses the pre-faulted buffers
-        return report.to_dict()
+        return report
 
-    def verify(self) -> tuple[int, int]:
-        return self.live.verify(self.reader)
+    def verify(self) -> SlotCheck:
+        return SlotCheck(*self.live.verify(self.reader))
 
     def reload(self) -> None:
         self.live.reload(self.reader)
@@ -177,6 +242,6 @@ class CheckpointBackend:
     def clear(self) -> int:
         return self.live.clear()
 
-    def reload_in(self, phy2log: np.ndarray) -> tuple[int, int]:
+    def reload_in(self, phy2log: np.ndarray) -> SlotCheck:
         self.live.reload_in(self.reader, phy2log)
-        return self.live.verify(self.reader)
+        return self.verify()

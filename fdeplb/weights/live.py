@@ -9,48 +9,16 @@ changes, so CUDA graphs and every reference the serving engine holds stay valid)
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
 from fdeplb.errors import InputError, VerificationError, WeightError
 from fdeplb.weights import _paddle
+from fdeplb.weights.backend import SwapReport
 from fdeplb.weights.checkpoint import CheckpointReader
 from fdeplb.weights.plan import LOCAL, TransferPlan, rank_slots, routing_tables
 from fdeplb.weights.staging import ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
-
-
-@dataclass(frozen=True)
-class SwapReport:
-    """What one swap did. Bytes are device bytes written into live slots; seconds are wall time.
-
-    ``bytes_from_staging``: staged (disk) experts copied in, one per disk slot; ``bytes_local``: slot-to-slot copies;
-    ``bytes_snapshot``: slots copied aside to break copy cycles; ``copy_seconds``: the writes including the final
-    device synchronisation; ``verify_seconds``: checksumming every changed slot.
-    """
-
-    ep_rank: int
-    plan_key: str
-    keep: int
-    local: int
-    disk: int
-    disk_slots: int
-    snapshots: int
-    slots_verified: int
-    bytes_from_staging: int
-    bytes_local: int
-    bytes_snapshot: int
-    copy_seconds: float
-    verify_seconds: float
-    routing_seconds: float
-
-    @property
-    def seconds(self) -> float:
-        return self.copy_seconds + self.verify_seconds + self.routing_seconds
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "seconds": self.seconds}
 
 
 class LiveExperts:

@@ -1,0 +1,76 @@
+"""The rank agent embedded in a serving worker: the engine owns the forward loop, the agent's reconcile loop runs in
+a background thread (:class:`EmbeddedAgent`). README "Embedding in a serving worker" shows its use.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fdeplb.errors import InputError
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.store import Store
+from fdeplb.weights.backend import CheckpointBackend
+
+
+class EmbeddedAgent(RankAgent):
+    """The rank agent embedded in a serving worker: the engine owns the forward loop and calls :meth:`record` and
+    :meth:`at_safe_point`; the reconcile loop (publishing the load window, staging, the weight-status machine,
+    heartbeats with a TTL) runs in a background daemon thread started by :meth:`start`.
+
+    Args:
+        store: a :class:`~fdeplb.store.Store`, or a Redis URL (then ``cluster`` names the cluster).
+        ep_rank: this worker's EP rank.
+        tensors: the engine's live expert tensors, ``suffix -> [paddle.Tensor per MoE layer, each
+            [slots_per_rank, *shape]]``, already holding the cluster's current placement: attached in place and
+            verified against the checkpoint (:meth:`fdeplb.weights.CheckpointBackend.attached`). Without them the
+            agent loads the rank's slots from the cluster's checkpoint (or uses ``backend_factory``).
+        device: paddle device of the tensors ("cpu", "gpu:0"; None = paddle's current one).
+        block_ms: longest wait of the background loop between looks at Redis.
+        publish_interval_s: publish the load window this often (None: only when a round collects).
+        **kwargs: the other :class:`RankAgent` arguments (``window_steps``, ``window_s``, ``heartbeat_ttl_ms``,
+            ``backend_factory``, ``verify_all``, ``staging_budget_bytes`` ...).
+
+    Raises:
+        InputError: a URL without a cluster, both ``tensors`` and ``backend_factory``.
+
+    Use as a context manager or call :meth:`close`; see README "Embedding in a serving worker".
+    """
+
+    def __init__(self, store: Store | str, ep_rank: int, *, cluster: str | None = None,
+                 tensors: dict[str, list[Any]] | None = None, device: str | None = None, block_ms: int = 50,
+                 publish_interval_s: float | None = 5.0, **kwargs: Any) -> None:
+        if isinstance(store, str):
+            if not cluster:
+                raise InputError("EmbeddedAgent(url, ...) needs cluster=")
+            store = Store(store, cluster)
+        if tensors is not None:
+            if kwargs.get("backend_factory") is not None:
+                raise InputError("give the engine's tensors or a backend_factory, not both")
+            kwargs["backend_factory"] = CheckpointBackend.attached(tensors, device)
+        super().__init__(store, ep_rank, safe_points=True, device=device, publish_interval_s=publish_interval_s,
+                         **kwargs)
+        self.block_ms = int(block_ms)
+        self._thread: threading.Thread | None = None
+
+    def start(self, info: dict[str, Any] | None = None) -> "EmbeddedAgent":
+        """Load (or attach) the live experts, register the rank and start the background loop."""
+        super().start(info)
+        self._thread = threading.Thread(target=self.run, kwargs={"block_ms": self.block_ms}, daemon=True,
+                                        name=f"fdeplb-rank{self.ep_rank}")
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the background loop (waits up to ``timeout_s``) and close the store's connections. The rank's
+        heartbeat then lapses after its TTL; the live experts stay as they are."""
+        self.stop_event.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.store.close()
+
+    def __enter__(self) -> "EmbeddedAgent":
+        return self if self._thread is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,80 @@
+"""The coordinator's housekeeping: work beside the rounds that never fails one.
+
+- :func:`prune_after_round`: retention as a round ends (old snapshots and plans, the audit stream's length);
+- :class:`WeightsWatchdog`: the alarm for a weight clear / update whose switch step is never fixed, with its own
+  memory of when it first saw each request pending.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, WeightState
+from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
+
+
+def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any) -> None:
+    """As a round ends, just before its release or abort commits (so whoever sees the cluster FREE sees the store
+    pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots and plans
+    older than the last ``cfg.retain_rounds`` rounds, keeping the current placement's plan; record what went in the
+    cluster record's ``pruned`` field and a ``pruned`` event; with ``cfg.audit_keep`` set, export and trim the
+    audit stream. Never fails the round: an error is logged and the next round's end prunes again."""
+    try:
+        dropped = store.prune(cfg.retain_rounds, (store.current_placement().plan_id,))
+        if dropped:
+            short = ",".join(k.rsplit(":", 2)[-2] + ":" + k.rsplit(":", 1)[-1] for k in dropped)
+            store.update(CLUSTER, pruned=short)
+            store.emit_event("pruned", round=rec.round, keys=short)
+            log.info("pruned", round=rec.round, keys=short)
+        if cfg.audit_keep:
+            trimmed = store.trim_audit(cfg.audit_keep, cfg.audit_export_path)
+            if trimmed:
+                store.emit_event("audit_trimmed", round=rec.round, records=trimmed, export=cfg.audit_export_path)
+    except Exception as err:  # noqa: BLE001 - retention is housekeeping
+        log.error("pruning failed", error=str(err))
+
+
+class WeightsWatchdog:
+    """A weight clear / update whose switch step is not fixed ``deadlines.weights_ms`` after this coordinator first
+    saw it pending raises an audited alarm (once per request) naming the ranks whose workers never armed for it at
+    a safe point (a worker that stopped calling ``at_safe_point``, or never calls it): it would otherwise wait
+    without a sign. The request keeps waiting: no rank has applied it, and the ranks switch together once the last
+    one arms. Timed on the local monotonic clock; its memory is this coordinator's (a new leader starts timing
+    afresh)."""
+
+    def __init__(self, store: Store, holder: str, log: Any) -> None:
+        self.store = store
+        self.holder = holder
+        self.log = log
+        self._seen: tuple[int, float, bool] | None = None  # (request, monotonic first seen, alarm raised)
+
+    def watch(self, rec: ClusterRecord, cfg: ClusterConfig, fence: str) -> None:
+        """Look at the cluster record ``rec`` (read in FREE); raise the alarm with ``fence`` once it is due."""
+        n = rec.weights_request
+        if n <= 0 or rec.weights_switch_step:  # no request, or every rank armed: the switch step is fixed
+            self._seen = None
+            return
+        now = time.monotonic()
+        if self._seen is None or self._seen[0] != n:
+            self._seen = (n, now, False)
+            return
+        _, since, alarmed = self._seen
+        if alarmed or now - since < cfg.deadlines.weights_ms / 1000:
+            return
+        weights, ranks = self.store.read_each(WEIGHTS), self.store.read_each(RANK)
+        pending = [r for r, w in enumerate(weights) if isinstance(w, WeightRecord)
+                   and (w.request < n or w.state in (WeightState.CLEARING, WeightState.UPDATING))]
+        unarmed = [r for r in pending if not (isinstance(ranks[r], RankRecord) and ranks[r].armed == f"weights:{n}")]
+        if not pending:  # carried out without a switch step (agents without safe points)
+            self._seen = (n, since, True)
+            return
+        if not unarmed:
+            return  # the last one armed just now: the switch step is being fixed
+        reason = (f"weight {rec.weights_action} {n} not switched {cfg.deadlines.weights_ms} ms after it was "
+                  f"requested: the workers of ranks {unarmed} never reached a safe point armed for it (they must "
+                  f"call at_safe_point); ranks {pending} wait for them")
+        self.log.error("alarm", weights_request=n, ranks=unarmed, alarm=reason)
+        self.store.emit_event("alarm", message=reason)
+        self.store.append_alarm(rec, actor=self.holder, reason=reason, fence=fence)
+        self._seen = (n, since, True)

@@ -1,0 +1,263 @@
+"""The rank's load recorder: where a worker's routed-token counts enter fdeplb, the window that sums them, and the
+one path by which the window is published.
+
+:func:`fold_counts` is the one check of a step's counts (integer dtype, shape, range) and the physical -> logical
+fold; :class:`ExpertLoadWindow` holds only what it returns (int64 [L, E], every count in [0, int64 max]) and sums
+it exactly. :class:`LoadRecorder` (mixed into the rank agent) is ``record()``, the ``clear_stat`` request and the
+publication: a round's collection and the periodic one both go through :meth:`LoadRecorder._defer_window`, where
+the store checks the window as it lays out the write (``Store.deferred_publish``: at most
+``fdeplb.placement.MAX_LOAD`` = 2**53 per count, whole numbers: a fractional window is refused, never truncated).
+
+The two ceilings differ on purpose (a test pins the window's): the window accumulates exactly up to the int64
+range (so that it never wraps, however long it runs), the store publishes only what float64 holds exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from fdeplb.errors import FdeplbError, InputError
+from fdeplb.machines.tables import ClusterState
+from fdeplb.store import ClusterConfig, ClusterRecord
+
+#: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
+LoadSource = Callable[[int], np.ndarray]
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def fold_counts(counts: Any, live_phy2log: np.ndarray, num_logical: int, *, physical: bool | None = None) -> np.ndarray:
+    """One forward step's routed tokens as logical-expert counts, int64 [num_layers, num_logical].
+
+    ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical], or per physical slot,
+    [num_layers, num_physical] (summed into logical experts through ``live_phy2log``, int64 [L, P], the placement
+    the step routed with); a numpy array or a paddle tensor (anything with ``.numpy()``), or a nested list, of any
+    integer dtype. ``physical`` says which (None: by shape; when E == P a [L, E] array is taken as logical).
+
+    Raises:
+        InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a negative count, or a count past
+            the int64 range (also once summed per logical expert).
+    """
+    arr = counts
+    if not isinstance(arr, np.ndarray):
+        try:
+            arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
+        except ValueError as err:  # a ragged nested list
+            raise InputError(f"expert counts are not an array: {err}") from None
+    if arr.dtype.kind not in "iu":
+        raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
+    num_layers, num_phy = live_phy2log.shape
+    num_log = int(num_logical)
+    wanted = f"{(num_layers, num_log)} (logical) or {(num_layers, num_phy)} (physical)"
+    if physical is None:
+        physical = arr.shape == (num_layers, num_phy) and num_phy != num_log
+    else:
+        physical = bool(physical)
+        wanted = f"{(num_layers, num_phy) if physical else (num_layers, num_log)} (physical={physical})"
+    expected = (num_layers, num_phy) if physical else (num_layers, num_log)
+    if arr.shape != expected:
+        raise InputError(f"expert counts have shape {arr.shape}, expected {wanted}")
+    if arr.size:
+        if arr.dtype.kind == "i" and int(arr.min()) < 0:
+            raise InputError(f"expert counts must be >= 0, found {int(arr.min())}")
+        if arr.dtype.kind == "u" and int(arr.max()) > INT64_MAX:
+            raise InputError(f"expert count {int(arr.max())} is past the int64 range")
+    arr = arr.astype(np.int64)
+    if not physical:
+        return arr
+    # a layer's row sum bounds each of its logical sums: past int64 // P, fold exactly in Python ints
+    wide = arr.size and int(arr.max()) > INT64_MAX // num_phy
+    logical = np.zeros((num_layers, num_log), dtype=object if wide else np.int64)
+    np.add.at(logical, (np.arange(num_layers)[:, None], live_phy2log), arr.astype(logical.dtype))
+    if wide and max(logical.ravel().tolist()) > INT64_MAX:
+        raise InputError("expert counts per slot sum past the int64 range for a logical expert")
+    return logical.astype(np.int64)
+
+
+class ExpertLoadWindow:
+    """The rank's sliding expert_load window: the last ``steps`` recorded steps (vLLM's ``expert_load_window``)
+    and/or the steps of the last ``seconds`` seconds, summed in int64 (exact past 2**31, where FastDeploy's int32
+    accumulator wraps). Thread-safe: the worker adds, the agent's background thread reads.
+
+    Args:
+        num_layers, num_logical_experts: the shape [L, E] of one step's load.
+        steps: keep at most this many steps (None: no step limit; then ``seconds`` is needed).
+        seconds: drop steps older than this (None: no time limit).
+        clock: monotonic seconds (tests pass their own).
+
+    Raises:
+        InputError: neither limit given, or a limit that is not positive.
+    """
+
+    def __init__(self, num_layers: int, num_logical_experts: int, *, steps: int | None = 1000,
+                 seconds: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if steps is None and seconds is None:
+            raise InputError("a load window needs steps, seconds or both")
+        if (steps is not None and int(steps) < 1) or (seconds is not None and not float(seconds) > 0):
+            raise InputError(f"load window limits must be positive, got steps={steps!r} seconds={seconds!r}")
+        self.shape = (int(num_layers), int(num_logical_experts))
+        self.max_steps = None if steps is None else int(steps)
+        self.seconds = None if seconds is None else float(seconds)
+        self.clock = clock
+        self._entries: collections.deque[tuple[float, np.ndarray]] = collections.deque()
+        self._total = np.zeros(self.shape, dtype=np.int64)
+        self._lock = threading.Lock()
+
+    def add(self, load: np.ndarray) -> None:
+        """Add one step's load, int64 [L, E], each count >= 0 (what :func:`fold_counts` returns: not checked
+        again here; the window keeps ``load`` itself).
+
+        Raises:
+            InputError: the window's sum would pass the int64 range (it would wrap to negative counts); nothing
+                is added then.
+        """
+        now = self.clock()
+        with self._lock:
+            self._expire(now)  # time-based: would drop on any read as well
+            full = self.max_steps is not None and len(self._entries) == self.max_steps
+            kept = self._total - self._entries[0][1] if full else self._total  # >= 0: no wrap below
+            # per serving step: the two maxima bound every sum; the elementwise test only when they could wrap
+            if (load.size and int(load.max()) > INT64_MAX - int(np.max(kept))
+                    and bool(np.any(load > INT64_MAX - kept))):
+                raise InputError("expert counts would take the load window's sum past the int64 range")
+            if full:
+                self._total -= self._entries.popleft()[1]
+            self._entries.append((now, load))
+            self._total += load
+
+    def _expire(self, now: float) -> None:
+        if self.seconds is not None:
+            while self._entries and self._entries[0][0] < now - self.seconds:
+                self._total -= self._entries.popleft()[1]
+
+    def total(self) -> np.ndarray:
+        """The window's sum, int64 [L, E] (a copy)."""
+        with self._lock:
+            self._expire(self.clock())
+            return self._total.copy()
+
+    def __len__(self) -> int:
+        """Steps in the window."""
+        with self._lock:
+            return len(self._entries)
+
+    def clear(self) -> None:
+        """Empty the window (FastDeploy's ``clear_stat``)."""
+        with self._lock:
+            self._entries.clear()
+            self._total[...] = 0
+
+
+class LoadRecorder:
+    """The rank agent's load: :meth:`record` (the worker's side), the ``clear_stat`` request and the publication
+    of the window (:meth:`_load_step`, once per reconcile step). Mixed into
+    :class:`~fdeplb.orchestration.agent.RankAgent`; it uses, of its host: ``store``, ``ep_rank``, ``log``, the
+    rank-record handle ``rank``, ``_outbox`` (the step's deferred writes) and ``_live_phy2log`` (the placement the
+    worker routes with). The host resets ``_published_round`` to -1 when a write's fate is unknown.
+    """
+
+    store: Any
+    ep_rank: int
+    log: Any
+    rank: Any
+    _outbox: list
+    _live_phy2log: np.ndarray | None
+
+    def _init_load(self, load_source: LoadSource | None, window_steps: int | None, window_s: float | None,
+                   publish_interval_s: float | None) -> None:
+        """``load_source`` defaults to the window's total; ``window_steps`` / ``window_s``: the window's limits
+        (:class:`ExpertLoadWindow`); ``publish_interval_s``: also publish this often (None: only to collect)."""
+        self.load_source = load_source or (lambda _round: self.window.total())
+        self.window_steps, self.window_s = window_steps, window_s
+        self.window: ExpertLoadWindow | None = None
+        self.publish_interval_s = publish_interval_s
+        self._live_phy2log = None
+        self._next_publish = 0.0
+        self._published_round = -1  # the newest round this agent knows its window was published for
+        self._load_failed_round = -1
+        self._clear_stat_seen = 0
+
+    def _open_window(self, config: ClusterConfig) -> None:
+        """At start-up: the window of the cluster's shape (kept across restarts of the same agent), and the
+        ``clear_stat`` request it has carried out (a fresh window is empty)."""
+        if self.window is None:
+            self.window = ExpertLoadWindow(config.num_layers, config.num_logical_experts,
+                                           steps=self.window_steps, seconds=self.window_s)
+        self._clear_stat_seen = self.store.read_cluster().clear_stat_request
+
+    def record(self, counts: Any, *, physical: bool | None = None) -> None:
+        """Add one forward step's routed tokens to the load window. Call once per step from the worker.
+
+        ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
+        physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
+        the one the step routed with); a numpy array or a paddle tensor of any integer dtype. ``physical`` says
+        which (None: by shape; when E == P a [L, E] array is taken as logical). Accumulated in int64
+        (:func:`~fdeplb.orchestration.load_window.fold_counts` checks and folds them, once).
+
+        Raises:
+            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a negative count, a count
+                past the int64 range (also once summed per logical expert or into the window), or the agent is
+                not started. Nothing is recorded then.
+        """
+        if self.window is None or self._live_phy2log is None:
+            raise InputError("record() before start(): the agent has no load window yet")
+        self.window.add(fold_counts(counts, self._live_phy2log, self.window.shape[1], physical=physical))
+
+    def _load_step(self, cluster: ClusterRecord) -> None:
+        """One reconcile step's load work: carry out a new ``clear_stat`` request, publish the window when the
+        round collects, and publish it every ``publish_interval_s`` (the same checked path)."""
+        if cluster.clear_stat_request > self._clear_stat_seen:
+            self.window.clear()
+            self._clear_stat_seen = cluster.clear_stat_request
+            self.rank.update(clear_stat=cluster.clear_stat_request)
+        published = cluster.state is ClusterState.COLLECTING and self._publish_load(cluster)
+        if self.publish_interval_s and time.monotonic() >= self._next_publish:
+            self._next_publish = time.monotonic() + self.publish_interval_s
+            if not published:  # just put in the outbox: once is enough
+                self._defer_window(cluster.round)
+
+    def _publish_load(self, cluster: ClusterRecord) -> bool:
+        """COLLECTING: publish the window for the cluster's round once (a fresh process looks up what a previous
+        one published); True if a publication went into the outbox. A load source that fails is reported once per
+        round: publish nothing, the coordinator's collecting deadline aborts the round and names this rank."""
+        round_ = cluster.round
+        if self._published_round < 0:  # a fresh process: a previous one may have published for this round
+            self._published_round = self.store.load_round(self.ep_rank) or 0
+        if self._published_round >= round_ or self._load_failed_round == round_:
+            return False
+        if not self._defer_window(round_):
+            self._load_failed_round = round_  # once per round: no retry storm
+            return False
+        self._published_round = round_  # reset to "look it up" if the write is refused or its fate unknown
+        return True
+
+    def _defer_window(self, round_: int) -> bool:
+        """The one publish path (a round's collection and the periodic ``publish_interval_s``): the load source's
+        window for ``round_``, checked as the store lays out its write (:meth:`fdeplb.store.Store.deferred_publish`:
+        an int64-convertible [L, E] of whole counts in [0, 2**53]; a fractional one is refused, never truncated)
+        and put in the outbox, sent with the next wait. False, with an alarm, when the source failed or its window
+        was refused (the agent goes on)."""
+        try:
+            window = self.load_source(round_)
+        except Exception as err:  # noqa: BLE001 - the engine's recorder is foreign code; never kill the agent
+            return self._load_source_failed(round_, err)
+        try:
+            call = self.store.deferred_publish(self.ep_rank, round_, window)
+        except InputError as err:  # the window's check refused it
+            return self._load_source_failed(round_, err)
+        except FdeplbError:
+            raise  # the store's own trouble (Redis away, a corrupt config): the loop retries
+        except Exception as err:  # noqa: BLE001 - a foreign array-like that fails to convert
+            return self._load_source_failed(round_, err)
+        self._outbox.append(call)
+        return True
+
+    def _load_source_failed(self, round_: int, err: Exception) -> bool:
+        self.log.error("load source failed", round=round_, error=str(err))
+        self.store.emit_event("alarm", rank=self.ep_rank, message=f"load source failed: {err}")
+        return False

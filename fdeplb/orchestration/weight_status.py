@@ -1,0 +1,108 @@
+"""The weight-status driver: carries the cluster's dynamic weight clear / update requests through one rank's WEIGHTS
+machine (FastDeploy's ``clear_load_weight`` / ``update_weights``), switched at a safe point like a swap.
+
+:class:`WeightStatusDriver` is mixed into :class:`~fdeplb.orchestration.agent.RankAgent`; the agent's reconcile
+step calls :meth:`WeightStatusDriver._weights_step` before its rank-state entry work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fdeplb.errors import VerificationError
+from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
+from fdeplb.orchestration.safe_points import Arm, SafePoints
+from fdeplb.store import ClusterRecord, WeightRecord
+
+
+class WeightStatusDriver(SafePoints):
+    """Drives the rank's weight-status record (WEIGHTS machine) from the cluster's latest weight request.
+
+    It uses, of its host: ``store``, ``ep_rank``, ``log``, ``backend`` (``clear``, ``reload_in``), the record
+    handles ``rank`` and ``weights``, and sets ``live_plan_id`` after an update; the safe-point scheduling is
+    :class:`~fdeplb.orchestration.safe_points.SafePoints`'.
+    """
+
+    rank: Any
+    weights: Any
+    live_plan_id: str | None
+
+    def _weights_step(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
+        """Carry out the cluster's latest weight request through this rank's weight-status machine: the transition
+        into CLEARING / UPDATING is committed first (its guards: no clear or update while a round is past FREE),
+        the work runs at the safe point of the request's switch step, the outcome is committed after
+        (``cleared``, ``updated``, or ``update_failed`` with the reason: never NORMAL with wrong weights). True if
+        the caller should look again without waiting (then the rank-state entry work waits for the next step).
+
+        Two phases: every rank first commits its transition (or finds nothing to do: clear while CLEARED) and arms
+        for request n (``weights:<n>``); the request's switch step is fixed once all are armed, and all switch at
+        it (:meth:`~fdeplb.orchestration.safe_points.SafePoints.at_safe_point`). Requests are carried out one at a
+        time (:meth:`fdeplb.store.Store.request_weights` refuses a new one while a rank is CLEARING or UPDATING).
+        A request that still overtakes one (written between this rank's read of request n and its commit of the
+        transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
+        one step, but this rank then carries out the new request on its own, past that step, which raises the
+        late-switch alarm (``at_safe_point``, point 3). ``w``: this rank's weight-status record as read."""
+        n = cluster.weights_request
+        arm = Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
+        if w.state is WeightState.CLEARING:
+            return self._weights_clearing(cluster, w, arm)
+        if w.state is WeightState.UPDATING:
+            return self._weights_updating(cluster, w, arm)
+        if w.request >= n:
+            return False
+        action = cluster.weights_action
+        if action not in ("clear", "update"):
+            self.store.update(WEIGHTS, self.ep_rank, request=n, reason=f"unknown weight action {action!r}")
+            return True
+        if cluster.state is not ClusterState.FREE:
+            return False  # the guards refuse while a round runs: wait for FREE (no retry storm)
+        if action == "clear" and w.state is WeightState.CLEARED:  # nothing to free; arms all the same
+            op = self._at_safe_point(("nothing", n), arm, lambda: None)
+            if op is None:
+                return False
+            self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
+            self.store.update(WEIGHTS, self.ep_rank, request=n)
+            return True
+        self.weights.fire(action, record=w, reason=cluster.weights_reason, changes={"request": n, "reason": ""})
+        return True
+
+    def _weights_clearing(self, cluster: ClusterRecord, w: WeightRecord, arm: Arm) -> bool:
+        """CLEARING: free the live slots at the switch step, then commit ``cleared``."""
+        op = self._at_safe_point(("clear", w.request), arm, self.backend.clear)
+        if op is None or op.gone:
+            return False
+        if op.error is not None:  # freeing memory does not fail; if it did, say so and stay CLEARING
+            self._op = None
+            self.store.emit_event("alarm", rank=self.ep_rank, message=f"weight clear failed: {op.error}")
+            self.store.update(WEIGHTS, self.ep_rank, reason=f"clear failed: {op.error}")
+            return False
+        # the rank's report first: whoever sees CLEARED sees when it was applied
+        self.rank.update(**self._applied(op, cluster, f"weight clear {w.request}"))
+        self.weights.fire("cleared", record=w, changes={"reason": ""})
+        return True
+
+    def _weights_updating(self, cluster: ClusterRecord, w: WeightRecord, arm: Arm) -> bool:
+        """UPDATING: reload every slot in the cluster's current placement at the switch step and verify it, then
+        commit ``updated`` or ``update_failed`` (with the reason and an alarm)."""
+        placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
+        op = self._at_safe_point(("update", w.request), arm, lambda: self.backend.reload_in(placement.phy2log))
+        if op is None or op.gone:
+            return False
+        applied = self._applied(op, cluster, f"weight update {w.request}")
+        err = op.error
+        if err is None and op.result.verified != op.result.total:
+            err = VerificationError(f"{op.result.total - op.result.verified} of {op.result.total} slots differ "
+                                    "from the checkpoint after the update")
+        if err is None:
+            applied["live_plan_id"] = placement.plan_id
+        self.rank.update(**applied)  # the rank's report first: whoever sees the outcome sees when it applied
+        if err is not None:
+            reason = f"update failed: {err}"
+            self.log.error("weight update failed", error=str(err))
+            self.store.emit_event("alarm", rank=self.ep_rank, message=reason)
+            self.weights.fire("update_failed", record=w, reason=reason, changes={"reason": reason})
+        else:
+            self.live_plan_id = placement.plan_id
+            self.weights.fire("updated", record=w, plan_id=placement.plan_id,
+                              changes={"plan_id": placement.plan_id, "reason": ""})
+        return True
