@@ -26,6 +26,8 @@ PUBLIC = {
         "MachineTable", "RankState", "RecordModel", "StateEnum", "TransitionSpec", "WeightState", "build_machine",
         "entry_work"],
     "fdeplb.orchestration": ["Coordinator", "Fired", "RankAgent", "RecordHandle", "default_planner", "init_cluster"],
+    "fdeplb.replay": ["ReplayError", "ReplayReport", "check_gates", "check_plans", "chain_of", "parse_lines",
+                      "read_export", "rebuild", "replay", "replay_file", "whatif"],
     "fdeplb.sim": ["LocalCluster", "integral_load", "new_cluster_id", "rank_share", "temp_workdir"],
     "fdeplb.store": [
         "AuditRecord", "ClusterConfig", "ClusterRecord", "CommitResult", "Cursor", "Deadlines", "EmbeddedRedis",

@@ -336,6 +336,44 @@ class PlanEntry:
     moved_experts: int
     """Experts present on a GPU in the new placement but not the old (multiset difference, summed)."""
 
+    def to_json(self) -> dict[str, Any]:
+        """This plan as JSON: a recording's ``plan`` line without its ``type`` (docs/recordings.md), every field,
+        the arrays as :func:`fdeplb.array_json.array_json` objects."""
+        from fdeplb.array_json import array_json
+
+        return {"plan_id": self.plan_id, "round": self.round, "policy": self.policy, "old_plan_id": self.old_plan_id,
+                "topology": self.topology, "balancedness_before": self.balancedness_before,
+                "balancedness_after": self.balancedness_after, "moved_experts": self.moved_experts,
+                "expert_load": array_json(self.expert_load), "old_phy2log": array_json(self.old_phy2log),
+                "new_phy2log": array_json(self.new_phy2log)}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], where: str, error: type[InputError] = InputError) -> PlanEntry:
+        """Inverse of :meth:`to_json` (other keys, such as a line's ``type``, are ignored), strictly typed:
+        ``plan_id``, ``policy`` and ``old_plan_id`` (default "") text, ``round`` and ``moved_experts`` integers
+        (:func:`fdeplb.checks.check_int`), the balancedness figures numbers, ``topology`` an object, the arrays
+        int64 (:func:`fdeplb.array_json.array_from_json`). Raises ``error`` (default
+        :class:`~fdeplb.errors.InputError`) with a message that starts with ``where`` and names the field."""
+        from fdeplb.array_json import array_from_json
+        from fdeplb.checks import check_int
+
+        def typed(name: str, kinds: tuple[type, ...], want: str, default: Any = None) -> Any:
+            value = obj.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise error(f"{where}: not a plan: {name} is {type(value).__name__}, not {want}")
+            return value
+
+        plan_id = typed("plan_id", (str,), "text")
+        arrays = {name: array_from_json(obj.get(name), f"{where}: plan {plan_id} {name}", error)
+                  for name in ("expert_load", "old_phy2log", "new_phy2log")}
+        return cls(plan_id=plan_id, round=check_int(obj.get("round"), f"{where}: not a plan: round", error=error),
+                   policy=typed("policy", (str,), "text"), old_plan_id=typed("old_plan_id", (str,), "text", ""),
+                   topology=dict(typed("topology", (dict,), "an object")),
+                   balancedness_before=float(typed("balancedness_before", (int, float), "a number")),
+                   balancedness_after=float(typed("balancedness_after", (int, float), "a number")),
+                   moved_experts=check_int(obj.get("moved_experts"), f"{where}: not a plan: moved_experts",
+                                           error=error), **arrays)
+
 
 @dataclass(frozen=True)
 class LeaseInfo:

@@ -1,0 +1,204 @@
+"""Recomputing what a recording claims, on top of :mod:`fdeplb.orchestration.gating` (the gate and planner the
+coordinator uses): :func:`check_plans` re-derives every ``load`` plan from its snapshot, :func:`check_gates` every
+gated round's numbers, and :func:`whatif` replans every recorded round with another policy. :class:`Recorded` is
+what a recording holds, read like a :class:`~fdeplb.store.Store`.
+
+Pure computation over a :class:`~fdeplb.replay.report.ReplayReport`; no Redis unless a live store is passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from fdeplb.array_json import array_from_json
+from fdeplb.errors import CorruptRecordError, InputError, ReplayError
+from fdeplb.replay.report import ReplayReport
+
+__all__ = ["Recorded", "check_gates", "check_plans", "whatif"]
+
+
+# ---- plans ---------------------------------------------------------------------------------------------------------
+class Recorded:
+    """What a recording holds, with the read methods of :class:`~fdeplb.store.Store` that :func:`check_plans`
+    uses (a plan or snapshot not in the recording is None)."""
+
+    def __init__(self, report: ReplayReport) -> None:
+        if report.header is None:
+            raise InputError("this export has no header (written before schema 1): its plans can only be checked "
+                             "against the live cluster (--redis-url, --cluster)")
+        from fdeplb.store.records import ClusterConfig
+
+        self.report = report
+        self.config = ClusterConfig.from_json(report.header["config"])
+        self.missing = set((report.header.get("missing") or {}).get("plans", []))
+
+    def read_config(self):
+        return self.config
+
+    def read_plan(self, plan_id: str):
+        return self.report.stored_plans.get(plan_id)
+
+    def read_snapshot(self, round_: int):
+        return self.report.snapshots.get(round_)
+
+    def start_placement(self) -> tuple[str, np.ndarray] | None:
+        placement = self.report.header["start"].get("placement")
+        if not placement:
+            return None
+        return str(placement.get("plan_id", "")), array_from_json(placement.get("phy2log"), "line 1: placement")
+
+
+def check_plans(source: Any, report: ReplayReport) -> list[str]:
+    """Recompute every ``load`` plan of ``report`` from what ``source`` holds (a :class:`Recorded` or a live
+    :class:`~fdeplb.store.Store`) and compare; returns the plan_ids checked.
+
+    For each plan: it is stored (a plan the recording lists as pruned is noted in ``report.plans_unchecked``), its
+    round and previous placement match the audit, its load snapshot is the round's frozen snapshot,
+    :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology) is the plan_id, and the
+    coordinator's planner on that snapshot gives the stored ``new_phy2log``.
+    Raises :class:`ReplayError` at the first plan that does not reproduce.
+    """
+    from fdeplb.orchestration.gating import decide, default_planner
+    from fdeplb.placement import plan_digest
+
+    config = source.read_config()
+    new_of: dict[str, np.ndarray] = {}
+    start = source.start_placement() if isinstance(source, Recorded) else None
+    if start is not None:
+        new_of[start[0]] = start[1]
+    recomputed: set[str] = set()
+    for plan in report.plans:
+        where = f"{plan.where}: plan {plan.plan_id or '(empty)'} of round {plan.round}"
+        try:
+            stored = source.read_plan(plan.plan_id)
+        except CorruptRecordError as exc:
+            raise ReplayError(f"{where}: {exc}") from None
+        if stored is None:
+            if isinstance(source, Recorded) and plan.plan_id in source.missing:
+                report.plans_unchecked.append(plan.plan_id)
+                continue
+            raise ReplayError(f"{where}: not stored")
+        load, old, new = stored.expert_load, stored.old_phy2log, stored.new_phy2log
+        if not 0 < stored.round <= plan.round:  # a round that retries an aborted round's plan reuses it
+            raise ReplayError(f"{where}: stored for round {stored.round}")
+        # plans are content-addressed: a round that meets the same (snapshot, old placement) as an earlier one
+        # reuses that plan, whose stored round and old_plan_id are the earlier one's; compare contents instead
+        if plan.previous_plan_id in new_of and not np.array_equal(old, new_of[plan.previous_plan_id]):
+            raise ReplayError(f"{where}: old_phy2log is not the placement it started from "
+                              f"({plan.previous_plan_id or 'initial'})")
+        snapshot = source.read_snapshot(plan.round)
+        if snapshot is not None and not np.array_equal(snapshot, load):
+            raise ReplayError(f"{where}: expert_load differs from round {plan.round}'s snapshot")
+        policy = stored.policy or config.policy
+        digest = plan_digest(load, old, policy, stored.topology)
+        if digest != plan.plan_id:
+            raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
+        if stored.topology != config.topology():
+            raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
+                              f"{config.topology()}")
+        if plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
+            again = np.asarray(default_planner(load, old, replace(config, policy=policy)), dtype=np.int64)
+            if not np.array_equal(again, new):
+                diff = int(np.count_nonzero(again != new)) if again.shape == new.shape else new.size
+                raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
+                                  f"({diff} of {new.size} slots differ)")
+            recomputed.add(plan.plan_id)
+        decision = decide(load, old, new, config)
+        figures = {"balancedness_before": decision.balancedness_before,
+                   "balancedness_after": decision.balancedness_after, "moved_experts": decision.moved_experts}
+        for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
+            # the store keeps balancedness to 6 decimals (Store.save_plan); moved experts exactly
+            if not math.isclose(getattr(stored, name), value, rel_tol=0.0, abs_tol=1e-6):
+                raise ReplayError(f"{where}: {name} is {getattr(stored, name)}, its arrays give {value}")
+        new_of[plan.plan_id] = new
+        report.plans_checked.append(plan.plan_id)
+    return list(report.plans_checked)
+
+
+# ---- gated rounds --------------------------------------------------------------------------------------------------
+def check_gates(report: ReplayReport) -> list[int]:
+    """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
+    from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
+    recorded numbers (mean balancedness before and after to 4 decimals, moved experts, min_gain; the reason is
+    rebuilt by :func:`fdeplb.orchestration.reasons.gated`). Rounds whose snapshot or starting placement the
+    recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
+
+    Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
+    through; :class:`InputError` for a recording without header.
+    """
+    from fdeplb.orchestration import reasons
+    from fdeplb.orchestration.gating import plan_round
+    from fdeplb.orchestration.reasons import RoundOutcome
+
+    source = Recorded(report)
+    cfg = source.config
+    placements = _placements(report, source)
+    for seen in report.rounds:
+        if seen.end is not RoundOutcome.SKIPPED:  # an abort whose reason is the gate's
+            continue
+        load, old = report.snapshots.get(seen.round), placements.get(seen.placement_plan)
+        if load is None or old is None:
+            continue
+        decision = plan_round(load, old, cfg)
+        before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
+        expected = reasons.gated(decision)
+        if expected is None:
+            raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
+                              f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
+                              f"min_gain {cfg.min_gain}, which the gate lets through")
+        if expected != seen.reason:
+            raise ReplayError(f"{seen.where}: gated round {seen.round} says {seen.reason!r}; recomputing its "
+                              f"{cfg.policy!r} plan gives {expected!r}")
+        report.gates_checked.append(seen.round)
+    return list(report.gates_checked)
+
+
+def _placements(report: ReplayReport, source: Recorded) -> dict[str, np.ndarray]:
+    """plan_id -> phy2log of every placement the recording holds: its start placement and every plan's new one."""
+    placements: dict[str, np.ndarray] = {}
+    start = source.start_placement()
+    if start is not None:
+        placements[start[0]] = start[1]
+    for p in report.stored_plans.values():
+        placements.setdefault(p.plan_id, p.new_phy2log)
+    return placements
+
+
+# ---- what-if -------------------------------------------------------------------------------------------------------
+def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
+    """Replan every recorded round that has a snapshot with ``policy`` (a name of
+    :data:`fdeplb.placement.POLICIES`), from the placement the round started from.
+
+    Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers) of the placement
+    before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
+    moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
+    """
+    from fdeplb.orchestration.gating import decide, plan_round
+    from fdeplb.placement import POLICIES
+
+    if policy not in POLICIES:
+        raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    source = Recorded(report)
+    cfg = replace(source.config, policy=policy)
+    placements = _placements(report, source)
+    rows = []
+    for seen in report.rounds:
+        load = report.snapshots.get(seen.round)
+        plan = report.stored_plans.get(seen.plan_id) if seen.plan_id else None
+        old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
+        if load is None or old is None:
+            continue
+        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg)
+        new = plan_round(load, old, cfg)
+        rows.append({
+            "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
+            "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,
+            "balancedness_before": new.balancedness_before, "balancedness_recorded": recorded.balancedness_after,
+            "balancedness_new": new.balancedness_after,
+            "moved_recorded": recorded.moved_experts, "moved_new": new.moved_experts,
+        })
+    return rows
