@@ -899,43 +899,22 @@ class Store:
 
     def save_plan(self, plan: PlanEntry) -> bool:
         """Store ``plan``; write-once (plans are content-addressed: False if this plan_id is stored)."""
-        mapping: dict[str, Any] = {}
-        for name in ("expert_load", "old_phy2log", "new_phy2log"):
-            mapping.update(arrays.encode(name, np.asarray(getattr(plan, name), dtype=np.int64)))
-        mapping.update({
-            "plan_id": plan.plan_id, "round": str(plan.round), "policy": plan.policy, "old_plan_id": plan.old_plan_id,
-            "topology": json_text(plan.topology), "balancedness_before": f"{plan.balancedness_before:.6f}",
-            "balancedness_after": f"{plan.balancedness_after:.6f}", "moved_experts": str(plan.moved_experts),
-        })
-        return self._put_once(self._keys.plan(plan.plan_id), mapping, plan.round)
+        return self._put_once(self._keys.plan(plan.plan_id), plan.to_fields(), plan.round)
 
     def read_plan(self, plan_id: str) -> PlanEntry | None:
-        """The stored plan ``plan_id`` or None; :class:`CorruptRecordError` if a field does not parse."""
+        """The stored plan ``plan_id`` or None; :class:`CorruptRecordError` if a field does not parse, or an array is
+        of the wrong dtype, shape or range for the cluster."""
         if not plan_id:
             return None
         key = self._keys.plan(plan_id)
         raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw:
             return None
-        arrs = {name: self._array(key, name, raw) for name in ("expert_load", "old_phy2log", "new_phy2log")}
-        missing = [n for n, a in arrs.items() if a is None]
-        if missing:
-            raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}", key=key)
-        arrs["expert_load"] = self._loads(key, arrs["expert_load"])
+        plan = PlanEntry.from_fields(key, raw, plan_id)
+        self._loads(key, plan.expert_load)
         for name in ("old_phy2log", "new_phy2log"):
-            arrs[name] = self._table(key, arrs[name], name)
-        text = {k: _s(v) for k, v in raw.items() if k in ("plan_id", "round", "policy", "old_plan_id", "topology",
-                                                            "balancedness_before", "balancedness_after",
-                                                            "moved_experts")}
-        try:
-            return PlanEntry(
-                plan_id=text.get("plan_id", plan_id), round=int(text.get("round", "")), policy=text.get("policy", ""),
-                old_plan_id=text.get("old_plan_id", ""), topology=json.loads(text.get("topology", "{}")),
-                balancedness_before=float(text.get("balancedness_before", "nan")),
-                balancedness_after=float(text.get("balancedness_after", "nan")),
-                moved_experts=int(text.get("moved_experts", "")), **arrs)
-        except ValueError as exc:  # JSONDecodeError is a ValueError
-            raise CorruptRecordError(f"{key}: {exc}", key=key) from None
+            self._table(key, getattr(plan, name), name)
+        return plan
 
     def plan_phy2log(self, plan_id: str) -> np.ndarray | None:
         """Only the new phy2log (int64 [L, P]) of plan ``plan_id``, or None if no such plan is stored;
