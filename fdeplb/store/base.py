@@ -183,21 +183,18 @@ class StoreBase:
         (:meth:`prune`); returns whether it wrote. ``unless_supplied``: nor when an operator-supplied load for
         ``round_`` is stored (:meth:`supply_load`), checked in the same WATCHed transaction."""
         supplied = self._keys.supplied_load
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key, *([supplied] if unless_supplied else []))
-                    if pipe.exists(key):  # used again (plans are content-addressed): retained as of this round
-                        pipe.unwatch()
-                        self._client.zadd(self._keys.retained, {key: int(round_)}, gt=True)
-                        return False
-                    if unless_supplied and _s(pipe.hget(supplied, "round")) == str(int(round_)):
-                        pipe.unwatch()
-                        return False
-                    pipe.multi()
-                    pipe.hset(key, mapping=mapping)
-                    pipe.zadd(self._keys.retained, {key: int(round_)})
-                    pipe.execute()
-                    return True
-                except redis.WatchError:
-                    continue
+
+        def txn(pipe: Any) -> bool:
+            if pipe.exists(key):  # used again (plans are content-addressed): retained as of this round
+                pipe.unwatch()  # nothing queued: EXEC is not sent
+                self._client.zadd(self._keys.retained, {key: int(round_)}, gt=True)
+                return False
+            if unless_supplied and _s(pipe.hget(supplied, "round")) == str(int(round_)):
+                pipe.unwatch()
+                return False
+            pipe.multi()
+            pipe.hset(key, mapping=mapping)
+            pipe.zadd(self._keys.retained, {key: int(round_)})
+            return True
+
+        return self._client.transaction(txn, key, *([supplied] if unless_supplied else []), value_from_callable=True)

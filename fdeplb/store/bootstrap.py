@@ -8,6 +8,7 @@ the other parts: ``save_snapshot`` (:mod:`fdeplb.store.windows`), ``save_plan`` 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import redis
@@ -29,26 +30,24 @@ class Bootstrap:
         records = [(self._keys.rearrange, CLUSTER.initial)]
         for r in range(config.ep_size):
             records += [(self._keys.rank(r), RANK.initial), (self._keys.weights(r), WEIGHTS.initial)]
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self._keys.config)
-                    if pipe.exists(self._keys.config):
-                        pipe.unwatch()
-                        return False
-                    pipe.multi()
-                    pipe.delete(self._keys.placement, *(key for key, _ in records))  # leftovers of a stray write
-                    pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log,
-                                                                                                   np.int64)),
-                                                             "plan_id": "", "version": "0"})
-                    for key, initial in records:
-                        pipe.hset(key, mapping={"state": initial.value, "version": "0"})
-                    pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
-                    pipe.execute()
-                    self._config = config
-                    return True
-                except redis.WatchError:
-                    continue
+
+        def txn(pipe: Any) -> bool:
+            if pipe.exists(self._keys.config):
+                pipe.unwatch()  # nothing queued: EXEC is not sent
+                return False
+            pipe.multi()
+            pipe.delete(self._keys.placement, *(key for key, _ in records))  # leftovers of a stray write
+            pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)),
+                                                     "plan_id": "", "version": "0"})
+            for key, initial in records:
+                pipe.hset(key, mapping={"state": initial.value, "version": "0"})
+            pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
+            return True
+
+        created = self._client.transaction(txn, self._keys.config, value_from_callable=True)
+        if created:
+            self._config = config
+        return created
 
     def import_recording(self, config: ClusterConfig, *, plan_id: str, phy2log: np.ndarray, placement_version: int,
                          records: dict[str, dict[str, str]], audit: list[tuple[str, dict[str, str]]],

@@ -10,8 +10,9 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``clust
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import redis
 
 from fdeplb.errors import InputError, NotFoundError, StateError
 from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
@@ -36,24 +37,21 @@ class Intents:
         (nothing is written)."""
         check_request_reason(reason)
         key = self._keys.rearrange
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
-                    if rec.state is not ClusterState.FREE:
-                        serving, write = rec.round, False
-                    elif rec.requested > rec.round:
-                        serving, write = rec.round + 1, False
-                    else:
-                        serving, write = rec.round + 1, True
-                    pipe.multi()
-                    if write:
-                        pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason})
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
+
+        def txn(pipe: Any) -> tuple[int, bool]:
+            rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            if rec.state is not ClusterState.FREE:
+                serving, write = rec.round, False
+            elif rec.requested > rec.round:
+                serving, write = rec.round + 1, False
+            else:
+                serving, write = rec.round + 1, True
+            pipe.multi()  # EXEC even when nothing is written: the record read is the one a retry would see
+            if write:
+                pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason})
+            return serving, write
+
+        serving, write = self._client.transaction(txn, key, value_from_callable=True)
         self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
         return serving
 
@@ -70,37 +68,33 @@ class Intents:
         check_request_reason(reason)
         key = self._keys.rearrange
         wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key, *wkeys)
-                    raw = _hgetall(pipe, key)
-                    if not raw:
-                        pipe.unwatch()
-                        raise NotFoundError(f"no cluster record at {key}")
-                    rec = parse_record(ClusterRecord, key, _text(raw))
-                    if rec.state is not ClusterState.FREE or rec.requested > rec.round:
-                        pipe.unwatch()
-                        return False, rec
-                    # read in one round trip (another connection): WATCH, issued before, still sees any change
-                    weights = self._strict([(WEIGHTS, r) for r in range(len(wkeys))])
-                    unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
-                    clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
-                                and w.request < rec.weights_request]
-                    if unloaded or clearing:
-                        pipe.unwatch()
-                        raise StateError(
-                            f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
-                            else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
-                    pipe.multi()
-                    pipe.hincrby(key, "requested", 1)
-                    pipe.hset(key, "requested_reason", reason)
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
-        self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
-        return True, rec
+
+        def txn(pipe: Any) -> tuple[bool, ClusterRecord]:
+            raw = _hgetall(pipe, key)
+            if not raw:
+                raise NotFoundError(f"no cluster record at {key}")  # leaving the pipeline UNWATCHes
+            rec = parse_record(ClusterRecord, key, _text(raw))
+            if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                pipe.unwatch()  # nothing queued: EXEC is not sent
+                return False, rec
+            # read in one round trip (another connection): WATCH, issued before, still sees any change
+            weights = self._strict([(WEIGHTS, r) for r in range(len(wkeys))])
+            unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
+            clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
+                        and w.request < rec.weights_request]
+            if unloaded or clearing:
+                raise StateError(
+                    f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
+                    else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
+            pipe.multi()
+            pipe.hincrby(key, "requested", 1)
+            pipe.hset(key, "requested_reason", reason)
+            return True, rec
+
+        accepted, rec = self._client.transaction(txn, key, *wkeys, value_from_callable=True)
+        if accepted:
+            self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
+        return accepted, rec
 
     def request_commit(self, plan_id: str, by: str = "operator") -> None:
         """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
@@ -111,23 +105,18 @@ class Intents:
         is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
         if not self.read_config().cordoned:
             raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self._keys.rearrange)
-                    rec = parse_record(ClusterRecord, self._keys.rearrange, _text(_hgetall(pipe, self._keys.rearrange)))
-                    if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
-                        pipe.unwatch()
-                        raise StateError(
-                            f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
-                            f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
-                    pipe.multi()
-                    pipe.hset(self._keys.rearrange, mapping={"commit_requested": plan_id,
-                                                             "commit_requested_by": by})
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
+        key = self._keys.rearrange
+
+        def txn(pipe: Any) -> None:
+            rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
+                raise StateError(
+                    f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
+                    f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
+            pipe.multi()
+            pipe.hset(key, mapping={"commit_requested": plan_id, "commit_requested_by": by})
+
+        self._client.transaction(txn, key, value_from_callable=True)
         self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
     def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
@@ -144,32 +133,27 @@ class Intents:
             raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
         busy_states = {WeightState.CLEARING.value.encode(), WeightState.UPDATING.value.encode()}
         wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(self._keys.rearrange, *wkeys)
-                    busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
-                    if when_idle and not busy:
-                        rec = parse_record(ClusterRecord, self._keys.rearrange,
-                                           _text(_hgetall(pipe, self._keys.rearrange)))
-                        if rec.state is not ClusterState.FREE or rec.requested > rec.round:
-                            pipe.unwatch()
-                            raise StateError(f"cannot {action} weights while rearrangement round "
-                                             f"{max(rec.round, rec.requested)} is "
-                                             f"{'pending' if rec.state is ClusterState.FREE else rec.state}")
-                    if busy:
-                        pipe.unwatch()
-                        raise StateError(f"ranks {busy} are still carrying out the previous weight request "
-                                         f"(CLEARING or UPDATING); ask again when they finish")
-                    pipe.multi()
-                    pipe.hincrby(self._keys.rearrange, "weights_request", 1)
-                    pipe.hset(self._keys.rearrange, mapping={"weights_action": action, "weights_reason": reason,
-                                                             "weights_switch_step": "0"})
-                    self._signal(pipe, "weights")
-                    n, _, _ = pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
+        cluster = self._keys.rearrange
+
+        def txn(pipe: Any) -> None:
+            busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
+            if when_idle and not busy:
+                rec = parse_record(ClusterRecord, cluster, _text(_hgetall(pipe, cluster)))
+                if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                    raise StateError(f"cannot {action} weights while rearrangement round "
+                                     f"{max(rec.round, rec.requested)} is "
+                                     f"{'pending' if rec.state is ClusterState.FREE else rec.state}")
+            if busy:
+                raise StateError(f"ranks {busy} are still carrying out the previous weight request "
+                                 f"(CLEARING or UPDATING); ask again when they finish")
+            pipe.multi()
+            pipe.hincrby(cluster, "weights_request", 1)
+            pipe.hset(cluster, mapping={"weights_action": action, "weights_reason": reason,
+                                        "weights_switch_step": "0"})
+            self._signal(pipe, "weights")
+
+        # the request number is HINCRBY's reply, so the transaction's value is EXEC's (not the callable's)
+        n, _, _ = self._client.transaction(txn, cluster, *wkeys)
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
 
@@ -193,19 +177,14 @@ class Intents:
         mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
                    "round": str(int(round_)), "supplied_ms": str(self.now_ms())}
         snapshot, key = self._keys.snapshot(round_), self._keys.supplied_load
-        with self._client.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(snapshot, key)
-                    if pipe.exists(snapshot):
-                        pipe.unwatch()
-                        raise StateError(f"round {round_}'s load snapshot is frozen already: a load supplied now "
-                                         "would not be used")
-                    pipe.multi()
-                    pipe.delete(key)
-                    pipe.hset(key, mapping=mapping)
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
+
+        def txn(pipe: Any) -> None:
+            if pipe.exists(snapshot):
+                raise StateError(f"round {round_}'s load snapshot is frozen already: a load supplied now "
+                                 "would not be used")
+            pipe.multi()
+            pipe.delete(key)
+            pipe.hset(key, mapping=mapping)
+
+        self._client.transaction(txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
