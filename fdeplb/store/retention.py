@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 from fdeplb.store.connection import as_str as _s
+from fdeplb.store.streams import parse_stream_id
 
 
 class Retention:
@@ -63,7 +64,7 @@ class Retention:
             fh.flush()
             os.fsync(fh.fileno())
         last = old[-1].id
-        ms, seq = last.split("-")
+        ms, seq = parse_stream_id(last)
         self._client.xtrim(self._keys.audit, minid=f"{ms}-{int(seq) + 1}", approximate=False)
         return len(old)
 
