@@ -18,6 +18,8 @@ from fdeplb.store.redis_store import AUDIT_FIELDS
 from fdeplb.store.scripts import (
     AUDIT_ARGV,
     AUDIT_FILLED,
+    CHAIN_PRELUDE,
+    CHAINED,
     COMMIT_ARGV,
     COMMIT_ERRORS,
     COMMIT_FILLED,
@@ -29,6 +31,7 @@ from fdeplb.store.scripts import (
     chain_order,
     commit_call,
     lease_call,
+    lua_file,
     script_text,
 )
 from tests.helpers import RawRedis
@@ -176,6 +179,32 @@ def test_both_scripts_chain_every_record_as_replay_computes_it(raw, audit):
         chain = chain_of(chain, audit_dict(AuditRecord(entry_id, fields)))
         assert fields["chain"] == chain
     assert raw.r.get(k.audit_head).decode() == chain
+
+
+@pytest.mark.parametrize("previous,fields", [
+    ("", {}),
+    ("", {"a": ""}),
+    ("0" * 40, {"machine": "cluster", "key": "cluster", "from": "FREE", "round": "3", "ts_ms": "1700000000000"}),
+    ("x", {"\u00e9": "\u00fc", "e": "x", "z\U0001F600": "\U0001F600", "Z": "1", "_": "3"}),  # byte order, not text
+    ("prev", {"reason": "a=b:c\nd", "plan_id": "", "ver": " 1 "}),
+])
+def test_the_lua_chain_prelude_computes_chain_of(raw, previous, fields):
+    """lua/_chain.lua's audit_chain, the one Lua definition of the audit chain, against its Python twin
+    (fdeplb.replay.chain_of): any names and values, unicode (lengths in bytes), empty values, separators in values."""
+    script = lua_file(CHAIN_PRELUDE) + "return audit_chain(ARGV[1], cjson.decode(ARGV[2]), cjson.decode(ARGV[3]))"
+    pairs = [x for kv in fields.items() for x in kv]
+    got = raw.r.eval(script, 0, previous, json.dumps(pairs), chain_order(tuple(fields)))
+    assert got.decode() == chain_of(previous, fields)
+
+
+def test_the_scripts_that_append_to_the_audit_share_the_chain_prelude():
+    """commit.lua and audit.lua run with lua/_chain.lua before them and compute no chain of their own."""
+    prelude = lua_file(CHAIN_PRELUDE)
+    assert "sha1hex" in prelude
+    for name in CHAINED:
+        assert script_text(name) == prelude + lua_file(name)
+        assert "sha1hex" not in lua_file(name) and "append_chained(" in lua_file(name)
+    assert "append_chained" not in script_text("lease") and "sha1hex" not in script_text("lease")
 
 
 @pytest.mark.parametrize("script", ["commit", "audit"])

@@ -46,11 +46,13 @@ def test_every_record_field_is_documented():
     from fdeplb.store import records
 
     tree = ast.parse(inspect.getsource(records))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     for cls in (ClusterRecord, RankRecord, WeightRecord, PlanEntry):
-        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-        documented = {prev.target.id for prev, nxt in zip(node.body, node.body[1:])
-                      if isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                      and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
+        documented = set()
+        for node in (classes[c.__name__] for c in cls.__mro__ if c.__name__ in classes):  # a field may be the base's
+            documented |= {prev.target.id for prev, nxt in zip(node.body, node.body[1:])
+                           if isinstance(prev, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                           and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)}
         assert documented == {f.name for f in dataclasses.fields(cls)}, cls.__name__
 
 

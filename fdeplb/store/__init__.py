@@ -1,10 +1,9 @@
 """Redis: the only package that talks to it. Typed records, the commit and lease scripts, the embedded server."""
 
+from fdeplb.store.cluster_config import ClusterConfig, Deadlines
 from fdeplb.store.embedded import EmbeddedRedis
 from fdeplb.store.records import (
-    ClusterConfig,
     ClusterRecord,
-    Deadlines,
     LeaseInfo,
     LoadWindow,
     PlacementEntry,

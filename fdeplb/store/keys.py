@@ -42,6 +42,11 @@ class Keys:
         """hash: the load snapshot frozen for round ``round_`` (sum of every rank's window)."""
         return f"{self.prefix}:snapshot:{int(round_)}"
 
+    @property
+    def supplied_load(self) -> str:
+        """hash: an expert_load [L, E] supplied by an operator (``recv_expert_weight``) for one round + that round."""
+        return f"{self.prefix}:supplied_load"
+
     def plan(self, plan_id: str) -> str:
         """hash: a stored plan (snapshot, old and new phy2log, policy, topology)."""
         return f"{self.prefix}:plan:{plan_id}"
@@ -98,9 +103,3 @@ class Keys:
     def config(self) -> str:
         """hash: cluster topology and rearrangement settings (written once by ``init_cluster``)."""
         return f"{self.prefix}:config"
-
-    # ---- HTTP API support (issue 12) ------------------------------------------------------------------------------
-    @property
-    def supplied_load(self) -> str:
-        """hash: an expert_load [L, E] supplied by an operator (``recv_expert_weight``) for one round + that round."""
-        return f"{self.prefix}:supplied_load"

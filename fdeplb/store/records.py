@@ -5,7 +5,9 @@ record from a Redis hash and :func:`encode_changes` turns keyword changes into h
 record does not have. A value that does not parse (a version that is not an integer, a state the machine does not
 have) raises :class:`~fdeplb.errors.CorruptRecordError` naming the key and the field.
 
-Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdeplb.store.arrays`).
+Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdeplb.store.arrays`); a stored plan is
+written and read through :meth:`PlanEntry.to_fields` / :meth:`PlanEntry.from_fields`. The cluster's configuration
+lives in :mod:`fdeplb.store.cluster_config` (importable from here as before).
 """
 
 from __future__ import annotations
@@ -16,35 +18,54 @@ import json
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from fdeplb.errors import CorruptRecordError, InputError, TopologyError
+from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, RankState, StateEnum, \
     WeightState
+from fdeplb.store import arrays
+from fdeplb.store.cluster_config import ClusterConfig, Deadlines  # noqa: F401  (defined there; importable here too)
 
 
 # ---- machine records -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ClusterRecord:
-    """The cluster rearrangement record, hash ``fdeplb:{c}:rearrange`` (one per cluster)."""
+class RecordHeader:
+    """The fields every machine record has (cluster, rank and weight-status records alike); each record type
+    narrows ``state`` to its machine's states. Records are built by keyword (:func:`parse_record`), so the field
+    order is not part of the format."""
 
     key: str
     """Redis key of the record."""
-    state: ClusterState
-    """Current state of the cluster machine (:data:`~fdeplb.machines.tables.CLUSTER`)."""
+    state: StateEnum
+    """Current state of the record's machine."""
     version: int
     """Commits so far (0 = created, never transitioned); +1 per committed transition."""
     round: int = 0
-    """Number of the round in progress or last finished (0 = none yet)."""
+    """The cluster's round the record last moved in: the cluster record's is the round in progress or last finished
+    (0 = none yet); a rank's, the round it last took part in; a weight-status record's, the cluster round at its
+    last transition."""
     plan_id: str = ""
-    """The round's plan (content hash, 16 hex digits); "" until PLANNING stored it."""
+    """The plan the record is at (content hash, 16 hex digits): the cluster's round's plan ("" until PLANNING stored
+    it); the plan a rank is staging / staged / swapping; the placement a rank's weights were last loaded in ("" =
+    before the first round / the initial placement)."""
+    reason: str = ""
+    """Why the last round (cluster), the rank's work or the last weight update or clear failed, was aborted or was
+    skipped ("" otherwise)."""
+    updated_ms: int = 0
+    """Redis server time (ms) of the last commit."""
+
+
+@dataclass(frozen=True)
+class ClusterRecord(RecordHeader):
+    """The cluster rearrangement record, hash ``fdeplb:{c}:rearrange`` (one per cluster)."""
+
+    state: ClusterState
+    """Current state of the cluster machine (:data:`~fdeplb.machines.tables.CLUSTER`)."""
     deadline_ms: int = 0
     """Redis server time (ms since the epoch) when the current wait expires; 0 = no deadline."""
-    reason: str = ""
-    """Why the last round was aborted or skipped ("" otherwise)."""
     alarm: str = ""
     """Raised after the commit point when a deadline passed (the round rolls forward); "" when none."""
     requested: int = 0
@@ -73,31 +94,17 @@ class ClusterRecord:
     use it)."""
     clear_stat_request: int = 0
     """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
-    updated_ms: int = 0
-    """Redis server time (ms) of the last commit."""
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
 
 
 @dataclass(frozen=True)
-class RankRecord:
+class RankRecord(RecordHeader):
     """One EP rank's record, hash ``fdeplb:{c}:rank:<ep_rank>``: its machine state and its last reports."""
 
-    key: str
-    """Redis key of the record."""
     state: RankState
     """Current state of the rank machine (:data:`~fdeplb.machines.tables.RANK`)."""
-    version: int
-    """Commits so far (0 = created); +1 per committed transition."""
-    round: int = 0
-    """Round the rank last took part in."""
-    plan_id: str = ""
-    """Plan the rank is staging / staged / swapping ("" before its first round)."""
-    reason: str = ""
-    """Why the rank failed or aborted ("" otherwise)."""
-    updated_ms: int = 0
-    """Redis server time (ms) of the last commit."""
     heartbeat_ms: int = 0
     """Redis server time (ms) of the agent's last heartbeat (0 = no agent ever ran)."""
     live_plan_id: str | None = None
@@ -154,23 +161,11 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
-class WeightRecord:
+class WeightRecord(RecordHeader):
     """One EP rank's weight-status record, hash ``fdeplb:{c}:weights:<ep_rank>`` (dynamic weight update/clear)."""
 
-    key: str
-    """Redis key of the record."""
     state: WeightState
     """Current state of the weight-status machine (:data:`~fdeplb.machines.tables.WEIGHTS`)."""
-    version: int
-    """Commits so far (0 = created); +1 per committed transition."""
-    round: int = 0
-    """Cluster round at the time of the last transition."""
-    plan_id: str = ""
-    """Placement the rank's weights were last loaded in ("" = initial)."""
-    reason: str = ""
-    """Why the last update or clear failed ("" otherwise)."""
-    updated_ms: int = 0
-    """Redis server time (ms) of the last commit."""
     request: int = 0
     """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
 
@@ -200,7 +195,9 @@ MAX_RECORD_INT = 2**53
 
 def _int_or_zero(text: str) -> int:
     """A machine record's integer field ("" = 0): a version, round, counter, step or server time, so in
-    [0, :data:`MAX_RECORD_INT`]; anything else is a ValueError (the record is corrupt)."""
+    [0, :data:`MAX_RECORD_INT`]; anything else is a ValueError (the record is corrupt). Its input is always the
+    text Redis holds, so this is a parse, not :func:`fdeplb.checks.check_int` (which vets Python values); it runs
+    for every field of every record an agent reads at each wake-up."""
     value = int(text) if text != "" else 0
     if not 0 <= value <= MAX_RECORD_INT:
         raise ValueError("out of range")
@@ -336,6 +333,50 @@ class PlanEntry:
     moved_experts: int
     """Experts present on a GPU in the new placement but not the old (multiset difference, summed)."""
 
+    def to_fields(self) -> dict[str, Any]:
+        """The plan as the fields of its Redis hash: the three arrays as int64 dtype + shape + bytes
+        (:func:`fdeplb.store.arrays.encode`), the rest as text (``topology`` as canonical JSON, the balancedness
+        figures to 6 decimals)."""
+        out: dict[str, Any] = {}
+        for name in PLAN_ARRAYS:
+            out.update(arrays.encode(name, np.asarray(getattr(self, name), dtype=np.int64)))
+        out.update({
+            "plan_id": self.plan_id, "round": str(self.round), "policy": self.policy, "old_plan_id": self.old_plan_id,
+            "topology": json_text(self.topology), "balancedness_before": f"{self.balancedness_before:.6f}",
+            "balancedness_after": f"{self.balancedness_after:.6f}", "moved_experts": str(self.moved_experts),
+        })
+        return out
+
+    @classmethod
+    def from_fields(cls, key: str, raw: Mapping[str, Any], plan_id: str = "") -> "PlanEntry":
+        """The plan stored in hash ``key`` (``raw``: its fields as read, str names, bytes or str values); the inverse
+        of :meth:`to_fields`. ``plan_id`` is the id when the hash has no ``plan_id`` field.
+
+        Raises :class:`CorruptRecordError` naming ``key`` when an array is missing or does not decode, or a text
+        field does not parse. The arrays are only decoded here: their dtype, shape and range against the cluster's
+        configuration are the store's check (it knows the configuration)."""
+        arrs = {}
+        for name in PLAN_ARRAYS:
+            try:
+                arrs[name] = arrays.decode(name, raw)
+            except (InputError, ValueError, TypeError) as exc:
+                raise CorruptRecordError(f"{key}: {exc}", key=key) from None
+        missing = [n for n, a in arrs.items() if a is None]
+        if missing:
+            raise CorruptRecordError(f"{key}: stored plan lacks {', '.join(missing)}", key=key)
+        text = {k: v.decode(errors="replace") if isinstance(v, bytes) else str(v) for k, v in raw.items()
+                if k in _PLAN_TEXT}
+        try:
+            return cls(
+                plan_id=text.get("plan_id", plan_id), round=int(text.get("round", "")), policy=text.get("policy", ""),
+                old_plan_id=text.get("old_plan_id", ""), topology=json.loads(text.get("topology", "{}")),
+                balancedness_before=float(text.get("balancedness_before", "nan")),
+                balancedness_after=float(text.get("balancedness_after", "nan")),
+                moved_experts=int(text.get("moved_experts", "")), **arrs)
+        except ValueError as exc:  # JSONDecodeError is a ValueError
+            raise CorruptRecordError(f"{key}: {exc}", key=key) from None
+
+
     def to_json(self) -> dict[str, Any]:
         """This plan as JSON: a recording's ``plan`` line without its ``type`` (docs/recordings.md), every field,
         the arrays as :func:`fdeplb.array_json.array_json` objects."""
@@ -375,6 +416,12 @@ class PlanEntry:
                                            error=error), **arrays)
 
 
+#: a stored plan's arrays (each kept as dtype + shape + bytes) and its text fields
+PLAN_ARRAYS = ("expert_load", "old_phy2log", "new_phy2log")
+_PLAN_TEXT = frozenset({"plan_id", "round", "policy", "old_plan_id", "topology", "balancedness_before",
+                        "balancedness_after", "moved_experts"})
+
+
 @dataclass(frozen=True)
 class LeaseInfo:
     """The coordinator lease as it stands."""
@@ -383,156 +430,6 @@ class LeaseInfo:
     """Lease value ``<fence>:<holder id>``, None when no coordinator leads."""
     ttl_ms: int | None
     """Milliseconds until the lease expires (None when not held)."""
-
-
-# ---- cluster configuration ----------------------------------------------------------------------------------------
-#: longest deadline a wait may have (7 days, in ms)
-MAX_DEADLINE_MS = 7 * 24 * 3600 * 1000
-#: most bytes one placement table (num_layers x num_physical_experts int64) may take: 256 MiB
-MAX_TABLE_BYTES = 256 * 2**20
-#: most EP ranks, layers and experts per layer a cluster may have
-MAX_EP_SIZE = 65_536
-MAX_LAYERS = 4_096
-MAX_EXPERTS = 65_536
-#: most rounds of snapshots and plans a cluster may keep
-MAX_RETAIN_ROUNDS = 1_000
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
-    """:class:`InputError` unless ``value`` is an integer (not a bool) in [lo, hi]."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
-        raise InputError(f"{name} must be an integer, got {value!r}")
-    if not lo <= value <= hi:
-        raise InputError(f"{name} must be in [{lo}, {hi}], got {value}")
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """How long each wait may last (ms). Before the commit point an expired wait aborts the round; after it
-    (swapping) it raises an alarm and the round keeps rolling forward."""
-
-    collecting_ms: int = 30_000
-    """COLLECTING and PLANNING: every rank publishes its window, the plan is computed."""
-    loading_ms: int = 120_000
-    """LOADING: every rank stages the experts of the plan."""
-    commit_ms: int = 600_000
-    """LOAD_SUCC on a cordoned cluster: the external commit arrives."""
-    swapping_ms: int = 120_000
-    """SWAPPING: every rank swaps (past the commit point: an alarm, not an abort)."""
-    weights_ms: int = 120_000
-    """A weight clear / update: its switch step is fixed once every rank's worker is armed for it at a safe point.
-    Past this (from the coordinator first seeing the request pending), an audited alarm names the ranks not armed;
-    the request keeps waiting (no rank applied it)."""
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_int(f"deadlines.{f.name}", getattr(self, f.name), 1, MAX_DEADLINE_MS)
-
-
-@dataclass(frozen=True)
-class ClusterConfig:
-    """Topology and rearrangement settings of one cluster, hash ``fdeplb:{c}:config`` (written once).
-
-    Raises :class:`InputError` / :class:`TopologyError` on construction for values that cannot describe a cluster.
-    """
-
-    num_layers: int
-    """MoE layers (L)."""
-    num_logical_experts: int
-    """Experts per MoE layer (E)."""
-    num_physical_experts: int
-    """Slots per layer (P = E + num_redundant_experts); slots of ep_rank r: [r*P/ep_size, (r+1)*P/ep_size)."""
-    ep_size: int
-    """EP ranks (GPUs)."""
-    num_nodes: int = 1
-    """Server nodes; the GPUs of a node are contiguous ranks."""
-    num_groups: int = 1
-    """Expert groups (contiguous logical experts routed together; DeepSeek-V3: 8)."""
-    policy: str = "move_aware"
-    """Placement policy, a name of :data:`fdeplb.placement.POLICIES`. Default "move_aware": moves fewest experts
-    while its mean max/mean GPU load stays within 0.0005 of "balanced" (each layer within 0.001); "deepseek"
-    reproduces DeepSeek's EPLB."""
-    checkpoint: dict[str, Any] = field(default_factory=dict)
-    """``{"path": safetensors dir or file, "preset": expert tensor names}``; {} for a backend without one."""
-    deadlines: Deadlines = field(default_factory=Deadlines)
-    """How long each wait may last."""
-    min_gain: float = 0.0
-    """A round is skipped (audited) unless its plan raises mean balancedness by more than this."""
-    cordoned: bool = False
-    """Commit only on an external request (FastDeploy's ``update_weight_from_tensor``)."""
-    retain_rounds: int = 3
-    """Load snapshots and plans of the last this-many rounds are kept (besides those the current placement and
-    the round in flight refer to); the coordinator prunes older ones when a round ends. In [1, 1000]."""
-    audit_keep: int = 0
-    """Audit records kept in Redis: 0 (default) keeps the stream complete; N > 0 lets the coordinator export
-    older records to ``audit_export_path`` (JSONL, appended and fsynced) and only then trim them."""
-    audit_export_path: str = ""
-    """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0)."""
-
-    def __post_init__(self) -> None:
-        from fdeplb.placement import POLICIES, check_topology
-
-        limits = {"num_layers": MAX_LAYERS, "num_logical_experts": MAX_EXPERTS,
-                  "num_physical_experts": 2 * MAX_EXPERTS, "ep_size": MAX_EP_SIZE, "num_nodes": MAX_EP_SIZE,
-                  "num_groups": MAX_EXPERTS}
-        for name, hi in limits.items():
-            v = getattr(self, name)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)) or v < 1:
-                raise InputError(f"{name} must be a positive integer, got {v!r}")
-            if v > hi:
-                raise InputError(f"{name} must be at most {hi}, got {v}")
-        table_bytes = int(self.num_layers) * int(self.num_physical_experts) * 8
-        if table_bytes > MAX_TABLE_BYTES:
-            raise InputError(f"num_layers x num_physical_experts = {self.num_layers} x {self.num_physical_experts} "
-                             f"needs {table_bytes / 2**20:.0f} MiB per placement table (int64); the limit is "
-                             f"{MAX_TABLE_BYTES // 2**20} MiB")
-        if not isinstance(self.min_gain, (int, float, np.floating, np.integer)) or isinstance(self.min_gain, bool) \
-                or not math.isfinite(self.min_gain) or not 0 <= self.min_gain <= 1:
-            raise InputError(f"min_gain must be a finite number in [0, 1] (a balancedness gain; 1 never rebalances), "
-                             f"got {self.min_gain!r}")
-        if not isinstance(self.deadlines, Deadlines):
-            raise InputError(f"deadlines must be a Deadlines, got {type(self.deadlines).__name__}")
-        _check_int("retain_rounds", self.retain_rounds, 1, MAX_RETAIN_ROUNDS)
-        _check_int("audit_keep", self.audit_keep, 0, 10**9)
-        if self.audit_keep and not self.audit_export_path:
-            raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
-        if self.num_physical_experts % self.ep_size:
-            raise TopologyError(f"num_physical_experts ({self.num_physical_experts}) is not a multiple of "
-                                f"ep_size ({self.ep_size})")
-        if self.policy not in POLICIES:
-            raise InputError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
-        check_topology(self.num_logical_experts, self.num_physical_experts, self.num_groups, self.num_nodes,
-                       self.ep_size)
-
-    @property
-    def num_redundant_experts(self) -> int:
-        """P - E."""
-        return self.num_physical_experts - self.num_logical_experts
-
-    @property
-    def slots_per_rank(self) -> int:
-        """P / ep_size."""
-        return self.num_physical_experts // self.ep_size
-
-    def topology(self) -> dict[str, int]:
-        """The fields that shape a placement (what a plan_id hashes besides load, placement and policy)."""
-        return {"num_layers": self.num_layers, "num_logical_experts": self.num_logical_experts,
-                "num_physical_experts": self.num_physical_experts, "ep_size": self.ep_size,
-                "num_nodes": self.num_nodes, "num_groups": self.num_groups}
-
-    def to_json(self) -> dict[str, Any]:
-        """JSON-ready dict (the stored form)."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "ClusterConfig":
-        """Inverse of :meth:`to_json`; :class:`InputError` for unknown or missing fields."""
-        try:
-            data = dict(data)
-            data["deadlines"] = Deadlines(**data.get("deadlines", {}))
-            return cls(**data)
-        except TypeError as exc:  # unknown or missing fields: not a configuration this version wrote
-            raise InputError(f"not a cluster configuration: {exc}") from None
 
 
 def json_text(obj: object) -> str:

@@ -43,9 +43,23 @@ LEASE_ARGV = ("op", "value", "ttl_ms")
 LEASE_OPS = ("acquire", "renew", "release")
 
 
-def script_text(name: str) -> str:
-    """Source of ``lua/<name>.lua`` shipped with the package."""
+#: the scripts that append to the audit stream: :func:`script_text` puts :data:`CHAIN_PRELUDE` before each
+CHAINED = ("commit", "audit")
+#: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``), defined once for every script in
+#: :data:`CHAINED`; :func:`fdeplb.replay.chain_of` is its Python twin.
+CHAIN_PRELUDE = "_chain"
+
+
+def lua_file(name: str) -> str:
+    """Text of ``lua/<name>.lua`` as shipped with the package (a prelude not put before it)."""
     return (resources.files("fdeplb.store") / "lua" / f"{name}.lua").read_text()
+
+
+def script_text(name: str) -> str:
+    """Source of script ``name`` as Redis runs it: ``lua/<name>.lua``, with the audit-chain prelude
+    (``lua/_chain.lua``) before it for the scripts that append to the audit stream (:data:`CHAINED`)."""
+    text = lua_file(name)
+    return lua_file(CHAIN_PRELUDE) + text if name in CHAINED else text
 
 
 @dataclass(frozen=True)
@@ -127,7 +141,7 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
     return CommitCall(keys=[fixed[n] for n in LEASE_KEYS], args=[argv[n] for n in LEASE_ARGV])
 
 
-# ---- switch.lua (issue 11: an armed rank's safe point) ------------------------------------------------------------
+# ---- switch.lua: an armed rank's safe point ----------------------------------------------------------------------
 #: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order).
 SWITCH_KEYS = ("rearrange", "rank")
 #: switch.lua ARGV[1..5], in order.
@@ -148,7 +162,7 @@ def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int
                       args=[argv[n] for n in SWITCH_ARGV])
 
 
-# ---- publish.lua (issue 9: a rank's load window in one round trip) ------------------------------------------------
+# ---- publish.lua: a rank's load window in one round trip ---------------------------------------------------------
 #: publish.lua KEYS[1..2] and ARGV[1..3], in order; the encoded window's field, value pairs follow ARGV[3].
 PUBLISH_KEYS = ("load", "events")
 PUBLISH_ARGV = ("events_maxlen", "ep_rank", "round")

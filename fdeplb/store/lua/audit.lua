@@ -10,7 +10,7 @@
 -- ARGV[3]  chain_order: JSON array of the 1-based pair indexes of the audit record (ARGV[2]'s pairs, then fence,
 --          ts_ms) in byte order of their names, sorted by the caller (scripts.py chain_order)
 --
--- chain: as in commit.lua (sha1hex of the previous chain and the record's other fields, by name in byte order).
+-- chain: lua/_chain.lua's append_chained (put before this script by scripts.py), as in commit.lua.
 -- Returns {"OK", audit_stream_id, ts_ms}, or {"ERR_FENCE", detail} with nothing written.
 
 if ARGV[1] ~= '' then
@@ -31,14 +31,5 @@ local t = redis.call('TIME')
 local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
 local n = #fields
 fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'fence', ARGV[1], 'ts_ms', ts_ms
-local body = {redis.call('GET', KEYS[2]) or '', '\n'}
-for j, i in ipairs(order) do
-  local v = fields[2 * i]
-  body[j + 2] = fields[2 * i - 1] .. '=' .. #v .. ':' .. v .. '\n'
-end
-local chain = redis.sha1hex(table.concat(body))
-redis.call('SET', KEYS[2], chain)
-
-fields[n + 5], fields[n + 6] = 'chain', chain
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+local id = append_chained(KEYS[1], KEYS[2], fields, order)
 return {'OK', id, ts_ms}

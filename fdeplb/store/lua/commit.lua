@@ -24,9 +24,8 @@
 -- ARGV[10] chain_order: JSON array of the 1-based pair indexes of the audit record (ARGV[6]'s pairs, then
 --          version, fence, ts_ms) in byte order of their names, sorted by the caller (scripts.py chain_order)
 --
--- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order
---         (the order ARGV[10] gives): name .. "=" .. byte length of value .. ":" .. value .. "\n"); KEYS[7] then
---         holds it (fdeplb/replay.py computes the same in chain_of; audit.lua, which appends alarms, too).
+-- chain: lua/_chain.lua's append_chained (the one definition, put before this script by scripts.py) hashes the
+--        audit record after KEYS[7]'s chain, in the order ARGV[10] gives, and moves KEYS[7] on.
 --
 -- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:
 -- ERR_FENCE, ERR_STALE, ERR_GUARD.
@@ -126,16 +125,7 @@ redis.call('HSET', rec, 'state', ARGV[4], 'version', new_version, 'updated_ms', 
 local n = #fields
 fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4], fields[n + 5], fields[n + 6] =
   'version', new_version, 'fence', ARGV[3], 'ts_ms', ts_ms
-local body = {redis.call('GET', KEYS[7]) or '', '\n'}
-for j, i in ipairs(order) do
-  local v = fields[2 * i]
-  body[j + 2] = fields[2 * i - 1] .. '=' .. #v .. ':' .. v .. '\n'
-end
-local chain = redis.sha1hex(table.concat(body))
-redis.call('SET', KEYS[7], chain)
-
-fields[n + 7], fields[n + 8] = 'chain', chain
-local id = redis.call('XADD', KEYS[2], '*', unpack(fields))
+local id = append_chained(KEYS[2], KEYS[7], fields, order)
 if ARGV[9] == '1' then
   local round = redis.call('HGET', rec, 'round') or '0'
   redis.call('XADD', KEYS[8], 'MAXLEN', '~', '64', '*', 'state', ARGV[4], 'round', round, 'version', new_version)

@@ -1,0 +1,190 @@
+"""What operators and the API ask of a cluster, written into the cluster record (or beside it) for the coordinator
+and the rank agents to act on: a round, a commit of a cordoned cluster's staged plan, a weight clear or update, a
+``clear_stat``, an operator-supplied load. Each request is checked and written in one optimistic transaction
+(redis-py's ``transaction``: WATCH, check, MULTI/EXEC, again if a watched key changed), so concurrent callers
+coalesce or are refused, never both accepted; a request is only a wish, the transitions stay guarded and audited.
+
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``ep_size``,
+``read_config``, ``now_ms``; from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fdeplb.errors import InputError, NotFoundError, StateError
+from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
+from fdeplb.store import arrays
+from fdeplb.store.connection import as_text as _text, hgetall as _hgetall
+from fdeplb.store.records import ClusterRecord, check_request_reason, parse_record
+
+
+class Intents:
+    """Operator requests (see the module doc)."""
+
+    def request_round(self, reason: str = "operator") -> int:
+        """Ask the coordinator for a round; returns the number of the round that will serve the request.
+
+        Requests coalesce (one WATCHed transaction on the cluster record): while a round is in flight the request
+        is served by it; while the cluster is FREE with a round already pending, by the pending one; otherwise
+        it asks for round ``round + 1`` (``requested``). Any number of requests therefore yield exactly one round.
+        The start itself stays a guarded, audited transition; a request is only a wish.
+
+        ``reason`` (kept as ``requested_reason`` and in the ``round_requested`` event): at most
+        :data:`MAX_REQUEST_REASON` characters, none of them a control character; :class:`InputError` otherwise
+        (nothing is written)."""
+        check_request_reason(reason)
+        key = self._keys.rearrange
+
+        def txn(pipe: Any) -> tuple[int, bool]:
+            rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            if rec.state is not ClusterState.FREE:
+                serving, write = rec.round, False
+            elif rec.requested > rec.round:
+                serving, write = rec.round + 1, False
+            else:
+                serving, write = rec.round + 1, True
+            pipe.multi()  # EXEC even when nothing is written: the record read is the one a retry would see
+            if write:
+                pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason})
+            return serving, write
+
+        serving, write = self._client.transaction(txn, key, value_from_callable=True)
+        self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
+        return serving
+
+    def request_round_if_free(self, reason: str = "api") -> tuple[bool, ClusterRecord]:
+        """Ask for one round only if the cluster is FREE with no round pending (``requested <= round``) and every
+        rank's weights are NORMAL with no clear pending, checked and written in one WATCHed transaction: of many
+        concurrent callers, exactly one is accepted, and a clear requested meanwhile
+        (:meth:`request_weights`) refuses the start instead of leaving the round waiting for an update.
+
+        Returns (accepted, the cluster record as read); :class:`StateError` when the weights refuse it,
+        :class:`CorruptRecordError` for a weight-status record that does not parse (:class:`NotFoundError` for a
+        missing one). Nothing is written when
+        refused. ``reason`` as for :meth:`request_round`."""
+        check_request_reason(reason)
+        key = self._keys.rearrange
+        wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
+
+        def txn(pipe: Any) -> tuple[bool, ClusterRecord]:
+            raw = _hgetall(pipe, key)
+            if not raw:
+                raise NotFoundError(f"no cluster record at {key}")  # leaving the pipeline UNWATCHes
+            rec = parse_record(ClusterRecord, key, _text(raw))
+            if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                pipe.unwatch()  # nothing queued: EXEC is not sent
+                return False, rec
+            # read in one round trip (another connection): WATCH, issued before, still sees any change
+            weights = self._strict([(WEIGHTS, r) for r in range(len(wkeys))])
+            unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
+            clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
+                        and w.request < rec.weights_request]
+            if unloaded or clearing:
+                raise StateError(
+                    f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
+                    else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
+            pipe.multi()
+            pipe.hincrby(key, "requested", 1)
+            pipe.hset(key, "requested_reason", reason)
+            return True, rec
+
+        accepted, rec = self._client.transaction(txn, key, *wkeys, value_from_callable=True)
+        if accepted:
+            self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
+        return accepted, rec
+
+    def request_commit(self, plan_id: str, by: str = "operator") -> None:
+        """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
+        ``update_weight_from_tensor`` step). Checked and written in one WATCHed transaction. ``by`` (who asked:
+        ``http``, ``cli``, ...) is kept in ``commit_requested_by`` and named in the commit's audit record.
+
+        Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
+        is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
+        if not self.read_config().cordoned:
+            raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
+        key = self._keys.rearrange
+
+        def txn(pipe: Any) -> None:
+            rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
+                raise StateError(
+                    f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "
+                    f"only accepted in LOAD_SUCC for the staged plan (asked: {plan_id!r})")
+            pipe.multi()
+            pipe.hset(key, mapping={"commit_requested": plan_id, "commit_requested_by": by})
+
+        self._client.transaction(txn, key, value_from_callable=True)
+        self.emit_event("commit_requested", plan_id=plan_id, by=by)
+
+    def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
+        """Ask every rank to ``"clear"`` or ``"update"`` its expert weights (FastDeploy's ``clear_load_weight`` /
+        ``update_model_weight``); returns the request number. Each rank agent carries out request n once, at a
+        safe point, through its weight-status machine; embedded agents all at the same step, fixed once every rank
+        is armed for the request (``weights_switch_step``, reset to 0 = not fixed here; :meth:`arm_switch`).
+
+        Raises :class:`InputError` for another action, :class:`StateError` while a rank is still CLEARING or
+        UPDATING for an earlier request, and with ``when_idle`` also while the cluster is not FREE or has a round
+        pending (the API's clear: a round accepted meanwhile would wait for the weights to be loaded again). Checked
+        and written in one WATCHed transaction; nothing is written when refused."""
+        if action not in ("clear", "update"):
+            raise InputError(f"weight request must be 'clear' or 'update', got {action!r}")
+        busy_states = {WeightState.CLEARING.value.encode(), WeightState.UPDATING.value.encode()}
+        wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
+        cluster = self._keys.rearrange
+
+        def txn(pipe: Any) -> None:
+            busy = [r for r, key in enumerate(wkeys) if pipe.hget(key, "state") in busy_states]
+            if when_idle and not busy:
+                rec = parse_record(ClusterRecord, cluster, _text(_hgetall(pipe, cluster)))
+                if rec.state is not ClusterState.FREE or rec.requested > rec.round:
+                    raise StateError(f"cannot {action} weights while rearrangement round "
+                                     f"{max(rec.round, rec.requested)} is "
+                                     f"{'pending' if rec.state is ClusterState.FREE else rec.state}")
+            if busy:
+                raise StateError(f"ranks {busy} are still carrying out the previous weight request "
+                                 f"(CLEARING or UPDATING); ask again when they finish")
+            pipe.multi()
+            pipe.hincrby(cluster, "weights_request", 1)
+            pipe.hset(cluster, mapping={"weights_action": action, "weights_reason": reason,
+                                        "weights_switch_step": "0"})
+            self._signal(pipe, "weights")
+
+        # the request number is HINCRBY's reply, so the transaction's value is EXEC's (not the callable's)
+        n, _, _ = self._client.transaction(txn, cluster, *wkeys)
+        self.emit_event("weights_requested", action=action, request=n, reason=reason)
+        return int(n)
+
+    def request_clear_stat(self, reason: str = "operator") -> int:
+        """Ask every rank agent to empty its expert_load window (FastDeploy's ``clear_stat`` of
+        ``get_per_expert_tokens_stats``); returns the request number (``clear_stat_request``)."""
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hincrby(self._keys.rearrange, "clear_stat_request", 1)
+        self._signal(pipe, "clear_stat")
+        n = pipe.execute()[0]
+        self.emit_event("clear_stat_requested", request=n, reason=reason)
+        return int(n)
+
+    def supply_load(self, round_: int, expert_load: np.ndarray) -> None:
+        """Store an operator-supplied expert_load (int64 [L, E]) to be round ``round_``'s snapshot instead of the
+        ranks' windows (FastDeploy's ``recv_expert_weight``); replaces an earlier one. The caller checks the shape.
+
+        Raises :class:`StateError` when round ``round_``'s snapshot is frozen already (the load could no longer be
+        used; nothing is written): checked and written in one WATCHed transaction against
+        :meth:`freeze_windows`."""
+        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)),
+                   "round": str(int(round_)), "supplied_ms": str(self.now_ms())}
+        snapshot, key = self._keys.snapshot(round_), self._keys.supplied_load
+
+        def txn(pipe: Any) -> None:
+            if pipe.exists(snapshot):
+                raise StateError(f"round {round_}'s load snapshot is frozen already: a load supplied now "
+                                 "would not be used")
+            pipe.multi()
+            pipe.delete(key)
+            pipe.hset(key, mapping=mapping)
+
+        self._client.transaction(txn, snapshot, key, value_from_callable=True)
+        self.emit_event("load_supplied", round=round_)

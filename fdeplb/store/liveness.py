@@ -1,0 +1,108 @@
+"""Which ranks are there and alive: the rank registry (the only peers ever named in requests), heartbeats read at
+one server time and the staleness rule of a heartbeat TTL (:func:`stale_of`), and an armed rank's safe point
+(``lua/switch.lua``: the step at which every embedded rank applies a change).
+
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_switch`` (the registered script),
+``read_all``, ``ep_size``, ``now_ms``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from fdeplb.errors import CorruptRecordError, InputError
+from fdeplb.machines.tables import RANK, StateEnum
+from fdeplb.store.connection import as_str as _s, hgetall as _hgetall
+from fdeplb.store.records import ClusterRecord, json_text
+from fdeplb.store.scripts import switch_call
+
+#: default margin of a switch step (:meth:`Store.arm_switch`): steps past the largest armed step (>= 1 is safe)
+SWITCH_MARGIN_STEPS = 2
+
+#: the cluster record's field names (what :meth:`Store.arm_switch` may name)
+_CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterRecord))
+
+
+def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
+    """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
+    whose TTL is set (> 0) and has passed."""
+    return {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+
+
+class Liveness:
+    """The rank registry, heartbeats and switch arming (see the module doc)."""
+
+    def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
+        """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
+        self._client.hset(self._keys.ranks, str(int(ep_rank)), json_text(info))
+
+    def rank_agent(self, ep_rank: int) -> str | None:
+        """The ``agent_id`` the registry names for ``ep_rank`` (the agent that registered last), or None;
+        :class:`CorruptRecordError` for an entry that is not a rank's JSON."""
+        raw = self._client.hget(self._keys.ranks, str(int(ep_rank)))
+        if raw is None:
+            return None
+        try:
+            info = json.loads(_s(raw))
+        except ValueError:
+            raise CorruptRecordError(f"{self._keys.ranks}: entry {int(ep_rank)} is not a rank's JSON") from None
+        agent = info.get("agent_id") if isinstance(info, dict) else None
+        return None if agent is None else str(agent)
+
+    def rank_info(self) -> dict[int, dict[str, Any]]:
+        """Registered ranks and their info; :class:`CorruptRecordError` for an entry that is not a JSON object
+        under a rank number."""
+        out = {}
+        for k, v in _hgetall(self._client, self._keys.ranks).items():
+            try:
+                out[int(_s(k))] = info = json.loads(_s(v))
+                if not isinstance(info, dict):
+                    raise ValueError(type(info).__name__)
+            except ValueError:
+                raise CorruptRecordError(f"{self._keys.ranks}: entry {_s(k)!r} is not a rank's JSON",
+                                         key=self._keys.ranks) from None
+        return out
+
+    def heartbeats(self) -> dict[int, tuple[int, int]]:
+        """Registered ranks' heartbeats, read at one server time: ``ep_rank -> (ms since the heartbeat, its TTL in
+        ms)`` (TTL 0: the agent wrote none, never stale). Unregistered ranks are left out."""
+        registered = self.rank_info()
+        if not registered:
+            return {}
+        now = self.now_ms()
+        return {r: (max(0, now - rec.heartbeat_ms), rec.heartbeat_ttl_ms)
+                for r, rec in enumerate(self.read_all(RANK)) if r in registered}
+
+    def stale_ranks(self) -> dict[int, int]:
+        """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once
+        ``heartbeat_ms + heartbeat_ttl_ms`` lies in the past (server clock); a rank that never wrote a TTL, or
+        is not registered, is never stale (:meth:`heartbeats`)."""
+        return stale_of(self.heartbeats())
+
+    def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
+                   margin: int = SWITCH_MARGIN_STEPS) -> tuple[int, str]:
+        """One safe point of an armed rank (``lua/switch.lua``, atomic): publish ``ep_rank``'s step counter
+        (``armed_step``) armed for the change ``armed`` (e.g. ``"swap:<round>:<plan_id>"``), then return the
+        change's switch step, kept in the cluster-record ``field`` (``switch_step`` / ``weights_switch_step``).
+
+        The first call that finds every rank armed for ``armed`` fixes it: ``max(armed_step) + margin``. Since an
+        armed rank calls this at every safe point, a rank whose last call published step s calls again at step
+        s + 1 <= switch step: no armed rank passes the switch step without having read it (``margin`` >= 1).
+        ``current``: cluster-record fields (name -> value) that identify the change while it is the cluster's
+        current one (e.g. ``{"state": "SWAPPING", "round": 3, "plan_id": ...}``).
+
+        Returns (switch step, status): ``"fixed"`` (by this call), ``"set"`` (before), ``"waiting"`` (a rank is not
+        armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing fixed). :class:`InputError` for a
+        margin < 1 or a negative step."""
+        if int(margin) < 1 or int(step) < 0:
+            raise InputError(f"arm_switch needs margin >= 1 and step >= 0, got margin={margin} step={step}")
+        unknown = [name for name in (field, *current) if name not in _CLUSTER_FIELDS]
+        if unknown:
+            raise InputError(f"ClusterRecord has no field(s) {unknown}")
+        current = {k: v.value if isinstance(v, StateEnum) else str(v) for k, v in current.items()}
+        call = switch_call(self._keys, ep_rank=ep_rank, ep_size=self.ep_size(), armed=armed, step=step,
+                           field=field, current=current, margin=margin)
+        switch, status = self._switch(keys=call.keys, args=call.args)
+        return int(switch), _s(status)

@@ -1,0 +1,29 @@
+-- _chain.lua: the audit chain, defined once. fdeplb/store/scripts.py (script_text) puts this file before every
+-- script that appends to the audit stream (commit.lua, audit.lua); fdeplb.replay.chain_of is its Python twin, and
+-- tests/test_scripts.py pins the two against each other.
+--
+-- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order:
+--         name .. "=" .. byte length of value .. ":" .. value .. "\n")
+-- The caller sorts the names (scripts.py chain_order) and passes their 1-based pair indexes in that order.
+
+-- The chain of the audit record `fields` ({name, value, name, value, ...}) after `previous`, hashing the pairs in
+-- the order `order` gives (1-based pair indexes).
+local function audit_chain(previous, fields, order)
+  local body = {previous, '\n'}
+  for j, i in ipairs(order) do
+    local v = fields[2 * i]
+    body[j + 2] = fields[2 * i - 1] .. '=' .. #v .. ':' .. v .. '\n'
+  end
+  return redis.sha1hex(table.concat(body))
+end
+
+-- Append `fields` to the audit stream `audit_key` with its chain field (chained after the one `head_key` holds, ""
+-- before the first record) and move `head_key` on to it; returns the new entry's stream id.
+local function append_chained(audit_key, head_key, fields, order)
+  local chain = audit_chain(redis.call('GET', head_key) or '', fields, order)
+  redis.call('SET', head_key, chain)
+  local n = #fields
+  fields[n + 1], fields[n + 2] = 'chain', chain
+  return redis.call('XADD', audit_key, '*', unpack(fields))
+end
+

@@ -1,0 +1,81 @@
+"""What a cluster keeps and how much: pruning old snapshots and plans by the retention index, the opt-in audit
+trim (exported to a JSONL file first), and the counts that show nothing leaks (keys, server memory).
+
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``; from :mod:`fdeplb.store.streams`:
+``audit``, ``audit_length``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fdeplb.store.connection import as_str as _s
+from fdeplb.store.streams import parse_stream_id
+
+
+class Retention:
+    """Pruning, audit trimming and key counts (see the module doc)."""
+
+    def prune(self, keep_rounds: int, keep_plan_ids: tuple[str, ...] = ()) -> list[str]:
+        """Delete the load snapshots and plans written by rounds older than the last ``keep_rounds`` (counted from
+        the newest indexed round), except the plans named in ``keep_plan_ids`` (the current placement's, the round
+        in flight's) and the snapshot of a kept plan's round. Returns the deleted keys (sorted).
+
+        Only keys in the retention index (written by :meth:`save_snapshot` / :meth:`save_plan`) are considered."""
+        newest = self._client.zrevrange(self._keys.retained, 0, 0, withscores=True)
+        if not newest:
+            return []
+        cutoff = int(newest[0][1]) - int(keep_rounds)  # rounds <= cutoff are pruned
+        keep = {self._keys.plan(p) for p in keep_plan_ids if p}
+        keep_rounds_of_plans = set()
+        for key in keep:
+            score = self._client.zscore(self._keys.retained, key)
+            if score is not None:
+                keep_rounds_of_plans.add(self._keys.snapshot(int(score)))
+        old = [_s(k) for k in self._client.zrangebyscore(self._keys.retained, "-inf", cutoff)]
+        drop = sorted(k for k in old if k not in keep and k not in keep_rounds_of_plans)
+        if drop:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(*drop)
+            pipe.zrem(self._keys.retained, *drop)
+            pipe.execute()
+        return drop
+
+    def retained_keys(self) -> dict[str, int]:
+        """Snapshot and plan keys in the retention index -> the round that wrote them."""
+        return {_s(k): int(v) for k, v in self._client.zrange(self._keys.retained, 0, -1, withscores=True)}
+
+    def trim_audit(self, keep: int, export_path: str) -> int:
+        """Opt-in audit retention: append every audit record but the newest ``keep`` to ``export_path`` (JSONL,
+        one ``{"id": ..., **fields}`` object per line, flushed and fsynced) and only then trim them from the
+        stream (``XTRIM MINID``). Returns how many were trimmed (0 when the stream holds ``keep`` or fewer).
+        Raises OSError when the file cannot be written (nothing is trimmed then)."""
+        import os
+
+        length = self.audit_length()
+        if keep < 1 or length <= keep:
+            return 0
+        old = self.audit("-", "+", count=length - keep)
+        if not old:
+            return 0
+        with open(export_path, "a", encoding="utf-8") as fh:
+            for entry in old:
+                fh.write(json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        last = old[-1].id
+        ms, seq = parse_stream_id(last)
+        self._client.xtrim(self._keys.audit, minid=f"{ms}-{int(seq) + 1}", approximate=False)
+        return len(old)
+
+    def key_count(self) -> int:
+        """Keys of this cluster now (SCAN; used to check that nothing leaks)."""
+        pattern = f"{self._keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
+        return sum(1 for _ in self._client.scan_iter(match=pattern))
+
+    def memory_used(self) -> int:
+        """The server's ``used_memory`` in bytes (the sum over the nodes of a Redis Cluster)."""
+        info = self._client.info("memory")
+        if isinstance(info, dict) and "used_memory" in info:
+            return int(info["used_memory"])
+        return sum(int(v["used_memory"]) for v in info.values())  # RedisCluster: one dict per node
