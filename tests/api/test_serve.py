@@ -22,7 +22,7 @@ from fdeplb.store import ClusterConfig, Store
 from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, free_port, wait_http
 from tests.helpers import RawRedis
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cluster(redis_url, cluster_id, ep_size=2):

@@ -13,7 +13,7 @@ from fdeplb.api import Credentials, create_app
 from fdeplb.store import Store
 from tests.api_helpers import AUTH, PASSWORD, USER, served
 from tests.helpers import RawRedis, run_cli
-from tests.test_inspect import EP, store  # noqa: F401 - store is a fixture (a cluster of EP = 2 ranks)
+from tests.cli.test_status_and_audit import EP, store  # noqa: F401 - store is a fixture (a cluster of EP = 2 ranks)
 
 RANK_STATE = "field 'state' holds 'BOGUS', not a valid RankState (RankRecord)"
 WEIGHTS_VERSION = "field 'version' holds 'v7', not a valid int (WeightRecord)"

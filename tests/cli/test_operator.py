@@ -199,7 +199,7 @@ def test_status_shows_swap_pending_while_ranks_wait_for_their_safe_point(redis_u
     point: until then status says "swap pending" (not MISMATCH) for it; once every rank swapped, "match"."""
     from fdeplb.cli.views import cluster_status
     from fdeplb.orchestration.agent import EmbeddedAgent
-    from tests.test_embedding import _Instrumented, _Workers
+    from tests.orchestration.test_embedding import _Instrumented, _Workers
 
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()

@@ -15,7 +15,7 @@ from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import routing_digest
 from fdeplb.replay import replay_file
 from fdeplb.store import ClusterConfig, Store
-from tests.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
+from tests.replay.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
 
 EP = 2
 

@@ -1,4 +1,4 @@
-"""The fault suite (issue 14): real worker processes, real coordinator processes (a leader and a standby) and a real
+"""The fault suite: real worker processes, real coordinator processes (a leader and a standby) and a real
 redis-server with appendonly on (fsync always), started by the test on a loopback port. Faults: the leading
 coordinator SIGKILLed at random points, ranks SIGKILLed mid-load and mid-swap, Redis SIGKILLed and restarted
 mid-round, the leader SIGSTOPped past its lease, every client connection dropped. After each round: the cluster
@@ -24,7 +24,7 @@ from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import real_traces_28x64, wait_for
 from tests.servers import RedisServer
-from tests.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
+from tests.faults.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 
 pytestmark = pytest.mark.faults
 

@@ -14,7 +14,7 @@ from fdeplb.errors import DependencyError, InputError
 from fdeplb.machines import diagrams
 from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS, TransitionSpec
 
-COMMITTED = Path(__file__).resolve().parents[1] / "statecharts"
+COMMITTED = Path(__file__).resolve().parents[2] / "statecharts"
 
 
 @pytest.fixture

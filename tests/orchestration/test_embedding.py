@@ -374,7 +374,7 @@ def test_arm_switch_fixes_the_step_once_every_rank_is_armed(redis_url, cluster_i
 
 def test_switch_lua_header_matches_its_python_slots():
     from fdeplb.store.scripts import SWITCH_ARGV, SWITCH_KEYS, SWITCH_STATUSES, script_text
-    from tests.test_scripts import header_slots
+    from tests.store.test_scripts import header_slots
 
     assert header_slots("switch", "KEYS") == list(SWITCH_KEYS)
     assert header_slots("switch", "ARGV") == list(SWITCH_ARGV)

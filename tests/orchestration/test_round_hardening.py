@@ -1,5 +1,5 @@
-"""Issue 14: bounded Redis, coalesced requests, poison-proof loops, exact load sums, range-checked inputs and the
-routing-table digest. Real Redis, coordinator + agents in threads (numpy weights)."""
+"""Rounds hardened against misuse and bad data: bounded Redis, coalesced requests, poison-proof loops, exact load
+sums, range-checked inputs and the routing-table digest. Real Redis, coordinator + agents in threads (numpy weights)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """policy="deepseek" against DeepSeek's own eplb.py: phy2log, log2phy and logcnt, element for element.
 
-tests/golden/deepseek_eplb.npz holds what ``eplb.rebalance_experts`` returned under torch 2.13 CPU (made by
-tests/golden/make_deepseek_golden.py, which says how): the 16 real dumps at four topologies (loads read from
+tests/placement/golden/deepseek_eplb.npz holds what ``eplb.rebalance_experts`` returned under torch 2.13 CPU (made by
+golden/make_deepseek_golden.py beside it, which says how): the 16 real dumps at four topologies (loads read from
 ../shared/real_data, skipped without it), the two small cases of issue 9 and 300 random cases with many ties.
 """
 

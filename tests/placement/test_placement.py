@@ -45,7 +45,7 @@ def check_invariants(pl: Placement, num_experts: int, num_replicas: int) -> None
     for layer in range(L):
         assert (np.bincount(pl.phy2log[layer], minlength=num_experts) == pl.logcnt[layer]).all()
     # log2phy lists each expert's slots, -1 padded: in ascending phy_id order except for "deepseek", which lists
-    # them in replica-rank order like eplb.py (checked against eplb.py's own output in test_placement_golden.py)
+    # them in replica-rank order like eplb.py (checked against eplb.py's own output in test_golden.py)
     assert pl.log2phy.shape == (L, num_experts, int(pl.logcnt.max()))
     valid = pl.log2phy >= 0
     assert (valid.sum(axis=2) == pl.logcnt).all()

@@ -19,7 +19,7 @@ from fdeplb.placement import (
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.repair import choose_stops
 from fdeplb.placement.slots import align_slots
-from test_placement import check_invariants, dumps, topologies
+from tests.placement.test_placement import check_invariants, dumps, topologies
 
 
 def ratio(load, placement, num_gpus):

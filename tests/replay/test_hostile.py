@@ -11,8 +11,8 @@ import pytest
 
 from fdeplb.cli import main
 
-HAPPY = Path(__file__).parent / "replays" / "happy.jsonl"
-TAKEOVER = Path(__file__).parent / "replays" / "takeover.jsonl"
+HAPPY = Path(__file__).parents[1] / "replays" / "happy.jsonl"
+TAKEOVER = Path(__file__).parents[1] / "replays" / "takeover.jsonl"
 
 
 def _lines(path: Path = HAPPY) -> list[dict]:

@@ -17,7 +17,7 @@ from fdeplb.replay import chain_of, replay_file
 from fdeplb.store import Store
 from fdeplb.store import scripts
 
-REPLAYS = Path(__file__).parent / "replays"
+REPLAYS = Path(__file__).parents[1] / "replays"
 RECORDINGS = sorted(REPLAYS.glob("*.jsonl"))
 HAPPY = REPLAYS / "happy.jsonl"
 
@@ -349,7 +349,7 @@ def test_lua_headers_name_the_slots_scripts_py_lays_out(script, keys, argv):
 
 
 def test_live_chain_links_every_record(redis_url, cluster_id):
-    from tests.test_replay import fire_round
+    from tests.replay.test_replay import fire_round
     from fdeplb.orchestration.operations import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np
@@ -371,7 +371,7 @@ def test_live_chain_links_every_record(redis_url, cluster_id):
 
 # ---- audit --follow ------------------------------------------------------------------------------------------------
 def test_audit_follow_prints_records_as_they_commit(redis_url, cluster_id, capsys):
-    from tests.test_replay import fire_round
+    from tests.replay.test_replay import fire_round
     from fdeplb.orchestration.operations import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np

@@ -17,7 +17,7 @@ import redis
 from tests.helpers import wait_for
 from tests.servers import RedisServer, free_port
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "control_plane.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
 
 
 @pytest.mark.parametrize("agents", ["processes", "threads"])

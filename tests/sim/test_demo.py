@@ -62,7 +62,7 @@ def test_demo_without_trace_or_shared_runs_on_the_bundled_dump(tmp_path):
     """A plain clone: run from a directory with no ../shared; the bundled DeepSeek-V3 dump is the trace."""
     cwd = tmp_path / "a" / "b"
     cwd.mkdir(parents=True)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     proc = subprocess.run(demo_cmd("--ranks", "2", "--json", "--timeout", "120"), cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

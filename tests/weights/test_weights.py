@@ -298,7 +298,7 @@ def test_swap_benchmark_smoke(real_data, monkeypatch):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "swap.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "swap.py"
     spec = importlib.util.spec_from_file_location("swap_benchmark", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "swap_benchmark", bench)  # dataclasses look their module up there

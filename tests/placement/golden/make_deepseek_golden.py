@@ -1,4 +1,4 @@
-"""Write the golden outputs of DeepSeek's ``eplb.py`` (torch CPU) that tests/test_placement_golden.py compares with.
+"""Write the golden outputs of DeepSeek's ``eplb.py`` (torch CPU) that tests/placement/test_golden.py compares with.
 
 This script contains no code of ``eplb.py``: it imports the module from the folder given on the command line and
 stores only what ``eplb.rebalance_experts`` returns (phy2log, log2phy, logcnt) for every case. It needs a Python
@@ -7,8 +7,8 @@ real dumps. torch is never a dependency of fdeplb: use a throwaway venv, e.g.::
 
     python3 -m venv /tmp/eplbref && /tmp/eplbref/bin/pip install torch==2.13.0 numpy scipy
     git --git-dir=<mirror of github.com/deepseek-ai/EPLB> show HEAD:eplb.py > /tmp/eplbsrc/eplb.py
-    PYTHONPATH=. /tmp/eplbref/bin/python tests/golden/make_deepseek_golden.py /tmp/eplbsrc \
-        --real-data ../shared/real_data --out tests/golden/deepseek_eplb.npz
+    PYTHONPATH=. /tmp/eplbref/bin/python tests/placement/golden/make_deepseek_golden.py /tmp/eplbsrc \
+        --real-data ../shared/real_data --out tests/placement/golden/deepseek_eplb.npz
 
 Cases (all written to one compressed ``.npz``; its ``meta`` entry is a JSON list of the cases):
 
