@@ -104,6 +104,7 @@ def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
+@pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json", "dsv3_sglang_ep_stats/prefill_in2048.json")
 def test_cli_rebalance_table_output_and_plot(real_data, tmp_path, capsys):
     load = real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json"
     out, png = tmp_path / "new.json", tmp_path / "heat.png"
@@ -132,6 +133,7 @@ def test_cli_rebalance_table_output_and_plot(real_data, tmp_path, capsys):
                                                             policy="balanced"), 32)
 
 
+@pytest.mark.real_data("qwen2_57b_oeplb/counts57b.json")
 def test_cli_errors_map_to_exit_codes(real_data, tmp_path, capsys):
     load = real_data / "qwen2_57b_oeplb" / "counts57b.json"
     assert main(["rebalance", "--load", str(tmp_path / "nope.json"), "--num-replicas", "72", "--num-gpus", "8"]) == 2

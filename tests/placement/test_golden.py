@@ -60,6 +60,7 @@ def test_random_tie_cases_match_eplb():
             _check(case, ARRAYS[f"{case['id']}.load"])
 
 
+@pytest.mark.real_data(*sorted({c["dump"] for c in CASES if c["kind"] == "real"}))
 def test_real_dumps_match_eplb(real_data):
     loads: dict[str, np.ndarray] = {}
     for case in CASES:

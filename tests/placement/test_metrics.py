@@ -65,6 +65,7 @@ def test_metric_errors():
         moved_bytes(np.zeros((1, 4), dtype=int), np.zeros((1, 4), dtype=int), 2, expert_nbytes=-1)
 
 
+@pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json")
 def test_deepseek_beats_initial_placement_on_real_dumps(real_data):
     dump = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json")
     load = dump.expert_load
@@ -75,6 +76,7 @@ def test_deepseek_beats_initial_placement_on_real_dumps(real_data):
 
 
 # ---- load readers -------------------------------------------------------------------------------------------------
+@pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json")
 def test_read_sglang_dump_drops_dense_layers(real_data):
     dump = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json")
     assert dump.expert_load.shape == (58, 256) and dump.format == "sglang"
@@ -83,6 +85,7 @@ def test_read_sglang_dump_drops_dense_layers(real_data):
     assert dump.digest == load_digest(dump.expert_load) and len(dump.digest) == 64
 
 
+@pytest.mark.real_data("qwen3_30b_oeplb/counts30b.json")
 def test_read_counts_dumps(real_data):
     shapes = {"counts57b": (28, 64), "counts57b_share": (28, 64), "counts235b": (94, 128), "counts30b": (48, 128)}
     for path in real_data.glob("qwen*/*.json"):

@@ -59,6 +59,7 @@ def test_balanced_never_worse_than_deepseek_and_keeps_groups_on_nodes(real_data)
                     assert np.unique(np.stack([group[layer], node_of_slot]), axis=1).shape[1] == G
 
 
+@pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json")
 def test_balanced_reaches_near_perfect_balance_on_a_real_dump(real_data):
     load = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json").expert_load
     assert ratio(load, rebalance_experts(load, 288, 8, 1, 32, policy="balanced"), 32).mean() < 1.0005
@@ -66,13 +67,17 @@ def test_balanced_reaches_near_perfect_balance_on_a_real_dump(real_data):
 
 
 # ---- move_aware ---------------------------------------------------------------------------------------------------
+QWEN2_DRIFT = pytest.mark.real_data("qwen2_57b_oeplb/counts57b.json", "qwen2_57b_oeplb/counts57b_share.json")
+
+
 @pytest.fixture(scope="module")
-def qwen2_drift(real_data):
+def qwen2_drift(real_data):  # its tests carry QWEN2_DRIFT (the real_data marker of the two dumps it reads)
     a = read_expert_load(real_data / "qwen2_57b_oeplb" / "counts57b.json").expert_load
     b = read_expert_load(real_data / "qwen2_57b_oeplb" / "counts57b_share.json").expert_load
     return a, b, rebalance_experts(a, 72, 1, 1, 8, policy="balanced")
 
 
+@QWEN2_DRIFT
 def test_move_aware_moves_far_less_than_a_fresh_plan(qwen2_drift):
     _, load, old = qwen2_drift
     fresh = rebalance_experts(load, 72, 1, 1, 8, policy="balanced", old_phy2log=old)
@@ -122,7 +127,9 @@ DRIFT_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("folder, a, b, ep", DRIFT_PAIRS, ids=[p[2] for p in DRIFT_PAIRS])
+@pytest.mark.parametrize("folder, a, b, ep", [
+    pytest.param(f, a, b, ep, id=b, marks=pytest.mark.real_data(f"{f}/{a}.json", f"{f}/{b}.json"))
+    for f, a, b, ep in DRIFT_PAIRS])
 def test_move_aware_moves_and_slack_on_the_drift_pairs(real_data, folder, a, b, ep):
     """Issue 9's targets: at most 20% of the experts a fresh "balanced" plan moves, mean max/mean at most 0.0005
     (the default tolerance) above it, and no layer more than twice that."""
@@ -157,6 +164,7 @@ def test_choose_stops_spends_the_tolerance_where_moves_are_dearest():
     assert stops.tolist() == [2, 2] and excess == pytest.approx([0.0])
 
 
+@QWEN2_DRIFT
 def test_move_aware_knobs(qwen2_drift):
     a, load, old = qwen2_drift
     assert moved_experts(old, rebalance_experts(a, 72, 1, 1, 8, policy="move_aware", old_phy2log=old), 8) == 0
@@ -175,6 +183,7 @@ def test_move_aware_knobs(qwen2_drift):
         rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, max_moved_experts=-3)
 
 
+@pytest.mark.real_data("dsv3_sglang_ep_stats/decode_in2000out100.json")
 def test_move_aware_hierarchical_from_the_initial_placement(real_data):
     load = read_expert_load(real_data / "dsv3_sglang_ep_stats" / "decode_in2000out100.json").expert_load[:6]
     old = initial_placement(6, 256, 288, num_gpus=32)  # groups straddle nodes: some experts must move
