@@ -109,9 +109,23 @@ def _safe(fn):
         return False
 
 
+def _no_failover_under_way(sentinel) -> bool:
+    """Sentinel names a master it sees up (neither s_down nor o_down: what redis-py's discover_master needs to give
+    the store a connection), no failover is in progress, and the server it names answers as a master: the failover
+    has ended (or none began)."""
+    state = sentinel.sentinel_master("mymaster")
+    if not state["is_master"] or state["is_sdown"] or state["is_odown"] or "failover_in_progress" in state["flags"]:
+        return False
+    with redis.Redis(host=state["ip"], port=int(state["port"]), socket_timeout=5) as client:
+        return client.info("replication")["role"] == "master"
+
+
 def test_rounds_through_sentinel_with_a_failover_during_a_round(sentinel_setup, cluster_id, tmp_path):
     master, replica, url, sentinel = sentinel_setup
-    with thread_cluster(url, cluster_id, tmp_path, cordoned=True) as tc:
+    # the clean-up (delete_cluster) waits on the failover's end too: on a loaded machine it could run while Sentinel
+    # had no master to give ("No master found for 'mymaster'")
+    with thread_cluster(url, cluster_id, tmp_path, cordoned=True,
+                        ready_to_clean_up=lambda: _safe(lambda: _no_failover_under_way(sentinel))) as tc:
         store = tc.store()
         tc.start()
         store.request_round()
