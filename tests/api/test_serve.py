@@ -101,6 +101,7 @@ def test_serve_refuses_to_start_without_credentials(redis_url, cluster_id, capsy
     assert main(["serve", "--redis-url", redis_url, "--cluster", cluster_id, "--credentials-file", str(bad)]) == 2
 
 
+@pytest.mark.slow
 def test_insecure_no_auth_warns_on_start(redis_url, cluster_id):
     _cluster(redis_url, cluster_id)
     port = free_port()
@@ -113,6 +114,7 @@ def test_insecure_no_auth_warns_on_start(redis_url, cluster_id):
     assert "WARNING: --insecure-no-auth" in log
 
 
+@pytest.mark.slow
 def test_http_cli_clients_print_what_the_redis_commands_print(redis_url, cluster_id, capsys, monkeypatch, tmp_path):
     store, ips = _cluster(redis_url, cluster_id)
     creds = tmp_path / "creds"
@@ -170,6 +172,7 @@ def _audit_lines(capsys, *args: str) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
+@pytest.mark.slow
 def test_openapi_fuzz_finds_no_5xx_and_refused_calls_change_nothing(redis_url, cluster_id):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

@@ -145,6 +145,7 @@ def test_commit_request_on_a_cordoned_cluster_needs_the_staged_plan(redis_url, c
     assert store.read_cluster().commit_requested_by == "cli"  # the commit's audit record names it
 
 
+@pytest.mark.slow  # an fdeplb process
 def test_a_reader_that_closes_the_pipe_early_gets_no_traceback():
     """`fdeplb ... | head -1`: the command's output hits a closed pipe; it ends quietly, exit 0."""
     import os

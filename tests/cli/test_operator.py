@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import structlog.testing
 
 from fdeplb.cli import main
 from fdeplb.machines.tables import WEIGHTS
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli as run, thread_cluster, wait_for
+
+pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in every test
 
 
 def rearrange_wait(capsys, url, cluster, *extra):

@@ -15,6 +15,8 @@ from fdeplb.store import Deadlines
 from fdeplb.testing import NumpyWeights
 from tests.helpers import FailingReload, RawRedis, thread_cluster, wait_for
 
+pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
+
 
 def _round_done(store, n):
     rec = store.read_cluster()

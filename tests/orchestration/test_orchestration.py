@@ -20,6 +20,8 @@ from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, thread_cluster, wait_for
 from tests.servers import RedisServer
 
+pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
+
 
 def cluster_state(store):
     return store.read_cluster()

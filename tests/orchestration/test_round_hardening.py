@@ -16,6 +16,8 @@ from fdeplb.store.scripts import SIGNAL_MAXLEN
 from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
+pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
+
 
 def round_over(store, n):
     def check():

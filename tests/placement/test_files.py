@@ -105,6 +105,7 @@ def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
 
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 @pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json", "dsv3_sglang_ep_stats/prefill_in2048.json")
+@pytest.mark.slow  # two CLI runs on DeepSeek-V3 dumps, a matplotlib plot
 def test_cli_rebalance_table_output_and_plot(real_data, tmp_path, capsys):
     load = real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json"
     out, png = tmp_path / "new.json", tmp_path / "heat.png"

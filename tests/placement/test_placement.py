@@ -152,6 +152,7 @@ def test_placement_is_read_only_and_compares_by_value():
 
 
 # ---- real dumps ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # every real dump at several topologies
 def test_deepseek_invariants_on_every_real_dump(real_data):
     for name, dump in dumps(real_data):
         load = dump.expert_load
@@ -168,6 +169,7 @@ def test_deepseek_invariants_on_every_real_dump(real_data):
                     assert pairs.shape[1] == G, (name, topo, layer)
 
 
+@pytest.mark.slow  # the pure-Python port on every real dump
 def test_deepseek_matches_plain_python_reference_on_real_dumps(real_data):
     for name, dump in dumps(real_data):
         topo = topologies(dump.num_logical_experts)[0]

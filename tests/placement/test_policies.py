@@ -42,6 +42,7 @@ def test_greedy_follows_tensorrt_llm_rules(load, topo, expected):
 
 
 # ---- balanced -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # every real dump, two policies
 def test_balanced_never_worse_than_deepseek_and_keeps_groups_on_nodes(real_data):
     for name, dump in dumps(real_data):
         load = dump.expert_load

@@ -17,6 +17,8 @@ import redis
 from tests.helpers import wait_for
 from tests.servers import RedisServer, free_port
 
+pytestmark = pytest.mark.slow  # every test runs benchmarks/control_plane.py as a process
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "control_plane.py"
 
 

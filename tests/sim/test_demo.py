@@ -12,10 +12,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.slow  # every test runs `fdeplb demo` processes
+
 pytest.importorskip("paddle")
 
 
-@pytest.mark.slow
 def test_demo_cli_four_ranks_on_real_dump(real_data, redis_url, tmp_path):
     trace = real_data / "dsv3_sglang_ep_stats" / "decode_in1000out1000.json"
     recording = tmp_path / "run.jsonl"

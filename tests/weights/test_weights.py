@@ -294,6 +294,7 @@ def test_importing_weights_does_not_import_paddle_and_missing_paddle_is_a_depend
 
 
 @pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json")  # to decode_in1000out1000 (bundled)
+@pytest.mark.slow  # runs benchmarks/swap.py
 def test_swap_benchmark_smoke(real_data, monkeypatch):
     import importlib.util
     import sys
