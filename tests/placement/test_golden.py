@@ -7,6 +7,7 @@ golden/make_deepseek_golden.py beside it, which says how): the 16 real dumps at 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -54,24 +55,27 @@ def test_issue_small_cases_match_eplb(case):
     _check(case, ARRAYS[f"{case['id']}.load"])
 
 
-def test_random_tie_cases_match_eplb():
-    for case in CASES:
-        if case["kind"] == "random":
-            _check(case, ARRAYS[f"{case['id']}.load"])
+@pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "random"], ids=lambda c: f"random{c['id']}")
+def test_random_tie_cases_match_eplb(case):
+    _check(case, ARRAYS[f"{case['id']}.load"])
 
 
-@pytest.mark.real_data(*sorted({c["dump"] for c in CASES if c["kind"] == "real"}))
-def test_real_dumps_match_eplb(real_data):
-    loads: dict[str, np.ndarray] = {}
-    for case in CASES:
-        if case["kind"] == "real":
-            if case["dump"] not in loads:
-                loads[case["dump"]] = read_expert_load(real_data / case["dump"]).expert_load
-            pl = _check(case, loads[case["dump"]])
-            # the plain-loop port (independent std::sort port) agrees on the real dumps too
-            topo = (case["num_replicas"], case["num_groups"], case["num_nodes"], case["num_gpus"])
-            if case["dump"].startswith("qwen2"):  # smallest model: keeps the pure-Python loop quick
-                assert np.array_equal(deepseek_reference(loads[case["dump"]], *topo), pl.phy2log)
+@functools.lru_cache(maxsize=None)
+def _real_load(path: Path) -> np.ndarray:
+    """A real dump's expert_load, read once for its four topologies."""
+    return read_expert_load(path).expert_load
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, id=f"real{c['id']}-{Path(c['dump']).stem}", marks=pytest.mark.real_data(c["dump"]))
+    for c in CASES if c["kind"] == "real"])
+def test_real_dumps_match_eplb(real_data, case):
+    load = _real_load(real_data / case["dump"])
+    pl = _check(case, load)
+    # the plain-loop port (independent std::sort port) agrees on the real dumps too
+    topo = (case["num_replicas"], case["num_groups"], case["num_nodes"], case["num_gpus"])
+    if case["dump"].startswith("qwen2"):  # smallest model: keeps the pure-Python loop quick
+        assert np.array_equal(deepseek_reference(load, *topo), pl.phy2log)
 
 
 def test_random_cases_match_the_plain_loop_port():
