@@ -18,6 +18,8 @@ from fdeplb.store import Store
 from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, served
 from tests.helpers import RawRedis, thread_cluster, wait_for
 
+pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in every test
+
 
 def _app(tc, **settings):
     return create_app(tc.store(), Credentials(USER, PASSWORD), ApiSettings(**settings))
