@@ -283,7 +283,7 @@ def cleanup(fn) -> None:
 
 #: a rank agent's round: 4 wake-ups (start, load, commit, release), each one round trip that also carries the
 #: previous step's last write, plus 2 (the stage commit with the plan read, the swap commit); pinned by
-#: tests/test_orchestration.py::test_a_rank_agent_makes_six_round_trips_per_round
+#: tests/orchestration/test_orchestration.py::test_a_rank_agent_makes_six_round_trips_per_round
 AGENT_WAKES, AGENT_ROUND_TRIPS = 4, 6
 
 

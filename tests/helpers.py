@@ -133,9 +133,11 @@ class ThreadCluster:
 def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 3, num_experts: int = 16,
                    num_redundant: int = 4, ep_size: int = 4, policy: str = "deepseek", cordoned: bool = False,
                    deadlines: Deadlines | None = None, min_gain: float = 0.0, seed: int = 0, num_groups: int = 1,
-                   backend: str = "numpy"):
+                   backend: str = "numpy", ready_to_clean_up=None):
     """A small initialised cluster; yields a :class:`ThreadCluster` (nothing started). ``backend="paddle"``
-    writes a real safetensors checkpoint and gives the agents paddle tensors; "numpy" needs no paddle."""
+    writes a real safetensors checkpoint and gives the agents paddle tensors; "numpy" needs no paddle.
+    ``ready_to_clean_up``: a condition awaited (:func:`wait_for`, 60 s) before the cluster's keys are deleted at
+    the end, e.g. the end of a Sentinel failover (until then the store finds no master to delete them on)."""
     from fdeplb.placement import initial_placement
 
     checkpoint = {}
@@ -160,6 +162,8 @@ def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 
         yield tc
     finally:
         tc.stop()
+        if ready_to_clean_up is not None:
+            wait_for(ready_to_clean_up, 60, what="the topology to be ready for the clean-up")
         store.delete_cluster()
 
 

@@ -1,0 +1,1 @@
+"""Tests of fdeplb.api: the HTTP API in a thread and ``fdeplb serve`` processes."""

@@ -1,0 +1,1 @@
+"""Tests of fdeplb.cli: the operator's commands against a real Redis."""

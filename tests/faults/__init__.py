@@ -1,0 +1,1 @@
+"""Process-killing suites: real processes SIGKILLed and SIGSTOPped, Redis killed, Sentinel failovers."""

@@ -1,0 +1,1 @@
+"""Tests of fdeplb.machines: the tables over Redis and the state diagrams."""

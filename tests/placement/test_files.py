@@ -1,0 +1,173 @@
+"""Placement files (fdeplb, SGLang, TensorRT-LLM, FastDeploy) and the ``fdeplb rebalance`` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from fdeplb.cli import main
+from fdeplb.errors import InputError, PlacementFileError
+from fdeplb.placement import (
+    FORMATS,
+    initial_placement,
+    moved_experts,
+    read_expert_load,
+    read_placement,
+    rebalance_experts,
+    write_placement,
+)
+
+LOAD = np.array([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86], [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27]])
+
+
+@pytest.fixture
+def plan():
+    return rebalance_experts(LOAD, 16, 4, 2, 8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_round_trips(tmp_path, plan, fmt):
+    path = tmp_path / ("plan.yaml" if fmt == "trtllm" else "plan.json")
+    write_placement(plan, path, format=fmt, layer_ids=[3, 4], load_digest="abc", expert_load=LOAD)
+    back = read_placement(path, num_logical_experts=12, num_gpus=8, num_groups=4, num_nodes=2)
+    assert back.format == fmt and back.placement == plan
+    assert back.layer_ids.tolist() == ([3, 4] if fmt in ("fdeplb", "trtllm") else [0, 1])
+    if fmt == "fdeplb":
+        assert back.load_digest == "abc" and back.placement.policy == "deepseek"
+
+
+def test_foreign_layouts_match_the_engines(tmp_path, plan):
+    write_placement(plan, tmp_path / "s.json", format="sglang", layer_ids=[3, 4], num_model_layers=5)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert list(doc) == ["physical_to_logical_map"]  # SGLang passes every key to init_by_mapping
+    rows = doc["physical_to_logical_map"]
+    assert len(rows) == 5 and rows[0] == [p % 12 for p in range(16)] and rows[3:] == plan.phy2log.tolist()
+    back = read_placement(tmp_path / "s.json", num_gpus=8, num_groups=4, num_nodes=2)
+    assert back.for_layers([3, 4]) == plan
+
+    write_placement(plan, tmp_path / "t.yaml", format="trtllm", layer_ids=[3, 4])
+    doc = yaml.safe_load((tmp_path / "t.yaml").read_text())
+    assert doc["num_slots"] == 16 and doc["layer_updates_per_iter"] == 0
+    assert doc["initial_global_assignments"] == {3: plan.phy2log[0].tolist(), 4: plan.phy2log[1].tolist()}
+
+    write_placement(plan, tmp_path / "f.json", format="fastdeploy", expert_load=LOAD)
+    doc = json.loads((tmp_path / "f.json").read_text())
+    assert doc["ep_rank_to_expert_id_list"] == plan.phy2log.tolist()
+    assert doc["expert_in_rank_num_list"] == plan.logcnt.tolist()
+    assert doc["tokens_per_expert_stats_list"] == LOAD.tolist()
+    assert np.array(doc["expert_id_to_ep_rank_array"]).shape == (2, 12, 5)  # num_redundant_experts + 1
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("p.json", None, "not found"),
+        ("p.json", "{oops", "not JSON"),
+        ("p.yaml", "a: [1, 2", "not YAML"),
+        ("p.json", "[1]", "mapping"),
+        ("p.json", '{"something": 1}', "unknown placement layout"),
+        ("p.json", '{"physical_to_logical_map": [[0, 1], [0]]}', "ragged"),
+        ("p.json", '{"physical_to_logical_map": [[0.5, 1]]}', "integer"),
+        ("p.json", '{"physical_to_logical_map": [[0, 2]]}', "no slot"),
+        ("p.json", '{"physical_to_logical_map": [[0, 1, 2]]}', "multiple of num_gpus"),
+        ("p.yaml", "num_slots: 3\ninitial_global_assignments: {0: [0, 1]}\n", "num_slots"),
+    ],
+)
+def test_bad_placement_files_raise_placement_file_error(tmp_path, name, content, message):
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(PlacementFileError, match=message) as info:
+        read_placement(path, num_gpus=2)
+    assert str(path) in str(info.value)
+
+
+def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
+    path = write_placement(plan, tmp_path / "p.json")
+    doc = json.loads(path.read_text())
+    doc["logcnt"][0][0] += 1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(PlacementFileError, match="do not match"):
+        read_placement(path)
+    write_placement(plan, path)
+    with pytest.raises(PlacementFileError, match="num_gpus is 8"):
+        read_placement(path, num_gpus=4)
+    with pytest.raises(PlacementFileError, match="no row for model layer"):
+        read_placement(path).for_layers([0, 7])
+    with pytest.raises(InputError, match="unknown placement file format"):
+        write_placement(plan, path, format="csv")
+    with pytest.raises(InputError, match="layer_ids"):
+        write_placement(plan, path, layer_ids=[1, 1])
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------------
+@pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json", "dsv3_sglang_ep_stats/prefill_in2048.json")
+@pytest.mark.slow  # two CLI runs on DeepSeek-V3 dumps, a matplotlib plot
+def test_cli_rebalance_table_output_and_plot(real_data, tmp_path, capsys):
+    load = real_data / "dsv3_sglang_ep_stats" / "prefill_in1024.json"
+    out, png = tmp_path / "new.json", tmp_path / "heat.png"
+    rc = main(["rebalance", "--load", str(load), "--num-replicas", "288", "--num-groups", "8", "--num-nodes", "4",
+               "--num-gpus", "32", "--policy", "balanced", "--out", str(out), "--format", "sglang", "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "before (trivial)" in text and "after (balanced)" in text and "moved experts" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    written = read_placement(out, num_gpus=32)
+    assert written.placement.num_layers == 61  # SGLang rows cover every model layer
+    dump = read_expert_load(load)
+    new = written.for_layers(dump.layer_ids)
+    assert new.phy2log.tolist() == rebalance_experts(dump.expert_load, 288, 8, 4, 32, policy="balanced").phy2log.tolist()
+
+    # move_aware from the written placement onto another workload, output as TensorRT-LLM YAML
+    other = real_data / "dsv3_sglang_ep_stats" / "prefill_in2048.json"
+    yml = tmp_path / "next.yaml"
+    rc = main(["rebalance", "--load", str(other), "--num-replicas", "288", "--num-groups", "8", "--num-nodes", "4",
+               "--num-gpus", "32", "--policy", "move_aware", "--old", str(out), "--out", str(yml), "--format",
+               "trtllm"])
+    assert rc == 0
+    assert "before (--old)" in capsys.readouterr().out
+    moved = moved_experts(new, read_placement(yml, num_gpus=32).placement, 32)
+    assert 0 < moved < moved_experts(new, rebalance_experts(read_expert_load(other).expert_load, 288, 8, 4, 32,
+                                                            policy="balanced"), 32)
+
+
+@pytest.mark.real_data("qwen2_57b_oeplb/counts57b.json")
+def test_cli_errors_map_to_exit_codes(real_data, tmp_path, capsys):
+    load = real_data / "qwen2_57b_oeplb" / "counts57b.json"
+    assert main(["rebalance", "--load", str(tmp_path / "nope.json"), "--num-replicas", "72", "--num-gpus", "8"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["rebalance", "--load", str(load), "--num-replicas", "70", "--num-gpus", "8"]) == 2
+    assert "multiple of num_gpus" in capsys.readouterr().err
+    old = write_placement(initial_placement(2, 64, 72, num_gpus=8), tmp_path / "old.json")
+    assert main(["rebalance", "--load", str(load), "--num-replicas", "72", "--num-gpus", "8", "--old", str(old)]) == 2
+    assert "no row for model layer" in capsys.readouterr().err
+
+
+def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_path, capsys):
+    """``*.json.gz`` dumps (the one bundled in the package) read as their JSON; a file named .gz that is not gzip,
+    or gzip of bytes that are not UTF-8, is a LoadFileError naming it (exit 2), as an unreadable JSON file is."""
+    import gzip
+    import importlib.resources
+
+    from fdeplb.errors import LoadFileError
+    from fdeplb.placement import read_expert_load
+
+    rows = [[5, 0, 3, 9], [1, 1, 2, 8]]
+    plain, packed = tmp_path / "load.json", tmp_path / "load.json.gz"
+    plain.write_text(json.dumps({"logical_count": rows}))
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert np.array_equal(read_expert_load(packed).expert_load, read_expert_load(plain).expert_load)
+    bundled = importlib.resources.files("fdeplb.data").joinpath("dsv3_decode_in1000out1000.json.gz")
+    assert read_expert_load(bundled).expert_load.shape == (58, 256)
+    code = main(["rebalance", "--load", str(bundled), "--num-replicas", "288", "--num-gpus", "32"])
+    assert code == 0 and "balancedness" in capsys.readouterr().out
+    (tmp_path / "fake.json.gz").write_text(json.dumps({"logical_count": rows}))
+    (tmp_path / "latin.json.gz").write_bytes(gzip.compress(b'{"logical_count": [[1, 2]], "x": "\xff"}'))
+    for name in ("fake.json.gz", "latin.json.gz"):
+        with pytest.raises(LoadFileError, match=f"{name}: cannot read expert-load file"):
+            read_expert_load(tmp_path / name)
+    assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
+                 "--num-gpus", "2"]) == 2

@@ -1,0 +1,1 @@
+"""Tests of fdeplb.replay: replaying exported audits and the recordings of tests/replays/."""

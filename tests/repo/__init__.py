@@ -1,0 +1,1 @@
+"""The repository as a whole: package faces, examples/ and benchmarks/ scripts."""

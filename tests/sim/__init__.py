@@ -1,0 +1,1 @@
+"""Tests of fdeplb.sim: the simulated cluster and ``fdeplb demo``."""

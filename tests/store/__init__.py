@@ -1,0 +1,1 @@
+"""Tests of fdeplb.store: the Redis boundary and its Lua scripts."""

@@ -1,0 +1,1 @@
+"""Tests of fdeplb.weights: checkpoints, staging, verified swaps and transfer plans."""
