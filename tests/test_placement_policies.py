@@ -17,7 +17,7 @@ from fdeplb.placement import (
     rebalance_experts,
 )
 from fdeplb.placement.reference import deepseek_reference
-from fdeplb.placement.repair import choose_stops
+from fdeplb.placement.stops import choose_stops
 from fdeplb.placement.slots import align_slots
 from test_placement import check_invariants, dumps, topologies
 

@@ -11,7 +11,7 @@ Without a move cap (the default):
   layer's heaviest GPU, so the mean is what a step pays; the per-layer bound keeps any one layer close.
 - How: every (layer, node) row is repaired from the old placement by :func:`fdeplb.placement.repair.repair_rows`
   (swaps and replica-count changes, chosen by excess above the target ``balanced + tolerance`` removed per moved
-  expert), recording each row's trajectory; then :func:`fdeplb.placement.repair.choose_stops` stops every row at
+  expert), recording each row's trajectory; then :func:`fdeplb.placement.stops.choose_stops` stops every row at
   the point of its trajectory that minimises the total moved experts under the two bounds above (a layer that
   is cheap to balance goes below the tolerance so that an expensive one may stop above it).
 - Layers the repair cannot bring within ``LAYER_CAP`` tolerances (or, when the mean bound cannot be met otherwise,
@@ -58,8 +58,9 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement.balanced import balanced_plan
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.repair import choose_stops, repair_rows, replay
+from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots, multiset_overlap, overlap_assignment
+from fdeplb.placement.stops import choose_stops, replay_stops
 
 _RTOL = 1e-12
 #: without a move cap one layer may exceed "balanced" by this many tolerances (the mean over layers by one)
@@ -556,7 +557,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
               old_maps: np.ndarray, fresh_maps: np.ndarray, num_nodes: int,
               num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
     """The uncapped plan of every layer: :func:`fdeplb.placement.repair.repair_rows` on all (layer, node) rows,
-    stopped by :func:`fdeplb.placement.repair.choose_stops`. Returns (phy2log int64 [L, P], excess float64 [L]:
+    stopped by :func:`fdeplb.placement.stops.choose_stops`. Returns (phy2log int64 [L, P], excess float64 [L]:
     max/mean GPU load minus the "balanced" plan's, per layer).
 
     A layer keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the
@@ -581,7 +582,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         points, log = repair_rows(start.copy(), load, old, target, num_gpus)
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9))
-        return replay(start, log, stops), excess
+        return replay_stops(start, log, stops), excess
     node_of_slot = np.arange(P) // Pn
     node_load = np.zeros((L, num_nodes))
     np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, group_size).sum(axis=2))
@@ -606,7 +607,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn)
     stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,
                                  tolerance * (1 - 1e-9), LAYER_CAP * tolerance * (1 - 1e-9))
-    rows = replay(start, log, stops)
+    rows = replay_stops(start, log, stops)
     out = np.take_along_axis(experts_of, rows.reshape(L, num_nodes, Pn), axis=2).reshape(L, P)
     return out, excess
 
