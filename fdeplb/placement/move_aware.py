@@ -37,7 +37,8 @@ In hierarchical mode every layer has up to two group-to-node maps: the old place
 placement keeps every group on one node; otherwise the packing with num_groups / num_nodes groups per node that
 keeps the most old slots) and the node packing of the "balanced" plan, with nodes renumbered to match the old
 placement. Without a cap a layer keeps the old map when its heaviest node, spread over its GPUs, is within the
-target, else takes the balanced map; experts of groups that change node are placed first (:func:`fill_rows`).
+target, else takes the balanced map; experts of groups that change node are placed first
+(:func:`fdeplb.placement.fill.fill_rows`).
 With a cap, for each map the relocation is charged to ``max_moved_experts`` like any other move, a map whose
 relocation the remaining budget cannot pay is skipped, and of the others the layer keeps the plan within the
 target that moves fewest experts, or, when none reaches it, the one with the lightest heaviest GPU (ties: the old
@@ -57,7 +58,9 @@ import numpy as np
 
 from fdeplb.errors import InputError
 from fdeplb.placement.balanced import balanced_plan
+from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.metrics import raw_gpu_loads
+from fdeplb.placement.node_maps import node_of_groups, old_node_of_groups
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots, multiset_overlap, overlap_assignment
 from fdeplb.placement.stops import choose_stops, replay_stops
@@ -223,140 +226,6 @@ class _Row:
             self.c[e] += 1
 
 
-# ---- the uncapped path: all (layer, node) rows at once -----------------------------------------------------------
-def choose_counts(load: np.ndarray, old_count: np.ndarray, num_slots: int, max_item: np.ndarray) -> np.ndarray:
-    """Replica counts int64 [R, En] per row that change ``old_count`` least: every expert gets >= 1, the total is
-    ``num_slots``, and replicas move (one at a time, from the expert whose per-replica load rises least to the one
-    with the largest per-replica load, DeepSeek's replicate rule) while some per-replica load exceeds ``max_item``
-    [R] and the move lowers the largest one. Deterministic: ties take the lowest expert id."""
-    R, En = load.shape
-    c = np.maximum(old_count, 1).astype(np.int64)
-    r = np.arange(R)
-    for _ in range(num_slots + 2 * En):
-        surplus = c.sum(axis=1) - num_slots
-        per = load / c
-        drop_cost = np.where(c >= 2, load / np.maximum(c - 1, 1), np.inf)
-        give = per.argmax(axis=1)
-        take = drop_cost.argmin(axis=1)
-        peak = per[r, give]
-        shift = (surplus == 0) & (peak > max_item) & (drop_cost[r, take] < peak) & (take != give)
-        add = surplus < 0
-        sub = surplus > 0
-        if not (shift.any() or add.any() or sub.any()):
-            break
-        c[r[add | shift], give[add | shift]] += 1
-        c[r[sub | shift], take[sub | shift]] -= 1
-    return c
-
-
-def _rank_within(keys_major: np.ndarray, *minor: np.ndarray) -> np.ndarray:
-    """For [R, n] arrays: the rank of every element among the elements of its row with the same ``keys_major``
-    value, ordered by the ``minor`` keys (first is most significant), then by position."""
-    R, n = keys_major.shape
-    rows = np.broadcast_to(np.arange(R)[:, None], (R, n)).ravel()
-    pos = np.broadcast_to(np.arange(n), (R, n)).ravel()
-    order = np.lexsort((pos, *[m.ravel() for m in reversed(minor)], keys_major.ravel(), rows))
-    grp = rows[order] * (int(keys_major.max(initial=0)) + 2) + keys_major.ravel()[order]
-    start = np.r_[True, grp[1:] != grp[:-1]]
-    idx = np.arange(order.size)
-    first = np.maximum.accumulate(np.where(start, idx, 0))
-    rank = np.empty(order.size, dtype=np.int64)
-    rank[order] = idx - first
-    return rank.reshape(R, n)
-
-
-def fill_rows(old_local: np.ndarray, load: np.ndarray, num_gpus: int, max_item: np.ndarray) -> np.ndarray:
-    """Fill the free slots (-1) of many rows (a row = one node of a layer): int64 [R, Pn] local expert ids.
-
-    1. Replica counts: :func:`choose_counts` from the old counts.
-    2. Every old replica whose expert keeps that many replicas stays in its slot (an expert with fewer replicas
-       keeps those on its lightest GPUs); the other slots are free, and so are the -1 slots.
-    3. The replicas without a slot, heaviest first, each go to the lightest GPU with a free slot (LPT).
-
-    Args:
-        old_local: int64 [R, Pn] expert of every slot in the old placement (-1: a slot to fill).
-        load: float64 [R, En] load of every expert of the row.
-        num_gpus: GPUs per row (Pn a multiple of it).
-        max_item: float64 [R] per-replica load above which replicas are re-assigned (step 1).
-    """
-    R, Pn = old_local.shape
-    En = load.shape[1]
-    G, S = num_gpus, Pn // num_gpus
-    r = np.arange(R)
-    known = old_local >= 0
-    safe_old = np.where(known, old_local, En)  # En: a dummy expert of no load
-    old_count = np.zeros((R, En + 1), dtype=np.int64)
-    np.add.at(old_count, (r[:, None], safe_old), 1)
-    c = choose_counts(load, old_count[:, :En], Pn, max_item)
-    per = np.concatenate([load / c, np.zeros((R, 1))], axis=1)
-    gpu_of_slot = np.arange(Pn) // S
-    # 2. keep
-    old_gpu_load = per[r[:, None], safe_old].reshape(R, G, S).sum(axis=2)
-    rank = _rank_within(safe_old, old_gpu_load[:, gpu_of_slot])
-    c_ext = np.concatenate([c, np.zeros((R, 1), dtype=np.int64)], axis=1)
-    kept = known & (rank < c_ext[r[:, None], safe_old])
-    row = np.where(kept, old_local, -1)
-    kept_count = np.zeros((R, En + 1), dtype=np.int64)
-    np.add.at(kept_count, (r[:, None], np.where(kept, old_local, En)), 1)
-    need = c - kept_count[:, :En]  # replicas to place, per expert
-    # 3. LPT of the replicas without a slot
-    n_items = need.sum(axis=1)
-    K = int(n_items.max(initial=0))
-    if K:
-        items = np.full((R, K), -1, dtype=np.int64)
-        flat_r = np.repeat(np.repeat(r, En), need.ravel())
-        flat_e = np.repeat(np.tile(np.arange(En), R), need.ravel())
-        key = np.lexsort((flat_e, -per[flat_r, flat_e], flat_r))
-        flat_r, flat_e = flat_r[key], flat_e[key]
-        starts = np.cumsum(n_items) - n_items
-        items[flat_r, np.arange(flat_r.size) - starts[flat_r]] = flat_e
-        gpu_load = per[r[:, None], np.where(kept, old_local, En)].reshape(R, G, S).sum(axis=2)
-        free = (row < 0).reshape(R, G, S)
-        for j in range(K):
-            act = np.flatnonzero(items[:, j] >= 0)
-            e = items[act, j]
-            fr = free[act]
-            g = np.where(fr.any(axis=2), gpu_load[act], np.inf).argmin(axis=1)
-            s = fr[np.arange(act.size), g].argmax(axis=1)
-            row[act, g * S + s] = e
-            free[act, g, s] = False
-            gpu_load[act, g] += per[act, e]
-    return row
-
-
-def _node_of_groups(
-    fresh: np.ndarray, old: np.ndarray, num_groups: int, num_nodes: int, group_size: int
-) -> np.ndarray:
-    """int64 [L, num_groups]: node of every group, the balanced plan's packing with nodes renumbered to match old."""
-    L, P = fresh.shape
-    node_of_slot = np.arange(P) // (P // num_nodes)
-    out = np.empty((L, num_groups), dtype=np.int64)
-    for layer in range(L):
-        fresh_node = np.empty(num_groups, dtype=np.int64)
-        fresh_node[fresh[layer] // group_size] = node_of_slot
-        overlap = np.zeros((num_nodes, num_nodes), dtype=np.int64)
-        np.add.at(overlap, (fresh_node[old[layer] // group_size], node_of_slot), 1)
-        out[layer] = overlap_assignment(overlap)[fresh_node]
-    return out
-
-
-def _old_node_of_groups(old_row: np.ndarray, num_groups: int, num_nodes: int, group_size: int) -> np.ndarray:
-    """int64 [num_groups]: node of every group in the old placement of one layer.
-
-    When the old placement keeps every group on one node, that node. Otherwise (a group spread over nodes, e.g. the
-    initial placement) the packing with ``num_groups / num_nodes`` groups per node that keeps the most old slots
-    (``linear_sum_assignment`` of groups to node seats on "slots of the node holding an expert of the group")."""
-    P = old_row.size
-    node_of_slot = np.arange(P) // (P // num_nodes)
-    overlap = np.zeros((num_groups, num_nodes), dtype=np.int64)
-    np.add.at(overlap, (old_row // group_size, node_of_slot), 1)
-    on = overlap > 0
-    if (on.sum(axis=1) == 1).all():
-        return on.argmax(axis=1).astype(np.int64)
-    per_node = num_groups // num_nodes
-    return overlap_assignment(np.repeat(overlap, per_node, axis=1)) // per_node
-
-
 class _Candidate:
     """One way to plan a layer: a group-to-node map, its nodes' rows after relocating the groups that changed node
     (``fill``), and what that relocation cost in moved experts."""
@@ -456,8 +325,8 @@ def move_aware_phy2log(
     # every layer's group-to-node maps: the old one (kept as is when the old placement keeps groups on nodes) and
     # the balanced plan's packing renumbered to match old
     if num_nodes > 1:
-        group_node = _node_of_groups(fresh, old, num_groups, num_nodes, group_size)
-        old_maps = np.stack([_old_node_of_groups(old[layer], num_groups, num_nodes, group_size) for layer in range(L)])
+        group_node = node_of_groups(fresh, old, num_groups, num_nodes, group_size)
+        old_maps = np.stack([old_node_of_groups(old[layer], num_groups, num_nodes, group_size) for layer in range(L)])
     else:
         group_node = old_maps = np.zeros((L, num_groups), dtype=np.int64)
 
@@ -529,28 +398,11 @@ def move_aware_phy2log(
 _MAX_ITEM_SHARE = 0.3
 #: a row whose experts need at least this many more replicas in all to bring every per-replica load under the
 #: layer cap (``LAYER_CAP`` tolerances above "balanced": no stop above it is chosen while the layer can get under
-#: it) gets its replica counts in bulk (:func:`fill_rows`) before the repair, which spends one iteration per copy.
+#: it) gets its replica counts in bulk (:func:`fdeplb.placement.fill.fill_rows`) before the repair, which spends one
+#: iteration per copy.
 #: No row of the drift pairs of benchmarks/placement.py needs more than 3; under the zipf(1.5) loads of
 #: benchmarks/control_plane.py (4 layers x 64 experts, 128 slots, 64 GPUs) every row needs 30-55.
 _BULK_COPIES = 8
-
-
-def _replica_counts(row: np.ndarray, num_experts: int) -> np.ndarray:
-    """int64 [R, E + 1]: replicas of every expert in every row of ``row`` int64 [R, P] (local ids 0..E-1); the last
-    column counts the -1 slots (slots to fill)."""
-    R = row.shape[0]
-    E1 = num_experts + 1
-    return np.bincount((np.arange(R)[:, None] * E1 + np.where(row < 0, num_experts, row)).ravel(),
-                       minlength=R * E1).reshape(R, E1)
-
-
-def _forced_copies(row: np.ndarray, load: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """int64 [R]: replicas the experts of every row need in all so that none has a per-replica load above ``cap``
-    float64 [R] (tokens), counted from ``row`` int64 [R, P] (local ids; -1: a slot to fill); ``load`` float64
-    [R, E]."""
-    E = load.shape[1]
-    need = np.ceil(load / np.maximum(cap, np.finfo(np.float64).tiny)[:, None]).astype(np.int64)
-    return np.maximum(need - np.maximum(_replica_counts(row, E)[:, :E], 1), 0).sum(axis=1)
 
 
 def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
@@ -563,7 +415,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     A layer keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the
     target (so a layer already within it whose groups sit on whole nodes keeps its placement), and takes the
     balanced plan's (renumbered) map otherwise; experts of groups that change node fill the freed slots
-    (:func:`fill_rows`) before the repair."""
+    (:func:`fdeplb.placement.fill.fill_rows`) before the repair."""
     L, E = load.shape
     P = old.shape[1]
     num_groups = old_maps.shape[1]
@@ -576,7 +428,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     cap = fresh_peak + LAYER_CAP * tolerance * (1 - 1e-9) * safe_mean
     if num_nodes == 1:  # global: one row per layer, the layer's own ids
         start = old.copy()
-        bulk = _forced_copies(old, load, cap) >= _BULK_COPIES
+        bulk = forced_copies(old, load, cap) >= _BULK_COPIES
         if bulk.any():
             start[bulk] = fill_rows(old[bulk], load[bulk], num_gpus, cap[bulk])
         points, log = repair_rows(start.copy(), load, old, target, num_gpus)
@@ -595,10 +447,10 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old], -1).reshape(L * num_nodes, Pn)
     row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
     start = old_local.copy()
-    held = _replica_counts(old_local, En)
+    held = replica_counts(old_local, En)
     free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
     row_cap = np.repeat(cap, num_nodes)
-    bulk = ~free & (_forced_copies(old_local, row_load, row_cap) >= _BULK_COPIES)
+    bulk = ~free & (forced_copies(old_local, row_load, row_cap) >= _BULK_COPIES)
     fill = free | bulk
     if fill.any():
         max_item = np.where(free, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes), row_cap)
