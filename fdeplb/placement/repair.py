@@ -33,6 +33,12 @@ The loop is vectorised over rows (one action per active row per iteration; numpy
 trajectory, (moved experts, heaviest GPU) after each of its actions, so that
 :func:`fdeplb.placement.stops.choose_stops` can stop each row at an earlier point and
 :func:`fdeplb.placement.stops.replay_stops` rebuild it.
+
+This module owns the evaluation of the actions and the loop: every iteration sees the active rows from their
+heaviest GPU (``_Focus``), scores each action kind by a named function (``_best_swaps``, ``_best_copies_into``,
+``_best_copies_out``, then ``_fallback_swaps`` and ``_fallback_cycles`` for rows where none helps) and applies the
+best (``_apply_best``). The arrays the rows carry and the two actions that update them live in
+:class:`fdeplb.placement.batch_state.BatchState`.
 """
 
 from __future__ import annotations
