@@ -17,8 +17,8 @@ from fdeplb.placement import (
     rebalance_experts,
 )
 from fdeplb.placement.reference import deepseek_reference
-from fdeplb.placement.stops import choose_stops
 from fdeplb.placement.slots import align_slots
+from fdeplb.placement.stops import choose_stops
 from test_placement import check_invariants, dumps, topologies
 
 
