@@ -30,13 +30,22 @@ the chosen one's reduction is recomputed in float64. Every applied action lowers
 ends within its target or where no action helps.
 
 The loop is vectorised over rows (one action per active row per iteration; numpy only) and records every row's
-trajectory, (moved experts, heaviest GPU) after each of its actions, so that :func:`choose_stops` can stop each
-row at an earlier point and :func:`replay` rebuild it.
+trajectory, (moved experts, heaviest GPU) after each of its actions, so that
+:func:`fdeplb.placement.stops.choose_stops` can stop each row at an earlier point and
+:func:`fdeplb.placement.stops.replay_stops` rebuild it.
+
+This module owns the evaluation of the actions and the loop: every iteration sees the active rows from their
+heaviest GPU (``_Focus``), scores each action kind by a named function (``_best_swaps``, ``_best_copies_into``,
+``_best_copies_out``, then ``_fallback_swaps`` and ``_fallback_cycles`` for rows where none helps) and applies the
+best (``_apply_best``). The arrays the rows carry and the two actions that update them live in
+:class:`fdeplb.placement.batch_state.BatchState`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from fdeplb.placement.batch_state import BatchState, compact
 
 #: swap partners: every slot of this many lightest GPUs of the row ...
 _LIGHT_GPUS = 8
@@ -47,7 +56,6 @@ _MOVE_BASE = 1.5
 #: _POW[k + 3] = _MOVE_BASE ** -k for k in -3..3
 _POW = _MOVE_BASE ** -np.arange(-3, 4, dtype=np.float64)
 _POW32 = _POW.astype(np.float32)
-_SWAP_STEP = np.array([[-1], [1], [-1], [1]], dtype=np.int16)  # count changes of the 4 (GPU, expert) keys of a swap
 #: "copy into h" is tried on rows of at most this many GPUs: with more, swap partners nearly always do as well (on
 #: the DeepSeek-V3 32-GPU drift pairs of benchmarks/placement.py it changed the moved share by at most 0.2 points
 #: and cost about a fifth of the repair's time; on the 8-GPU Qwen2 pair it saves about 1.3 points)
@@ -66,28 +74,266 @@ def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
-def _compact(mask: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """Column indices of the True entries of every row of ``mask`` [n, m], in order, at most ``limit`` per row:
-    (int64 [n, k] indices padded with 0, bool [n, k] valid), k = the largest count (<= limit)."""
-    n = mask.shape[0]
-    rows, cols = np.divmod(np.flatnonzero(mask), mask.shape[1])  # np.nonzero's order, ~4x faster on 2-D masks
-    counts = np.bincount(rows, minlength=n)
-    k = int(min(limit, counts.max(initial=0)))
-    idx = np.zeros((n, k), dtype=np.int64)
-    ok = np.zeros((n, k), dtype=bool)
-    if k:
-        pos = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        keep = pos < k
-        idx[rows[keep], pos[keep]] = cols[keep]
-        ok[rows[keep], pos[keep]] = True
-    return idx, ok
+class _Focus:
+    """The active rows ``A`` of one iteration, seen from their heaviest GPU ``h``: load above target per GPU
+    (``LT``, negative: room), its excess, the GPU order (lightest first), h's slots (``aS``) with their experts,
+    loads and moved flags, and the rows' per-replica tables flattened for per-(row, expert) lookups."""
+
+    def __init__(self, st: BatchState, A: np.ndarray):
+        S, G, E1 = st.S, st.G, st.E1
+        self.A = A
+        self.n = n = A.size
+        self.q = q = np.arange(n)
+        self.q1 = q1 = q[:, None]
+        self.AP = AP = A[:, None] * st.P  # flat offset of the rows' slots
+        self.qE = q1 * E1
+        rows_of = (lambda x: x) if n == st.R else (lambda x: x[A])  # all rows active: views, not copies
+        self.rows_of = rows_of
+        self.LT = LT = rows_of(st.gpu_load) - rows_of(st.T)[:, None]  # load above target per GPU (negative: room)
+        self.ex = ex = _relu(LT)
+        self.thr = ex.sum(axis=1) * _RTOL
+        self.order = order = np.argsort(LT, axis=1, kind="stable")  # lightest first
+        self.rank = rank = np.empty_like(order)
+        rank[q1, order] = st.arG
+        self.h = h = order[:, -1]
+        self.LTh = LT[q, h]
+        self.u = ex[q, h]  # excess of h
+        self.mv = rows_of(st.moved_slot)
+        self.LTf = LT.ravel()
+        self.aS = aS = h[:, None] * S + st.arS  # [n,S] slots of h
+        self.ia = ia = AP + aS
+        self.ea, self.xa, self.lva = st.rowf[ia], st.itemf[ia], st.moved_slotf[ia]
+        self.hkey = hkey = ((A * G + h) * E1)[:, None]  # + expert: M[row, h, expert]
+        self.dpf, self.pnf, self.dmf = rows_of(st.dplus).ravel(), rows_of(st.pnew).ravel(), rows_of(st.dminus).ravel()
+        self.Mh_a = st.Mf[hkey + self.ea].astype(np.float64)  # M[h, e_a]
 
 
-def _gpu_expert_counts(idx: np.ndarray, num_gpus: int, width: int) -> np.ndarray:
-    """int16 [R, G, width]: replicas of every expert on every GPU, from slot contents ``idx`` int [R, P]."""
-    R, P = idx.shape
-    flat = (np.arange(R)[:, None] * num_gpus + np.arange(P) // (P // num_gpus)) * width + idx
-    return np.bincount(flat.ravel(), minlength=R * num_gpus * width).reshape(R, num_gpus, width).astype(np.int16)
+class _Partners:
+    """Swap partner slots of every active row: every slot of the lightest GPUs, then slots with a moved expert on
+    GPUs under target (``bidx`` [n, nb], ``bok`` valid), with their loads, excesses and experts."""
+
+    def __init__(self, st: BatchState, fo: _Focus):
+        S = st.S
+        light = min(_LIGHT_GPUS, st.G - 1)
+        lightest = (fo.order[:, :light, None] * S + st.arS).reshape(fo.n, -1)
+        extra = fo.mv & np.repeat((fo.LT < 0) & (fo.rank >= light), S, axis=1)
+        extra_idx, extra_ok = compact(extra, _MOVED_PARTNERS)
+        self.bidx = bidx = np.concatenate([lightest, extra_idx], axis=1)
+        self.bok = bok = np.concatenate([np.ones(lightest.shape, dtype=bool), extra_ok], axis=1)
+        self.nb = bidx.shape[1]
+        self.ib = ib = fo.AP + bidx
+        self.xb = np.where(bok, st.itemf[ib], np.inf)
+        self.LTb, eb = fo.LTf[fo.q1 * st.G + st.gos[bidx]], st.rowf[ib]
+        Mh_b = st.Mf[fo.hkey + eb]  # M[h, e_b]
+        self.arrive_b = (Mh_b >= st.Mof[fo.hkey + eb]).astype(np.int8)  # e_b arriving on h is a moved expert
+
+
+def _best_swaps(st: BatchState, fo: _Focus, pt: _Partners) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's best swap of a slot of h with a partner slot: (flat index into [S, nb], score; -inf: none).
+    Ranked in float32 for speed; the chosen swap's gain is recomputed in float64."""
+    n, S, nb, q, u, xa = fo.n, st.S, pt.nb, fo.q, fo.u, fo.xa
+    xb, LTb = pt.xb, pt.LTb
+    d = np.subtract(xa.astype(np.float32)[:, :, None], xb.astype(np.float32)[:, None, :],
+                    out=st.scratch(0, (n, S, nb)))
+    LTb32 = LTb.astype(np.float32)
+    t = np.add(LTb32[:, None, :], d, out=st.scratch(1, (n, S, nb)))
+    np.maximum(t, 0.0, out=t)
+    gain = np.minimum(d, u.astype(np.float32)[:, None, None], out=d)
+    gain -= t
+    gain += _relu(LTb32)[:, None, :]
+    gain *= _POW32[4 - fo.lva.astype(np.int8)][:, :, None]
+    gain *= _POW32[3 + pt.arrive_b - st.moved_slotf[pt.ib].astype(np.int8)][:, None, :]
+    i0 = gain.reshape(n, -1).argmax(axis=1)
+    pa, pb = np.divmod(i0, nb)
+    d0 = xa[q, pa] - xb[q, pb]
+    g0 = np.minimum(d0, u) + _relu(LTb[q, pb]) - _relu(LTb[q, pb] + d0)
+    return i0, np.where(g0 > fo.thr, gain.reshape(n, -1)[q, i0], -np.inf)
+
+
+class _Replicas:
+    """The multi-replica slots of the active rows (``ridx`` [n, Nm], ``rok`` valid) and how the excess of the GPUs
+    holding an expert changes when it loses a replica (``RISE``) or gains one (``FALL``), summed per expert."""
+
+    def __init__(self, st: BatchState, fo: _Focus, ridx: np.ndarray, rok: np.ndarray):
+        self.ridx, self.rok, self.Nm = ridx, rok, ridx.shape[1]
+        n, E1 = fo.n, st.E1
+        self.ir = ir = fo.AP + ridx
+        self.g2 = g2 = st.gos[ridx]
+        e2, LT2, m2 = st.rowf[ir], fo.LTf[fo.q1 * st.G + g2], st.m_slotf[ir].astype(np.float64)
+        self.e2, self.LT2, self.m2 = e2, LT2, m2
+        self.ie2 = ie2 = fo.qE + e2
+        self.dp2 = dp2 = fo.dpf[ie2]
+        self.ex2 = ex2 = _relu(LT2)
+        self.rise2 = rise2 = np.where(rok, _relu(LT2 + m2 * dp2) - ex2, 0.0)
+        fall2 = np.where(rok, ex2 - _relu(LT2 - m2 * fo.dmf[ie2]), 0.0)
+        self.RISE = np.bincount(ie2.ravel(), (rise2 / m2).ravel(), n * E1)
+        self.FALL = np.bincount(ie2.ravel(), (fall2 / m2).ravel(), n * E1)
+        self.iea = iea = fo.qE + fo.ea
+        self.dma = fo.dmf[iea]
+        self.same = fo.ea.astype(np.int32)[:, :, None] == e2.astype(np.int32)[:, None, :]  # [n,S,Nm]
+
+
+def _best_copies_into(st: BatchState, fo: _Focus, rp: _Replicas):
+    """Every row's best *copy into h* [n,S,S]: slot a of h, whose expert has another replica on GPU g, takes the
+    expert of a slot b of g (e_a's load moves to g, e_b's is split between g and h). Returns (flat index into
+    [S, S], score; -inf: none, pm [n, S]: the multi slot holding e_a on another GPU, or None when not tried)."""
+    n = fo.n
+    i1, s1 = np.zeros(n, dtype=np.int64), np.full(n, -np.inf)
+    if st.G > _INTO_MAX_GPUS:
+        return i1, s1, None
+    match = rp.same & ((rp.g2 != fo.h[:, None]) & rp.rok)[:, None, :]
+    has = match.any(axis=2)
+    if not has.any():
+        return i1, s1, None
+    S, arS, Mf, Mof, rowf, m_slotf, multi_slotf = st.S, st.arS, st.Mf, st.Mof, st.rowf, st.m_slotf, st.multi_slotf
+    q, q1, AP, qE, LT, LTh, u, ea, xa = fo.q, fo.q1, fo.AP, fo.qE, fo.LT, fo.LTh, fo.u, fo.ea, fo.xa
+    lva, hkey, dpf, pnf, dmf, Mh_a = fo.lva, fo.hkey, fo.dpf, fo.pnf, fo.dmf, fo.Mh_a
+    g2, m2, iea, RISE, FALL = rp.g2, rp.m2, rp.iea, rp.RISE, rp.FALL
+    pm = match.argmax(axis=2)  # [n,S] a multi slot holding e_a on another GPU
+    gg = g2[q1, pm]
+    dp1 = dpf[iea]
+    base_h = np.where(has, LTh[:, None] - xa + (Mh_a - 1) * dp1, np.inf)  # [n,S]
+    bs = (AP + gg * S)[:, :, None] + arS  # [n,S,S] flat slots of g
+    eb1 = rowf[bs]
+    ie1 = qE[:, :, None] + eb1
+    dmb = dmf[ie1]
+    Mhb1 = Mf[hkey[:, :, None] + eb1].astype(np.float64)
+    LTg = LT[q1, gg][:, :, None]
+    exg = _relu(LTg)
+    msb = m_slotf[bs] * dmb
+    rise_g = (m2[q1, pm] * dp1)[:, :, None]  # e_a's replicas on g gain
+    g1 = (u[:, None, None] - _relu(base_h[:, :, None] + pnf[ie1] - Mhb1 * dmb) + exg
+          - _relu(LTg + rise_g - msb)
+          - (RISE[iea] - _relu(LTh[:, None] + Mh_a * dp1) + u[:, None])[:, :, None]
+          + _relu(LTg + rise_g) - exg + FALL[ie1]
+          - (_relu(LTh)[:, None, None] - _relu(LTh[:, None, None] - Mhb1 * dmb))
+          - np.where(multi_slotf[bs], exg - _relu(LTg - msb), 0.0))
+    np.copyto(g1, -np.inf, where=eb1 == ea[:, :, None])
+    g1 *= _POW[3 + (Mhb1 >= Mof[hkey[:, :, None] + eb1]).astype(np.int8) - lva.astype(np.int8)[:, :, None]]
+    i1 = g1.reshape(n, -1).argmax(axis=1)
+    s1 = g1.reshape(n, -1)[q, i1]
+    s1[~(s1 > fo.thr)] = -np.inf
+    return i1, s1, pm
+
+
+def _best_copies_out(st: BatchState, fo: _Focus, rp: _Replicas) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's best *copy out of h* [n,S,Nm]: a multi-replica slot b on another GPU takes e_a. Returns (flat
+    index into [S, Nm], score; -inf: none). Ranked in float32, the chosen copy's gain recomputed in float64."""
+    n, S, Nm, Mf, itemf, moved_slotf = fo.n, st.S, rp.Nm, st.Mf, st.itemf, st.moved_slotf
+    q, LTh, u, ea, hkey, pnf, Mh_a = fo.q, fo.LTh, fo.u, fo.ea, fo.hkey, fo.pnf, fo.Mh_a
+    rok, ir, g2, e2, LT2, m2, ie2 = rp.rok, rp.ir, rp.g2, rp.e2, rp.LT2, rp.m2, rp.ie2
+    dp2, ex2, rise2, RISE, FALL, iea, dma = rp.dp2, rp.ex2, rp.rise2, rp.RISE, rp.FALL, rp.iea, rp.dma
+    fall_h = _relu(LTh[:, None]) - _relu(LTh[:, None] - Mh_a * dma)
+    termA = u[:, None] + FALL[iea] - np.where(st.multi_slotf[fo.ia], fall_h, 0.0)  # [n,S]
+    Mh_2 = Mf[hkey + e2].astype(np.float64)  # M[h, e_b]
+    termB = ex2 - RISE[ie2] + _relu(LTh[:, None] + Mh_2 * dp2) - u[:, None] + rise2  # [n,Nm]
+    base_b = np.where(rok & (g2 != fo.h[:, None]), LT2 - itemf[ir] + (m2 - 1) * dp2, np.inf)
+    cut = np.add(termA.astype(np.float32)[:, :, None], termB.astype(np.float32)[:, None, :],
+                 out=st.scratch(0, (n, S, Nm)))
+    t = np.add(base_b.astype(np.float32)[:, None, :], pnf[iea].astype(np.float32)[:, :, None],
+               out=st.scratch(1, (n, S, Nm)))
+    np.maximum(t, 0.0, out=t)
+    cut -= t
+    np.subtract((LTh[:, None] + Mh_2 * dp2).astype(np.float32)[:, None, :],
+                (Mh_a * dma).astype(np.float32)[:, :, None], out=t)
+    np.maximum(t, 0.0, out=t)
+    cut -= t
+    np.copyto(cut, -np.inf, where=rp.same)
+    cut *= _POW32[4 - moved_slotf[ir].astype(np.int8)][:, None, :]
+    i2 = cut.reshape(n, -1).argmax(axis=1)
+    pa, pb = np.divmod(i2, Nm)
+    g2x = (termA[q, pa] + termB[q, pb] - _relu(base_b[q, pb] + pnf[iea][q, pa])
+           - _relu(LTh + Mh_2[q, pb] * dp2[q, pb] - Mh_a[q, pa] * dma[q, pa]))
+    return i2, np.where((g2x > fo.thr) & (e2[q, pb] != ea[q, pa]), cut.reshape(n, -1)[q, i2], -np.inf)
+
+
+def _apply_best(st: BatchState, fo: _Focus, pt: _Partners, rp: _Replicas | None, swaps, into, out):
+    """Apply every row's best action (a copy only after an exact check on every GPU, else the row takes its best
+    swap). ``swaps``/``into``/``out``: the evaluators' results. Returns (is_copy, stuck) bool [n]."""
+    (i0, s0), (i1, s1, pm), (i2, s2) = swaps, into, out
+    S, gos, A, aS, ea = st.S, st.gos, fo.A, fo.aS, fo.ea
+    kind = np.stack([s0, s1, s2], axis=1).argmax(axis=1)
+    best = np.maximum(np.maximum(s0, s1), s2)
+    is_copy = (kind > 0) & (best > -np.inf)
+    is_swap = (kind == 0) & (best > -np.inf)
+    if is_copy.any():  # only when copies were evaluated: rp is set
+        ridx, Nm = rp.ridx, rp.Nm
+        k = np.flatnonzero(is_copy)
+        pa, pb = np.divmod(i1[k], S)
+        slot1 = aS[k, pa]
+        f1 = st.row[A[k], gos[ridx[k, pm[k, pa]]] * S + pb] if Nm and (kind[k] == 1).any() else slot1
+        pa, pb = np.divmod(i2[k], max(Nm, 1))
+        slot2, f2 = ridx[k, pb], ea[k, pa]
+        sl = np.where(kind[k] == 1, slot1, slot2)
+        f = np.where(kind[k] == 1, f1, f2)
+        rr = A[k]
+        new = st.copy_loads(rr, sl, f)
+        ok = _relu(new - st.T[rr][:, None]).sum(axis=1) < fo.ex[k].sum(axis=1) - fo.thr[k]
+        is_swap[k[~ok]] = s0[k[~ok]] > -np.inf
+        is_copy[k[~ok]] = False
+        if ok.any():
+            st.copy(rr[ok], sl[ok], f[ok], new[ok])
+    if is_swap.any():
+        k = np.flatnonzero(is_swap)
+        pa, pb = np.divmod(i0[k], pt.nb)
+        st.swap(A[k], aS[k, pa], pt.bidx[k, pb])
+    return is_copy, ~(is_copy | is_swap)
+
+
+def _fallback_swaps(st: BatchState, fo: _Focus, stuck: np.ndarray) -> None:
+    """Rows ``stuck`` (bool [n], cleared where it acts) where no action helps: a swap of h with any slot of
+    another GPU."""
+    P, S, gos, item, A = st.P, st.S, st.gos, st.item, fo.A
+    LT, u, h, xa, aS, thr = fo.LT, fo.u, fo.h, fo.xa, fo.aS, fo.thr
+    k = np.flatnonzero(stuck)
+    LTk = np.repeat(LT[k], S, axis=1).astype(np.float32)
+    d = xa[k].astype(np.float32)[:, :, None] - item[A[k]].astype(np.float32)[:, None, :]
+    t = LTk[:, None, :] + d
+    np.maximum(t, 0.0, out=t)
+    gain = np.minimum(d, u[k].astype(np.float32)[:, None, None], out=d)
+    gain -= t
+    gain += _relu(LTk)[:, None, :]
+    np.copyto(gain, -np.inf, where=(gos == h[k][:, None])[:, None, :])
+    gain = gain.reshape(k.size, -1)
+    j = gain.argmax(axis=1)
+    pa, sb = np.divmod(j, P)
+    dj = xa[k, pa] - item[A[k], sb]
+    LTj = LT[k, gos[sb]]
+    ok = (np.minimum(dj, u[k]) + _relu(LTj) - _relu(LTj + dj) > thr[k]) & (gos[sb] != h[k])
+    if ok.any():
+        k, pa, sb = k[ok], pa[ok], sb[ok]
+        st.swap(A[k], aS[k, pa], sb)
+        stuck[k] = False
+
+
+def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarray) -> None:
+    """Rows still ``stuck`` (cleared where it acts): a 3-cycle h -> g1 -> g2 -> h over partner slots (two swaps
+    in a row)."""
+    bidx, bok, xb, LTb, nb = pt.bidx, pt.bok, pt.xb, pt.LTb, pt.nb
+    u, LTh, xa, aS, thr = fo.u, fo.LTh, fo.xa, fo.aS, fo.thr
+    k = np.flatnonzero(stuck)
+    gb_k = st.gos[bidx[k]]
+    xk = np.where(bok[k], xb[k], 0.0)
+    x_a = xa[k][:, :, None, None]
+    x_b = xk[:, None, :, None]  # item leaving g1 (for g2)
+    x_c = xk[:, None, None, :]  # item leaving g2 (for h)
+    lt1 = LTb[k][:, None, :, None]
+    lt2 = LTb[k][:, None, None, :]
+    gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
+            + _relu(lt1) - _relu(lt1 + x_a - x_b) + _relu(lt2) - _relu(lt2 + x_b - x_c))
+    bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
+           | ~bok[k][:, None, None, :])
+    gain = np.where(bad, -np.inf, gain).reshape(k.size, -1)
+    best3 = gain.argmax(axis=1)
+    ok3 = gain[np.arange(k.size), best3] > thr[k]
+    if ok3.any():
+        k, best3 = k[ok3], best3[ok3]
+        pa, rest = np.divmod(best3, nb * nb)
+        pb, pc = np.divmod(rest, nb)
+        rr = fo.A[k]
+        st.swap(rr, aS[k, pa], bidx[k, pb])
+        st.swap(rr, aS[k, pa], bidx[k, pc])
+        stuck[k] = False
 
 
 def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.ndarray, num_gpus: int):
@@ -113,433 +359,38 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
     """
     if not row.flags.c_contiguous:
         raise ValueError("repair_rows: row must be C-contiguous")
-    R, P = row.shape
-    G = num_gpus
-    S = P // G
-    E = load.shape[1]
-    E1 = E + 1  # expert E: the dummy of old slots with no expert of the row
-    gos = np.arange(P) // S
-    arS, arG = np.arange(S), np.arange(G)
-    M = _gpu_expert_counts(row, G, E1)
-    Mo = _gpu_expert_counts(np.where(old >= 0, old, E), G, E1)
-    Mf, Mof = M.reshape(-1), Mo.reshape(-1)
-    slot_key = (np.arange(R)[:, None] * G + gos) * E1  # + expert: flat index into M of (row, GPU of slot, expert)
-    count = M.sum(axis=1).astype(np.int64)
-    count[:, E] = 1
-    load1 = np.concatenate([np.asarray(load, dtype=np.float64), np.zeros((R, 1))], axis=1)
-    per = load1 / count
-    dplus = np.where(count >= 2, load1 / np.maximum(count - 1, 1) - per, 0.0)  # per-replica rise when one goes
-    pnew = load1 / (count + 1)  # per-replica load with one more replica
-    dminus = per - pnew  # per-replica drop when one more comes
-    item = np.take_along_axis(per, row, axis=1)  # load of every slot
-    gpu_load = item.reshape(R, G, S).sum(axis=2)
-    m_slot = Mf[slot_key + row]  # replicas of the slot's expert on the slot's GPU
-    moved_slot = m_slot > Mof[slot_key + row]  # the slot's expert is on its GPU more often than before
-    multi_slot = np.take_along_axis(count, row, axis=1) >= 2  # the slot's expert has >= 2 replicas
-    moved = np.maximum(M.astype(np.int32) - Mo, 0)[:, :, :E].sum(axis=(1, 2)).astype(np.int64)
-    T = np.asarray(targets, dtype=np.float64)
-    points = [(np.arange(R), moved.copy(), gpu_load.max(axis=1))]
-    log: list = []
-    if G < 2:
-        return points, log
-    light = min(_LIGHT_GPUS, G - 1)
-    nb = min(P - S, light * S + _MOVED_PARTNERS)
-
-    rowf, itemf, loadf = row.reshape(-1), item.reshape(-1), gpu_load.reshape(-1)
-    m_slotf, moved_slotf, multi_slotf = m_slot.reshape(-1), moved_slot.reshape(-1), multi_slot.reshape(-1)
-    slot_keyf = slot_key.reshape(-1)
-    mlist = list(_compact(multi_slot, P))  # the multi-replica slots of every row (indices, valid), kept up to date
-    buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)]
-
-    def scratch(i, shape):  # a reused float32 work array (large temporaries cost page faults every iteration)
-        size = shape[0] * shape[1] * shape[2]
-        if buffers[i].size < size:
-            buffers[i] = np.empty(size, dtype=np.float32)
-        return buffers[i][:size].reshape(shape)
-
-    def refresh(rr, gpus):  # per-slot counts of the slots of GPUs ``gpus`` [k] of rows ``rr`` [k]
-        sl = (rr * P + gpus * S)[:, None] + arS
-        key = slot_keyf[sl] + rowf[sl]
-        m_slotf[sl] = Mf[key]
-        moved_slotf[sl] = Mf[key] > Mof[key]
-
-    def swap(rr, sa, sb):  # exchange the experts of slots sa and sb of rows rr (one slot pair per row)
-        fa, fb = rr * P + sa, rr * P + sb
-        va, vb = rowf[fa], rowf[fb]
-        same = va == vb  # nothing to do (a 3-cycle's second swap may meet the same expert)
-        if same.any():
-            rr, sa, sb, fa, fb, va, vb = rr[~same], sa[~same], sb[~same], fa[~same], fb[~same], va[~same], vb[~same]
-        ga, gb = rr * G + gos[sa], rr * G + gos[sb]
-        keys = np.stack([ga * E1 + va, ga * E1 + vb, gb * E1 + vb, gb * E1 + va])  # distinct per row
-        mk, mok = Mf[keys], Mof[keys]
-        moved[rr] += (mk[1] >= mok[1]).astype(np.int64) + (mk[3] >= mok[3]) - (mk[0] > mok[0]) - (mk[2] > mok[2])
-        Mf[keys] = mk + _SWAP_STEP
-        rowf[fa], rowf[fb] = vb, va
-        wa, wb = itemf[fa], itemf[fb]
-        itemf[fa], itemf[fb] = wb, wa
-        loadf[ga] += wb - wa
-        loadf[gb] += wa - wb
-        ma, mb = multi_slotf[fa], multi_slotf[fb]
-        multi_slotf[fa], multi_slotf[fb] = mb, ma
-        if (ma != mb).any():  # the multi-replica slot list follows the expert that changed slot
-            lst, okl = mlist[0][rr], mlist[1][rr]
-            mlist[0][rr] = np.where(okl & (lst == sa[:, None]), sb[:, None], np.where(okl & (lst == sb[:, None]),
-                                                                                    sa[:, None], lst))
-        refresh(np.concatenate([rr, rr]), np.concatenate([gos[sa], gos[sb]]))
-        log.append((rr, 0, sa, sb))
-
-    def copy(rr, sl, f, new):  # slot sl of rows rr takes expert f; new: the rows' GPU loads after it
-        fs = rr * P + sl
-        e, gs = rowf[fs], gos[sl]
-        ke, kf = (rr * G + gs) * E1 + e, (rr * G + gs) * E1 + f
-        moved[rr] += (Mf[kf] >= Mof[kf]).astype(np.int64) - (Mf[ke] > Mof[ke])
-        rowf[fs] = f
-        Mf[ke] -= 1
-        Mf[kf] += 1
-        r2, x = np.concatenate([rr, rr]), np.concatenate([e, f])
-        count[r2, x] += np.repeat([-1, 1], rr.size)
-        c, ld = count[r2, x], load1[r2, x]
-        per[r2, x] = ld / c
-        dplus[r2, x] = np.where(c >= 2, ld / np.maximum(c - 1, 1) - ld / c, 0.0)
-        pnew[r2, x] = ld / (c + 1)
-        dminus[r2, x] = ld / c - ld / (c + 1)
-        rows = row[rr]
-        item[rr] = np.take_along_axis(per[rr], rows, axis=1)
-        multi_slot[rr] = np.take_along_axis(count[rr], rows, axis=1) >= 2
-        gpu_load[rr] = new
-        refresh(rr, gs)
-        # the multi-replica slot list: e's last replica leaves it, f's first other replica joins it (sl stays)
-        gone = count[rr, e] == 1
-        if gone.any():
-            r_g = rr[gone]
-            s_g = np.argmax(row[r_g] == e[gone][:, None], axis=1)  # the one slot e keeps
-            hit = mlist[1][r_g] & (mlist[0][r_g] == s_g[:, None])
-            mlist[1][r_g] &= ~hit
-        came = count[rr, f] == 2
-        if came.any():
-            r_c = rr[came]
-            other = (row[r_c] == f[came][:, None])
-            other[np.arange(r_c.size), sl[came]] = False
-            s_c = np.argmax(other, axis=1)  # f's replica that was alone
-            free = ~mlist[1][r_c]
-            if not free.any(axis=1).all():
-                mlist[0] = np.pad(mlist[0], ((0, 0), (0, 1)))
-                mlist[1] = np.pad(mlist[1], ((0, 0), (0, 1)))
-                free = ~mlist[1][r_c]
-            col = np.argmax(free, axis=1)
-            mlist[0][r_c, col] = s_c
-            mlist[1][r_c, col] = True
-        log.append((rr, 1, sl, f))
-
-    active = np.flatnonzero(gpu_load.max(axis=1) > T)
+    st = BatchState(row, load, old, targets, num_gpus)
+    points = [(np.arange(st.R), st.moved.copy(), st.gpu_load.max(axis=1))]
+    if st.G < 2:
+        return points, st.log
+    active = np.flatnonzero(st.gpu_load.max(axis=1) > st.T)
     copies_recent, forced = True, False
     for it_no in range(_MAX_ITER):
         if active.size == 0:
             break
-        A = active
-        n = A.size
-        q = np.arange(n)
-        q1 = q[:, None]
-        AP = A[:, None] * P  # flat offset of the rows' slots
-        qE = q1 * E1
-        rows_of = (lambda x: x) if n == R else (lambda x: x[A])  # all rows active: views, not copies
-        LT = rows_of(gpu_load) - rows_of(T)[:, None]  # load above target per GPU (negative: room)
-        ex = _relu(LT)
-        thr = ex.sum(axis=1) * _RTOL
-        order = np.argsort(LT, axis=1, kind="stable")  # lightest first
-        rank = np.empty_like(order)
-        rank[q1, order] = arG
-        h = order[:, -1]
-        LTh = LT[q, h]
-        u = ex[q, h]  # excess of h
-        mv = rows_of(moved_slot)
-        LTf = LT.ravel()
-        aS = h[:, None] * S + arS  # [n,S] slots of h
-        ia = AP + aS
-        ea, xa, lva = rowf[ia], itemf[ia], moved_slotf[ia]
-        hkey = ((A * G + h) * E1)[:, None]  # + expert: M[row, h, expert]
-        dpf, pnf, dmf = rows_of(dplus).ravel(), rows_of(pnew).ravel(), rows_of(dminus).ravel()
-        Mh_a = Mf[hkey + ea].astype(np.float64)  # M[h, e_a]
-        # ---- partner slots: every slot of the lightest GPUs, then slots with a moved expert on GPUs under target
-        lightest = (order[:, :light, None] * S + arS).reshape(n, -1)
-        extra = mv & np.repeat((LT < 0) & (rank >= light), S, axis=1)
-        extra_idx, extra_ok = _compact(extra, _MOVED_PARTNERS)
-        bidx = np.concatenate([lightest, extra_idx], axis=1)
-        bok = np.concatenate([np.ones(lightest.shape, dtype=bool), extra_ok], axis=1)
-        nb = bidx.shape[1]
-        ib = AP + bidx
-        xb = np.where(bok, itemf[ib], np.inf)
-        LTb, eb = LTf[q1 * G + gos[bidx]], rowf[ib]
-        Mh_b = Mf[hkey + eb]  # M[h, e_b]
-        arrive_b = (Mh_b >= Mof[hkey + eb]).astype(np.int8)  # e_b arriving on h is a moved expert
-        # ---- swap [n,S,nb] (float32 for speed; the chosen swap's gain is recomputed in float64)
-        d = np.subtract(xa.astype(np.float32)[:, :, None], xb.astype(np.float32)[:, None, :],
-                        out=scratch(0, (n, S, nb)))
-        LTb32 = LTb.astype(np.float32)
-        t = np.add(LTb32[:, None, :], d, out=scratch(1, (n, S, nb)))
-        np.maximum(t, 0.0, out=t)
-        gain = np.minimum(d, u.astype(np.float32)[:, None, None], out=d)
-        gain -= t
-        gain += _relu(LTb32)[:, None, :]
-        gain *= _POW32[4 - lva.astype(np.int8)][:, :, None]
-        gain *= _POW32[3 + arrive_b - moved_slotf[ib].astype(np.int8)][:, None, :]
-        i0 = gain.reshape(n, -1).argmax(axis=1)
-        pa, pb = np.divmod(i0, nb)
-        d0 = xa[q, pa] - xb[q, pb]
-        g0 = np.minimum(d0, u) + _relu(LTb[q, pb]) - _relu(LTb[q, pb] + d0)
-        s0 = np.where(g0 > thr, gain.reshape(n, -1)[q, i0], -np.inf)
-        # ---- replicas of multi-replica experts: how the excess of the GPUs holding them changes when an expert
-        # loses a replica (RISE) or gains one (FALL), summed per expert
-        ridx, rok = rows_of(mlist[0]), rows_of(mlist[1])
+        fo = _Focus(st, active)
+        pt = _Partners(st, fo)
+        swaps = _best_swaps(st, fo, pt)
+        ridx, rok = fo.rows_of(st.mlist[0]), fo.rows_of(st.mlist[1])
         # copies: every iteration while rows still take them, then every _COPY_EVERY-th (they are rare by then)
         with_copies = copies_recent or it_no % _COPY_EVERY == 0 or forced
-        Nm = ridx.shape[1] if with_copies else 0
-        s1 = np.full(n, -np.inf)
-        s2 = np.full(n, -np.inf)
-        i1 = np.zeros(n, dtype=np.int64)
-        i2 = np.zeros(n, dtype=np.int64)
-        if Nm:
-            ir = AP + ridx
-            g2 = gos[ridx]
-            e2, LT2, m2 = rowf[ir], LTf[q1 * G + g2], m_slotf[ir].astype(np.float64)
-            ie2 = qE + e2
-            dp2 = dpf[ie2]
-            ex2 = _relu(LT2)
-            rise2 = np.where(rok, _relu(LT2 + m2 * dp2) - ex2, 0.0)
-            fall2 = np.where(rok, ex2 - _relu(LT2 - m2 * dmf[ie2]), 0.0)
-            RISE = np.bincount(ie2.ravel(), (rise2 / m2).ravel(), n * E1)
-            FALL = np.bincount(ie2.ravel(), (fall2 / m2).ravel(), n * E1)
-            iea = qE + ea
-            dma = dmf[iea]
-            # ---- copy into h [n,S,S]: slot a of h, whose expert has another replica on GPU g, takes the expert
-            # of a slot b of g (e_a's load moves to g, e_b's is split between g and h)
-            same = ea.astype(np.int32)[:, :, None] == e2.astype(np.int32)[:, None, :]  # [n,S,Nm]
-            if G <= _INTO_MAX_GPUS:
-                match = same & ((g2 != h[:, None]) & rok)[:, None, :]
-                has = match.any(axis=2)
-            if G <= _INTO_MAX_GPUS and has.any():
-                pm = match.argmax(axis=2)  # [n,S] a multi slot holding e_a on another GPU
-                gg = g2[q1, pm]
-                dp1 = dpf[iea]
-                base_h = np.where(has, LTh[:, None] - xa + (Mh_a - 1) * dp1, np.inf)  # [n,S]
-                bs = (AP + gg * S)[:, :, None] + arS  # [n,S,S] flat slots of g
-                eb1 = rowf[bs]
-                ie1 = qE[:, :, None] + eb1
-                dmb = dmf[ie1]
-                Mhb1 = Mf[hkey[:, :, None] + eb1].astype(np.float64)
-                LTg = LT[q1, gg][:, :, None]
-                exg = _relu(LTg)
-                msb = m_slotf[bs] * dmb
-                rise_g = (m2[q1, pm] * dp1)[:, :, None]  # e_a's replicas on g gain
-                g1 = (u[:, None, None] - _relu(base_h[:, :, None] + pnf[ie1] - Mhb1 * dmb) + exg
-                      - _relu(LTg + rise_g - msb)
-                      - (RISE[iea] - _relu(LTh[:, None] + Mh_a * dp1) + u[:, None])[:, :, None]
-                      + _relu(LTg + rise_g) - exg + FALL[ie1]
-                      - (_relu(LTh)[:, None, None] - _relu(LTh[:, None, None] - Mhb1 * dmb))
-                      - np.where(multi_slotf[bs], exg - _relu(LTg - msb), 0.0))
-                np.copyto(g1, -np.inf, where=eb1 == ea[:, :, None])
-                g1 *= _POW[3 + (Mhb1 >= Mof[hkey[:, :, None] + eb1]).astype(np.int8) - lva.astype(np.int8)[:, :, None]]
-                i1 = g1.reshape(n, -1).argmax(axis=1)
-                s1 = g1.reshape(n, -1)[q, i1]
-                s1[~(s1 > thr)] = -np.inf
-            # ---- copy out of h [n,S,Nm]: a multi-replica slot b on another GPU takes e_a
-            fall_h = _relu(LTh[:, None]) - _relu(LTh[:, None] - Mh_a * dma)
-            termA = u[:, None] + FALL[iea] - np.where(multi_slotf[ia], fall_h, 0.0)  # [n,S]
-            Mh_2 = Mf[hkey + e2].astype(np.float64)  # M[h, e_b]
-            termB = ex2 - RISE[ie2] + _relu(LTh[:, None] + Mh_2 * dp2) - u[:, None] + rise2  # [n,Nm]
-            base_b = np.where(rok & (g2 != h[:, None]), LT2 - itemf[ir] + (m2 - 1) * dp2, np.inf)
-            cut = np.add(termA.astype(np.float32)[:, :, None], termB.astype(np.float32)[:, None, :],
-                         out=scratch(0, (n, S, Nm)))
-            t = np.add(base_b.astype(np.float32)[:, None, :], pnf[iea].astype(np.float32)[:, :, None],
-                       out=scratch(1, (n, S, Nm)))
-            np.maximum(t, 0.0, out=t)
-            cut -= t
-            np.subtract((LTh[:, None] + Mh_2 * dp2).astype(np.float32)[:, None, :],
-                        (Mh_a * dma).astype(np.float32)[:, :, None], out=t)
-            np.maximum(t, 0.0, out=t)
-            cut -= t
-            np.copyto(cut, -np.inf, where=same)
-            cut *= _POW32[4 - moved_slotf[ir].astype(np.int8)][:, None, :]
-            i2 = cut.reshape(n, -1).argmax(axis=1)
-            pa, pb = np.divmod(i2, Nm)
-            g2x = (termA[q, pa] + termB[q, pb] - _relu(base_b[q, pb] + pnf[iea][q, pa])
-                   - _relu(LTh + Mh_2[q, pb] * dp2[q, pb] - Mh_a[q, pa] * dma[q, pa]))
-            s2 = np.where((g2x > thr) & (e2[q, pb] != ea[q, pa]), cut.reshape(n, -1)[q, i2], -np.inf)
-        # ---- apply the best action of every row (a copy only after an exact check)
-        kind = np.stack([s0, s1, s2], axis=1).argmax(axis=1)
-        best = np.maximum(np.maximum(s0, s1), s2)
-        is_copy = (kind > 0) & (best > -np.inf)
-        is_swap = (kind == 0) & (best > -np.inf)
-        if is_copy.any():
-            k = np.flatnonzero(is_copy)
-            pa, pb = np.divmod(i1[k], S)
-            slot1 = aS[k, pa]
-            f1 = row[A[k], gos[ridx[k, pm[k, pa]]] * S + pb] if Nm and (kind[k] == 1).any() else slot1
-            pa, pb = np.divmod(i2[k], max(Nm, 1))
-            slot2, f2 = ridx[k, pb], ea[k, pa]
-            sl = np.where(kind[k] == 1, slot1, slot2)
-            f = np.where(kind[k] == 1, f1, f2)
-            rr = A[k]
-            e = row[rr, sl]
-            gs = gos[sl]
-            kg = ((rr * G)[:, None] + arG) * E1
-            new = (gpu_load[rr] + Mf[kg + e[:, None]] * dplus[rr, e][:, None]
-                   - Mf[kg + f[:, None]] * dminus[rr, f][:, None])
-            new[np.arange(k.size), gs] += pnew[rr, f] - per[rr, e] - dplus[rr, e]
-            ok = _relu(new - T[rr][:, None]).sum(axis=1) < ex[k].sum(axis=1) - thr[k]
-            is_swap[k[~ok]] = s0[k[~ok]] > -np.inf
-            is_copy[k[~ok]] = False
-            if ok.any():
-                copy(rr[ok], sl[ok], f[ok], new[ok])
-        if is_swap.any():
-            k = np.flatnonzero(is_swap)
-            pa, pb = np.divmod(i0[k], nb)
-            swap(A[k], aS[k, pa], bidx[k, pb])
-        stuck = ~(is_copy | is_swap)
-        if stuck.any() and nb < P - S:  # no action helps: a swap of h with any slot of another GPU
-            k = np.flatnonzero(stuck)
-            LTk = np.repeat(LT[k], S, axis=1).astype(np.float32)
-            d = xa[k].astype(np.float32)[:, :, None] - item[A[k]].astype(np.float32)[:, None, :]
-            t = LTk[:, None, :] + d
-            np.maximum(t, 0.0, out=t)
-            gain = np.minimum(d, u[k].astype(np.float32)[:, None, None], out=d)
-            gain -= t
-            gain += _relu(LTk)[:, None, :]
-            np.copyto(gain, -np.inf, where=(gos == h[k][:, None])[:, None, :])
-            gain = gain.reshape(k.size, -1)
-            j = gain.argmax(axis=1)
-            pa, sb = np.divmod(j, P)
-            dj = xa[k, pa] - item[A[k], sb]
-            LTj = LT[k, gos[sb]]
-            ok = (np.minimum(dj, u[k]) + _relu(LTj) - _relu(LTj + dj) > thr[k]) & (gos[sb] != h[k])
-            if ok.any():
-                k, pa, sb = k[ok], pa[ok], sb[ok]
-                swap(A[k], aS[k, pa], sb)
-                stuck[k] = False
-        if stuck.any():  # still none: a 3-cycle h -> g1 -> g2 -> h (two swaps in a row)
-            k = np.flatnonzero(stuck)
-            gb_k = gos[bidx[k]]
-            xk = np.where(bok[k], xb[k], 0.0)
-            x_a = xa[k][:, :, None, None]
-            x_b = xk[:, None, :, None]  # item leaving g1 (for g2)
-            x_c = xk[:, None, None, :]  # item leaving g2 (for h)
-            lt1 = LTb[k][:, None, :, None]
-            lt2 = LTb[k][:, None, None, :]
-            gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
-                    + _relu(lt1) - _relu(lt1 + x_a - x_b) + _relu(lt2) - _relu(lt2 + x_b - x_c))
-            bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
-                   | ~bok[k][:, None, None, :])
-            gain = np.where(bad, -np.inf, gain).reshape(k.size, -1)
-            best3 = gain.argmax(axis=1)
-            ok3 = gain[np.arange(k.size), best3] > thr[k]
-            if ok3.any():
-                k, best3 = k[ok3], best3[ok3]
-                pa, rest = np.divmod(best3, nb * nb)
-                pb, pc = np.divmod(rest, nb)
-                rr = A[k]
-                swap(rr, aS[k, pa], bidx[k, pb])
-                swap(rr, aS[k, pa], bidx[k, pc])
-                stuck[k] = False
-        copies_recent = with_copies and int(is_copy.sum()) > _COPY_SHARE * n
+        rp = _Replicas(st, fo, ridx, rok) if with_copies and ridx.shape[1] else None
+        if rp is None:
+            none = (np.zeros(fo.n, dtype=np.int64), np.full(fo.n, -np.inf))
+            into, out = (*none, None), none
+        else:
+            into, out = _best_copies_into(st, fo, rp), _best_copies_out(st, fo, rp)
+        is_copy, stuck = _apply_best(st, fo, pt, rp, swaps, into, out)
+        if stuck.any() and pt.nb < st.P - st.S:  # no action helps: a swap of h with any slot of another GPU
+            _fallback_swaps(st, fo, stuck)
+        if stuck.any():  # still none: a 3-cycle h -> g1 -> g2 -> h
+            _fallback_cycles(st, fo, pt, stuck)
+        copies_recent = with_copies and int(is_copy.sum()) > _COPY_SHARE * fo.n
         forced = bool(stuck.any()) and not with_copies  # a stuck row gets a try with copies before it stops
         if forced:
             stuck[:] = False
-        done = A[~stuck]
-        points.append((done, moved[done].copy(), gpu_load[done].max(axis=1)))
-        log.append(None)
-        active = done[gpu_load[done].max(axis=1) > T[done]]
-    return points, log
-
-
-def replay(start: np.ndarray, log: list, stops: np.ndarray) -> np.ndarray:
-    """The rows of :func:`repair_rows` stopped after ``stops[r]`` iterations (0: ``start``); int64 [R, P]."""
-    out = start.copy()
-    t = 0
-    for entry in log:
-        if entry is None:
-            t += 1
-            continue
-        rr, kind, i, j = entry
-        sel = t < stops[rr]
-        rr, i, j = rr[sel], i[sel], j[sel]
-        if kind == 0:
-            out[rr, i], out[rr, j] = out[rr, j], out[rr, i]
-        else:
-            out[rr, i] = j
-    return out
-
-
-def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
-                 layer_cap: float) -> tuple[np.ndarray, np.ndarray]:
-    """Where to stop every row so that moved experts are fewest with the mean excess over layers within tolerance.
-
-    A layer's excess at a stop is ``(max over its rows of the heaviest GPU - fresh_peak) / mean``. Minimises the
-    sum of moved experts subject to: mean excess over layers <= ``tolerance``, and every layer <= ``layer_cap``
-    (absolute, same unit) when it can get there. Solved by a Lagrangian relaxation (bisection on the price of one
-    unit of excess in moved experts) over every point of the rows' trajectories.
-
-    Args:
-        points: :func:`repair_rows`'s trajectories.
-        row_layer: int64 [R] layer of every row (rows of a layer are contiguous, in node order).
-        fresh_peak, mean: float64 [L] the "balanced" plan's heaviest GPU and the mean GPU load of every layer.
-        tolerance, layer_cap: floats >= 0.
-
-    Returns:
-        (stops int64 [R]: iterations to replay per row, excess float64 [L] of every layer at those stops).
-    """
-    R = row_layer.size
-    L = fresh_peak.size
-    rows = np.concatenate([p[0] for p in points])
-    it = np.concatenate([np.full(p[0].size, t, dtype=np.int64) for t, p in enumerate(points)])
-    mv = np.concatenate([p[1] for p in points])
-    layer = row_layer[rows]
-    exc = (np.concatenate([p[2] for p in points]) - fresh_peak[layer]) / mean[layer]
-    # every row's points by excess; moves_r(level) = fewest moves among points with excess <= level
-    order = np.lexsort((it, exc, rows))
-    rows_s, exc_s, mv_s = rows[order], exc[order], mv[order]
-    seg = np.searchsorted(rows_s, np.arange(R))  # first point of every row
-    big = int(mv.max(initial=0)) + 1
-    prefmin = np.minimum.accumulate(mv_s - rows_s * big) + rows_s * big
-    span = float(max(np.abs(exc).max(initial=0.0), 1.0)) * 4 + 4
-    key_s = rows_s * span + exc_s  # increasing: rows apart by more than any excess difference
-    nodes = R // L
-    # candidate levels of a layer: every point of its rows
-    cand_layer, cand_exc = layer, exc
-    r_of = cand_layer[:, None] * nodes + np.arange(nodes)  # [N, nodes] rows of the candidate's layer
-    pos = np.searchsorted(key_s, r_of * span + cand_exc[:, None], side="right") - 1
-    feasible = pos >= seg[r_of]
-    cost = np.where(feasible, prefmin[np.maximum(pos, 0)], big * R).sum(axis=1).astype(np.float64)
-    ok = feasible.all(axis=1)
-    # pad candidates into [L, K]
-    by_layer = np.lexsort((cand_exc, cand_layer))
-    cl = cand_layer[by_layer]
-    start = np.searchsorted(cl, np.arange(L))
-    col = np.arange(cl.size) - start[cl]
-    K = int(col.max(initial=0)) + 1
-    C = np.full((L, K), np.inf)
-    X = np.full((L, K), np.inf)
-    C[cl, col] = np.where(ok[by_layer], cost[by_layer], np.inf)
-    X[cl, col] = cand_exc[by_layer]
-    within = X <= layer_cap
-    reach = np.where(np.isfinite(C), X, np.inf).min(axis=1)  # lowest excess a layer can reach
-
-    def pick(price):
-        v = np.where(within | (X <= reach[:, None]), C + price * X, np.inf)
-        return v.argmin(axis=1)
-
-    lo, hi = 0.0, float(big * R) / max(tolerance, 1e-12) * 4 + 1.0
-    choice = pick(hi)
-    if X[np.arange(L), choice].mean() <= tolerance:
-        for _ in range(48):
-            mid = 0.5 * (lo + hi)
-            c = pick(mid)
-            if X[np.arange(L), c].mean() <= tolerance:
-                hi, choice = mid, c
-            else:
-                lo = mid
-    level = X[np.arange(L), choice]
-    # every row: its point with fewest moves (then earliest) at or under its layer's level
-    pt_ok = exc <= level[layer] + 1e-15
-    pick_pt = np.lexsort((it, mv, ~pt_ok, rows))
-    first = pick_pt[np.searchsorted(rows[pick_pt], np.arange(R))]
-    return it[first], level
+        done = active[~stuck]
+        points.append((done, st.moved[done].copy(), st.gpu_load[done].max(axis=1)))
+        st.log.append(None)
+        active = done[st.gpu_load[done].max(axis=1) > st.T[done]]
+    return points, st.log

@@ -17,8 +17,8 @@ from fdeplb.placement import (
     rebalance_experts,
 )
 from fdeplb.placement.reference import deepseek_reference
-from fdeplb.placement.repair import choose_stops
 from fdeplb.placement.slots import align_slots
+from fdeplb.placement.stops import choose_stops
 from tests.placement.test_placement import check_invariants, dumps, topologies
 
 
@@ -101,7 +101,8 @@ def test_move_aware_moves_far_less_than_a_fresh_plan(qwen2_drift):
 def test_move_aware_bulk_replicas_for_a_very_hot_expert(num_groups, num_nodes):
     """Loads like benchmarks/control_plane.py's (sums of zipf(1.5) over 64 ranks: one expert carries ~45x the mean
     GPU load), so rows take the bulk replica counts (fill_rows) before the repair; chained over rounds."""
-    from fdeplb.placement.move_aware import _BULK_COPIES, LAYER_CAP, _forced_copies
+    from fdeplb.placement.fill import forced_copies
+    from fdeplb.placement.move_aware import _BULK_COPIES, LAYER_CAP
     L, E, P, G = 4, 64, 128, 64
     old = initial_placement(L, E, P).phy2log
     for rnd in range(3):
@@ -109,7 +110,7 @@ def test_move_aware_bulk_replicas_for_a_very_hot_expert(num_groups, num_nodes):
         fresh = rebalance_experts(load, P, num_groups, num_nodes, G, policy="balanced")
         if num_nodes == 1:
             cap = (ratio(load, fresh, G) + LAYER_CAP * 0.0005) * load.sum(axis=1) / G
-            assert (_forced_copies(old, load.astype(np.float64), cap) >= _BULK_COPIES).any()
+            assert (forced_copies(old, load.astype(np.float64), cap) >= _BULK_COPIES).any()
         plan = rebalance_experts(load, P, num_groups, num_nodes, G, policy="move_aware", old_phy2log=old)
         check_invariants(plan, E, P)
         excess = ratio(load, plan, G) - ratio(load, fresh, G)

@@ -1,0 +1,106 @@
+"""Where every row of the batched repair stops, and the rows rebuilt at those stops.
+
+:func:`fdeplb.placement.repair.repair_rows` records every row's trajectory (moved experts, heaviest GPU after each
+of its actions) and a log of the actions it applied. :func:`choose_stops` picks one point per row so that the
+total moved experts is least under the tolerance bounds of the uncapped "move_aware" policy (a Lagrangian
+relaxation over all points), and :func:`replay_stops` replays the log up to those points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def replay_stops(start: np.ndarray, log: list, stops: np.ndarray) -> np.ndarray:
+    """The rows of :func:`fdeplb.placement.repair.repair_rows` stopped after ``stops[r]`` iterations (0:
+    ``start``); int64 [R, P]. ``log`` is its action log, ``stops`` int64 [R] (:func:`choose_stops`)."""
+    out = start.copy()
+    t = 0
+    for entry in log:
+        if entry is None:
+            t += 1
+            continue
+        rr, kind, i, j = entry
+        sel = t < stops[rr]
+        rr, i, j = rr[sel], i[sel], j[sel]
+        if kind == 0:
+            out[rr, i], out[rr, j] = out[rr, j], out[rr, i]
+        else:
+            out[rr, i] = j
+    return out
+
+
+def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
+                 layer_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """Where to stop every row so that moved experts are fewest with the mean excess over layers within tolerance.
+
+    A layer's excess at a stop is ``(max over its rows of the heaviest GPU - fresh_peak) / mean``. Minimises the
+    sum of moved experts subject to: mean excess over layers <= ``tolerance``, and every layer <= ``layer_cap``
+    (absolute, same unit) when it can get there. Solved by a Lagrangian relaxation (bisection on the price of one
+    unit of excess in moved experts) over every point of the rows' trajectories.
+
+    Args:
+        points: :func:`fdeplb.placement.repair.repair_rows`'s trajectories.
+        row_layer: int64 [R] layer of every row (rows of a layer are contiguous, in node order).
+        fresh_peak, mean: float64 [L] the "balanced" plan's heaviest GPU and the mean GPU load of every layer.
+        tolerance, layer_cap: floats >= 0.
+
+    Returns:
+        (stops int64 [R]: iterations to replay per row, excess float64 [L] of every layer at those stops).
+    """
+    R = row_layer.size
+    L = fresh_peak.size
+    rows = np.concatenate([p[0] for p in points])
+    it = np.concatenate([np.full(p[0].size, t, dtype=np.int64) for t, p in enumerate(points)])
+    mv = np.concatenate([p[1] for p in points])
+    layer = row_layer[rows]
+    exc = (np.concatenate([p[2] for p in points]) - fresh_peak[layer]) / mean[layer]
+    # every row's points by excess; moves_r(level) = fewest moves among points with excess <= level
+    order = np.lexsort((it, exc, rows))
+    rows_s, exc_s, mv_s = rows[order], exc[order], mv[order]
+    seg = np.searchsorted(rows_s, np.arange(R))  # first point of every row
+    big = int(mv.max(initial=0)) + 1
+    prefmin = np.minimum.accumulate(mv_s - rows_s * big) + rows_s * big
+    span = float(max(np.abs(exc).max(initial=0.0), 1.0)) * 4 + 4
+    key_s = rows_s * span + exc_s  # increasing: rows apart by more than any excess difference
+    nodes = R // L
+    # candidate levels of a layer: every point of its rows
+    cand_layer, cand_exc = layer, exc
+    r_of = cand_layer[:, None] * nodes + np.arange(nodes)  # [N, nodes] rows of the candidate's layer
+    pos = np.searchsorted(key_s, r_of * span + cand_exc[:, None], side="right") - 1
+    feasible = pos >= seg[r_of]
+    cost = np.where(feasible, prefmin[np.maximum(pos, 0)], big * R).sum(axis=1).astype(np.float64)
+    ok = feasible.all(axis=1)
+    # pad candidates into [L, K]
+    by_layer = np.lexsort((cand_exc, cand_layer))
+    cl = cand_layer[by_layer]
+    start = np.searchsorted(cl, np.arange(L))
+    col = np.arange(cl.size) - start[cl]
+    K = int(col.max(initial=0)) + 1
+    C = np.full((L, K), np.inf)
+    X = np.full((L, K), np.inf)
+    C[cl, col] = np.where(ok[by_layer], cost[by_layer], np.inf)
+    X[cl, col] = cand_exc[by_layer]
+    within = X <= layer_cap
+    reach = np.where(np.isfinite(C), X, np.inf).min(axis=1)  # lowest excess a layer can reach
+
+    def pick(price):
+        v = np.where(within | (X <= reach[:, None]), C + price * X, np.inf)
+        return v.argmin(axis=1)
+
+    lo, hi = 0.0, float(big * R) / max(tolerance, 1e-12) * 4 + 1.0
+    choice = pick(hi)
+    if X[np.arange(L), choice].mean() <= tolerance:
+        for _ in range(48):
+            mid = 0.5 * (lo + hi)
+            c = pick(mid)
+            if X[np.arange(L), c].mean() <= tolerance:
+                hi, choice = mid, c
+            else:
+                lo = mid
+    level = X[np.arange(L), choice]
+    # every row: its point with fewest moves (then earliest) at or under its layer's level
+    pt_ok = exc <= level[layer] + 1e-15
+    pick_pt = np.lexsort((it, mv, ~pt_ok, rows))
+    first = pick_pt[np.searchsorted(rows[pick_pt], np.arange(R))]
+    return it[first], level
