@@ -199,16 +199,17 @@ class Coordinator(Leadership):
         left = rec.deadline_ms - self._now_ms
         return left <= 0, max(left, 0)
 
-    def _abort(self, rec: ClusterRecord, reason: str, **skipped: float) -> Step:
-        """Fire ``abort`` with ``reason`` (audited). ``skipped``: the numbers of a gated skip (the planned gain is
-        at most min_gain, or nothing moves), logged as an info "skip" with them: not a failure."""
-        reason = reason[:2000]
-        if skipped:
-            self.log.info("skip", round=rec.round, state=rec.state, reason=reason, **skipped)
+    def _abort(self, rec: ClusterRecord, reason: str | reasons.Reason) -> Step:
+        """Fire ``abort`` with ``reason`` (audited; a :class:`~fdeplb.orchestration.reasons.Reason` also writes its
+        detail). A gated skip (its detail has the gate's figures) is logged as an info "skip": not a failure."""
+        why = reason if isinstance(reason, reasons.Reason) else reasons.Reason(reason)
+        text = why.text[:2000]
+        if "gate" in why.detail:
+            self.log.info("skip", round=rec.round, state=rec.state, reason=text, **why.detail["gate"])
         else:
-            self.log.warning("abort", round=rec.round, state=rec.state, reason=reason)
+            self.log.warning("abort", round=rec.round, state=rec.state, reason=text)
         prune_after_round(self.store, self.config, rec, self.log)
-        self._fire(rec, "abort", reason=reason, changes={"deadline_ms": 0, "reason": reason})
+        self._fire(rec, "abort", reason=text, detail=why.detail, changes={"deadline_ms": 0, "reason": text})
         return True, None
 
     def _on_free(self, rec: ClusterRecord) -> Step:
@@ -218,21 +219,22 @@ class Coordinator(Leadership):
         beats = self.store.heartbeats()
         stale = stale_of(beats)
         if stale:
-            reason = reasons.refusal(stale)
+            refused = reasons.refusal(stale)
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
                 self._refused_ranks = sorted(stale)
                 self.log.warning("start refused", stale=stale)
-                self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
-                self.store.append_note(rec, trigger="start_refused", actor=self.holder, reason=reason)
-                self.store.emit_event("start_refused", reason=reason)
+                self.store.update(CLUSTER, reason=refused.text)  # first: whoever sees the audit note sees the reason
+                self.store.append_note(rec, trigger="start_refused", actor=self.holder, reason=refused.text,
+                                       detail=refused.detail)
+                self.store.emit_event("start_refused", reason=refused.text)
             return False, self.lease_ms // 3
         self._refused_ranks = None
         # after a refusal (also one by a previous leader: it is the record's reason), the start shows why it may go
-        why = reasons.fresh(beats) if rec.reason.startswith(reasons.REFUSED) else ""
+        why = reasons.fresh(beats) if rec.reason.startswith(reasons.REFUSED) else reasons.Reason("")
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.round + 1
         try:
-            self._fire(rec, "start", plan_id="", round_=round_, reason=why,
+            self._fire(rec, "start", plan_id="", round_=round_, reason=why.text, detail=why.detail,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
             if str(err) != self._start_waits:  # logged once per reason, not at every retry
@@ -271,15 +273,17 @@ class Coordinator(Leadership):
         after, moved = decision.balancedness_after, decision.moved_experts
         if not decision.goes_on:
             return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
-                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts")
+                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts",
+                              {"gate": decision.detail()})
         self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
         return True, None
 
-    def _skip(self, rec: ClusterRecord, reason: str) -> Step:
-        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers."""
+    def _skip(self, rec: ClusterRecord, reason: str, detail: dict | None = None) -> Step:
+        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers
+        (``detail``: the gate's figures when it planned)."""
         self.log.info("skip", reason=reason)
         self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
-        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason)
+        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason, detail=detail)
         self.store.emit_event("skipped", reason=reason)
         return False, int(self.interval_s * 1000)
 
@@ -316,7 +320,8 @@ class Coordinator(Leadership):
             if missing:
                 expired, left = self._deadline(rec)
                 if expired:
-                    return self._abort(rec, f"collecting deadline passed: no load from ranks {missing}")
+                    return self._abort(rec, reasons.Reason(f"collecting deadline passed: no load from ranks {missing}",
+                                                           {"ranks": missing}))
                 return False, left
             loads = [(r, window.expert_load) for r, window in enumerate(found)]
             total = np.zeros_like(loads[0][1], dtype=np.int64)
@@ -363,7 +368,7 @@ class Coordinator(Leadership):
                                      decision.balancedness_after, decision.moved_experts)
         skip = reasons.gated(decision)  # skip unless it moves and gains > min_gain
         if skip:
-            return self._abort(rec, skip, **decision.detail())
+            return self._abort(rec, skip)
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
@@ -437,7 +442,8 @@ class Coordinator(Leadership):
             return True, None
         expired, left = self._deadline(rec)
         if expired:
-            return self._abort(rec, f"loading deadline passed: ranks {late} not LOADED")
+            return self._abort(rec, reasons.Reason(f"loading deadline passed: ranks {late} not LOADED",
+                                                   {"ranks": late}))
         return False, left
 
     def _on_load_succ(self, rec: ClusterRecord) -> Step:
@@ -457,8 +463,8 @@ class Coordinator(Leadership):
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
         # switch_step 0: not fixed yet; the ranks fix it once all are armed for this swap (Store.arm_switch)
-        why = reasons.external_commit(rec.commit_requested_by) if self.config.cordoned else ""
-        self._fire(rec, "commit", reason=why, changes={"deadline_ms": deadline, "switch_step": 0})
+        why = reasons.external_commit(rec.commit_requested_by) if self.config.cordoned else reasons.Reason("")
+        self._fire(rec, "commit", reason=why.text, detail=why.detail, changes={"deadline_ms": deadline, "switch_step": 0})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:

@@ -60,11 +60,12 @@ class RecordHandle:
 
     def fire(self, trigger: str, *, record: Any = None, plan_id: str | None = None, reason: str = "",
              changes: dict[str, Any] | None = None, round_: int | None = None,
-             defer: list[PendingCall] | None = None) -> Fired | None:
+             defer: list[PendingCall] | None = None, detail: dict[str, Any] | None = None) -> Fired | None:
         """Fire ``trigger`` on the record (``record`` = what the caller read; re-read when None).
 
         ``plan_id`` defaults to the record's plan_id; ``changes`` are other record fields written in the same
-        atomic step. Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
+        atomic step; ``detail`` the facts behind ``reason`` (the audit record's JSON ``detail`` field, see
+        :mod:`fdeplb.orchestration.reasons`). Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
         :class:`~fdeplb.errors.StateError`); nothing is written then.
 
         ``defer``: the machine checks the trigger is legal now, but the commit is appended to ``defer`` as a
@@ -78,7 +79,7 @@ class RecordHandle:
 
         def commit(model: RecordModel, spec: TransitionSpec, _kwargs: dict[str, Any]) -> None:
             kwargs = dict(actor=self.actor, label=self.label, fence=self.fence, plan_id=pid, round_=round_,
-                          reason=reason, changes=changes)
+                          reason=reason, changes=changes, detail=detail)
             if defer is None:
                 result["c"] = self.store.commit(self.table, spec, rec, **kwargs)
                 model.version = result["c"].version

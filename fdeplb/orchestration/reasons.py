@@ -1,17 +1,29 @@
-"""The audited reasons whose contents a replay checks: the coordinator writes them, :mod:`fdeplb.replay` reads
-them back. One place for each text's format, so the two cannot drift apart.
+"""The audited reasons whose contents a replay checks, as structured detail with the text derived from it.
 
-- a start refused for stale ranks (trigger ``start_refused``, a note) and the start that follows it (its reason
-  shows every registered rank's heartbeat fresh again);
-- a gated round (trigger ``abort``, reason ``gated: skipped: ...`` with the planned numbers);
-- the commit of a cordoned cluster (trigger ``commit``, naming who requested it).
+The coordinator writes each of these as an audit record whose ``detail`` field is canonical JSON (chained like
+every other field, see ``store/lua/_chain.lua``) and whose ``reason`` is the text :class:`Reason` derives from that
+detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
 
-Pure text functions, no I/O. Ages and TTLs are milliseconds (Redis server clock).
+- a start refused for stale ranks (trigger ``start_refused``, a note): ``{"stale_ranks": [{"ep_rank": 2,
+  "heartbeat_age_ms": 2412}, ...]}``;
+- the start that follows it: every registered rank's heartbeat, ``{"heartbeats": [{"ep_rank": 0, "age_ms": 12,
+  "ttl_ms": 2000}, ...]}`` (ttl 0: none);
+- a gated round (trigger ``abort``): ``{"gate": {"balancedness_before", "balancedness_after", "gain", "min_gain",
+  "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
+- the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``.
+
+Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
+(:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
+
+Also the one round-outcome rule (:func:`round_outcome`). Pure functions, no I/O. Ages and TTLs are milliseconds
+(Redis server clock).
 """
 
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -33,50 +45,109 @@ _STALE_ITEM = re.compile(r"(\d+) \(heartbeat (-?\d+) ms ago\)")
 _FRESH_ITEM = re.compile(r"(\d+) (-?\d+) ms ago \((?:ttl (\d+) ms|no ttl)\)")
 
 
-def refusal(stale: Mapping[int, int]) -> str:
+@dataclass(frozen=True)
+class Reason:
+    """An audited reason: ``detail`` (JSON-able, the facts) and ``text`` (what a person reads, derived from it)."""
+
+    text: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def detail_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``detail`` of an audit record (its fields as text) as an object; None when it has none (a record of a
+    schema 1 recording, or one whose reason carries no facts).
+
+    Raises :class:`ValueError` when the field is there but is not a JSON object (a corrupt or forged record)."""
+    text = _field(record, "detail")
+    if not text:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"detail is not a JSON object: {str(text)[:80]!r}")
+    return value
+
+
+# ---- a refused start and the start after it ------------------------------------------------------------------------
+def refusal(stale: Mapping[int, int]) -> Reason:
     """The ``start_refused`` reason for ``stale`` (ep_rank -> ms since its heartbeat), ranks in order."""
-    return REFUSED + ", ".join(f"{r} (heartbeat {age} ms ago)" for r, age in sorted(stale.items()))
+    items = [{"ep_rank": int(r), "heartbeat_age_ms": int(age)} for r, age in sorted(stale.items())]
+    text = REFUSED + ", ".join(f"{i['ep_rank']} (heartbeat {i['heartbeat_age_ms']} ms ago)" for i in items)
+    return Reason(text, {"stale_ranks": items})
 
 
-def parse_refusal(reason: str) -> dict[int, int] | None:
-    """Inverse of :func:`refusal`: ep_rank -> ms since its heartbeat; None if ``reason`` is not one."""
-    return _items(reason, REFUSED, _STALE_ITEM, lambda m: int(m[2]))
+def stale_ranks(record: Mapping[str, Any]) -> dict[int, int] | None:
+    """ep_rank -> ms since its heartbeat, of a ``start_refused`` record; None if it names none.
+    Reads ``detail`` (schema 2), else the text of :func:`refusal` (schema 1). ValueError for a corrupt detail."""
+    detail = detail_of(record)
+    if detail is not None:
+        return {int(i["ep_rank"]): int(i["heartbeat_age_ms"]) for i in detail.get("stale_ranks", [])} or None
+    return _items(_field(record, "reason"), REFUSED, _STALE_ITEM, lambda m: int(m[2]))
 
 
-def fresh(heartbeats: Mapping[int, tuple[int, int]]) -> str:
+def fresh(beats: Mapping[int, tuple[int, int]]) -> Reason:
     """The reason of a start that follows a refusal: every registered rank's (ms since its heartbeat, TTL ms;
     TTL 0 = none) as :meth:`fdeplb.store.Store.heartbeats` read them, ranks in order."""
-    return FRESH + ", ".join(f"{r} {age} ms ago ({f'ttl {ttl} ms' if ttl > 0 else 'no ttl'})"
-                             for r, (age, ttl) in sorted(heartbeats.items()))
+    items = [{"ep_rank": int(r), "age_ms": int(age), "ttl_ms": int(ttl)} for r, (age, ttl) in sorted(beats.items())]
+    text = FRESH + ", ".join(f"{r} {age} ms ago ({f'ttl {ttl} ms' if ttl > 0 else 'no ttl'})"
+                             for r, (age, ttl) in sorted(beats.items()))
+    return Reason(text, {"heartbeats": items})
 
 
-def parse_fresh(reason: str) -> dict[int, tuple[int, int]] | None:
-    """Inverse of :func:`fresh`: ep_rank -> (ms since its heartbeat, TTL ms); None if ``reason`` is not one."""
-    return _items(reason, FRESH, _FRESH_ITEM, lambda m: (int(m[2]), int(m[3] or 0)))
+def heartbeats(record: Mapping[str, Any]) -> dict[int, tuple[int, int]] | None:
+    """ep_rank -> (ms since its heartbeat, TTL ms) of a start record after a refusal; None if it has none.
+    Reads ``detail`` (schema 2), else the text of :func:`fresh` (schema 1). ValueError for a corrupt detail."""
+    detail = detail_of(record)
+    if detail is not None:
+        return {int(i["ep_rank"]): (int(i["age_ms"]), int(i["ttl_ms"])) for i in detail.get("heartbeats", [])} \
+            or None
+    return _items(_field(record, "reason"), FRESH, _FRESH_ITEM, lambda m: (int(m[2]), int(m[3] or 0)))
 
 
-def gated(decision: "GateDecision") -> str | None:
+# ---- the gain gate ----------------------------------------------------------------------------------------------
+def gated(decision: "GateDecision") -> Reason | None:
     """The abort reason of a round the gate skips (:class:`fdeplb.orchestration.gating.GateDecision`), with the
-    numbers (4 decimals); None when the round goes on."""
+    numbers (4 decimals in the text, full precision in the detail); None when the round goes on."""
     why = decision.why_skipped
     if why is None:
         return None
-    return (f"{GATED}{why} (balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}, "
+    text = (f"{GATED}{why} (balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}, "
             f"{decision.moved_experts} moved experts)")
+    return Reason(text, {"gate": decision.detail()})
 
 
 def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
-    """:func:`gated` for bare figures: mean balancedness ``before`` / ``after``, ``moved`` experts, ``min_gain``."""
+    """The text of :func:`gated` for bare figures: mean balancedness ``before`` / ``after``, ``moved`` experts,
+    ``min_gain``; None when the round goes on."""
     from fdeplb.orchestration.gating import GateDecision
 
-    return gated(GateDecision(np.empty((0, 0), dtype=np.int64), before, after, moved, min_gain))
+    reason = gated(GateDecision(np.empty((0, 0), dtype=np.int64), before, after, moved, min_gain))
+    return None if reason is None else reason.text
 
 
-def external_commit(by: str) -> str:
+def gate_figures(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The gate's figures of a gated abort record (``detail.gate``); None for a record without them (schema 1:
+    the replay then compares the text). ValueError for a corrupt detail."""
+    figures = (detail_of(record) or {}).get("gate")
+    return dict(figures) if isinstance(figures, dict) else None
+
+
+# ---- a cordoned cluster's commit --------------------------------------------------------------------------------
+def external_commit(by: str) -> Reason:
     """The reason of a cordoned cluster's commit, naming who requested it (``""``: an older request, unnamed)."""
-    return EXTERNAL + (by or "operator")
+    who = by or "operator"
+    return Reason(EXTERNAL + who, {"requested_by": who})
 
 
+def requested_by(record: Mapping[str, Any]) -> str | None:
+    """Who requested a commit record's external commit; None if it was not one. ValueError for a corrupt detail."""
+    detail = detail_of(record)
+    if detail is not None:
+        return str(detail["requested_by"]) if "requested_by" in detail else None
+    reason = _field(record, "reason")
+    return reason.removeprefix(EXTERNAL) if reason.startswith(EXTERNAL) else None
+
+
+# ---- a round's outcome ------------------------------------------------------------------------------------------
 class RoundOutcome(str, Enum):
     """How a round ended, as :func:`round_outcome` reads it from the round's last cluster audit record."""
 
@@ -104,7 +175,14 @@ def round_outcome(last: Mapping[str, Any] | None) -> tuple[RoundOutcome, str]:
     return RoundOutcome.ABORTED, reason or f"{last['from']} -> {last['to']} ({last['trigger']})"
 
 
+def _field(record: Mapping[str, Any], name: str) -> str:
+    """A field of an audit record as text ("" when absent): a mapping, or a store AuditRecord (no ``get``)."""
+    value = record.get(name, "") if hasattr(record, "get") else record[name]
+    return "" if value is None else str(value)
+
+
 def _items(reason: str, prefix: str, item: re.Pattern, value):
+    """Schema 1 only: the items of a reason text written before the detail field existed."""
     if not reason.startswith(prefix):
         return None
     out = {}

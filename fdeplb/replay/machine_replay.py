@@ -253,7 +253,7 @@ class _Replay:
         if trigger == "start_refused":
             from fdeplb.orchestration import reasons
 
-            stale = reasons.parse_refusal(rec.get("reason", ""))
+            stale = _read_detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
             if stale is None:
                 raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
                                   f"{rec.get('reason', '')[:80]!r}")
@@ -272,7 +272,7 @@ class _Replay:
         reason, where = line.record.get("reason", ""), line.where
         if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
             refused_at, stale = self.refused
-            beats = reasons.parse_fresh(reason) or {}
+            beats = _read_detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
                 age, ttl = beats.get(r, (None, 0))
                 if age is None or 0 < ttl < age:
@@ -282,8 +282,9 @@ class _Replay:
             self.refused = None
         elif table is CLUSTER and spec.trigger == "start":
             self.refused = None
-        if table is CLUSTER and spec.trigger == "commit" and self.cordoned and not reason.startswith(
-                reasons.EXTERNAL):
+        if table is CLUSTER and spec.trigger == "commit" and self.cordoned and \
+                _read_detail(line, reasons.requested_by,
+                                                     lambda v: reasons.external_commit(v).text) is None:
             raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
                               f"(reason {reason[:80]!r})")
         if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
@@ -419,6 +420,25 @@ class _Replay:
             if plan_id not in report.stored_plans and plan_id not in missing.get("plans", []):
                 raise ReplayError(f"{where}: guard plan_stored did not hold: plan {plan_id or '-'} is neither in "
                                   f"the recording nor listed as pruned")
+
+
+def _read_detail(line: AuditLine, read, derive=None):
+    """``read(record)`` (a :mod:`fdeplb.orchestration.reasons` reader of the record's structured ``detail``, or of
+    its text in a schema 1 recording). With ``derive`` (value -> the reason text it gives) and a ``detail`` field,
+    the record's ``reason`` must be that text: the text is derived from the facts, never a second source. A
+    ``detail`` that is not a JSON object of the right shape, or a text that does not match it, is a
+    :class:`ReplayError` naming the line."""
+    try:
+        value = read(line.record)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ReplayError(f"{line.where}: detail is not what a {line.record.get('trigger', '')} record carries: "
+                          f"{exc}") from None
+    if derive is not None and value is not None and line.record.get("detail"):
+        expected = derive(value)
+        if line.record.get("reason", "") != expected:
+            raise ReplayError(f"{line.where}: reason {str(line.record.get('reason', ''))[:80]!r} is not what its "
+                              f"detail says ({expected[:80]!r})")
+    return value
 
 
 def replay(lines: Iterable[AuditLine], until: str | None = None) -> ReplayReport:

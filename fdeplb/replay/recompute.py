@@ -123,8 +123,9 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
 def check_gates(report: ReplayReport) -> list[int]:
     """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
     from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
-    recorded numbers (mean balancedness before and after to 4 decimals, moved experts, min_gain; the reason is
-    rebuilt by :func:`fdeplb.orchestration.reasons.gated`). Rounds whose snapshot or starting placement the
+    recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
+    moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
+    it (a schema 1 recording has the text only). Rounds whose snapshot or starting placement the
     recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
@@ -150,9 +151,16 @@ def check_gates(report: ReplayReport) -> list[int]:
             raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
                               f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
                               f"min_gain {cfg.min_gain}, which the gate lets through")
-        if expected != seen.reason:
+        try:
+            recorded = reasons.gate_figures(seen.last or {})
+        except ValueError as exc:
+            raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
+        if recorded is not None and recorded != expected.detail["gate"]:
+            raise ReplayError(f"{seen.where}: gated round {seen.round} records the gate's figures {recorded}; "
+                              f"recomputing its {cfg.policy!r} plan gives {expected.detail['gate']}")
+        if expected.text != seen.reason:
             raise ReplayError(f"{seen.where}: gated round {seen.round} says {seen.reason!r}; recomputing its "
-                              f"{cfg.policy!r} plan gives {expected!r}")
+                              f"{cfg.policy!r} plan gives {expected.text!r}")
         report.gates_checked.append(seen.round)
     return list(report.gates_checked)
 

@@ -30,11 +30,14 @@ from fdeplb.array_json import array_from_json
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.store.records import PlanEntry
 
-__all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
+__all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
            "HeaderLine", "SnapshotLine", "decimal_text", "parse_lines", "read_export"]
 
-#: version of the recording format written by this fdeplb (bumped on any incompatible change)
-SCHEMA = 1
+#: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
+#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`)
+SCHEMA = 2
+#: oldest schema this fdeplb still reads (schema 1: the same lines, reasons in text only)
+OLDEST_SCHEMA = 1
 #: audit fields the export writes as integers in JSON (the stream stores text); the reader takes any field as
 #: text or an integer, and turns integers back into text (:func:`decimal_text`)
 INT_FIELDS = ("version", "round", "ts_ms")
@@ -118,7 +121,7 @@ class HeaderLine(_Strict):
     """The first line: the cluster configuration, the exported range and where it starts, what the file holds."""
 
     type: Literal["header"]
-    schema_version: Annotated[StrictInt, Field(alias="schema", ge=SCHEMA, le=SCHEMA)]
+    schema_version: Annotated[StrictInt, Field(alias="schema", ge=OLDEST_SCHEMA, le=SCHEMA)]
     config: dict[str, Any]
     start: Start
     contents: Contents = Contents()
@@ -225,8 +228,8 @@ def _refusal(n: int, kind: str, record: dict[str, Any], errors: list[tuple[tuple
         return ReplayError(f"line {n}: audit field {name} is {type(record[name]).__name__}, not text")
     if kind == "header":
         if any(loc[:1] == ("schema",) for loc, _ in errors):
-            return ReplayError(f"line {n}: recording schema {record.get('schema')!r}; this fdeplb reads schema "
-                               f"{SCHEMA}")
+            return ReplayError(f"line {n}: recording schema {record.get('schema')!r}; this fdeplb reads schemas "
+                               f"{OLDEST_SCHEMA} to {SCHEMA}")
         loc = errors[0][0]
         for depth in range(len(loc), 0, -1):
             path = tuple(str(p) for p in loc[:depth])

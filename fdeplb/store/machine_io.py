@@ -12,7 +12,7 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_comm
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import redis
 
@@ -22,7 +22,7 @@ from fdeplb.store.connection import MAX_BLOCK_MS, as_str as _s, hgetall as _hget
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store.records import ClusterRecord, RankRecord, WeightRecord, encode_changes, record_type
 from fdeplb.store.scripts import CommitCall, commit_call
-from fdeplb.store.streams import AuditRecord, Cursor
+from fdeplb.store.streams import AuditRecord, Cursor, detail_field
 
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
@@ -171,31 +171,35 @@ class MachineIO:
         round_: int | None = None,
         reason: str = "",
         changes: dict[str, Any] | None = None,
+        detail: Mapping[str, Any] | None = None,
     ) -> CommitResult:
         """Commit ``spec`` (a transition of ``table``) on ``record`` atomically with its audit record.
 
         ``label`` names the record in the audit (``cluster``, ``rank:3``); ``plan_id`` is the plan the transition
         concerns (guards with ``same_plan`` compare against it); ``changes`` are other record fields written in the
-        same step (checked against the record type). Raises :class:`FenceError` (lease not held),
+        same step (checked against the record type); ``detail`` (JSON-able facts behind ``reason``, e.g. a gate's
+        figures) is written as the audit record's ``detail`` field, canonical JSON (:func:`detail_text`). Raises :class:`FenceError` (lease not held),
         :class:`StaleStateError` (record changed since read) or :class:`GuardError` (a guard refused); Redis is
         unchanged then.
         """
         call, what = self._commit_call(table, spec, record, actor=actor, label=label, fence=fence, plan_id=plan_id,
-                                       round_=round_, reason=reason, changes=changes)
+                                       round_=round_, reason=reason, changes=changes, detail=detail)
         return self._commit_outcome(self._commit(keys=call.keys, args=call.args), what)
 
     def deferred_commit(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
                         fence: str = "", plan_id: str = "", round_: int | None = None, reason: str = "",
-                        changes: dict[str, Any] | None = None) -> "PendingCall":
+                        changes: dict[str, Any] | None = None,
+                        detail: Mapping[str, Any] | None = None) -> "PendingCall":
         """:meth:`commit`, laid out now and sent with the next :meth:`wait_view` (see :class:`PendingCall`);
         its outcome is a :class:`CommitResult` or the error :meth:`commit` would raise."""
         call, what = self._commit_call(table, spec, record, actor=actor, label=label, fence=fence, plan_id=plan_id,
-                                       round_=round_, reason=reason, changes=changes)
+                                       round_=round_, reason=reason, changes=changes, detail=detail)
         return self._deferred_script(what, self._commit, call, lambda reply: self._commit_outcome(reply, what))
 
     def _commit_call(self, table: MachineTable, spec: TransitionSpec, record: Any, *, actor: str, label: str,
                      fence: str, plan_id: str, round_: int | None, reason: str,
-                     changes: dict[str, Any] | None) -> tuple[CommitCall, str]:
+                     changes: dict[str, Any] | None,
+                     detail: Mapping[str, Any] | None = None) -> tuple[CommitCall, str]:
         """The ``commit.lua`` call of a transition, and what it is (for error messages)."""
         round_ = record.round if round_ is None else round_
         audit = {
@@ -206,7 +210,8 @@ class MachineIO:
         call = commit_call(
             self._keys, record_key=record.key, expected_state=record.state, expected_version=record.version,
             fence=fence, new_state=spec.dest, fields=encode_changes(record_type(table), changes or {}),
-            audit={k: audit[k] for k in AUDIT_FIELDS}, guards=spec.guards, effect=spec.effect, plan_id=plan_id,
+            audit={**{k: audit[k] for k in AUDIT_FIELDS}, **detail_field(detail)}, guards=spec.guards,
+            effect=spec.effect, plan_id=plan_id,
             plan_key=self._keys.plan(plan_id or "_none"), ep_size=self.ep_size() if per_rank else 0,
             signal=spec.wakes_ranks,
         )

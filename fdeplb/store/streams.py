@@ -8,9 +8,11 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_appe
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from fdeplb.errors import FenceError, InputError
 from fdeplb.machines.tables import CLUSTER
@@ -24,6 +26,30 @@ EVENTS_MAXLEN = 10_000
 #: the largest part of a stream id: Redis keeps both as unsigned 64-bit integers
 _U64_MAX = 2**64 - 1
 _STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+
+
+def detail_text(detail: Mapping[str, Any]) -> str:
+    """The audit ``detail`` field of ``detail``: canonical JSON (keys sorted, no spaces, floats as Python's
+    shortest round-trip repr), so the chain over it is reproducible. :class:`InputError` for a value JSON cannot
+    hold exactly (NaN, inf, a non-string key, an object of another type)."""
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InputError(f"audit detail holds a non-finite number {value!r}")
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [finite(v) for v in value]
+        return value
+
+    try:
+        return json.dumps(finite(dict(detail)), sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"audit detail is not JSON: {exc}") from None
+
+
+def detail_field(detail: Mapping[str, Any] | None) -> dict[str, str]:
+    """``{"detail": detail_text(detail)}``, or {} for no detail (a record without facts has no such field)."""
+    return {"detail": detail_text(detail)} if detail else {}
 
 
 def parse_stream_id(text: str) -> tuple[int, int]:
@@ -55,21 +81,24 @@ Cursor = dict
 class Streams:
     """The audit, events and signal streams (see the module doc)."""
 
-    def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str, fence: str = "") -> str:
+    def append_alarm(self, record: ClusterRecord, *, actor: str, reason: str, fence: str = "",
+                     detail: Mapping[str, Any] | None = None) -> str:
         """Append an alarm to the audit stream: ``trigger`` = ``alarm``, ``from`` = ``to`` = the record's state and
         its current ``version`` (not a transition: replays skip it; the record is unchanged). With ``fence``,
         refused (:class:`FenceError`) unless that lease is held. Returns the audit id."""
-        return self.append_note(record, trigger="alarm", actor=actor, reason=reason, fence=fence)
+        return self.append_note(record, trigger="alarm", actor=actor, reason=reason, fence=fence, detail=detail)
 
-    def append_note(self, record: ClusterRecord, *, trigger: str, actor: str, reason: str, fence: str = "") -> str:
+    def append_note(self, record: ClusterRecord, *, trigger: str, actor: str, reason: str, fence: str = "",
+                    detail: Mapping[str, Any] | None = None) -> str:
         """Append a cluster outcome that is not a transition (``alarm``, ``skip``, ``start_refused``) to the audit
         stream: ``from`` = ``to`` = the record's state, its current ``version``; the record is unchanged and
         replays skip it (:data:`fdeplb.replay.NOT_TRANSITIONS`). Appended by ``lua/audit.lua``, so it joins the
         audit chain like a transition; with ``fence``, refused (:class:`FenceError`) unless that lease is held.
+        ``detail``: the facts behind ``reason`` as the record's ``detail`` field (:func:`detail_text`).
         Returns the stream id."""
         fields = {"machine": CLUSTER.name, "key": CLUSTER.name, "from": record.state.value,
                   "to": record.state.value, "trigger": trigger, "actor": actor, "round": str(record.round),
-                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version)}
+                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version), **detail_field(detail)}
         call = audit_call(self._keys, fence=fence, audit=fields)
         reply = self._append(keys=call.keys, args=call.args)
         if _s(reply[0]) != "OK":

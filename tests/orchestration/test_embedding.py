@@ -478,7 +478,8 @@ def test_stale_rank_refuses_a_start_with_the_reason(redis_url, cluster_id, tmp_p
         from fdeplb.orchestration import reasons
 
         (start,) = [a for a in store.iter_audit() if a["trigger"] == "start"]
-        beats = reasons.parse_fresh(start["reason"])  # the start shows rank 2 fresh again, for a replay to check
+        assert start["detail"]  # structured: the replay reads the heartbeats from the detail, not the text
+        beats = reasons.heartbeats(start)  # the start shows rank 2 fresh again, for a replay to check
         assert beats is not None and set(beats) == {0, 1, 2, 3} and beats[2][0] <= beats[2][1] == 2_000
 
 

@@ -19,6 +19,8 @@ from fdeplb.store import scripts
 
 REPLAYS = Path(__file__).parents[1] / "replays"
 RECORDINGS = sorted(REPLAYS.glob("*.jsonl"))
+#: the same scenarios as recorded before audit records carried a ``detail`` (schema 1): they must still replay
+SCHEMA1 = sorted((REPLAYS / "schema1").glob("*.jsonl"))
 HAPPY = REPLAYS / "happy.jsonl"
 
 
@@ -29,7 +31,7 @@ def test_every_scenario_has_a_recording():
                                                               "stale_rank", "weights", "cordoned_http"}
 
 
-@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", RECORDINGS + SCHEMA1, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_recording_replays_without_redis_and_whatif_runs(path, capsys):
     # no --redis-url: nothing here can reach a Redis
     assert main(["replay", str(path), "--policy", "balanced"]) == 0
@@ -59,8 +61,8 @@ def test_later_recordings_say_what_happened():
 
     stale = replay_file(REPLAYS / "stale_rank.jsonl")
     refusal, start = stale.audit[0], stale.audit[1]
-    assert refusal["trigger"] == "start_refused" and 1 in reasons.parse_refusal(refusal["reason"])
-    beats = reasons.parse_fresh(start["reason"])
+    assert refusal["trigger"] == "start_refused" and 1 in reasons.stale_ranks(refusal)
+    beats = reasons.heartbeats(start)
     assert start["trigger"] == "start" and beats[1][0] <= beats[1][1]  # rank 1 fresh again, within its TTL
     assert [r.outcome for r in stale.rounds] == ["committed"]
     weights = replay_file(REPLAYS / "weights.jsonl")
@@ -100,8 +102,14 @@ def rechain(lines: list[dict]) -> list[dict]:
 
 
 def drop_record(lines):
-    del lines[_index(lines, key="rank:2", trigger="staged")]
-    return lines
+    """Drop a rank's ``staged`` record that another rank's record follows (so that only the chain can tell; which
+    rank that is depends on the recorded run's interleaving)."""
+    for i, rec in enumerate(lines[:-1]):
+        after = lines[i + 1]
+        if rec.get("trigger") == "staged" and after.get("key", "").startswith("rank:") and after["key"] != rec["key"]:
+            del lines[i]
+            return lines
+    raise AssertionError("no staged record followed by another rank's record")
 
 
 def swap_records(lines):
@@ -169,14 +177,43 @@ def move(lines, index: int, to: int, **changes):
     return renumber(lines)
 
 
+def _set_detail(rec: dict, reason) -> None:
+    """Write a forged :class:`~fdeplb.orchestration.reasons.Reason` into ``rec`` as the coordinator would (text and
+    detail together): a careful forger."""
+    rec["reason"], rec["detail"] = reason.text, json.dumps(reason.detail, sort_keys=True, separators=(",", ":"))
+
+
 def start_without_fresh_heartbeats(lines):
-    lines[_index(lines, key="cluster", trigger="start")]["reason"] = ""
+    start = lines[_index(lines, key="cluster", trigger="start")]
+    start["reason"] = ""
+    start.pop("detail", None)
     return rechain(lines)
 
 
 def start_with_old_heartbeat(lines):
+    from fdeplb.orchestration import reasons
+
+    start = lines[_index(lines, key="cluster", trigger="start")]
+    beats = reasons.heartbeats(start)
+    beats[1] = (5000, beats[1][1])
+    _set_detail(start, reasons.fresh(beats))
+    return rechain(lines)
+
+
+def start_with_old_heartbeat_in_text(lines):  # schema 1: the text is all there is
     start = lines[_index(lines, key="cluster", trigger="start")]
     start["reason"] = re.sub(r"(heartbeats |, )1 \d+ ms ago", r"\g<1>1 5000 ms ago", start["reason"])
+    return rechain(lines)
+
+
+def start_text_not_its_detail(lines):
+    start = lines[_index(lines, key="cluster", trigger="start")]
+    start["reason"] = start["reason"].replace("ms ago", "ms  ago", 1)
+    return rechain(lines)
+
+
+def refusal_detail_not_json(lines):
+    lines[_index(lines, trigger="start_refused")]["detail"] = "{not json"
     return rechain(lines)
 
 
@@ -188,7 +225,9 @@ def refusal_mid_round(lines):
 
 
 def refusal_of_a_stray_rank(lines):
-    lines[_index(lines, trigger="start_refused")]["reason"] = "start refused: stale ranks 7 (heartbeat 9000 ms ago)"
+    from fdeplb.orchestration import reasons
+
+    _set_detail(lines[_index(lines, trigger="start_refused")], reasons.refusal({7: 9000}))
     return rechain(lines)
 
 
@@ -223,13 +262,29 @@ def drop_commit(lines):
 
 
 def commit_without_request(lines):
-    lines[_index(lines, key="cluster", trigger="commit")]["reason"] = ""
+    commit = lines[_index(lines, key="cluster", trigger="commit")]
+    commit["reason"] = ""
+    commit.pop("detail", None)
+    return rechain(lines)
+
+
+def commit_request_only_in_text(lines):  # the text claims a request the detail does not carry
+    commit = lines[_index(lines, key="cluster", trigger="commit")]
+    commit["detail"] = "{}"
     return rechain(lines)
 
 
 def gate_numbers_edited(lines):
     gated = lines[_index(lines, key="cluster", trigger="abort")]
     gated["reason"] = re.sub(r"-> (\d\.\d{4})", lambda m: f"-> {float(m[1]) + 0.01:.4f}", gated["reason"])
+    return rechain(lines)
+
+
+def gate_figures_edited(lines):
+    gated = lines[_index(lines, key="cluster", trigger="abort")]
+    detail = json.loads(gated["detail"])
+    detail["gate"]["balancedness_after"] += 1e-9  # invisible in the 4-decimal text
+    gated["detail"] = json.dumps(detail, sort_keys=True, separators=(",", ":"))
     return rechain(lines)
 
 
@@ -260,6 +315,12 @@ MUTATIONS = {
                                             r"rank 1 \(start refused at line 2 .*\): the start shows no heartbeat"),
     "stale_rank: start over an old heartbeat": (start_with_old_heartbeat, r"line 3 .*cluster start over stale rank "
                                                 r"1 .*its heartbeat 5000 ms old \(ttl 2000 ms\)"),
+    "stale_rank: start text not what its detail says": (start_text_not_its_detail, r"line 3 .*reason .* is not what "
+                                                        r"its detail says"),
+    "stale_rank: refusal detail not JSON": (refusal_detail_not_json, r"line 2 .*detail is not what a start_refused "
+                                                                     r"record carries"),
+    "schema1/stale_rank: start over an old heartbeat": (start_with_old_heartbeat_in_text, r"line 3 .*cluster start "
+                                                        r"over stale rank 1 .*its heartbeat 5000 ms old"),
     "stale_rank: refusal mid-round": (refusal_mid_round, r"line 4 .*start_refused while the cluster is PLANNING"),
     "stale_rank: refusal of a stray rank": (refusal_of_a_stray_rank, r"line 2 .*start_refused names ranks \[7\]; "
                                                                     r"the cluster has ranks 0..1"),
@@ -278,7 +339,13 @@ MUTATIONS = {
                                                    r"hold when rank:\d swap committed: cluster is LOAD_SUCC"),
     "cordoned_http: commit without a request": (commit_without_request, r"line \d+ .*cluster commit of a cordoned "
                                                                         r"cluster without an external request"),
+    "cordoned_http: request only in the text": (commit_request_only_in_text, r"line \d+ .*cluster commit of a "
+                                                                             r"cordoned cluster without an external"),
     # a gated skip
+    "gated_skip: figures edited in the detail": (gate_figures_edited, r"line 4 .*gated round 1 records the gate's "
+                                                                      r"figures .*; recomputing"),
+    "schema1/gated_skip: numbers edited": (gate_numbers_edited, r"line 4 .*gated round 1 says .*; recomputing its "
+                                                                r"'deepseek' plan gives 'gated: skipped: "),
     "gated_skip: numbers edited": (gate_numbers_edited, r"line 4 .*gated round 1 says .*; recomputing its 'deepseek' "
                                                         r"plan gives 'gated: skipped: "),
     "gated_skip: min_gain lowered": (min_gain_lowered, r"line 4 .*round 1 was gated, but its 'deepseek' plan goes "

@@ -189,20 +189,36 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
 
 
 # ---- the audited reasons a replay reads back -----------------------------------------------------------------------
-def test_reasons_parse_what_the_coordinator_writes():
+def test_reasons_carry_their_facts_as_detail_and_derive_the_text():
+    import json
+
     from fdeplb.orchestration import reasons
 
     stale = {3: 2412, 1: 5000}
-    assert reasons.refusal(stale) == "start refused: stale ranks 1 (heartbeat 5000 ms ago), 3 (heartbeat 2412 ms ago)"
-    assert reasons.parse_refusal(reasons.refusal(stale)) == stale
+    refused = reasons.refusal(stale)
+    assert refused.text == "start refused: stale ranks 1 (heartbeat 5000 ms ago), 3 (heartbeat 2412 ms ago)"
+    assert refused.detail == {"stale_ranks": [{"ep_rank": 1, "heartbeat_age_ms": 5000},
+                                              {"ep_rank": 3, "heartbeat_age_ms": 2412}]}
+    record = {"reason": "forged text", "detail": json.dumps(refused.detail)}
+    assert reasons.stale_ranks(record) == stale  # the structure is read, never the text, when it is there
+    assert reasons.stale_ranks({"reason": refused.text}) == stale  # schema 1: the text alone
     beats = {0: (12, 2000), 1: (7, 0)}
-    assert reasons.fresh(beats) == "start after a refusal: heartbeats 0 12 ms ago (ttl 2000 ms), 1 7 ms ago (no ttl)"
-    assert reasons.parse_fresh(reasons.fresh(beats)) == beats
+    fresh = reasons.fresh(beats)
+    assert fresh.text == "start after a refusal: heartbeats 0 12 ms ago (ttl 2000 ms), 1 7 ms ago (no ttl)"
+    assert reasons.heartbeats({"reason": "", "detail": json.dumps(fresh.detail)}) == beats
+    assert reasons.heartbeats({"reason": fresh.text}) == beats
     for bad in ("", "start refused: stale ranks ", "start refused: stale ranks one (heartbeat 5 ms ago)",
                 "start after a refusal: heartbeats 0 12 ms ago"):
-        assert reasons.parse_refusal(bad) is None and reasons.parse_fresh(bad) is None
+        assert reasons.stale_ranks({"reason": bad}) is None and reasons.heartbeats({"reason": bad}) is None
+    for corrupt in ("[1, 2]", "not json", "7"):
+        with pytest.raises(ValueError):
+            reasons.stale_ranks({"reason": "", "detail": corrupt})
     assert reasons.gate(0.5, 0.7, 3, 0.1) is None  # moves experts and gains more than min_gain: the round goes on
     assert reasons.gate(0.5, 0.55, 3, 0.1) == ("gated: skipped: planned gain 0.0500 <= min_gain 0.1 (balancedness "
                                                "0.5000 -> 0.5500, 3 moved experts)")
     assert reasons.gate(0.5, 0.7, 0, 0.0).startswith("gated: skipped: the plan moves no expert")
-    assert reasons.external_commit("") == "external commit requested by operator"
+    external = reasons.external_commit("")
+    assert external.text == "external commit requested by operator" and external.detail == {"requested_by": "operator"}
+    assert reasons.requested_by({"reason": external.text}) == "operator"
+    assert reasons.requested_by({"reason": "", "detail": '{"requested_by":"http"}'}) == "http"
+    assert reasons.requested_by({"reason": "something else"}) is None
