@@ -25,14 +25,13 @@ from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGH
 from fdeplb.recording import audit_dict
 from fdeplb.status import cluster_status, unhealthy_ranks
 from fdeplb.store import Store
+from fdeplb.store.streams import parse_stream_id
 
 log = structlog.get_logger("fdeplb.api")
 
 #: FastDeploy's RearrangeExpertStatus names by code (CLUSTER.to_code gives the code of an fdeplb state)
 FD_STATUS = FASTDEPLOY_STATUS_NAMES
 #: stream ids (``<ms>-<seq>``, ASCII digits, each part at most 2**64 - 1) accepted by ``since``
-_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
-_U64_MAX = 2**64 - 1
 MAX_AUDIT_LIMIT = 10_000
 MAX_WAIT_MS = 30_000
 
@@ -280,9 +279,11 @@ def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> 
 def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | None) -> dict[str, Any]:
     """Audit records after stream id ``since`` (all when absent), at most ``limit``; with ``wait_ms``, wait that
     long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
-    parts = _STREAM_ID.fullmatch(since) if since is not None else None
-    if since is not None and (parts is None or max(int(p) for p in parts.groups()) > _U64_MAX):
-        raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}")
+    if since is not None:
+        try:
+            parse_stream_id(since)
+        except InputError:
+            raise InputError(f"since must be an audit id like 1700000000000-0, got {since[:40]!r}") from None
     count = _int_param(limit, "limit", 1000, 1, MAX_AUDIT_LIMIT)
     wait = _int_param(wait_ms, "wait_ms", 0, 0, MAX_WAIT_MS)
     start = "-" if since is None else f"({since}"

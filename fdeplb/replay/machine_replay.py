@@ -30,6 +30,7 @@ from fdeplb.machines.tables import (
 )
 from fdeplb.replay.recording_format import AuditLine, HeaderLine, SnapshotLine, decimal_text, read_export
 from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
+from fdeplb.store.streams import parse_stream_id
 
 if TYPE_CHECKING:
     from fdeplb.store.records import PlanEntry
@@ -71,10 +72,9 @@ def _stream_id(line: AuditLine) -> tuple[int, int] | None:
     rid = line.record.get("id")
     if rid in (None, ""):
         return None
-    ms, _, seq = rid.partition("-")
     try:
-        return int(ms), int(seq or 0)
-    except ValueError:
+        return parse_stream_id(rid)
+    except InputError:
         raise ReplayError(f"{line.where}: not a stream id: {rid!r}") from None
 
 
