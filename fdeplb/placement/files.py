@@ -177,14 +177,8 @@ def write_placement(
     expert_load=None,
 ) -> Path:
     """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`); returns
-    the path.
-
-    Args:
-        layer_ids: model layer index of every row (default 0..L-1).
-        num_model_layers: "sglang"/"fastdeploy": write this many rows, the trivial placement for the layers not in
-            ``layer_ids`` (dense layers).
-        load_digest: "fdeplb": digest of the load the plan came from (:func:`fdeplb.placement.load_digest`).
-        expert_load: "fastdeploy": [L, E] loads for ``tokens_per_expert_stats_list`` (zeros when omitted).
+    the path. ``layer_ids``, ``num_model_layers``, ``load_digest`` and ``expert_load`` as for
+    :func:`render_placement`; ``meta_file_name`` is the file's own path.
 
     Raises:
         InputError: unknown format or inconsistent layer_ids / num_model_layers / expert_load.
