@@ -19,7 +19,9 @@ from fdeplb.errors import IllegalTransitionError, InputError, ReplayError
 from fdeplb.machines.model import RecordModel, build_machine
 from fdeplb.machines.tables import (
     CLUSTER,
+    MEMBERSHIP,
     RANK,
+    TABLE_OF_LABEL,
     TABLES,
     WEIGHTS,
     Effect,
@@ -153,14 +155,14 @@ class _Replay:
 
     def _table_of(self, line: AuditLine, key: str, machine: str | None = None) -> MachineTable:
         name, sep, idx = key.partition(":")
-        table = TABLES.get(machine if machine is not None else name)
+        table = TABLES.get(machine) if machine is not None else TABLE_OF_LABEL.get(name)
         if table is None:
             raise ReplayError(f"{line.where}: unknown machine {machine or name!r}; expected one of "
                               f"{', '.join(TABLES)}")
         if table is CLUSTER:
             ok = key == CLUSTER.name
         else:
-            ok = name == table.name and sep == ":" and idx.isdigit() and (
+            ok = name == table.key_label and sep == ":" and idx.isdigit() and (
                 self.ep_size is None or int(idx) < self.ep_size)
         if not ok:
             held = self.machines.get(key)
@@ -491,8 +493,8 @@ def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
     its plan the placement."""
     records = {CLUSTER.name: {"state": CLUSTER.initial.value, "version": 0, "plan_id": ""}}
     for r in range(ep_size):
-        for table in (RANK, WEIGHTS):
-            records[f"{table.name}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
+        for table in (RANK, WEIGHTS, MEMBERSHIP):
+            records[f"{table.key_label}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
     chain, placement_plan = "", ""
     for e in entries:
         chain = e["chain"]

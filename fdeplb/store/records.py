@@ -24,8 +24,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fdeplb.errors import CorruptRecordError, InputError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, RankState, StateEnum, \
-    WeightState
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MachineTable, MemberState, \
+    RankState, StateEnum, WeightState
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig, Deadlines  # noqa: F401  (defined there; importable here too)
 
@@ -94,6 +94,11 @@ class ClusterRecord(RecordHeader):
     use it)."""
     clear_stat_request: int = 0
     """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
+    generation: int = 0
+    """The cluster's membership generation: +1 at every membership transition (``commit.lua``'s
+    ``bump_generation``, in the same atomic step as the member record's commit). Every cluster commit is made
+    under the generation its caller read and is refused (:class:`~fdeplb.errors.GenerationError`) when the stored
+    one is newer: a plan or switch decided for other members never commits."""
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
@@ -170,10 +175,25 @@ class WeightRecord(RecordHeader):
     """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
 
 
-MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord]
+@dataclass(frozen=True)
+class MemberRecord(RecordHeader):
+    """One EP rank's membership record, hash ``fdeplb:{c}:member:<ep_rank>`` (:data:`~fdeplb.machines.tables.MEMBERSHIP`)."""
+
+    state: MemberState
+    """Current membership state; only ACTIVE ranks count in a round."""
+    generation: int = 0
+    """The cluster generation this record's last transition produced (0 = never transitioned)."""
+    deadline_ms: int = 0
+    """While SUSPECT: Redis server time (ms) after which a still stale rank is excluded (0 = none)."""
+    actor: str = ""
+    """Who made the last transition (the coordinator's holder id, ``operator:<user>``)."""
+
+
+MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord, MemberRecord]
 
 #: machine table name -> its record class
-RECORD_TYPES: dict[str, type] = {CLUSTER.name: ClusterRecord, RANK.name: RankRecord, WEIGHTS.name: WeightRecord}
+RECORD_TYPES: dict[str, type] = {CLUSTER.name: ClusterRecord, RANK.name: RankRecord, WEIGHTS.name: WeightRecord,
+                                 MEMBERSHIP.name: MemberRecord}
 
 #: fields written only by the commit script
 _COMMIT_FIELDS = frozenset({"key", "state", "version", "updated_ms"})
