@@ -326,7 +326,11 @@ class _Replay:
             if self.ep_size is None:  # a header-less export: the rank count is unknown
                 return
             table = RANK if kind is GuardKind.RANKS_IN else WEIGHTS
+            counted = 0
             for r in range(self.ep_size):
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] != MEMBERSHIP.initial.value:
+                    continue  # commit.lua counts ACTIVE members only
+                counted += 1
                 state, held_plan = self._state_of(f"{table.name}:{r}", table)
                 if state != guard.state:
                     bad = f"{table.name}:{r} is {state}, not {guard.state}"
@@ -334,6 +338,8 @@ class _Replay:
                     bad = f"{table.name}:{r} holds plan {held_plan or '-'}, not {plan_id}"
                 if bad:
                     break
+            if not bad and counted == 0:
+                bad = "no rank is an ACTIVE member"
         elif kind is GuardKind.CLUSTER_IN:
             state, held_plan = self._state_of(CLUSTER.name, CLUSTER)
             if state not in guard.states:

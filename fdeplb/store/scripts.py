@@ -147,7 +147,8 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
 
 
 # ---- switch.lua: an armed rank's safe point ----------------------------------------------------------------------
-#: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order).
+#: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order),
+#: then every rank's member record.
 SWITCH_KEYS = ("rearrange", "rank")
 #: switch.lua ARGV[1..5], in order.
 SWITCH_ARGV = ("armed", "step", "field", "current", "margin")
@@ -163,7 +164,8 @@ def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int
     fixed = {"rearrange": keys.rearrange, "rank": keys.rank(ep_rank)}
     argv = {"armed": armed, "step": str(int(step)), "field": field, "current": _pairs(current),
             "margin": str(int(margin))}
-    return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)],
+    return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)]
+                      + [keys.member(r) for r in range(ep_size)],
                       args=[argv[n] for n in SWITCH_ARGV])
 
 
