@@ -10,7 +10,8 @@ something changes or a deadline or the lease renewal is due. A replacement coord
 work of whatever state it finds, which is how a kill at any point converges.
 
 This module owns the loop and the round's entry work per cluster state (with the periodic trigger, gated by
-:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, retention and the
+:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, the rounds nobody asked for (re-placement, periodic)
+:mod:`~fdeplb.orchestration.periodic`'s, membership :mod:`~fdeplb.orchestration.membership`'s, retention and the
 weights watchdog are :mod:`~fdeplb.orchestration.housekeeping`'s.
 """
 
@@ -28,9 +29,10 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
 from fdeplb.orchestration import membership, reasons
-from fdeplb.orchestration.gating import Planner, decide, default_planner, mean_balancedness, plan_round
+from fdeplb.orchestration.gating import Planner, decide, default_planner, plan_round
 from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
 from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
+from fdeplb.orchestration.periodic import UnaskedRounds
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.placement import MAX_LOAD, plan_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
@@ -52,7 +54,7 @@ __all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "
            "default_holder_id"]
 
 
-class Coordinator(Leadership):
+class Coordinator(UnaskedRounds, Leadership):
     """Leader-elected driver of one cluster's rearrangement machine.
 
     ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
@@ -261,63 +263,6 @@ class Coordinator(Leadership):
             return False, self.lease_ms // 3
         self._start_waits = None
         return True, None
-
-    def _replace_or_periodic(self, rec: ClusterRecord) -> Step:
-        """In FREE with no round asked for: a re-placement round when the current placement leaves an expert
-        without a replica on an ACTIVE member (once per set of members it failed closed for), else the periodic
-        trigger."""
-        live = membership.live_mask(self._members.view, self.config.ep_size)
-        key = ",".join(map(str, np.flatnonzero(live)))
-        if not live.all() and key != self._failed_closed:
-            current = self.store.current_placement().phy2log
-            if membership.orphaned_experts(current, self.config.num_logical_experts, self.config.ep_size, live):
-                lost = [int(r) for r in np.flatnonzero(~live)]
-                self.store.request_round(f"replacement: ranks {lost} are not members")
-                return True, None
-        return self._periodic(rec)
-
-    def _periodic(self, rec: ClusterRecord) -> Step:
-        """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""
-        if self.interval_s is None:
-            return False, None
-        now = self.store.now_ms()
-        if self._next_periodic_ms is None:
-            self._next_periodic_ms = now + int(self.interval_s * 1000)
-        if now < self._next_periodic_ms:
-            return False, self._next_periodic_ms - now
-        self._next_periodic_ms = now + int(self.interval_s * 1000)
-        cfg = self.config
-        windows = [self.store.read_load(r) for r in range(cfg.ep_size)]
-        if any(w is None for w in windows):  # no window to judge by: the round collects them and gates itself
-            self.store.request_round("interval")
-            return True, None
-        load = np.sum(np.stack([w.expert_load for w in windows]), axis=0, dtype=np.int64)
-        if not load.any():
-            return self._skip(rec, "skipped: no tokens in the ranks' load windows")
-        old = self.store.current_placement().phy2log
-        before = mean_balancedness(load, old, cfg.ep_size)
-        if self.min_balancedness is not None and before >= self.min_balancedness:
-            return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
-        try:
-            decision = plan_round(load, old, cfg, self.planner)
-        except FdeplbError as err:
-            return self._skip(rec, f"skipped: planning failed: {err}")
-        after, moved = decision.balancedness_after, decision.moved_experts
-        if not decision.goes_on:
-            return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
-                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts",
-                              {"gate": decision.detail()})
-        self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
-        return True, None
-
-    def _skip(self, rec: ClusterRecord, reason: str, detail: dict | None = None) -> Step:
-        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers
-        (``detail``: the gate's figures when it planned)."""
-        self.log.info("skip", reason=reason)
-        self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
-        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason, detail=detail)
-        self.store.emit_event("skipped", reason=reason)
-        return False, int(self.interval_s * 1000)
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round

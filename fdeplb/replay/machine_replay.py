@@ -28,6 +28,7 @@ from fdeplb.machines.tables import (
     Guard,
     GuardKind,
     MachineTable,
+    MemberState,
     TransitionSpec,
 )
 from fdeplb.replay.recording_format import AuditLine, HeaderLine, SnapshotLine, decimal_text, read_export
@@ -276,6 +277,8 @@ class _Replay:
             refused_at, stale = self.refused
             beats = _read_detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
+                    continue  # the start ignores excluded ranks (issue 22)
                 age, ttl = beats.get(r, (None, 0))
                 if age is None or 0 < ttl < age:
                     shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
@@ -297,7 +300,9 @@ class _Replay:
 
     def _check_fence(self, line: AuditLine, table: MachineTable) -> None:
         rec = line.record
-        if table is not CLUSTER:
+        if table is MEMBERSHIP and not rec.get("fence", ""):  # an operator's command: unfenced
+            return
+        if table is not CLUSTER and table is not MEMBERSHIP:  # the coordinator's member commits are fenced
             if rec.get("fence", ""):
                 raise ReplayError(f"{line.where}: {table.name} records are not fenced, but this one carries fence "
                                   f"{rec['fence']!r}")

@@ -82,3 +82,30 @@ def test_metrics_count_ranks_per_membership_state(store):
     by_state = {s.labels["state"]: s.value for s in families["fdeplb_membership_ranks"].samples}
     assert by_state == {"ACTIVE": 2, "SUSPECT": 0, "DRAINING": 1, "EXCLUDED": 0, "REJOINING": 0}
     assert families["fdeplb_membership_generation"].samples[0].value == 1
+
+
+def test_placement_route_names_live_slots_only(store):
+    from fdeplb.api import service
+    from fdeplb.orchestration.membership import operator_fire
+
+    full = service.placement(store, None)
+    assert full["live_ranks"] == [0, 1, 2] and full["logcnt"] == [[2, 2, 1, 1]]
+    operator_fire(store, 2, "drain", who="operator:test", reason="")  # slots 4, 5 (experts 0, 1) leave the routes
+    part = service.placement(store, None)
+    assert part["live_ranks"] == [0, 1] and part["logcnt"] == [[1, 1, 1, 1]]
+    assert not {4, 5} & {p for row in part["log2phy"][0] for p in row}
+    assert part["phy2log"] == full["phy2log"]  # the placement itself is unchanged
+
+
+def test_init_cluster_takes_the_exclusion_deadline(capsys, redis_url, cluster_id, tmp_path):
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", 1, 4, hidden=4, intermediate=2)
+    code, _, err = run_cli(capsys, "init-cluster", "--redis-url", redis_url, "--cluster", cluster_id,
+                           "--num-layers", "1", "--num-logical-experts", "4", "--num-redundant-experts", "0",
+                           "--ep-size", "2", "--checkpoint", str(ckpt), "--exclude-ms", "4500")
+    assert code == 0, err
+    s = Store(redis_url, cluster_id)
+    assert s.read_config().deadlines.exclude_ms == 4500
+    assert [m.state for m in s.read_all(MEMBERSHIP)] == [M.ACTIVE, M.ACTIVE]
+    s.delete_cluster()

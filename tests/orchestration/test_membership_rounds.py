@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.placement import live_maps, orphaned_experts
+from fdeplb.replay import check_plans, replay_file
 from fdeplb.store import Deadlines
 from tests.helpers import thread_cluster, wait_for
 
@@ -46,6 +48,7 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         store = tc.store()
         tc.start(heartbeat_ttl_ms=TTL)
         before = store.current_placement().phy2log
+        assert tc.agents[0].live_ranks == (0, 1, 2, 3)
         kill(tc, 2)
         wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.EXCLUDED, 30, store, "rank 2 excluded")
         assert member_trail(store, 2) == [("ACTIVE", "SUSPECT", "suspect"), ("SUSPECT", "EXCLUDED", "exclude")]
@@ -67,12 +70,21 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         assert not np.isin(log2phy, [6, 7, 8]).any() and (logcnt >= 1).all()
         plan = store.read_plan(after.plan_id)
         assert plan.generation == 2 and plan.topology["live_ranks"] == [0, 1, 3]
+        assert tc.agents[0].live_ranks == (0, 1, 3)  # the engine's dispatch mask, switched with the tables
         commit = [a for a in store.iter_audit() if a["trigger"] == "commit"][-1]
         assert commit["generation"] == "2"
         # the next round plans without rank 2 as well and routes nothing to it
         store.request_round("test")
         wait_for(lambda: round_done(store, 2), 60, store, "round 2")
         assert orphaned_experts(store.current_placement().phy2log, 8, 4, live) == []
+        # the recording replays: member transitions, guards over members, both plans recomputed
+        tc.stop()
+        path = tmp_path / "lost.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        report = replay_file(path)
+        assert report.final["member:2"].state == "EXCLUDED"
+        assert len(check_plans(store, report)) == 2
+        assert main(["replay", str(path)]) == 0
 
 
 def test_no_redundant_replica_fails_closed_naming_the_experts(redis_url, cluster_id, tmp_path):
