@@ -362,9 +362,12 @@ MEMBERSHIP = MachineTable(
         TransitionSpec("rejoin", (M.EXCLUDED,), M.REJOINING, effect=Effect.BUMP_GENERATION,
                        doc="an agent of the rank registers again; it stages the current placement for its slots"),
         TransitionSpec("admit", (M.REJOINING,), M.ACTIVE, effect=Effect.BUMP_GENERATION,
-                       doc="the rejoining rank verified its slots and is admitted at a switch step"),
+                       guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
+                       doc="the rejoining rank loaded the current placement for its slots; admitted between rounds "
+                           "(a round in flight keeps its members)"),
         TransitionSpec("readmit", (M.EXCLUDED, M.DRAINING), M.ACTIVE, effect=Effect.BUMP_GENERATION,
-                       doc="the operator takes the rank back as a member"),
+                       guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
+                       doc="the operator takes the rank back as a member, between rounds"),
     ),
 )
 

@@ -39,7 +39,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, StaleStateError, 
     WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
-from fdeplb.orchestration.membership import participants
+from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
@@ -113,6 +113,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         #: the EP ranks the engine dispatches to (the ACTIVE members): read at start, then changed only at the
         #: safe point that swaps a committed plan, together with the routing tables, to that round's members
         self.live_ranks: tuple[int, ...] = ()
+        self._rejoin: Rejoin | None = None
         self.staged: _Staging | None = None
         self._stage_ms = 0.0
         self._outbox: list[PendingCall] = []  # the step's last writes, sent with the next wait (see run)
@@ -136,6 +137,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                                             self.config.ep_size)
         self._live_phy2log = self.backend.phy2log
         self.live_plan_id = placement.plan_id
+        self._rejoin = Rejoin(self.store, self.ep_rank, self.actor, self.log)
+        self._rejoin.begin(placement.plan_id)  # an excluded rank comes back: REJOINING, admitted when FREE
         self.live_ranks = tuple(self.store.member_view().active())
         self._open_window(self.config)
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
@@ -245,6 +248,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     def _reconcile(self, cluster: ClusterRecord, me: RankRecord, weights: WeightRecord) -> bool:
         self._failpoint(me)
         self._load_step(cluster)  # nothing else to do for it: no second look needed
+        if self._rejoin is not None and self._rejoin.step(cluster.state):
+            self.live_ranks = tuple(self.store.member_view().active())
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()

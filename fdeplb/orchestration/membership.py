@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import GuardError, IllegalTransitionError, RedundancyError, StaleStateError
+from fdeplb.errors import GuardError, IllegalTransitionError, NotFoundError, RedundancyError, StaleStateError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
@@ -26,7 +26,7 @@ from fdeplb.store.liveness import MemberView
 
 M = MemberState
 
-__all__ = ["MEMBER_WORK", "MembershipWatch", "live_mask", "live_planner", "lost_participants", "operator_fire", "participants",
+__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "live_mask", "live_planner", "lost_participants", "operator_fire", "participants",
            "participants_text", "replacement"]
 
 
@@ -146,6 +146,52 @@ def operator_fire(store: Store, ep_rank: int, command: str, *, who: str, reason:
                          {"ranks": [int(ep_rank)], "by": who})
     return handle.fire(OPERATOR_TRIGGERS[command], record=rec, reason=why.text, detail=why.detail,
                        changes={"actor": who, "deadline_ms": 0})
+
+
+class Rejoin:
+    """A rank agent's way back (EXCLUDED -> REJOINING -> ACTIVE): :meth:`begin` once its agent has loaded the
+    cluster's current placement for its slots (``RankAgent.start``), :meth:`step` at every reconcile pass until
+    it is admitted, which the table allows only while the cluster is FREE (the next round plans with it)."""
+
+    def __init__(self, store: Store, ep_rank: int, actor: str, log: Any) -> None:
+        self.handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=actor)
+        self.store, self.ep_rank, self.actor, self.log = store, ep_rank, actor, log
+        self.pending = False
+
+    def begin(self, plan_id: str) -> None:
+        """After the agent loaded placement ``plan_id``: an EXCLUDED rank fires ``rejoin``; one left REJOINING by
+        an earlier agent carries on."""
+        try:
+            rec = self.handle.read()
+        except NotFoundError:  # a cluster made before membership
+            return
+        if rec.state is M.EXCLUDED:
+            why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} registered again and loaded placement "
+                                 f"{plan_id or 'initial'} for its slots", {"ranks": [self.ep_rank]})
+            try:
+                self.handle.fire("rejoin", record=rec, reason=why.text, detail=why.detail,
+                                 changes={"actor": self.actor})
+            except StaleStateError:
+                return
+            rec = self.handle.read()
+        self.pending = rec.state is M.REJOINING
+
+    def step(self, cluster_state: ClusterState) -> bool:
+        """Admit the rank if it is rejoining and the cluster is FREE; True when it was admitted now."""
+        if not self.pending or cluster_state is not ClusterState.FREE:
+            return False
+        why = reasons.Reason(f"rank {self.ep_rank} admitted", {"ranks": [self.ep_rank]})
+        try:
+            self.handle.fire("admit", reason=why.text, detail=why.detail, changes={"actor": self.actor})
+        except (GuardError, StaleStateError) as err:  # a round started meanwhile: after it
+            self.log.info("admit waits", error=str(err))
+            return False
+        except IllegalTransitionError:  # the operator acted meanwhile (readmit, exclude)
+            self.pending = False
+            return False
+        self.pending = False
+        self.log.info("admitted", ep_rank=self.ep_rank)
+        return True
 
 
 def live_mask(view: MemberView | None, ep_size: int) -> np.ndarray:

@@ -125,3 +125,44 @@ def test_a_round_aborts_at_once_when_a_participant_goes_suspect(redis_url, clust
         assert reasons.detail_of(abort) == {"ranks": [3]}
         assert "deadline" not in rec.reason and store.read(MEMBERSHIP, 3).state is M.SUSPECT
         assert store.current_placement().plan_id == ""  # nothing committed
+
+
+def test_an_excluded_rank_rejoins_and_the_next_round_counts_it(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        kill(tc, 2)
+        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        placement = store.current_placement()
+        back = tc.start_agent(2, heartbeat_ttl_ms=TTL)  # a new worker for rank 2: it loads the current placement
+        assert np.array_equal(back.backend.phy2log, placement.phy2log)
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.ACTIVE, 30, store, "rank 2 admitted")
+        assert [t for _, _, t in member_trail(store, 2)] == ["suspect", "exclude", "rejoin", "admit"]
+        rejoin = [a for a in store.iter_audit() if a["key"] == "member:2" and a["trigger"] == "rejoin"][0]
+        assert rejoin["actor"] == back.actor and rejoin["fence"] == "" and rejoin["generation"] == "3"
+        assert back.live_ranks == (0, 1, 2, 3)
+        store.request_round("test")
+        rec = wait_for(lambda: round_done(store, 2), 60, store, "round 2")
+        assert rec.members == ""  # every rank a member again
+        start = [a for a in store.iter_audit() if a["trigger"] == "start"][-1]
+        assert start["generation"] == "4"
+
+
+def test_readmit_waits_for_a_round_to_end(redis_url, cluster_id, tmp_path):
+    from fdeplb.errors import GuardError
+    from fdeplb.orchestration.membership import operator_fire
+
+    # 16 experts in 32 slots: each expert on two ranks, so draining rank 3 orphans none (no re-placement round)
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_redundant=16, cordoned=True,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        operator_fire(store, 3, "drain", who="operator:test", reason="")
+        tc.start(heartbeat_ttl_ms=TTL)
+        wait_for(lambda: store.read(MEMBERSHIP, 3).state is M.EXCLUDED, 30, store, "rank 3 drained")
+        store.request_round("test")
+        wait_for(lambda: store.read_cluster().state is ClusterState.LOAD_SUCC, 60, store, "LOAD_SUCC")
+        assert store.read_cluster().members == "0,1,2"
+        with pytest.raises(GuardError, match="cluster_in"):
+            operator_fire(store, 3, "readmit", who="operator:test", reason="")
+        assert store.read(MEMBERSHIP, 3).state is M.EXCLUDED
