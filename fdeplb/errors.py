@@ -95,6 +95,13 @@ class StaleStateError(StateError):
     code = "stale_state"
 
 
+class GenerationError(StaleStateError):
+    """A cluster transition decided under an older membership generation than the stored one (a rank joined,
+    left or was suspected meanwhile): refused by the commit script, nothing written. The caller reads again."""
+
+    code = "stale_generation"
+
+
 class FenceError(StateError):
     """The caller's fencing token is not the current lease holder's: a deposed coordinator may not commit."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from fdeplb.errors import CorruptRecordError, NotFoundError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MemberState, RankState
 from fdeplb.store import RankRecord
 from fdeplb.store.redis_store import stale_of
 
@@ -71,6 +71,10 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     ``swap_pending`` (the cluster is SWAPPING and the rank has not swapped yet: its old tables are expected),
     ``not_reported`` (no digest yet), or None (no rank record or no placement).
 
+    Membership: ``generation`` (the cluster's membership generation), ``live_ranks`` (the ACTIVE members), each
+    rank's ``membership`` (ACTIVE, SUSPECT, DRAINING, EXCLUDED, REJOINING; ACTIVE where a cluster made before
+    membership has no record) and ``degraded`` (None, or the experts left with no replica on a member).
+
     Corrupt values: each record is read on its own, and one that does not parse (a value fdeplb did not write that
     way, :class:`~fdeplb.errors.CorruptRecordError`) is listed in ``corrupt`` (``[{"key", "error"}]``, the error
     naming the key and the field) and shown as ``CORRUPT`` while every other record is shown as usual: the
@@ -109,14 +113,20 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     registered = read(store.rank_info)
     rank_records = [parsed(x) for x in store.read_each(RANK)]
     weight_records = [parsed(x) for x in store.read_each(WEIGHTS)]
+    members = [parsed(x) for x in store.read_each(MEMBERSHIP)]
+    membership = [MemberState.ACTIVE if m is None else m if m is CORRUPT else m.state for m in members]
     stale = stale_of(heartbeats_of(rank_records, now, None if registered is CORRUPT else registered))
-    ranks = [_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, r in stale,
-                          expected, cluster_state)
+    ranks = [{**_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, r in stale,
+                             expected, cluster_state), "membership": membership[r]}
              for r, (rank, weights) in enumerate(zip(rank_records, weight_records))]
     has_placement = placement not in (None, CORRUPT)
+    live = [r for r, st in enumerate(membership) if st is MemberState.ACTIVE]
     return {
         "cluster": store.cluster,
         "now_ms": now,
+        "generation": None if rec is CORRUPT else rec.generation,
+        "live_ranks": live,
+        "degraded": _degraded(config, placement if has_placement else None, live),
         "staged": _staged(store, config, rec, cluster_state, read, redis_url),
         "config": {"ep_size": config.ep_size, "policy": config.policy, "cordoned": config.cordoned,
                    **config.topology()},
@@ -128,6 +138,24 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
         "ranks": ranks,
         "corrupt": corrupt,
     }
+
+
+def _degraded(config, placement, live: list[int]) -> dict[str, Any] | None:
+    """None while every logical expert has a replica on an ACTIVE member; else ``{"orphans": [[layer, log_id],
+    ...], "ranks": [the ranks that are not members]}``: the cluster serves without those experts until a rank
+    rejoins or the operator acts (a re-placement failed closed)."""
+    import numpy as np
+
+    from fdeplb.placement import orphaned_experts
+
+    if placement is None or len(live) == config.ep_size:
+        return None
+    mask = np.zeros(config.ep_size, dtype=bool)
+    mask[live] = True
+    orphans = orphaned_experts(placement.phy2log, config.num_logical_experts, config.ep_size, mask)
+    if not orphans:
+        return None
+    return {"orphans": [[l, e] for l, e in orphans], "ranks": [r for r in range(config.ep_size) if r not in live]}
 
 
 def _staged(store, config, rec, cluster_state, read, redis_url: str) -> dict[str, Any] | None:

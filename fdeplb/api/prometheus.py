@@ -203,3 +203,22 @@ class ClusterCollector(Collector):
         corrupt.update(w.key or str(w) for w in store.read_each(WEIGHTS) if isinstance(w, CorruptRecordError))
         yield age
         yield staging
+        yield from self._member_gauges(rec, corrupt)
+
+    def _member_gauges(self, rec, corrupt: set[str]):
+        """Ranks per membership state and the membership generation (a missing member record counts as ACTIVE)."""
+        from fdeplb.machines.tables import MEMBERSHIP, MemberState
+
+        counts = dict.fromkeys(MemberState, 0)
+        for m in self.store.read_each(MEMBERSHIP):
+            if isinstance(m, CorruptRecordError):
+                corrupt.add(m.key or str(m))
+                continue
+            counts[MemberState.ACTIVE if m is None else m.state] += 1
+        ranks = GaugeMetricFamily("fdeplb_membership_ranks", "EP ranks per membership state", labels=["state"])
+        for state, n in counts.items():
+            ranks.add_metric([state.value], n)
+        yield ranks
+        if rec is not None:
+            yield GaugeMetricFamily("fdeplb_membership_generation", "The cluster's membership generation (+1 at "
+                                    "every membership transition)", value=rec.generation)

@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 
 from fdeplb.cli._common import open_store, redis_or_url_parent, through_http
 from fdeplb.errors import InputError
-from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS
 from fdeplb.recording import audit_dict, export_recording
 
 #: how long one ``audit --follow`` read of Redis blocks before it checks again (ms)
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def select(entries: Iterable, *, round_: int | None = None, machine: str | None = None,
            rank: int | None = None) -> Iterable:
     """Audit entries matching every given filter (``rank`` selects the rank and weights records of that rank)."""
-    keys = None if rank is None else {f"{RANK.name}:{rank}", f"{WEIGHTS.name}:{rank}"}
+    keys = None if rank is None else {f"{RANK.name}:{rank}", f"{WEIGHTS.name}:{rank}", f"{MEMBERSHIP.key_label}:{rank}"}
     for entry in entries:
         if round_ is not None and entry["round"] != str(round_):
             continue

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from fdeplb.cli._common import open_store
 from fdeplb.errors import InputError
-from fdeplb.machines.tables import TABLES
+from fdeplb.machines.tables import TABLE_OF_LABEL
 from fdeplb.options import cluster_parent
 
 
@@ -99,7 +99,7 @@ def _states(report) -> dict[str, dict[str, Any]]:
     """Every machine's state where the replay stopped: the replayed ones, and the header's start for the others."""
     out: dict[str, dict[str, Any]] = {}
     for key, held in ((report.header or {}).get("start") or {}).get("records", {}).items():
-        table = TABLES[key.partition(":")[0]]
+        table = TABLE_OF_LABEL[key.partition(":")[0]]
         out[key] = {"state": held["state"], "code": table.to_code(held["state"]), "version": int(held["version"]),
                     "transitions": 0, "last_trigger": ""}
     for key, ks in report.final.items():
@@ -126,5 +126,5 @@ def print_whatif(rows: list[dict[str, Any]], out: TextIO) -> None:
 def _key_order(key: str) -> tuple[int, str, int]:
     """cluster first, then rank:0.., then weights:0.. (numeric rank order)."""
     name, _, idx = key.partition(":")
-    order = list(TABLES).index(name) if name in TABLES else len(TABLES)
+    order = list(TABLE_OF_LABEL).index(name) if name in TABLE_OF_LABEL else len(TABLE_OF_LABEL)
     return order, name, int(idx) if idx.isdigit() else -1

@@ -90,6 +90,14 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  staged     plan {st['plan_id']}: balancedness {st['balancedness_before']:.4f} -> "
                   f"{st['balancedness_after']:.4f}, {st['moved_experts']} moved experts; all ranks staged it\n")
         out.write(f"  commit     {st['commit_command']}\n")
+    if status.get("generation") is not None:
+        out.write(f"  members    {', '.join(map(str, status.get('live_ranks') or [])) or 'none'} ACTIVE  "
+                  f"(generation {status['generation']})\n")
+    deg = status.get("degraded")
+    if deg:
+        shown = ", ".join(f"layer {l} expert {e}" for l, e in deg["orphans"][:10])
+        out.write(f"  DEGRADED   {len(deg['orphans'])} experts have no replica on a member ({shown}"
+                  f"{' ...' if len(deg['orphans']) > 10 else ''}); ranks {deg['ranks']} are not members\n")
     out.write(f"  lease      {c['lease_holder'] or '- (no coordinator leads)'}"
               f"{'  (ttl ' + _ms(c['lease_ttl_ms']) + ')' if c['lease_holder'] else ''}\n")
     out.write(f"  placement  {CORRUPT if p.get('corrupt') else '-' if pid is None else (pid or 'initial')}"
@@ -100,8 +108,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  ROUTING MISMATCH  rank{'s' if len(mismatches) > 1 else ''} "
                   f"{', '.join(map(str, mismatches))} hold{'' if len(mismatches) > 1 else 's'} routing tables that "
                   f"differ from the placement's: tokens are dispatched inconsistently\n")
-    out.write(f"  {'rank':<6}{'state':<12}{'load_result':<12}{'weights':<10}{'code':<6}{'plan':<18}{'live':<18}"
-              f"{'routing':<14}heartbeat\n")
+    out.write(f"  {'rank':<6}{'state':<12}{'load_result':<12}{'weights':<10}{'code':<6}{'member':<11}{'plan':<18}"
+              f"{'live':<18}{'routing':<14}heartbeat\n")
     for r in status["ranks"]:
         out.write(_rank_line(r, p).rstrip() + "\n")
 
@@ -114,7 +122,8 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
            if r.get("routing") == "mismatch" else "")
     stale = f"  STALE (> {_ms(r.get('heartbeat_ttl_ms'))})" if r.get("stale") else ""  # older than its TTL
     return (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
-            f"{_opt(r['weights_code']):<6}{r['plan_id'] or '-':<18}{live:<18}{routing:<14}"
+            f"{_opt(r['weights_code']):<6}{r.get('membership') or '-':<11}{r['plan_id'] or '-':<18}{live:<18}"
+            f"{routing:<14}"
             f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
             f"{'not registered' if r['registered'] is False else ''}{stale}{bad}")
 

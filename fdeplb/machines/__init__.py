@@ -1,10 +1,12 @@
-"""The state machines as data: the three tables, their state enums, and the ``transitions`` wrappers (no I/O)."""
+"""The state machines as data: the four tables, their state enums, and the ``transitions`` wrappers (no I/O)."""
 
 from fdeplb.machines.model import CommitMachine, RecordModel, build_machine
 from fdeplb.machines.tables import (
     CLUSTER,
     FASTDEPLOY_STATUS_NAMES,
+    MEMBERSHIP,
     RANK,
+    TABLE_OF_LABEL,
     TABLES,
     WEIGHTS,
     ClusterState,
@@ -12,6 +14,7 @@ from fdeplb.machines.tables import (
     Guard,
     GuardKind,
     MachineTable,
+    MemberState,
     RankState,
     StateEnum,
     TransitionSpec,
@@ -22,7 +25,9 @@ from fdeplb.machines.tables import (
 __all__ = [
     "CLUSTER",
     "FASTDEPLOY_STATUS_NAMES",
+    "MEMBERSHIP",
     "RANK",
+    "TABLE_OF_LABEL",
     "TABLES",
     "WEIGHTS",
     "ClusterState",
@@ -31,6 +36,7 @@ __all__ = [
     "Guard",
     "GuardKind",
     "MachineTable",
+    "MemberState",
     "RankState",
     "RecordModel",
     "StateEnum",

@@ -1,4 +1,4 @@
-"""The three state-machine tables of fdeplb, declared as data (no I/O).
+"""The four state-machine tables of fdeplb, declared as data (no I/O).
 
 Each :class:`MachineTable` is one diagram in ``statecharts/``: its states, the FastDeploy integer code of each state
 (both ways, in one place), and its transitions with the guards that span records. The guards are *names*; the store
@@ -7,6 +7,8 @@ always evaluated in the same atomic step as the write it protects.
 
 FastDeploy codes (``fastdeploy/eplb``): rearrange status FREE=0, DOING=1, LOAD_SUCC=2, DONE=3; per-rank load result
 0 (not yet) / 1 (success) / -1 (failed); dynamic weight status NORMAL=0, UPDATING=1, CLEARING=-1, CLEARED=-2.
+FastDeploy has no membership: the codes of :data:`MEMBERSHIP` are fdeplb's own (ACTIVE 0, SUSPECT 1, DRAINING 2,
+REJOINING 3, EXCLUDED -1: negative for "not a member", as FastDeploy's failed / cleared codes are).
 """
 
 from __future__ import annotations
@@ -61,6 +63,16 @@ class WeightState(StateEnum):
     CLEARED = "CLEARED"
 
 
+class MemberState(StateEnum):
+    """States of one EP rank's membership (:data:`MEMBERSHIP`; what elastic EP engines call the active-rank mask)."""
+
+    ACTIVE = "ACTIVE"
+    SUSPECT = "SUSPECT"
+    DRAINING = "DRAINING"
+    EXCLUDED = "EXCLUDED"
+    REJOINING = "REJOINING"
+
+
 class GuardKind(StateEnum):
     """Kinds of cross-record checks; ``fdeplb/store/lua/commit.lua`` implements each (same names)."""
 
@@ -81,6 +93,7 @@ class Effect(StateEnum):
 
     NONE = ""
     SET_PLACEMENT = "set_placement"  #: the plan's new phy2log becomes the cluster's current placement
+    BUMP_GENERATION = "bump_generation"  #: the cluster's membership ``generation`` goes up by one (a member change)
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,8 @@ class MachineTable:
     initial: StateEnum
     transitions: tuple[TransitionSpec, ...]
     doc: str = ""
+    #: the prefix of a per-rank record's audit key (``<label>:<ep_rank>``); "" = the table's name
+    label: str = ""
     _by_key: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -145,6 +160,11 @@ class MachineTable:
             raise ValueError(f"{self.name}: transitions name states of another machine: {strays}")
         if missing:
             raise ValueError(f"{self.name}: states without a FastDeploy code: {sorted(missing)}")
+
+    @property
+    def key_label(self) -> str:
+        """The prefix of this table's per-rank audit keys (``rank:3``, ``member:3``)."""
+        return self.label or self.name
 
     @property
     def states(self) -> tuple[StateEnum, ...]:
@@ -316,7 +336,44 @@ WEIGHTS = MachineTable(
     ),
 )
 
-TABLES: dict[str, MachineTable] = {t.name: t for t in (CLUSTER, RANK, WEIGHTS)}
+# ---- membership (one per rank) --------------------------------------------------------------------------------------
+M = MemberState
+MEMBERSHIP = MachineTable(
+    name="membership",
+    label="member",
+    code_name="member_code",
+    state_type=MemberState,
+    codes={M.ACTIVE: 0, M.SUSPECT: 1, M.DRAINING: 2, M.EXCLUDED: -1, M.REJOINING: 3},
+    initial=M.ACTIVE,
+    doc="One per EP rank, driven by the leading coordinator (fenced) and the operator; every transition raises the "
+        "cluster's membership generation in the same atomic step. Only ACTIVE ranks count in a round.",
+    transitions=(
+        TransitionSpec("suspect", (M.ACTIVE,), M.SUSPECT, effect=Effect.BUMP_GENERATION,
+                       doc="the rank's heartbeat is past its TTL, as the leading coordinator observes it"),
+        TransitionSpec("recover", (M.SUSPECT,), M.ACTIVE, effect=Effect.BUMP_GENERATION,
+                       doc="the heartbeat is fresh again before the exclusion deadline"),
+        TransitionSpec("exclude", (M.SUSPECT,), M.EXCLUDED, effect=Effect.BUMP_GENERATION,
+                       doc="still stale after deadlines.exclude_ms (the coordinator, fenced), or the operator's "
+                           "exclude of a suspect rank; its experts are re-placed on live ranks"),
+        TransitionSpec("drain", (M.ACTIVE,), M.DRAINING, effect=Effect.BUMP_GENERATION,
+                       doc="planned removal by the operator"),
+        TransitionSpec("drained", (M.DRAINING,), M.EXCLUDED, effect=Effect.BUMP_GENERATION,
+                       doc="the draining rank leaves the members"),
+        TransitionSpec("rejoin", (M.EXCLUDED,), M.REJOINING, effect=Effect.BUMP_GENERATION,
+                       doc="an agent of the rank registers again; it stages the current placement for its slots"),
+        TransitionSpec("admit", (M.REJOINING,), M.ACTIVE, effect=Effect.BUMP_GENERATION,
+                       guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
+                       doc="the rejoining rank loaded the current placement for its slots; admitted between rounds "
+                           "(a round in flight keeps its members)"),
+        TransitionSpec("readmit", (M.EXCLUDED, M.DRAINING), M.ACTIVE, effect=Effect.BUMP_GENERATION,
+                       guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
+                       doc="the operator takes the rank back as a member, between rounds"),
+    ),
+)
+
+TABLES: dict[str, MachineTable] = {t.name: t for t in (CLUSTER, RANK, WEIGHTS, MEMBERSHIP)}
+#: audit key prefix (``cluster``, ``rank``, ``weights``, ``member``) -> its table
+TABLE_OF_LABEL: dict[str, MachineTable] = {t.key_label: t for t in TABLES.values()}
 
 #: FastDeploy's names of the cluster codes (its ``RearrangeExpertStatus``); ``CLUSTER.to_code`` gives the code
 FASTDEPLOY_STATUS_NAMES: dict[int, str] = {0: "FREE", 1: "DOING", 2: "LOAD_SUCC", 3: "DONE"}

@@ -39,6 +39,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, StaleStateError, 
     WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
+from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
@@ -109,6 +110,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.config: ClusterConfig | None = None
         self.backend: WeightBackend | None = None
         self.live_plan_id: str | None = None
+        #: the EP ranks the engine dispatches to (the ACTIVE members): read at start, then changed only at the
+        #: safe point that swaps a committed plan, together with the routing tables, to that round's members
+        self.live_ranks: tuple[int, ...] = ()
+        self._rejoin: Rejoin | None = None
         self.staged: _Staging | None = None
         self._stage_ms = 0.0
         self._outbox: list[PendingCall] = []  # the step's last writes, sent with the next wait (see run)
@@ -132,6 +137,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                                             self.config.ep_size)
         self._live_phy2log = self.backend.phy2log
         self.live_plan_id = placement.plan_id
+        self._rejoin = Rejoin(self.store, self.ep_rank, self.actor, self.log)
+        self._rejoin.begin(placement.plan_id)  # an excluded rank comes back: REJOINING, admitted when FREE
+        self.live_ranks = tuple(self.store.member_view().active())
         self._open_window(self.config)
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
                                                 **(info or {})})
@@ -240,6 +248,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     def _reconcile(self, cluster: ClusterRecord, me: RankRecord, weights: WeightRecord) -> bool:
         self._failpoint(me)
         self._load_step(cluster)  # nothing else to do for it: no second look needed
+        if self._rejoin is not None and self._rejoin.step(cluster.state):
+            self.live_ranks = tuple(self.store.member_view().active())
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()
@@ -394,7 +404,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
                 when = Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
                             {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
-            op = self._at_safe_point(("swap", plan_id, attempt), when, lambda: self._swap_or_restore(staged, new))
+            members = tuple(participants(cluster.members, self.config.ep_size))
+            op = self._at_safe_point(("swap", plan_id, attempt), when,
+                                     lambda: self._swap_or_restore(staged, new, members))
             if op is None or op.gone:
                 return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
             report.update(self._applied(op, cluster, f"plan {plan_id}"))
@@ -435,11 +447,16 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
 
-    def _swap_or_restore(self, staged: Staged, new: np.ndarray) -> SwapReport:
-        """Swap in place (at the safe point); on a failed verification rewrite the old placement from the source
-        of truth before re-raising, so the rank keeps serving the old placement consistently."""
+    def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None
+                         ) -> SwapReport:
+        """Swap in place (at the safe point) and take the round's ``members`` as :attr:`live_ranks`; on a failed
+        verification rewrite the old placement from the source of truth before re-raising, so the rank keeps
+        serving the old placement (and members) consistently."""
         try:
-            return self.backend.swap(staged, new)
+            report = self.backend.swap(staged, new)
+            if members is not None:
+                self.live_ranks = members
+            return report
         except VerificationError:
             self.backend.reload()
             raise

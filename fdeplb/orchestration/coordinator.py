@@ -10,7 +10,8 @@ something changes or a deadline or the lease renewal is due. A replacement coord
 work of whatever state it finds, which is how a kill at any point converges.
 
 This module owns the loop and the round's entry work per cluster state (with the periodic trigger, gated by
-:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, retention and the
+:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, the rounds nobody asked for (re-placement, periodic)
+:mod:`~fdeplb.orchestration.periodic`'s, membership :mod:`~fdeplb.orchestration.membership`'s, retention and the
 weights watchdog are :mod:`~fdeplb.orchestration.housekeeping`'s.
 """
 
@@ -26,11 +27,12 @@ import structlog
 from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardError, InputError, \
     RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
-from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState, entry_work
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.gating import Planner, decide, default_planner, mean_balancedness, plan_round
+from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
+from fdeplb.orchestration import membership, reasons
+from fdeplb.orchestration.gating import Planner, decide, default_planner, plan_round
 from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
 from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
+from fdeplb.orchestration.periodic import UnaskedRounds
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.placement import MAX_LOAD, plan_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
@@ -52,7 +54,7 @@ __all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "
            "default_holder_id"]
 
 
-class Coordinator(Leadership):
+class Coordinator(UnaskedRounds, Leadership):
     """Leader-elected driver of one cluster's rearrangement machine.
 
     ``lease_ms``: lease time to live; renewed every ``lease_ms / 3``. ``planner`` maps (expert_load int64 [L, E],
@@ -98,6 +100,8 @@ class Coordinator(Leadership):
         self._whole_look: tuple[tuple[int, str], float] = ((0, ""), 0.0)  # (round, state), next whole-record look
         self.log = log.bind(holder=self.holder, cluster=store.cluster)
         self._weights_watch = WeightsWatchdog(store, self.holder, self.log)
+        self._members = membership.MembershipWatch(store, self.holder, self.log)
+        self._failed_closed: str | None = None  # the members a re-placement last failed closed for
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None) -> None:
@@ -164,7 +168,18 @@ class Coordinator(Leadership):
                   lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
                                                 holder=self.holder))
         try:
-            return ENTRY_WORK[rec.state](self, rec)
+            # membership first, at every pass (one round trip): a suspected rank aborts a round at once
+            changed, member_due = self._members.observe(self.lease or "", self.config.deadlines.exclude_ms,
+                                                        rec.state)
+            if changed:  # the generation moved: decide under the new one
+                rec, self._now_ms = self.store.read_cluster_at()
+            lost = membership.lost_participants(rec.members, self._members.view, self.config.ep_size) \
+                if rec.state in ABORTABLE else []
+            if lost:
+                return self._abort(rec, reasons.Reason(
+                    f"membership changed in the round: ranks {lost} are not its ACTIVE members", {"ranks": lost}))
+            progressed, due = ENTRY_WORK[rec.state](self, rec)
+            return progressed, due if member_due is None else member_due if due is None else min(due, member_due)
         except (StateError, RedisUnavailableError):
             raise  # lost races and a lost connection: the loop handles them
         except Exception as err:  # noqa: BLE001 - a bad stored value or a bug: the round must still end
@@ -214,10 +229,12 @@ class Coordinator(Leadership):
 
     def _on_free(self, rec: ClusterRecord) -> Step:
         self._weights_watch.watch(rec, self.config, self.lease or "")
+        view = self._members.view
         if rec.requested <= rec.round:
-            return self._periodic(rec)
-        beats = self.store.heartbeats()
-        stale = stale_of(beats)
+            return self._replace_or_periodic(rec)
+        beats = self.store.heartbeats() if view is None else view.heartbeats
+        gone = set() if view is None else {r for r, st in enumerate(view.states()) if st is MemberState.EXCLUDED}
+        stale = {r: age for r, age in stale_of(beats).items() if r not in gone}
         if stale:
             refused = reasons.refusal(stale)
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks
@@ -234,8 +251,11 @@ class Coordinator(Leadership):
         deadline = self.store.now_ms() + self.config.deadlines.collecting_ms
         round_ = rec.round + 1
         try:
+            active = list(range(self.config.ep_size)) if view is None else view.active()
+            members = membership.participants_text(active, self.config.ep_size)
             self._fire(rec, "start", plan_id="", round_=round_, reason=why.text, detail=why.detail,
-                       changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": ""})
+                       changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": "",
+                                "members": members})
         except GuardError as err:  # ranks still finishing the previous round, or weights not NORMAL
             if str(err) != self._start_waits:  # logged once per reason, not at every retry
                 self._start_waits = str(err)
@@ -243,49 +263,6 @@ class Coordinator(Leadership):
             return False, self.lease_ms // 3
         self._start_waits = None
         return True, None
-
-    def _periodic(self, rec: ClusterRecord) -> Step:
-        """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""
-        if self.interval_s is None:
-            return False, None
-        now = self.store.now_ms()
-        if self._next_periodic_ms is None:
-            self._next_periodic_ms = now + int(self.interval_s * 1000)
-        if now < self._next_periodic_ms:
-            return False, self._next_periodic_ms - now
-        self._next_periodic_ms = now + int(self.interval_s * 1000)
-        cfg = self.config
-        windows = [self.store.read_load(r) for r in range(cfg.ep_size)]
-        if any(w is None for w in windows):  # no window to judge by: the round collects them and gates itself
-            self.store.request_round("interval")
-            return True, None
-        load = np.sum(np.stack([w.expert_load for w in windows]), axis=0, dtype=np.int64)
-        if not load.any():
-            return self._skip(rec, "skipped: no tokens in the ranks' load windows")
-        old = self.store.current_placement().phy2log
-        before = mean_balancedness(load, old, cfg.ep_size)
-        if self.min_balancedness is not None and before >= self.min_balancedness:
-            return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
-        try:
-            decision = plan_round(load, old, cfg, self.planner)
-        except FdeplbError as err:
-            return self._skip(rec, f"skipped: planning failed: {err}")
-        after, moved = decision.balancedness_after, decision.moved_experts
-        if not decision.goes_on:
-            return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
-                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts",
-                              {"gate": decision.detail()})
-        self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
-        return True, None
-
-    def _skip(self, rec: ClusterRecord, reason: str, detail: dict | None = None) -> Step:
-        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers
-        (``detail``: the gate's figures when it planned)."""
-        self.log.info("skip", reason=reason)
-        self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
-        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason, detail=detail)
-        self.store.emit_event("skipped", reason=reason)
-        return False, int(self.interval_s * 1000)
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round
@@ -308,22 +285,24 @@ class Coordinator(Leadership):
         if not frozen:
             # which windows are there: one field per rank (the windows themselves are read once, when all are);
             # an entry is a round (int), a LoadWindow, None (never published) or a CorruptRecordError
+            part = set(membership.participants(rec.members, self.config.ep_size))  # only members' windows count
             found: list = self.store.load_rounds()
-            if all(isinstance(at, int) and at >= round_ for at in found):
+            if all(isinstance(at, int) and at >= round_ for r, at in enumerate(found) if r in part):
                 found = self.store.read_loads()
+            found = [at if r in part else 0 for r, at in enumerate(found)]  # 0: not counted
             corrupt = [(r, err) for r, err in enumerate(found) if isinstance(err, CorruptRecordError)]
             if corrupt:  # the agent publishes a fresh window next round
                 self.store.drop_load(corrupt[0][0])
                 return self._abort(rec, f"load window of rank {corrupt[0][0]} is corrupt: {corrupt[0][1]}")
-            missing = [r for r, at in enumerate(found)
-                       if at is None or (at if isinstance(at, int) else at.round) < round_]
+            missing = [r for r, at in enumerate(found) if r in part and (
+                at is None or (at if isinstance(at, int) else at.round) < round_)]
             if missing:
                 expired, left = self._deadline(rec)
                 if expired:
                     return self._abort(rec, reasons.Reason(f"collecting deadline passed: no load from ranks {missing}",
                                                            {"ranks": missing}))
                 return False, left
-            loads = [(r, window.expert_load) for r, window in enumerate(found)]
+            loads = [(r, window.expert_load) for r, window in enumerate(found) if r in part]
             total = np.zeros_like(loads[0][1], dtype=np.int64)
             for r, load in loads:  # every window is in [0, 2**53] and so is the sum so far: exact in int64
                 total += load
@@ -351,26 +330,40 @@ class Coordinator(Leadership):
             return self._abort(rec, f"load snapshot of round {round_} is missing")
         current = self.store.current_placement()
         old = current.phy2log
-        plan_id = plan_digest(snapshot, old, cfg.policy, cfg.topology())
+        live = np.zeros(cfg.ep_size, dtype=bool)
+        live[membership.participants(rec.members, cfg.ep_size)] = True
+        # the members are part of what a plan is computed from (with every rank a member: the topology alone)
+        topology = cfg.topology() if live.all() else {**cfg.topology(), "live_ranks": np.flatnonzero(live).tolist()}
+        plan_id = plan_digest(snapshot, old, cfg.policy, topology)
         try:
             new = self.store.plan_phy2log(plan_id)
         except CorruptRecordError as err:  # computed again next round
             self.store.drop_plan(plan_id)
             return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
+        replaced, closed = (None, None) if live.all() else membership.replacement(
+            old, cfg.num_logical_experts, cfg.ep_size, live, snapshot)
+        if closed is not None:  # fail closed: no placement drops an expert; audited alarm, placement intact
+            self._failed_closed = ",".join(map(str, np.flatnonzero(live)))
+            self.store.append_alarm(rec, actor=self.holder, reason=closed.text[:2000], detail=closed.detail)
+            return self._abort(rec, closed)
         try:
-            if new is None:
-                decision = plan_round(snapshot, old, cfg, self.planner)
+            if replaced is not None:  # a re-placement: only the orphaned experts move, no gate
+                decision = decide(snapshot, old, replaced if new is None else new, cfg)
+            elif new is None:
+                decision = plan_round(snapshot, old, cfg, self.planner if live.all() else
+                                      membership.live_planner(self.planner, live))
             else:  # content-addressed: a retried round reuses the stored plan
                 decision = decide(snapshot, old, new, cfg)
         except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
             return self._abort(rec, f"planning failed: {err}")
         new, before, after, moved = (decision.new_phy2log, decision.balancedness_before,
                                      decision.balancedness_after, decision.moved_experts)
-        skip = reasons.gated(decision)  # skip unless it moves and gains > min_gain
+        skip = None if replaced is not None else reasons.gated(decision)  # skip unless it moves and gains
         if skip:
             return self._abort(rec, skip)
         self.store.save_plan(PlanEntry(
-            plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=cfg.topology(),
+            plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=topology,
+            generation=rec.generation,
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
             balancedness_after=after, moved_experts=moved))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
@@ -406,9 +399,15 @@ class Coordinator(Leadership):
                 if x.state is RankState.LOAD_FAILED and x.plan_id == plan_id]
 
     @staticmethod
-    def _not_in(states: list[tuple[RankState, str]], state: RankState, plan_id: str) -> list[int]:
-        """Ranks not in ``state`` for ``plan_id``."""
-        return [r for r, (st, pid) in enumerate(states) if not (st is state and pid == plan_id)]
+    def _not_in(states: list[tuple[RankState, str]], state: RankState, plan_id: str, members: str = "",
+                view=None) -> list[int]:
+        """The round's participants (``members``, :func:`~fdeplb.orchestration.membership.participants`) not in
+        ``state`` for ``plan_id``; with ``view`` (past the commit point), only those still ACTIVE members: the
+        round completes among the members."""
+        part = set(membership.participants(members, len(states)))
+        if view is not None:
+            part &= set(view.active())
+        return [r for r, (st, pid) in enumerate(states) if r in part and not (st is state and pid == plan_id)]
 
     def _check_plan(self, rec: ClusterRecord, *, whole: bool) -> str | None:
         """The round's stored plan is there and valid (what the agents stage); else why not, with the plan
@@ -435,7 +434,7 @@ class Coordinator(Leadership):
         failed = self._failed(states, plan_id)
         if failed:
             return self._abort(rec, "; ".join(f"rank {r} failed to load: {why}" for r, why in failed))
-        late = self._not_in(states, RankState.LOADED, plan_id)
+        late = self._not_in(states, RankState.LOADED, plan_id, rec.members)
         if not late:
             deadline = self.store.now_ms() + self.config.deadlines.commit_ms if self.config.cordoned else 0
             self._fire(rec, "loaded", changes={"deadline_ms": deadline})
@@ -469,7 +468,8 @@ class Coordinator(Leadership):
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:
         plan_id = rec.plan_id
-        late = self._not_in(self._rank_states(rec), RankState.SWAPPED, plan_id)
+        late = self._not_in(self._rank_states(rec), RankState.SWAPPED, plan_id, rec.members,
+                            self._members.view)
         if not late:
             self._fire(rec, "swapped", changes={"deadline_ms": 0})
             return True, None

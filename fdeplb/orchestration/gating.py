@@ -27,14 +27,16 @@ __all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balance
 Planner = Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray]
 
 
-def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig) -> np.ndarray:
+def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig,
+                    live_ranks: object = None) -> np.ndarray:
     """The cluster's policy applied by :func:`fdeplb.placement.rebalance_experts` to the round's snapshot
     (int64 [L, E]) and the current placement (int64 [L, P]); returns the new phy2log, int64 [L, P].
+    ``live_ranks``: the ACTIVE members (None: every rank), planned on their slots only.
 
     Raises :class:`~fdeplb.errors.InputError` / :class:`~fdeplb.errors.TopologyError` for a load or topology the
     policy cannot place."""
     placement = rebalance_experts(expert_load, cfg.num_physical_experts, cfg.num_groups, cfg.num_nodes,
-                                  cfg.ep_size, policy=cfg.policy, old_phy2log=old_phy2log)
+                                  cfg.ep_size, policy=cfg.policy, old_phy2log=old_phy2log, live_ranks=live_ranks)
     return placement.phy2log
 
 

@@ -41,7 +41,7 @@ class RecordHandle:
         self.ep_rank = ep_rank
         self.actor = actor
         self.fence = fence
-        self.label = table.name if table is CLUSTER else f"{table.name}:{int(ep_rank)}"
+        self.label = table.name if table is CLUSTER else f"{table.key_label}:{int(ep_rank)}"
         self._machine = None  # built on first fire, then reused (building one per call costs ~0.2 ms)
         self._mirror: RecordModel | None = None
         self.committed: Any = None  # see take_committed

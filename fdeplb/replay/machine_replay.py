@@ -19,13 +19,16 @@ from fdeplb.errors import IllegalTransitionError, InputError, ReplayError
 from fdeplb.machines.model import RecordModel, build_machine
 from fdeplb.machines.tables import (
     CLUSTER,
+    MEMBERSHIP,
     RANK,
+    TABLE_OF_LABEL,
     TABLES,
     WEIGHTS,
     Effect,
     Guard,
     GuardKind,
     MachineTable,
+    MemberState,
     TransitionSpec,
 )
 from fdeplb.replay.recording_format import AuditLine, HeaderLine, SnapshotLine, decimal_text, read_export
@@ -153,14 +156,14 @@ class _Replay:
 
     def _table_of(self, line: AuditLine, key: str, machine: str | None = None) -> MachineTable:
         name, sep, idx = key.partition(":")
-        table = TABLES.get(machine if machine is not None else name)
+        table = TABLES.get(machine) if machine is not None else TABLE_OF_LABEL.get(name)
         if table is None:
             raise ReplayError(f"{line.where}: unknown machine {machine or name!r}; expected one of "
                               f"{', '.join(TABLES)}")
         if table is CLUSTER:
             ok = key == CLUSTER.name
         else:
-            ok = name == table.name and sep == ":" and idx.isdigit() and (
+            ok = name == table.key_label and sep == ":" and idx.isdigit() and (
                 self.ep_size is None or int(idx) < self.ep_size)
         if not ok:
             held = self.machines.get(key)
@@ -274,6 +277,8 @@ class _Replay:
             refused_at, stale = self.refused
             beats = _read_detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
+                    continue  # the start ignores excluded ranks (issue 22)
                 age, ttl = beats.get(r, (None, 0))
                 if age is None or 0 < ttl < age:
                     shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
@@ -295,7 +300,9 @@ class _Replay:
 
     def _check_fence(self, line: AuditLine, table: MachineTable) -> None:
         rec = line.record
-        if table is not CLUSTER:
+        if table is MEMBERSHIP and not rec.get("fence", ""):  # an operator's command: unfenced
+            return
+        if table is not CLUSTER and table is not MEMBERSHIP:  # the coordinator's member commits are fenced
             if rec.get("fence", ""):
                 raise ReplayError(f"{line.where}: {table.name} records are not fenced, but this one carries fence "
                                   f"{rec['fence']!r}")
@@ -324,7 +331,11 @@ class _Replay:
             if self.ep_size is None:  # a header-less export: the rank count is unknown
                 return
             table = RANK if kind is GuardKind.RANKS_IN else WEIGHTS
+            counted = 0
             for r in range(self.ep_size):
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] != MEMBERSHIP.initial.value:
+                    continue  # commit.lua counts ACTIVE members only
+                counted += 1
                 state, held_plan = self._state_of(f"{table.name}:{r}", table)
                 if state != guard.state:
                     bad = f"{table.name}:{r} is {state}, not {guard.state}"
@@ -332,6 +343,8 @@ class _Replay:
                     bad = f"{table.name}:{r} holds plan {held_plan or '-'}, not {plan_id}"
                 if bad:
                     break
+            if not bad and counted == 0:
+                bad = "no rank is an ACTIVE member"
         elif kind is GuardKind.CLUSTER_IN:
             state, held_plan = self._state_of(CLUSTER.name, CLUSTER)
             if state not in guard.states:
@@ -491,8 +504,8 @@ def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
     its plan the placement."""
     records = {CLUSTER.name: {"state": CLUSTER.initial.value, "version": 0, "plan_id": ""}}
     for r in range(ep_size):
-        for table in (RANK, WEIGHTS):
-            records[f"{table.name}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
+        for table in (RANK, WEIGHTS, MEMBERSHIP):
+            records[f"{table.key_label}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
     chain, placement_plan = "", ""
     for e in entries:
         chain = e["chain"]

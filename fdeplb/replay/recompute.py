@@ -62,7 +62,7 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     coordinator's planner on that snapshot gives the stored ``new_phy2log``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
-    from fdeplb.orchestration.gating import decide, default_planner
+    from fdeplb.orchestration.gating import decide
     from fdeplb.placement import plan_digest
 
     config = source.read_config()
@@ -97,11 +97,14 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         digest = plan_digest(load, old, policy, stored.topology)
         if digest != plan.plan_id:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
-        if stored.topology != config.topology():
+        topology = dict(stored.topology)
+        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member (issue 22)
+        if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
                               f"{config.topology()}")
         if plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
-            again = np.asarray(default_planner(load, old, replace(config, policy=policy)), dtype=np.int64)
+            again = np.asarray(_planned(load, old, replace(config, policy=policy), live_ranks, where),
+                               dtype=np.int64)
             if not np.array_equal(again, new):
                 diff = int(np.count_nonzero(again != new)) if again.shape == new.shape else new.size
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
@@ -117,6 +120,27 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         new_of[plan.plan_id] = new
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
+
+
+def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, where: str) -> np.ndarray:
+    """What the coordinator plans for ``load`` from ``old``: the policy over every rank, or with ``live_ranks``
+    (the round's members) the re-placement of the orphaned experts when there are any, else the policy over the
+    members' slots (:mod:`fdeplb.orchestration.membership`)."""
+    from fdeplb.orchestration.gating import default_planner
+    from fdeplb.placement import check_live_ranks
+
+    if live_ranks is None:
+        return default_planner(load, old, config)
+    from fdeplb.orchestration.membership import replacement
+
+    try:
+        live = check_live_ranks(live_ranks, config.ep_size)
+    except InputError as exc:
+        raise ReplayError(f"{where}: live_ranks {live_ranks!r}: {exc}") from None
+    replaced, closed = replacement(old, config.num_logical_experts, config.ep_size, live, load)
+    if closed is not None:
+        raise ReplayError(f"{where}: a stored plan whose re-placement fails closed: {closed.text}")
+    return replaced if replaced is not None else default_planner(load, old, config, live_ranks=live)
 
 
 # ---- gated rounds --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from fdeplb.store.records import (
     LoadWindow,
     PlacementEntry,
     PlanEntry,
+    MemberRecord,
     RankRecord,
     WeightRecord,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "PendingCall",
     "PlacementEntry",
     "PlanEntry",
+    "MemberRecord",
     "RankRecord",
     "Store",
     "WeightRecord",

@@ -16,7 +16,7 @@ import numpy as np
 import redis
 
 from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, RedisUnavailableError
-from fdeplb.machines.tables import CLUSTER, RANK, MachineTable
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, MachineTable
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig
 from fdeplb.store.connection import as_str as _s, as_text as _text, connect, hgetall as _hgetall, typed as _typed, \
@@ -115,6 +115,8 @@ class StoreBase:
             return self._keys.rearrange
         if ep_rank is None:
             raise InputError(f"{table.name} records need an ep_rank")
+        if table is MEMBERSHIP:
+            return self._keys.member(ep_rank)
         return self._keys.rank(ep_rank) if table is RANK else self._keys.weights(ep_rank)
 
     @staticmethod

@@ -1,5 +1,5 @@
 """Writes that cover a whole cluster: creating one (configuration, initial placement and every machine record, in
-one transaction), rebuilding one from a recording (``fdeplb replay --into``), deleting one.
+one transaction; every rank a member, ACTIVE), rebuilding one from a recording (``fdeplb replay --into``), deleting one.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``url``, ``cluster``, ``_config``; from
 the other parts: ``save_snapshot`` (:mod:`fdeplb.store.windows`), ``save_plan`` (:mod:`fdeplb.store.placements`).
@@ -14,7 +14,7 @@ import numpy as np
 import redis
 
 from fdeplb.errors import InputError, StateError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig
 from fdeplb.store.records import PlanEntry
@@ -29,7 +29,8 @@ class Bootstrap:
         configuration exists already (WATCHed, so two creators cannot both win)."""
         records = [(self._keys.rearrange, CLUSTER.initial)]
         for r in range(config.ep_size):
-            records += [(self._keys.rank(r), RANK.initial), (self._keys.weights(r), WEIGHTS.initial)]
+            records += [(self._keys.rank(r), RANK.initial), (self._keys.weights(r), WEIGHTS.initial),
+                        (self._keys.member(r), MEMBERSHIP.initial)]
 
         def txn(pipe: Any) -> bool:
             if pipe.exists(self._keys.config):
@@ -61,7 +62,9 @@ class Bootstrap:
             name, _, idx = label.partition(":")
             if label == CLUSTER.name:
                 return self._keys.rearrange
-            if name in (RANK.name, WEIGHTS.name) and idx.isdigit() and int(idx) < config.ep_size:
+            if name in (RANK.name, WEIGHTS.name, MEMBERSHIP.key_label) and idx.isdigit() and int(idx) < config.ep_size:
+                if name == MEMBERSHIP.key_label:
+                    return self._keys.member(int(idx))
                 return self._keys.rank(int(idx)) if name == RANK.name else self._keys.weights(int(idx))
             raise InputError(f"not a record of the cluster: {label!r}")
 

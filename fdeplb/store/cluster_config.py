@@ -46,6 +46,9 @@ class Deadlines:
     """A weight clear / update: its switch step is fixed once every rank's worker is armed for it at a safe point.
     Past this (from the coordinator first seeing the request pending), an audited alarm names the ranks not armed;
     the request keeps waiting (no rank applied it)."""
+    exclude_ms: int = 30_000
+    """A SUSPECT rank (heartbeat past its TTL) still stale this long after it was suspected is excluded from the
+    members by the leading coordinator (fenced); its experts are then re-placed on the live ranks."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -34,6 +34,10 @@ class Keys:
         """hash: the weight-status record of ``ep_rank``."""
         return f"{self.prefix}:weights:{int(ep_rank)}"
 
+    def member(self, ep_rank: int) -> str:
+        """hash: the membership record of ``ep_rank`` (state, version, generation, deadline_ms, ...)."""
+        return f"{self.prefix}:member:{int(ep_rank)}"
+
     def load(self, ep_rank: int) -> str:
         """hash: the windowed expert_load published by ``ep_rank`` (array fields + round + window bounds)."""
         return f"{self.prefix}:load:{int(ep_rank)}"

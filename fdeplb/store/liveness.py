@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from fdeplb.errors import CorruptRecordError, InputError
-from fdeplb.machines.tables import RANK, StateEnum
-from fdeplb.store.connection import as_str as _s, hgetall as _hgetall
-from fdeplb.store.records import ClusterRecord, json_text
+from fdeplb.machines.tables import MEMBERSHIP, RANK, MemberState, StateEnum
+from fdeplb.store.connection import as_str as _s, hgetall as _hgetall, typed as _typed
+from fdeplb.store.records import ClusterRecord, MemberRecord, json_text
 from fdeplb.store.scripts import switch_call
 
 #: default margin of a switch step (:meth:`Store.arm_switch`): steps past the largest armed step (>= 1 is safe)
@@ -29,6 +32,25 @@ def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
     """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
     whose TTL is set (> 0) and has passed."""
     return {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """What the leading coordinator observes at every loop pass (:meth:`Liveness.member_view`): the server time,
+    every rank's heartbeat (``ep_rank -> (ms since it, TTL ms)``, registered ranks only, as :meth:`heartbeats`) and
+    every rank's membership record (ep_rank order; None for a cluster created before membership existed)."""
+
+    now_ms: int
+    heartbeats: dict[int, tuple[int, int]]
+    members: list[MemberRecord | None]
+
+    def states(self) -> list[MemberState]:
+        """Every rank's membership state (ACTIVE where no record exists)."""
+        return [MemberState.ACTIVE if m is None else m.state for m in self.members]
+
+    def active(self) -> list[int]:
+        """The ACTIVE members, in order: the ranks that count in a round."""
+        return [r for r, st in enumerate(self.states()) if st is MemberState.ACTIVE]
 
 
 class Liveness:
@@ -74,6 +96,47 @@ class Liveness:
         now = self.now_ms()
         return {r: (max(0, now - rec.heartbeat_ms), rec.heartbeat_ttl_ms)
                 for r, rec in enumerate(self.read_all(RANK)) if r in registered}
+
+    def member_view(self) -> MemberView:
+        """The registry, the server time, every rank's heartbeat fields and membership record in one round trip
+        (two on Redis Cluster, whose pipelines refuse TIME). :class:`CorruptRecordError` for a registry field or
+        a member record that does not parse; a rank whose heartbeat fields do not parse is left out of the
+        heartbeats (not observed: its rank record's readers report it)."""
+        n = self.ep_size()
+        members = [self._keys.member(r) for r in range(n)]
+        timed = not isinstance(self._client, redis.cluster.RedisCluster)
+        pipe = self._client.pipeline(transaction=False)
+        pipe.hkeys(self._keys.ranks)
+        for r in range(n):
+            pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms")
+        for key in members:
+            pipe.hgetall(key)
+        if timed:
+            pipe.time()
+        with _typed(self._keys.ranks):
+            replies = pipe.execute()
+        if timed:
+            sec, usec = replies.pop()
+            now = int(sec) * 1000 + int(usec) // 1000
+        else:
+            now = self.now_ms()
+        try:
+            registered = {int(_s(k)) for k in replies[0]}
+        except ValueError:
+            raise CorruptRecordError(f"{self._keys.ranks}: a field is not a rank number", key=self._keys.ranks) from None
+        beats = {}
+        for r, (hb, ttl) in enumerate(replies[1:1 + n]):
+            if r not in registered:
+                continue
+            try:
+                beats[r] = (max(0, now - int(_s(hb) or 0)), int(_s(ttl) or 0))
+            except ValueError:  # not observed: the rank record's own readers report it corrupt
+                continue
+        parsed = self._parse_records([(MEMBERSHIP, r) for r in range(n)], members, replies[1 + n:])
+        for rec in parsed:
+            if isinstance(rec, CorruptRecordError):
+                raise rec
+        return MemberView(now, beats, parsed)
 
     def stale_ranks(self) -> dict[int, int]:
         """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once

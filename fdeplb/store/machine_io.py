@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import redis
 
-from fdeplb.errors import CorruptRecordError, FenceError, GuardError, StaleStateError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, MachineTable, RankState, TransitionSpec
+from fdeplb.errors import CorruptRecordError, FenceError, GenerationError, GuardError, StaleStateError
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, MachineTable, RankState, TransitionSpec
 from fdeplb.store.connection import MAX_BLOCK_MS, as_str as _s, hgetall as _hgetall, typed as _typed
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store.records import ClusterRecord, RankRecord, WeightRecord, encode_changes, record_type
@@ -26,6 +26,8 @@ from fdeplb.store.streams import AuditRecord, Cursor, detail_field
 
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
+#: the audit field the script fills with the cluster's membership generation as the commit leaves it
+GENERATION_FIELD = "generation"
 
 
 @dataclass(frozen=True)
@@ -210,10 +212,10 @@ class MachineIO:
         call = commit_call(
             self._keys, record_key=record.key, expected_state=record.state, expected_version=record.version,
             fence=fence, new_state=spec.dest, fields=encode_changes(record_type(table), changes or {}),
-            audit={**{k: audit[k] for k in AUDIT_FIELDS}, **detail_field(detail)}, guards=spec.guards,
-            effect=spec.effect, plan_id=plan_id,
+            audit={**{k: audit[k] for k in AUDIT_FIELDS}, GENERATION_FIELD: "", **detail_field(detail)},
+            guards=spec.guards, effect=spec.effect, plan_id=plan_id,
             plan_key=self._keys.plan(plan_id or "_none"), ep_size=self.ep_size() if per_rank else 0,
-            signal=spec.wakes_ranks,
+            signal=spec.wakes_ranks, generation=record.generation if table is CLUSTER else None,
         )
         return call, f"{table.name} {spec.trigger} on {label}"
 
@@ -228,4 +230,6 @@ class MachineIO:
             raise FenceError(detail)
         if status == "ERR_GUARD":
             raise GuardError(detail)
+        if status == "ERR_GENERATION":
+            raise GenerationError(detail)
         raise StaleStateError(detail)

@@ -24,8 +24,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from fdeplb.errors import CorruptRecordError, InputError
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, MachineTable, RankState, StateEnum, \
-    WeightState
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MachineTable, MemberState, \
+    RankState, StateEnum, WeightState
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig, Deadlines  # noqa: F401  (defined there; importable here too)
 
@@ -92,8 +92,19 @@ class ClusterRecord(RecordHeader):
     """Step at which every rank applies the committed plan; 0 = not fixed yet (the commit resets it). Fixed by
     ``lua/switch.lua`` once every rank is armed for the swap (embedded agents wait for it; threaded agents do not
     use it)."""
+    switch_generation: int = 0
+    """The membership generation under which the last switch step (``switch_step`` / ``weights_switch_step``) was
+    fixed (``lua/switch.lua``): the members it waited for."""
     clear_stat_request: int = 0
     """``clear_stat`` requests so far: each rank agent empties its load window once per request."""
+    generation: int = 0
+    """The cluster's membership generation: +1 at every membership transition (``commit.lua``'s
+    ``bump_generation``, in the same atomic step as the member record's commit). Every cluster commit is made
+    under the generation its caller read and is refused (:class:`~fdeplb.errors.GenerationError`) when the stored
+    one is newer: a plan or switch decided for other members never commits."""
+    members: str = ""
+    """The EP ranks the round in flight counts (its ACTIVE members when it started), comma-separated; "" = every
+    rank. Before the commit point the round aborts when they are no longer exactly the ACTIVE members."""
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
@@ -170,10 +181,25 @@ class WeightRecord(RecordHeader):
     """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
 
 
-MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord]
+@dataclass(frozen=True)
+class MemberRecord(RecordHeader):
+    """One EP rank's membership record, hash ``fdeplb:{c}:member:<ep_rank>`` (:data:`~fdeplb.machines.tables.MEMBERSHIP`)."""
+
+    state: MemberState
+    """Current membership state; only ACTIVE ranks count in a round."""
+    generation: int = 0
+    """The cluster generation this record's last transition produced (0 = never transitioned)."""
+    deadline_ms: int = 0
+    """While SUSPECT: Redis server time (ms) after which a still stale rank is excluded (0 = none)."""
+    actor: str = ""
+    """Who made the last transition (the coordinator's holder id, ``operator:<user>``)."""
+
+
+MachineRecord = typing.Union[ClusterRecord, RankRecord, WeightRecord, MemberRecord]
 
 #: machine table name -> its record class
-RECORD_TYPES: dict[str, type] = {CLUSTER.name: ClusterRecord, RANK.name: RankRecord, WEIGHTS.name: WeightRecord}
+RECORD_TYPES: dict[str, type] = {CLUSTER.name: ClusterRecord, RANK.name: RankRecord, WEIGHTS.name: WeightRecord,
+                                 MEMBERSHIP.name: MemberRecord}
 
 #: fields written only by the commit script
 _COMMIT_FIELDS = frozenset({"key", "state", "version", "updated_ms"})
@@ -332,6 +358,8 @@ class PlanEntry:
     """The same under ``new_phy2log``."""
     moved_experts: int
     """Experts present on a GPU in the new placement but not the old (multiset difference, summed)."""
+    generation: int = 0
+    """The cluster's membership generation the plan was made under (its round's start)."""
 
     def to_fields(self) -> dict[str, Any]:
         """The plan as the fields of its Redis hash: the three arrays as int64 dtype + shape + bytes
@@ -344,6 +372,7 @@ class PlanEntry:
             "plan_id": self.plan_id, "round": str(self.round), "policy": self.policy, "old_plan_id": self.old_plan_id,
             "topology": json_text(self.topology), "balancedness_before": f"{self.balancedness_before:.6f}",
             "balancedness_after": f"{self.balancedness_after:.6f}", "moved_experts": str(self.moved_experts),
+            "generation": str(self.generation),
         })
         return out
 
@@ -372,7 +401,8 @@ class PlanEntry:
                 old_plan_id=text.get("old_plan_id", ""), topology=json.loads(text.get("topology", "{}")),
                 balancedness_before=float(text.get("balancedness_before", "nan")),
                 balancedness_after=float(text.get("balancedness_after", "nan")),
-                moved_experts=int(text.get("moved_experts", "")), **arrs)
+                moved_experts=int(text.get("moved_experts", "")), generation=int(text.get("generation", "0")),
+                **arrs)
         except ValueError as exc:  # JSONDecodeError is a ValueError
             raise CorruptRecordError(f"{key}: {exc}", key=key) from None
 
@@ -419,7 +449,7 @@ class PlanEntry:
 #: a stored plan's arrays (each kept as dtype + shape + bytes) and its text fields
 PLAN_ARRAYS = ("expert_load", "old_phy2log", "new_phy2log")
 _PLAN_TEXT = frozenset({"plan_id", "round", "policy", "old_plan_id", "topology", "balancedness_before",
-                        "balancedness_after", "moved_experts"})
+                        "balancedness_after", "moved_experts", "generation"})
 
 
 @dataclass(frozen=True)

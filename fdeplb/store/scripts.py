@@ -24,11 +24,11 @@ COMMIT_KEYS = ("record", "audit", "lease", "rearrange", "placement", "plan", "au
 SIGNAL_MAXLEN = 64
 #: commit.lua ARGV[1..10], in order.
 COMMIT_ARGV = ("expected_state", "expected_version", "fence", "new_state", "fields", "audit", "guards", "effect",
-               "signal", "chain_order")
+               "signal", "chain_order", "generation")
 #: audit fields commit.lua appends after the caller's, in this order (their values are the server's).
 COMMIT_FILLED = ("version", "fence", "ts_ms")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
-COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD")
+COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD", "ERR_GENERATION")
 
 #: audit.lua KEYS[1..3] and ARGV[1..3], in order (an audit record that is not a transition: an alarm).
 AUDIT_KEYS = ("audit", "audit_head", "lease")
@@ -88,14 +88,16 @@ def chain_order(names: tuple[str, ...]) -> str:
 def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,
                 new_state: StateEnum, fields: dict[str, str], audit: dict[str, str],
                 guards: Sequence[Guard], effect: Effect, plan_id: str, plan_key: str, ep_size: int,
-                signal: bool = False) -> CommitCall:
+                signal: bool = False, generation: int | None = None) -> CommitCall:
     """Lay out a ``commit.lua`` call.
 
     ``guards`` are the transition's guards; a per-rank guard (:attr:`GuardKind.per_rank`) adds one key per EP rank
     (``ep_size`` of them) after the fixed keys and tells the script where its range starts. ``plan_id`` is what
     ``same_plan`` guards and :attr:`GuardKind.PLAN_NOT_CURRENT` compare against; ``plan_key`` is the hash of that
     plan (``plan_stored`` and :attr:`Effect.SET_PLACEMENT` read it). ``signal``: also wake the rank agents
-    (:attr:`fdeplb.machines.tables.TransitionSpec.wakes_ranks`).
+    (:attr:`fdeplb.machines.tables.TransitionSpec.wakes_ranks`). ``generation``: the cluster generation the
+    caller read (the script refuses the commit if the stored one is newer); None = not fenced by generation.
+    A per-rank guard also passes each rank's member record: the script counts only ACTIVE members.
     """
     fixed = {"record": record_key, "audit": keys.audit, "lease": keys.lease, "rearrange": keys.rearrange,
              "placement": keys.placement, "plan": plan_key, "audit_head": keys.audit_head,
@@ -107,19 +109,22 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
             "kind": g.kind.value, "state": g.state.value if g.state else "",
             "states": [s.value for s in g.states],
             "plan_id": plan_id if g.same_plan or g.kind is GuardKind.PLAN_NOT_CURRENT else "",
-            "first": 0, "count": 0,
+            "first": 0, "count": 0, "members": 0,
         }
         if g.kind.per_rank:
             entry["first"] = len(key_list) + 1  # Lua is 1-based
             entry["count"] = ep_size
             make = keys.rank if g.kind is GuardKind.RANKS_IN else keys.weights
             key_list.extend(make(r) for r in range(ep_size))
+            entry["members"] = len(key_list) + 1
+            key_list.extend(keys.member(r) for r in range(ep_size))
         guard_args.append(entry)
     argv = {
         "expected_state": expected_state.value, "expected_version": str(int(expected_version)), "fence": fence,
         "new_state": new_state.value, "fields": _pairs(fields), "audit": _pairs(audit),
         "guards": json.dumps(guard_args), "effect": effect.value, "signal": "1" if signal else "",
         "chain_order": chain_order((*audit, *COMMIT_FILLED)),
+        "generation": "" if generation is None else str(int(generation)),
     }
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
 
@@ -142,7 +147,8 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
 
 
 # ---- switch.lua: an armed rank's safe point ----------------------------------------------------------------------
-#: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order).
+#: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order),
+#: then every rank's member record.
 SWITCH_KEYS = ("rearrange", "rank")
 #: switch.lua ARGV[1..5], in order.
 SWITCH_ARGV = ("armed", "step", "field", "current", "margin")
@@ -158,7 +164,8 @@ def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int
     fixed = {"rearrange": keys.rearrange, "rank": keys.rank(ep_rank)}
     argv = {"armed": armed, "step": str(int(step)), "field": field, "current": _pairs(current),
             "margin": str(int(margin))}
-    return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)],
+    return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)]
+                      + [keys.member(r) for r in range(ep_size)],
                       args=[argv[n] for n in SWITCH_ARGV])
 
 

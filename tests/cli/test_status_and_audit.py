@@ -139,8 +139,9 @@ def test_status_mid_round(redis_url, store, capsys):
     assert f"  lease      {lease}  (ttl " in out and "  placement  initial  v0  routing digest " in out
     assert "s left\n" in out.splitlines()[2] + "\n"
     rows = out.splitlines()[-2:]
-    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "-", "-", "unreported", "-", "not", "registered"]
-    assert rows[1].split()[:6] == ["1", "IDLE", "0", "NORMAL", "0", "-"] and rows[1].endswith("s ago")
+    assert rows[0].split() == ["0", "IDLE", "0", "NORMAL", "0", "ACTIVE", "-", "-", "unreported", "-", "not",
+                               "registered"]
+    assert rows[1].split()[:7] == ["1", "IDLE", "0", "NORMAL", "0", "ACTIVE", "-"] and rows[1].endswith("s ago")
 
 
 def test_status_after_a_round(redis_url, fired, capsys):

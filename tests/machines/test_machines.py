@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fdeplb.errors import FenceError, GuardError, IllegalTransitionError, StaleStateError, StateError
-from fdeplb.machines.tables import CLUSTER, RANK, TABLES, WEIGHTS
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS
 from fdeplb.machines.tables import Effect
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
@@ -28,7 +28,8 @@ def make_cluster(url: str, cluster: str) -> tuple[Store, RawRedis]:
 
 def record_key(raw: RawRedis, table) -> str:
     """Key of the record the tests drive: the cluster's, or rank 1's rank / weights record."""
-    return {CLUSTER: raw.keys.rearrange, RANK: raw.keys.rank(1), WEIGHTS: raw.keys.weights(1)}[table]
+    return {CLUSTER: raw.keys.rearrange, RANK: raw.keys.rank(1), WEIGHTS: raw.keys.weights(1),
+            MEMBERSHIP: raw.keys.member(1)}[table]
 
 
 def satisfy_guards(store: Store, raw: RawRedis, table, trigger: str) -> None:

@@ -22,8 +22,8 @@ PUBLIC = {
     "fdeplb.data": ["BUNDLED_TRACE", "ORIGINAL_NAME", "extract_bundled_trace", "source_note"],
     "fdeplb.cli": ["build_parser", "main"],
     "fdeplb.machines": [
-        "CLUSTER", "FASTDEPLOY_STATUS_NAMES", "RANK", "TABLES", "WEIGHTS", "ClusterState", "CommitMachine", "Effect", "Guard", "GuardKind",
-        "MachineTable", "RankState", "RecordModel", "StateEnum", "TransitionSpec", "WeightState", "build_machine",
+        "CLUSTER", "FASTDEPLOY_STATUS_NAMES", "MEMBERSHIP", "RANK", "TABLE_OF_LABEL", "TABLES", "WEIGHTS", "ClusterState",
+        "CommitMachine", "Effect", "Guard", "GuardKind", "MachineTable", "MemberState", "RankState", "RecordModel", "StateEnum", "TransitionSpec", "WeightState", "build_machine",
         "entry_work"],
     "fdeplb.orchestration": ["Coordinator", "Fired", "RankAgent", "RecordHandle", "default_planner", "init_cluster"],
     "fdeplb.replay": ["ReplayError", "ReplayReport", "check_gates", "check_plans", "chain_of", "parse_lines",
@@ -31,7 +31,7 @@ PUBLIC = {
     "fdeplb.sim": ["LocalCluster", "integral_load", "new_cluster_id", "rank_share", "temp_workdir"],
     "fdeplb.store": [
         "AuditRecord", "ClusterConfig", "ClusterRecord", "CommitResult", "Cursor", "Deadlines", "EmbeddedRedis",
-        "LeaseInfo", "LoadWindow", "PendingCall", "PlacementEntry", "PlanEntry", "RankRecord", "Store", "WeightRecord"],
+        "LeaseInfo", "LoadWindow", "MemberRecord", "PendingCall", "PlacementEntry", "PlanEntry", "RankRecord", "Store", "WeightRecord"],
 }
 
 

@@ -81,11 +81,11 @@ def test_commit_call_lays_out_per_rank_guards_after_the_fixed_keys():
                        guards=spec.guards, effect=spec.effect, plan_id="p1", plan_key=k.plan("p1"), ep_size=3)
     assert call.keys[:len(COMMIT_KEYS)] == [k.rearrange, k.audit, k.lease, k.rearrange, k.placement, k.plan("p1"),
                                             k.audit_head, k.signal]
-    assert call.keys[len(COMMIT_KEYS):] == [k.rank(0), k.rank(1), k.rank(2)]
+    assert call.keys[len(COMMIT_KEYS):] == [k.rank(0), k.rank(1), k.rank(2), k.member(0), k.member(1), k.member(2)]
     args = dict(zip(COMMIT_ARGV, call.args))
     guards = json.loads(args["guards"])
     assert guards == [{"kind": "ranks_in", "state": "LOADED", "states": [], "plan_id": "p1",
-                       "first": len(COMMIT_KEYS) + 1, "count": 3}]
+                       "first": len(COMMIT_KEYS) + 1, "count": 3, "members": len(COMMIT_KEYS) + 4}]
     assert (args["expected_state"], args["expected_version"], args["new_state"], args["effect"]) == (
         "LOADING", "4", "LOAD_SUCC", "")
     assert json.loads(args["fields"]) == ["deadline_ms", "0"]

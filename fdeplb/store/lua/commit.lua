@@ -4,12 +4,12 @@
 -- KEYS[1]  record: hash being transitioned (cluster, rank or weights record)
 -- KEYS[2]  audit: stream of the cluster
 -- KEYS[3]  lease: coordinator lease string (read only when ARGV[3] ~= "")
--- KEYS[4]  rearrange: cluster record hash (cluster_in guards)
+-- KEYS[4]  rearrange: cluster record hash (cluster_in guards; its 'generation' field: ARGV[11], bump_generation)
 -- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
 -- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
 -- KEYS[7]  audit_head: string, the chain of the newest audit record ("" or missing before the first)
 -- KEYS[8]  signal: stream the rank agents block on (written only when ARGV[9] is "1")
--- KEYS[9..] rank records / weight records read by per-rank guards (ranges given in ARGV[7])
+-- KEYS[9..] rank records / weight records read by per-rank guards, then their member records (ranges in ARGV[7])
 --
 -- ARGV[1]  expected_state: the state the caller read
 -- ARGV[2]  expected_version: the version the caller read (integer, "0" for a fresh record)
@@ -17,18 +17,25 @@
 -- ARGV[4]  new_state: the state the transition reaches
 -- ARGV[5]  fields: JSON array [field, value, ...] of extra record fields to set (strings)
 -- ARGV[6]  audit: JSON array [field, value, ...] of audit fields; version, fence, ts_ms and chain are appended here
--- ARGV[7]  guards: JSON array of {kind, first, count, state, states, plan_id} (first/count index KEYS); "[]" = none
--- ARGV[8]  effect: "" or "set_placement"
+-- ARGV[7]  guards: JSON array of {kind, first, count, members, state, states, plan_id} (first/count index KEYS;
+--          members: index of the first of count member records, 0 = none: a per-rank guard skips every rank whose
+--          member record exists and is not ACTIVE); "[]" = none
+-- ARGV[8]  effect: "" or "set_placement" or "bump_generation" (the cluster's generation + 1, also written as the
+--          record's 'generation')
 -- ARGV[9]  signal: "1" to append {state, round, version} of the record to KEYS[8] (capped), waking the rank
 --          agents (a cluster transition into a state where ranks have work), else ""
 -- ARGV[10] chain_order: JSON array of the 1-based pair indexes of the audit record (ARGV[6]'s pairs, then
 --          version, fence, ts_ms) in byte order of their names, sorted by the caller (scripts.py chain_order)
+-- ARGV[11] generation: "" (not fenced by generation) or the cluster generation the caller read; refused with
+--          ERR_GENERATION when the stored one is newer (the membership changed since the caller decided)
 --
+-- An audit pair named 'generation' (its value "" from the caller) is filled with the cluster's generation as
+-- this commit leaves it.--
 -- chain: lua/_chain.lua's append_chained (the one definition, put before this script by scripts.py) hashes the
 --        audit record after KEYS[7]'s chain, in the order ARGV[10] gives, and moves KEYS[7] on.
 --
 -- Returns {"OK", new_version, audit_stream_id, ts_ms}, or {error_code, detail} with nothing written:
--- ERR_FENCE, ERR_STALE, ERR_GUARD.
+-- ERR_FENCE, ERR_STALE, ERR_GUARD, ERR_GENERATION.
 
 local rec = KEYS[1]
 local cur = redis.call('HMGET', rec, 'state', 'version')
@@ -54,6 +61,12 @@ local function field_of(key, field)
   return v
 end
 
+local generation = tonumber(field_of(KEYS[4], 'generation')) or 0
+if ARGV[11] ~= '' and generation > tonumber(ARGV[11]) then
+  return {'ERR_GENERATION', 'made under generation ' .. ARGV[11] .. ', the cluster is at generation ' ..
+    generation .. ' (the membership changed)'}
+end
+
 local guards = {}
 if ARGV[7] ~= '[]' then guards = cjson.decode(ARGV[7]) end
 for _, g in ipairs(guards) do
@@ -61,15 +74,24 @@ for _, g in ipairs(guards) do
     if g.count == 0 then
       return {'ERR_GUARD', g.kind .. ': no ranks registered'}
     end
+    local counted = 0
     for i = g.first, g.first + g.count - 1 do
-      local got = redis.call('HMGET', KEYS[i], 'state', 'plan_id')
-      local st, plan = got[1] or '', got[2] or ''
-      if st ~= g.state then
-        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' is ' .. st .. ', not ' .. g.state}
+      local member = ''
+      if g.members > 0 then member = field_of(KEYS[g.members + i - g.first], 'state') end
+      if member == '' or member == 'ACTIVE' then  -- no member record (a cluster made before membership): counted
+        counted = counted + 1
+        local got = redis.call('HMGET', KEYS[i], 'state', 'plan_id')
+        local st, plan = got[1] or '', got[2] or ''
+        if st ~= g.state then
+          return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' is ' .. st .. ', not ' .. g.state}
+        end
+        if g.plan_id ~= '' and plan ~= g.plan_id then
+          return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' holds plan ' .. plan .. ', not ' .. g.plan_id}
+        end
       end
-      if g.plan_id ~= '' and plan ~= g.plan_id then
-        return {'ERR_GUARD', g.kind .. ': ' .. KEYS[i] .. ' holds plan ' .. plan .. ', not ' .. g.plan_id}
-      end
+    end
+    if counted == 0 then
+      return {'ERR_GUARD', g.kind .. ': no rank is an ACTIVE member'}
     end
   elseif g.kind == 'cluster_in' then
     local st = field_of(KEYS[4], 'state')
@@ -116,11 +138,17 @@ if ARGV[8] == 'set_placement' then
   local pver = redis.call('HINCRBY', KEYS[5], 'version', 1)
   redis.call('HSET', KEYS[5], 'phy2log', phy2log[1], 'phy2log:dtype', phy2log[2], 'phy2log:shape', phy2log[3],
     'plan_id', phy2log[4], 'updated_ms', ts_ms)
+elseif ARGV[8] == 'bump_generation' then
+  generation = redis.call('HINCRBY', KEYS[4], 'generation', 1)
+  set[#set + 1], set[#set + 2] = 'generation', tostring(generation)
 elseif ARGV[8] ~= '' then
   return redis.error_reply('commit.lua: unknown effect ' .. ARGV[8])
 end
 
 redis.call('HSET', rec, 'state', ARGV[4], 'version', new_version, 'updated_ms', ts_ms, unpack(set))
+for i = 1, #fields, 2 do
+  if fields[i] == 'generation' then fields[i + 1] = tostring(generation) end
+end
 
 local n = #fields
 fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4], fields[n + 5], fields[n + 6] =

@@ -4,7 +4,8 @@
 --
 -- KEYS[1]  rearrange: cluster record hash (holds the switch-step field and the fields that identify the change)
 -- KEYS[2]  rank: this rank's record hash (armed and armed_step are written here)
--- KEYS[3..] every rank's record hash, ep_rank order (armed and armed_step are read)
+-- KEYS[3..] every rank's record hash, ep_rank order (armed and armed_step are read), then every rank's member
+--          record, ep_rank order (a rank whose member record exists and is not ACTIVE is not waited for)
 --
 -- ARGV[1]  armed: the change this rank is armed for, e.g. "swap:<round>:<plan_id>" or "weights:<request>"
 -- ARGV[2]  step: this rank's step counter at this safe point (integer >= 0)
@@ -14,7 +15,8 @@
 -- ARGV[5]  margin: steps added to the largest armed step when the switch step is fixed (integer >= 1)
 --
 -- The switch step is fixed once, by the first call that finds every rank armed for this change:
--- switch = max(armed_step of every rank) + margin. Every armed rank runs this script at every safe point, so a rank
+-- switch = max(armed_step of every ACTIVE member) + margin; the cluster generation it was fixed under is written to
+-- the cluster record's switch_generation. Every armed rank runs this script at every safe point, so a rank
 -- whose last call published step s calls again at s + 1 <= switch: no armed rank can pass the switch step unseen.
 -- Returns {switch_step, status}: "fixed" (by this call), "set" (fixed before), "waiting" (a rank is not armed yet;
 -- switch_step 0), "gone" (the change is no longer the cluster's current one; switch_step 0; nothing fixed).
@@ -34,13 +36,18 @@ if switch > 0 then
 end
 
 local top = 0
-for i = 3, #KEYS do
-  local armed = redis.call('HMGET', KEYS[i], 'armed', 'armed_step')
-  if armed[1] ~= ARGV[1] then
-    return {0, 'waiting'}
+local n = (#KEYS - 2) / 2
+for i = 3, 2 + n do
+  local member = redis.call('HGET', KEYS[i + n], 'state')
+  if not member or member == 'ACTIVE' then
+    local armed = redis.call('HMGET', KEYS[i], 'armed', 'armed_step')
+    if armed[1] ~= ARGV[1] then
+      return {0, 'waiting'}
+    end
+    top = math.max(top, tonumber(armed[2]) or 0)
   end
-  top = math.max(top, tonumber(armed[2]) or 0)
 end
 switch = top + tonumber(ARGV[5])
-redis.call('HSET', KEYS[1], ARGV[3], tostring(switch))
+redis.call('HSET', KEYS[1], ARGV[3], tostring(switch), 'switch_generation',
+  redis.call('HGET', KEYS[1], 'generation') or '0')
 return {switch, 'fixed'}

@@ -1,0 +1,255 @@
+"""Membership as the leading coordinator drives it: heartbeats observed at every loop pass (one round trip,
+:meth:`fdeplb.store.Store.member_view`) turned into fenced transitions of the ranks' membership records
+(ACTIVE -> SUSPECT when a heartbeat is past its TTL, SUSPECT -> ACTIVE when it is fresh again, SUSPECT -> EXCLUDED
+once still stale at the record's ``deadline_ms``, set to ``deadlines.exclude_ms`` after the suspicion; DRAINING ->
+EXCLUDED while no round is in flight), each audited and raising the cluster's generation in the same step.
+
+An observation alone never excludes: the coordinator commits the exclusion only with its fence, after the deadline
+stored in the member record; the operator's commands (:func:`operator_fire`) are the other way.
+
+Also the pure rules the round's entry work applies to the members (:func:`live_mask`, :func:`replacement`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fdeplb.errors import GuardError, IllegalTransitionError, NotFoundError, RedundancyError, StaleStateError
+from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
+from fdeplb.orchestration import reasons
+from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.placement.live_ranks import orphaned_experts, replace_orphans
+from fdeplb.store import MemberRecord, Store
+from fdeplb.store.liveness import MemberView
+
+M = MemberState
+
+__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "live_mask", "live_planner", "lost_participants", "operator_fire", "participants",
+           "participants_text", "replacement"]
+
+
+class MembershipWatch:
+    """The coordinator's membership driver: :meth:`observe` once per loop pass while it leads."""
+
+    def __init__(self, store: Store, holder: str, log: Any) -> None:
+        self.store = store
+        self.holder = holder
+        self.log = log
+        self.view: MemberView | None = None
+        self._handles: dict[int, RecordHandle] = {}
+
+    def _handle(self, r: int, fence: str) -> RecordHandle:
+        h = self._handles.get(r)
+        if h is None or h.fence != fence:
+            h = self._handles[r] = RecordHandle(self.store, MEMBERSHIP, r, actor=self.holder, fence=fence)
+        return h
+
+    def observe(self, fence: str, exclude_ms: int, cluster_state: ClusterState) -> tuple[bool, int | None]:
+        """Read heartbeats and members (one round trip) and commit what they call for, fenced with ``fence``.
+        Returns (changed, ms until the next exclusion deadline or None); :attr:`view` is the view as read (with
+        the states this pass committed)."""
+        view = self.store.member_view()
+        changed, due = False, None
+        states = view.states()
+        for r, rec in enumerate(view.members):
+            if rec is None:  # a cluster made before membership: every rank counts, nothing to drive
+                continue
+            age, ttl = view.heartbeats.get(r, (0, 0))
+            stale = 0 < ttl < age
+            work = MEMBER_WORK[rec.state]
+            step = work(self, r, rec, stale=stale, age=age, ttl=ttl, now=view.now_ms, exclude_ms=exclude_ms,
+                        cluster_state=cluster_state, fence=fence)
+            if step is None:
+                continue
+            dest, left = step
+            if dest is not None:
+                states[r], changed = dest, True
+            if left is not None:
+                due = left if due is None else min(due, left)
+        self.view = MemberView(view.now_ms, view.heartbeats, [
+            m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)])
+        return changed, due
+
+    def _fire(self, r: int, rec: MemberRecord, trigger: str, fence: str, reason: reasons.Reason,
+              changes: dict[str, Any]) -> MemberState | None:
+        try:
+            fired = self._handle(r, fence).fire(trigger, record=rec, reason=reason.text, detail=reason.detail,
+                                                changes={"actor": self.holder, **changes})
+        except (StaleStateError, GuardError) as err:  # an operator or another pass moved it: next pass sees it
+            self.log.info("membership retry", ep_rank=r, trigger=trigger, error=str(err))
+            return None
+        self.log.warning("membership", ep_rank=r, trigger=trigger, to=fired.state, reason=reason.text)
+        self.store.emit_event("membership", ep_rank=r, trigger=trigger, state=fired.state)
+        return fired.state
+
+    # ---- work per membership state (what an observation calls for) ------------------------------------------------
+    def _on_active(self, r: int, rec: MemberRecord, *, stale: bool, age: int, ttl: int, now: int,
+                   exclude_ms: int, fence: str, **_: Any):
+        if not stale:
+            return None
+        why = reasons.Reason(f"heartbeat of rank {r} {age} ms old, past its TTL of {ttl} ms",
+                             {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+        return self._fire(r, rec, "suspect", fence, why, {"deadline_ms": now + exclude_ms}), exclude_ms
+
+    def _on_suspect(self, r: int, rec: MemberRecord, *, stale: bool, age: int, ttl: int, now: int,
+                    fence: str, **_: Any):
+        if not stale:
+            why = reasons.Reason(f"heartbeat of rank {r} fresh again ({age} ms old, TTL {ttl} ms)",
+                                 {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+            return self._fire(r, rec, "recover", fence, why, {"deadline_ms": 0}), None
+        if rec.deadline_ms and now < rec.deadline_ms:
+            return None, rec.deadline_ms - now
+        why = reasons.Reason(f"rank {r} still stale at its exclusion deadline (heartbeat {age} ms old)",
+                             {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+        return self._fire(r, rec, "exclude", fence, why, {"deadline_ms": 0}), None
+
+    def _on_draining(self, r: int, rec: MemberRecord, *, cluster_state: ClusterState, fence: str, **_: Any):
+        if cluster_state is not ClusterState.FREE:  # it leaves between rounds
+            return None
+        why = reasons.Reason(f"rank {r} drained", {"ranks": [r]})
+        return self._fire(r, rec, "drained", fence, why, {"deadline_ms": 0}), None
+
+    def _on_idle(self, *_: Any, **__: Any):
+        return None
+
+
+def _with_state(rec: MemberRecord, state: MemberState) -> MemberRecord:
+    import dataclasses
+
+    return dataclasses.replace(rec, state=state)
+
+
+#: membership state -> the coordinator's work on an observation (checked complete against the MEMBERSHIP table)
+MEMBER_WORK = entry_work(MEMBERSHIP, {
+    M.ACTIVE: MembershipWatch._on_active,
+    M.SUSPECT: MembershipWatch._on_suspect,
+    M.DRAINING: MembershipWatch._on_draining,
+    M.EXCLUDED: MembershipWatch._on_idle,  # comes back only by rejoin / readmit
+    M.REJOINING: MembershipWatch._on_idle,  # admitted by the rank's own rejoin (not driven here)
+})
+
+#: operator command -> the trigger it fires
+OPERATOR_TRIGGERS = {"exclude": "exclude", "drain": "drain", "readmit": "readmit"}
+
+
+def operator_fire(store: Store, ep_rank: int, command: str, *, who: str, reason: str) -> Any:
+    """An operator's membership command on ``ep_rank`` (``exclude`` a SUSPECT rank at once, ``drain`` an ACTIVE
+    one, ``readmit`` an EXCLUDED or DRAINING one), audited with ``who`` (the actor) and ``reason``. Raises
+    :class:`IllegalTransitionError` (nothing written) when the command is not legal from the rank's state."""
+    if command not in OPERATOR_TRIGGERS:
+        raise IllegalTransitionError(f"membership: no operator command {command!r}")
+    handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=who)
+    rec = handle.read()
+    why = reasons.Reason(f"operator {command}: {reason}" if reason else f"operator {command}",
+                         {"ranks": [int(ep_rank)], "by": who})
+    return handle.fire(OPERATOR_TRIGGERS[command], record=rec, reason=why.text, detail=why.detail,
+                       changes={"actor": who, "deadline_ms": 0})
+
+
+class Rejoin:
+    """A rank agent's way back (EXCLUDED -> REJOINING -> ACTIVE): :meth:`begin` once its agent has loaded the
+    cluster's current placement for its slots (``RankAgent.start``), :meth:`step` at every reconcile pass until
+    it is admitted, which the table allows only while the cluster is FREE (the next round plans with it)."""
+
+    def __init__(self, store: Store, ep_rank: int, actor: str, log: Any) -> None:
+        self.handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=actor)
+        self.store, self.ep_rank, self.actor, self.log = store, ep_rank, actor, log
+        self.pending = False
+
+    def begin(self, plan_id: str) -> None:
+        """After the agent loaded placement ``plan_id``: an EXCLUDED rank fires ``rejoin``; one left REJOINING by
+        an earlier agent carries on."""
+        try:
+            rec = self.handle.read()
+        except NotFoundError:  # a cluster made before membership
+            return
+        if rec.state is M.EXCLUDED:
+            why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} registered again and loaded placement "
+                                 f"{plan_id or 'initial'} for its slots", {"ranks": [self.ep_rank]})
+            try:
+                self.handle.fire("rejoin", record=rec, reason=why.text, detail=why.detail,
+                                 changes={"actor": self.actor})
+            except StaleStateError:
+                return
+            rec = self.handle.read()
+        self.pending = rec.state is M.REJOINING
+
+    def step(self, cluster_state: ClusterState) -> bool:
+        """Admit the rank if it is rejoining and the cluster is FREE; True when it was admitted now."""
+        if not self.pending or cluster_state is not ClusterState.FREE:
+            return False
+        why = reasons.Reason(f"rank {self.ep_rank} admitted", {"ranks": [self.ep_rank]})
+        try:
+            self.handle.fire("admit", reason=why.text, detail=why.detail, changes={"actor": self.actor})
+        except (GuardError, StaleStateError) as err:  # a round started meanwhile: after it
+            self.log.info("admit waits", error=str(err))
+            return False
+        except IllegalTransitionError:  # the operator acted meanwhile (readmit, exclude)
+            self.pending = False
+            return False
+        self.pending = False
+        self.log.info("admitted", ep_rank=self.ep_rank)
+        return True
+
+
+def live_mask(view: MemberView | None, ep_size: int) -> np.ndarray:
+    """bool [ep_size]: the ACTIVE members of ``view`` (every rank when there is no view)."""
+    mask = np.ones(ep_size, dtype=bool)
+    if view is not None:
+        for r, st in enumerate(view.states()):
+            mask[r] = st is M.ACTIVE
+    return mask
+
+
+def replacement(phy2log: np.ndarray, num_logical_experts: int, ep_size: int, live: np.ndarray,
+                expert_load: np.ndarray | None) -> tuple[np.ndarray | None, reasons.Reason | None]:
+    """The re-placement of ``phy2log``'s orphaned experts (no replica on a live rank) onto ``live`` ranks:
+    (new phy2log, None); (None, None) when nothing is orphaned; (None, the fail-closed reason naming the experts)
+    when the live ranks lack redundant replicas (:class:`RedundancyError`: nothing is placed)."""
+    if not orphaned_experts(phy2log, num_logical_experts, ep_size, live):
+        return None, None
+    try:
+        return replace_orphans(phy2log, num_logical_experts, ep_size, live, expert_load), None
+    except RedundancyError as err:
+        orphans = [[int(l), int(e)] for l, e in (err.orphans or [])]
+        lost = [int(r) for r in np.flatnonzero(~live)]
+        return None, reasons.Reason(f"fail closed: {err}", {"ranks": lost, "orphans": orphans})
+
+
+def live_planner(planner: Any, live: np.ndarray) -> Any:
+    """``planner`` (a :data:`~fdeplb.orchestration.gating.Planner`) over the ``live`` ranks: the default planner
+    plans on their slots only (``rebalance_experts(..., live_ranks=)``); another planner knows no mask, so any
+    expert its plan leaves without a live replica is re-placed after it (:func:`replace_orphans`, which fails
+    closed with :class:`RedundancyError`)."""
+    from fdeplb.orchestration.gating import default_planner
+
+    def plan(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: Any) -> np.ndarray:
+        if planner is default_planner:
+            return default_planner(expert_load, old_phy2log, cfg, live_ranks=live)
+        new = planner(expert_load, old_phy2log, cfg)
+        return replace_orphans(np.asarray(new, dtype=np.int64), cfg.num_logical_experts, cfg.ep_size, live,
+                               expert_load)
+
+    return plan
+
+
+def participants_text(active: list[int], ep_size: int) -> str:
+    """The cluster record's ``members`` for a round started with ``active`` ACTIVE ranks ("" = every rank)."""
+    return "" if len(active) == ep_size else ",".join(str(r) for r in active)
+
+
+def participants(members: str, ep_size: int) -> list[int]:
+    """The ranks a round counts (the cluster record's ``members``; "" = every rank)."""
+    return list(range(ep_size)) if members == "" else [int(x) for x in members.split(",") if x != ""]
+
+
+def lost_participants(members: str, view: MemberView | None, ep_size: int) -> list[int]:
+    """The round's participants that are no longer ACTIVE members (a suspected, drained or excluded rank), and the
+    ACTIVE members that are not participants (readmitted meanwhile): before the commit point the round aborts."""
+    if view is None:
+        return []
+    states = view.states()
+    part = set(participants(members, ep_size))
+    return sorted(r for r, st in enumerate(states) if (r in part) != (st is M.ACTIVE))

@@ -1,0 +1,84 @@
+"""The coordinator's rounds nobody asked for, while the cluster is FREE: the re-placement round a lost rank calls
+for (the current placement leaves a logical expert without a replica on an ACTIVE member) and the periodic trigger
+(``interval_s``), skipped and audited with its numbers when it is not worth a round.
+
+:class:`UnaskedRounds` is mixed into :class:`~fdeplb.orchestration.coordinator.Coordinator`; it uses, of its host:
+``store``, ``config``, ``holder``, ``log``, ``planner``, ``interval_s``, ``min_balancedness``,
+``_next_periodic_ms``, ``_members`` and ``_failed_closed``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fdeplb.errors import FdeplbError
+from fdeplb.machines.tables import CLUSTER
+from fdeplb.orchestration import membership
+from fdeplb.orchestration.gating import mean_balancedness, plan_round
+from fdeplb.placement import orphaned_experts
+from fdeplb.store import ClusterRecord
+
+#: (progressed, ms until the next deadline or None), as the coordinator's entry work returns
+Step = tuple[bool, "int | None"]
+
+
+class UnaskedRounds:
+    """The re-placement request and the periodic trigger (see the module doc)."""
+
+    def _replace_or_periodic(self, rec: ClusterRecord) -> Step:
+        """In FREE with no round asked for: a re-placement round when the current placement leaves an expert
+        without a replica on an ACTIVE member (once per set of members it failed closed for), else the periodic
+        trigger."""
+        live = membership.live_mask(self._members.view, self.config.ep_size)
+        key = ",".join(map(str, np.flatnonzero(live)))
+        if not live.all() and key != self._failed_closed:
+            current = self.store.current_placement().phy2log
+            if orphaned_experts(current, self.config.num_logical_experts, self.config.ep_size, live):
+                lost = [int(r) for r in np.flatnonzero(~live)]
+                self.store.request_round(f"replacement: ranks {lost} are not members")
+                return True, None
+        return self._periodic(rec)
+
+    def _periodic(self, rec: ClusterRecord) -> Step:
+        """The periodic trigger (``interval_s``): skip, audited with its numbers, or request a round."""
+        if self.interval_s is None:
+            return False, None
+        now = self.store.now_ms()
+        if self._next_periodic_ms is None:
+            self._next_periodic_ms = now + int(self.interval_s * 1000)
+        if now < self._next_periodic_ms:
+            return False, self._next_periodic_ms - now
+        self._next_periodic_ms = now + int(self.interval_s * 1000)
+        cfg = self.config
+        windows = [self.store.read_load(r) for r in range(cfg.ep_size)]
+        if any(w is None for w in windows):  # no window to judge by: the round collects them and gates itself
+            self.store.request_round("interval")
+            return True, None
+        load = np.sum(np.stack([w.expert_load for w in windows]), axis=0, dtype=np.int64)
+        if not load.any():
+            return self._skip(rec, "skipped: no tokens in the ranks' load windows")
+        old = self.store.current_placement().phy2log
+        before = mean_balancedness(load, old, cfg.ep_size)
+        if self.min_balancedness is not None and before >= self.min_balancedness:
+            return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
+        try:
+            decision = plan_round(load, old, cfg, self.planner)
+        except FdeplbError as err:
+            return self._skip(rec, f"skipped: planning failed: {err}")
+        after, moved = decision.balancedness_after, decision.moved_experts
+        if not decision.goes_on:
+            return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
+                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts",
+                              {"gate": decision.detail()})
+        self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
+        return True, None
+
+    def _skip(self, rec: ClusterRecord, reason: str, detail: dict | None = None) -> Step:
+        """A periodic round not worth running: a normal outcome, audited (trigger ``skip``) with its numbers
+        (``detail``: the gate's figures when it planned)."""
+        self.log.info("skip", reason=reason)
+        self.store.update(CLUSTER, reason=reason)  # first: whoever sees the audit note sees the reason
+        self.store.append_note(rec, trigger="skip", actor=self.holder, reason=reason, detail=detail)
+        self.store.emit_event("skipped", reason=reason)
+        return False, int(self.interval_s * 1000)
+

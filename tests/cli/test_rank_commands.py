@@ -1,0 +1,111 @@
+"""``fdeplb rank exclude|drain|readmit`` and the membership part of ``fdeplb status`` and the metrics, against a real
+Redis: each legal command an audited member transition with who and why and a generation; each illegal one exit 3
+with nothing written; a bad rank or reason exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fdeplb.machines.tables import MEMBERSHIP, MemberState
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, Store
+from tests.helpers import RawRedis, run_cli
+
+M = MemberState
+
+
+@pytest.fixture
+def store(redis_url, cluster_id):
+    # E=4, P=6, 3 ranks of 2 slots: rank 1 holds experts 2, 3 and nothing else does
+    store = Store(redis_url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3),
+                 np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
+    yield store
+    store.delete_cluster()
+
+
+def rank_cmd(capsys, store: Store, command: str, r: int, *extra: str):
+    return run_cli(capsys, "rank", command, "--redis-url", store.url, "--cluster", store.cluster, "--rank", str(r),
+                   *extra)
+
+
+def test_drain_then_readmit_is_audited_with_who_and_why(capsys, store):
+    code, out, _ = rank_cmd(capsys, store, "drain", 2, "--reason", "host maintenance")
+    assert code == 0 and "ACTIVE -> DRAINING" in out and "generation 1" in out
+    entry = store.audit()[-1]
+    assert (entry["key"], entry["trigger"], entry["generation"]) == ("member:2", "drain", "1")
+    assert entry["actor"].startswith("operator:") and entry["reason"] == "operator drain: host maintenance"
+    assert json.loads(entry["detail"]) == {"by": entry["actor"], "ranks": [2]}
+    assert store.read(MEMBERSHIP, 2).actor == entry["actor"]
+    code, out, _ = rank_cmd(capsys, store, "readmit", 2)
+    assert code == 0 and "DRAINING -> ACTIVE" in out and store.read_cluster().generation == 2
+
+
+def test_exclude_needs_a_suspect_rank(capsys, store, redis_url):
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    code, _, err = rank_cmd(capsys, store, "exclude", 1)
+    assert code == 3 and "exclude" in err and "ACTIVE" in err
+    assert raw.snapshot() == before  # refused: nothing written
+    raw.force(raw.keys.member(1), M.SUSPECT, version=1)
+    code, out, _ = rank_cmd(capsys, store, "exclude", 1, "--reason", "dead GPU")
+    assert code == 0 and "SUSPECT -> EXCLUDED" in out
+    code, _, err = rank_cmd(capsys, store, "drain", 1)  # not from EXCLUDED
+    assert code == 3
+    status = json.loads(run_cli(capsys, "status", "--redis-url", store.url, "--cluster", store.cluster, "--json")[1])
+    assert status["generation"] == 1 and status["live_ranks"] == [0, 2]
+    assert [r["membership"] for r in status["ranks"]] == ["ACTIVE", "EXCLUDED", "ACTIVE"]
+    assert status["degraded"] == {"orphans": [[0, 2], [0, 3]], "ranks": [1]}
+    code, text, _ = run_cli(capsys, "status", "--redis-url", store.url, "--cluster", store.cluster)
+    assert code == 0 and "members    0, 2 ACTIVE  (generation 1)" in text and "DEGRADED   2 experts" in text
+    assert any(line.split()[:1] == ["1"] and "EXCLUDED" in line.split() for line in text.splitlines())
+
+
+@pytest.mark.parametrize("extra,message", [(("--rank", "3"), "--rank"), (("--rank", "-1"), "--rank"),
+                                           (("--rank", "0", "--reason", "a\nb"), "control")])
+def test_bad_rank_or_reason_is_exit_2(capsys, store, extra, message):
+    code, _, err = run_cli(capsys, "rank", "drain", "--redis-url", store.url, "--cluster", store.cluster, *extra)
+    assert code == 2 and message in err
+    assert all(m.state is M.ACTIVE for m in store.read_all(MEMBERSHIP))
+
+
+def test_metrics_count_ranks_per_membership_state(store):
+    from fdeplb.api.prometheus import ClusterCollector
+
+    from fdeplb.orchestration.membership import operator_fire
+
+    operator_fire(store, 0, "drain", who="operator:test", reason="")
+    families = {f.name: f for f in ClusterCollector(store).collect()}
+    by_state = {s.labels["state"]: s.value for s in families["fdeplb_membership_ranks"].samples}
+    assert by_state == {"ACTIVE": 2, "SUSPECT": 0, "DRAINING": 1, "EXCLUDED": 0, "REJOINING": 0}
+    assert families["fdeplb_membership_generation"].samples[0].value == 1
+
+
+def test_placement_route_names_live_slots_only(store):
+    from fdeplb.api import service
+    from fdeplb.orchestration.membership import operator_fire
+
+    full = service.placement(store, None)
+    assert full["live_ranks"] == [0, 1, 2] and full["logcnt"] == [[2, 2, 1, 1]]
+    operator_fire(store, 2, "drain", who="operator:test", reason="")  # slots 4, 5 (experts 0, 1) leave the routes
+    part = service.placement(store, None)
+    assert part["live_ranks"] == [0, 1] and part["logcnt"] == [[1, 1, 1, 1]]
+    assert not {4, 5} & {p for row in part["log2phy"][0] for p in row}
+    assert part["phy2log"] == full["phy2log"]  # the placement itself is unchanged
+
+
+def test_init_cluster_takes_the_exclusion_deadline(capsys, redis_url, cluster_id, tmp_path):
+    from fdeplb.weights import write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(tmp_path / "ckpt", 1, 4, hidden=4, intermediate=2)
+    code, _, err = run_cli(capsys, "init-cluster", "--redis-url", redis_url, "--cluster", cluster_id,
+                           "--num-layers", "1", "--num-logical-experts", "4", "--num-redundant-experts", "0",
+                           "--ep-size", "2", "--checkpoint", str(ckpt), "--exclude-ms", "4500")
+    assert code == 0, err
+    s = Store(redis_url, cluster_id)
+    assert s.read_config().deadlines.exclude_ms == 4500
+    assert [m.state for m in s.read_all(MEMBERSHIP)] == [M.ACTIVE, M.ACTIVE]
+    s.delete_cluster()

@@ -1,0 +1,168 @@
+"""Rounds around a lost rank, on thread clusters: a rank whose heartbeat lapses goes SUSPECT, then EXCLUDED after
+``exclude_ms`` (fenced coordinator commits, each raising the generation); the re-placement round that follows
+moves only its orphaned experts and routes no slot of it; with no redundant replica the round fails closed; a
+round in flight aborts at once when a participant goes SUSPECT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdeplb.cli import main
+from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
+from fdeplb.placement import live_maps, orphaned_experts
+from fdeplb.replay import check_plans, replay_file
+from fdeplb.store import Deadlines
+from tests.helpers import thread_cluster, wait_for
+
+pytestmark = pytest.mark.slow  # thread clusters
+
+M = MemberState
+TTL = 400  # heartbeats every 0.1 s
+
+
+def deadlines(**kw) -> Deadlines:
+    return Deadlines(**{"collecting_ms": 20_000, "loading_ms": 20_000, "commit_ms": 20_000, "swapping_ms": 20_000,
+                        "exclude_ms": 1_000, **kw})
+
+
+def kill(tc, r: int) -> None:
+    tc.agents[r].stop_event.set()
+    tc.threads[r].join(10)
+    assert not tc.threads[r].is_alive()
+
+
+def member_trail(store, r: int) -> list[tuple[str, str, str]]:
+    return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["key"] == f"member:{r}"]
+
+
+def round_done(store, n: int):
+    rec = store.read_cluster()
+    return rec.state is ClusterState.FREE and rec.round >= n and rec
+
+
+def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, cluster_id, tmp_path):
+    # E=8, P=12, 4 ranks of 3 slots: rank 2 holds experts 6, 7, 0; 6 and 7 only there
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        before = store.current_placement().phy2log
+        assert tc.agents[0].live_ranks == (0, 1, 2, 3)
+        kill(tc, 2)
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.EXCLUDED, 30, store, "rank 2 excluded")
+        assert member_trail(store, 2) == [("ACTIVE", "SUSPECT", "suspect"), ("SUSPECT", "EXCLUDED", "exclude")]
+        suspect, exclude = [a for a in store.iter_audit() if a["key"] == "member:2"]
+        assert suspect["actor"] == exclude["actor"] == tc.coordinator.holder and suspect["fence"] != ""
+        assert (suspect["generation"], exclude["generation"]) == ("1", "2")
+        assert store.read_cluster().generation == 2
+        # the coordinator asks for the re-placement by itself; it completes among ranks 0, 1, 3
+        rec = wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        assert rec.requested_reason.startswith("replacement") and rec.members == "0,1,3"
+        after = store.current_placement()
+        assert after.plan_id == rec.plan_id != ""
+        live = np.array([True, True, False, True])
+        assert orphaned_experts(after.phy2log, 8, 4, live) == []
+        changed = np.argwhere(after.phy2log != before)
+        assert len(changed) == 2 * 2  # only the two orphans per layer moved (one slot each)
+        assert all(not 6 <= p < 9 for _, p in changed)  # never into the lost rank's slots
+        log2phy, logcnt = live_maps(after.phy2log, 8, 4, live)
+        assert not np.isin(log2phy, [6, 7, 8]).any() and (logcnt >= 1).all()
+        plan = store.read_plan(after.plan_id)
+        assert plan.generation == 2 and plan.topology["live_ranks"] == [0, 1, 3]
+        assert tc.agents[0].live_ranks == (0, 1, 3)  # the engine's dispatch mask, switched with the tables
+        commit = [a for a in store.iter_audit() if a["trigger"] == "commit"][-1]
+        assert commit["generation"] == "2"
+        # the next round plans without rank 2 as well and routes nothing to it
+        store.request_round("test")
+        wait_for(lambda: round_done(store, 2), 60, store, "round 2")
+        assert orphaned_experts(store.current_placement().phy2log, 8, 4, live) == []
+        # the recording replays: member transitions, guards over members, both plans recomputed
+        tc.stop()
+        path = tmp_path / "lost.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        report = replay_file(path)
+        assert report.final["member:2"].state == "EXCLUDED"
+        assert len(check_plans(store, report)) == 2
+        assert main(["replay", str(path)]) == 0
+
+
+def test_no_redundant_replica_fails_closed_naming_the_experts(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=0,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        before = store.current_placement()
+        kill(tc, 1)  # experts 2 and 3 of each layer live only there
+        abort = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"], 60, store,
+                         "the fail-closed abort")[0]
+        assert abort["reason"].startswith("fail closed: redundancy insufficient")
+        from fdeplb.orchestration import reasons
+
+        detail = reasons.detail_of(abort)
+        assert detail["ranks"] == [1] and detail["orphans"] == [[0, 2], [0, 3], [1, 2], [1, 3]]
+        alarm = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+        assert alarm and alarm[-1]["reason"] == abort["reason"]
+        after = store.current_placement()
+        assert after.plan_id == before.plan_id == "" and np.array_equal(after.phy2log, before.phy2log)
+        wait_for(lambda: store.read_cluster().state is ClusterState.FREE, 30, store, "FREE")
+        assert len([a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"]) == 1  # not retried
+
+
+def test_a_round_aborts_at_once_when_a_participant_goes_suspect(redis_url, cluster_id, tmp_path):
+    # cordoned: the round waits in LOAD_SUCC for an external commit (commit_ms 20 s) when rank 3 dies
+    with thread_cluster(redis_url, cluster_id, tmp_path, cordoned=True, deadlines=deadlines(exclude_ms=60_000)) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        store.request_round("test")
+        wait_for(lambda: store.read_cluster().state is ClusterState.LOAD_SUCC, 60, store, "LOAD_SUCC")
+        kill(tc, 3)
+        rec = wait_for(lambda: round_done(store, 1), 30, store, "the abort")
+        abort = [a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"][-1]
+        assert abort["from"] == "LOAD_SUCC" and "ranks [3]" in abort["reason"]
+        from fdeplb.orchestration import reasons
+
+        assert reasons.detail_of(abort) == {"ranks": [3]}
+        assert "deadline" not in rec.reason and store.read(MEMBERSHIP, 3).state is M.SUSPECT
+        assert store.current_placement().plan_id == ""  # nothing committed
+
+
+def test_an_excluded_rank_rejoins_and_the_next_round_counts_it(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        kill(tc, 2)
+        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        placement = store.current_placement()
+        back = tc.start_agent(2, heartbeat_ttl_ms=TTL)  # a new worker for rank 2: it loads the current placement
+        assert np.array_equal(back.backend.phy2log, placement.phy2log)
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.ACTIVE, 30, store, "rank 2 admitted")
+        assert [t for _, _, t in member_trail(store, 2)] == ["suspect", "exclude", "rejoin", "admit"]
+        rejoin = [a for a in store.iter_audit() if a["key"] == "member:2" and a["trigger"] == "rejoin"][0]
+        assert rejoin["actor"] == back.actor and rejoin["fence"] == "" and rejoin["generation"] == "3"
+        assert back.live_ranks == (0, 1, 2, 3)
+        store.request_round("test")
+        rec = wait_for(lambda: round_done(store, 2), 60, store, "round 2")
+        assert rec.members == ""  # every rank a member again
+        start = [a for a in store.iter_audit() if a["trigger"] == "start"][-1]
+        assert start["generation"] == "4"
+
+
+def test_readmit_waits_for_a_round_to_end(redis_url, cluster_id, tmp_path):
+    from fdeplb.errors import GuardError
+    from fdeplb.orchestration.membership import operator_fire
+
+    # 16 experts in 32 slots: each expert on two ranks, so draining rank 3 orphans none (no re-placement round)
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_redundant=16, cordoned=True,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        operator_fire(store, 3, "drain", who="operator:test", reason="")
+        tc.start(heartbeat_ttl_ms=TTL)
+        wait_for(lambda: store.read(MEMBERSHIP, 3).state is M.EXCLUDED, 30, store, "rank 3 drained")
+        store.request_round("test")
+        wait_for(lambda: store.read_cluster().state is ClusterState.LOAD_SUCC, 60, store, "LOAD_SUCC")
+        assert store.read_cluster().members == "0,1,2"
+        with pytest.raises(GuardError, match="cluster_in"):
+            operator_fire(store, 3, "readmit", who="operator:test", reason="")
+        assert store.read(MEMBERSHIP, 3).state is M.EXCLUDED
