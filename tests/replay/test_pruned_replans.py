@@ -43,7 +43,8 @@ def pruned_run(redis_url, tmp_path_factory):
         tc.stop()
         path = tmp / "pruned.jsonl"
         export_recording(store, path)
-        yield store, path, cluster
+        tc.alternate = loads
+        yield store, path, cluster, tc
 
 
 def _lines(path):
@@ -51,7 +52,7 @@ def _lines(path):
 
 
 def test_the_run_pruned_and_stored_a_plan_again_under_a_later_round(pruned_run):
-    store, path, _ = pruned_run
+    store, path, _, _ = pruned_run
     lines = _lines(path)
     header = lines[0]
     loads = [(a["round"], a["plan_id"]) for a in lines if a.get("type") == "audit"
@@ -66,14 +67,14 @@ def test_the_run_pruned_and_stored_a_plan_again_under_a_later_round(pruned_run):
 
 
 def test_self_contained_replay_holds(pruned_run, capsys):
-    _, path, _ = pruned_run
+    _, path, _, _ = pruned_run
     code, out, err = run_cli(capsys, "replay", str(path))
     assert code == 0, err
     assert "not checked" in out
 
 
 def test_replay_against_the_live_store_holds(pruned_run, capsys, redis_url):
-    _, path, cluster = pruned_run
+    _, path, cluster, _ = pruned_run
     code, out, err = run_cli(capsys, "replay", str(path), "--redis-url", redis_url, "--cluster", cluster, "--json")
     assert code == 0, err
     report = json.loads(out)
@@ -85,7 +86,7 @@ def test_replay_against_the_live_store_holds(pruned_run, capsys, redis_url):
 
 def test_a_forged_round_with_a_recomputed_chain_fails_against_the_live_head(pruned_run, capsys, redis_url,
                                                                              tmp_path):
-    _, path, cluster = pruned_run
+    _, path, cluster, _ = pruned_run
     lines = _lines(path)
     audit = [i for i, a in enumerate(lines) if a.get("type") == "audit"]
     # forge the last round's abort-free end: rewrite its reason text, then recompute every chain after it
@@ -112,7 +113,7 @@ def _rechain(lines, audit, start):
 
 
 def test_a_forged_record_past_the_stream_end_fails_against_the_live_audit(pruned_run, capsys, redis_url, tmp_path):
-    _, path, cluster = pruned_run
+    _, path, cluster, _ = pruned_run
     lines = _lines(path)
     audit = [i for i, a in enumerate(lines) if a.get("type") == "audit"]
     last, cluster_last = lines[audit[-1]], next(lines[i] for i in reversed(audit) if lines[i]["machine"] == "cluster")
@@ -135,7 +136,7 @@ def test_a_forged_record_past_the_stream_end_fails_against_the_live_audit(pruned
 
 
 def test_a_plan_stored_for_a_round_that_did_not_plan_it_still_fails(pruned_run, capsys, tmp_path):
-    _, path, _ = pruned_run
+    _, path, _, _ = pruned_run
     lines = _lines(path)
     loads = {}
     for a in lines:
@@ -148,3 +149,25 @@ def test_a_plan_stored_for_a_round_that_did_not_plan_it_still_fails(pruned_run, 
     edited.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
     code, _, err = run_cli(capsys, "replay", str(edited))
     assert code == 1 and f"stored for round {other}, which did not plan it" in err, err
+
+
+def test_a_plan_the_live_store_pruned_after_the_export_is_checked_from_the_recording(pruned_run, capsys, redis_url):
+    """(Last: it runs the shared cluster on.) Three more rounds after the export prune the plan the export held (the
+    then current placement's); the replay against the live store checks it from the recording's copy, and anchors
+    the recording's chain to the live record at its end (the stream went on)."""
+    store, path, cluster, tc = pruned_run
+    (held,) = [p["plan_id"] for p in _lines(path) if p.get("type") == "plan"]
+    tc.agents.clear(), tc.threads.clear()
+    tc.start()
+    for n in range(ROUNDS + 1, ROUNDS + 4):  # 14 plans it again (the loads recur), 15 prunes it
+        tc.loads[...] = tc.alternate[(n - 1) % 2]
+        store.request_round(f"pruned replans: round {n}")
+        wait_for(_round_over(store, n), 60, store, f"round {n}")
+    tc.stop()
+    capsys.readouterr()  # the cluster's log lines
+    assert store.read_plan(held) is None, "the exported plan was not pruned"
+    code, out, err = run_cli(capsys, "replay", str(path), "--redis-url", redis_url, "--cluster", cluster, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert held in report["plans_checked"] and held not in report["plans_unchecked"]
+    assert report["head"] == "matches record"
