@@ -1,4 +1,5 @@
-"""How the API authenticates a request: FastDeploy's body fields on POST routes, HTTP Basic on GET routes.
+"""How the API authenticates a request: FastDeploy's body fields on POST routes, HTTP Basic on GET routes
+(``/health`` is open to anyone; ``/metrics`` too with ``fdeplb serve --metrics-public``).
 
 POST routes take FastDeploy's ``user`` / ``passwd`` body fields; GET routes take HTTP Basic auth, parsed by
 :class:`fastapi.security.HTTPBasic` (``auto_error=False``: a missing or malformed header is our own 401, not
@@ -15,7 +16,7 @@ from fdeplb.credentials import ENV_PASSWORD, ENV_USER, Credentials, file_is_priv
 from fdeplb.errors import AuthError
 
 __all__ = ["AUTH_FAILED", "ENV_PASSWORD", "ENV_USER", "Credentials", "check_basic", "check_body",
-           "file_is_private", "load_credentials"]
+           "file_is_private", "has_basic", "load_credentials"]
 
 #: FastDeploy's answer to wrong credentials (same text)
 AUTH_FAILED = "user or passwd is invalid"
@@ -27,6 +28,16 @@ def check_body(credentials: Credentials | None, body: dict) -> None:
     """FastDeploy's ``user`` / ``passwd`` body fields; :class:`AuthError` unless they match (None: no auth)."""
     if credentials is not None and not credentials.matches(body.get("user"), body.get("passwd")):
         raise AuthError(AUTH_FAILED)
+
+
+async def has_basic(credentials: Credentials | None, request: Request) -> bool:
+    """Whether ``request`` carries matching HTTP Basic credentials (True when the API has none): for a route open
+    to anyone that tells its authenticated callers more (``/health``)."""
+    try:
+        await check_basic(credentials, request)
+    except AuthError:
+        return False
+    return True
 
 
 async def check_basic(credentials: Credentials | None, request: Request) -> None:

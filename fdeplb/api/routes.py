@@ -1,7 +1,8 @@
 """The FastAPI router (mountable into a serving node's existing app) and the app factory of ``fdeplb serve``.
 
 Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic, parsed by
-``fastapi.security.HTTPBasic``), then validates, then acts. Errors never escape as 5xx tracebacks: a
+``fastapi.security.HTTPBasic``), then validates, then acts; but ``/health``, open to probes (it tells a caller without
+credentials only healthy or not, and why in one phrase), and ``/metrics`` when served with ``metrics_public``. Errors never escape as 5xx tracebacks: a
 :class:`~fdeplb.errors.FdeplbError` becomes ``{"code": 1, "msg": "<one line>"}`` with the status of
 :func:`fdeplb.errors.http_status`; anything else is a 500 with a generic message (and a log line). Query parameters
 are taken as text and checked after the authentication (:mod:`fdeplb.api.service`), so a bad one is a 400 with one
@@ -24,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.concurrency import run_in_threadpool
 
 from fdeplb.api import service
-from fdeplb.api.auth import Credentials, check_basic, check_body
+from fdeplb.api.auth import Credentials, check_basic, check_body, has_basic
 from fdeplb.api.bodies import CheckBody, RearrangeBody, StatsBody, openapi_body, read_json_object, validate
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.api.service import ApiSettings
@@ -161,10 +162,13 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
     @router.get("/health", tags=["fastdeploy"])
     @_guarded
     async def health(request: Request) -> Response:
-        """200 when Redis answers and every registered rank's heartbeat is within its TTL, else 503 with the
-        reason."""
-        await ctx.basic(request)
-        return _reply(await run_in_threadpool(service.health, store))
+        """200 when Redis answers and every registered rank's heartbeat is within its TTL, else 503. Open, as
+        FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only healthy or not and
+        why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials also the
+        registered ranks, and which lack a heartbeat and why."""
+        if await has_basic(ctx.credentials, request):
+            return _reply(await run_in_threadpool(service.health, store))
+        return _reply(await run_in_threadpool(service.probe_health, store))
 
 
 def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
@@ -209,8 +213,10 @@ def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
     @router.get("/metrics", tags=["fdeplb"])
     @_guarded
     async def metrics(request: Request) -> Response:
-        """Prometheus metrics of the cluster (computed from Redis at scrape time)."""
-        await ctx.basic(request)
+        """Prometheus metrics of the cluster (computed from Redis at scrape time); HTTP Basic unless
+        ``fdeplb serve --metrics-public``."""
+        if not settings.metrics_public:
+            await ctx.basic(request)
         return Response(await run_in_threadpool(generate_latest, ctx.registry), media_type=CONTENT_TYPE_LATEST)
 
 

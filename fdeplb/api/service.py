@@ -20,7 +20,8 @@ import numpy as np
 import structlog
 
 from fdeplb.checks import check_int
-from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, StateError
+from fdeplb.errors import (CorruptRecordError, FdeplbError, InputError, NotFoundError,
+                           RedisUnavailableError, StateError)
 from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
 from fdeplb.recording import audit_dict
 from fdeplb.status import cluster_status, unhealthy_ranks
@@ -51,7 +52,9 @@ class ApiSettings:
     """How the API serves one cluster.
 
     ``weights_timeout_s``: how long ``/update_model_weight`` and ``/clear_load_weight`` wait for every rank
-    (FastDeploy: 300 s). ``/health`` has no setting of its own: a rank is unhealthy when its heartbeat outlived
+    (FastDeploy: 300 s). ``metrics_public``: ``/metrics`` answers without credentials (``fdeplb serve
+    --metrics-public``; by default it takes HTTP Basic like every GET route). ``/health`` has no setting of its own:
+    it always answers without credentials (:func:`probe_health`); a rank is unhealthy when its heartbeat outlived
     the TTL its agent wrote (the coordinator's rule, :mod:`fdeplb.status`). ``max_body_bytes`` / ``max_depth``:
     request body limits. ``statecharts_dir``: where the
     ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz).
@@ -60,6 +63,7 @@ class ApiSettings:
     many are pending, the other routes (``/health`` first) still answer at once."""
 
     weights_timeout_s: float = 300.0
+    metrics_public: bool = False
     max_body_bytes: int = 8 << 20
     max_depth: int = 16
     statecharts_dir: Path | None = None
@@ -247,6 +251,24 @@ def health(store: Store) -> Reply:
         why = "; ".join(f"rank {r} {text}" for r, text in unhealthy.items())
         return refuse(f"ranks {sorted(unhealthy)} have no live heartbeat ({why})", 503, ranks=registered)
     return ok(ranks=registered)
+
+
+#: the one phrase an anonymous /health gives for each way the cluster is unhealthy (nothing else of the cluster)
+HEALTH_PHRASES = {"ranks": "a rank has no live heartbeat", "redis": "Redis unavailable",
+                  "unreadable": "cluster state unreadable"}
+
+
+def probe_health(store: Store) -> Reply:
+    """``/health`` for a caller without credentials (a load balancer's or Kubernetes' probe, FastDeploy's health
+    check): 200 ``{"code": 0, "msg": "ok"}`` when :func:`health` is, else 503 with one phrase of
+    :data:`HEALTH_PHRASES` and no cluster data (no rank ids, counts, addresses or Redis URL)."""
+    try:
+        status, _ = health(store)
+    except RedisUnavailableError:
+        return refuse(HEALTH_PHRASES["redis"], 503)
+    except FdeplbError:  # a record that does not parse, a store error: unhealthy, the details are the operator's
+        return refuse(HEALTH_PHRASES["unreadable"], 503)
+    return ok() if status == 200 else refuse(HEALTH_PHRASES["ranks"], 503)
 
 
 # ---- read-only /v1 routes ------------------------------------------------------------------------------------------

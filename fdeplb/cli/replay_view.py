@@ -26,7 +26,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "follow from the ones before it (from-state, trigger, to-state, version, fence, "
                                    "the guards across records, the audit chain) and every plan, and every gated "
                                    "round's numbers, must reproduce from its snapshot. With --redis-url and "
-                                   "--cluster the plans are checked against that live Redis instead; with --into, "
+                                   "--cluster the plans are checked against that live Redis instead, and the "
+                                   "recording's last chain against its audit (the head, when the recording ends "
+                                   "at the stream's end); with --into, "
                                    "--cluster names the cluster to rebuild. Exit 0 when it replays, 1 on a mismatch "
                                    "naming the first bad line, 2 on a usage error.",
                        parents=[cluster_parent(required=False)])
@@ -45,6 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_replay(args: argparse.Namespace) -> int:
     from fdeplb.replay import Recorded, ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
+    from fdeplb.replay.anchor import check_head
     from fdeplb.store import Store
 
     if args.into is not None and args.redis_url is not None:
@@ -57,7 +60,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if report.records == 0:
         raise ReplayError(f"{args.file}: no audit records (a recording has one JSON object per line)")
     if args.redis_url is not None:
-        check_plans(open_store(args.redis_url, args.cluster), report)
+        live = open_store(args.redis_url, args.cluster)
+        check_plans(live, report)
+        check_head(live, report)
     elif report.header is not None:
         check_plans(Recorded(report), report)
     if report.header is not None:
@@ -85,6 +90,8 @@ def run_replay(args: argparse.Namespace) -> int:
             plans += f", {len(report.plans_unchecked)} pruned before the export (not checked)"
         if report.gates_checked:
             plans += f", {len(report.gates_checked)} gated rounds recomputed and identical"
+    if report.head:
+        plans += f"; live audit: {_HEAD_TEXT.get(report.head, report.head)}"
     chain = f", chain verified over {report.chained} records" if report.chained else ", no chain (old export)"
     print(f"replay OK: {report.transitions} transitions of {len(report.final)} records, "
           f"{report.skipped} notes (alarms, skips, start refusals){chain}{plans}")
@@ -93,6 +100,13 @@ def run_replay(args: argparse.Namespace) -> int:
     if written is not None:
         print(f"rebuilt cluster {args.cluster} at {args.into}: {written} audit records")
     return 0
+
+
+#: what check_head found, as the summary line says it
+_HEAD_TEXT = {"matches": "the recording's last chain is the live audit head",
+              "matches record": "the live record at the recording's end has its chain (the stream went on)",
+              "trimmed": "not compared (the live audit was trimmed past the recording's end)",
+              "no chain": "not compared (the recording has no chain)"}
 
 
 def _states(report) -> dict[str, dict[str, Any]]:

@@ -2,7 +2,8 @@
 
 Credentials come from ``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file`` (first line
 ``USER:PASSWORD``), never from a command-line value. Without them ``serve`` refuses to start unless
-``--insecure-no-auth`` is given, and then warns on every start.
+``--insecure-no-auth`` is given, and then warns on every start. ``/health`` answers without credentials (healthy or
+not, and why in one phrase, for probes); ``/metrics`` needs them unless ``--metrics-public``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="file whose first line is USER:PASSWORD (instead of FDEPLB_API_USER / FDEPLB_API_PASSWORD)")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="serve without credentials (never on a reachable address)")
+    p.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without credentials (default: HTTP Basic, as every GET route; /health is "
+                        "always open)")
     p.add_argument("--weights-timeout-s", type=positive_float, default=300.0,
                    help="how long /update_model_weight and /clear_load_weight wait for the ranks (default 300)")
     p.add_argument("--log-level", default="INFO")
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         print(INSECURE_WARNING.format(host=args.host, port=args.port), file=sys.stderr, flush=True)
         log.warning("serving without authentication", host=args.host, port=args.port)
     store = open_store(args.redis_url, args.cluster)
-    settings = ApiSettings(weights_timeout_s=args.weights_timeout_s)
+    settings = ApiSettings(weights_timeout_s=args.weights_timeout_s, metrics_public=args.metrics_public)
     app = create_app(store, credentials, settings)
     log.info("serving", cluster=args.cluster, host=args.host, port=args.port, auth=credentials is not None)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,

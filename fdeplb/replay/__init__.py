@@ -45,6 +45,7 @@ Modules, one concern each:
   exporter's start state);
 - :mod:`~fdeplb.replay.recompute`: :func:`check_plans`, :func:`check_gates`, :func:`whatif`, on top of
   :mod:`fdeplb.orchestration.gating`;
+- :mod:`~fdeplb.replay.anchor`: ``check_head``, the recording's last chain against a live audit (``--redis-url``);
 - :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`.
 """
 

@@ -373,6 +373,7 @@ class _Replay:
                               f"forged, or this one was edited")
         self.chain = expected
         self.report.chain = expected
+        self.report.chain_id, self.report.chain_where = str(rec.get("id", "")), line.where
         self.report.chained += 1
 
     def _cluster_effects(self, line: AuditLine, spec: TransitionSpec, plan_id: str) -> None:

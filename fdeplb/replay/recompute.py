@@ -56,8 +56,10 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     """Recompute every ``load`` plan of ``report`` from what ``source`` holds (a :class:`Recorded` or a live
     :class:`~fdeplb.store.Store`) and compare; returns the plan_ids checked.
 
-    For each plan: it is stored (a plan the recording lists as pruned is noted in ``report.plans_unchecked``), its
-    round and previous placement match the audit, its load snapshot is the round's frozen snapshot,
+    For each plan: it is stored (a plan the recording's header lists as pruned is noted in
+    ``report.plans_unchecked``, on both paths; a plan the live store pruned after the export is checked from the
+    recording's copy), its round and previous placement match the audit (:func:`_check_round`), its load snapshot
+    is the round's frozen snapshot,
     :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology) is the plan_id, and the
     coordinator's planner on that snapshot gives the stored ``new_phy2log``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
@@ -71,20 +73,27 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     if start is not None:
         new_of[start[0]] = start[1]
     recomputed: set[str] = set()
+    missing = set(((report.header or {}).get("missing") or {}).get("plans", []))
+    planned_in: dict[str, set[int]] = {}
+    for plan in report.plans:
+        planned_in.setdefault(plan.plan_id, set()).add(plan.round)
+    last_round = max((seen.round for seen in report.rounds), default=0)
     for plan in report.plans:
         where = f"{plan.where}: plan {plan.plan_id or '(empty)'} of round {plan.round}"
         try:
             stored = source.read_plan(plan.plan_id)
         except CorruptRecordError as exc:
             raise ReplayError(f"{where}: {exc}") from None
+        if stored is None and not isinstance(source, Recorded):  # the live store pruned it after the export
+            stored = report.stored_plans.get(plan.plan_id)
         if stored is None:
-            if isinstance(source, Recorded) and plan.plan_id in source.missing:
-                report.plans_unchecked.append(plan.plan_id)
+            if plan.plan_id in missing:  # pruned before the export: the recording says so in its header
+                if plan.plan_id not in report.plans_unchecked:
+                    report.plans_unchecked.append(plan.plan_id)
                 continue
             raise ReplayError(f"{where}: not stored")
         load, old, new = stored.expert_load, stored.old_phy2log, stored.new_phy2log
-        if not 0 < stored.round <= plan.round:  # a round that retries an aborted round's plan reuses it
-            raise ReplayError(f"{where}: stored for round {stored.round}")
+        _check_round(where, stored.round, plan.round, planned_in[plan.plan_id], last_round)
         # plans are content-addressed: a round that meets the same (snapshot, old placement) as an earlier one
         # reuses that plan, whose stored round and old_plan_id are the earlier one's; compare contents instead
         if plan.previous_plan_id in new_of and not np.array_equal(old, new_of[plan.previous_plan_id]):
@@ -141,6 +150,23 @@ def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, wh
     if closed is not None:
         raise ReplayError(f"{where}: a stored plan whose re-placement fails closed: {closed.text}")
     return replaced if replaced is not None else default_planner(load, old, config, live_ranks=live)
+
+
+def _check_round(where: str, stored: int, referenced: int, planned_in: set[int], last_round: int) -> None:
+    """The round a stored plan names against a round whose ``load`` refers to it. Plans are content-addressed and
+    written once, so the stored copy's round is the round that wrote it: the reference's own round, an earlier one
+    (a round that meets the same load and placement again, e.g. retrying an aborted round, reuses the stored plan),
+    or a later one when retention pruned the copy this round used and a later round planned it again (the same
+    load and starting placement recurred). The later round must then be one the recording shows planning it (a
+    ``load`` of it), or past the recording's last round (a copy written after the export's range).
+
+    The round is the copy's, not the plan's meaning: plan_id, new_phy2log and the figures are recomputed from the
+    contents anyway, and the expert_load is compared with the snapshot of every round that refers to it."""
+    if stored <= 0:
+        raise ReplayError(f"{where}: stored for round {stored}")
+    if stored > referenced and stored not in planned_in and stored <= last_round:
+        raise ReplayError(f"{where}: stored for round {stored}, which did not plan it (its rounds: "
+                          f"{', '.join(map(str, sorted(planned_in)))})")
 
 
 # ---- gated rounds --------------------------------------------------------------------------------------------------

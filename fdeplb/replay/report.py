@@ -99,6 +99,9 @@ class ReplayReport:
     placement_plan: str = ""
     chained: int = 0
     chain: str = ""
+    chain_id: str = ""  # stream id of the last chained record (its line in chain_where)
+    chain_where: str = ""
+    head: str = ""  # what check_head found against a live audit ("" when not checked)
     until: str | None = None
     audit: list[dict[str, Any]] = field(default_factory=list)
     cluster_round: int = 0
@@ -108,5 +111,5 @@ class ReplayReport:
                 "final": {k: asdict(v) for k, v in self.final.items()},
                 "plans": [p.plan_id for p in self.plans], "plans_checked": list(self.plans_checked),
                 "plans_unchecked": list(self.plans_unchecked), "gates_checked": list(self.gates_checked),
-                "chained": self.chained, "until": self.until,
+                "chained": self.chained, "until": self.until, "head": self.head,
                 "placement_plan": self.placement_plan}

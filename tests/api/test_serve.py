@@ -216,3 +216,25 @@ def _basic() -> str:
     import base64
 
     return "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_serve_health_is_open_and_metrics_public_opens_only_metrics(redis_url, cluster_id, public):
+    """What a probe and Prometheus see of `fdeplb serve` without credentials (issue 21): /health 200 with no cluster
+    data; /metrics 401 unless --metrics-public; every other GET route 401."""
+    _cluster(redis_url, cluster_id)
+    port = free_port()
+    proc = _serve(redis_url, cluster_id, port, *(["--metrics-public"] if public else []))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url, proc=proc)
+        r = requests.get(f"{url}/health")
+        assert r.status_code == 200 and r.json() == {"code": 0, "msg": "ok"}, r.text
+        r = requests.get(f"{url}/metrics")
+        assert r.status_code == (200 if public else 401), r.text
+        if public:
+            assert "fdeplb_up 1.0" in r.text
+        assert requests.get(f"{url}/metrics", auth=AUTH).status_code == 200
+        assert requests.get(f"{url}/v1/state").status_code == 401
+    finally:
+        _stop([proc])
