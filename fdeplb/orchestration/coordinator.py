@@ -49,7 +49,7 @@ ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
 RETRY_MS = 1_000
 
 
-#: importable from here as before (``fdeplb.cli.operate`` checks a holder before it builds a coordinator)
+#: importable from here as before (the operate command checks a holder before it builds a coordinator)
 __all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "Step", "check_holder",
            "default_holder_id"]
 
