@@ -148,14 +148,16 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
     @router.get("/update_model_weight", tags=["fastdeploy"])
     @_guarded
     async def update_model_weight(request: Request) -> Response:
-        """Reload every rank's weights (in the current placement) and wait for them."""
+        """Reload every rank's weights (in the current placement) and wait for them (409 naming the ranks that
+        held it back when the request was cancelled)."""
         await ctx.basic(request)
         return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
 
     @router.get("/clear_load_weight", tags=["fastdeploy"])
     @_guarded
     async def clear_load_weight(request: Request) -> Response:
-        """Free every rank's weights and wait for them."""
+        """Free every rank's weights and wait for them (409 naming the ranks that held it back when the request
+        was cancelled)."""
         await ctx.basic(request)
         return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
 

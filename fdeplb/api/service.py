@@ -209,7 +209,9 @@ _WEIGHT_ACTIONS = {"update": (WeightState.NORMAL, "update model weight", "update
 def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
     """Ask every rank to update or clear its weights and wait (at most ``timeout_s``) until every rank carried out
     this request (``WeightRecord.request``) and is NORMAL resp. CLEARED. 200 when done; 404 with the message on a
-    timeout or a failed rank (FastDeploy's codes); 400 when the request cannot be made now."""
+    timeout or a failed rank (FastDeploy's codes); 400 when the request cannot be made now; 409 when the request
+    was cancelled (its switch step was not fixed within ``deadlines.weights_ms``: no rank applied it), the body's
+    ``ranks`` naming the ranks that held it back."""
     target, what, done = _WEIGHT_ACTIONS[action]
     records = store.read_all(WEIGHTS)
     if all(w.state is target for w in records):
@@ -228,6 +230,9 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
         records = store.read_all(WEIGHTS)
         if all(w.request >= n and w.state is target for w in records):
             return ok(msg=f"{what} successfully", request=n)
+        rec = store.read_cluster()
+        if rec.weights_cancelled == n:  # withdrawn: no rank applied it, every rank goes back to its previous state
+            return refuse(f"{what} cancelled: {rec.weights_cancel_reason}", 409, request=n, ranks=rec.held_by)
         failed = [(r, w) for r, w in enumerate(records) if w.request >= n and w.state is not target
                   and w.state not in (WeightState.UPDATING, WeightState.CLEARING)]
         if failed:

@@ -81,6 +81,9 @@ class GuardKind(StateEnum):
     CLUSTER_IN = "cluster_in"  #: the cluster record is in one of ``states`` (``same_plan``: with the plan_id)
     PLAN_STORED = "plan_stored"  #: the plan named by the transition's plan_id is stored
     PLAN_NOT_CURRENT = "plan_not_current"  #: the caller's plan_id is not the current placement's
+    #: the cluster record withdrew (cancelled) the weight request this weight-status record carries out
+    #: (``weights_cancelled`` equals the record's ``request``) and the record came from ``state`` (its ``prior``)
+    WITHDRAWN = "withdrawn"
 
     @property
     def per_rank(self) -> bool:
@@ -333,6 +336,16 @@ WEIGHTS = MachineTable(
             doc="free the weights; refused while a round is past FREE",
         ),
         TransitionSpec("cleared", (W.CLEARING,), W.CLEARED, doc="weights freed"),
+        TransitionSpec(
+            "cancel", (W.CLEARING, W.UPDATING), W.NORMAL, guards=(Guard(GuardKind.WITHDRAWN, state=W.NORMAL),),
+            doc="the request was cancelled before its switch step was fixed (a rank never armed for it within "
+                "deadlines.weights_ms), so no rank applied it: back to NORMAL, the state the clear or update came "
+                "from",
+        ),
+        TransitionSpec(
+            "cancel_to_cleared", (W.UPDATING,), W.CLEARED, guards=(Guard(GuardKind.WITHDRAWN, state=W.CLEARED),),
+            doc="an update from CLEARED was cancelled before its switch step was fixed: back to CLEARED",
+        ),
     ),
 )
 
@@ -370,6 +383,9 @@ MEMBERSHIP = MachineTable(
                        doc="the operator takes the rank back as a member, between rounds"),
     ),
 )
+
+#: the cancel trigger of a withdrawn weight request, by the state the record came from (``WeightRecord.prior``)
+WEIGHT_CANCELS: Mapping[WeightState, str] = MappingProxyType({W.NORMAL: "cancel", W.CLEARED: "cancel_to_cleared"})
 
 TABLES: dict[str, MachineTable] = {t.name: t for t in (CLUSTER, RANK, WEIGHTS, MEMBERSHIP)}
 #: audit key prefix (``cluster``, ``rank``, ``weights``, ``member``) -> its table

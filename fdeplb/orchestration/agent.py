@@ -35,8 +35,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, InputError, StaleStateError, StateError, VerificationError, \
-    WeightError
+from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
+    VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.membership import Rejoin, participants
@@ -361,13 +361,23 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             return self._abort(me, "round aborted while loading")
         try:
             info = self._stage(plan_id)
-        except WeightError as err:
-            self._drop_staging()
-            self.log.error("staging failed", plan_id=plan_id, error=str(err))
-            self.rank.fire("fail", record=me, reason=str(err), changes={"reason": str(err)})
-            return True
+        except (StateError, RedisUnavailableError):
+            raise  # a lost race or a lost connection: the loop retries, staging did not fail
+        except Exception as err:  # noqa: BLE001 - any staging error (out of memory, a bug) fails this rank's load
+            return self._staging_failed(me, plan_id, err)
         self.rank.fire("staged", record=me, changes=info, defer=self._outbox)  # next work: the cluster's commit
         return False
+
+    def _staging_failed(self, me: RankRecord, plan_id: str, err: Exception) -> bool:
+        """Staging raised: drop what was staged and mark the rank LOAD_FAILED with the cause (the exception's type
+        and message, which the coordinator's abort reason names), whatever the exception: a
+        :class:`~fdeplb.errors.WeightError`, paddle out of memory, a bug. Before, only a WeightError did; any other
+        alarmed every second until the loading deadline aborted the round without naming it."""
+        self._drop_staging()
+        reason = f"staging failed: {type(err).__name__}: {err}"[:1000]
+        self.log.error("staging failed", plan_id=plan_id, error=str(err), error_type=type(err).__name__)
+        self.rank.fire("fail", record=me, reason=reason, changes={"reason": reason})
+        return True
 
     def _on_loaded(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
@@ -379,10 +389,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             return self._abort(me, "round aborted after loading")
         try:
             self._stage(plan_id)  # a restarted agent lost its staging: stage again (same plan, same result)
-        except WeightError as err:
-            self._drop_staging()
-            self.rank.fire("fail", record=me, reason=str(err), changes={"reason": str(err)})
-            return True
+        except (StateError, RedisUnavailableError):
+            raise
+        except Exception as err:  # noqa: BLE001 - as in LOADING: any staging error fails this rank's load
+            return self._staging_failed(me, plan_id, err)
         return False
 
     def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:

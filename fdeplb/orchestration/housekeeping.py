@@ -1,8 +1,8 @@
 """The coordinator's housekeeping: work beside the rounds that never fails one.
 
 - :func:`prune_after_round`: retention as a round ends (old snapshots and plans, the audit stream's length);
-- :class:`WeightsWatchdog`: the alarm for a weight clear / update whose switch step is never fixed, with its own
-  memory of when it first saw each request pending.
+- :class:`WeightsWatchdog`: the cancel of a weight clear / update whose switch step is not fixed in time (or the
+  alarm, when a rank carried it out already), with its own memory of when it first saw each request pending.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, WeightState
+from fdeplb.errors import StateError
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHT_CANCELS, WEIGHTS, WeightState
+from fdeplb.orchestration import reasons
+from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
 
 
@@ -36,12 +39,18 @@ def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log:
 
 
 class WeightsWatchdog:
-    """A weight clear / update whose switch step is not fixed ``deadlines.weights_ms`` after this coordinator first
-    saw it pending raises an audited alarm (once per request) naming the ranks whose workers never armed for it at
-    a safe point (a worker that stopped calling ``at_safe_point``, or never calls it): it would otherwise wait
-    without a sign. The request keeps waiting: no rank has applied it, and the ranks switch together once the last
-    one arms. Timed on the local monotonic clock; its memory is this coordinator's (a new leader starts timing
-    afresh)."""
+    """Nothing waits forever on one rank: a weight clear / update whose switch step is not fixed
+    ``deadlines.weights_ms`` after this coordinator first saw it pending is **cancelled**
+    (:meth:`fdeplb.store.Store.cancel_weights`, refused atomically if the switch step got fixed meanwhile), with an
+    audited reason naming the ranks whose workers never armed for it at a safe point (a worker that stopped calling
+    ``at_safe_point``, or never calls it; :func:`~fdeplb.orchestration.reasons.weights_cancelled`). No rank has
+    applied it, so every rank returns to the weight state it came from through the WEIGHTS table's ``cancel``
+    transitions: the rank agents fire theirs when they see the withdrawal, and this fires those left (a rank whose
+    agent is gone), so a new request can be made at once.
+
+    A request some rank carried out without a switch step (threaded agents apply at once) cannot be cancelled: it
+    then raises an audited alarm naming the ranks (once per request), as before. Timed on the local monotonic
+    clock; its memory is this coordinator's (a new leader starts timing afresh)."""
 
     def __init__(self, store: Store, holder: str, log: Any) -> None:
         self.store = store
@@ -50,8 +59,12 @@ class WeightsWatchdog:
         self._seen: tuple[int, float, bool] | None = None  # (request, monotonic first seen, alarm raised)
 
     def watch(self, rec: ClusterRecord, cfg: ClusterConfig, fence: str) -> None:
-        """Look at the cluster record ``rec`` (read in FREE); raise the alarm with ``fence`` once it is due."""
+        """Look at the cluster record ``rec`` (read in FREE); cancel (or raise the alarm) with ``fence`` once due."""
         n = rec.weights_request
+        if n > 0 and rec.weights_cancelled == n:  # withdrawn: ranks left busy for it go back (idempotent)
+            self._seen = None
+            self.revert(n)
+            return
         if n <= 0 or rec.weights_switch_step:  # no request, or every rank armed: the switch step is fixed
             self._seen = None
             return
@@ -64,17 +77,49 @@ class WeightsWatchdog:
             return
         weights, ranks = self.store.read_each(WEIGHTS), self.store.read_each(RANK)
         pending = [r for r, w in enumerate(weights) if isinstance(w, WeightRecord)
-                   and (w.request < n or w.state in (WeightState.CLEARING, WeightState.UPDATING))]
+                   and (w.request < n or w.state in _BUSY)]
         unarmed = [r for r in pending if not (isinstance(ranks[r], RankRecord) and ranks[r].armed == f"weights:{n}")]
         if not pending:  # carried out without a switch step (agents without safe points)
             self._seen = (n, since, True)
             return
         if not unarmed:
             return  # the last one armed just now: the switch step is being fixed
+        why = reasons.weights_cancelled(rec.weights_action, n, unarmed, cfg.deadlines.weights_ms)
+        outcome, info = self.store.cancel_weights(n, held_by=unarmed, reason=why.text, actor=self.holder,
+                                                  fence=fence, detail=why.detail)
+        if outcome == "cancelled":
+            self.log.warning("weights cancelled", weights_request=n, ranks=unarmed, reason=why.text)
+            self._seen = None
+            self.revert(n)
+            return
+        if outcome != "applied":  # switched meanwhile (the last rank armed), superseded, or withdrawn already
+            return
         reason = (f"weight {rec.weights_action} {n} not switched {cfg.deadlines.weights_ms} ms after it was "
                   f"requested: the workers of ranks {unarmed} never reached a safe point armed for it (they must "
-                  f"call at_safe_point); ranks {pending} wait for them")
+                  f"call at_safe_point); ranks {pending} wait for them; not cancelled: {info}")
         self.log.error("alarm", weights_request=n, ranks=unarmed, alarm=reason)
         self.store.emit_event("alarm", message=reason)
-        self.store.append_alarm(rec, actor=self.holder, reason=reason, fence=fence)
+        self.store.append_alarm(rec, actor=self.holder, reason=reason, fence=fence,
+                                detail={"ranks": unarmed, "request": n})
         self._seen = (n, since, True)
+
+    def revert(self, n: int) -> None:
+        """Fire the ``cancel`` transition of every rank still CLEARING / UPDATING for withdrawn request ``n``
+        (unfenced, like every weight-status commit; the ``withdrawn`` guard admits it only once the fenced
+        withdrawal committed). A rank whose agent fires it first wins the race (the version check); this one's
+        commit is then refused and skipped."""
+        for r, w in enumerate(self.store.read_each(WEIGHTS)):
+            if not (isinstance(w, WeightRecord) and w.request == n and w.state in _BUSY):
+                continue
+            trigger = WEIGHT_CANCELS.get(w.prior) if w.prior is not None else None
+            if trigger is None:
+                self.log.error("cannot cancel", ep_rank=r, state=w.state, prior=w.prior)
+                continue
+            try:
+                RecordHandle(self.store, WEIGHTS, r, actor=self.holder).fire(
+                    trigger, record=w, reason=f"weight request {n} cancelled", changes={"reason": ""})
+            except StateError as err:  # the rank's agent fired it first, or the record moved on
+                self.log.info("cancel skipped", ep_rank=r, error=str(err))
+
+
+_BUSY = (WeightState.CLEARING, WeightState.UPDATING)

@@ -10,7 +10,9 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   "ttl_ms": 2000}, ...]}`` (ttl 0: none);
 - a gated round (trigger ``abort``): ``{"gate": {"balancedness_before", "balancedness_after", "gain", "min_gain",
   "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
-- the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``.
+- the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
+- a weight clear / update withdrawn because its switch step was not fixed in time (trigger ``weights_cancelled``,
+  a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed).
 
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
@@ -145,6 +147,24 @@ def requested_by(record: Mapping[str, Any]) -> str | None:
         return str(detail["requested_by"]) if "requested_by" in detail else None
     reason = _field(record, "reason")
     return reason.removeprefix(EXTERNAL) if reason.startswith(EXTERNAL) else None
+
+
+# ---- a weight request nobody could switch ----------------------------------------------------------------------
+def weights_cancelled(action: str, request: int, ranks: list[int], weights_ms: int) -> Reason:
+    """The reason of withdrawing weight request ``request`` (``action`` clear / update) whose switch step was not
+    fixed ``weights_ms`` after it was requested, held back by ``ranks`` (their workers never armed for it)."""
+    held = sorted(int(r) for r in ranks)
+    text = (f"weight {action} {request} cancelled: not switched {weights_ms} ms after it was requested; the "
+            f"workers of ranks {held} never reached a safe point armed for it (they must call at_safe_point); "
+            f"no rank applied it, every rank returns to its previous weight state")
+    return Reason(text, {"ranks": held, "request": int(request), "action": action, "weights_ms": int(weights_ms)})
+
+
+def held_back(record: Mapping[str, Any]) -> list[int] | None:
+    """The ranks a ``weights_cancelled`` record names as having held the request back; None if it names none.
+    ValueError for a corrupt detail."""
+    ranks = (detail_of(record) or {}).get("ranks")
+    return [int(r) for r in ranks] if isinstance(ranks, list) else None
 
 
 # ---- a round's outcome ------------------------------------------------------------------------------------------

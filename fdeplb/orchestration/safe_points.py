@@ -28,6 +28,8 @@ class Arm(NamedTuple):
     """The cluster-record field that holds the change's switch step."""
     current: dict[str, Any]
     """Cluster-record fields that identify the change while it is the cluster's current one."""
+    withdrawn: dict[str, Any] | None = None
+    """Cluster-record fields that hold these values once the change was withdrawn (a cancelled weight request)."""
 
 
 class SafePointOp:
@@ -150,14 +152,15 @@ class SafePoints:
         arm = op.arm
         try:
             switch, status = self.store.arm_switch(self.ep_rank, arm.armed, self.steps, arm.field, arm.current,
-                                                   self.switch_margin_steps)
+                                                   self.switch_margin_steps, arm.withdrawn)
         except FdeplbError as err:  # keep serving the old placement; past the switch step it applies late, alarmed
             self._sync_failures += 1
             if self._sync_failures in (1, 10, 100) or self._sync_failures % 1000 == 0:
                 self.log.warning("armed safe point could not reach Redis", armed=arm.armed, step=self.steps,
                                  failures=self._sync_failures, error=str(err))
             return False
-        if status == "gone":  # superseded before its switch step was fixed: the background thread decides again
+        if status in ("gone", "cancelled"):  # superseded or withdrawn before its switch step was fixed: the
+            # background thread decides again (a cancelled request: the rank's cancel transition)
             op.gone = True
             op.done.set()
             return False

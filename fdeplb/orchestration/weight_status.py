@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdeplb.errors import VerificationError
-from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
+from fdeplb.machines.tables import WEIGHT_CANCELS, WEIGHTS, ClusterState, WeightState
 from fdeplb.orchestration.safe_points import Arm, SafePoints
 from fdeplb.store import ClusterRecord, WeightRecord
 
@@ -41,14 +41,23 @@ class WeightStatusDriver(SafePoints):
         A request that still overtakes one (written between this rank's read of request n and its commit of the
         transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
         one step, but this rank then carries out the new request on its own, past that step, which raises the
-        late-switch alarm (``at_safe_point``, point 3). ``w``: this rank's weight-status record as read."""
+        late-switch alarm (``at_safe_point``, point 3). A request withdrawn before its switch step was fixed (the
+        coordinator's cancel after ``deadlines.weights_ms``, :class:`~fdeplb.orchestration.housekeeping.WeightsWatchdog`)
+        is never applied: a rank CLEARING / UPDATING for it fires its ``cancel`` transition, a rank that had not
+        begun it leaves it. ``w``: this rank's weight-status record as read."""
         n = cluster.weights_request
-        arm = Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n})
+        arm = Arm(f"weights:{n}", "weights_switch_step", {"weights_request": n}, {"weights_cancelled": n})
+        busy = w.state in (WeightState.CLEARING, WeightState.UPDATING)
+        if busy and cluster.weights_cancelled == w.request:
+            return self._weights_cancel(cluster, w)
         if w.state is WeightState.CLEARING:
             return self._weights_clearing(cluster, w, arm)
         if w.state is WeightState.UPDATING:
             return self._weights_updating(cluster, w, arm)
         if w.request >= n:
+            return False
+        if cluster.weights_cancelled == n:  # withdrawn before this rank began it: nothing to undo
+            self._drop_weights_op(n)
             return False
         action = cluster.weights_action
         if action not in ("clear", "update"):
@@ -63,8 +72,33 @@ class WeightStatusDriver(SafePoints):
             self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
             self.store.update(WEIGHTS, self.ep_rank, request=n)
             return True
-        self.weights.fire(action, record=w, reason=cluster.weights_reason, changes={"request": n, "reason": ""})
+        self.weights.fire(action, record=w, reason=cluster.weights_reason,
+                          changes={"request": n, "reason": "", "prior": w.state, "at_switch": int(self.safe_points)})
         return True
+
+    def _weights_cancel(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
+        """The rank's request was withdrawn (:meth:`fdeplb.store.Store.cancel_weights`) before its switch step was
+        fixed, so this rank never applied it: drop the pending work and fire the table's cancel transition back to
+        the state the request came from (``prior``). The coordinator fires it too for a rank whose agent is gone;
+        whoever commits first wins (the version check), the other's commit is refused and retried as a no-op."""
+        self._drop_weights_op(w.request)
+        trigger = WEIGHT_CANCELS.get(w.prior) if w.prior is not None else None
+        if trigger is None:  # a record written before prior existed: leave it to the operator, say so once
+            self.log.error("cannot cancel the weight request", request=w.request, state=w.state)
+            return False
+        self.log.warning("weight request cancelled", request=w.request, reason=cluster.weights_cancel_reason)
+        self.weights.fire(trigger, record=w, reason=f"weight request {w.request} cancelled",
+                          changes={"reason": ""})
+        return True
+
+    def _drop_weights_op(self, n: int) -> None:
+        """Forget the pending safe-point work of weight request ``n`` (it can never switch: withdrawn)."""
+        op = self._op
+        if op is not None and op.key[0] in ("clear", "update", "nothing") and op.key[1] == n \
+                and not op.done.is_set():
+            op.gone = True
+            op.done.set()
+            self._op = None
 
     def _weights_clearing(self, cluster: ClusterRecord, w: WeightRecord, arm: Arm) -> bool:
         """CLEARING: free the live slots at the switch step, then commit ``cleared``."""

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["CHAIN_EXCLUDED", "NOT_TRANSITIONS", "StartState", "chain_of", "replay", "replay_file", "state_at"]
 
 #: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused"})
+NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled"})
 #: fields of an exported audit line that the chain does not cover (the line type, the stream id, the chain itself)
 CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 

@@ -44,6 +44,7 @@ class StoreBase:
         self._lease = self._client.register_script(script_text("lease"))
         self._append = self._client.register_script(script_text("audit"))
         self._switch = self._client.register_script(script_text("switch"))
+        self._weights_cancel = self._client.register_script(script_text("weights_cancel"))
         self._publish = self._client.register_script(script_text("publish"))
         self._loaded: set[str] = set()  # scripts this store loaded for calls sent in pipelines (EVALSHA)
 

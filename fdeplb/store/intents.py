@@ -4,8 +4,12 @@ and the rank agents to act on: a round, a commit of a cordoned cluster's staged 
 (redis-py's ``transaction``: WATCH, check, MULTI/EXEC, again if a watched key changed), so concurrent callers
 coalesce or are refused, never both accepted; a request is only a wish, the transitions stay guarded and audited.
 
+A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
+withdrawal, its checks and its audit record in one atomic step).
+
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``ep_size``,
-``read_config``, ``now_ms``; from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``.
+``read_config``, ``now_ms``, ``_weights_cancel`` (the registered script); from :mod:`fdeplb.store.streams`:
+``emit_event``, ``_signal``.
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import InputError, NotFoundError, StateError
-from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
+from fdeplb.errors import FenceError, InputError, NotFoundError, StateError
+from fdeplb.machines.tables import CLUSTER, WEIGHTS, ClusterState, WeightState
 from fdeplb.store import arrays
-from fdeplb.store.connection import as_text as _text, hgetall as _hgetall
+from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _hgetall
 from fdeplb.store.records import ClusterRecord, check_request_reason, parse_record
+from fdeplb.store.scripts import weights_cancel_call
+from fdeplb.store.streams import detail_field
 
 
 class Intents:
@@ -81,7 +87,7 @@ class Intents:
             weights = self._strict([(WEIGHTS, r) for r in range(len(wkeys))])
             unloaded = [r for r, w in enumerate(weights) if w.state is not WeightState.NORMAL]
             clearing = [r for r, w in enumerate(weights) if rec.weights_action == "clear"
-                        and w.request < rec.weights_request]
+                        and w.request < rec.weights_request and rec.weights_cancelled != rec.weights_request]
             if unloaded or clearing:
                 raise StateError(
                     f"weights of ranks {unloaded} are not NORMAL ({weights[unloaded[0]].state})" if unloaded
@@ -156,6 +162,33 @@ class Intents:
         n, _, _ = self._client.transaction(txn, cluster, *wkeys)
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
+
+    def cancel_weights(self, request: int, *, held_by: list[int], reason: str, actor: str, fence: str = "",
+                       detail: dict[str, Any] | None = None) -> tuple[str, str]:
+        """Withdraw weight request ``request`` (``lua/weights_cancel.lua``, one atomic step): set the cluster
+        record's ``weights_cancelled`` (with ``weights_held_by`` = ``held_by`` and ``weights_cancel_reason`` =
+        ``reason``), append the audit note (trigger ``weights_cancelled``, ``reason`` and ``detail``, fenced with
+        ``fence``) and wake the rank agents, who then fire their ``cancel`` transitions. From then on
+        :meth:`arm_switch` refuses an arm for it (``cancelled``), so its switch step is never fixed.
+
+        Refused with nothing written while the request may have been applied by some rank. Returns (outcome,
+        info): ``("cancelled", audit id)``; ``("already", "")`` (withdrawn before); ``("switched", why)`` (its
+        switch step is fixed: every rank switches at it); ``("applied", why)`` (a rank carried it out, or carries it
+        out without a switch step: a threaded agent); ``("gone", why)`` (not the cluster's latest request).
+        :class:`FenceError` when ``fence`` is not the lease holder."""
+        rec = self.read_cluster()
+        audit = {"machine": CLUSTER.name, "key": CLUSTER.name, "trigger": "weights_cancelled", "actor": actor,
+                 "round": str(rec.round), "plan_id": rec.plan_id, "reason": reason, **detail_field(detail)}
+        call = weights_cancel_call(self._keys, ep_size=self.ep_size(), request=request, fence=fence,
+                                   busy=(WeightState.CLEARING, WeightState.UPDATING), held_by=held_by,
+                                   reason=reason, audit=audit)
+        code, info = (_s(x) for x in self._weights_cancel(keys=call.keys, args=call.args))
+        if code == "ERR_FENCE":
+            raise FenceError(f"weights_cancelled on {CLUSTER.name}: {info}")
+        outcome = {"OK": "cancelled", "ALREADY": "already"}.get(code) or code.removeprefix("ERR_").lower()
+        if outcome == "cancelled":
+            self.emit_event("weights_cancelled", request=request, ranks=",".join(map(str, held_by)), reason=reason)
+        return outcome, info
 
     def request_clear_stat(self, reason: str = "operator") -> int:
         """Ask every rank agent to empty its expert_load window (FastDeploy's ``clear_stat`` of

@@ -145,7 +145,7 @@ class Liveness:
         return stale_of(self.heartbeats())
 
     def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
-                   margin: int = SWITCH_MARGIN_STEPS) -> tuple[int, str]:
+                   margin: int = SWITCH_MARGIN_STEPS, withdrawn: dict[str, Any] | None = None) -> tuple[int, str]:
         """One safe point of an armed rank (``lua/switch.lua``, atomic): publish ``ep_rank``'s step counter
         (``armed_step``) armed for the change ``armed`` (e.g. ``"swap:<round>:<plan_id>"``), then return the
         change's switch step, kept in the cluster-record ``field`` (``switch_step`` / ``weights_switch_step``).
@@ -156,16 +156,21 @@ class Liveness:
         ``current``: cluster-record fields (name -> value) that identify the change while it is the cluster's
         current one (e.g. ``{"state": "SWAPPING", "round": 3, "plan_id": ...}``).
 
+        ``withdrawn``: cluster-record fields (name -> value) that hold these values once the change was withdrawn
+        (a cancelled weight request: ``{"weights_cancelled": n}``, see :meth:`Store.cancel_weights`).
+
         Returns (switch step, status): ``"fixed"`` (by this call), ``"set"`` (before), ``"waiting"`` (a rank is not
-        armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing fixed). :class:`InputError` for a
-        margin < 1 or a negative step."""
+        armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing fixed), ``"cancelled"`` (``withdrawn``
+        holds; 0, nothing written). :class:`InputError` for a margin < 1 or a negative step."""
         if int(margin) < 1 or int(step) < 0:
             raise InputError(f"arm_switch needs margin >= 1 and step >= 0, got margin={margin} step={step}")
-        unknown = [name for name in (field, *current) if name not in _CLUSTER_FIELDS]
+        withdrawn = withdrawn or {}
+        unknown = [name for name in (field, *current, *withdrawn) if name not in _CLUSTER_FIELDS]
         if unknown:
             raise InputError(f"ClusterRecord has no field(s) {unknown}")
         current = {k: v.value if isinstance(v, StateEnum) else str(v) for k, v in current.items()}
         call = switch_call(self._keys, ep_rank=ep_rank, ep_size=self.ep_size(), armed=armed, step=step,
-                           field=field, current=current, margin=margin)
+                           field=field, current=current, margin=margin,
+                           withdrawn={k: str(v) for k, v in withdrawn.items()})
         switch, status = self._switch(keys=call.keys, args=call.args)
         return int(switch), _s(status)

@@ -88,6 +88,16 @@ class ClusterRecord(RecordHeader):
     """Step (the ranks' safe-point counters) at which every rank carries out the latest weight request; 0 = not
     fixed yet. Fixed by ``lua/switch.lua`` once every rank is armed for the request (embedded agents wait for it;
     threaded agents do not use it)."""
+    weights_cancelled: int = 0
+    """The last weight request withdrawn because its switch step was not fixed within ``deadlines.weights_ms``
+    (0 = none): no rank applied it, every rank returns to the state it came from (``cancel`` transitions). Written
+    by ``lua/weights_cancel.lua``, which refuses once the switch step is fixed; ``lua/switch.lua`` refuses an arm
+    for it after."""
+    weights_cancel_reason: str = ""
+    """Why request ``weights_cancelled`` was withdrawn (the audited reason's text)."""
+    weights_held_by: str = ""
+    """The ranks whose workers held request ``weights_cancelled`` back (never armed for it), comma-separated;
+    :attr:`held_by` as a list."""
     switch_step: int = 0
     """Step at which every rank applies the committed plan; 0 = not fixed yet (the commit resets it). Fixed by
     ``lua/switch.lua`` once every rank is armed for the swap (embedded agents wait for it; threaded agents do not
@@ -108,6 +118,12 @@ class ClusterRecord(RecordHeader):
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
+
+    @property
+    def held_by(self) -> list[int]:
+        """:attr:`weights_held_by` as rank numbers (empty when none, or when the field is not a list of them)."""
+        parts = self.weights_held_by.split(",") if self.weights_held_by else []
+        return [int(p) for p in parts] if all(p.isdigit() for p in parts) else []
 
 
 @dataclass(frozen=True)
@@ -179,6 +195,12 @@ class WeightRecord(RecordHeader):
     """Current state of the weight-status machine (:data:`~fdeplb.machines.tables.WEIGHTS`)."""
     request: int = 0
     """The cluster's weight request (``ClusterRecord.weights_request``) this rank last carried out."""
+    prior: WeightState | None = None
+    """The state the rank's last clear or update came from (written with the ``clear`` / ``update``
+    transition): where a cancel of that request returns it (:data:`~fdeplb.machines.tables.WEIGHT_CANCELS`)."""
+    at_switch: int = 0
+    """1 when the rank applies its current request only at the request's switch step (an agent with safe points),
+    0 when it applies it at once (a threaded agent): a request some rank may be applying is never cancelled."""
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 Every script documents its slots in a header comment; :data:`COMMIT_KEYS` / :data:`COMMIT_ARGV`,
 :data:`AUDIT_KEYS` / :data:`AUDIT_ARGV`, :data:`LEASE_KEYS` / :data:`LEASE_ARGV`, :data:`SWITCH_KEYS` /
-:data:`SWITCH_ARGV` and :data:`PUBLISH_KEYS` / :data:`PUBLISH_ARGV` name the same slots in the same order (tests check
-the headers agree). :func:`commit_call`, :func:`audit_call`, :func:`lease_call`, :func:`switch_call` and
-:func:`publish_call` are the only places that lay out a script call.
+:data:`SWITCH_ARGV`, :data:`WEIGHTS_CANCEL_KEYS` / :data:`WEIGHTS_CANCEL_ARGV` and :data:`PUBLISH_KEYS` /
+:data:`PUBLISH_ARGV` name the same slots in the same order (tests check the headers agree). :func:`commit_call`,
+:func:`audit_call`, :func:`lease_call`, :func:`switch_call`, :func:`weights_cancel_call` and :func:`publish_call` are
+the only places that lay out a script call.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ LEASE_OPS = ("acquire", "renew", "release")
 
 
 #: the scripts that append to the audit stream: :func:`script_text` puts :data:`CHAIN_PRELUDE` before each
-CHAINED = ("commit", "audit")
+CHAINED = ("commit", "audit", "weights_cancel")
 #: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``), defined once for every script in
 #: :data:`CHAINED`; :func:`fdeplb.replay.chain_of` is its Python twin.
 CHAIN_PRELUDE = "_chain"
@@ -150,23 +151,48 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
 #: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order),
 #: then every rank's member record.
 SWITCH_KEYS = ("rearrange", "rank")
-#: switch.lua ARGV[1..5], in order.
-SWITCH_ARGV = ("armed", "step", "field", "current", "margin")
+#: switch.lua ARGV[1..6], in order.
+SWITCH_ARGV = ("armed", "step", "field", "current", "margin", "withdrawn")
 #: switch.lua's statuses (second element of its reply).
-SWITCH_STATUSES = ("fixed", "set", "waiting", "gone")
+SWITCH_STATUSES = ("fixed", "set", "waiting", "gone", "cancelled")
 
 
 def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int, field: str,
-                current: dict[str, str], margin: int) -> CommitCall:
+                current: dict[str, str], margin: int, withdrawn: dict[str, str] | None = None) -> CommitCall:
     """Lay out a ``switch.lua`` call: rank ``ep_rank`` (of ``ep_size``) publishes ``step`` armed for ``armed`` and
     reads or fixes the switch step kept in the cluster-record ``field``, while the cluster-record fields ``current``
-    hold their values."""
+    hold their values and none of ``withdrawn`` holds its value (then: ``cancelled``, nothing written)."""
     fixed = {"rearrange": keys.rearrange, "rank": keys.rank(ep_rank)}
     argv = {"armed": armed, "step": str(int(step)), "field": field, "current": _pairs(current),
-            "margin": str(int(margin))}
+            "margin": str(int(margin)), "withdrawn": _pairs(withdrawn or {})}
     return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)]
                       + [keys.member(r) for r in range(ep_size)],
                       args=[argv[n] for n in SWITCH_ARGV])
+
+
+# ---- weights_cancel.lua: withdraw a weight request nobody can switch ----------------------------------------------
+#: weights_cancel.lua KEYS[1..5], in order; every rank's weight-status record follows (ep_rank order).
+WEIGHTS_CANCEL_KEYS = ("rearrange", "audit", "audit_head", "lease", "signal")
+#: weights_cancel.lua ARGV[1..7], in order.
+WEIGHTS_CANCEL_ARGV = ("request", "fence", "busy", "held_by", "reason", "audit", "chain_order")
+#: audit fields weights_cancel.lua appends after the caller's, in this order (the cluster record's and the server's).
+WEIGHTS_CANCEL_FILLED = ("from", "to", "version", "fence", "ts_ms")
+#: weights_cancel.lua's first reply elements: withdrawn now, withdrawn before, and its refusals (nothing written).
+WEIGHTS_CANCEL_REPLIES = ("OK", "ALREADY", "ERR_FENCE", "ERR_GONE", "ERR_SWITCHED", "ERR_APPLIED")
+
+
+def weights_cancel_call(keys: Keys, *, ep_size: int, request: int, fence: str, busy: Sequence[StateEnum],
+                        held_by: Sequence[int], reason: str, audit: dict[str, str]) -> CommitCall:
+    """Lay out a ``weights_cancel.lua`` call: withdraw weight request ``request`` (refused once its switch step is
+    fixed or a rank of ``ep_size`` carried it out), keeping ``held_by`` and ``reason`` in the cluster record and
+    appending ``audit`` (from, to, version, fence, ts_ms and chain added by the script)."""
+    fixed = {"rearrange": keys.rearrange, "audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease,
+             "signal": keys.signal}
+    argv = {"request": str(int(request)), "fence": fence, "busy": json.dumps([s.value for s in busy]),
+            "held_by": ",".join(str(int(r)) for r in held_by), "reason": reason, "audit": _pairs(audit),
+            "chain_order": chain_order((*audit, *WEIGHTS_CANCEL_FILLED))}
+    return CommitCall(keys=[fixed[n] for n in WEIGHTS_CANCEL_KEYS] + [keys.weights(r) for r in range(ep_size)],
+                      args=[argv[n] for n in WEIGHTS_CANCEL_ARGV])
 
 
 # ---- publish.lua: a rank's load window in one round trip ---------------------------------------------------------

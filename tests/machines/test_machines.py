@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fdeplb.errors import FenceError, GuardError, IllegalTransitionError, StaleStateError, StateError
-from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHT_CANCELS, WEIGHTS
 from fdeplb.machines.tables import Effect
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
@@ -45,6 +45,10 @@ def satisfy_guards(store: Store, raw: RawRedis, table, trigger: str) -> None:
     if table is RANK:
         cluster_state = {"stage": "LOADING", "swap": "SWAPPING"}.get(trigger, "FREE")
         raw.force(raw.keys.rearrange, cluster_state, plan_id=PLAN)
+    if table is WEIGHTS and trigger in WEIGHT_CANCELS.values():  # a withdrawn request, from the cancel's dest
+        prior = next(s for s, t in WEIGHT_CANCELS.items() if t == trigger)
+        raw.r.hset(raw.keys.rearrange, mapping={"weights_request": "3", "weights_cancelled": "3"})
+        raw.r.hset(raw.keys.weights(1), mapping={"request": "3", "prior": prior.value})
 
 
 def fire_args(table):

@@ -4,7 +4,7 @@
 -- KEYS[1]  record: hash being transitioned (cluster, rank or weights record)
 -- KEYS[2]  audit: stream of the cluster
 -- KEYS[3]  lease: coordinator lease string (read only when ARGV[3] ~= "")
--- KEYS[4]  rearrange: cluster record hash (cluster_in guards; its 'generation' field: ARGV[11], bump_generation)
+-- KEYS[4]  rearrange: cluster record hash (cluster_in and withdrawn guards; its 'generation' field: ARGV[11], bump_generation)
 -- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
 -- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
 -- KEYS[7]  audit_head: string, the chain of the newest audit record ("" or missing before the first)
@@ -112,6 +112,14 @@ for _, g in ipairs(guards) do
   elseif g.kind == 'plan_not_current' then
     if g.plan_id ~= '' and field_of(KEYS[5], 'plan_id') == g.plan_id then
       return {'ERR_GUARD', 'plan_not_current: plan ' .. g.plan_id .. ' is committed; the round rolls forward'}
+    end
+  elseif g.kind == 'withdrawn' then
+    local req = field_of(rec, 'request')
+    if req == '' or req == '0' or field_of(KEYS[4], 'weights_cancelled') ~= req then
+      return {'ERR_GUARD', 'withdrawn: weight request ' .. req .. ' of ' .. rec .. ' was not cancelled'}
+    end
+    if field_of(rec, 'prior') ~= g.state then
+      return {'ERR_GUARD', 'withdrawn: ' .. rec .. ' came from ' .. field_of(rec, 'prior') .. ', not ' .. g.state}
     end
   else
     return redis.error_reply('commit.lua: unknown guard kind ' .. tostring(g.kind))

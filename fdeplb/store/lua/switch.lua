@@ -13,13 +13,25 @@
 -- ARGV[4]  current: JSON array [field, value, ...] of cluster-record fields that hold these values while the
 --          change is the cluster's current one (e.g. state SWAPPING, round, plan_id)
 -- ARGV[5]  margin: steps added to the largest armed step when the switch step is fixed (integer >= 1)
+-- ARGV[6]  withdrawn: JSON array [field, value, ...] of cluster-record fields that hold these values once the change
+--          was withdrawn (a weight request cancelled by lua/weights_cancel.lua: weights_cancelled = <request>);
+--          "[]" = none. A withdrawn change is refused before anything is written: a late arm never fixes it.
 --
 -- The switch step is fixed once, by the first call that finds every rank armed for this change:
 -- switch = max(armed_step of every ACTIVE member) + margin; the cluster generation it was fixed under is written to
 -- the cluster record's switch_generation. Every armed rank runs this script at every safe point, so a rank
 -- whose last call published step s calls again at s + 1 <= switch: no armed rank can pass the switch step unseen.
 -- Returns {switch_step, status}: "fixed" (by this call), "set" (fixed before), "waiting" (a rank is not armed yet;
--- switch_step 0), "gone" (the change is no longer the cluster's current one; switch_step 0; nothing fixed).
+-- switch_step 0), "gone" (the change is no longer the cluster's current one; switch_step 0; nothing fixed),
+-- "cancelled" (the change was withdrawn; switch_step 0; nothing written). weights_cancel.lua refuses to withdraw a
+-- change whose switch step is fixed, and both scripts are atomic: of a cancel and the last arm, exactly one wins.
+
+local withdrawn = cjson.decode(ARGV[6])
+for i = 1, #withdrawn, 2 do
+  if redis.call('HGET', KEYS[1], withdrawn[i]) == withdrawn[i + 1] then
+    return {0, 'cancelled'}
+  end
+end
 
 redis.call('HSET', KEYS[2], 'armed', ARGV[1], 'armed_step', ARGV[2])
 
