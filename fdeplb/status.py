@@ -18,7 +18,7 @@ from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterSt
 from fdeplb.store import RankRecord
 from fdeplb.store.redis_store import stale_of
 
-__all__ = ["CORRUPT", "cluster_status", "commit_command", "heartbeats_of", "unhealthy_ranks"]
+__all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "unhealthy_ranks"]
 
 #: how ``status`` shows a record that does not parse (in place of its state)
 CORRUPT = "CORRUPT"
@@ -40,9 +40,11 @@ def heartbeats_of(records: Sequence[Any], now_ms: int, registered=None) -> dict[
 
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     """(number of registered ranks, ``{ep_rank: why}`` for those without a live heartbeat): never beat (or no rank
-    record), or stale by the TTL rule. Three round trips whatever the number of ranks (registry, server time, every
-    rank record in one pipeline). :class:`CorruptRecordError` for a registered rank's record or a registry that
-    does not parse; Redis errors as the store raises them."""
+    record), or stale by the TTL rule. An EXCLUDED member is not counted (the cluster serves without it; an expert
+    it leaves without a replica is :func:`degraded_experts`' business). Four round trips whatever the number of
+    ranks (registry, server time, every rank record and every member record in a pipeline each).
+    :class:`CorruptRecordError` for a registered rank's record, a member record or a registry that does not
+    parse; Redis errors as the store raises them."""
     registered = store.rank_info()
     if not registered:
         return 0, {}
@@ -51,6 +53,8 @@ def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     for r in sorted(registered):
         if r < len(records) and isinstance(records[r], CorruptRecordError):
             raise records[r]
+    excluded = {r for r, st in enumerate(_member_states(store)) if st is MemberState.EXCLUDED}
+    registered = {r: v for r, v in registered.items() if r not in excluded}  # not members: served without
     beats = heartbeats_of(records, now, registered)
     out = {r: "never beat" for r in registered if r not in beats}
     for r, age in stale_of(beats).items():
@@ -138,6 +142,31 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
         "ranks": ranks,
         "corrupt": corrupt,
     }
+
+
+def _member_states(store) -> list[MemberState]:
+    """Every rank's membership state (ACTIVE for a cluster made before membership); CorruptRecordError raised."""
+    out = []
+    for m in store.read_each(MEMBERSHIP):
+        if isinstance(m, CorruptRecordError):
+            raise m
+        out.append(MemberState.ACTIVE if m is None else m.state)
+    return out
+
+
+def degraded_experts(store) -> dict[str, Any] | None:
+    """``cluster_status``' ``degraded`` alone (for ``/health``): None while every logical expert of the current
+    placement has a replica on an ACTIVE member, else ``{"orphans": [[layer, log_id], ...], "ranks": [...]}``.
+    :class:`CorruptRecordError` for a configuration, placement or member record that does not parse."""
+    config = store.read_config()
+    live = [r for r, st in enumerate(_member_states(store)) if st is MemberState.ACTIVE]
+    if len(live) == config.ep_size:
+        return None
+    try:
+        placement = store.current_placement()
+    except NotFoundError:
+        return None
+    return _degraded(config, placement, live)
 
 
 def _degraded(config, placement, live: list[int]) -> dict[str, Any] | None:

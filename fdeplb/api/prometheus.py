@@ -7,6 +7,8 @@ Gauges come from the records as they are now.
 - ``fdeplb_transitions_total{machine, from, to}``, ``fdeplb_alarms_total``
 - ``fdeplb_round_duration_seconds`` (a round: FREE -> ... -> FREE), ``fdeplb_phase_duration_seconds{phase}``
   (time spent in each cluster state before leaving it), histograms
+- ``fdeplb_replacement_rounds_total`` (rounds that re-placed a lost rank's orphaned experts: their ``load``),
+  ``fdeplb_fail_closed_total`` (re-placements refused because an expert would have no replica on a member)
 - ``fdeplb_rounds_aborted_total{reason}``, ``fdeplb_rounds_skipped_total{reason}`` (gated rounds are skips);
   ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values)
 - ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot,
@@ -31,6 +33,7 @@ from prometheus_client.registry import Collector
 
 from fdeplb.errors import CorruptRecordError, FdeplbError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState
+from fdeplb.orchestration import reasons
 from fdeplb.orchestration.gating import mean_balancedness
 from fdeplb.store import Store
 
@@ -68,6 +71,8 @@ class ClusterCollector(Collector):
         self._last_id = "0-0"
         self._transitions: Counter = Counter()
         self._alarms = 0
+        self._replacements = 0
+        self._fail_closed = 0
         self._aborted: Counter = Counter()
         self._skipped: Counter = Counter()
         self._round = _Histogram()
@@ -84,6 +89,11 @@ class ClusterCollector(Collector):
             self._transitions[(rec["machine"], rec["from"], rec["to"])] += 1
             if rec["machine"] != CLUSTER.name:
                 continue
+            try:
+                self._replacements += reasons.is_replacement(rec)
+            except ValueError:  # a detail that does not parse: not counted (the replay names it)
+                pass
+            self._fail_closed += reasons.failed_closed(rec)
             try:
                 ts = int(rec["ts_ms"])
             except ValueError:
@@ -117,6 +127,10 @@ class ClusterCollector(Collector):
             t.add_metric([machine, src, dst], n)
         yield t
         yield CounterMetricFamily("fdeplb_alarms", "Alarms raised after the commit point", value=self._alarms)
+        yield CounterMetricFamily("fdeplb_replacement_rounds", "Rounds that re-placed the orphaned experts of ranks "
+                                  "that are not members", value=self._replacements)
+        yield CounterMetricFamily("fdeplb_fail_closed", "Re-placements refused: an expert would have no replica on "
+                                  "a member", value=self._fail_closed)
         for name, counts, doc in (("fdeplb_rounds_aborted", self._aborted, "Rounds aborted, by reason"),
                                   ("fdeplb_rounds_skipped", self._skipped, "Rounds skipped (gated), by reason")):
             fam = CounterMetricFamily(name, doc, labels=["reason"])

@@ -24,7 +24,7 @@ from fdeplb.errors import (CorruptRecordError, FdeplbError, InputError, NotFound
                            RedisUnavailableError, StateError)
 from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
 from fdeplb.recording import audit_dict
-from fdeplb.status import cluster_status, unhealthy_ranks
+from fdeplb.status import cluster_status, degraded_experts, unhealthy_ranks
 from fdeplb.store import Store
 from fdeplb.store.streams import parse_stream_id
 
@@ -248,18 +248,26 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
 
 # ---- GET /health ---------------------------------------------------------------------------------------------------
 def health(store: Store) -> Reply:
-    """200 when Redis answers and every registered rank has a live heartbeat (one that has not outlived the TTL its
-    agent wrote with it: the coordinator's rule), else 503 naming the ranks and why
-    (:func:`fdeplb.status.unhealthy_ranks`; a fixed number of round trips, however many ranks)."""
+    """200 when Redis answers, every registered member rank has a live heartbeat (one that has not outlived the TTL
+    its agent wrote with it: the coordinator's rule) and every logical expert has a replica on a member; else 503
+    naming the ranks and why (:func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left without a
+    replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed). A fixed number of round trips,
+    however many ranks."""
     registered, unhealthy = unhealthy_ranks(store)
     if unhealthy:
         why = "; ".join(f"rank {r} {text}" for r, text in unhealthy.items())
         return refuse(f"ranks {sorted(unhealthy)} have no live heartbeat ({why})", 503, ranks=registered)
+    degraded = degraded_experts(store)
+    if degraded:
+        return refuse(f"degraded: experts (layer, log_id) {degraded['orphans']} have no replica on a member rank "
+                      f"(ranks {degraded['ranks']} are not members)", 503, ranks=registered,
+                      orphans=degraded["orphans"])
     return ok(ranks=registered)
 
 
 #: the one phrase an anonymous /health gives for each way the cluster is unhealthy (nothing else of the cluster)
-HEALTH_PHRASES = {"ranks": "a rank has no live heartbeat", "redis": "Redis unavailable",
+HEALTH_PHRASES = {"ranks": "a rank has no live heartbeat", "degraded": "an expert has no replica on a member rank",
+                  "redis": "Redis unavailable",
                   "unreadable": "cluster state unreadable"}
 
 
@@ -268,12 +276,14 @@ def probe_health(store: Store) -> Reply:
     check): 200 ``{"code": 0, "msg": "ok"}`` when :func:`health` is, else 503 with one phrase of
     :data:`HEALTH_PHRASES` and no cluster data (no rank ids, counts, addresses or Redis URL)."""
     try:
-        status, _ = health(store)
+        status, body = health(store)
     except RedisUnavailableError:
         return refuse(HEALTH_PHRASES["redis"], 503)
     except FdeplbError:  # a record that does not parse, a store error: unhealthy, the details are the operator's
         return refuse(HEALTH_PHRASES["unreadable"], 503)
-    return ok() if status == 200 else refuse(HEALTH_PHRASES["ranks"], 503)
+    if status == 200:
+        return ok()
+    return refuse(HEALTH_PHRASES["degraded" if body.get("orphans") else "ranks"], 503)
 
 
 # ---- read-only /v1 routes ------------------------------------------------------------------------------------------

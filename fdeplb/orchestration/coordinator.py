@@ -34,7 +34,7 @@ from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
 from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
 from fdeplb.orchestration.periodic import UnaskedRounds
 from fdeplb.orchestration.reconcile import run_until_stopped
-from fdeplb.placement import MAX_LOAD, plan_digest
+from fdeplb.placement import MAX_LOAD, orphaned_experts, plan_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
 from fdeplb.store.redis_store import stale_of
 
@@ -367,7 +367,10 @@ class Coordinator(UnaskedRounds, Leadership):
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
             balancedness_after=after, moved_experts=moved))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
-        self._fire(rec, "load", plan_id=plan_id, changes={"plan_id": plan_id, "deadline_ms": deadline})
+        why = reasons.Reason("") if replaced is None else reasons.replacement_round(
+            np.flatnonzero(~live).tolist(), orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
+        self._fire(rec, "load", plan_id=plan_id, reason=why.text, detail=why.detail,
+                   changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
 
     def _rank_states(self, rec: ClusterRecord) -> list[tuple[RankState, str]]:

@@ -213,9 +213,7 @@ def replacement(phy2log: np.ndarray, num_logical_experts: int, ep_size: int, liv
     try:
         return replace_orphans(phy2log, num_logical_experts, ep_size, live, expert_load), None
     except RedundancyError as err:
-        orphans = [[int(l), int(e)] for l, e in (err.orphans or [])]
-        lost = [int(r) for r in np.flatnonzero(~live)]
-        return None, reasons.Reason(f"fail closed: {err}", {"ranks": lost, "orphans": orphans})
+        return None, reasons.fail_closed(str(err), [int(r) for r in np.flatnonzero(~live)], err.orphans or [])
 
 
 def live_planner(planner: Any, live: np.ndarray) -> Any:

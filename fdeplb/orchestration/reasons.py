@@ -11,6 +11,9 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
 - a gated round (trigger ``abort``): ``{"gate": {"balancedness_before", "balancedness_after", "gain", "min_gain",
   "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
 - the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
+- the load of a re-placement round (trigger ``load``): ``{"replacement": {"ranks": [3], "orphans": [[layer,
+  log_id], ...]}}`` (the ranks that are not members, the experts that had no replica on a member);
+- a re-placement that fails closed (trigger ``abort``, and its ``alarm``): ``{"ranks": [3], "orphans": [...]}``;
 - a weight clear / update withdrawn because its switch step was not fixed in time (trigger ``weights_cancelled``,
   a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed).
 
@@ -42,6 +45,8 @@ FRESH = "start after a refusal: heartbeats "
 GATED = "gated: skipped: "
 #: reason of a cordoned cluster's commit: ``external commit requested by http``
 EXTERNAL = "external commit requested by "
+#: reason of a re-placement that cannot give every expert a replica on a member (its abort and alarm)
+FAIL_CLOSED = "fail closed: "
 
 _STALE_ITEM = re.compile(r"(\d+) \(heartbeat (-?\d+) ms ago\)")
 _FRESH_ITEM = re.compile(r"(\d+) (-?\d+) ms ago \((?:ttl (\d+) ms|no ttl)\)")
@@ -147,6 +152,35 @@ def requested_by(record: Mapping[str, Any]) -> str | None:
         return str(detail["requested_by"]) if "requested_by" in detail else None
     reason = _field(record, "reason")
     return reason.removeprefix(EXTERNAL) if reason.startswith(EXTERNAL) else None
+
+
+# ---- a lost rank's experts re-placed, or not ------------------------------------------------------------------
+def _orphan_list(orphans) -> list[list[int]]:
+    return [[int(l), int(e)] for l, e in orphans]
+
+
+def replacement_round(lost: list[int], orphans) -> Reason:
+    """The reason of a re-placement round's ``load``: the ``orphans`` ((layer, log_id) pairs) that had no replica on
+    a member once ``lost`` ranks left get one on a live rank; nothing else moves."""
+    items = _orphan_list(orphans)
+    return Reason(f"re-placement: {len(items)} orphaned experts of ranks {sorted(lost)} get a live replica, "
+                  f"nothing else moves", {"replacement": {"ranks": sorted(int(r) for r in lost), "orphans": items}})
+
+
+def fail_closed(error: str, lost: list[int], orphans) -> Reason:
+    """The reason of a re-placement that fails closed (``error``: the :class:`~fdeplb.errors.RedundancyError`'s
+    text naming the experts): no placement that drops an expert is committed."""
+    return Reason(f"{FAIL_CLOSED}{error}", {"ranks": sorted(int(r) for r in lost), "orphans": _orphan_list(orphans)})
+
+
+def is_replacement(record: Mapping[str, Any]) -> bool:
+    """Whether an audit record is the ``load`` of a re-placement round. ValueError for a corrupt detail."""
+    return _field(record, "trigger") == "load" and "replacement" in (detail_of(record) or {})
+
+
+def failed_closed(record: Mapping[str, Any]) -> bool:
+    """Whether an audit record is the abort of a re-placement that failed closed."""
+    return _field(record, "trigger") == "abort" and _field(record, "reason").startswith(FAIL_CLOSED)
 
 
 # ---- a weight request nobody could switch ----------------------------------------------------------------------

@@ -8,8 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fdeplb.api import service
+from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
+from fdeplb.orchestration import reasons
 from fdeplb.placement import live_maps, orphaned_experts
 from fdeplb.replay import check_plans, replay_file
 from fdeplb.store import Deadlines
@@ -59,6 +62,14 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         # the coordinator asks for the re-placement by itself; it completes among ranks 0, 1, 3
         rec = wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
         assert rec.requested_reason.startswith("replacement") and rec.members == "0,1,3"
+        load = [a for a in store.iter_audit() if a["key"] == "cluster" and a["trigger"] == "load"][-1]
+        assert reasons.is_replacement(load)
+        assert reasons.detail_of(load)["replacement"] == {"ranks": [2], "orphans": [[0, 6], [0, 7], [1, 6], [1, 7]]}
+        # rank 2 is not a member: its lapsed heartbeat no longer makes the cluster unhealthy, nothing is orphaned
+        assert service.health(store)[0] == 200 and service.probe_health(store)[0] == 200
+        families = {f.name: f for f in ClusterCollector(store).collect()}
+        assert families["fdeplb_replacement_rounds"].samples[0].value == 1
+        assert families["fdeplb_fail_closed"].samples[0].value == 0
         after = store.current_placement()
         assert after.plan_id == rec.plan_id != ""
         live = np.array([True, True, False, True])
@@ -97,8 +108,7 @@ def test_no_redundant_replica_fails_closed_naming_the_experts(redis_url, cluster
         abort = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"], 60, store,
                          "the fail-closed abort")[0]
         assert abort["reason"].startswith("fail closed: redundancy insufficient")
-        from fdeplb.orchestration import reasons
-
+        assert reasons.failed_closed(abort)
         detail = reasons.detail_of(abort)
         assert detail["ranks"] == [1] and detail["orphans"] == [[0, 2], [0, 3], [1, 2], [1, 3]]
         alarm = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
@@ -107,6 +117,13 @@ def test_no_redundant_replica_fails_closed_naming_the_experts(redis_url, cluster
         assert after.plan_id == before.plan_id == "" and np.array_equal(after.phy2log, before.phy2log)
         wait_for(lambda: store.read_cluster().state is ClusterState.FREE, 30, store, "FREE")
         assert len([a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"]) == 1  # not retried
+        # degraded until the rank comes back: /health names the experts, the probe one phrase
+        code, body = service.health(store)
+        assert code == 503 and body["orphans"] == [[0, 2], [0, 3], [1, 2], [1, 3]] and "degraded" in body["msg"]
+        assert service.probe_health(store) == (503, {"code": 1, "msg": service.HEALTH_PHRASES["degraded"]})
+        families = {f.name: f for f in ClusterCollector(store).collect()}
+        assert families["fdeplb_fail_closed"].samples[0].value == 1
+        assert families["fdeplb_replacement_rounds"].samples[0].value == 0
 
 
 def test_a_round_aborts_at_once_when_a_participant_goes_suspect(redis_url, cluster_id, tmp_path):
