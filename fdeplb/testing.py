@@ -73,6 +73,7 @@ class NumpyWeights:
         per_rank = self._slice.stop - self._slice.start
         self.slots = np.empty((self._phy2log.shape[0], per_rank, self.expert_size), dtype=np.float32)
         self.swaps = 0
+        self.live_ranks = tuple(range(self.ep_size))
         self.reload()
 
     @classmethod
@@ -132,7 +133,12 @@ class NumpyWeights:
         experts = {(layer, e): expert_tensor(layer, e, self.expert_size) for layer, e in transfer.disk}
         return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes))
 
-    def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray) -> SwapReport:
+    def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
+        """Record the ranks routed to (:attr:`live_ranks`; a numpy backend has no routing tables)."""
+        self.live_ranks = tuple(int(r) for r in live_ranks)
+
+    def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
+             ) -> SwapReport:
         if staged.released:
             raise WeightError(f"rank {self.ep_rank}: the staged experts were released; stage the plan again")
         new = np.asarray(new_phy2log, dtype=np.int64)
@@ -160,6 +166,8 @@ class NumpyWeights:
             raise VerificationError(f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ from their expert: "
                                     f"{bad[:8].tolist()}")
         self._phy2log = new.copy()
+        if live_ranks is not None:
+            self.set_live_ranks(live_ranks)
         self.swaps += 1
         transfer, counts = staged.transfer, staged.transfer.counts
         return SwapReport(ep_rank=self.ep_rank, plan_key=transfer.key, keep=counts["keep"], local=counts["local"],

@@ -110,8 +110,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.config: ClusterConfig | None = None
         self.backend: WeightBackend | None = None
         self.live_plan_id: str | None = None
-        #: the EP ranks the engine dispatches to (the ACTIVE members): read at start, then changed only at the
-        #: safe point that swaps a committed plan, together with the routing tables, to that round's members
+        #: the EP ranks the engine dispatches to: the members the current placement was committed for (read at
+        #: start), then changed only at the safe point that swaps a committed plan, together with the routing
+        #: tables (which name only their slots), to that round's members
         self.live_ranks: tuple[int, ...] = ()
         self._rejoin: Rejoin | None = None
         self.staged: _Staging | None = None
@@ -139,7 +140,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.live_plan_id = placement.plan_id
         self._rejoin = Rejoin(self.store, self.ep_rank, self.actor, self.log)
         self._rejoin.begin(placement.plan_id)  # an excluded rank comes back: REJOINING, admitted when FREE
-        self.live_ranks = tuple(self.store.member_view().active())
+        # route as every member does: over the ranks the current placement was committed for (a rejoining rank
+        # is not one of them until the membership round that follows its admission switches)
+        self.live_ranks = placement.live_ranks(self.config.ep_size)
+        self.backend.set_live_ranks(self.live_ranks)
         self._open_window(self.config)
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
                                                 **(info or {})})
@@ -248,8 +252,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     def _reconcile(self, cluster: ClusterRecord, me: RankRecord, weights: WeightRecord) -> bool:
         self._failpoint(me)
         self._load_step(cluster)  # nothing else to do for it: no second look needed
-        if self._rejoin is not None and self._rejoin.step(cluster.state):
-            self.live_ranks = tuple(self.store.member_view().active())
+        if self._rejoin is not None:
+            self._rejoin.step(cluster.state)  # routed to from the switch step of the round that follows
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()
@@ -400,7 +404,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         new = self._new_phy2log(plan_id)
         report: dict[str, Any] = {}
         pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
-        if pending or not np.array_equal(self.backend.phy2log, new):
+        members = tuple(participants(cluster.members, self.config.ep_size))
+        # a plan that moves nothing still switches the routing when the members changed (a rank left or rejoined)
+        if pending or not np.array_equal(self.backend.phy2log, new) or members != self.live_ranks:
             attempt = self._swap_attempts.get(plan_id, 1)
             try:
                 info = self._stage(plan_id)
@@ -414,7 +420,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
                 when = Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
                             {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
-            members = tuple(participants(cluster.members, self.config.ep_size))
             op = self._at_safe_point(("swap", plan_id, attempt), when,
                                      lambda: self._swap_or_restore(staged, new, members))
             if op is None or op.gone:
@@ -463,7 +468,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         verification rewrite the old placement from the source of truth before re-raising, so the rank keeps
         serving the old placement (and members) consistently."""
         try:
-            report = self.backend.swap(staged, new)
+            report = self.backend.swap(staged, new, members)
             if members is not None:
                 self.live_ranks = members
             return report

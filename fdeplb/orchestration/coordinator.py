@@ -340,6 +340,9 @@ class Coordinator(UnaskedRounds, Leadership):
         except CorruptRecordError as err:  # computed again next round
             self.store.drop_plan(plan_id)
             return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
+        # a round whose members differ from those the placement is routed over is a membership round: never gated
+        # (it switches the routing to the members even when nothing moves)
+        regrouped = current.live_ranks(cfg.ep_size) != tuple(np.flatnonzero(live).tolist())
         replaced, closed = (None, None) if live.all() else membership.replacement(
             old, cfg.num_logical_experts, cfg.ep_size, live, snapshot)
         if closed is not None:  # fail closed: no placement drops an expert; audited alarm, placement intact
@@ -358,7 +361,7 @@ class Coordinator(UnaskedRounds, Leadership):
             return self._abort(rec, f"planning failed: {err}")
         new, before, after, moved = (decision.new_phy2log, decision.balancedness_before,
                                      decision.balancedness_after, decision.moved_experts)
-        skip = None if replaced is not None else reasons.gated(decision)  # skip unless it moves and gains
+        skip = None if replaced is not None or regrouped else reasons.gated(decision)  # unless it moves and gains
         if skip:
             return self._abort(rec, skip)
         self.store.save_plan(PlanEntry(

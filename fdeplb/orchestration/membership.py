@@ -22,6 +22,7 @@ from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement.live_ranks import orphaned_experts, replace_orphans
 from fdeplb.store import MemberRecord, Store
+from fdeplb.store.records import member_ranks
 from fdeplb.store.liveness import MemberView
 
 M = MemberState
@@ -240,7 +241,7 @@ def participants_text(active: list[int], ep_size: int) -> str:
 
 def participants(members: str, ep_size: int) -> list[int]:
     """The ranks a round counts (the cluster record's ``members``; "" = every rank)."""
-    return list(range(ep_size)) if members == "" else [int(x) for x in members.split(",") if x != ""]
+    return list(member_ranks(members, ep_size))
 
 
 def lost_participants(members: str, view: MemberView | None, ep_size: int) -> list[int]:

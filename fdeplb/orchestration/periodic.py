@@ -15,7 +15,6 @@ from fdeplb.errors import FdeplbError
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.orchestration import membership
 from fdeplb.orchestration.gating import mean_balancedness, plan_round
-from fdeplb.placement import orphaned_experts
 from fdeplb.store import ClusterRecord
 
 #: (progressed, ms until the next deadline or None), as the coordinator's entry work returns
@@ -26,16 +25,19 @@ class UnaskedRounds:
     """The re-placement request and the periodic trigger (see the module doc)."""
 
     def _replace_or_periodic(self, rec: ClusterRecord) -> Step:
-        """In FREE with no round asked for: a re-placement round when the current placement leaves an expert
-        without a replica on an ACTIVE member (once per set of members it failed closed for), else the periodic
-        trigger."""
+        """In FREE with no round asked for: a membership round when the current placement is routed over other
+        ranks than the ACTIVE members (a rank left: its orphaned experts are re-placed and its slots leave the
+        routes; a rank rejoined: the round plans with it and routes to it), once per set of members it failed
+        closed for; else the periodic trigger."""
         live = membership.live_mask(self._members.view, self.config.ep_size)
-        key = ",".join(map(str, np.flatnonzero(live)))
-        if not live.all() and key != self._failed_closed:
-            current = self.store.current_placement().phy2log
-            if orphaned_experts(current, self.config.num_logical_experts, self.config.ep_size, live):
-                lost = [int(r) for r in np.flatnonzero(~live)]
-                self.store.request_round(f"replacement: ranks {lost} are not members")
+        active = tuple(np.flatnonzero(live).tolist())
+        key = ",".join(map(str, active))
+        if key != self._failed_closed:
+            routed = self.store.current_placement().live_ranks(self.config.ep_size)
+            if routed != active:  # the placement is routed over other ranks than the members
+                lost, back = sorted(set(routed) - set(active)), sorted(set(active) - set(routed))
+                why = [f"ranks {lost} are not members" if lost else "", f"ranks {back} rejoined" if back else ""]
+                self.store.request_round("replacement: " + "; ".join(w for w in why if w))
                 return True, None
         return self._periodic(rec)
 

@@ -82,7 +82,11 @@ class Placements:
         except ValueError:
             key = self._keys.placement
             raise CorruptRecordError(f"{key}: version is not an integer", key=key) from None
-        return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version)
+        members = _s(raw.get("members", b""))
+        if members and not all(x.isascii() and x.isdigit() and int(x) < self.ep_size() for x in members.split(",")):
+            key = self._keys.placement
+            raise CorruptRecordError(f"{key}: members {members[:60]!r} is not a list of ep_ranks", key=key)
+        return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version, members=members)
 
     def _table(self, key: str, arr: np.ndarray, name: str) -> np.ndarray:
         """A stored placement table checked against the configuration: int64 [L, P], ids in [0, E)."""

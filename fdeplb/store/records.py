@@ -328,6 +328,14 @@ def encode_changes(cls: type, changes: Mapping[str, Any]) -> dict[str, str]:
 
 
 # ---- arrays and documents -------------------------------------------------------------------------------------------
+def member_ranks(members: str, ep_size: int) -> tuple[int, ...]:
+    """The ep_ranks of a ``members`` field (``ClusterRecord.members``, ``PlacementEntry.members``): comma-separated
+    ints, "" = every rank of ``ep_size``."""
+    if members == "":
+        return tuple(range(ep_size))
+    return tuple(int(x) for x in members.split(",") if x != "")
+
+
 @dataclass(frozen=True)
 class PlacementEntry:
     """The cluster's current placement, hash ``fdeplb:{c}:placement``."""
@@ -338,6 +346,13 @@ class PlacementEntry:
     """int64 [num_layers, num_physical_experts]: logical expert held by every slot."""
     version: int = 0
     """Times the placement changed (0 = initial); +1 per committed plan."""
+    members: str = ""
+    """The EP ranks it is routed over: the members of the round that committed it (``ClusterRecord.members``,
+    comma-separated; "" = every rank). log2phy / logcnt name only their slots (:meth:`live_ranks`)."""
+
+    def live_ranks(self, ep_size: int) -> tuple[int, ...]:
+        """The ranks of :attr:`members` as ints (every rank of ``ep_size`` for "")."""
+        return member_ranks(self.members, ep_size)
 
 
 @dataclass(frozen=True)

@@ -120,9 +120,15 @@ class WeightBackend(Protocol):
         """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
         read, when it needs more than ``budget_bytes``)."""
 
-    def swap(self, staged: Staged, new_phy2log: np.ndarray) -> SwapReport:
-        """Write the staged plan into the live slots in place and switch the routing tables to ``new_phy2log``;
-        every written slot is verified (VerificationError). Returns what the swap did (:class:`SwapReport`)."""
+    def swap(self, staged: Staged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
+             ) -> SwapReport:
+        """Write the staged plan into the live slots in place and switch the routing tables to ``new_phy2log``
+        over ``live_ranks``' slots (None: the ranks routed to so far); every written slot is verified
+        (VerificationError). Returns what the swap did (:class:`SwapReport`)."""
+
+    def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
+        """Route only to ``live_ranks`` (the members the current placement was committed for): log2phy / logcnt
+        name no slot of another rank. RedundancyError when an expert would have no live replica."""
 
     def verify(self) -> SlotCheck:
         """(slots holding exactly their logical expert's weights, slots in total)."""
@@ -224,10 +230,14 @@ class CheckpointBackend:
         experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device)
         return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes))
 
-    def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray) -> SwapReport:
-        report = self.live.swap(staged.transfer, staged.experts, new_phy2log)
+    def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
+             ) -> SwapReport:
+        report = self.live.swap(staged.transfer, staged.experts, new_phy2log, live_ranks)
         staged.experts.release(keep_buffers=True)  # next round's staging reuses the pre-faulted buffers
         return report
+
+    def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
+        self.live.set_live_ranks(live_ranks)
 
     def verify(self) -> SlotCheck:
         return SlotCheck(*self.live.verify(self.reader))

@@ -81,6 +81,7 @@ class LiveExperts:
         self.num_logical_experts = int(p2l.max()) + 1 if num_logical_experts is None else int(num_logical_experts)
         num_phy = p2l.shape[1]
         self.max_replicas = num_phy - self.num_logical_experts + 1 if max_replicas is None else int(max_replicas)
+        self._live: np.ndarray | None = None  # bool [ep_size]: the ranks routed to (None: every rank)
         log2phy, logcnt = routing_tables(p2l, self.num_logical_experts, self.max_replicas)
         self._phy2log = p2l
         self.phy2log_tensor = self._device_int64(p2l)
@@ -184,6 +185,26 @@ class LiveExperts:
     def _device_int64(self, arr: np.ndarray) -> Any:
         return _paddle.paddle().to_tensor(np.ascontiguousarray(arr, dtype=np.int64), place=_paddle.place_of(self.device))
 
+    # ---- members ---------------------------------------------------------------------------------------------------
+    @property
+    def live_ranks(self) -> tuple[int, ...]:
+        """The EP ranks ``log2phy`` / ``logcnt`` route to (every rank until :meth:`set_live_ranks`)."""
+        return tuple(range(self.ep_size)) if self._live is None else tuple(np.flatnonzero(self._live).tolist())
+
+    def set_live_ranks(self, live_ranks: Any) -> None:
+        """Route only to ``live_ranks`` (ep_rank ints or a bool mask of ``ep_size``, see
+        :func:`fdeplb.placement.check_live_ranks`): log2phy / logcnt are rewritten in place over their slots.
+        Raises InputError for a bad mask and RedundancyError when an expert would have no live replica; the
+        tables are unchanged then. Call it at a safe point (the embedded agent does, with the swap)."""
+        from fdeplb.placement.live_ranks import check_live_ranks
+
+        mask = check_live_ranks(live_ranks, self.ep_size)
+        log2phy, logcnt = routing_tables(self._phy2log, self.num_logical_experts, self.max_replicas, mask)
+        for dst, arr in ((self.log2phy, log2phy), (self.logcnt, logcnt)):
+            _paddle.copy_into(dst, self._device_int64(arr))
+        _paddle.synchronize(self.device)
+        self._live = None if mask.all() else mask
+
     # ---- loading and verification ---------------------------------------------------------------------------------
     def reload(self, reader: CheckpointReader) -> int:
         """Rewrite every slot in place from the checkpoint for the current placement (initial load, or repair after
@@ -243,7 +264,7 @@ class LiveExperts:
         new = np.array(phy2log, dtype=np.int64, copy=True)
         if new.shape != self._phy2log.shape:
             raise InputError(f"phy2log has shape {new.shape}, the live placement {self._phy2log.shape}")
-        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas)
+        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas, self._live)
         if self.cleared:
             for suffix, layers in self.tensors.items():
                 shape, dtype = reader.spec[suffix]
@@ -310,9 +331,11 @@ class LiveExperts:
                     )
         return new
 
-    def swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray) -> SwapReport:
+    def swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
+             live_ranks: Any = None) -> SwapReport:
         """Apply ``plan``: write staged and locally copied experts into the live slots in place, verify every
-        changed slot against the checkpoint checksums, then update the routing tables in place.
+        changed slot against the checkpoint checksums, then update the routing tables in place (over
+        ``live_ranks``' slots when given, see :meth:`set_live_ranks`; else over the ranks routed to so far).
 
         Every check (plan matches the live placement and ``new_phy2log``, staging matches the plan, shapes and
         dtypes, the new routing tables) runs before the first write. ``staged`` is left as is (call
@@ -326,7 +349,10 @@ class LiveExperts:
                 tables keep the old placement and :attr:`needs_reload` is set: the rank must :meth:`reload`.
         """
         new = self._check_swap(plan, staged, new_phy2log)
-        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas)
+        from fdeplb.placement.live_ranks import check_live_ranks
+
+        live = self._live if live_ranks is None else check_live_ranks(live_ranks, self.ep_size)
+        log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas, live)
         expected: dict[tuple[int, int], ExpertChecksum] = dict(self._checksums)
         expected.update(zip(plan.disk, staged.checksums))
         missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))}
@@ -377,6 +403,7 @@ class LiveExperts:
             _paddle.copy_into(dst, self._device_int64(arr))
         _paddle.synchronize(self.device)
         self._checksums = expected
+        self._live = None if live is None or live.all() else live
         self.needs_reload = False
         routing_seconds = time.perf_counter() - start
 

@@ -253,8 +253,13 @@ def plan_transfer(old_phy2log: np.ndarray, new_phy2log: np.ndarray, ep_rank: int
     return TransferPlan(ep_rank, ep_size, old, new, action, tuple(disk), tuple(steps))
 
 
-def routing_tables(phy2log: np.ndarray, num_logical_experts: int, max_replicas: int) -> tuple[np.ndarray, np.ndarray]:
+def routing_tables(phy2log: np.ndarray, num_logical_experts: int, max_replicas: int,
+                   live: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Derive ``log2phy`` int64 [L, E, max_replicas] (-1 padded, physical ids ascending) and ``logcnt`` int64 [L, E].
+
+    ``live``: bool [ep_size], the EP ranks routed to (None: every rank). With some rank not live, only the live
+    ranks' slots are named (:func:`fdeplb.placement.live_maps`, which raises
+    :class:`~fdeplb.errors.RedundancyError` when an expert has no live replica).
 
     The width ``max_replicas`` is fixed (not the placement's current maximum) so the routing tensors keep their shape,
     and can be updated in place, across placements (FastDeploy sizes them ``num_redundant_experts + 1``).
@@ -267,7 +272,12 @@ def routing_tables(phy2log: np.ndarray, num_logical_experts: int, max_replicas: 
     num_layers = p2l.shape[0]
     if p2l.min() < 0 or p2l.max() >= num_logical_experts:
         raise InputError(f"phy2log ids must lie in [0, {num_logical_experts})")
-    derived, logcnt = derive_maps(p2l, num_logical_experts)
+    if live is not None and not np.asarray(live).all():
+        from fdeplb.placement.live_ranks import live_maps
+
+        derived, logcnt = live_maps(p2l, num_logical_experts, len(live), np.asarray(live, dtype=bool))
+    else:
+        derived, logcnt = derive_maps(p2l, num_logical_experts)
     if (logcnt == 0).any():
         layer, expert = map(int, np.argwhere(logcnt == 0)[0])
         raise InputError(f"logical expert {expert} of layer {layer} has no replica in phy2log")

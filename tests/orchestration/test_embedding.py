@@ -163,9 +163,9 @@ class _Instrumented(NumpyWeights):
         if self.agent is not None:
             self.changes.append((what, self.agent._in_safe_point, threading.current_thread().name))
 
-    def swap(self, staged, new):
+    def swap(self, staged, new, live_ranks=None):
         self._note("swap")
-        return super().swap(staged, new)
+        return super().swap(staged, new, live_ranks)
 
     def clear(self):
         self._note("clear")

@@ -82,6 +82,7 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         plan = store.read_plan(after.plan_id)
         assert plan.generation == 2 and plan.topology["live_ranks"] == [0, 1, 3]
         assert tc.agents[0].live_ranks == (0, 1, 3)  # the engine's dispatch mask, switched with the tables
+        assert tc.agents[0].backend.live_ranks == (0, 1, 3) and after.members == "0,1,3"
         commit = [a for a in store.iter_audit() if a["trigger"] == "commit"][-1]
         assert commit["generation"] == "2"
         # the next round plans without rank 2 as well and routes nothing to it
@@ -158,12 +159,15 @@ def test_an_excluded_rank_rejoins_and_the_next_round_counts_it(redis_url, cluste
         assert [t for _, _, t in member_trail(store, 2)] == ["suspect", "exclude", "rejoin", "admit"]
         rejoin = [a for a in store.iter_audit() if a["key"] == "member:2" and a["trigger"] == "rejoin"][0]
         assert rejoin["actor"] == back.actor and rejoin["fence"] == "" and rejoin["generation"] == "3"
-        assert back.live_ranks == (0, 1, 2, 3)
-        store.request_round("test")
+        # admitted, not yet routed to: every member routes over the ranks the placement was committed for
+        assert back.live_ranks == (0, 1, 3) and tc.agents[0].live_ranks == (0, 1, 3)
+        # the coordinator asks for the membership round by itself; at its switch step every member routes to rank 2
         rec = wait_for(lambda: round_done(store, 2), 60, store, "round 2")
-        assert rec.members == ""  # every rank a member again
+        assert rec.members == "" and rec.requested_reason == "replacement: ranks [2] rejoined"
         start = [a for a in store.iter_audit() if a["trigger"] == "start"][-1]
         assert start["generation"] == "4"
+        assert store.current_placement().members == "" and store.current_placement().plan_id == rec.plan_id
+        assert back.live_ranks == tc.agents[0].live_ranks == (0, 1, 2, 3)
 
 
 def test_readmit_waits_for_a_round_to_end(redis_url, cluster_id, tmp_path):

@@ -368,3 +368,26 @@ def test_released_staging_buffers_are_reused_by_the_next_staging(ckpt):
     live.swap(plan, again, NEW)  # verifies every changed slot against the checksums of the reused buffers
     reader.trim()
     assert reader.pooled_bytes == 0
+
+
+def test_routing_over_live_ranks_names_no_slot_of_another_rank(ckpt):
+    from fdeplb.errors import RedundancyError
+
+    reader = CheckpointReader(ckpt)
+    live = LiveExperts.from_checkpoint(reader, OLD, 1, 4, device="cpu")  # 4 ranks of 3 slots; rank 3: 1, 2, 3
+    full = (live.log2phy.numpy().copy(), live.logcnt.numpy().copy())
+    ptrs = pointers(live)
+    live.set_live_ranks((0, 1, 2))
+    log2phy, logcnt = live.log2phy.numpy(), live.logcnt.numpy()
+    assert live.live_ranks == (0, 1, 2) and pointers(live) == ptrs  # rewritten in place
+    assert not np.isin(log2phy, [9, 10, 11]).any() and (logcnt >= 1).all()
+    assert logcnt[0].tolist() == [2, 1, 1, 1, 1, 1, 1, 1]  # 1, 2, 3 lost their replica on rank 3
+    assert log2phy.shape == full[0].shape  # the fixed width stays: tables keep their shape
+    # rank 0 as well: experts 1 and 2 would have no live replica: refused, tables unchanged
+    with pytest.raises(RedundancyError, match="no replica on a live rank"):
+        live.set_live_ranks((1, 2))
+    assert (live.log2phy.numpy() == log2phy).all() and live.live_ranks == (0, 1, 2)
+    with pytest.raises(InputError):
+        live.set_live_ranks((0, 7))
+    live.set_live_ranks((0, 1, 2, 3))  # every rank again: the full tables
+    assert (live.log2phy.numpy() == full[0]).all() and (live.logcnt.numpy() == full[1]).all()

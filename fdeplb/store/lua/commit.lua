@@ -5,7 +5,8 @@
 -- KEYS[2]  audit: stream of the cluster
 -- KEYS[3]  lease: coordinator lease string (read only when ARGV[3] ~= "")
 -- KEYS[4]  rearrange: cluster record hash (cluster_in and withdrawn guards; its 'generation' field: ARGV[11], bump_generation)
--- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect)
+-- KEYS[5]  placement: current placement hash (plan_not_current guard, set_placement effect: the plan's
+--          new_phy2log and the round's members, KEYS[4]'s 'members', the ranks the placement is routed over)
 -- KEYS[6]  plan: plan hash named by the transition's plan_id (plan_stored guard, set_placement effect)
 -- KEYS[7]  audit_head: string, the chain of the newest audit record ("" or missing before the first)
 -- KEYS[8]  signal: stream the rank agents block on (written only when ARGV[9] is "1")
@@ -145,7 +146,7 @@ if ARGV[8] == 'set_placement' then
   end
   local pver = redis.call('HINCRBY', KEYS[5], 'version', 1)
   redis.call('HSET', KEYS[5], 'phy2log', phy2log[1], 'phy2log:dtype', phy2log[2], 'phy2log:shape', phy2log[3],
-    'plan_id', phy2log[4], 'updated_ms', ts_ms)
+    'plan_id', phy2log[4], 'updated_ms', ts_ms, 'members', redis.call('HGET', KEYS[4], 'members') or '')
 elseif ARGV[8] == 'bump_generation' then
   generation = redis.call('HINCRBY', KEYS[4], 'generation', 1)
   set[#set + 1], set[#set + 2] = 'generation', tostring(generation)
