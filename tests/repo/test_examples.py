@@ -67,3 +67,37 @@ def test_cluster_by_hand_fails_loudly_when_the_round_does_not_end_in_time(tmp_pa
         done.stderr
     assert "replay OK" not in done.stdout
     assert_nothing_left(tmp_path)
+
+
+def run_serving_node(*args: str) -> dict:
+    """``examples/serving_node.py`` run as a user runs it; returns its last line (JSON), asserting exit 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("FDEPLB_TEST_REDIS_URL", None)
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serving_node.py"), *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_serving_node_loses_a_rank_for_real_and_it_rejoins():
+    # rank 3's worker SIGKILLed mid-serving: excluded after its TTL + exclude_ms, its two orphaned experts per layer
+    # re-placed on the survivors' redundant slots, exact outputs from that switch step on, then a new worker rejoins
+    out = run_serving_node("--lose-rank", "3")
+    assert out["ok"] and out["lost_rank"] == 3 and out["errors"] == []
+    assert out["replaced_experts"] == 4  # experts 6 and 7 of both layers
+    assert 5.0 <= out["excluded_after_s"] <= 5.0 + 5.0 + 30.0  # TTL 5 s + exclude_ms 5 s (+ loop slack)
+    assert out["max_rel_diff_after_switch"] <= 1e-5 and out["max_rel_diff_before_loss"] <= 1e-5
+    assert out["tokens_routed_to_non_members"] == 0 and out["tokens_lost_after_switch"] == 0
+    assert out["tokens_lost_before_switch"] > 0  # the dead rank's experts were really missed until the switch
+    assert out["rejoined"] and out["rejoined_steps"] >= 10 and out["rejoin_switch_step"] > out["switch_step"]
+    assert out["steps_after_loss"] > 0 and out["late_switches"] == 0
+
+
+def test_serving_node_refuses_a_rank_outside_the_node():
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "serving_node.py"), "--lose-rank", "9"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--lose-rank must be in [0, 4)" in done.stderr
