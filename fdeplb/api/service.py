@@ -341,9 +341,9 @@ PLACEMENT_MEDIA = {"sglang": "application/json", "fastdeploy": "application/json
 
 
 def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]:
-    """The current placement: phy2log / log2phy / logcnt as JSON (with ``live_ranks``, the ACTIVE members: log2phy
-    and logcnt then name only their slots, what the engine routes with), or (text, media type) of a placement file in
-    ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
+    """The current placement: phy2log / log2phy / logcnt as JSON (with ``live_ranks``, the members it was committed
+    for: log2phy and logcnt then name only their slots, exactly what every member's engine routes with), or (text,
+    media type) of a placement file in ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
     from fdeplb.placement import FORMATS
     from fdeplb.placement.core import Placement
     from fdeplb.placement.files import render_placement
@@ -355,11 +355,10 @@ def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]
     if fmt is None:
         import numpy as np
 
-        from fdeplb.machines.tables import MEMBERSHIP, MemberState
         from fdeplb.placement import live_maps
 
-        members = store.read_each(MEMBERSHIP)  # a missing record counts as ACTIVE (a cluster made before them)
-        live = np.array([m is None or getattr(m, "state", None) is MemberState.ACTIVE for m in members], dtype=bool)
+        live = np.zeros(cfg.ep_size, dtype=bool)
+        live[list(current.live_ranks(cfg.ep_size))] = True
         log2phy, logcnt = (pl.log2phy, pl.logcnt) if live.all() else live_maps(
             current.phy2log, cfg.num_logical_experts, cfg.ep_size, live)  # routes name live slots only
         return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,

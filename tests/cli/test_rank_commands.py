@@ -90,8 +90,12 @@ def test_placement_route_names_live_slots_only(store):
 
     full = service.placement(store, None)
     assert full["live_ranks"] == [0, 1, 2] and full["logcnt"] == [[2, 2, 1, 1]]
-    operator_fire(store, 2, "drain", who="operator:test", reason="")  # slots 4, 5 (experts 0, 1) leave the routes
-    part = service.placement(store, None)
+    operator_fire(store, 2, "drain", who="operator:test", reason="")
+    # routes follow the members the placement was committed for, not the membership records: unchanged until the
+    # membership round commits (every engine switches its tables at that round's switch step)
+    assert service.placement(store, None) == full
+    store._client.hset(store._keys.placement, "members", "0,1")  # what that round's commit writes
+    part = service.placement(store, None)  # slots 4, 5 (experts 0, 1) leave the routes
     assert part["live_ranks"] == [0, 1] and part["logcnt"] == [[1, 1, 1, 1]]
     assert not {4, 5} & {p for row in part["log2phy"][0] for p in row}
     assert part["phy2log"] == full["phy2log"]  # the placement itself is unchanged
@@ -109,3 +113,12 @@ def test_init_cluster_takes_the_exclusion_deadline(capsys, redis_url, cluster_id
     assert s.read_config().deadlines.exclude_ms == 4500
     assert [m.state for m in s.read_all(MEMBERSHIP)] == [M.ACTIVE, M.ACTIVE]
     s.delete_cluster()
+
+
+@pytest.mark.parametrize("members", ["x,1", "0,9", "0;1", "٣"])
+def test_corrupt_placement_members_is_a_typed_error(store, members):
+    from fdeplb.errors import CorruptRecordError
+
+    store._client.hset(store._keys.placement, "members", members)
+    with pytest.raises(CorruptRecordError, match="members"):
+        store.current_placement()
