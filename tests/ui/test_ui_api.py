@@ -178,3 +178,34 @@ def test_replay_ui_refuses_options_it_does_not_take(capsys):
     assert main(["replay", "--ui", str(REPLAYS / "happy.jsonl"), "--json"]) == 2
     assert "--ui plays the whole recording" in capsys.readouterr().err
     assert main(["replay", "--ui", str(REPLAYS / "missing.jsonl"), "--port", "0"]) == 2
+
+
+def _first(events, pred, limit: int = 30):
+    """The first of ``events`` that ``pred`` holds for, within ``limit`` events (the stream sends at least one a
+    second: a deadline of about ``limit`` seconds)."""
+    for _, event in zip(range(limit), events):
+        if pred(event):
+            return event
+    raise AssertionError(f"no such event within {limit} events")
+
+
+def test_event_stream_says_redis_unavailable_while_it_is_down_and_recovers_after(tmp_path, cluster_id):
+    """A real redis-server (appendonly) SIGKILLed under an open stream, then started again on the same port."""
+    from tests.servers import RedisServer
+
+    server = RedisServer(tmp_path / "redis")
+    try:
+        store = Store(server.url, cluster_id)
+        cfg = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=10, ep_size=2)
+        init_cluster(store, cfg, initial_placement(2, 8, 10).phy2log)
+        app = create_app(store, Credentials(USER, PASSWORD), ApiSettings())
+        with TestClient(app) as c, c.stream("GET", "/v1/ui/events", auth=AUTH) as s:
+            events = (json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: "))
+            assert next(events)["summary"]["state"] == ClusterState.FREE.value
+            server.kill()
+            assert _first(events, lambda e: "summary" not in e)["redis"] == "unavailable"
+            server.start()
+            back = _first(events, lambda e: "summary" in e)
+        assert back["redis"] == "ok" and back["summary"]["state"] == ClusterState.FREE.value
+    finally:
+        server.close()
