@@ -237,6 +237,8 @@ def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale
         "reason": rank.reason if has_rank else None,
         "heartbeat_age_ms": now - heartbeat if heartbeat else None,
         "heartbeat_ttl_ms": (rank.heartbeat_ttl_ms or None) if has_rank else None,
+        "step": rank.step if has_rank else None,  # the worker's safe-point counter at its last heartbeat
+        "staged_bytes": rank.disk_bytes + rank.local_bytes if has_rank else None,  # its last staging, read + copied
         "stale": stale,
         "weights": weights.state if has_weights else weights,
         "weights_code": WEIGHTS.to_code(weights.state) if has_weights else None,

@@ -1,6 +1,7 @@
 """The FastAPI router (mountable into a serving node's existing app) and the app factory of ``fdeplb serve``.
 
-Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic, parsed by
+The web view's routes (``/ui``, ``/v1/ui/...``, behind the same HTTP Basic credentials) are
+:mod:`fdeplb.api.ui_routes`. Every route authenticates first (POST: FastDeploy's ``user`` / ``passwd`` body fields; GET: HTTP Basic, parsed by
 ``fastapi.security.HTTPBasic``), then validates, then acts; but ``/health``, open to probes (it tells a caller without
 credentials only healthy or not, and why in one phrase), and ``/metrics`` when served with ``metrics_public``. Errors never escape as 5xx tracebacks: a
 :class:`~fdeplb.errors.FdeplbError` becomes ``{"code": 1, "msg": "<one line>"}`` with the status of
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from fdeplb.api import service
+from fdeplb.api import service, ui_routes
 from fdeplb.api.auth import Credentials, check_basic, check_body, has_basic
 from fdeplb.api.bodies import CheckBody, RearrangeBody, StatsBody, openapi_body, read_json_object, validate
 from fdeplb.api.prometheus import ClusterCollector
@@ -106,7 +107,14 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     routes = _Routes(store, credentials, settings or ApiSettings())
     _fastdeploy_routes(router, routes)
     _read_only_routes(router, routes)
+    ui_routes.add_live_ui(router, routes, _guarded)
     return router
+
+
+def create_player_app(player) -> FastAPI:
+    """The recording player's app (``fdeplb replay --ui``): the ``/ui`` page over ``player`` (a
+    :class:`fdeplb.ui.PlayerModel`), with this module's error shell; see :mod:`fdeplb.api.ui_routes`."""
+    return ui_routes.player_app(player, _guarded, _error)
 
 
 def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
@@ -257,4 +265,4 @@ def create_app(store: Store, credentials: Credentials | None, settings: ApiSetti
     return app
 
 
-__all__ = ["create_app", "create_router"]
+__all__ = ["create_app", "create_player_app", "create_router"]

@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--into", default=None, metavar="REDIS_URL",
                    help="rebuild the replayed records in this Redis under --cluster (refused if it exists)")
     r.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    r.add_argument("--ui", action="store_true",
+                   help="serve the recording player (the /ui page over this recording: a slider and next / "
+                        "previous through its records, every failed check marked) on 127.0.0.1 and print its URL; "
+                        "runs until interrupted")
+    r.add_argument("--port", type=int, default=8765, help="port of --ui (default %(default)s; 0: any free port)")
     r.set_defaults(handler=run_replay)
 
 
@@ -49,6 +54,9 @@ def run_replay(args: argparse.Namespace) -> int:
     from fdeplb.replay import Recorded, ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
     from fdeplb.replay.anchor import check_head
     from fdeplb.store import Store
+
+    if args.ui:
+        return serve_player(args)
 
     if args.into is not None and args.redis_url is not None:
         raise InputError("--into (rebuild into a Redis) and --redis-url (check against a live one) exclude each "
@@ -99,6 +107,45 @@ def run_replay(args: argparse.Namespace) -> int:
         print_whatif(rows, sys.stdout)
     if written is not None:
         print(f"rebuilt cluster {args.cluster} at {args.into}: {written} audit records")
+    return 0
+
+
+def serve_player(args: argparse.Namespace) -> int:
+    """``--ui``: the player of ``args.file`` on 127.0.0.1:``args.port`` (uvicorn), its URL printed first. The
+    recording is read and checked once, before the server starts (a file that does not parse: exit 1)."""
+    import socket
+
+    from fdeplb.errors import DependencyError
+
+    others = [name for name, on in (("--until", args.until), ("--policy", args.policy), ("--into", args.into),
+                                    ("--redis-url", args.redis_url), ("--json", args.json)) if on]
+    if others:
+        raise InputError(f"--ui plays the whole recording on its own; drop {', '.join(others)}")
+    if not 0 <= args.port < 65536:
+        raise InputError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        import uvicorn
+
+        from fdeplb.api.routes import create_player_app
+    except ImportError as exc:
+        raise DependencyError(f"fdeplb replay --ui needs the api extra: pip install 'fdeplb[api]' ({exc})") from None
+    from fdeplb.ui import PlayerModel
+
+    player = PlayerModel(args.file)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", args.port))
+        sock.listen(128)  # listening before the URL is printed: a browser opening it at once waits in the backlog
+    except OSError as exc:
+        sock.close()
+        raise InputError(f"cannot listen on 127.0.0.1:{args.port}: {exc.strerror}") from None
+    port = sock.getsockname()[1]
+    print(f"recording player of {args.file} ({len(player.records)} records; {player.checks['summary']})")
+    print(f"open http://127.0.0.1:{port}/ui", flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_player_app(player), log_config=None, access_log=False,
+                                           log_level="warning"))
+    server.run(sockets=[sock])
     return 0
 
 

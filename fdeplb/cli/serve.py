@@ -3,7 +3,8 @@
 Credentials come from ``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file`` (first line
 ``USER:PASSWORD``), never from a command-line value. Without them ``serve`` refuses to start unless
 ``--insecure-no-auth`` is given, and then warns on every start. ``/health`` answers without credentials (healthy or
-not, and why in one phrase, for probes); ``/metrics`` needs them unless ``--metrics-public``.
+not, and why in one phrase, for probes); ``/metrics`` needs them unless ``--metrics-public``. ``/ui`` is the web
+view of the cluster (a browser asks for the same credentials).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(store, credentials, settings)
     log.info("serving", cluster=args.cluster, host=args.host, port=args.port, auth=credentials is not None)
     uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=5,  # open /v1/ui/events streams do not hold a shutdown
                 log_level=args.log_level.lower() if args.log_level.lower() in ("debug", "info", "warning", "error")
                 else "info")
     return 0

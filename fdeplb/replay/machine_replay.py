@@ -496,9 +496,10 @@ class StartState:
     placement_plan: str
 
 
-def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
-    """Every record of a cluster of ``ep_size`` ranks after ``entries``: audit records from the stream's start, in
-    order, each read by field name as text (:class:`~fdeplb.store.AuditRecord`: a missing field reads ""). A plain
+def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = None) -> StartState:
+    """Every record of a cluster of ``ep_size`` ranks after ``entries``: audit records from the stream's start (or
+    from ``start``, e.g. a recording header's start state), in order, each read by field name as text
+    (:class:`~fdeplb.store.AuditRecord`: a missing field reads ""). A plain
     fold, no checks (the export of a stream that would not replay must still work): a transition's key takes its
     ``to``, version and plan_id; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are; a key that is not
     a record of the cluster is passed over; a cluster transition whose effect sets the placement (the commit) makes
@@ -508,6 +509,9 @@ def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
         for table in (RANK, WEIGHTS, MEMBERSHIP):
             records[f"{table.key_label}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
     chain, placement_plan = "", ""
+    if start is not None:
+        records.update({k: dict(v) for k, v in start.records.items()})
+        chain, placement_plan = start.chain, start.placement_plan
     for e in entries:
         chain = e["chain"]
         if e["trigger"] in NOT_TRANSITIONS or e["key"] not in records:

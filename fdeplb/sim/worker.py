@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None,
                    help="stop when this process is gone (default: the process that started this one)")
     p.add_argument("--redis-wait-s", type=float, default=300.0, help="wait this long for Redis at start-up")
+    p.add_argument("--heartbeat-ttl-ms", type=int, default=10_000,
+                   help="the heartbeat's time to live: the rank is stale this long after its last beat")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     parent = args.parent_pid or os.getppid()
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
     agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
                       backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
-                      staging_budget_bytes=args.staging_budget_bytes, verify_all=True)
+                      staging_budget_bytes=args.staging_budget_bytes, verify_all=True,
+                      heartbeat_ttl_ms=args.heartbeat_ttl_ms)
 
     def stop(_signum, _frame):
         agent.stop_event.set()

@@ -161,6 +161,13 @@ class Streams:
             entries = self._client.xrange(self._keys.audit, start, end, count=count)
         return [AuditRecord(_s(i), _text(raw)) for i, raw in entries]
 
+    def recent_audit(self, count: int) -> list[AuditRecord]:
+        """The newest ``count`` audit records (at most), oldest first (what a view of "the last rounds" reads
+        without walking the whole stream)."""
+        with _typed(self._keys.audit):
+            entries = self._client.xrevrange(self._keys.audit, "+", "-", count=max(1, int(count)))
+        return [AuditRecord(_s(i), _text(raw)) for i, raw in reversed(entries)]
+
     def audit_head(self) -> str:
         """The ``chain`` of the newest audit record ("" before the first): the anchor a recording's last chain
         is compared with (see :func:`fdeplb.replay.chain_of`)."""
