@@ -259,9 +259,11 @@ def health(store: Store) -> Reply:
         return refuse(f"ranks {sorted(unhealthy)} have no live heartbeat ({why})", 503, ranks=registered)
     degraded = degraded_experts(store)
     if degraded:
-        return refuse(f"degraded: experts (layer, log_id) {degraded['orphans']} have no replica on a member rank "
-                      f"(ranks {degraded['ranks']} are not members)", 503, ranks=registered,
-                      orphans=degraded["orphans"])
+        orphans = degraded["orphans"]
+        shown = ", ".join(f"[{l}, {e}]" for l, e in orphans[:10]) + (f" and {len(orphans) - 10} more"
+                                                                     if len(orphans) > 10 else "")
+        return refuse(f"degraded: {len(orphans)} experts (layer, log_id) have no replica on a member rank: {shown} "
+                      f"(ranks {degraded['ranks']} are not members)", 503, ranks=registered, orphans=orphans)
     return ok(ranks=registered)
 
 

@@ -120,9 +120,9 @@ def replace_orphans(phy2log: np.ndarray, num_logical_experts: int, ep_size: int,
         uncovered.sort()
         shown = ", ".join(f"layer {l} expert {e}" for l, e in uncovered[:20])
         more = f" and {len(uncovered) - 20} more" if len(uncovered) > 20 else ""
-        raise RedundancyError(f"redundancy insufficient: {len(uncovered)} logical experts would have no replica on "
-                              f"a live rank ({shown}{more}); the live ranks hold no redundant replica to give up",
-                              uncovered)
+        raise RedundancyError(f"redundancy insufficient: {len(orphans)} logical experts lost every replica and the "
+                              f"live ranks' redundant replicas cover {len(orphans) - len(uncovered)} of them: "
+                              f"{len(uncovered)} would have no replica on a live rank ({shown}{more})", uncovered)
     return new
 
 
