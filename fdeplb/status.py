@@ -73,7 +73,8 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     (``placement.routing_digest``, :func:`fdeplb.placement.routing_digest` of its phy2log): ``match``,
     ``mismatch`` (listed in ``routing_mismatches``: the rank dispatches tokens differently from the others),
     ``swap_pending`` (the cluster is SWAPPING and the rank has not swapped yet: its old tables are expected),
-    ``not_reported`` (no digest yet), or None (no rank record or no placement).
+    ``not_reported`` (no digest yet), ``not_member`` (an EXCLUDED rank: nobody routes to it, whatever it holds), or
+    None (no rank record or no placement).
 
     Membership: ``generation`` (the cluster's membership generation), ``live_ranks`` (the ACTIVE members), each
     rank's ``membership`` (ACTIVE, SUSPECT, DRAINING, EXCLUDED, REJOINING; ACTIVE where a cluster made before
@@ -123,6 +124,9 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     ranks = [{**_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, r in stale,
                              expected, cluster_state), "membership": membership[r]}
              for r, (rank, weights) in enumerate(zip(rank_records, weight_records))]
+    for row in ranks:
+        if row["membership"] is MemberState.EXCLUDED and row["routing"] is not None:
+            row["routing"] = "not_member"
     has_placement = placement not in (None, CORRUPT)
     live = [r for r, st in enumerate(membership) if st is MemberState.ACTIVE]
     return {

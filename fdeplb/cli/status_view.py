@@ -129,7 +129,8 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
 
 
 #: the routing column of ``status``'s text (see :func:`cluster_status` for the values)
-_ROUTING_TEXT = {"match": "ok", "mismatch": "MISMATCH", "swap_pending": "swap pending", "not_reported": "unreported"}
+_ROUTING_TEXT = {"match": "ok", "mismatch": "MISMATCH", "swap_pending": "swap pending", "not_reported": "unreported",
+                 "not_member": "not member"}
 
 
 def _opt(value: Any) -> str:

@@ -83,6 +83,10 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         assert plan.generation == 2 and plan.topology["live_ranks"] == [0, 1, 3]
         assert tc.agents[0].live_ranks == (0, 1, 3)  # the engine's dispatch mask, switched with the tables
         assert tc.agents[0].backend.live_ranks == (0, 1, 3) and after.members == "0,1,3"
+        from fdeplb.status import cluster_status
+
+        status = cluster_status(store)  # the dead rank's old tables are no mismatch: nobody routes to it
+        assert status["ranks"][2]["routing"] == "not_member" and status["routing_mismatches"] == []
         commit = [a for a in store.iter_audit() if a["trigger"] == "commit"][-1]
         assert commit["generation"] == "2"
         # the next round plans without rank 2 as well and routes nothing to it
