@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
+from fdeplb.failpoints import failpoint
 from fdeplb.store import ClusterRecord
 from fdeplb.weights.plan import chunk_layers
 
@@ -258,6 +259,10 @@ class SafePoints:
             finally:
                 self._in_safe_point = False
         self.pauses_ms.append(sum(op.pauses_ms[applied:]))
+        if not op.done.is_set():  # between two chunks (kill tests: rank.chunk.hang=<chunks applied>)
+            chunks = str(len(op.pauses_ms))
+            failpoint("rank.chunk.hang", chunks, lambda: self.store.emit_event(
+                "failpoint", name="rank.chunk.hang", rank=self.ep_rank, chunks=chunks, step=self.steps))
         return True
 
     def _learn_switch(self, op: SafePointOp) -> bool:

@@ -327,7 +327,8 @@ def chunk_starts(changed: np.ndarray, layer_nbytes: np.ndarray, budget: PauseBud
     nbytes = layers = 0
     for layer in np.asarray(changed, dtype=np.int64).tolist():
         cost = int(layer_nbytes[layer])
-        if starts and not ((max_bytes and nbytes + cost > max_bytes) or (max_layers and layers + 1 > max_layers)):
+        over_bytes = max_bytes and cost and nbytes + cost > max_bytes  # a 0-byte layer always fits
+        if starts and not (over_bytes or (max_layers and layers + 1 > max_layers)):
             nbytes, layers = nbytes + cost, layers + 1
             continue
         starts.append(layer)
