@@ -16,9 +16,12 @@ per EP rank. Every worker embeds an :class:`fdeplb.orchestration.embedded_agent.
 While it serves, the driver runs a rearrangement, a weight clear and update (FastDeploy's clear_load_weight /
 update_model_weight, reloaded in the current placement), then a second rearrangement on a shifted distribution.
 After each of these four changes it checks that every rank applied it at the change's switch step (the step the
-armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). The last line is JSON (``switches``: each change's
-switch step and the step every rank applied it at; ``loadavg_1m``: the host's load at the start and the end); the
-exit status is 0 only when every check held.
+armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). Swaps are chunked (``layers_per_safe_point=1``:
+one MoE layer per safe point, chunk k at switch step + k on every rank), and every step's output still equals the
+no-EPLB reference between chunks. The last line is JSON (``switches``: each change's switch step, chunks and the
+step every rank applied its last chunk at; ``chunks_per_swap`` and ``max_pause_ms``: the rounds' most chunks and
+longest safe-point pause; ``loadavg_1m``: the host's load at the start and the end); the exit status is 0 only when
+every check held.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def main() -> int:
         cluster = "serving-node"
         store = Store(server.url, cluster)
         config = ClusterConfig(num_layers=L, num_logical_experts=E, num_physical_experts=P, ep_size=EP,
-                               checkpoint={"path": str(ckpt), "preset": "ernie"},
+                               checkpoint={"path": str(ckpt), "preset": "ernie"}, layers_per_safe_point=1,
                                deadlines=Deadlines(collecting_ms=30_000, loading_ms=30_000, swapping_ms=30_000))
         init_cluster(store, config, initial_placement(L, E, P).phy2log)
         coordinator = Coordinator(Store(server.url, cluster), lease_ms=1_500)
@@ -242,8 +245,11 @@ def main() -> int:
         def switched_together(what: str, switch_step: int) -> None:
             """Every rank reports the step it applied the change at: it must be the switch step on every rank."""
             wait(lambda: all(store.read_rank(r).applied_step >= switch_step for r in range(EP)), f"{what} reports")
-            applied = [store.read_rank(r).applied_step for r in range(EP)]
-            switches.append({"what": what, "switch_step": switch_step, "applied_steps": applied})
+            ranks = [store.read_rank(r) for r in range(EP)]
+            chunks = max(x.chunks for x in ranks) if what.startswith("round") else 1  # a swap: chunk k at step + k
+            switches.append({"what": what, "switch_step": switch_step, "chunks": chunks,
+                             "last_step": switch_step + chunks - 1, "applied_steps": [x.applied_step for x in ranks],
+                             "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else 0.0})
 
         ok, failure = True, ""
         try:
@@ -299,10 +305,13 @@ def main() -> int:
                                     "max": round(float(np.max(pauses)), 3) if pauses else None,
                                     "applied": len(pauses)},
             "late_switches": late, "switches": switches, "errors": [e[2] for e in state["errors"]],
+            "chunks_per_swap": max((s["chunks"] for s in switches if s["what"].startswith("round")), default=0),
+            "max_pause_ms": round(max((s["max_pause_ms"] for s in switches if s["what"].startswith("round")),
+                                      default=0.0), 3),
             "load_source": source, "loadavg_1m": [load_start, round(os.getloadavg()[0], 2)],
             "wall_s": round(time.monotonic() - t_start, 1),
         }
-        together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["switch_step"]] * EP
+        together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["last_step"]] * EP
                                               for s in switches)
         ok = ok and not summary["errors"] and rounds >= 2 and during > 0 and summary["max_rel_diff"] <= TOL \
             and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together

@@ -149,8 +149,8 @@ def checksum(t: Any) -> int:
     return int(_crc32c()(np.frombuffer(host_buffer(t), dtype=np.uint8)))
 
 
-#: block of a checked host copy (:func:`copy_checked`): copied, then compared while it is still in the core's cache
-_CHECK_BLOCK = 128 * 1024
+#: block of a checked host copy (:func:`copy_checked`): copied, then compared while both halves are in L2
+_CHECK_BLOCK = 256 * 1024
 
 
 @lru_cache(maxsize=None)
@@ -184,7 +184,7 @@ def copy_checked(dst: Any, src: Any) -> Any:
     """Copy ``src`` into ``dst`` in place and check, on the tensors' own device, that ``dst`` now holds exactly
     ``src``'s bytes; nothing is read back to the host but the answer. Both must have the same shape and dtype.
 
-    Host tensors (a CPU device): copied in blocks of 128 KiB, each compared (``memcmp``) right after its copy while
+    Host tensors (a CPU device): copied in blocks of 256 KiB, each compared (``memcmp``) right after its copy while
     it is still in cache; returns a Python bool. Device tensors: ``copy_`` and a bit-exact ``equal_all`` of their
     raw words queued behind it on the device; returns a 0-d device bool tensor (:func:`all_checked` reads them).
     A later write of ``src`` (a copy chain of the same swap) does not disturb the answer: it is taken in order."""

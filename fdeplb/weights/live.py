@@ -310,9 +310,12 @@ class LiveExperts:
         if not np.array_equal(plan.new[rows], new[rows, self._slots]):
             raise InputError(f"rank {self.ep_rank}: new_phy2log does not match the plan's target for this rank")
         check_staged_for(plan, staged)
+        wanted = None if layers is None else set(layers)
         for i, tensors in enumerate(staged.experts):
-            for suffix, layers in self.tensors.items():
-                t, slot = tensors.get(suffix), layers[0][0]
+            if wanted is not None and plan.disk[i][0] not in wanted:
+                continue  # another chunk's expert: checked when its chunk is swapped
+            for suffix, layers_ in self.tensors.items():
+                t, slot = tensors.get(suffix), layers_[0][0]
                 if t is None or list(t.shape) != list(slot.shape) or t.dtype != slot.dtype:
                     got = "missing" if t is None else f"{_paddle.dtype_name(t)}{list(t.shape)}"
                     raise WeightError(

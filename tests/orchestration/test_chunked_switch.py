@@ -9,6 +9,9 @@ import threading
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from fdeplb.api.prometheus import ClusterCollector
 
 from fdeplb.machines.tables import ClusterState, RankState
 from fdeplb.orchestration.embedded_agent import EmbeddedAgent
@@ -49,6 +52,12 @@ def test_every_rank_switches_each_chunk_at_the_same_step_in_the_union_of_their_l
             assert [x.chunks for x in ranks] == [len(changed)] * 4
             assert all(0 < x.pause_max_ms <= x.pause_sum_ms for x in ranks)
             assert all(x.state is RankState.IDLE and x.slots_verified == x.slots_total for x in ranks)
+            registry = CollectorRegistry()
+            registry.register(ClusterCollector(store))
+            text = generate_latest(registry).decode()
+            assert f'fdeplb_swap_chunks{{ep_rank="2"}} {float(len(changed))}' in text
+            assert f'fdeplb_swap_pause_max_seconds{{ep_rank="0"}} {ranks[0].pause_max_ms / 1000}' in text
+            assert 'fdeplb_swap_pause_sum_seconds{ep_rank="3"}' in text
             steps = min(len(p) for p in workers.placements)
             for s in range(steps):  # at every step every rank served the same placement
                 assert len({workers.placements[r][s] for r in range(4)}) == 1, f"ranks disagree at step {s + 1}"
