@@ -6,6 +6,15 @@ Expert tensors have DeepSeek-V3's shapes (hidden 7168, moe_intermediate 2048, ER
 up_gate_proj [hidden, 2*inter] + down_proj [inter, hidden]) divided by --scale to fit memory; the synthetic checkpoint
 holds only the experts the measured rank holds before or after.
 
+Pauses (issue 24): for the same rank and plan, in the same run, the worker's pause at each safe point with and
+without chunking: the swap applied at once as before (``LiveExperts.swap``: copies from host staging + CRC of every
+written slot), the new path at one safe point (every changed layer in one chunk), and the new path in chunks of
+layers within the default pause budget (``ClusterConfig.max_pause_bytes``, 64 MiB): each chunk's experts moved to
+the device buffer before its step (not in the pause), then the pause = device copy checked on the device + the
+chunk's routing rows. ``pause_vs_memcpy`` = largest chunked pause / a plain memcpy of that pause's bytes (timed right
+after it). Targets on CPU: pause_vs_memcpy <= 1.5, largest chunked pause <= 1/8 of the unchunked pause, sum of the
+chunked pauses <= 1.2x the unchunked pause (best of --repeats each).
+
 Measures: bytes read from the checkpoint, bytes copied locally, peak staging bytes, and the swap's copy throughput as
 a ratio of a plain memcpy (numpy.copyto between pre-faulted buffers) of the same number of bytes, timed right after
 each swap in the same run (best of --repeats for both). Staging (parallel reads by offset into preallocated tensors
@@ -34,9 +43,13 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+# this folder (sys.path[0] when run as a script) holds benchmarks/transitions.py, which would shadow the
+# `transitions` library fdeplb.store needs: import fdeplb from the repository root only
+sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchmarks"]
 
 from fdeplb.placement import read_expert_load, rebalance_experts  # noqa: E402
+from fdeplb.store.cluster_config import DEFAULT_MAX_PAUSE_BYTES  # noqa: E402
+from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers, chunk_starts  # noqa: E402
 from fdeplb.weights import (  # noqa: E402
     CheckpointReader,
     LiveExperts,
@@ -113,6 +126,130 @@ def run_swaps(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new:
             if forward:
                 out.append((plan, staged_bytes, read_s, report, baseline(report)))
     return out
+
+
+class SizedMemcpy:
+    """A plain memcpy (numpy.copyto between two pre-faulted buffers) of any byte count up to the largest asked for:
+    the baseline of one pause, timed right after it."""
+
+    def __init__(self) -> None:
+        self.src = self.dst = np.empty(0, dtype=np.uint8)
+
+    def __call__(self, nbytes: int) -> float:
+        if nbytes > self.src.size:
+            self.src, self.dst = np.ones(nbytes, dtype=np.uint8), np.ones(nbytes, dtype=np.uint8)
+        src, dst = self.src[:nbytes], self.dst[:nbytes]
+        np.copyto(dst, src)  # warm-up: the same pages as the timed copy
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+
+@dataclass
+class PauseRun:
+    """One forward swap's pauses: ``chunks`` (layers), ``pauses`` (s), ``nbytes`` (written per pause),
+    ``memcpy`` (s, the baseline of each pause's bytes) and ``span`` (s, first pause's start to last's end, the
+    device-buffer moves between them included)."""
+
+    chunks: list
+    pauses: list
+    nbytes: list
+    memcpy: list
+    span: float
+
+    @property
+    def worst(self) -> int:
+        return int(np.argmax(self.pauses))
+
+
+def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, budget: PauseBudget,
+               repeats: int, device: str, memcpy) -> tuple[list[PauseRun], list[float]]:
+    """Forward swaps old -> new in chunks within ``budget`` (``repeats`` times; each swapped back at once, untimed)
+    and, for the same plan, the swap at once as before (``LiveExperts.swap``): (the chunked runs, the at-once
+    pauses in s)."""
+    runs, at_once = [], []
+    for _ in range(repeats):
+        plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
+        changed = changed_layers(old, new)
+        chunks = chunk_layers(chunk_starts(changed, plan.layer_nbytes(live.expert_nbytes), budget), changed)
+        cap = max(sum(1 for layer, _ in plan.disk if layer in c) for c in chunks)
+        staged = stage_experts(plan, reader, device=device, buffer_experts=cap)
+        pauses, nbytes, base = [], [], []
+        t_first = None
+        for layers in chunks:
+            live.load_chunk(plan, staged, new, layers)  # before the chunk's switch step: not the pause
+            t0 = time.perf_counter()
+            t_first = t0 if t_first is None else t_first
+            report = live.swap_layers(plan, staged, new, layers)
+            t1 = time.perf_counter()
+            pauses.append(t1 - t0)
+            nbytes.append(report.bytes_from_staging + report.bytes_local + report.bytes_snapshot)
+            base.append(memcpy(nbytes[-1]))
+        span = t1 - t_first
+        staged.release()
+        runs.append(PauseRun(chunks, pauses, nbytes, base, span))
+        back = plan_transfer(new, old, live.ep_rank, live.ep_size)  # back at once (untimed)
+        staged = stage_experts(back, reader, device=device)
+        live.swap(back, staged, old)
+        staged.release()
+        staged = stage_experts(plan, reader, device=device)  # the swap at once, as before issue 24
+        t0 = time.perf_counter()
+        live.swap(plan, staged, new)
+        at_once.append(time.perf_counter() - t0)
+        staged.release()
+        staged = stage_experts(back, reader, device=device)
+        live.swap(back, staged, old)
+        staged.release()
+    return runs, at_once
+
+
+def pause_fields(m: "Measured") -> dict:
+    """The pause figures of ``m`` (best of the repeats each): JSON fields shared with benchmarks/swap_gpu.py."""
+    chunked, unchunked = m.pauses["chunked"], m.pauses["unchunked"]
+    best = min(chunked, key=lambda r: max(r.pauses))
+    worst = best.worst
+    unchunked_s = min(r.pauses[0] for r in unchunked)
+    return {
+        "pause_budget_bytes": m.pauses["budget"].max_pause_bytes,
+        "chunks_per_swap": len(best.chunks),
+        "pause_ms_chunked": [round(p * 1e3, 3) for p in best.pauses],
+        "max_pause_ms_chunked": max(best.pauses) * 1e3,
+        "sum_pause_ms_chunked": min(sum(r.pauses) for r in chunked) * 1e3,
+        "chunked_span_ms": min(r.span for r in chunked) * 1e3,
+        "max_pause_bytes_chunked": best.nbytes[worst],
+        "memcpy_ms_of_max_pause": best.memcpy[worst] * 1e3,
+        "pause_vs_memcpy": min(max(p / b for p, b in zip(r.pauses, r.memcpy) if b > 0) for r in chunked),
+        "max_pause_ms_unchunked": unchunked_s * 1e3,
+        "pause_ms_at_once_before": min(m.pauses["at_once"]) * 1e3,
+    }
+
+
+def pause_targets(fields: dict) -> dict:
+    """The CPU targets of issue 24, each True when met."""
+    return {
+        "pause_vs_memcpy<=1.5": fields["pause_vs_memcpy"] <= 1.5,
+        "max_chunked<=unchunked/8": fields["max_pause_ms_chunked"] <= fields["max_pause_ms_unchunked"] / 8,
+        "sum_chunked<=1.2*unchunked": fields["sum_pause_ms_chunked"] <= 1.2 * fields["max_pause_ms_unchunked"],
+    }
+
+
+def pause_rows(m: "Measured", fields: dict) -> list[tuple[str, str]]:
+    """The pause table: one row per safe point of the best chunked run, then the totals."""
+    best = min(m.pauses["chunked"], key=lambda r: max(r.pauses))
+    rows = [(f"safe point {k + 1} (layers {c[0]}..{c[-1]})",
+             f"{p * 1e3:7.2f} ms, {mib(n)}, memcpy {b * 1e3:6.2f} ms, x{p / b if b else 0:.2f}")
+            for k, (c, p, n, b) in enumerate(zip(best.chunks, best.pauses, best.nbytes, best.memcpy))]
+    rows += [
+        ("pause budget", f"{mib(fields['pause_budget_bytes'])} per safe point: {fields['chunks_per_swap']} chunks"),
+        ("largest chunked pause", f"{fields['max_pause_ms_chunked']:,.2f} ms ({mib(fields['max_pause_bytes_chunked'])}"
+                                  f", x{fields['pause_vs_memcpy']:.2f} memcpy; target <= 1.5)"),
+        ("sum of chunked pauses", f"{fields['sum_pause_ms_chunked']:,.2f} ms (span first..last chunk "
+                                  f"{fields['chunked_span_ms']:,.2f} ms)"),
+        ("unchunked pause (one safe point)", f"{fields['max_pause_ms_unchunked']:,.2f} ms"),
+        ("at once, as before (H2D + CRC)", f"{fields['pause_ms_at_once_before']:,.2f} ms"),
+        *[(f"target {name}", "PASS" if ok else "FAIL") for name, ok in pause_targets(fields).items()],
+    ]
+    return rows
 
 
 def drop_cache(files: list[Path]) -> str:
@@ -210,6 +347,7 @@ class Measured:
     write_seconds: float
     load_seconds: float
     read_speed: dict | None = None
+    pauses: dict | None = None
 
     @property
     def copy_seconds(self) -> float:
@@ -236,12 +374,15 @@ def parser(doc: str, *, scale: int, device: str) -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default=device)
     ap.add_argument("--workdir", default=None, help="where to write the synthetic checkpoint (default: a temp dir)")
+    ap.add_argument("--max-pause-bytes", type=int, default=DEFAULT_MAX_PAUSE_BYTES,
+                    help="pause budget of one safe point for the chunked runs (default %(default)s)")
     return ap
 
 
-def measure(args: argparse.Namespace, baseline: MemcpyBaseline) -> Measured:
+def measure(args: argparse.Namespace, baseline: MemcpyBaseline, pause_memcpy=None) -> Measured:
     """Place both loads, write the rank's experts, load the rank, swap old -> new and back ``args.repeats`` times,
-    timing ``baseline`` after every forward swap."""
+    timing ``baseline`` after every forward swap; then the pauses of the same plan chunked at the default budget
+    and at one safe point (``pause_memcpy(nbytes)``: each pause's baseline, default a host memcpy)."""
     if not REAL_DATA.is_dir():
         print(f"real data not found at {REAL_DATA} (set FDEPLB_REAL_DATA)", file=sys.stderr)
         raise SystemExit(2)
@@ -263,13 +404,18 @@ def measure(args: argparse.Namespace, baseline: MemcpyBaseline) -> Measured:
         live = LiveExperts.from_checkpoint(reader, old, rank, ep_size, device=args.device)
         load_s = time.perf_counter() - t0
         runs = run_swaps(live, reader, old, new, args.repeats, args.device, baseline)
+        memcpy = pause_memcpy or SizedMemcpy()
+        budget = PauseBudget(args.max_pause_bytes, 0)
+        chunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy)
+        unchunked, _ = pause_runs(live, reader, old, new, PauseBudget(0, 0), args.repeats, args.device, memcpy)
+        pauses = {"budget": budget, "chunked": chunked, "unchunked": unchunked, "at_once": at_once}
         verified, total = live.verify(reader)
         read_speed = stage_vs_raw(reader, runs[0][0], args.device, args.repeats)
         reader.close()
     plan, staged_bytes, read_s, _, _ = runs[0]
     return Measured(rank, per_rank, int(old.shape[0]), hidden, inter, reader.expert_nbytes, live.nbytes, totals,
                     disk_per_rank, plan, staged_bytes, read_s, [run[3] for run in runs], [run[4] for run in runs],
-                    verified, total, write_s, load_s, read_speed)
+                    verified, total, write_s, load_s, read_speed, pauses)
 
 
 def common_fields(name: str, args: argparse.Namespace, m: Measured) -> dict:
@@ -290,6 +436,7 @@ def common_fields(name: str, args: argparse.Namespace, m: Measured) -> dict:
         "swap_verify_seconds": m.verify_seconds,
         "slots_verified": m.slots_verified,
         "slots_total": m.slots_total,
+        **pause_fields(m),
     }
 
 
@@ -356,7 +503,10 @@ def main(argv: list[str] | None = None) -> dict:
            f"({'PASS' if m.read_speed[c]['stage_vs_raw_read'] >= 0.8 else 'FAIL'}, target >= 0.8)")
           for c in ("warm", "cold")],
         ("all slots verified", f"{m.slots_verified} / {m.slots_total}"),
+        *pause_rows(m, result),
     ]
+    result["pause_targets"] = pause_targets(result)
+    result["pause_targets_ok"] = all(result["pause_targets"].values())
     print_table(rows, result)
     return result
 

@@ -6,6 +6,11 @@ baseline is one pinned-host-to-device copy (paddle ``Tensor.copy_``) of the byte
 measured in the same run; the target is a swap at >= 80% of it. The swap also does its device-to-device local copies
 inside the timed region, so the ratio is slightly pessimistic.
 
+Also the pauses of benchmarks/swap.py on the device (issue 24): the same plan at one safe point and in chunks
+within the default pause budget, each chunk's experts moved to the device buffer before its step, so the pause is a
+device-to-device copy checked on the device; ``pause_vs_memcpy`` against a device-to-device copy of each pause's
+bytes.
+
 Needs a CUDA build of paddle (paddlepaddle-gpu) and a visible GPU; without one it prints why and exits 0. Not run in
 CI.
 
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import swap as cpu_bench  # benchmarks/swap.py (same folder): drift pair, checkpoint, swap loop; puts the repo on sys.path
 
 
@@ -58,6 +65,30 @@ class RawH2DBaseline(cpu_bench.MemcpyBaseline):
         paddle.device.synchronize(self.device)
 
 
+class D2DMemcpy:
+    """A plain device-to-device copy (paddle ``copy_``, then synchronize) of any byte count up to the largest asked
+    for: the baseline of one pause on the device."""
+
+    def __init__(self, device: str) -> None:
+        self.device, self.size = device, 0
+
+    def __call__(self, nbytes: int) -> float:
+        import time
+
+        import paddle
+
+        if nbytes > self.size:
+            paddle.device.set_device(self.device)
+            self.src, self.dst, self.size = paddle.ones([nbytes], dtype="uint8"), paddle.ones([nbytes], "uint8"), nbytes
+        src, dst = self.src[:nbytes], self.dst[:nbytes]
+        dst.copy_(src, False)
+        paddle.device.synchronize(self.device)
+        t0 = time.perf_counter()
+        dst.copy_(src, False)
+        paddle.device.synchronize(self.device)
+        return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = cpu_bench.parser(__doc__, scale=4, device="gpu:0").parse_args(argv)
     reason = no_gpu_reason()
@@ -67,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, sort_keys=True))
         return result
 
-    m = cpu_bench.measure(args, RawH2DBaseline(args.device))
+    m = cpu_bench.measure(args, RawH2DBaseline(args.device), D2DMemcpy(args.device))
     plan, first = m.plan, m.reports[0]
     h2d_bytes = first.bytes_from_staging
     copy_s, verify_s, raw_s = m.copy_seconds, m.verify_seconds, m.baseline
@@ -93,7 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
         ("swap / raw H2D", f"{result['swap_vs_raw_h2d']:.0%} (target >= 80%)"),
         ("verify changed slots", f"{verify_s * 1e3:,.1f} ms (device -> host + CRC-32)"),
         ("all slots verified", f"{m.slots_verified} / {m.slots_total}"),
+        *cpu_bench.pause_rows(m, result),
     ]
+    result["pause_targets"] = cpu_bench.pause_targets(result)
     cpu_bench.print_table(rows, result)
     return result
 

@@ -16,9 +16,12 @@ per EP rank. Every worker embeds an :class:`fdeplb.orchestration.embedded_agent.
 While it serves, the driver runs a rearrangement, a weight clear and update (FastDeploy's clear_load_weight /
 update_model_weight, reloaded in the current placement), then a second rearrangement on a shifted distribution.
 After each of these four changes it checks that every rank applied it at the change's switch step (the step the
-armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). The last line is JSON (``switches``: each change's
-switch step and the step every rank applied it at; ``loadavg_1m``: the host's load at the start and the end); the
-exit status is 0 only when every check held.
+armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). Swaps are chunked (``layers_per_safe_point=1``:
+one MoE layer per safe point, chunk k at switch step + k on every rank), and every step's output still equals the
+no-EPLB reference between chunks. The last line is JSON (``switches``: each change's switch step, chunks and the
+step every rank applied its last chunk at; ``chunks_per_swap`` and ``max_pause_ms``: the rounds' most chunks and
+longest safe-point pause; ``loadavg_1m``: the host's load at the start and the end); the exit status is 0 only when
+every check held.
 
 ``--lose-rank R`` runs the elastic scenario instead (README "Membership: losing a rank"): after the warm-up rank R's
 worker is SIGKILLed and not restarted. The survivors keep serving: their dispatcher sends to the members the
@@ -267,7 +270,8 @@ class Node:
         self.ckpt = write_synthetic_checkpoint(Path(tmp) / "ckpt", L, E, hidden=H, intermediate=INTER)
         self.store = Store(url, self.cluster)
         config = ClusterConfig(num_layers=L, num_logical_experts=E, num_physical_experts=P, ep_size=EP,
-                               checkpoint={"path": str(self.ckpt), "preset": "ernie"}, deadlines=deadlines)
+                               checkpoint={"path": str(self.ckpt), "preset": "ernie"}, layers_per_safe_point=1,
+                               deadlines=deadlines)
         init_cluster(self.store, config, np.asarray(phy2log, dtype=np.int64))
         self.coordinator = Coordinator(Store(url, self.cluster), lease_ms=1_500)
         self.coordinator_thread = threading.Thread(target=self.coordinator.run, daemon=True)
@@ -381,8 +385,11 @@ def changes(node: Node) -> tuple[dict, bool]:
     def switched_together(what: str, switch_step: int) -> None:
         """Every rank reports the step it applied the change at: it must be the switch step on every rank."""
         node.wait(lambda: all(store.read_rank(r).applied_step >= switch_step for r in range(EP)), f"{what} reports")
-        applied = [store.read_rank(r).applied_step for r in range(EP)]
-        switches.append({"what": what, "switch_step": switch_step, "applied_steps": applied})
+        ranks = [store.read_rank(r) for r in range(EP)]
+        chunks = max(x.chunks for x in ranks) if what.startswith("round") else 1  # a swap: chunk k at step + k
+        switches.append({"what": what, "switch_step": switch_step, "chunks": chunks,
+                         "last_step": switch_step + chunks - 1, "applied_steps": [x.applied_step for x in ranks],
+                         "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else 0.0})
 
     for r in range(EP):
         node.start_worker(r)
@@ -435,8 +442,11 @@ def changes(node: Node) -> tuple[dict, bool]:
                                 "max": round(float(np.max(pauses)), 3) if pauses else None,
                                 "applied": len(pauses)},
         "late_switches": late, "switches": switches, "errors": [e[2] for e in state["errors"]],
+        "chunks_per_swap": max((s["chunks"] for s in switches if s["what"].startswith("round")), default=0),
+        "max_pause_ms": round(max((s["max_pause_ms"] for s in switches if s["what"].startswith("round")),
+                                  default=0.0), 3),
     }
-    together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["switch_step"]] * EP
+    together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["last_step"]] * EP
                                           for s in switches)
     ok = ok and not summary["errors"] and rounds >= 2 and during > 0 and summary["max_rel_diff"] <= TOL \
         and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
-from fdeplb.weights.backend import BackendFactory, SlotCheck, StageReport, SwapReport
-from fdeplb.weights.plan import TransferPlan, plan_transfer, rank_slots
+from fdeplb.weights.backend import BackendFactory, SlotCheck, StageReport, SwapReport, layout_of
+from fdeplb.weights.plan import PauseBudget, TransferPlan, plan_transfer, rank_slots
 
 #: float32 values per expert in :class:`NumpyWeights` (its bytes per expert are 4x this)
 EXPERT_SIZE = 64
@@ -44,9 +44,13 @@ class _NumpyStaged:
     experts: dict[tuple[int, int], np.ndarray]
     report: StageReport
     released: bool = field(default=False)
+    starts: tuple[int, ...] = ()
+    #: the chunk :meth:`NumpyWeights.prepare` moved to the "device" (layers, its staged experts)
+    buffer: tuple[tuple[int, ...], dict[tuple[int, int], np.ndarray]] | None = None
 
     def release(self) -> None:
         self.experts.clear()
+        self.buffer = None
         self.released = True
 
 
@@ -61,7 +65,7 @@ class NumpyWeights:
     Attributes:
         slots: float32 [L, slots_per_rank, expert_size], the live slots (written in place by :meth:`swap`); None
             while cleared (:meth:`clear`).
-        swaps: number of swaps applied.
+        swaps: number of whole swaps applied (:meth:`swap`); chunks_applied: chunks applied (:meth:`swap_layers`).
     """
 
     def __init__(self, phy2log: np.ndarray, ep_rank: int, ep_size: int, *, expert_size: int = EXPERT_SIZE) -> None:
@@ -74,6 +78,7 @@ class NumpyWeights:
         self.slots = np.empty((self._phy2log.shape[0], per_rank, self.expert_size), dtype=np.float32)
         self.swaps = 0
         self.live_ranks = tuple(range(self.ep_size))
+        self.chunks_applied = 0
         self.reload()
 
     @classmethod
@@ -124,14 +129,20 @@ class NumpyWeights:
         self.reload()
         return self.verify()
 
-    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> _NumpyStaged:
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None,
+              pause: PauseBudget | None = None) -> _NumpyStaged:
         transfer = plan_transfer(self._phy2log, new_phy2log, self.ep_rank, self.ep_size)
-        need = len(transfer.disk) * self.expert_nbytes
+        starts, buffer_experts = (), 0
+        if pause is not None:
+            starts, chunks = layout_of(transfer, self._phy2log, new_phy2log, self.expert_nbytes, pause)
+            buffer_experts = max((sum(1 for layer, _ in transfer.disk if layer in c) for c in chunks), default=0)
+        need = (len(transfer.disk) + buffer_experts) * self.expert_nbytes
         if budget_bytes is not None and need > budget_bytes:
-            raise StagingBudgetError(f"rank {self.ep_rank}: staging {len(transfer.disk)} experts needs {need} "
-                                     f"bytes, over the budget of {int(budget_bytes)} bytes; nothing was read")
+            raise StagingBudgetError(f"rank {self.ep_rank}: staging {len(transfer.disk)} experts (and a device "
+                                     f"buffer of {buffer_experts}) needs {need} bytes, over the budget of "
+                                     f"{int(budget_bytes)} bytes; nothing was read")
         experts = {(layer, e): expert_tensor(layer, e, self.expert_size) for layer, e in transfer.disk}
-        return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes))
+        return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes), starts=starts)
 
     def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
         """Record the ranks routed to (:attr:`live_ranks`; a numpy backend has no routing tables)."""
@@ -139,15 +150,38 @@ class NumpyWeights:
 
     def swap(self, staged: _NumpyStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
+        report = self._write(staged, new_phy2log, range(self._phy2log.shape[0]), staged.experts)
+        if live_ranks is not None:
+            self.set_live_ranks(live_ranks)
+        self.swaps += 1
+        return report
+
+    def prepare(self, staged: _NumpyStaged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> None:
+        """Copy the chunk's staged experts aside (the numpy stand-in for the device buffer)."""
+        if staged.released:
+            raise WeightError(f"rank {self.ep_rank}: the staged experts were released; stage the plan again")
+        staged.buffer = (tuple(layers), {k: v.copy() for k, v in staged.experts.items() if k[0] in layers})
+
+    def swap_layers(self, staged: _NumpyStaged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> SwapReport:
+        if staged.buffer is None or staged.buffer[0] != tuple(layers):
+            raise WeightError(f"rank {self.ep_rank}: chunk {tuple(layers)} was not prepared")
+        report = self._write(staged, new_phy2log, layers, staged.buffer[1])
+        self.chunks_applied += 1
+        return report
+
+    def _write(self, staged: _NumpyStaged, new_phy2log: np.ndarray, layers, experts) -> SwapReport:
+        """Write ``layers`` of the staged plan from ``experts`` ((layer, expert) -> array), verify every written
+        slot (VerificationError: ``layers`` keep the old placement), then switch their phy2log rows."""
         if staged.released:
             raise WeightError(f"rank {self.ep_rank}: the staged experts were released; stage the plan again")
         new = np.asarray(new_phy2log, dtype=np.int64)
+        layers = [int(layer) for layer in layers]
         t0 = time.perf_counter()
         old_rank = self._phy2log[:, self._slice]
         new_rank = new[:, self._slice]
         before = self.slots.copy()  # local moves read the old contents (the paddle backend orders its copies)
         bytes_staged = bytes_local = 0
-        for layer in range(new_rank.shape[0]):
+        for layer in layers:
             for s, e in enumerate(new_rank[layer].tolist()):
                 if old_rank[layer, s] == e:
                     continue
@@ -156,19 +190,19 @@ class NumpyWeights:
                     self.slots[layer, s] = before[layer, int(held[0])]
                     bytes_local += self.expert_nbytes
                 else:
-                    self.slots[layer, s] = staged.experts[(layer, e)]
+                    self.slots[layer, s] = experts[(layer, e)]
                     bytes_staged += self.expert_nbytes
         t1 = time.perf_counter()
-        changed = old_rank != new_rank
-        expected = self._expected(new)
+        changed = np.zeros_like(old_rank, dtype=bool)
+        changed[layers] = old_rank[layers] != new_rank[layers]
+        mixed = self._phy2log.copy()
+        mixed[layers] = new[layers]
+        expected = self._expected(mixed)
         bad = np.argwhere(changed & ~np.all(self.slots == expected, axis=-1))
         if bad.size:
             raise VerificationError(f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ from their expert: "
                                     f"{bad[:8].tolist()}")
-        self._phy2log = new.copy()
-        if live_ranks is not None:
-            self.set_live_ranks(live_ranks)
-        self.swaps += 1
+        self._phy2log = mixed
         transfer, counts = staged.transfer, staged.transfer.counts
         return SwapReport(ep_rank=self.ep_rank, plan_key=transfer.key, keep=counts["keep"], local=counts["local"],
                           disk=counts["disk"], disk_slots=transfer.disk_slots, snapshots=0,

@@ -205,6 +205,12 @@ class ClusterCollector(Collector):
                                 labels=["ep_rank"])
         staging = GaugeMetricFamily("fdeplb_staging_bytes", "Bytes read and copied by each rank's last staging",
                                     labels=["ep_rank"])
+        pause_max = GaugeMetricFamily("fdeplb_swap_pause_max_seconds", "Longest safe-point pause of each rank's "
+                                      "last swap (one chunk of layers)", labels=["ep_rank"])
+        pause_sum = GaugeMetricFamily("fdeplb_swap_pause_sum_seconds", "Safe-point pauses of each rank's last swap "
+                                      "together", labels=["ep_rank"])
+        chunks = GaugeMetricFamily("fdeplb_swap_chunks", "Safe points (chunks of layers) each rank's last swap was "
+                                   "applied in", labels=["ep_rank"])
         for r, rank in enumerate(store.read_each(RANK)):
             if isinstance(rank, CorruptRecordError):
                 corrupt.add(rank.key or str(rank))
@@ -214,9 +220,16 @@ class ClusterCollector(Collector):
             if rank.heartbeat_ms:
                 age.add_metric([str(r)], max(now - rank.heartbeat_ms, 0) / 1000)
             staging.add_metric([str(r)], rank.disk_bytes + rank.local_bytes)
+            if rank.chunks:
+                pause_max.add_metric([str(r)], rank.pause_max_ms / 1000)
+                pause_sum.add_metric([str(r)], rank.pause_sum_ms / 1000)
+                chunks.add_metric([str(r)], rank.chunks)
         corrupt.update(w.key or str(w) for w in store.read_each(WEIGHTS) if isinstance(w, CorruptRecordError))
         yield age
         yield staging
+        yield pause_max
+        yield pause_sum
+        yield chunks
         yield from self._member_gauges(rec, corrupt)
 
     def _member_gauges(self, rec, corrupt: set[str]):

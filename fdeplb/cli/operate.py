@@ -41,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--audit-keep", type=int, default=_CONFIG_DEFAULTS["audit_keep"],
                    help="audit records kept in Redis; 0 (default) keeps the stream complete")
     i.add_argument("--audit-export", default="", help="JSONL file older audit records go to before trimming")
+    i.add_argument("--max-pause-bytes", type=int, default=_CONFIG_DEFAULTS["max_pause_bytes"],
+                   help="bytes a rank writes into its live slots at one safe point: a swap is applied in chunks of "
+                        "whole layers within it, one chunk per step (0 = no byte limit; default %(default)s)")
+    i.add_argument("--layers-per-safe-point", type=int, default=_CONFIG_DEFAULTS["layers_per_safe_point"],
+                   help="most changed layers switched at one safe point (0 = no limit; with --max-pause-bytes 0 "
+                        "a swap is applied at one safe point)")
     for name, default in _DEADLINE_DEFAULTS.items():
         phase = name.removesuffix("_ms")
         i.add_argument(f"--{phase}-ms", type=int, default=default, help=f"{phase} deadline (default {default})")
@@ -275,7 +281,8 @@ def run_init(args: argparse.Namespace) -> int:
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
         checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
         min_gain=args.min_gain, retain_rounds=args.retain_rounds, audit_keep=args.audit_keep,
-        audit_export_path=args.audit_export,
+        audit_export_path=args.audit_export, max_pause_bytes=args.max_pause_bytes,
+        layers_per_safe_point=args.layers_per_safe_point,
         deadlines=Deadlines(**{name: getattr(args, name) for name in _DEADLINE_DEFAULTS}),
     )
     if args.initial:

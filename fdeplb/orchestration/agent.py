@@ -35,6 +35,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
+from fdeplb.checks import check_int
 from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
     VerificationError, WeightError
 from fdeplb.failpoints import failpoint
@@ -43,12 +44,13 @@ from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
-from fdeplb.orchestration.safe_points import Arm
+from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
+from fdeplb.weights.plan import PauseBudget, changed_layers
 
 log = structlog.get_logger("fdeplb.agent")
 
@@ -83,6 +85,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
     ``switch_margin_steps``: when this rank is the one that fixes a switch step, the steps it adds to the largest
     armed step counter (>= 1; see :meth:`at_safe_point`).
+    ``max_pause_bytes`` / ``layers_per_safe_point``: this rank's pause budget of one safe point (bytes written into
+    its live slots / changed layers switched; 0 = no limit of that kind); None = the cluster's
+    (``ClusterConfig``). With safe points a committed swap is applied in chunks of whole layers within every rank's
+    budget, one chunk per safe point (:class:`~fdeplb.orchestration.safe_points.Chunked`); a re-placement round
+    that changes the members is applied at one safe point (its routing names other ranks).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
@@ -90,9 +97,15 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                  device: str | None = None, actor: str | None = None, verify_all: bool = False,
                  safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
                  publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
-                 switch_margin_steps: int = SWITCH_MARGIN_STEPS) -> None:
+                 switch_margin_steps: int = SWITCH_MARGIN_STEPS, max_pause_bytes: int | None = None,
+                 layers_per_safe_point: int | None = None) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
+        self._pause_args = (None if max_pause_bytes is None else check_int(max_pause_bytes, "max_pause_bytes", lo=0),
+                            None if layers_per_safe_point is None
+                            else check_int(layers_per_safe_point, "layers_per_safe_point", lo=0))
+        #: the pause budget of one safe point (the agent's arguments over the cluster's), known after start()
+        self.pause_budget: PauseBudget | None = None
         self._init_safe_points(safe_points, switch_margin_steps)
         self._init_load(load_source, window_steps, window_s, publish_interval_s)
         self.store = store
@@ -128,6 +141,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.config = self.store.read_config()
         if not 0 <= self.ep_rank < self.config.ep_size:
             raise InputError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
+        max_bytes, max_layers = self._pause_args
+        self.pause_budget = PauseBudget(self.config.max_pause_bytes if max_bytes is None else max_bytes,
+                                        self.config.layers_per_safe_point if max_layers is None else max_layers)
         self.rank.ensure()
         self.weights.ensure()
         me = self.rank.read()  # a restarted worker's step counter carries on from the last one it published
@@ -187,7 +203,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                 op = self._op
                 if op is not None and not op.done.is_set():  # the worker's safe point applies it
                     self._send()
-                    op.done.wait(self._wait_ms(block_ms) / 1000)
+                    self._wait_for_worker(op, self._wait_ms(block_ms) / 1000)
                 else:
                     view = self._send(cursor, self._wait_ms(block_ms))
             return False
@@ -329,11 +345,16 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
 
     def _stage(self, plan_id: str) -> dict[str, Any]:
         """Stage the experts the plan needs on this rank (idempotent: reuses a staging of the same plan); returns
-        the rank-record fields that report it."""
+        the rank-record fields that report it. With safe points, staged for a chunked swap within
+        :attr:`pause_budget` (a device buffer for its largest chunk, in the same staging budget)."""
         if self.staged is None or self.staged.plan_id != plan_id:
             self._drop_staging()
             t0 = time.perf_counter()
-            staged = self.backend.stage(self._new_phy2log(plan_id), self.staging_budget_bytes)
+            new = self._new_phy2log(plan_id)
+            if self.safe_points:
+                staged = self.backend.stage(new, self.staging_budget_bytes, self.pause_budget)
+            else:
+                staged = self.backend.stage(new, self.staging_budget_bytes)
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}
@@ -420,8 +441,13 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
                 when = Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
                             {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
+            chunked = None
+            if self.safe_points and members == tuple(self.live_ranks):  # a change of members switches at once
+                chunked = Chunked(getattr(staged, "starts", ()), changed_layers(self.backend.phy2log, new),
+                                  lambda layers: self.backend.prepare(staged, new, layers),
+                                  lambda layers: self._swap_or_restore(staged, new, None, layers))
             op = self._at_safe_point(("swap", plan_id, attempt), when,
-                                     lambda: self._swap_or_restore(staged, new, members))
+                                     lambda: self._swap_or_restore(staged, new, members), chunked)
             if op is None or op.gone:
                 return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
             report.update(self._applied(op, cluster, f"plan {plan_id}"))
@@ -439,10 +465,13 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if op.error is not None:
                 self._drop_staging()
                 raise op.error
-            swap: SwapReport = op.result
+            swaps: list[SwapReport] = op.result if isinstance(op.result, list) else [op.result]
             report.update(info)  # the staging's counts: the swap carried out the same transfer
-            report.update(snapshots=swap.snapshots, bytes_from_staging=swap.bytes_from_staging,
-                          bytes_local=swap.bytes_local, swap_ms=round(op.pause_ms, 3))
+            report.update(snapshots=sum(r.snapshots for r in swaps),
+                          bytes_from_staging=sum(r.bytes_from_staging for r in swaps),
+                          bytes_local=sum(r.bytes_local for r in swaps), swap_ms=round(op.pause_ms, 3),
+                          chunks=len(op.pauses_ms), pause_max_ms=round(max(op.pauses_ms, default=0.0), 3),
+                          pause_sum_ms=round(op.pause_ms, 3))
             self._drop_staging()
         total = self.backend.slots_total
         if self.verify_all:
@@ -462,13 +491,17 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
 
-    def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None
-                         ) -> SwapReport:
-        """Swap in place (at the safe point) and take the round's ``members`` as :attr:`live_ranks`; on a failed
-        verification rewrite the old placement from the source of truth before re-raising, so the rank keeps
-        serving the old placement (and members) consistently."""
+    def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None,
+                         layers: tuple[int, ...] | None = None) -> SwapReport:
+        """Swap in place (at the safe point; only the chunk ``layers`` when given) and take the round's
+        ``members`` as :attr:`live_ranks`; on a failed verification rewrite the live placement (the old one, for
+        the layers of the failed chunk) from the source of truth before re-raising, so the rank keeps serving it
+        (and its members) consistently."""
         try:
-            report = self.backend.swap(staged, new, members)
+            if layers is None:  # the whole swap, the routing over the round's members
+                report = self.backend.swap(staged, new, members)
+            else:  # a chunk: its layers' rows, over the members routed to already (a change of members is whole)
+                report = self.backend.swap_layers(staged, new, layers)
             if members is not None:
                 self.live_ranks = members
             return report

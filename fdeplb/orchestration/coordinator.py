@@ -467,9 +467,11 @@ class Coordinator(UnaskedRounds, Leadership):
                 return self._abort(rec, "commit deadline passed: no external commit for the cordoned cluster")
             return False, left
         deadline = self.store.now_ms() + self.config.deadlines.swapping_ms
-        # switch_step 0: not fixed yet; the ranks fix it once all are armed for this swap (Store.arm_switch)
+        # switch_step 0 and no chunk layout: not fixed yet; the ranks fix both once all are armed for this swap
+        # (Store.arm_switch)
         why = reasons.external_commit(rec.commit_requested_by) if self.config.cordoned else reasons.Reason("")
-        self._fire(rec, "commit", reason=why.text, detail=why.detail, changes={"deadline_ms": deadline, "switch_step": 0})
+        self._fire(rec, "commit", reason=why.text, detail=why.detail,
+                   changes={"deadline_ms": deadline, "switch_step": 0, "switch_chunks": ""})
         return True, None
 
     def _on_swapping(self, rec: ClusterRecord) -> Step:

@@ -28,6 +28,10 @@ class EmbeddedAgent(RankAgent):
         device: paddle device of the tensors ("cpu", "gpu:0"; None = paddle's current one).
         block_ms: longest wait of the background loop between looks at Redis.
         publish_interval_s: publish the load window this often (None: only when a round collects).
+        max_pause_bytes: this worker's pause budget: bytes one safe point may write into its live slots (None: the
+            cluster's ``max_pause_bytes``, default 64 MiB; 0: no byte limit). A committed swap is applied in
+            chunks of whole layers, one chunk per safe point, within every rank's budget.
+        layers_per_safe_point: most changed layers one safe point switches (None: the cluster's; 0: no limit).
         **kwargs: the other :class:`RankAgent` arguments (``window_steps``, ``window_s``, ``heartbeat_ttl_ms``,
             ``backend_factory``, ``verify_all``, ``staging_budget_bytes`` ...).
 
@@ -39,7 +43,8 @@ class EmbeddedAgent(RankAgent):
 
     def __init__(self, store: Store | str, ep_rank: int, *, cluster: str | None = None,
                  tensors: dict[str, list[Any]] | None = None, device: str | None = None, block_ms: int = 50,
-                 publish_interval_s: float | None = 5.0, **kwargs: Any) -> None:
+                 publish_interval_s: float | None = 5.0, max_pause_bytes: int | None = None,
+                 layers_per_safe_point: int | None = None, **kwargs: Any) -> None:
         if isinstance(store, str):
             if not cluster:
                 raise InputError("EmbeddedAgent(url, ...) needs cluster=")
@@ -49,7 +54,7 @@ class EmbeddedAgent(RankAgent):
                 raise InputError("give the engine's tensors or a backend_factory, not both")
             kwargs["backend_factory"] = CheckpointBackend.attached(tensors, device)
         super().__init__(store, ep_rank, safe_points=True, device=device, publish_interval_s=publish_interval_s,
-                         **kwargs)
+                         max_pause_bytes=max_pause_bytes, layers_per_safe_point=layers_per_safe_point, **kwargs)
         self.block_ms = int(block_ms)
         self._thread: threading.Thread | None = None
 

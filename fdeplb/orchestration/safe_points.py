@@ -3,8 +3,16 @@
 A change of a rank's live experts (a committed swap, a weight clear or update) is prepared by the agent's
 background thread and applied by the worker between two forward steps, at the step the ranks fix together (the
 *switch step*). This module owns that hand-over: :class:`SafePointOp` (one pending change), :class:`Arm` (what an
-armed worker publishes until its switch step is fixed) and :class:`SafePoints`, the agent's side of it
-(:meth:`SafePoints.at_safe_point`, scheduling a change, reporting it once applied).
+armed worker publishes until its switch step is fixed), :class:`Chunked` (a swap applied in chunks of layers) and
+:class:`SafePoints`, the agent's side of it (:meth:`SafePoints.at_safe_point`, scheduling a change, reporting it
+once applied).
+
+**Chunks.** A committed swap is applied in chunks of whole layers, one chunk per safe point: chunk k at step
+``switch_step + k`` on every rank. The layout is fixed with the switch step, in the same atomic script call
+(``lua/switch.lua``): every armed rank publishes its own layout within its pause budget, the fixing call keeps their
+union (so each rank's chunks fit its own budget) in the cluster record's ``switch_chunks`` and every rank reads it
+back with the switch step. So every rank computes chunk k's step with no further Redis round trip, and switches a
+given layer at the same step. Between chunks each layer routes with its own rows (switched with its weights).
 """
 
 from __future__ import annotations
@@ -14,8 +22,15 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple
 
+import numpy as np
+
 from fdeplb.errors import FdeplbError, InputError
+from fdeplb.failpoints import failpoint
 from fdeplb.store import ClusterRecord
+from fdeplb.weights.plan import chunk_layers
+
+#: the cluster-record field holding a swap's fixed chunk layout (``lua/switch.lua``)
+CHUNKS_FIELD = "switch_chunks"
 
 
 class Arm(NamedTuple):
@@ -32,33 +47,127 @@ class Arm(NamedTuple):
     """Cluster-record fields that hold these values once the change was withdrawn (a cancelled weight request)."""
 
 
+class Chunked(NamedTuple):
+    """A swap applied in chunks of layers (one per safe point) instead of ``fn`` at once."""
+
+    starts: tuple[int, ...]
+    """This rank's own layout (first layer of each chunk), published when it arms."""
+    changed: np.ndarray
+    """int64 [n]: the layers the swap changes (the same on every rank)."""
+    prepare: Callable[[tuple[int, ...]], Any]
+    """Background work before a chunk's switch step (move its experts to the device)."""
+    apply: Callable[[tuple[int, ...]], Any]
+    """The chunk's pause: its copies, on-device check and routing rows; returns the chunk's report."""
+
+
 class SafePointOp:
     """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`SafePoints.at_safe_point`
     once the worker's step counter reaches ``switch_step`` (at once in a threaded agent). With ``arm``, the switch
     step is not known yet (None): the worker learns it at its safe points. ``gone``: the change stopped being the
-    cluster's current one before its switch step was fixed (``done`` is set, ``fn`` never ran)."""
+    cluster's current one before its switch step was fixed (``done`` is set, ``fn`` never ran).
 
-    def __init__(self, key: tuple, switch_step: int | None, arm: Arm | None, fn: Callable[[], Any]) -> None:
+    With ``chunked``, the change is applied in chunks: chunk k at the safe point where the step counter reaches
+    ``switch_step + k`` (:attr:`chunks` is known once the switch step is); ``result`` is then the list of the
+    chunks' results, ``pauses_ms`` / ``applied_steps`` one entry per applied chunk, ``done`` set after the last
+    (or the first failed) one. The background thread prepares the next chunk (:meth:`prepare_next`) between its
+    predecessor's safe point and its own; a chunk not prepared by then is prepared in its pause (``late_prepares``).
+    """
+
+    def __init__(self, key: tuple, switch_step: int | None, arm: Arm | None, fn: Callable[[], Any],
+                 chunked: Chunked | None = None) -> None:
         self.key = key
         self.switch_step = switch_step
         self.arm = arm
         self.fn = fn
+        self.chunked = chunked
+        self.chunks: list[tuple[int, ...]] | None = None if chunked is not None else [()]
         self.result: Any = None
         self.error: BaseException | None = None
-        self.applied_step = 0
-        self.pause_ms = 0.0
+        self.applied_steps: list[int] = []
+        self.pauses_ms: list[float] = []
+        self.late_prepares = 0
         self.gone = False
         self.done = threading.Event()
+        self.progress = threading.Event()  # set when the layout is learned and after every applied chunk
+        self._lock = threading.Lock()  # one of prepare / apply at a time (they share the device buffer)
+        self._next = 0
+        self._prepared = -1
+
+    @property
+    def applied_step(self) -> int:
+        """Step at which the last chunk (the whole change) was applied (0 = not yet)."""
+        return self.applied_steps[-1] if self.applied_steps else 0
+
+    @property
+    def pause_ms(self) -> float:
+        """The pauses of every applied chunk together (ms)."""
+        return sum(self.pauses_ms)
+
+    def set_layout(self, starts: tuple[int, ...]) -> None:
+        """Fix the chunks from a layout (the cluster's, or this rank's own when unarmed)."""
+        ch = self.chunked
+        if ch is not None and self.chunks is None:
+            try:
+                chunks = chunk_layers(starts or ch.starts, ch.changed)
+            except InputError:  # a layout that does not cover the swap (never written by switch.lua): at once
+                chunks = [tuple(int(layer) for layer in ch.changed)]
+            self.chunks = chunks or [()]
+            self.progress.set()
+
+    def due(self, step: int) -> bool:
+        """A chunk's step is reached and it is not applied yet."""
+        return self.chunks is not None and self._next < len(self.chunks) and (self.switch_step or 0) + self._next <= step
+
+    def prepare_next(self) -> None:
+        """Background thread: prepare the next chunk to apply, once (its predecessor is applied: one device
+        buffer). A failure is left to the chunk's pause, which prepares it again and reports the error."""
+        ch, chunks = self.chunked, self.chunks
+        if ch is None or chunks is None or self.done.is_set():
+            return
+        with self._lock:
+            k = self._next
+            if k >= len(chunks) or self._prepared >= k:
+                return
+            try:
+                ch.prepare(chunks[k])
+                self._prepared = k
+            except Exception:  # noqa: BLE001 - retried in the chunk's pause, where an error is reported
+                return
 
     def apply(self, step: int) -> None:
-        t0 = time.perf_counter()
-        try:
-            self.result = self.fn()
-        except Exception as err:  # noqa: BLE001 - reported by the agent's loop (an alarm or a recorded failure)
-            self.error = err
-        self.pause_ms = (time.perf_counter() - t0) * 1000
-        self.applied_step = step
-        self.done.set()
+        """Apply every chunk whose step is reached (normally one; several only for a rank late to its switch
+        step), each timed as its own pause; stops at the first error."""
+        with self._lock:
+            results = self.result if isinstance(self.result, list) else []
+            while self.due(step):
+                k = self._next
+                t0 = time.perf_counter()
+                try:
+                    if self.chunked is None:
+                        results.append(self.fn())
+                    else:
+                        if self._prepared < k:
+                            self.late_prepares += 1
+                            self.chunked.prepare(self.chunks[k])
+                            self._prepared = k
+                        results.append(self.chunked.apply(self.chunks[k]))
+                except Exception as err:  # noqa: BLE001 - reported by the agent's loop (an alarm or a failure)
+                    self.error = err
+                self.pauses_ms.append((time.perf_counter() - t0) * 1000)
+                self.applied_steps.append(step)
+                self._next = k + 1
+                if self.error is not None:
+                    break
+            self.result = results if self.chunked is not None else (results[0] if results else None)
+            if self.error is not None or self._next >= len(self.chunks):
+                self.done.set()
+            self.progress.set()
+
+    def late_steps(self) -> int:
+        """Most steps any chunk was applied past its own switch step (0 = every chunk on time)."""
+        if not self.switch_step:
+            return 0
+        return max((s - (self.switch_step + k) for k, s in enumerate(self.applied_steps)), default=0)
 
 
 class SafePoints:
@@ -123,6 +232,11 @@ class SafePoints:
            audit record) naming the steps during which the ranks' placements disagreed: tokens routed then may
            have reached the wrong expert (``examples/serving_node.py`` counts them and fails).
 
+        4. *Chunks.* A committed swap is applied in chunks of layers within the pause budget, chunk k at the safe
+           point where the counter reaches ``switch_step + k`` (the layout is fixed with the switch step, see the
+           module doc); each returns True and is one entry of :attr:`pauses_ms`. The rank is SWAPPED after the
+           last one.
+
         Call it at every step, also when the engine is idle: a change waits for every rank's safe points. Calls
         from several threads apply a change once; a call that arrives while another applies it waits for it.
         """
@@ -132,27 +246,33 @@ class SafePoints:
             return False
         if op.switch_step is None and not self._learn_switch(op):
             return False
-        if self.steps < op.switch_step:
+        if not op.due(self.steps):
             return False
         with self._apply_lock:  # a second thread at a safe point waits for the change, never applies it again
-            if op.done.is_set():
+            if op.done.is_set() or not op.due(self.steps):
                 return False
             self._in_safe_point = True
+            applied = len(op.pauses_ms)
             try:
                 op.apply(self.steps)
-                if op.error is None:
-                    self._live_phy2log = self.backend.phy2log
+                self._live_phy2log = self.backend.phy2log  # after a failed chunk: the restored placement
             finally:
                 self._in_safe_point = False
-        self.pauses_ms.append(op.pause_ms)
+        self.pauses_ms.append(sum(op.pauses_ms[applied:]))
+        if not op.done.is_set():  # between two chunks (kill tests: rank.chunk.hang=<chunks applied>)
+            chunks = str(len(op.pauses_ms))
+            failpoint("rank.chunk.hang", chunks, lambda: self.store.emit_event(
+                "failpoint", name="rank.chunk.hang", rank=self.ep_rank, chunks=chunks, step=self.steps))
         return True
 
     def _learn_switch(self, op: SafePointOp) -> bool:
         """An armed safe point: publish the step counter, read (or fix) the switch step; True once it is known."""
         arm = op.arm
+        chunked = op.chunked
         try:
-            switch, status = self.store.arm_switch(self.ep_rank, arm.armed, self.steps, arm.field, arm.current,
-                                                   self.switch_margin_steps, arm.withdrawn)
+            switch, status, layout = self.store.arm_switch(
+                self.ep_rank, arm.armed, self.steps, arm.field, arm.current, self.switch_margin_steps, arm.withdrawn,
+                chunks=chunked.starts if chunked is not None else (), chunks_field=CHUNKS_FIELD if chunked else "")
         except FdeplbError as err:  # keep serving the old placement; past the switch step it applies late, alarmed
             self._sync_failures += 1
             if self._sync_failures in (1, 10, 100) or self._sync_failures % 1000 == 0:
@@ -166,12 +286,16 @@ class SafePoints:
             return False
         if switch <= 0:
             return False  # waiting for the other ranks to arm
+        op.set_layout(layout)
         op.switch_step = switch
         return True
 
-    def _at_safe_point(self, key: tuple, when: Arm | int, fn: Callable[[], Any]) -> SafePointOp | None:
+    def _at_safe_point(self, key: tuple, when: Arm | int, fn: Callable[[], Any],
+                       chunked: Chunked | None = None) -> SafePointOp | None:
         """Have ``fn`` applied at a safe point (at once in a threaded agent): armed (``when`` an :class:`Arm`: at
         the switch step the ranks fix together, see :meth:`at_safe_point`) or at step ``when`` (0: the next one).
+        With ``chunked`` (safe points only), the change is applied chunk by chunk instead of ``fn``: armed, in
+        the layout fixed with the switch step; at step ``when``, in this rank's own layout, every chunk due then.
         Returns the op once it was applied (or is ``gone``), None while it waits. Idempotent per ``key``; an op
         whose change is gone is replaced by a new one (armed for what is current now)."""
         op = self._op
@@ -183,7 +307,9 @@ class SafePoints:
                 self._live_phy2log = self.backend.phy2log
                 self._op = None
                 return op
-            op = SafePointOp(key, None if arm is not None else int(when), arm, fn)
+            op = SafePointOp(key, None if arm is not None else int(when), arm, fn, chunked)
+            if arm is None:
+                op.set_layout(())
             self._op = op
         if not op.done.is_set():
             return None
@@ -192,7 +318,7 @@ class SafePoints:
     def _applied(self, op: SafePointOp, cluster: ClusterRecord, what: str) -> dict[str, Any]:
         """Rank-record fields reporting an applied op; raises the late alarm when it came after its switch step."""
         self._op = None
-        late = op.applied_step - op.switch_step if op.switch_step and self.safe_points else 0
+        late = op.late_steps() if self.safe_points else 0
         if late > 0:
             self.late_switches += 1
             message = (f"rank {self.ep_rank} applied {what} at step {op.applied_step}, {late} step(s) past the "
@@ -201,4 +327,11 @@ class SafePoints:
             self.store.emit_event("alarm", rank=self.ep_rank, message=message)
             self.store.append_alarm(cluster, actor=self.actor, reason=message)
         return {"applied_step": op.applied_step, "late_steps": max(late, 0)}
+
+    def _wait_for_worker(self, op: SafePointOp, timeout_s: float) -> None:
+        """The background loop while the worker's safe points apply ``op``: prepare its next chunk, then wait
+        (at most ``timeout_s``) for the next chunk to be applied or the layout to be learned."""
+        op.progress.clear()
+        op.prepare_next()
+        op.progress.wait(timeout_s)
 

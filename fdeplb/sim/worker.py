@@ -5,6 +5,10 @@ from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT, or until it
 process that started it; checked every 0.5 s): a worker never outlives the demo or test that started it. Its expert_load window is its share of the
 trace (see :mod:`fdeplb.sim.shares`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
 drifts between recorded workloads from round to round.
+
+``--step-ms MS``: the worker is an engine instead: an :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`
+reconciles in the background and the main thread calls ``at_safe_point()`` every ``MS`` ms (a forward step), so
+swaps (in chunks of layers) and weight changes apply at switch steps, as in a serving worker.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-ttl-ms", type=int, default=10_000,
                    help="the heartbeat's time to live: the rank is stale this long after its last beat")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="run as an engine: a safe point every this many ms (an embedded agent); default: threaded")
     args = p.parse_args(argv)
     parent = args.parent_pid or os.getppid()
     configure(args.log_level)
@@ -54,10 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         "waiting for redis", url=args.redis_url, timeout_s=args.redis_wait_s, error=err))
     ep_size = store.ep_size()
     windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
-    agent = RankAgent(store, args.rank, load_source=lambda round_: windows[(round_ - 1) % len(windows)],
-                      backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
-                      staging_budget_bytes=args.staging_budget_bytes, verify_all=True,
-                      heartbeat_ttl_ms=args.heartbeat_ttl_ms)
+    kwargs = dict(load_source=lambda round_: windows[(round_ - 1) % len(windows)],
+                  backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
+                  staging_budget_bytes=args.staging_budget_bytes, verify_all=True,
+                  heartbeat_ttl_ms=args.heartbeat_ttl_ms)
+    if args.step_ms is not None:
+        from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+
+        agent = EmbeddedAgent(store, args.rank, block_ms=20, publish_interval_s=None, **kwargs)
+    else:
+        agent = RankAgent(store, args.rank, **kwargs)
 
     def stop(_signum, _frame):
         agent.stop_event.set()
@@ -74,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     verified, total = agent.backend.verify()
     store.update(RANK, args.rank, slots_verified=verified, slots_total=total)
     store.emit_event("rank_verified", rank=args.rank, slots_verified=verified, slots_total=total)
-    agent.run()
+    if args.step_ms is None:
+        agent.run()
+        return 0
+    while not agent.stop_event.wait(args.step_ms / 1000):  # the engine's forward steps (start() began the loop)
+        agent.at_safe_point()
+    agent.close()
     return 0
 
 

@@ -27,6 +27,8 @@ MAX_LAYERS = 4_096
 MAX_EXPERTS = 65_536
 #: most rounds of snapshots and plans a cluster may keep
 MAX_RETAIN_ROUNDS = 1_000
+#: default pause budget of one safe point (bytes a rank writes into its live slots at one switch step): 64 MiB
+DEFAULT_MAX_PAUSE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,14 @@ class ClusterConfig:
     older records to ``audit_export_path`` (JSONL, appended and fsynced) and only then trim them."""
     audit_export_path: str = ""
     """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0)."""
+    max_pause_bytes: int = DEFAULT_MAX_PAUSE_BYTES
+    """Pause budget of one safe point: a committed swap is applied in chunks of whole MoE layers, one chunk per
+    safe point, each writing at most this many bytes into a rank's live slots (a layer larger than this is a chunk
+    of its own); 0 = no byte limit. A rank agent may set its own (``EmbeddedAgent(max_pause_bytes=...)``); every
+    rank then switches at the chunk boundaries of all of them together (the common refinement)."""
+    layers_per_safe_point: int = 0
+    """Most changed MoE layers one safe point switches (vLLM's async EPLB: 1); 0 = no layer limit. With both
+    limits 0 a swap is applied at one safe point (stop the world)."""
 
     def __post_init__(self) -> None:
         from fdeplb.placement import POLICIES, check_topology
@@ -120,6 +130,8 @@ class ClusterConfig:
             raise InputError(f"deadlines must be a Deadlines, got {type(self.deadlines).__name__}")
         check_int(self.retain_rounds, "retain_rounds", lo=1, hi=MAX_RETAIN_ROUNDS)
         check_int(self.audit_keep, "audit_keep", lo=0, hi=10**9)
+        check_int(self.max_pause_bytes, "max_pause_bytes", lo=0, hi=2**62)
+        check_int(self.layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS)
         if self.audit_keep and not self.audit_export_path:
             raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
         if self.num_physical_experts % self.ep_size:

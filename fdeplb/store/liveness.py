@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -26,6 +26,32 @@ SWITCH_MARGIN_STEPS = 2
 
 #: the cluster record's field names (what :meth:`Store.arm_switch` may name)
 _CLUSTER_FIELDS = frozenset(f.name for f in dataclasses.fields(ClusterRecord))
+
+
+class SwitchStep(NamedTuple):
+    """What one armed safe point learned (:meth:`Liveness.arm_switch`)."""
+
+    step: int
+    """The change's switch step (0 = not fixed)."""
+    status: str
+    """``fixed`` / ``set`` / ``waiting`` / ``gone`` / ``cancelled`` (``lua/switch.lua``)."""
+    chunks: tuple[int, ...] = ()
+    """The fixed chunk layout (first layer of each chunk, ascending; chunk k applies at ``step + k``); () until
+    fixed, or for a change without chunks."""
+
+
+def parse_chunks(text: str) -> tuple[int, ...]:
+    """A stored chunk layout (``switch_chunks`` / ``armed_chunks``: a JSON array of layers; "" or "{}" = none)
+    as a tuple; :class:`CorruptRecordError` when it is not one."""
+    try:
+        value = json.loads(text) if text else []
+    except ValueError:
+        value = None
+    if value == {}:
+        value = []
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and float(v).is_integer() for v in value):
+        raise CorruptRecordError(f"a chunk layout must be a JSON array of layers, got {text[:80]!r}")
+    return tuple(int(v) for v in value)
 
 
 def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
@@ -145,7 +171,8 @@ class Liveness:
         return stale_of(self.heartbeats())
 
     def arm_switch(self, ep_rank: int, armed: str, step: int, field: str, current: dict[str, Any],
-                   margin: int = SWITCH_MARGIN_STEPS, withdrawn: dict[str, Any] | None = None) -> tuple[int, str]:
+                   margin: int = SWITCH_MARGIN_STEPS, withdrawn: dict[str, Any] | None = None, *,
+                   chunks: tuple[int, ...] = (), chunks_field: str = "") -> SwitchStep:
         """One safe point of an armed rank (``lua/switch.lua``, atomic): publish ``ep_rank``'s step counter
         (``armed_step``) armed for the change ``armed`` (e.g. ``"swap:<round>:<plan_id>"``), then return the
         change's switch step, kept in the cluster-record ``field`` (``switch_step`` / ``weights_switch_step``).
@@ -159,18 +186,26 @@ class Liveness:
         ``withdrawn``: cluster-record fields (name -> value) that hold these values once the change was withdrawn
         (a cancelled weight request: ``{"weights_cancelled": n}``, see :meth:`Store.cancel_weights`).
 
-        Returns (switch step, status): ``"fixed"`` (by this call), ``"set"`` (before), ``"waiting"`` (a rank is not
-        armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing fixed), ``"cancelled"`` (``withdrawn``
-        holds; 0, nothing written). :class:`InputError` for a margin < 1 or a negative step."""
+        ``chunks``: this rank's chunk layout of the change (the first layer of each chunk, ascending, see
+        :func:`fdeplb.weights.plan.chunk_starts`), published as the rank record's ``armed_chunks``;
+        ``chunks_field``: the cluster-record field (``switch_chunks``) in which the call that fixes the switch step
+        also fixes the layout every rank applies: the union of the armed ranks' layouts.
+
+        Returns a :class:`SwitchStep` (switch step, status, fixed layout): ``"fixed"`` (by this call), ``"set"``
+        (before), ``"waiting"`` (a rank is not armed yet; 0), ``"gone"`` (``current`` no longer holds; 0, nothing
+        fixed), ``"cancelled"`` (``withdrawn`` holds; 0, nothing written). :class:`InputError` for a margin < 1,
+        a negative step or an unknown field."""
         if int(margin) < 1 or int(step) < 0:
             raise InputError(f"arm_switch needs margin >= 1 and step >= 0, got margin={margin} step={step}")
         withdrawn = withdrawn or {}
-        unknown = [name for name in (field, *current, *withdrawn) if name not in _CLUSTER_FIELDS]
+        unknown = [name for name in (field, *current, *withdrawn, *([chunks_field] if chunks_field else []))
+                   if name not in _CLUSTER_FIELDS]
         if unknown:
             raise InputError(f"ClusterRecord has no field(s) {unknown}")
         current = {k: v.value if isinstance(v, StateEnum) else str(v) for k, v in current.items()}
         call = switch_call(self._keys, ep_rank=ep_rank, ep_size=self.ep_size(), armed=armed, step=step,
                            field=field, current=current, margin=margin,
-                           withdrawn={k: str(v) for k, v in withdrawn.items()})
-        switch, status = self._switch(keys=call.keys, args=call.args)
-        return int(switch), _s(status)
+                           withdrawn={k: str(v) for k, v in withdrawn.items()}, chunks=tuple(chunks),
+                           chunks_field=chunks_field)
+        switch, status, layout = self._switch(keys=call.keys, args=call.args)
+        return SwitchStep(int(switch), _s(status), parse_chunks(_s(layout)))

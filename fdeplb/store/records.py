@@ -102,6 +102,11 @@ class ClusterRecord(RecordHeader):
     """Step at which every rank applies the committed plan; 0 = not fixed yet (the commit resets it). Fixed by
     ``lua/switch.lua`` once every rank is armed for the swap (embedded agents wait for it; threaded agents do not
     use it)."""
+    switch_chunks: str = ""
+    """The chunk layout of the committed swap, fixed with ``switch_step`` (``lua/switch.lua``): a JSON array of the
+    first layer of each chunk, the union of every rank's layout ("" = not fixed; the commit resets it). Chunk k
+    (the changed layers from its first layer to the next chunk's) is applied by every rank at step
+    ``switch_step + k``."""
     switch_generation: int = 0
     """The membership generation under which the last switch step (``switch_step`` / ``weights_switch_step``) was
     fixed (``lua/switch.lua``): the members it waited for."""
@@ -180,6 +185,16 @@ class RankRecord(RecordHeader):
     armed): while armed it publishes its step counter and reads the switch step at every safe point."""
     armed_step: int = 0
     """The worker's step counter at its last armed safe point (written only by the worker, ``lua/switch.lua``)."""
+    armed_chunks: str = ""
+    """The rank's own chunk layout of the change it is armed for (JSON array of first layers; "[]" = one safe
+    point), within its pause budget; the switch step fixes the union of every rank's (``switch_chunks``)."""
+    chunks: int = 0
+    """Last swap: safe points (chunks of layers) it was applied in."""
+    pause_max_ms: float = 0.0
+    """Last swap: the longest pause of one safe point (ms: the worker held for one chunk's copy, on-device check
+    and routing rows)."""
+    pause_sum_ms: float = 0.0
+    """Last swap: the pauses of all its safe points together (ms)."""
     clear_stat: int = 0
     """The cluster's ``clear_stat_request`` this rank last carried out."""
     routing_digest: str = ""

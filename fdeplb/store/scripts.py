@@ -151,20 +151,24 @@ def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:
 #: switch.lua KEYS[1..2], in order; every rank's record follows from KEYS[len(SWITCH_KEYS) + 1] on (ep_rank order),
 #: then every rank's member record.
 SWITCH_KEYS = ("rearrange", "rank")
-#: switch.lua ARGV[1..6], in order.
-SWITCH_ARGV = ("armed", "step", "field", "current", "margin", "withdrawn")
+#: switch.lua ARGV[1..8], in order.
+SWITCH_ARGV = ("armed", "step", "field", "current", "margin", "withdrawn", "chunks", "chunks_field")
 #: switch.lua's statuses (second element of its reply).
 SWITCH_STATUSES = ("fixed", "set", "waiting", "gone", "cancelled")
 
 
 def switch_call(keys: Keys, *, ep_rank: int, ep_size: int, armed: str, step: int, field: str,
-                current: dict[str, str], margin: int, withdrawn: dict[str, str] | None = None) -> CommitCall:
+                current: dict[str, str], margin: int, withdrawn: dict[str, str] | None = None,
+                chunks: tuple[int, ...] = (), chunks_field: str = "") -> CommitCall:
     """Lay out a ``switch.lua`` call: rank ``ep_rank`` (of ``ep_size``) publishes ``step`` armed for ``armed`` and
     reads or fixes the switch step kept in the cluster-record ``field``, while the cluster-record fields ``current``
-    hold their values and none of ``withdrawn`` holds its value (then: ``cancelled``, nothing written)."""
+    hold their values and none of ``withdrawn`` holds its value (then: ``cancelled``, nothing written).
+    ``chunks``: the rank's chunk layout (first layer of each chunk); ``chunks_field``: the cluster-record field the
+    fixed layout (their union over the ranks) is kept in ("" = none)."""
     fixed = {"rearrange": keys.rearrange, "rank": keys.rank(ep_rank)}
     argv = {"armed": armed, "step": str(int(step)), "field": field, "current": _pairs(current),
-            "margin": str(int(margin)), "withdrawn": _pairs(withdrawn or {})}
+            "margin": str(int(margin)), "withdrawn": _pairs(withdrawn or {}),
+            "chunks": json.dumps([int(c) for c in chunks]), "chunks_field": chunks_field}
     return CommitCall(keys=[fixed[n] for n in SWITCH_KEYS] + [keys.rank(r) for r in range(ep_size)]
                       + [keys.member(r) for r in range(ep_size)],
                       args=[argv[n] for n in SWITCH_ARGV])

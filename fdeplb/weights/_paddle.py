@@ -7,6 +7,7 @@ paddle, and a missing install fails with one clear :class:`~fdeplb.errors.Depend
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import math
 import warnings
 from functools import lru_cache
@@ -146,3 +147,78 @@ def checksum(t: Any) -> int:
         return 0
     # google-crc32c takes buffers that need no release (bytes, numpy arrays), not memoryviews: wrap without copying
     return int(_crc32c()(np.frombuffer(host_buffer(t), dtype=np.uint8)))
+
+
+#: block of a checked host copy (:func:`copy_checked`): copied, then compared while both halves are in L2
+_CHECK_BLOCK = 256 * 1024
+
+
+@lru_cache(maxsize=None)
+def _memcmp() -> Any:
+    """libc's ``memcmp`` (ctypes; the call releases the GIL)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    fn = libc.memcmp
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+def _on_host(t: Any) -> bool:
+    place = t.place
+    return (place.is_cpu_place() or place.is_cuda_pinned_place()) and t.is_contiguous()
+
+
+def _as_words(t: Any) -> Any:
+    """``t`` flattened as integers of its element size (a device-side view of its raw bytes) that ``equal_all``
+    compares bit-exactly; 1- and 2-byte elements are widened to int32."""
+    pd = paddle()
+    flat = t.flatten()
+    size = t.element_size()
+    if size == 8:
+        return flat.view(pd.int64)
+    if size == 4:
+        return flat.view(pd.int32)
+    return flat.view(pd.int16 if size == 2 else pd.int8).astype(pd.int32)
+
+
+def copy_checked(dst: Any, src: Any) -> Any:
+    """Copy ``src`` into ``dst`` in place and check, on the tensors' own device, that ``dst`` now holds exactly
+    ``src``'s bytes; nothing is read back to the host but the answer. Both must have the same shape and dtype.
+
+    Host tensors (a CPU device): copied in blocks of 256 KiB, each compared (``memcmp``) right after its copy while
+    it is still in cache; returns a Python bool. Device tensors: ``copy_`` and a bit-exact ``equal_all`` of their
+    raw words queued behind it on the device; returns a 0-d device bool tensor (:func:`all_checked` reads them).
+    A later write of ``src`` (a copy chain of the same swap) does not disturb the answer: it is taken in order."""
+    if _on_host(dst) and _on_host(src):
+        size = nbytes(dst)
+        if size != nbytes(src):
+            raise ValueError(f"copy_checked: {size} bytes into {nbytes(src)}")
+        d, s, memcmp = dst.data_ptr(), src.data_ptr(), _memcmp()
+        ok = True
+        for offset in range(0, size, _CHECK_BLOCK):
+            n = min(_CHECK_BLOCK, size - offset)
+            ctypes.memmove(d + offset, s + offset, n)
+            ok = ok and memcmp(d + offset, s + offset, n) == 0
+        return ok
+    copy_into(dst, src)
+    return device_equal(dst, src)
+
+
+def device_equal(a: Any, b: Any) -> Any:
+    """A 0-d bool tensor on ``a``'s device: True when ``a`` and ``b`` hold the same bytes (bit-exact: NaNs and
+    signed zeros compare by their bits). Queued on the device; not read back."""
+    return paddle().equal_all(_as_words(a), _as_words(b))
+
+
+def all_checked(results: list[Any], device: str) -> list[int]:
+    """Indices of the failed checks among ``results`` (:func:`copy_checked` answers), read back at once: one
+    scalar from a device (after :func:`synchronize`), the bad indices only when there are any."""
+    if not results:
+        return []
+    if all(isinstance(r, bool) for r in results):
+        return [i for i, r in enumerate(results) if not r]
+    pd = paddle()
+    flags = [r if not isinstance(r, bool) else pd.to_tensor(r, place=place_of(device)) for r in results]
+    stacked = pd.stack(flags)
+    if bool(stacked.all().item()):
+        return []
+    return [int(i) for i in np.flatnonzero(~stacked.numpy())]

@@ -1,7 +1,8 @@
 """The seam between a rank agent and its expert weights.
 
 A rank agent needs these things of the weights it serves: which placement its live slots hold, to stage the experts
-a new placement needs, to swap them in, to verify the slots, to reload them, and to clear them and reload them in a
+a new placement needs, to swap them in (whole, or in chunks of layers, one per safe point: :meth:`WeightBackend.prepare`
+before a chunk's switch step, :meth:`WeightBackend.swap_layers` at it), to verify the slots, to reload them, and to clear them and reload them in a
 given placement (the dynamic weight clear / update). :class:`WeightBackend` names those, with the typed records they
 return (:class:`StageReport`, :class:`SwapReport`, :class:`SlotCheck`);
 :class:`CheckpointBackend` implements them with paddle tensors read from a safetensors checkpoint
@@ -17,7 +18,7 @@ from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from fdeplb.errors import CheckpointError
-from fdeplb.weights.plan import TransferPlan, plan_transfer
+from fdeplb.weights.plan import PauseBudget, TransferPlan, changed_layers, chunk_layers, chunk_starts, plan_transfer
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Staged(Protocol):
     """A staged plan held by a backend until it is swapped in or released."""
 
     report: StageReport
+    starts: tuple[int, ...]
+    """This rank's chunk layout of the swap within the pause budget it was staged for (the first layer of each
+    chunk, :func:`~fdeplb.weights.plan.chunk_starts`); () when staged for a swap at once."""
 
     def release(self) -> None:
         """Free the staging memory (idempotent)."""
@@ -116,9 +120,11 @@ class WeightBackend(Protocol):
     def slots_total(self) -> int:
         """Slots of the rank: num_layers x slots per rank."""
 
-    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> Staged:
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None, pause: PauseBudget | None = None) -> Staged:
         """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
-        read, when it needs more than ``budget_bytes``)."""
+        read, when it needs more than ``budget_bytes``). With ``pause``, the swap is applied in chunks of layers
+        within it (``Staged.starts``) and a device buffer for the largest chunk is allocated too, counted in the
+        same budget."""
 
     def swap(self, staged: Staged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
@@ -129,6 +135,15 @@ class WeightBackend(Protocol):
     def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
         """Route only to ``live_ranks`` (the members the current placement was committed for): log2phy / logcnt
         name no slot of another rank. RedundancyError when an expert would have no live replica."""
+
+    def prepare(self, staged: Staged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> None:
+        """Before a chunk's switch step: move the staged experts (and new routing rows) of ``layers`` to the
+        device, replacing the previous chunk's (staged with a ``pause``; WeightError otherwise)."""
+
+    def swap_layers(self, staged: Staged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> SwapReport:
+        """At a chunk's switch step: write the prepared chunk ``layers`` into the live slots, check every written
+        slot on the device (VerificationError: those layers' routing stays old), then switch those layers'
+        routing rows to ``new_phy2log``'s. Returns what the chunk did."""
 
     def verify(self) -> SlotCheck:
         """(slots holding exactly their logical expert's weights, slots in total)."""
@@ -153,11 +168,20 @@ class WeightBackend(Protocol):
 BackendFactory = Callable[[dict, np.ndarray, int, int], WeightBackend]
 
 
+def layout_of(transfer: TransferPlan, old_phy2log: np.ndarray, new_phy2log: np.ndarray, expert_nbytes: int,
+              pause: PauseBudget) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """(chunk starts, chunks) of ``transfer`` within ``pause``: a backend's layout of a chunked swap."""
+    changed = changed_layers(old_phy2log, new_phy2log)
+    starts = chunk_starts(changed, transfer.layer_nbytes(expert_nbytes), pause)
+    return starts, chunk_layers(starts, changed)
+
+
 @dataclass
 class _CheckpointStaged:
     transfer: TransferPlan
     experts: Any  # StagedExperts
     report: StageReport
+    starts: tuple[int, ...] = ()
 
     def release(self) -> None:
         self.experts.release()
@@ -223,12 +247,19 @@ class CheckpointBackend:
     def slots_total(self) -> int:
         return self.live.slots_per_rank * self.live.num_layers
 
-    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None) -> _CheckpointStaged:
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None,
+              pause: PauseBudget | None = None) -> _CheckpointStaged:
         from fdeplb.weights.staging import stage_experts
 
-        transfer = plan_transfer(self.live.phy2log, new_phy2log, self.live.ep_rank, self.live.ep_size)
-        experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device)
-        return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes))
+        old = self.live.phy2log
+        transfer = plan_transfer(old, new_phy2log, self.live.ep_rank, self.live.ep_size)
+        starts, buffer_experts = (), 0
+        if pause is not None:
+            starts, chunks = layout_of(transfer, old, new_phy2log, self.reader.expert_nbytes, pause)
+            buffer_experts = max((sum(1 for layer, _ in transfer.disk if layer in set(c)) for c in chunks), default=0)
+        experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device,
+                                buffer_experts=buffer_experts)
+        return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes), starts)
 
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
@@ -238,6 +269,12 @@ class CheckpointBackend:
 
     def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
         self.live.set_live_ranks(live_ranks)
+
+    def prepare(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> None:
+        self.live.load_chunk(staged.transfer, staged.experts, new_phy2log, layers)
+
+    def swap_layers(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, layers: tuple[int, ...]) -> SwapReport:
+        return self.live.swap_layers(staged.transfer, staged.experts, new_phy2log, layers)
 
     def verify(self) -> SlotCheck:
         return SlotCheck(*self.live.verify(self.reader))

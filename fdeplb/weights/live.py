@@ -4,6 +4,12 @@
 layout of a fused-MoE layer's stacked expert parameters. A swap writes into those tensors (their storage never
 changes, so CUDA graphs and every reference the serving engine holds stay valid), then updates the routing tables
 ``phy2log`` / ``log2phy`` / ``logcnt`` (paddle int64 tensors on the same device, also updated in place).
+
+A swap is applied whole (:meth:`LiveExperts.swap`, from host staging, every written slot checksummed) or in chunks
+of layers, one per safe point (:meth:`LiveExperts.load_chunk` before the chunk's switch step, then
+:meth:`LiveExperts.swap_layers` at it): the pause is then a device-to-device copy from the chunk's
+:class:`~fdeplb.weights.staging.DeviceBuffer`, each written slot compared on the device with what it was copied
+from, and the chunk's routing rows; every other layer keeps routing with its own, consistent, rows.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from fdeplb.weights import _paddle
 from fdeplb.weights.backend import SwapReport
 from fdeplb.weights.checkpoint import CheckpointReader
 from fdeplb.weights.plan import LOCAL, TransferPlan, rank_slots, routing_tables
-from fdeplb.weights.staging import ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
+from fdeplb.weights.staging import DeviceBuffer, ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
 
 
 class LiveExperts:
@@ -87,6 +93,9 @@ class LiveExperts:
         self.phy2log_tensor = self._device_int64(p2l)
         self.log2phy = self._device_int64(log2phy)
         self.logcnt = self._device_int64(logcnt)
+        # one view per layer of each routing table (rows switched by swap_layers)
+        self._route_rows = [(self.phy2log_tensor[layer], self.log2phy[layer], self.logcnt[layer])
+                            for layer in range(p2l.shape[0])]
         self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
         self.needs_reload = False
 
@@ -307,7 +316,8 @@ class LiveExperts:
         return bad
 
     # ---- swap -----------------------------------------------------------------------------------------------------
-    def _check_swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray) -> np.ndarray:
+    def _check_swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
+                    layers: list[int] | None = None) -> np.ndarray:
         if self.needs_reload:
             raise WeightError(f"rank {self.ep_rank}: live slots failed verification; reload() before swapping")
         if (plan.ep_rank, plan.ep_size) != (self.ep_rank, self.ep_size):
@@ -315,14 +325,18 @@ class LiveExperts:
         new = np.asarray(new_phy2log, dtype=np.int64)
         if new.shape != self._phy2log.shape:
             raise InputError(f"new_phy2log has shape {new.shape}, the live placement {self._phy2log.shape}")
-        if not np.array_equal(plan.old, self._phy2log[:, self._slots]):
+        rows = slice(None) if layers is None else layers
+        if not np.array_equal(plan.old[rows], self._phy2log[rows, self._slots]):
             raise InputError(f"rank {self.ep_rank}: the plan starts from another placement than the live one")
-        if not np.array_equal(plan.new, new[:, self._slots]):
+        if not np.array_equal(plan.new[rows], new[rows, self._slots]):
             raise InputError(f"rank {self.ep_rank}: new_phy2log does not match the plan's target for this rank")
         check_staged_for(plan, staged)
+        wanted = None if layers is None else set(layers)
         for i, tensors in enumerate(staged.experts):
-            for suffix, layers in self.tensors.items():
-                t, slot = tensors.get(suffix), layers[0][0]
+            if wanted is not None and plan.disk[i][0] not in wanted:
+                continue  # another chunk's expert: checked when its chunk is swapped
+            for suffix, layers_ in self.tensors.items():
+                t, slot = tensors.get(suffix), layers_[0][0]
                 if t is None or list(t.shape) != list(slot.shape) or t.dtype != slot.dtype:
                     got = "missing" if t is None else f"{_paddle.dtype_name(t)}{list(t.shape)}"
                     raise WeightError(
@@ -420,6 +434,146 @@ class LiveExperts:
             bytes_from_staging=plan.disk_slots * per_slot,
             bytes_local=counts["local"] * per_slot,
             bytes_snapshot=plan.num_snapshots * per_slot,
+            copy_seconds=copy_seconds,
+            verify_seconds=verify_seconds,
+            routing_seconds=routing_seconds,
+        )
+
+    # ---- chunked swap: one chunk of layers per safe point ---------------------------------------------------------
+    def load_chunk(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
+                   layers: tuple[int, ...]) -> int:
+        """Before the chunk's switch step (the serving engine keeps running): copy the staged experts of
+        ``layers`` into ``staged.buffer`` on the live experts' device, and the layers' new routing rows next to
+        them. Replaces the buffer's previous chunk. Returns the bytes copied.
+
+        Raises:
+            WeightError: no device buffer (staged without one), staging released or of another plan.
+            InputError: ``new_phy2log`` malformed for the routing tables.
+        """
+        check_staged_for(plan, staged)
+        buffer = staged.buffer
+        if buffer is None or (not buffer.entries and buffer.capacity):
+            raise WeightError(f"rank {self.ep_rank}: the staged plan has no device buffer (released, or staged "
+                              "for a swap at one safe point)")
+        wanted = set(int(layer) for layer in layers)
+        indices = [i for i, (layer, _) in enumerate(plan.disk) if layer in wanted]
+        if len(indices) > buffer.capacity:  # a layout finer than the one the buffer was sized for never needs this
+            buffer.release()
+            spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
+            buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
+        buffer.layers, buffer.loaded, buffer.routing = (), {}, {}
+        copied = 0
+        for entry, i in enumerate(indices):
+            for suffix, t in staged.experts[i].items():
+                _paddle.copy_into(buffer.entries[entry][suffix], t)
+                copied += _paddle.nbytes(t)
+            buffer.loaded[i] = entry
+        new = np.asarray(new_phy2log, dtype=np.int64)
+        log2phy, logcnt = routing_tables(new[sorted(wanted)], self.num_logical_experts, self.max_replicas,
+                                         self._live)
+        for row, layer in enumerate(sorted(wanted)):
+            buffer.routing[layer] = (self._device_int64(new[layer]), self._device_int64(log2phy[row]),
+                                     self._device_int64(logcnt[row]))
+        _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
+        buffer.layers = tuple(sorted(wanted))
+        return copied
+
+    def swap_layers(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
+                    layers: tuple[int, ...]) -> SwapReport:
+        """At the chunk's switch step: apply ``plan``'s writes of ``layers`` from the chunk's device buffer
+        (:meth:`load_chunk` first), check every written slot on the device, then switch the routing rows
+        (phy2log / log2phy / logcnt) of exactly those layers. Layers that do not change on this rank cost no copy:
+        only their routing rows switch (other ranks' slots moved).
+
+        Each written slot is compared bit-exactly with what it was copied from (its device buffer entry, the
+        source slot, or the cycle snapshot) on the device, right after its copy; only the answer is read back
+        (:func:`~fdeplb.weights._paddle.copy_checked`): no expert bytes go to the host.
+
+        Raises:
+            InputError / WeightError: as :meth:`swap`, checked for these layers before any write; WeightError also
+                when the device buffer does not hold this chunk.
+            VerificationError: a written slot differs from its source on the device. The routing rows of these
+                layers keep the old placement (other chunks already applied stay applied) and
+                :attr:`needs_reload` is set: the rank must :meth:`reload`.
+        """
+        chunk = sorted(int(layer) for layer in layers)
+        new = self._check_swap(plan, staged, new_phy2log, chunk)
+        buffer = staged.buffer
+        if buffer is None or buffer.layers != tuple(chunk):
+            raise WeightError(f"rank {self.ep_rank}: the device buffer holds layers {getattr(buffer, 'layers', ())}, "
+                              f"not the chunk {tuple(chunk)}; load_chunk() it first")
+        wanted = set(chunk)
+        missing = {(layer, int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))
+                   if int(layer) in wanted} - self._checksums.keys()
+        if missing:
+            raise VerificationError(
+                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
+                "verify(reader) the live slots first"
+            )
+        per_slot = self.expert_nbytes
+        steps = [step for step in plan.steps if step.layer in wanted]
+
+        start = time.perf_counter()
+        self.needs_reload = True
+        snapshots: dict[tuple[int, int], dict[str, Any]] = {}
+        checks: list[Any] = []
+        written: list[tuple[int, int, int]] = []
+        disk_slots = local = snaps = 0
+        for step in steps:
+            dst = self._views[step.layer][step.slot]
+            if step.kind == "snapshot":
+                snapshots[(step.layer, step.slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
+                snaps += 1
+                continue
+            if step.kind == "disk":
+                src = buffer.entries[buffer.loaded[step.source]]
+                disk_slots += 1
+            elif step.kind == "local":
+                src = self._views[step.layer][step.source]
+                local += 1
+            else:
+                src = snapshots[(step.layer, step.source)]
+                local += 1
+            for suffix, t in dst.items():
+                checks.append(_paddle.copy_checked(t, src[suffix]))
+                written.append((step.layer, step.slot, int(plan.new[step.layer, step.slot])))
+        _paddle.synchronize(self.device)
+        copy_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        bad = sorted({written[i] for i in _paddle.all_checked(checks, self.device)})
+        snapshots.clear()
+        verify_seconds = time.perf_counter() - start
+        if bad:
+            raise VerificationError(
+                f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ on the device from what they were copied "
+                f"from (layer, slot, expert): {bad[:8]}; the routing rows of layers {chunk} keep the old "
+                "placement, reload() the rank"
+            )
+
+        start = time.perf_counter()
+        for layer in chunk:
+            for dst, src in zip(self._route_rows[layer], buffer.routing[layer]):
+                _paddle.copy_into(dst, src)
+        _paddle.synchronize(self.device)
+        self._phy2log[chunk] = new[chunk]
+        self._checksums.update((key, c) for key, c in zip(plan.disk, staged.checksums) if key[0] in wanted)
+        self.needs_reload = False
+        routing_seconds = time.perf_counter() - start
+
+        action = plan.action[chunk]
+        return SwapReport(
+            ep_rank=self.ep_rank,
+            plan_key=plan.key,
+            keep=int(np.count_nonzero(action == 0)),
+            local=local,
+            disk=len(buffer.loaded),
+            disk_slots=disk_slots,
+            snapshots=snaps,
+            slots_verified=disk_slots + local,
+            bytes_from_staging=disk_slots * per_slot,
+            bytes_local=local * per_slot,
+            bytes_snapshot=snaps * per_slot,
             copy_seconds=copy_seconds,
             verify_seconds=verify_seconds,
             routing_seconds=routing_seconds,

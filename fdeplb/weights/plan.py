@@ -10,6 +10,10 @@ For each MoE layer and each slot of one EP rank (slots ``[ep_rank*S, (ep_rank+1)
 Local copies can read a slot that the same swap overwrites (two slots exchanging experts, or a chain). The plan
 orders them so every slot is read before it is written; a cycle is broken by snapshotting one slot (one expert of
 extra device memory, freed after the layer). Disk writes run after all local copies of their layer.
+
+A swap is applied in **chunks** of whole layers, one chunk per safe point (:func:`chunk_starts`,
+:func:`chunk_layers`): every write of a layer stays within its layer, so a layer is the unit that switches with
+its routing rows.
 """
 
 from __future__ import annotations
@@ -116,6 +120,15 @@ class TransferPlan:
     def num_snapshots(self) -> int:
         """Slots copied aside to break local-copy cycles (each costs one expert of device memory, per layer)."""
         return sum(1 for s in self.steps if s.kind == "snapshot")
+
+    def layer_nbytes(self, expert_nbytes: int) -> np.ndarray:
+        """int64 [L]: bytes the swap writes into this rank's slots per layer (changed slots and snapshots, each
+        ``expert_nbytes``); 0 for a layer that does not change on this rank."""
+        per_layer = np.count_nonzero(self.changed, axis=1).astype(np.int64)
+        for s in self.steps:
+            if s.kind == "snapshot":
+                per_layer[s.layer] += 1
+        return per_layer * int(expert_nbytes)
 
     def nbytes(self, expert_nbytes: int) -> dict[str, int]:
         """Bytes per kind for experts of ``expert_nbytes`` bytes: ``keep`` (not moved), ``local`` (copied on the
@@ -286,3 +299,63 @@ def routing_tables(phy2log: np.ndarray, num_logical_experts: int, max_replicas: 
     log2phy = np.full((num_layers, num_logical_experts, max_replicas), -1, dtype=np.int64)
     log2phy[:, :, : derived.shape[2]] = derived
     return log2phy, logcnt
+
+
+class PauseBudget(NamedTuple):
+    """What one safe point may switch (``ClusterConfig.max_pause_bytes`` / ``layers_per_safe_point``, or a rank
+    agent's own): 0 = no limit of that kind; both 0 = the whole swap at one safe point."""
+
+    max_pause_bytes: int = 0
+    """Bytes one safe point may write into the rank's live slots."""
+    layers_per_safe_point: int = 0
+    """Changed layers one safe point may switch."""
+
+
+def changed_layers(old_phy2log: np.ndarray, new_phy2log: np.ndarray) -> np.ndarray:
+    """int64 [n]: the layers whose phy2log row differs (their routing rows switch on every rank), ascending. The
+    same on every rank: both placements are the cluster's. Raises InputError for shapes that differ."""
+    old, new = _as_placement("old_phy2log", old_phy2log), _as_placement("new_phy2log", new_phy2log)
+    if old.shape != new.shape:
+        raise InputError(f"old_phy2log {old.shape} and new_phy2log {new.shape} differ in shape")
+    return np.flatnonzero((old != new).any(axis=1)).astype(np.int64)
+
+
+def chunk_starts(changed: np.ndarray, layer_nbytes: np.ndarray, budget: PauseBudget) -> tuple[int, ...]:
+    """This rank's chunk layout of a swap: the first layer of each chunk, ascending (empty when no layer changes).
+
+    Greedy over the changed layers in order: a layer joins the current chunk while the chunk stays within
+    ``budget`` (its bytes on this rank ``layer_nbytes`` int64 [L], its count of changed layers), else it starts the
+    next one. A layer is never split (its routing rows switch with all of its weights): one larger than
+    ``max_pause_bytes`` is a chunk of its own. A layer that changes only on other ranks costs this rank 0 bytes but
+    counts against ``layers_per_safe_point``. Deterministic.
+
+    Every rank proposes its own layout; the switch step fixes their union (:func:`chunk_layers` of the union is the
+    common refinement, within every rank's budget): see ``store/lua/switch.lua``.
+    """
+    max_bytes, max_layers = int(budget.max_pause_bytes), int(budget.layers_per_safe_point)
+    starts: list[int] = []
+    nbytes = layers = 0
+    for layer in np.asarray(changed, dtype=np.int64).tolist():
+        cost = int(layer_nbytes[layer])
+        over_bytes = max_bytes and cost and nbytes + cost > max_bytes  # a 0-byte layer always fits
+        if starts and not (over_bytes or (max_layers and layers + 1 > max_layers)):
+            nbytes, layers = nbytes + cost, layers + 1
+            continue
+        starts.append(layer)
+        nbytes, layers = cost, 1
+    return tuple(starts)
+
+
+def chunk_layers(starts: tuple[int, ...] | list[int], changed: np.ndarray) -> list[tuple[int, ...]]:
+    """The chunks of a layout: chunk k holds the changed layers in ``[starts[k], starts[k + 1])``; chunks without a
+    changed layer are dropped (an unchanged layer costs nothing and switches nothing). Raises InputError when a
+    changed layer lies before the first start."""
+    changed = np.asarray(changed, dtype=np.int64)
+    bounds = sorted({int(s) for s in starts})
+    if changed.size and (not bounds or int(changed[0]) < bounds[0]):
+        raise InputError(f"chunk starts {bounds[:8]} leave changed layer {int(changed[0])} outside every chunk")
+    index = np.searchsorted(np.asarray(bounds, dtype=np.int64), changed, side="right") - 1
+    chunks: dict[int, list[int]] = {}
+    for k, layer in zip(index.tolist(), changed.tolist()):
+        chunks.setdefault(k, []).append(layer)
+    return [tuple(chunks[k]) for k in sorted(chunks)]

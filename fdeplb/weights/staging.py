@@ -1,9 +1,14 @@
-"""Staging: the experts a plan loads from disk, read once each into host memory, with their checksums.
+"""Staging: the experts a plan loads from disk, read once each into host memory, with their checksums, and the
+device buffer a chunked swap moves them through.
 
 Staging happens in LOADING, while the old placement still serves: the budget is checked and every tensor name is
 resolved before a byte is read, so a bad checkpoint or a too-small budget fails the round here (LOAD_FAILED), never
-at swap time. Staged tensors are pinned when the live experts sit on a GPU, so the swap's host-to-device copies run
-at full PCIe/NVLink-C2C speed.
+at swap time. Staged tensors are pinned when the live experts sit on a GPU, so host-to-device copies run at full
+PCIe/NVLink-C2C speed.
+
+A swap applied in chunks of layers (one chunk per safe point) also gets a :class:`DeviceBuffer` on the live
+experts' device, sized for its largest chunk and counted in the same budget: before a chunk's switch step its
+staged experts are copied into it, so the pause itself is a device-to-device copy.
 """
 
 from __future__ import annotations
@@ -32,6 +37,35 @@ def expert_checksum(tensors: dict[str, Any]) -> ExpertChecksum:
     return tuple(_paddle.checksum(t) for t in tensors.values())
 
 
+class DeviceBuffer:
+    """Room for one chunk's staged experts on the live experts' device (``capacity`` experts, each every suffix of
+    ``spec``), plus the chunk's routing rows, filled before the chunk's switch step
+    (:meth:`fdeplb.weights.LiveExperts.load_chunk`).
+
+    Attributes:
+        tensors: ``suffix -> tensor [capacity, *shape]`` on ``device``; entries: one ``suffix -> view`` per entry.
+        nbytes: device bytes held (0 after :meth:`release`).
+        layers: the chunk it holds (layer indices; () = none yet); loaded: ``index into plan.disk -> entry``.
+        routing: ``layer -> (phy2log row, log2phy rows, logcnt row)`` device tensors of the chunk's new routing.
+    """
+
+    def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]], capacity: int, device: str) -> None:
+        self.device = device
+        self.capacity = int(capacity)
+        self.tensors = {suffix: _paddle.empty([self.capacity, *shape], dtype, device)
+                        for suffix, (shape, dtype) in spec.items()} if self.capacity else {}
+        self.entries = [{suffix: t[i] for suffix, t in self.tensors.items()} for i in range(self.capacity)]
+        self.nbytes = sum(_paddle.nbytes(t) for t in self.tensors.values())
+        self.layers: tuple[int, ...] = ()
+        self.loaded: dict[int, int] = {}
+        self.routing: dict[int, tuple[Any, Any, Any]] = {}
+
+    def release(self) -> None:
+        """Free the device memory (idempotent)."""
+        self.tensors, self.entries, self.routing, self.loaded = {}, [], {}, {}
+        self.layers, self.nbytes = (), 0
+
+
 @dataclass(eq=False)
 class StagedExperts:
     """Experts read from the checkpoint for one plan, waiting in host memory for the swap.
@@ -43,6 +77,7 @@ class StagedExperts:
         checksums: :data:`ExpertChecksum` per entry, computed from the tensors as read from the checkpoint.
         nbytes: host bytes held (0 after :meth:`release`).
         read_seconds: wall time of allocating, reading and checksumming.
+        buffer: the chunked swap's :class:`DeviceBuffer` (None: the swap copies from host staging at once).
     """
 
     plan_key: str
@@ -54,6 +89,7 @@ class StagedExperts:
     released: bool = False
     #: where released tensors go for reuse (the reader's buffer pool), or None to drop them
     recycle: Any = field(default=None, repr=False)
+    buffer: DeviceBuffer | None = field(default=None, repr=False)
 
     def release(self, keep_buffers: bool = False) -> None:
         """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent.
@@ -61,6 +97,8 @@ class StagedExperts:
         (:meth:`CheckpointReader.recycle`), which the next staging reuses; otherwise their memory is freed."""
         if keep_buffers and self.recycle is not None and self.experts:
             self.recycle([t for tensors in self.experts for t in tensors.values()])
+        if self.buffer is not None:
+            self.buffer.release()
         self.experts.clear()
         self.checksums.clear()
         self.nbytes = 0
@@ -77,6 +115,7 @@ def stage_experts(
     device: str | None = None,
     *,
     workers: int | None = None,
+    buffer_experts: int = 0,
 ) -> StagedExperts:
     """Read the experts ``plan`` loads from disk (``plan.disk``, each once) into host memory.
 
@@ -90,19 +129,24 @@ def stage_experts(
         budget_bytes: most host bytes staging may hold; ``None`` is unlimited.
         device: the live experts' device (``None``: paddle's current one); a GPU gets pinned staging.
         workers: reading threads (default :meth:`CheckpointReader.read_experts`'s); 1 reads serially.
+        buffer_experts: experts a :class:`DeviceBuffer` on ``device`` must hold (a chunked swap's largest chunk;
+            0 = none); its bytes count against ``budget_bytes`` too.
 
     Returns:
-        :class:`StagedExperts` with ``nbytes == plan.counts["disk"] * reader.expert_nbytes``.
+        :class:`StagedExperts` with ``nbytes == plan.counts["disk"] * reader.expert_nbytes`` (and ``buffer``).
 
     Raises:
-        StagingBudgetError: the experts would need more than ``budget_bytes``; raised before anything is read.
+        StagingBudgetError: the experts and the device buffer would need more than ``budget_bytes``; raised before
+            anything is read or allocated.
         CheckpointError: a tensor of a staged expert is missing or malformed; raised before anything is read.
     """
     dev = _paddle.resolve_device(device)
-    need = len(plan.disk) * reader.expert_nbytes
+    buffer_bytes = int(buffer_experts) * reader.expert_nbytes
+    need = len(plan.disk) * reader.expert_nbytes + buffer_bytes
     if budget_bytes is not None and need > budget_bytes:
+        buffer = f" (with a device buffer of {buffer_experts} experts, {buffer_bytes} bytes)" if buffer_bytes else ""
         raise StagingBudgetError(
-            f"rank {plan.ep_rank}: staging {len(plan.disk)} experts needs {need} bytes, over the budget of "
+            f"rank {plan.ep_rank}: staging {len(plan.disk)} experts{buffer} needs {need} bytes, over the budget of "
             f"{int(budget_bytes)} bytes; nothing was read"
         )
     for layer, expert in plan.disk:
@@ -117,6 +161,8 @@ def stage_experts(
             staged.checksums.append(checksum)
             staged.experts.append(tensors)
             staged.nbytes += sum(_paddle.nbytes(t) for t in tensors.values())
+        if buffer_experts:
+            staged.buffer = DeviceBuffer(reader.spec, buffer_experts, dev)
     except BaseException:
         staged.release()
         raise

@@ -167,6 +167,10 @@ class _Instrumented(NumpyWeights):
         self._note("swap")
         return super().swap(staged, new, live_ranks)
 
+    def swap_layers(self, staged, new, layers):  # a chunk of a swap (embedded agents)
+        self._note("swap")
+        return super().swap_layers(staged, new, layers)
+
     def clear(self):
         self._note("clear")
         return super().clear()
@@ -370,7 +374,7 @@ def test_arm_switch_fixes_the_step_once_every_rank_is_armed(redis_url, cluster_i
         n = store.request_weights("clear", "test")
 
         def arm(rank, step, margin=2, armed=f"weights:{n}"):
-            return store.arm_switch(rank, armed, step, "weights_switch_step", {"weights_request": n}, margin)
+            return store.arm_switch(rank, armed, step, "weights_switch_step", {"weights_request": n}, margin)[:2]
 
         assert arm(0, 7) == (0, "waiting")
         assert arm(1, 40) == (0, "waiting")

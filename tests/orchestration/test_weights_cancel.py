@@ -88,7 +88,7 @@ def test_a_clear_rank_3_never_arms_for_is_cancelled_every_rank_back_to_normal_an
             assert not [a for a in store.audit() if a["trigger"] == "alarm"]  # cancelled, not alarmed
             # a rank's late arm for the withdrawn request is refused, and writes nothing
             assert store.arm_switch(3, f"weights:{n}", 10_000, "weights_switch_step", {"weights_request": n},
-                                    withdrawn={"weights_cancelled": n}) == (0, "cancelled")
+                                    withdrawn={"weights_cancelled": n})[:2] == (0, "cancelled")
             assert store.read_rank(3).armed != f"weights:{n}"
             # with every worker at its safe points, the next request is carried out everywhere
             start(3)
@@ -133,7 +133,7 @@ def _armed_but_one(raw: RawRedis, store: Store, n: int) -> None:
 
 def _arm(store, r, n, step):
     return store.arm_switch(r, f"weights:{n}", step, "weights_switch_step", {"weights_request": n},
-                            withdrawn={"weights_cancelled": n})
+                            withdrawn={"weights_cancelled": n})[:2]
 
 
 def test_a_cancel_racing_the_last_arm_exactly_one_wins(redis_url, cluster_id, tmp_path):

@@ -1,0 +1,149 @@
+"""Chunked swaps on real paddle tensors: chunk layouts within a pause budget, the device buffer, the on-device check
+of every written slot (never a read-back of the experts) and the routing rows that switch with their layer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+
+from fdeplb.errors import StagingBudgetError, VerificationError  # noqa: E402
+from fdeplb.weights import CheckpointBackend, CheckpointReader, LiveExperts, routing_tables  # noqa: E402
+from fdeplb.weights import _paddle  # noqa: E402
+from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers, chunk_starts, plan_transfer  # noqa: E402
+from tests.weights.test_weights import EP, NEW, OLD, ckpt, snapshot_bytes  # noqa: E402,F401  (fixture)
+
+L = OLD.shape[0]
+
+
+def backend(ckpt_dir) -> CheckpointBackend:
+    return CheckpointBackend.open({"path": str(ckpt_dir)}, OLD, 0, EP, device="cpu")
+
+
+def apply_all(b: CheckpointBackend, staged, new, chunks) -> list:
+    reports = []
+    for layers in chunks:
+        b.prepare(staged, new, layers)
+        reports.append(b.swap_layers(staged, new, layers))
+    return reports
+
+
+# ---- layouts (pure numpy) ------------------------------------------------------------------------------------------
+def test_chunk_layout_boundaries_first_last_unchanged_and_a_budget_smaller_than_one_layer():
+    changed = np.array([0, 2, 3, 5], dtype=np.int64)  # layers 1 and 4 unchanged everywhere
+    nbytes = np.array([10, 0, 0, 30, 0, 20], dtype=np.int64)  # layer 2 changes only on other ranks: 0 bytes here
+    assert chunk_starts(changed, nbytes, PauseBudget(0, 0)) == (0,)  # no limit: one safe point
+    assert chunk_starts(changed, nbytes, PauseBudget(40, 0)) == (0, 5)  # 10+0+30 fit, 20 starts the last
+    assert chunk_starts(changed, nbytes, PauseBudget(0, 1)) == (0, 2, 3, 5)  # one changed layer per safe point
+    assert chunk_starts(changed, nbytes, PauseBudget(5, 0)) == (0, 3, 5)  # smaller than a layer: it is one chunk,
+    # and the 0-byte layer 2 joins the chunk of layer 0 (it costs this rank nothing)
+    assert chunk_layers((0, 3, 5), changed) == [(0, 2), (3,), (5,)]  # unchanged layers 1, 4 are in no chunk
+    # the union of two ranks' layouts is their common refinement; a chunk with no changed layer is dropped
+    assert chunk_layers((0, 1, 3, 4, 5), changed) == [(0,), (2,), (3,), (5,)]
+    assert chunk_starts(np.array([], dtype=np.int64), nbytes, PauseBudget(5, 1)) == ()
+
+
+def test_a_chunked_swap_ends_where_the_whole_swap_ends_each_layer_switching_with_its_routing_rows(ckpt):
+    """First chunk, last chunk, and an unchanged layer: after each chunk, exactly that chunk's layers route (and
+    hold weights) by the new placement, every other layer by the old one; the end state is the whole swap's."""
+    whole = backend(ckpt)
+    whole.swap(whole.stage(NEW, None), NEW)
+    b = backend(ckpt)
+    per_layer = b.live.expert_nbytes * 6  # budget of one full layer of rank 0's six slots
+    staged = b.stage(NEW, None, PauseBudget(per_layer, 0))
+    changed = changed_layers(OLD, NEW)
+    assert changed.tolist() == [0, 2]  # layer 1 is unchanged: it is in no chunk
+    chunks = chunk_layers(staged.starts, changed)
+    assert chunks == [(0,), (2,)]
+    assert staged.experts.buffer is not None and staged.experts.buffer.capacity == 1  # the largest chunk: 7 (layer 0)
+    old_l2p, old_cnt = routing_tables(OLD, 8, b.live.max_replicas)
+    new_l2p, new_cnt = routing_tables(NEW, 8, b.live.max_replicas)
+    for k, layers in enumerate(chunks):
+        b.prepare(staged, NEW, layers)
+        report = b.swap_layers(staged, NEW, layers)
+        assert report.slots_verified > 0
+        done = {layer for c in chunks[: k + 1] for layer in c}
+        for layer in range(L):
+            want = NEW if layer in done else OLD
+            assert np.array_equal(b.live.phy2log_tensor.numpy()[layer], want[layer])
+            assert np.array_equal(b.live.log2phy.numpy()[layer], (new_l2p if layer in done else old_l2p)[layer])
+            assert np.array_equal(b.live.logcnt.numpy()[layer], (new_cnt if layer in done else old_cnt)[layer])
+    assert np.array_equal(b.phy2log, NEW)
+    assert snapshot_bytes(b.live) == snapshot_bytes(whole.live)
+    assert b.verify() == (L * 6, L * 6)
+
+
+def test_a_layer_unchanged_on_this_rank_costs_no_copy_only_its_routing_rows(ckpt):
+    new = NEW.copy()
+    new[1] = [0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 1, 3]  # layer 1 changes only on rank 1's slots
+    b = backend(ckpt)
+    staged = b.stage(new, None, PauseBudget(0, 1))
+    chunks = chunk_layers(staged.starts, changed_layers(OLD, new))
+    assert chunks == [(0,), (1,), (2,)]
+    before = snapshot_bytes(b.live)
+    b.prepare(staged, new, (1,))
+    report = b.swap_layers(staged, new, (1,))
+    assert report.slots_verified == 0 and report.bytes_from_staging == report.bytes_local == 0
+    assert snapshot_bytes(b.live) == before  # no slot written
+    assert np.array_equal(b.live.log2phy.numpy()[1], routing_tables(new, 8, b.live.max_replicas)[0][1])
+
+
+def test_the_device_buffer_counts_in_the_staging_budget_up_front(ckpt):
+    b = backend(ckpt)
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    host = len(plan.disk) * b.reader.expert_nbytes
+    b.stage(NEW, host, None).release()  # the whole swap at once: host staging only
+    with pytest.raises(StagingBudgetError, match="device buffer"):
+        b.stage(NEW, host, PauseBudget(0, 0))  # one chunk of everything: a device buffer of every disk expert
+    staged = b.stage(NEW, host + b.reader.expert_nbytes, PauseBudget(0, 1))  # chunks of one layer: 1 expert
+    assert staged.experts.buffer.nbytes == b.reader.expert_nbytes
+    staged.release()
+
+
+def test_a_mismatch_found_on_the_device_raises_and_keeps_that_layers_routing(ckpt, monkeypatch):
+    """A slot written wrong in chunk 2 (the copy lands short): found by the on-device comparison, with no expert
+    read back to the host (a checksum during the pause would fail the test); chunk 1 stays applied, chunk 2's
+    layers keep the old routing rows, and reload() restores a consistent rank."""
+    b = backend(ckpt)
+    staged = b.stage(NEW, None, PauseBudget(0, 1))
+    b.prepare(staged, NEW, (0,))
+    b.swap_layers(staged, NEW, (0,))
+    b.prepare(staged, NEW, (2,))
+    real_copy = _paddle.copy_checked
+
+    def short_copy(dst, src):  # the first written tensor's last byte does not land; checked as a GPU would
+        real_copy(dst, src)
+        if not getattr(short_copy, "hit", False):
+            short_copy.hit = True
+            _paddle.host_buffer(dst)[-1] ^= 0xFF
+        return _paddle.device_equal(dst, src)
+
+    def no_readback(*_a, **_k):
+        raise AssertionError("an expert was checksummed (read back) during the pause")
+
+    monkeypatch.setattr(_paddle, "copy_checked", short_copy)
+    monkeypatch.setattr(_paddle, "checksum", no_readback)
+    with pytest.raises(VerificationError, match="on the device"):
+        b.swap_layers(staged, NEW, (2,))
+    monkeypatch.undo()
+    assert b.live.needs_reload
+    p2l = b.live.phy2log_tensor.numpy()
+    assert np.array_equal(p2l[0], NEW[0]) and np.array_equal(p2l[2], OLD[2])  # chunk 1 applied, chunk 2 not
+    assert np.array_equal(b.live.logcnt.numpy()[2], routing_tables(OLD, 8, b.live.max_replicas)[1][2])
+    b.reload()
+    assert b.verify() == (L * 6, L * 6)
+
+
+def test_copy_checked_compares_the_bytes_on_the_device_path_too():
+    """The device path (equal_all of raw words, used on a GPU) on CPU tensors: equal, then one bit off."""
+    import paddle
+
+    a = paddle.randn([4, 6]).astype("bfloat16")
+    b = paddle.zeros([4, 6], dtype="bfloat16")
+    _paddle.copy_into(b, a)
+    assert _paddle.all_checked([_paddle.device_equal(b, a)], "cpu") == []
+    raw = _paddle.host_buffer(b)
+    raw[3] ^= 0x01
+    assert _paddle.all_checked([_paddle.device_equal(b, a), _paddle.device_equal(a, a)], "cpu") == [0]
+    assert _paddle.copy_checked(b, a) is True and _paddle.host_buffer(b) == _paddle.host_buffer(a)
