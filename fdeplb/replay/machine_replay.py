@@ -115,6 +115,7 @@ class _Replay:
     def __init__(self, report: ReplayReport, until: str | None) -> None:
         self.report = report
         self.until = until
+        self.until_at = None if until is None else _until(until)
         self.machines: dict[str, _Replayed] = {}
         self.ep_size: int | None = None
         self.last_id: tuple[int, int] | None = None
@@ -125,6 +126,7 @@ class _Replay:
         self.cordoned = False
         self.placement_known = True  # False while the header's start placement was pruned and no commit since
         self.refused: tuple[str, dict[int, int]] | None = None  # (where, stale ranks) of the refusal in force
+        self.schema = 1  # the header's schema (1 for a header-less export: reasons in text only)
 
     # ---- header ----------------------------------------------------------------------------------------------
     def header(self, line: AuditLine) -> None:
@@ -141,6 +143,7 @@ class _Replay:
             raise ReplayError(f"line {line.line}: not a recording header: {exc}") from None
         self.ep_size = config.ep_size
         self.cordoned = config.cordoned
+        self.schema = header.schema_version
         for key, held in header.start.records.items():
             table = self._table_of(line, key)
             try:
@@ -235,9 +238,10 @@ class _Replay:
             report.until = self.until
 
     def _reached(self, line: AuditLine, table: MachineTable, version: int) -> bool:
-        if "-" in self.until:
-            return line.record.get("id", "") == self.until
-        return table is CLUSTER and str(version) == self.until
+        until = self.until_at
+        if isinstance(until, tuple):  # a stream id
+            return _stream_id(line) == until
+        return table is CLUSTER and version == until
 
     def _note(self, line: AuditLine, table: MachineTable, held: _Replayed) -> None:
         """An alarm, skip or start refusal: on the cluster as replayed; skips and refusals only in FREE (the
@@ -256,7 +260,7 @@ class _Replay:
         if trigger == "start_refused":
             from fdeplb.orchestration import reasons
 
-            stale = _read_detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
+            stale = self._detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
             if stale is None:
                 raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
                                   f"{rec.get('reason', '')[:80]!r}")
@@ -275,7 +279,7 @@ class _Replay:
         reason, where = line.record.get("reason", ""), line.where
         if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
             refused_at, stale = self.refused
-            beats = _read_detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
+            beats = self._detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
                 if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
                     continue  # the start ignores excluded ranks (issue 22)
@@ -288,8 +292,7 @@ class _Replay:
         elif table is CLUSTER and spec.trigger == "start":
             self.refused = None
         if table is CLUSTER and spec.trigger == "commit" and self.cordoned and \
-                _read_detail(line, reasons.requested_by,
-                                                     lambda v: reasons.external_commit(v).text) is None:
+                self._detail(line, reasons.requested_by, lambda v: reasons.external_commit(v).text) is None:
             raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
                               f"(reason {reason[:80]!r})")
         if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
@@ -297,6 +300,13 @@ class _Replay:
             raise ReplayError(f"{where}: {line.record['key']} updated into placement {plan_id or 'initial'}, but "
                               f"the cluster's current placement is {self.report.placement_plan or 'initial'} (an "
                               f"update reloads the current placement)")
+
+    def _detail(self, line: AuditLine, read, derive=None):
+        """:func:`_read_detail` of ``line``; None for a record without ``detail`` in a recording of schema 2 or
+        later (the facts are in the detail: its text alone proves nothing)."""
+        if self.schema >= 2 and not line.record.get("detail"):
+            return None
+        return _read_detail(line, read, derive)
 
     def _check_fence(self, line: AuditLine, table: MachineTable) -> None:
         rec = line.record
@@ -444,7 +454,7 @@ def _read_detail(line: AuditLine, read, derive=None):
     :class:`ReplayError` naming the line."""
     try:
         value = read(line.record)
-    except (ValueError, TypeError, KeyError) as exc:
+    except (ValueError, TypeError, KeyError, InputError) as exc:
         raise ReplayError(f"{line.where}: detail is not what a {line.record.get('trigger', '')} record carries: "
                           f"{exc}") from None
     if derive is not None and value is not None and line.record.get("detail"):
@@ -455,12 +465,21 @@ def _read_detail(line: AuditLine, read, derive=None):
     return value
 
 
+def _until(until: str) -> int | tuple[int, int]:
+    """``--until``: the cluster record's version (ASCII digits) or an audit stream id
+    (:func:`~fdeplb.store.streams.parse_stream_id`); :class:`InputError` for anything else."""
+    if until.isascii() and until.isdigit():
+        return int(until)
+    try:
+        return parse_stream_id(until)
+    except InputError:
+        raise InputError(f"--until takes the cluster's version or an audit id <ms>-<seq>, got {until!r}") from None
+
+
 def replay(lines: Iterable[AuditLine], until: str | None = None) -> ReplayReport:
     """Replay parsed recording lines; returns the report or raises :class:`ReplayError` at the first line that
     does not follow from the ones before it. ``until`` (a stream id ``<ms>-<seq>``, or the cluster record's
     version) stops the replay of audit records after that record; :class:`InputError` if no record matches."""
-    if until is not None and not (until.isdigit() or (until.count("-") == 1 and until.replace("-", "").isdigit())):
-        raise InputError(f"--until takes the cluster's version or an audit id <ms>-<seq>, got {until!r}")
     report = ReplayReport()
     state = _Replay(report, until)
     for line in lines:

@@ -1,0 +1,68 @@
+"""Follow-ups of a QA pass over the replay: schema 2 facts are read from ``detail`` only (never the text alone), and
+strictly (:func:`fdeplb.checks.check_int`); ``--until`` reads a stream id with the store's one parser; ``--into`` is
+all-or-nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from fdeplb.cli import main
+from fdeplb.store import Store
+from tests.replay.test_recordings import HAPPY, REPLAYS, _index, _lines, rechain
+
+
+def _write(tmp_path, lines, name="mutated.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def _fails(path, pattern, capsys):
+    assert main(["replay", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(pattern, err), err
+
+
+# ---- schema 2: the facts are the detail's -------------------------------------------------------------------------
+@pytest.mark.parametrize("detail", [None, "{}"], ids=["no detail", "empty detail"])
+def test_a_schema2_gated_abort_without_its_figures_fails(detail, tmp_path, capsys):
+    lines = _lines("gated_skip")
+    abort = lines[_index(lines, key="cluster", trigger="abort")]
+    if detail is None:
+        abort.pop("detail")
+    else:
+        abort["detail"] = detail
+    _fails(_write(tmp_path, rechain(lines)), r"line 4 .*gated round 1 without its gate's figures \(detail.gate\)",
+           capsys)
+
+
+def test_a_schema2_refusal_with_its_ranks_in_the_text_only_fails(tmp_path, capsys):
+    lines = _lines("stale_rank")
+    lines[_index(lines, trigger="start_refused")].pop("detail")
+    _fails(_write(tmp_path, rechain(lines)), r"line 2 .*start_refused without its stale ranks", capsys)
+
+
+@pytest.mark.parametrize("value", ["12", 12.0, True], ids=["text", "float", "bool"])
+def test_heartbeat_detail_integers_are_checked_strictly(value, tmp_path, capsys):
+    lines = _lines("stale_rank")
+    start = lines[_index(lines, key="cluster", trigger="start")]
+    detail = json.loads(start["detail"])
+    detail["heartbeats"][0]["age_ms"] = value
+    start["detail"] = json.dumps(detail, sort_keys=True, separators=(",", ":"))
+    _fails(_write(tmp_path, rechain(lines)), r"line 3 .*detail is not what a start record carries: age_ms must be "
+                                             r"an integer", capsys)
+
+
+# ---- --until -------------------------------------------------------------------------------------------------------
+def test_until_reads_a_stream_id_as_the_store_does(capsys):
+    loaded_id = next(x["id"] for x in _lines() if x.get("trigger") == "loaded")
+    ms, seq = loaded_id.split("-")
+    assert main(["replay", str(HAPPY), "--until", f"{ms}-0{seq}"]) == 0  # the same id, as Redis reads it
+    assert "cluster      LOAD_SUCC [2]  v4" in capsys.readouterr().out
+    assert main(["replay", str(HAPPY), "--until", f"{ms}-\u00b2"]) == 2  # a superscript two is no digit of an id
+    assert "--until takes the cluster's version or an audit id" in capsys.readouterr().err
+    assert main(["replay", str(HAPPY), "--until", "\u00b2"]) == 2
+    assert "--until takes the cluster's version or an audit id" in capsys.readouterr().err
