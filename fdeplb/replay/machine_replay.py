@@ -76,9 +76,12 @@ def _stream_id(line: AuditLine) -> tuple[int, int] | None:
     if rid in (None, ""):
         return None
     try:
-        return parse_stream_id(rid)
+        sid = parse_stream_id(rid)
     except InputError:
         raise ReplayError(f"{line.where}: not a stream id: {rid!r}") from None
+    if sid == (0, 0):
+        raise ReplayError(f"{line.where}: stream id 0-0, which Redis never assigns (ids start after it)")
+    return sid
 
 
 def _fence(line: AuditLine) -> tuple[int, str]:
