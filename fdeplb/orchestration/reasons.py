@@ -12,7 +12,9 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
 - the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
 - a weight clear / update withdrawn because its switch step was not fixed in time (trigger ``weights_cancelled``,
-  a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed).
+  a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed);
+- a rank's weight-status ``clear`` / ``update`` and its ``cancel`` / ``cancel_to_cleared``: ``{"request": 7}``, the
+  weight request it carries out or gives up.
 
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
@@ -172,6 +174,26 @@ def weights_cancelled(action: str, request: int, ranks: list[int], weights_ms: i
             f"workers of ranks {held} never reached a safe point armed for it (they must call at_safe_point); "
             f"no rank applied it, every rank returns to its previous weight state")
     return Reason(text, {"ranks": held, "request": int(request), "action": action, "weights_ms": int(weights_ms)})
+
+
+def weight_request(request: int) -> dict[str, Any]:
+    """The ``detail`` of a weight-status ``clear`` / ``update`` record: the cluster's weight request it carries out
+    (its reason is the operator's, as requested). A replay knows from it which request each rank applied."""
+    return {"request": int(request)}
+
+
+def request_cancelled(request: int) -> Reason:
+    """The reason of a weight-status ``cancel`` / ``cancel_to_cleared``: weight request ``request`` was withdrawn
+    (:func:`weights_cancelled`) before this rank applied it."""
+    return Reason(f"weight request {int(request)} cancelled", {"request": int(request)})
+
+
+def request_of(record: Mapping[str, Any]) -> int | None:
+    """The weight request a ``clear`` / ``update`` / cancel / ``weights_cancelled`` record names (``detail.request``);
+    None if it names none (a record written before it was recorded). ValueError for a corrupt detail,
+    :class:`~fdeplb.errors.InputError` for a request that is not an integer >= 1."""
+    detail = detail_of(record) or {}
+    return None if "request" not in detail else check_int(detail["request"], "request", lo=1)
 
 
 def held_back(record: Mapping[str, Any]) -> list[int] | None:

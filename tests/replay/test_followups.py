@@ -11,7 +11,7 @@ import pytest
 
 from fdeplb.cli import main
 from fdeplb.store import Store
-from tests.replay.test_recordings import HAPPY, REPLAYS, _index, _lines, rechain
+from tests.replay.test_recordings import HAPPY, _index, _lines, rechain
 
 
 def _write(tmp_path, lines, name="mutated.jsonl"):
