@@ -163,3 +163,19 @@ def test_mutated_recording_fails_with_its_reason(name, tmp_path, capsys):
     assert main(["replay", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert re.search(reason, err), err
+
+
+def test_into_rebuilds_the_membership_generation(redis_url, cluster_id, tmp_path):
+    from fdeplb.machines.tables import MEMBERSHIP as MEMBER_TABLE
+    from fdeplb.store import Store
+
+    assert main(["replay", str(MEMBERSHIP), "--into", redis_url, "--cluster", cluster_id]) == 0
+    store = Store(redis_url, cluster_id)
+    try:
+        assert store.read_cluster().generation == 4 and store.read(MEMBER_TABLE, 2).generation == 4
+        assert store.read(MEMBER_TABLE, 0).generation == 0
+        again = tmp_path / "again.jsonl"  # the rebuilt cluster exports a recording that replays the same
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(again)]) == 0
+        assert main(["replay", str(again)]) == 0
+    finally:
+        store.delete_cluster()
