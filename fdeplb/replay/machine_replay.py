@@ -35,7 +35,8 @@ from fdeplb.replay.reason_checks import RecordSays
 from fdeplb.replay.recording_format import (AuditLine, HeaderLine, SnapshotLine, decimal_text, field_int,
                                             read_export)
 from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
-from fdeplb.replay.start_state import NOT_TRANSITIONS
+# StartState and state_at live in start_state (the exporter's fold); importable from here as they were
+from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at  # noqa: F401
 from fdeplb.replay.weight_requests import WeightRequests
 from fdeplb.store.streams import parse_stream_id
 

@@ -29,9 +29,10 @@ class StartState:
     generation: int = 0
 
 
-def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
-    """Every record of a cluster of ``ep_size`` ranks after ``entries``: audit records from the stream's start, in
-    order, each read by field name as text (:class:`~fdeplb.store.AuditRecord`: a missing field reads ""). A plain
+def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = None) -> StartState:
+    """Every record of a cluster of ``ep_size`` ranks after ``entries``: audit records from the stream's start (or
+    from ``start``, e.g. a recording header's start state), in order, each read by field name as text
+    (:class:`~fdeplb.store.AuditRecord` or an exported line's dict: a missing field reads ""). A plain
     fold, no checks: a transition's key takes its ``to``, version and plan_id, and its ``generation`` (when it is
     a decimal) is the cluster's; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are; a key that is
     not a record of the cluster is passed over; a cluster transition whose effect sets the placement (the commit)
@@ -41,13 +42,25 @@ def state_at(entries: Iterable[Any], ep_size: int) -> StartState:
         for table in (RANK, WEIGHTS, MEMBERSHIP):
             records[f"{table.key_label}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
     chain, placement_plan, generation = "", "", 0
+    if start is not None:
+        records.update({k: dict(v) for k, v in start.records.items()})
+        chain, placement_plan, generation = start.chain, start.placement_plan, start.generation
     for e in entries:
         chain = e["chain"]
         if e["trigger"] in NOT_TRANSITIONS or e["key"] not in records:
             continue
         records[e["key"]] = {"state": e["to"], "version": int(e["version"]), "plan_id": e["plan_id"]}
-        if e["generation"].isascii() and e["generation"].isdigit():
-            generation = int(e["generation"])
+        made = str(_field(e, "generation"))
+        if made.isascii() and made.isdigit():
+            generation = int(made)
         if e["machine"] == CLUSTER.name and CLUSTER.spec(e["from"], e["trigger"]).effect is Effect.SET_PLACEMENT:
             placement_plan = e["plan_id"]
     return StartState(records, chain, placement_plan, generation)
+
+
+def _field(entry: Any, name: str) -> Any:
+    """``entry[name]``, "" when it has none (an AuditRecord reads "" for a missing field; a dict raises)."""
+    try:
+        return entry[name]
+    except KeyError:
+        return ""
