@@ -15,7 +15,7 @@ A recording (schema :data:`SCHEMA`, documented in ``docs/recordings.md``) is one
 Arrays are ``{"dtype": "int64", "shape": [..], "data": [flat values, C order]}`` (:mod:`fdeplb.array_json`).
 :func:`export_recording` writes one from a live cluster; :mod:`fdeplb.replay` reads and replays it with no Redis.
 The format's definitions (:data:`SCHEMA`, :data:`INT_FIELDS`, the line models) are those of its reader,
-:mod:`fdeplb.replay.recording_format`; the start of an exported range is :func:`fdeplb.replay.machine_replay.state_at`.
+:mod:`fdeplb.replay.recording_format`; the start of an exported range is :func:`fdeplb.replay.start_state.state_at`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from fdeplb.array_json import array_json
 from fdeplb.errors import InputError
 from fdeplb.machines.tables import CLUSTER
-from fdeplb.replay.machine_replay import state_at
+from fdeplb.replay.start_state import state_at
 from fdeplb.replay.recording_format import INT_FIELDS, SCHEMA
 
 __all__ = ["INT_FIELDS", "SCHEMA", "audit_dict", "export_recording"]
@@ -81,7 +81,8 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
         "policy": config.policy,
         "range": {"round": round_, "first_id": picked[0].id if picked else None,
                   "last_id": picked[-1].id if picked else None},
-        "start": {"chain": begin.chain, "records": begin.records, "placement": start_placement},
+        "start": {"chain": begin.chain, "records": begin.records, "placement": start_placement,
+                  "generation": begin.generation},
         "contents": {"records": len(picked), "snapshots": list(snapshots), "plans": list(plans)},
         "missing": {"snapshots": [r for r in rounds if r not in snapshots],
                     "plans": [p for p in plan_ids if p not in plans]},

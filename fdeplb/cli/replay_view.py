@@ -51,8 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    from fdeplb.replay import Recorded, ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
+    from fdeplb.replay import ReplayError, check_gates, check_plans, rebuild, replay_file, whatif
     from fdeplb.replay.anchor import check_head
+    from fdeplb.replay.verify import check_recording
     from fdeplb.store import Store
 
     if args.ui:
@@ -64,17 +65,17 @@ def run_replay(args: argparse.Namespace) -> int:
     if (args.into is not None or args.redis_url is not None) != (args.cluster is not None):
         raise InputError("--cluster goes with --into or --redis-url (the cluster to rebuild or check against)")
     into = Store(args.into, args.cluster) if args.into is not None else None  # a bad URL or id: before replaying
-    report = replay_file(args.file, args.until)
-    if report.records == 0:
-        raise ReplayError(f"{args.file}: no audit records (a recording has one JSON object per line)")
-    if args.redis_url is not None:
+    if args.redis_url is None:
+        report = check_recording(args.file, args.until)
+    else:
+        report = replay_file(args.file, args.until)
+        if report.records == 0:
+            raise ReplayError(f"{args.file}: no audit records (a recording has one JSON object per line)")
         live = open_store(args.redis_url, args.cluster)
         check_plans(live, report)
         check_head(live, report)
-    elif report.header is not None:
-        check_plans(Recorded(report), report)
-    if report.header is not None:
-        check_gates(report)
+        if report.header is not None:
+            check_gates(report)
     rows = whatif(report, args.policy) if args.policy is not None else None
     written = rebuild(report, into) if into is not None else None
     if args.json:

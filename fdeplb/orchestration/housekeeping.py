@@ -116,8 +116,9 @@ class WeightsWatchdog:
                 self.log.error("cannot cancel", ep_rank=r, state=w.state, prior=w.prior)
                 continue
             try:
+                why = reasons.request_cancelled(n)
                 RecordHandle(self.store, WEIGHTS, r, actor=self.holder).fire(
-                    trigger, record=w, reason=f"weight request {n} cancelled", changes={"reason": ""})
+                    trigger, record=w, reason=why.text, detail=why.detail, changes={"reason": ""})
             except StateError as err:  # the rank's agent fired it first, or the record moved on
                 self.log.info("cancel skipped", ep_rank=r, error=str(err))
 

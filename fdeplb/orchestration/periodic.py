@@ -13,7 +13,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError
 from fdeplb.machines.tables import CLUSTER
-from fdeplb.orchestration import membership
+from fdeplb.orchestration import membership, reasons
 from fdeplb.orchestration.gating import mean_balancedness, plan_round
 from fdeplb.store import ClusterRecord
 
@@ -67,12 +67,10 @@ class UnaskedRounds:
             decision = plan_round(load, old, cfg, self.planner)
         except FdeplbError as err:
             return self._skip(rec, f"skipped: planning failed: {err}")
-        after, moved = decision.balancedness_after, decision.moved_experts
-        if not decision.goes_on:
-            return self._skip(rec, f"skipped: planned balancedness {before:.4f} -> {after:.4f} (gain "
-                                   f"{after - before:.4f} <= min_gain {cfg.min_gain}), {moved} moved experts",
-                              {"gate": decision.detail()})
-        self.store.request_round(f"interval: balancedness {before:.4f}, planned {after:.4f}")
+        skip = reasons.skipped(decision)  # the gate's one rule and words (GateDecision.why_skipped)
+        if skip is not None:
+            return self._skip(rec, skip.text, skip.detail)
+        self.store.request_round(f"interval: balancedness {before:.4f}, planned {decision.balancedness_after:.4f}")
         return True, None
 
     def _skip(self, rec: ClusterRecord, reason: str, detail: dict | None = None) -> Step:

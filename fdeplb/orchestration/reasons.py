@@ -15,7 +15,9 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   log_id], ...]}}`` (the ranks that are not members, the experts that had no replica on a member);
 - a re-placement that fails closed (trigger ``abort``, and its ``alarm``): ``{"ranks": [3], "orphans": [...]}``;
 - a weight clear / update withdrawn because its switch step was not fixed in time (trigger ``weights_cancelled``,
-  a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed).
+  a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed);
+- a rank's weight-status ``clear`` / ``update`` and its ``cancel`` / ``cancel_to_cleared``: ``{"request": 7}``, the
+  weight request it carries out or gives up.
 
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
@@ -33,6 +35,9 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
+
+from fdeplb.checks import check_int
+from fdeplb.errors import InputError
 
 if TYPE_CHECKING:
     from fdeplb.orchestration.gating import GateDecision
@@ -84,10 +89,12 @@ def refusal(stale: Mapping[int, int]) -> Reason:
 
 def stale_ranks(record: Mapping[str, Any]) -> dict[int, int] | None:
     """ep_rank -> ms since its heartbeat, of a ``start_refused`` record; None if it names none.
-    Reads ``detail`` (schema 2), else the text of :func:`refusal` (schema 1). ValueError for a corrupt detail."""
+    Reads ``detail`` (schema 2), else the text of :func:`refusal` (schema 1). ValueError for a corrupt detail,
+    :class:`~fdeplb.errors.InputError` for a value that is not an integer (:func:`~fdeplb.checks.check_int`)."""
     detail = detail_of(record)
     if detail is not None:
-        return {int(i["ep_rank"]): int(i["heartbeat_age_ms"]) for i in detail.get("stale_ranks", [])} or None
+        return {_rank(i): check_int(i["heartbeat_age_ms"], "heartbeat_age_ms")
+                for i in detail.get("stale_ranks", [])} or None
     return _items(_field(record, "reason"), REFUSED, _STALE_ITEM, lambda m: int(m[2]))
 
 
@@ -102,24 +109,33 @@ def fresh(beats: Mapping[int, tuple[int, int]]) -> Reason:
 
 def heartbeats(record: Mapping[str, Any]) -> dict[int, tuple[int, int]] | None:
     """ep_rank -> (ms since its heartbeat, TTL ms) of a start record after a refusal; None if it has none.
-    Reads ``detail`` (schema 2), else the text of :func:`fresh` (schema 1). ValueError for a corrupt detail."""
+    Reads ``detail`` (schema 2), else the text of :func:`fresh` (schema 1). ValueError for a corrupt detail,
+    :class:`~fdeplb.errors.InputError` for a value that is not an integer (:func:`~fdeplb.checks.check_int`)."""
     detail = detail_of(record)
     if detail is not None:
-        return {int(i["ep_rank"]): (int(i["age_ms"]), int(i["ttl_ms"])) for i in detail.get("heartbeats", [])} \
-            or None
+        return {_rank(i): (check_int(i["age_ms"], "age_ms"),
+                           check_int(i["ttl_ms"], "ttl_ms", lo=0))
+                for i in detail.get("heartbeats", [])} or None
     return _items(_field(record, "reason"), FRESH, _FRESH_ITEM, lambda m: (int(m[2]), int(m[3] or 0)))
 
 
 # ---- the gain gate ----------------------------------------------------------------------------------------------
-def gated(decision: "GateDecision") -> Reason | None:
-    """The abort reason of a round the gate skips (:class:`fdeplb.orchestration.gating.GateDecision`), with the
-    numbers (4 decimals in the text, full precision in the detail); None when the round goes on."""
+def skipped(decision: "GateDecision") -> Reason | None:
+    """Why the gate skips a plan (:class:`fdeplb.orchestration.gating.GateDecision`): ``skipped:`` and
+    :attr:`~fdeplb.orchestration.gating.GateDecision.why_skipped` with the numbers (4 decimals in the text, full
+    precision in the detail); None when the round goes on. The periodic trigger's skip note says this."""
     why = decision.why_skipped
     if why is None:
         return None
-    text = (f"{GATED}{why} (balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}, "
-            f"{decision.moved_experts} moved experts)")
+    text = (f"skipped: {why} (balancedness {decision.balancedness_before:.4f} -> "
+            f"{decision.balancedness_after:.4f}, {decision.moved_experts} moved experts)")
     return Reason(text, {"gate": decision.detail()})
+
+
+def gated(decision: "GateDecision") -> Reason | None:
+    """The abort reason of a round the gate skips: :func:`skipped` after ``gated:``; None when it goes on."""
+    skip = skipped(decision)
+    return None if skip is None else Reason(f"gated: {skip.text}", skip.detail)
 
 
 def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
@@ -194,6 +210,26 @@ def weights_cancelled(action: str, request: int, ranks: list[int], weights_ms: i
     return Reason(text, {"ranks": held, "request": int(request), "action": action, "weights_ms": int(weights_ms)})
 
 
+def weight_request(request: int) -> dict[str, Any]:
+    """The ``detail`` of a weight-status ``clear`` / ``update`` record: the cluster's weight request it carries out
+    (its reason is the operator's, as requested). A replay knows from it which request each rank applied."""
+    return {"request": int(request)}
+
+
+def request_cancelled(request: int) -> Reason:
+    """The reason of a weight-status ``cancel`` / ``cancel_to_cleared``: weight request ``request`` was withdrawn
+    (:func:`weights_cancelled`) before this rank applied it."""
+    return Reason(f"weight request {int(request)} cancelled", {"request": int(request)})
+
+
+def request_of(record: Mapping[str, Any]) -> int | None:
+    """The weight request a ``clear`` / ``update`` / cancel / ``weights_cancelled`` record names (``detail.request``);
+    None if it names none (a record written before it was recorded). ValueError for a corrupt detail,
+    :class:`~fdeplb.errors.InputError` for a request that is not an integer >= 1."""
+    detail = detail_of(record) or {}
+    return None if "request" not in detail else check_int(detail["request"], "request", lo=1)
+
+
 def held_back(record: Mapping[str, Any]) -> list[int] | None:
     """The ranks a ``weights_cancelled`` record names as having held the request back; None if it names none.
     ValueError for a corrupt detail."""
@@ -233,6 +269,13 @@ def _field(record: Mapping[str, Any], name: str) -> str:
     """A field of an audit record as text ("" when absent): a mapping, or a store AuditRecord (no ``get``)."""
     value = record.get(name, "") if hasattr(record, "get") else record[name]
     return "" if value is None else str(value)
+
+
+def _rank(item: Any) -> int:
+    """The ``ep_rank`` of a detail item (a JSON object), checked (:func:`~fdeplb.checks.check_int`, >= 0)."""
+    if not isinstance(item, dict):
+        raise InputError(f"a detail item is {type(item).__name__}, not an object")
+    return check_int(item["ep_rank"], "ep_rank", lo=0)
 
 
 def _items(reason: str, prefix: str, item: re.Pattern, value):

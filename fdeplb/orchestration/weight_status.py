@@ -11,6 +11,7 @@ from typing import Any
 
 from fdeplb.errors import VerificationError
 from fdeplb.machines.tables import WEIGHT_CANCELS, WEIGHTS, ClusterState, WeightState
+from fdeplb.orchestration import reasons
 from fdeplb.orchestration.safe_points import Arm, SafePoints
 from fdeplb.store import ClusterRecord, WeightRecord
 
@@ -72,7 +73,7 @@ class WeightStatusDriver(SafePoints):
             self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
             self.store.update(WEIGHTS, self.ep_rank, request=n)
             return True
-        self.weights.fire(action, record=w, reason=cluster.weights_reason,
+        self.weights.fire(action, record=w, reason=cluster.weights_reason, detail=reasons.weight_request(n),
                           changes={"request": n, "reason": "", "prior": w.state, "at_switch": int(self.safe_points)})
         return True
 
@@ -87,8 +88,8 @@ class WeightStatusDriver(SafePoints):
             self.log.error("cannot cancel the weight request", request=w.request, state=w.state)
             return False
         self.log.warning("weight request cancelled", request=w.request, reason=cluster.weights_cancel_reason)
-        self.weights.fire(trigger, record=w, reason=f"weight request {w.request} cancelled",
-                          changes={"reason": ""})
+        why = reasons.request_cancelled(w.request)
+        self.weights.fire(trigger, record=w, reason=why.text, detail=why.detail, changes={"reason": ""})
         return True
 
     def _drop_weights_op(self, n: int) -> None:

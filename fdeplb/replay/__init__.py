@@ -22,6 +22,10 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every a
   update reloads the current placement, never the initial one);
 - an alarm, skip or start refusal (not transitions) names the cluster record in its replayed state and version;
   a skip or refusal only in FREE, a refusal only ranks of the cluster;
+- membership (issue 22): each membership transition raises the generation by exactly one and every transition
+  carries the generation in force (an older one fails); a committed placement routes no expert only to EXCLUDED
+  ranks (log2phy / logcnt over the members name no slot of an excluded rank); a weight cancel follows the
+  withdrawal of a request no rank applied and returns to the state its clear / update came from;
 - ``chain`` = :func:`chain_of` (the predecessor's chain, the record's fields): computed by the commit script, so a
   dropped, reordered, edited or forged record anywhere breaks it (the semantic checks above run first, so a record
   that also breaks them is reported with their reason).
@@ -41,18 +45,23 @@ Modules, one concern each:
 - :mod:`~fdeplb.replay.recording_format`: the recording format (schema, line types, the strict line models) and its
   reader (:func:`parse_lines`, :func:`read_export`); :mod:`fdeplb.recording`, the writer, uses the same definitions;
 - :mod:`~fdeplb.replay.report`: the report (:class:`ReplayReport`, the rounds and plans seen);
-- :mod:`~fdeplb.replay.machine_replay`: :func:`replay` through the tables, :func:`chain_of`, and ``state_at`` (the
-  exporter's start state);
+- :mod:`~fdeplb.replay.machine_replay`: :func:`replay` through the tables, :func:`chain_of`; beside it, each with
+  its own concern, :mod:`~fdeplb.replay.reason_checks` (what a record says besides its states),
+  :mod:`~fdeplb.replay.membership_checks` (the membership generation; no committed placement routes to an EXCLUDED
+  rank), :mod:`~fdeplb.replay.weight_requests` (the cancel transitions' ``withdrawn`` guard) and
+  :mod:`~fdeplb.replay.start_state` (``state_at``, the exporter's start state, no checks);
 - :mod:`~fdeplb.replay.recompute`: :func:`check_plans`, :func:`check_gates`, :func:`whatif`, on top of
   :mod:`fdeplb.orchestration.gating`;
 - :mod:`~fdeplb.replay.anchor`: ``check_head``, the recording's last chain against a live audit (``--redis-url``);
-- :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`.
+- :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`;
+- :mod:`~fdeplb.replay.verify`: ``check_recording``, the whole self-contained check of one file (``fdeplb replay``
+  and the pytest plugin, :mod:`~fdeplb.replay.pytest_plugin`: ``pytest --fdeplb-recordings DIR``).
 """
 
 from fdeplb.errors import ReplayError
 # besides __all__, these stay importable from here as they were before the split (the CLI imports Recorded)
-from fdeplb.replay.machine_replay import (  # noqa: F401
-    CHAIN_EXCLUDED, NOT_TRANSITIONS, StartState, chain_of, replay, replay_file, state_at)
+from fdeplb.replay.machine_replay import CHAIN_EXCLUDED, NOT_TRANSITIONS, chain_of, replay, replay_file  # noqa: F401
+from fdeplb.replay.start_state import StartState, state_at  # noqa: F401
 from fdeplb.replay.rebuild import rebuild
 from fdeplb.replay.recompute import Recorded, check_gates, check_plans, whatif  # noqa: F401
 from fdeplb.replay.recording_format import (  # noqa: F401

@@ -3,15 +3,15 @@ machine per record key (built from the table exactly as a live commit builds it,
 :mod:`fdeplb.machines.model`), every record checked against the ones before it (the list is the package's
 docstring, :mod:`fdeplb.replay`); and :func:`chain_of`, the Python side of the audit chain.
 
-:func:`state_at` is the plain fold the exporter needs: where a stretch of the stream leaves every record, with no
-checks (an export must work on a stream that would not replay).
+The membership generation and the routing of committed plans are :mod:`fdeplb.replay.membership_checks`'; the
+weight requests and the cancel transitions' ``withdrawn`` guard :mod:`fdeplb.replay.weight_requests`'; the
+exporter's start state (no checks) :mod:`fdeplb.replay.start_state`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -28,20 +28,22 @@ from fdeplb.machines.tables import (
     Guard,
     GuardKind,
     MachineTable,
-    MemberState,
     TransitionSpec,
 )
-from fdeplb.replay.recording_format import AuditLine, HeaderLine, SnapshotLine, decimal_text, read_export
+from fdeplb.replay.membership_checks import Generations
+from fdeplb.replay.reason_checks import RecordSays
+from fdeplb.replay.recording_format import (AuditLine, HeaderLine, SnapshotLine, decimal_text, field_int,
+                                            read_export)
 from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
+# StartState and state_at live in start_state (the exporter's fold); importable from here as they were
+from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at  # noqa: F401
+from fdeplb.replay.weight_requests import WeightRequests
 from fdeplb.store.streams import parse_stream_id
 
 if TYPE_CHECKING:
     from fdeplb.store.records import PlanEntry
 
-__all__ = ["CHAIN_EXCLUDED", "NOT_TRANSITIONS", "StartState", "chain_of", "replay", "replay_file", "state_at"]
-
-#: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled"})
+__all__ = ["CHAIN_EXCLUDED", "NOT_TRANSITIONS", "chain_of", "replay", "replay_file"]
 #: fields of an exported audit line that the chain does not cover (the line type, the stream id, the chain itself)
 CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 
@@ -63,22 +65,17 @@ def chain_of(previous: str, fields: Mapping[str, Any]) -> str:
     return hashlib.sha1("".join(parts).encode()).hexdigest()
 
 
-def _int(line: AuditLine, name: str) -> int:
-    """An audit field's decimal text as an int; :class:`ReplayError` naming the line for anything else."""
-    value = line.record.get(name, "")
-    if not re.fullmatch(r"\s*-?\d+\s*", value):  # what int() reads, no "--1", no "²"
-        raise ReplayError(f"{line.where}: {name} is not an integer: {value!r}")  # 1.5, true, [] ...
-    return int(value)
-
-
 def _stream_id(line: AuditLine) -> tuple[int, int] | None:
     rid = line.record.get("id")
     if rid in (None, ""):
         return None
     try:
-        return parse_stream_id(rid)
+        sid = parse_stream_id(rid)
     except InputError:
         raise ReplayError(f"{line.where}: not a stream id: {rid!r}") from None
+    if sid == (0, 0):
+        raise ReplayError(f"{line.where}: stream id 0-0, which Redis never assigns (ids start after it)")
+    return sid
 
 
 def _fence(line: AuditLine) -> tuple[int, str]:
@@ -109,12 +106,13 @@ class _Replayed:
         return self.model.fire(trigger)
 
 
-class _Replay:
+class _Replay(RecordSays):
     """The state of one replay: every key's machine, the fence, the chain, the current placement's plan."""
 
     def __init__(self, report: ReplayReport, until: str | None) -> None:
         self.report = report
         self.until = until
+        self.until_at = None if until is None else _until(until)
         self.machines: dict[str, _Replayed] = {}
         self.ep_size: int | None = None
         self.last_id: tuple[int, int] | None = None
@@ -125,6 +123,11 @@ class _Replay:
         self.cordoned = False
         self.placement_known = True  # False while the header's start placement was pruned and no commit since
         self.refused: tuple[str, dict[int, int]] | None = None  # (where, stale ranks) of the refusal in force
+        self.schema = 1  # the header's schema (1 for a header-less export: reasons in text only)
+        self.num_logical_experts: int | None = None
+        self.generations = Generations()
+        self.plan_generations: dict[str, tuple[int, int]] = {}  # plan_id -> (generation, line) of its plan line
+        self.weight_requests = WeightRequests(self._request_of)
 
     # ---- header ----------------------------------------------------------------------------------------------
     def header(self, line: AuditLine) -> None:
@@ -141,6 +144,9 @@ class _Replay:
             raise ReplayError(f"line {line.line}: not a recording header: {exc}") from None
         self.ep_size = config.ep_size
         self.cordoned = config.cordoned
+        self.schema = header.schema_version
+        self.num_logical_experts = config.num_logical_experts
+        self.generations = Generations(header.start.generation)
         for key, held in header.start.records.items():
             table = self._table_of(line, key)
             try:
@@ -195,7 +201,7 @@ class _Replay:
         held = self.held(line, table, key)
         model = held.model
         if rec["trigger"] in NOT_TRANSITIONS:
-            self._note(line, table, held)
+            self._note(line, table, held.model.state, held.model.version)
             self._chain(line)
             report.skipped += 1
             report.audit.append(rec)
@@ -203,7 +209,7 @@ class _Replay:
         if rec["from"] != model.state:
             raise ReplayError(f"{line.where}: {key} is {model.state} v{model.version} in the replay, but the "
                               f"record says from {rec['from']}")
-        version = _int(line, "version")
+        version = field_int(line, "version")
         if version != model.version + 1:
             raise ReplayError(f"{line.where}: {key} version gap: v{model.version} -> v{version} "
                               f"(expected v{model.version + 1})")
@@ -215,6 +221,7 @@ class _Replay:
         if state != rec["to"]:
             raise ReplayError(f"{line.where}: {table.name} {rec['trigger']} goes {rec['from']} -> {state} per the "
                               f"table, but the record says -> {rec['to']}")
+        self.generations.check(line, table, spec)
         self._check_fence(line, table)
         plan_id = rec.get("plan_id", "")
         for guard in spec.guards:
@@ -230,73 +237,17 @@ class _Replay:
                                     last_id=rec.get("id", ""), plan_id=plan_id)
         if table is CLUSTER:
             self._cluster_effects(line, spec, plan_id)
+        elif table is WEIGHTS:
+            self.weight_requests.transition(line)
         if self.until is not None and self._reached(line, table, version):
             self.stopped = True
             report.until = self.until
 
     def _reached(self, line: AuditLine, table: MachineTable, version: int) -> bool:
-        if "-" in self.until:
-            return line.record.get("id", "") == self.until
-        return table is CLUSTER and str(version) == self.until
-
-    def _note(self, line: AuditLine, table: MachineTable, held: _Replayed) -> None:
-        """An alarm, skip or start refusal: on the cluster as replayed; skips and refusals only in FREE (the
-        coordinator's FREE entry work writes them); a refusal names ranks of the cluster and stays in force until
-        a start."""
-        rec, trigger = line.record, line.record["trigger"]
-        if table is not CLUSTER:
-            raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
-        state, version = held.model.state, held.model.version
-        if rec["from"] != state or rec["to"] != state or _int(line, "version") != version:
-            raise ReplayError(f"{line.where}: {trigger} for cluster {rec['from']} v{rec['version']}, but the cluster "
-                              f"is {state} v{version} in the replay")
-        if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
-            raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
-                              f"{CLUSTER.initial.value} only")
-        if trigger == "start_refused":
-            from fdeplb.orchestration import reasons
-
-            stale = _read_detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
-            if stale is None:
-                raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
-                                  f"{rec.get('reason', '')[:80]!r}")
-            strays = [r for r in stale if self.ep_size is not None and r >= self.ep_size]
-            if strays:
-                raise ReplayError(f"{line.where}: start_refused names ranks {strays}; the cluster has ranks "
-                                  f"0..{self.ep_size - 1}")
-            self.refused = (line.where, stale)
-
-    def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
-        """What a transition's record says besides its states, checked against the replayed records: the start
-        after a refusal shows every refused rank fresh again; a cordoned cluster commits on an external request
-        only; a weight update reloads the cluster's current placement."""
-        from fdeplb.orchestration import reasons
-
-        reason, where = line.record.get("reason", ""), line.where
-        if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
-            refused_at, stale = self.refused
-            beats = _read_detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
-            for r in sorted(stale):
-                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
-                    continue  # the start ignores excluded ranks (issue 22)
-                age, ttl = beats.get(r, (None, 0))
-                if age is None or 0 < ttl < age:
-                    shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
-                    raise ReplayError(f"{where}: cluster start over stale rank {r} (start refused at "
-                                      f"{refused_at}): the start shows {shown}")
-            self.refused = None
-        elif table is CLUSTER and spec.trigger == "start":
-            self.refused = None
-        if table is CLUSTER and spec.trigger == "commit" and self.cordoned and \
-                _read_detail(line, reasons.requested_by,
-                                                     lambda v: reasons.external_commit(v).text) is None:
-            raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
-                              f"(reason {reason[:80]!r})")
-        if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
-                and plan_id != self.report.placement_plan:
-            raise ReplayError(f"{where}: {line.record['key']} updated into placement {plan_id or 'initial'}, but "
-                              f"the cluster's current placement is {self.report.placement_plan or 'initial'} (an "
-                              f"update reloads the current placement)")
+        until = self.until_at
+        if isinstance(until, tuple):  # a stream id
+            return _stream_id(line) == until
+        return table is CLUSTER and version == until
 
     def _check_fence(self, line: AuditLine, table: MachineTable) -> None:
         rec = line.record
@@ -356,6 +307,8 @@ class _Replay:
                 bad = f"plan {plan_id} was committed already"
         elif kind is GuardKind.PLAN_STORED:
             self.stored_at.append((line.where, plan_id))
+        elif kind is GuardKind.WITHDRAWN:
+            bad = self.weight_requests.guard(line, guard)
         if bad:
             raise ReplayError(f"{line.where}: guard {guard.label()} did not hold when {line.record['key']} "
                               f"{line.record['trigger']} committed: {bad}")
@@ -379,16 +332,21 @@ class _Replay:
     def _cluster_effects(self, line: AuditLine, spec: TransitionSpec, plan_id: str) -> None:
         report = self.report
         if spec.trigger == "start":
-            report.cluster_round = _int(line, "round")
+            report.cluster_round = field_int(line, "round")
             report.rounds.append(RoundSeen(report.cluster_round, report.placement_plan))
+            self.generations.started(report.cluster_round)
         current = report.rounds[-1] if report.rounds else None
         if current is not None:  # its outcome: round_outcome of its last cluster transition (RoundSeen.outcome)
             current.last, current.where = line.record, line.where
         if spec.trigger == "load":
-            report.plans.append(LoadedPlan(line.where, plan_id, _int(line, "round"), report.placement_plan))
+            report.plans.append(LoadedPlan(line.where, plan_id, field_int(line, "round"), report.placement_plan))
+            self.generations.loaded(line, field_int(line, "round"))
             if current is not None:
                 current.plan_id = plan_id
         if spec.effect is Effect.SET_PLACEMENT:
+            members = {r: self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0]
+                       for r in range(self.ep_size or 0)}
+            self.generations.committed(line, plan_id, members)
             report.placement_plan = plan_id
             self.placement_known = True
             if current is not None:
@@ -406,6 +364,8 @@ class _Replay:
         if plan.plan_id in self.report.stored_plans:
             raise ReplayError(f"line {line.line}: plan without plan_id, or a second plan {plan.plan_id}")
         self.report.stored_plans[plan.plan_id] = plan
+        if "generation" in line.record:  # exported since plans carry it
+            self.plan_generations[plan.plan_id] = (plan.generation, line.line)
 
     def finish(self) -> None:
         """Checks that need the whole file: the header's contents are all there, every loaded plan is stored."""
@@ -434,33 +394,24 @@ class _Replay:
             if plan_id not in report.stored_plans and plan_id not in missing.get("plans", []):
                 raise ReplayError(f"{where}: guard plan_stored did not hold: plan {plan_id or '-'} is neither in "
                                   f"the recording nor listed as pruned")
+        self.generations.finish(report.stored_plans, self.plan_generations, self.num_logical_experts, self.ep_size)
 
 
-def _read_detail(line: AuditLine, read, derive=None):
-    """``read(record)`` (a :mod:`fdeplb.orchestration.reasons` reader of the record's structured ``detail``, or of
-    its text in a schema 1 recording). With ``derive`` (value -> the reason text it gives) and a ``detail`` field,
-    the record's ``reason`` must be that text: the text is derived from the facts, never a second source. A
-    ``detail`` that is not a JSON object of the right shape, or a text that does not match it, is a
-    :class:`ReplayError` naming the line."""
+def _until(until: str) -> int | tuple[int, int]:
+    """``--until``: the cluster record's version (ASCII digits) or an audit stream id
+    (:func:`~fdeplb.store.streams.parse_stream_id`); :class:`InputError` for anything else."""
+    if until.isascii() and until.isdigit():
+        return int(until)
     try:
-        value = read(line.record)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ReplayError(f"{line.where}: detail is not what a {line.record.get('trigger', '')} record carries: "
-                          f"{exc}") from None
-    if derive is not None and value is not None and line.record.get("detail"):
-        expected = derive(value)
-        if line.record.get("reason", "") != expected:
-            raise ReplayError(f"{line.where}: reason {str(line.record.get('reason', ''))[:80]!r} is not what its "
-                              f"detail says ({expected[:80]!r})")
-    return value
+        return parse_stream_id(until)
+    except InputError:
+        raise InputError(f"--until takes the cluster's version or an audit id <ms>-<seq>, got {until!r}") from None
 
 
 def replay(lines: Iterable[AuditLine], until: str | None = None) -> ReplayReport:
     """Replay parsed recording lines; returns the report or raises :class:`ReplayError` at the first line that
     does not follow from the ones before it. ``until`` (a stream id ``<ms>-<seq>``, or the cluster record's
     version) stops the replay of audit records after that record; :class:`InputError` if no record matches."""
-    if until is not None and not (until.isdigit() or (until.count("-") == 1 and until.replace("-", "").isdigit())):
-        raise InputError(f"--until takes the cluster's version or an audit id <ms>-<seq>, got {until!r}")
     report = ReplayReport()
     state = _Replay(report, until)
     for line in lines:
@@ -482,41 +433,3 @@ def replay(lines: Iterable[AuditLine], until: str | None = None) -> ReplayReport
 def replay_file(path: str | Path, until: str | None = None) -> ReplayReport:
     """:func:`replay` of a recording file."""
     return replay(read_export(path), until)
-
-
-# ---- where a stretch of the stream leaves the records (the exporter's start) ---------------------------------------
-@dataclass(frozen=True)
-class StartState:
-    """Where a stretch of the audit leaves a cluster: ``records`` (record key -> ``{state, version, plan_id}``, a
-    header's ``start.records``), ``chain`` (the chain of its last record, "" for none) and ``placement_plan`` (the
-    plan of its last cluster commit, "" for the initial placement)."""
-
-    records: dict[str, dict[str, Any]]
-    chain: str
-    placement_plan: str
-
-
-def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = None) -> StartState:
-    """Every record of a cluster of ``ep_size`` ranks after ``entries``: audit records from the stream's start (or
-    from ``start``, e.g. a recording header's start state), in order, each read by field name as text
-    (:class:`~fdeplb.store.AuditRecord`: a missing field reads ""). A plain
-    fold, no checks (the export of a stream that would not replay must still work): a transition's key takes its
-    ``to``, version and plan_id; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are; a key that is not
-    a record of the cluster is passed over; a cluster transition whose effect sets the placement (the commit) makes
-    its plan the placement."""
-    records = {CLUSTER.name: {"state": CLUSTER.initial.value, "version": 0, "plan_id": ""}}
-    for r in range(ep_size):
-        for table in (RANK, WEIGHTS, MEMBERSHIP):
-            records[f"{table.key_label}:{r}"] = {"state": table.initial.value, "version": 0, "plan_id": ""}
-    chain, placement_plan = "", ""
-    if start is not None:
-        records.update({k: dict(v) for k, v in start.records.items()})
-        chain, placement_plan = start.chain, start.placement_plan
-    for e in entries:
-        chain = e["chain"]
-        if e["trigger"] in NOT_TRANSITIONS or e["key"] not in records:
-            continue
-        records[e["key"]] = {"state": e["to"], "version": int(e["version"]), "plan_id": e["plan_id"]}
-        if e["machine"] == CLUSTER.name and CLUSTER.spec(e["from"], e["trigger"]).effect is Effect.SET_PLACEMENT:
-            placement_plan = e["plan_id"]
-    return StartState(records, chain, placement_plan)

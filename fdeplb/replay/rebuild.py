@@ -1,5 +1,6 @@
 """Rebuilding a replayed recording into a Redis: :func:`rebuild` writes the cluster as the replay left it
-(configuration, records, placement, audit with its ids and chain, snapshots, plans) through
+(configuration, records with their membership generation, placement, audit with its ids and chain, snapshots,
+plans) through
 :meth:`~fdeplb.store.Store.import_recording`.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fdeplb.errors import InputError
-from fdeplb.machines.tables import CLUSTER
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP
 from fdeplb.replay.recompute import Recorded
 from fdeplb.replay.report import ReplayReport
 
@@ -38,6 +39,8 @@ def rebuild(report: ReplayReport, store: Any) -> int:
     for key, held in _final_records(report).items():
         records[key] = {"state": held[0], "version": str(held[1]), "plan_id": held[2]}
     records[CLUSTER.name]["round"] = str(report.cluster_round)
+    for key, generation in _generations(report).items():  # the membership generation, as commit.lua left it
+        records[key]["generation"] = generation
     commits = sum(1 for rec in report.audit if rec["machine"] == CLUSTER.name and rec["trigger"] == "commit")
     audit = [(rec["id"], {k: v for k, v in rec.items() if k not in ("type", "id")}) for rec in report.audit]
     store.import_recording(source.config, plan_id=plan_id, phy2log=phy2log, placement_version=commits,
@@ -53,4 +56,21 @@ def _final_records(report: ReplayReport) -> dict[str, tuple[str, int, str]]:
         out[key] = (held["state"], int(held["version"]), held.get("plan_id", ""))
     for key, ks in report.final.items():
         out[key] = (ks.state, ks.version, ks.plan_id)
+    return out
+
+
+def _generations(report: ReplayReport) -> dict[str, str]:
+    """The ``generation`` each record keeps: the cluster's (its last transition's, else the header's start) and,
+    per member record, the one its last transition made; nothing for a recording that carries none."""
+    out: dict[str, str] = {}
+    start = ((report.header or {}).get("start") or {}).get("generation")
+    if start is not None:
+        out[CLUSTER.name] = str(start)
+    for rec in report.audit:
+        generation = rec.get("generation", "")
+        if generation == "":
+            continue
+        out[CLUSTER.name] = generation
+        if rec["machine"] == MEMBERSHIP.name:
+            out[rec["key"]] = generation
     return out

@@ -175,7 +175,7 @@ def check_gates(report: ReplayReport) -> list[int]:
     from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
     moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
-    it (a schema 1 recording has the text only). Rounds whose snapshot or starting placement the
+    it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
     recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
@@ -205,6 +205,9 @@ def check_gates(report: ReplayReport) -> list[int]:
             recorded = reasons.gate_figures(seen.last or {})
         except ValueError as exc:
             raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
+        if recorded is None and int(report.header.get("schema", 1)) >= 2:  # the figures are the detail's
+            raise ReplayError(f"{seen.where}: gated round {seen.round} without its gate's figures (detail.gate); a "
+                              f"schema {report.header['schema']} recording carries them")
         if recorded is not None and recorded != expected.detail["gate"]:
             raise ReplayError(f"{seen.where}: gated round {seen.round} records the gate's figures {recorded}; "
                               f"recomputing its {cfg.policy!r} plan gives {expected.detail['gate']}")

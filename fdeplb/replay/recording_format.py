@@ -18,6 +18,7 @@ starts ``line N:`` (the CLI's exit 1); a file that cannot be opened is an :class
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Iterator, Literal, Union
@@ -31,7 +32,7 @@ from fdeplb.errors import InputError, ReplayError
 from fdeplb.store.records import PlanEntry
 
 __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
-           "HeaderLine", "SnapshotLine", "decimal_text", "parse_lines", "read_export"]
+           "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]
 
 #: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
 #: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`)
@@ -98,6 +99,7 @@ class Start(_Strict):
     chain: StrictStr
     records: dict[str, StartRecord]
     placement: StartPlacement | None = None
+    generation: Annotated[StrictInt, Field(ge=0)] | None = None  # the membership generation (None: not exported)
 
 
 class Contents(_Strict):
@@ -132,7 +134,8 @@ class HeaderLine(_Strict):
 #: what a header's part must be, by its path ("*": any key), for the message naming the first part that is not
 HEADER_PARTS = {
     ("config",): "an object (the cluster configuration)",
-    ("start",): "an object {chain, records, placement}",
+    ("start",): "an object {chain, records, placement, generation}",
+    ("start", "generation"): "an integer >= 0 (the membership generation)",
     ("start", "chain"): "text",
     ("start", "records"): "an object of machine records",
     ("start", "records", "*"): "{state: text, version: integer, plan_id: text}",
@@ -196,6 +199,15 @@ class AuditLine:
     def where(self) -> str:
         rid = self.record.get("id")
         return f"line {self.line}" + (f" (audit id {rid})" if rid else "")
+
+
+def field_int(line: AuditLine, name: str) -> int:
+    """An audit line's field ``name`` (its decimal text) as an int; :class:`ReplayError` naming the line for anything
+    else (1.5, true, [], "--1", "²")."""
+    value = line.record.get(name, "")
+    if not re.fullmatch(r"\s*-?\d+\s*", value):  # what int() reads, no "--1", no "²"
+        raise ReplayError(f"{line.where}: {name} is not an integer: {value!r}")  # 1.5, true, [] ...
+    return int(value)
 
 
 def read_line(n: int, record: Any) -> AuditLine:

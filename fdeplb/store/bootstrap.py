@@ -2,7 +2,7 @@
 one transaction; every rank a member, ACTIVE), rebuilding one from a recording (``fdeplb replay --into``), deleting one.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``url``, ``cluster``, ``_config``; from
-the other parts: ``save_snapshot`` (:mod:`fdeplb.store.windows`), ``save_plan`` (:mod:`fdeplb.store.placements`).
+the other parts: ``snapshot_fields`` (:mod:`fdeplb.store.windows`), ``PlanEntry.to_fields``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig
 from fdeplb.store.records import PlanEntry
+from fdeplb.store.streams import parse_stream_id
+from fdeplb.store.windows import snapshot_fields
 
 
 class Bootstrap:
@@ -54,10 +56,14 @@ class Bootstrap:
                          records: dict[str, dict[str, str]], audit: list[tuple[str, dict[str, str]]],
                          audit_head: str, snapshots: dict[int, np.ndarray], plans: list[PlanEntry]) -> None:
         """Rebuild a replayed cluster (``fdeplb replay --into``): ``records`` maps ``cluster`` / ``rank:<r>`` /
-        ``weights:<r>`` to the record fields to write; ``audit`` holds (stream id, fields) in order, written with
-        their ids; ``audit_head`` is the last chain. Snapshots and plans are written once each, then the rest in one
-        WATCHed MULTI/EXEC. Raises :class:`StateError` if the cluster exists (nothing written), :class:`InputError`
-        for a record label that is not one of the cluster's."""
+        ``weights:<r>`` / ``member:<r>`` to the record fields to write; ``audit`` holds (stream id, fields) in
+        order, written with their ids; ``audit_head`` is the last chain.
+
+        All or nothing: every input is checked first (record labels; audit ids are stream ids, after ``0-0`` and
+        increasing, as ``XADD`` takes them), then everything (snapshots, plans and their retention index included) is
+        written in one WATCHed MULTI/EXEC; should Redis still refuse a command inside it, every key it wrote is
+        deleted again. Raises :class:`StateError` if the cluster exists, :class:`InputError` for a bad label or
+        audit id; nothing is left written then."""
         def key_of(label: str) -> str:
             name, _, idx = label.partition(":")
             if label == CLUSTER.name:
@@ -69,20 +75,22 @@ class Bootstrap:
             raise InputError(f"not a record of the cluster: {label!r}")
 
         keyed = {key_of(label): fields for label, fields in records.items()}
+        _check_audit_ids([entry_id for entry_id, _ in audit])
+        once = [(self._keys.snapshot(r), snapshot_fields(r, load), r) for r, load in snapshots.items()]
+        once += [(self._keys.plan(plan.plan_id), plan.to_fields(), plan.round) for plan in plans]
+        written = [self._keys.placement, *keyed, self._keys.audit, self._keys.audit_head, self._keys.config,
+                   self._keys.retained, *(key for key, _, _ in once)]
         refusal = StateError(f"cluster {self.cluster!r} exists at {self.url}; replay --into rebuilds only into a "
                              f"cluster id that is not in use")
-        if self._client.exists(self._keys.config, self._keys.audit, self._keys.rearrange):
-            raise refusal
-        for round_, load in snapshots.items():
-            self.save_snapshot(round_, load)
-        for plan in plans:
-            self.save_plan(plan)
-        with self._client.pipeline(transaction=True) as pipe:
-            pipe.watch(self._keys.config, self._keys.audit)
-            if pipe.exists(self._keys.config, self._keys.audit):
+
+        def txn(pipe: Any) -> None:
+            if pipe.exists(self._keys.config, self._keys.audit, self._keys.rearrange):
                 pipe.unwatch()
                 raise refusal
             pipe.multi()
+            for key, fields, round_ in once:
+                pipe.hset(key, mapping=fields)
+                pipe.zadd(self._keys.retained, {key: int(round_)})
             pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)),
                                                      "plan_id": plan_id, "version": str(int(placement_version))})
             for key, fields in keyed.items():
@@ -91,10 +99,15 @@ class Bootstrap:
                 pipe.xadd(self._keys.audit, fields, id=entry_id)
             pipe.set(self._keys.audit_head, audit_head)
             pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
-            try:
-                pipe.execute()
-            except redis.WatchError:
-                raise refusal from None
+
+        try:
+            self._client.transaction(txn, self._keys.config, self._keys.audit, self._keys.rearrange)
+        except redis.WatchError:  # created meanwhile: nothing of ours was written
+            raise refusal from None
+        except redis.ResponseError as exc:  # EXEC ran the other commands: take them back
+            self._client.delete(*written)
+            raise InputError(f"cannot rebuild cluster {self.cluster!r}: Redis refused a write ({exc}); nothing "
+                             f"is left written") from None
         self._config = config
 
     def delete_cluster(self) -> int:
@@ -103,3 +116,16 @@ class Bootstrap:
         keys = list(self._client.scan_iter(match=pattern))
         self._config = None
         return int(self._client.delete(*keys)) if keys else 0
+
+
+def _check_audit_ids(ids: list[str]) -> None:
+    """Audit ids as ``XADD`` takes them: stream ids (:func:`~fdeplb.store.streams.parse_stream_id`), after ``0-0``,
+    increasing. :class:`InputError` naming the first that is not."""
+    last = (0, 0)
+    for n, entry_id in enumerate(ids, start=1):
+        sid = parse_stream_id(entry_id) if isinstance(entry_id, str) else None
+        if sid is None or sid <= last:
+            after = "0-0" if last == (0, 0) else f"{last[0]}-{last[1]}"
+            raise InputError(f"audit record {n}: id {entry_id!r} is not after {after} (ids increase from 0-0 in a "
+                             f"stream)")
+        last = sid

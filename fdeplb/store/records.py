@@ -467,13 +467,14 @@ class PlanEntry:
         return {"plan_id": self.plan_id, "round": self.round, "policy": self.policy, "old_plan_id": self.old_plan_id,
                 "topology": self.topology, "balancedness_before": self.balancedness_before,
                 "balancedness_after": self.balancedness_after, "moved_experts": self.moved_experts,
-                "expert_load": array_json(self.expert_load), "old_phy2log": array_json(self.old_phy2log),
+                "generation": self.generation, "expert_load": array_json(self.expert_load), "old_phy2log": array_json(self.old_phy2log),
                 "new_phy2log": array_json(self.new_phy2log)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any], where: str, error: type[InputError] = InputError) -> PlanEntry:
         """Inverse of :meth:`to_json` (other keys, such as a line's ``type``, are ignored), strictly typed:
-        ``plan_id``, ``policy`` and ``old_plan_id`` (default "") text, ``round`` and ``moved_experts`` integers
+        ``plan_id``, ``policy`` and ``old_plan_id`` (default "") text, ``round``, ``moved_experts`` and ``generation``
+        (default 0: a plan line written before it was exported) integers
         (:func:`fdeplb.checks.check_int`), the balancedness figures numbers, ``topology`` an object, the arrays
         int64 (:func:`fdeplb.array_json.array_from_json`). Raises ``error`` (default
         :class:`~fdeplb.errors.InputError`) with a message that starts with ``where`` and names the field."""
@@ -495,7 +496,9 @@ class PlanEntry:
                    balancedness_before=float(typed("balancedness_before", (int, float), "a number")),
                    balancedness_after=float(typed("balancedness_after", (int, float), "a number")),
                    moved_experts=check_int(obj.get("moved_experts"), f"{where}: not a plan: moved_experts",
-                                           error=error), **arrays)
+                                           error=error),
+                   generation=check_int(obj.get("generation", 0), f"{where}: not a plan: generation", lo=0,
+                                        error=error), **arrays)
 
 
 #: a stored plan's arrays (each kept as dtype + shape + bytes) and its text fields

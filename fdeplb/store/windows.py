@@ -21,6 +21,12 @@ from fdeplb.store.scripts import CommitCall, publish_call
 from fdeplb.store.streams import EVENTS_MAXLEN
 
 
+def snapshot_fields(round_: int, expert_load: np.ndarray) -> dict[str, str | bytes]:
+    """The hash fields of round ``round_``'s load snapshot (``expert_load`` as int64 [L, E]): the one layout of
+    :meth:`Windows.save_snapshot` and a rebuild (:meth:`fdeplb.store.Store.import_recording`)."""
+    return {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(int(round_))}
+
+
 class Windows:
     """Load windows, snapshots and the supplied load (see the module doc)."""
 
@@ -119,8 +125,7 @@ class Windows:
 
     def save_snapshot(self, round_: int, expert_load: np.ndarray) -> bool:
         """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
-        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
-        return self._put_once(self._keys.snapshot(round_), mapping, round_)
+        return self._put_once(self._keys.snapshot(round_), snapshot_fields(round_, expert_load), round_)
 
     def freeze_windows(self, round_: int, expert_load: np.ndarray) -> bool:
         """Freeze round ``round_``'s snapshot from the ranks' windows (``expert_load``, int64 [L, E], their sum)
@@ -128,8 +133,8 @@ class Windows:
         a WATCHed transaction as this one checks the supplied load): of the two, the first to commit wins, so a
         load the API accepted is never passed over. False when a supplied load is there (nothing written: freeze
         that one); True otherwise (written, or a snapshot was frozen already)."""
-        mapping = {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(round_)}
-        if self._put_once(self._keys.snapshot(round_), mapping, round_, unless_supplied=True):
+        if self._put_once(self._keys.snapshot(round_), snapshot_fields(round_, expert_load), round_,
+                          unless_supplied=True):
             return True
         return bool(self._client.exists(self._keys.snapshot(round_)))
 

@@ -20,9 +20,16 @@ Scenarios (file = <name>.jsonl):
   every rank back to NORMAL in the round's placement;
 - cordoned_http: a cordoned cluster driven over HTTP by an ``fdeplb serve`` process on loopback (credentials in
   the body, as FastDeploy's clients send them): start, LOAD_SUCC, then the commit requested with
-  ``update_weight_from_tensor``.
+  ``update_weight_from_tensor``;
+- membership (issue 22): rank 2's worker dies (4 ranks, 2 layers, 8 experts in 12 slots: experts 6 and 7 only on
+  rank 2); the coordinator suspects it, the operator excludes it (``fdeplb rank exclude``), the re-placement round
+  commits a placement that routes nothing to it; a new worker for rank 2 rejoins and is admitted; a second round
+  runs with every rank (each membership change raises the generation by one);
+- weights_cancel: a clear carried out everywhere, an update that rank 1's hung worker never arms for (cancelled
+  after ``weights_ms``: ``cancel_to_cleared``), an update carried out, a clear rank 1 never arms for (``cancel``).
 
-The last three run a smaller cluster (2 ranks, 2 layers, 8 experts + 2 redundant). Every scenario names its policy
+stale_rank, weights, cordoned_http and weights_cancel run a smaller cluster (2 ranks, 2 layers, 8 experts + 2
+redundant). Every scenario names its policy
 (:data:`POLICY`), so a change of the default policy does not change the recordings.
 """
 
@@ -194,8 +201,71 @@ def cordoned_http(url: str, cluster: str, tmp: Path, out: Path) -> dict:
         return export_recording(store, out)
 
 
+def membership(url: str, cluster: str, tmp: Path, out: Path) -> dict:
+    from fdeplb.cli import main as cli
+    from fdeplb.machines.tables import MEMBERSHIP, MemberState
+    from fdeplb.placement import live_maps
+    from fdeplb.store import Deadlines
+
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
+                          exclude_ms=60_000)  # the operator excludes the suspect rank long before this
+    with thread_cluster(url, cluster, tmp, policy=POLICY, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=MEMBER_TTL_MS)
+        tc.agents[2].stop_event.set()  # rank 2's worker dies; its experts 6 and 7 live only there
+        tc.threads[2].join(10)
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is MemberState.SUSPECT, TIMEOUT_S, store, "rank 2 suspect")
+        assert cli(["rank", "exclude", "--redis-url", url, "--cluster", cluster, "--rank", "2",
+                    "--reason", "generate: membership"]) == 0
+        wait_for(round_over(store, 1, 4), TIMEOUT_S, store, "the re-placement round")
+        placement = store.current_placement()
+        log2phy, _ = live_maps(placement.phy2log, 8, 4, [True, True, False, True])
+        assert placement.plan_id and not ((log2phy >= 6) & (log2phy < 9)).any(), "routes to rank 2"
+        tc.start_agent(2, heartbeat_ttl_ms=MEMBER_TTL_MS)  # a new worker for rank 2 rejoins
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is MemberState.ACTIVE, TIMEOUT_S, store, "rank 2 back")
+        store.request_round("generate: membership")
+        wait_for(round_over(store, 2, 4), TIMEOUT_S, store, "round 2 over")
+        tc.stop()
+        trail = [a["trigger"] for a in store.iter_audit() if a["key"] == "member:2"]
+        assert trail == ["suspect", "exclude", "rejoin", "admit"], trail
+        return export_recording(store, out)
+
+
+def weights_cancel(url: str, cluster: str, tmp: Path, out: Path) -> dict:
+    from fdeplb.store import Deadlines
+    from tests.orchestration.test_weights_cancel import embedded
+
+    def done(request: int, state: WeightState):
+        return lambda: all((w := store.read_weights(r)).request == request and w.state is state for r in range(2))
+
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
+                          weights_ms=300)
+    with thread_cluster(url, cluster, tmp, policy=POLICY, deadlines=deadlines, **SMALL) as tc:
+        store = tc.store()
+        tc.start_coordinator()
+        for action, serving, state in (("clear", [0, 1], WeightState.CLEARED),  # carried out everywhere
+                                       ("update", [0], WeightState.CLEARED),  # rank 1 hung: cancelled to CLEARED
+                                       ("update", [0, 1], WeightState.NORMAL),
+                                       ("clear", [0], WeightState.NORMAL)):  # rank 1 hung: cancelled to NORMAL
+            with embedded(tc, serving=serving):
+                n = store.request_weights(action, f"generate: weights_cancel {action}")
+                wait_for(done(n, state), TIMEOUT_S, store, f"{action} {n} over")
+                if serving != [0, 1]:
+                    wait_for(lambda: store.read_cluster().weights_cancelled == n, TIMEOUT_S, store, "cancelled")
+        tc.stop()
+        triggers = [a["trigger"] for a in store.iter_audit() if a["key"] == "weights:1"]
+        assert triggers == ["clear", "cleared", "update", "cancel_to_cleared", "update", "updated", "clear",
+                            "cancel"], triggers
+        return export_recording(store, out)
+
+
+#: heartbeat TTL of the membership scenario's agents (they beat every TTL / 4)
+MEMBER_TTL_MS = 400
+
 SCENARIOS = {"happy": happy, "load_failed": load_failed, "takeover": takeover, "gated_skip": gated_skip,
-             "stale_rank": stale_rank, "weights": weights, "cordoned_http": cordoned_http}
+             "stale_rank": stale_rank, "weights": weights, "cordoned_http": cordoned_http,
+             "membership": membership, "weights_cancel": weights_cancel}
 
 
 def main(names: list[str]) -> int:

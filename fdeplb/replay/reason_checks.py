@@ -1,0 +1,113 @@
+"""What a record says besides its states, checked against the records as replayed (the reasons and facts of
+:mod:`fdeplb.orchestration.reasons`): the notes (an alarm, skip, start refusal or weight withdrawal names the
+cluster in its replayed state and version; skips and refusals only in FREE; a refusal names ranks of the cluster
+and stays in force until a start), the start after a refusal shows every refused rank fresh again, a cordoned
+cluster's commit names its external request, a weight ``updated`` names the current placement. From schema 2 on
+the facts are read from the record's ``detail`` only, and its ``reason`` must be the text they give.
+
+:class:`RecordSays` is mixed into the machine replay (``fdeplb.replay.machine_replay._Replay``); of its host it
+uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests`` and
+``_state_of``.
+"""
+
+from __future__ import annotations
+
+from fdeplb.errors import InputError, ReplayError
+from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, WEIGHTS, MachineTable, MemberState, TransitionSpec
+from fdeplb.replay.recording_format import AuditLine, field_int
+
+__all__ = ["RecordSays", "read_detail"]
+
+
+class RecordSays:
+    """The reason and note checks of a replay (see the module doc)."""
+
+    def _note(self, line: AuditLine, table: MachineTable, state: str, version: int) -> None:
+        """An alarm, skip, start refusal or weight withdrawal, on the record the replay holds in ``state`` at
+        ``version``: on the cluster as replayed; skips and refusals only in FREE (the coordinator's FREE entry
+        work writes them); a refusal names ranks of the cluster and stays in force until a start."""
+        rec, trigger = line.record, line.record["trigger"]
+        if table is not CLUSTER:
+            raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
+        if rec["from"] != state or rec["to"] != state or field_int(line, "version") != version:
+            raise ReplayError(f"{line.where}: {trigger} for cluster {rec['from']} v{rec['version']}, but the cluster "
+                              f"is {state} v{version} in the replay")
+        if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
+            raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
+                              f"{CLUSTER.initial.value} only")
+        if trigger == "start_refused":
+            from fdeplb.orchestration import reasons
+
+            stale = self._detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
+            if stale is None:
+                raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
+                                  f"{rec.get('reason', '')[:80]!r}")
+            strays = [r for r in stale if self.ep_size is not None and r >= self.ep_size]
+            if strays:
+                raise ReplayError(f"{line.where}: start_refused names ranks {strays}; the cluster has ranks "
+                                  f"0..{self.ep_size - 1}")
+            self.refused = (line.where, stale)
+        elif trigger == "weights_cancelled":
+            self.weight_requests.cancelled(line)
+
+    def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
+        """What a transition's record says besides its states, checked against the replayed records: the start
+        after a refusal shows every refused rank fresh again; a cordoned cluster commits on an external request
+        only; a weight update reloads the cluster's current placement."""
+        from fdeplb.orchestration import reasons
+
+        reason, where = line.record.get("reason", ""), line.where
+        if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
+            refused_at, stale = self.refused
+            beats = self._detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
+            for r in sorted(stale):
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
+                    continue  # the start ignores excluded ranks (issue 22)
+                age, ttl = beats.get(r, (None, 0))
+                if age is None or 0 < ttl < age:
+                    shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
+                    raise ReplayError(f"{where}: cluster start over stale rank {r} (start refused at "
+                                      f"{refused_at}): the start shows {shown}")
+            self.refused = None
+        elif table is CLUSTER and spec.trigger == "start":
+            self.refused = None
+        if table is CLUSTER and spec.trigger == "commit" and self.cordoned and \
+                self._detail(line, reasons.requested_by, lambda v: reasons.external_commit(v).text) is None:
+            raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
+                              f"(reason {reason[:80]!r})")
+        if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
+                and plan_id != self.report.placement_plan:
+            raise ReplayError(f"{where}: {line.record['key']} updated into placement {plan_id or 'initial'}, but "
+                              f"the cluster's current placement is {self.report.placement_plan or 'initial'} (an "
+                              f"update reloads the current placement)")
+
+    def _request_of(self, line: AuditLine) -> int | None:
+        from fdeplb.orchestration import reasons
+
+        return self._detail(line, reasons.request_of)
+
+    def _detail(self, line: AuditLine, read, derive=None):
+        """:func:`read_detail` of ``line``; None for a record without ``detail`` in a recording of schema 2 or
+        later (the facts are in the detail: its text alone proves nothing)."""
+        if self.schema >= 2 and not line.record.get("detail"):
+            return None
+        return read_detail(line, read, derive)
+
+
+def read_detail(line: AuditLine, read, derive=None):
+    """``read(record)`` (a :mod:`fdeplb.orchestration.reasons` reader of the record's structured ``detail``, or of
+    its text in a schema 1 recording). With ``derive`` (value -> the reason text it gives) and a ``detail`` field,
+    the record's ``reason`` must be that text: the text is derived from the facts, never a second source. A
+    ``detail`` that is not a JSON object of the right shape, or a text that does not match it, is a
+    :class:`ReplayError` naming the line."""
+    try:
+        value = read(line.record)
+    except (ValueError, TypeError, KeyError, InputError) as exc:
+        raise ReplayError(f"{line.where}: detail is not what a {line.record.get('trigger', '')} record carries: "
+                          f"{exc}") from None
+    if derive is not None and value is not None and line.record.get("detail"):
+        expected = derive(value)
+        if line.record.get("reason", "") != expected:
+            raise ReplayError(f"{line.where}: reason {str(line.record.get('reason', ''))[:80]!r} is not what its "
+                              f"detail says ({expected[:80]!r})")
+    return value
