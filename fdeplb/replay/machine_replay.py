@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 __all__ = ["CHAIN_EXCLUDED", "NOT_TRANSITIONS", "StartState", "chain_of", "replay", "replay_file", "state_at"]
 
 #: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled"})
+NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled", "request_cancelled",
+                             "request_expired", "config_changed"})
 #: fields of an exported audit line that the chain does not cover (the line type, the stream id, the chain itself)
 CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 
@@ -265,6 +266,15 @@ class _Replay:
                 raise ReplayError(f"{line.where}: start_refused names ranks {strays}; the cluster has ranks "
                                   f"0..{self.ep_size - 1}")
             self.refused = (line.where, stale)
+        if trigger == "config_changed":  # the settings as changed from here on (``fdeplb config set``)
+            from fdeplb.orchestration import reasons
+
+            try:
+                changes = (reasons.detail_of(rec) or {}).get("changes", {})
+            except ValueError as exc:
+                raise ReplayError(f"{line.where}: config_changed detail is not JSON: {exc}") from None
+            if "cordoned" in changes:
+                self.cordoned = bool(changes["cordoned"][1])
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start
@@ -302,6 +312,9 @@ class _Replay:
         rec = line.record
         if table is MEMBERSHIP and not rec.get("fence", ""):  # an operator's command: unfenced
             return
+        if table is CLUSTER and not rec.get("fence", "") and any(
+                s.by_operator and s.trigger == rec.get("trigger") for s in table.transitions):
+            return  # an operator's round abort: unfenced
         if table is not CLUSTER and table is not MEMBERSHIP:  # the coordinator's member commits are fenced
             if rec.get("fence", ""):
                 raise ReplayError(f"{line.where}: {table.name} records are not fenced, but this one carries fence "
