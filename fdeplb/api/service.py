@@ -141,9 +141,10 @@ def commit(store: Store, plan_id: str | None = None) -> Reply:
     With ``plan_id`` (the plan the caller reviewed), only if it is the staged one: a late commit after that plan's
     round timed out is refused with 409 naming both, never committing a plan nobody reviewed."""
     rec = store.read_cluster()
-    if plan_id is not None and rec.plan_id != plan_id:
-        raise StateError(f"plan {plan_id} is not the staged plan: the cluster is {rec.state} (round {rec.round}) "
-                         f"with plan {rec.plan_id or '-'}; nothing committed")
+    staged = rec.plan_id if rec.state is ClusterState.LOAD_SUCC else ""
+    if plan_id is not None and staged != plan_id:
+        raise StateError(f"plan {plan_id} is not the staged plan: the cluster is {rec.state} (round {rec.round}), "
+                         f"staged plan {staged or 'none'}; nothing committed")
     if rec.state is not ClusterState.LOAD_SUCC:
         return refuse(f"actual status {CLUSTER.to_code(rec.state)} ({rec.state}), expect status 2 (LOAD_SUCC)")
     try:
