@@ -381,32 +381,30 @@ PLACEMENT_MEDIA = {"sglang": "application/json", "fastdeploy": "application/json
 def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]:
     """The current placement: phy2log / log2phy / logcnt as JSON (with ``live_ranks``, the ACTIVE members: log2phy
     and logcnt then name only their slots, what the engine routes with), or (text, media type) of a placement file in
-    ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
-    from fdeplb.placement import FORMATS
-    from fdeplb.placement.core import Placement
-    from fdeplb.placement.files import render_placement
+    ``fmt`` (one of :data:`fdeplb.placement.FORMATS`, with the model's layers: :func:`fdeplb.status.placement_file`).
+    ``layer_ids``: the model layer of every row."""
+    import numpy as np
 
+    from fdeplb.machines.tables import MEMBERSHIP, MemberState
+    from fdeplb.placement import live_maps
+    from fdeplb.placement.core import Placement
+    from fdeplb.status import placement_file
+
+    if fmt is not None:
+        text = placement_file(store, fmt)
+        return text, PLACEMENT_MEDIA[fmt]
     cfg = store.read_config()
     current = store.current_placement()
     pl = Placement.from_phy2log(current.phy2log, cfg.num_logical_experts, policy=cfg.policy,
                                 num_groups=cfg.num_groups, num_nodes=cfg.num_nodes, num_gpus=cfg.ep_size)
-    if fmt is None:
-        import numpy as np
-
-        from fdeplb.machines.tables import MEMBERSHIP, MemberState
-        from fdeplb.placement import live_maps
-
-        members = store.read_each(MEMBERSHIP)  # a missing record counts as ACTIVE (a cluster made before them)
-        live = np.array([m is None or getattr(m, "state", None) is MemberState.ACTIVE for m in members], dtype=bool)
-        log2phy, logcnt = (pl.log2phy, pl.logcnt) if live.all() else live_maps(
-            current.phy2log, cfg.num_logical_experts, cfg.ep_size, live)  # routes name live slots only
-        return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,
-                "num_physical_experts": cfg.num_physical_experts, "ep_size": cfg.ep_size,
-                "live_ranks": np.flatnonzero(live).tolist(),
-                "phy2log": pl.phy2log.tolist(), "log2phy": log2phy.tolist(), "logcnt": logcnt.tolist()}
-    if fmt not in FORMATS:
-        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {fmt[:40]!r}")
-    return render_placement(pl, fmt, meta_file_name="placement.json"), PLACEMENT_MEDIA[fmt]
+    members = store.read_each(MEMBERSHIP)  # a missing record counts as ACTIVE (a cluster made before them)
+    live = np.array([m is None or getattr(m, "state", None) is MemberState.ACTIVE for m in members], dtype=bool)
+    log2phy, logcnt = (pl.log2phy, pl.logcnt) if live.all() else live_maps(
+        current.phy2log, cfg.num_logical_experts, cfg.ep_size, live)  # routes name live slots only
+    return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,
+            "num_physical_experts": cfg.num_physical_experts, "ep_size": cfg.ep_size,
+            "live_ranks": np.flatnonzero(live).tolist(), "layer_ids": cfg.model_layer_ids,
+            "phy2log": pl.phy2log.tolist(), "log2phy": log2phy.tolist(), "logcnt": logcnt.tolist()}
 
 
 def statechart_svg(machine: str, folder: Path | None) -> str:

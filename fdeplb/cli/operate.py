@@ -343,9 +343,10 @@ def run_init(args: argparse.Namespace) -> int:
         layer_ids=layer_ids_of(args.layer_ids, args.first_moe_layer, args.num_layers),
         num_model_layers=args.num_model_layers,
     )
-    if args.initial:
-        phy2log = read_placement(args.initial, num_logical_experts=args.num_logical_experts,
-                                 num_gpus=args.ep_size).placement.phy2log
+    if args.initial:  # a file with a row per model layer (SGLang's, dense layers included): the MoE layers' rows
+        initial = read_placement(args.initial, num_logical_experts=args.num_logical_experts, num_gpus=args.ep_size)
+        phy2log = (initial.placement if initial.placement.num_layers == config.num_layers
+                   else initial.for_layers(config.model_layer_ids)).phy2log
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log
