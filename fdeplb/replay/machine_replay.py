@@ -275,6 +275,7 @@ class _Replay:
                 raise ReplayError(f"{line.where}: config_changed detail is not JSON: {exc}") from None
             if "cordoned" in changes:
                 self.cordoned = bool(changes["cordoned"][1])
+            self.report.config_changes.append((_int(line, "round"), changes))
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start

@@ -221,3 +221,39 @@ def test_weights_refusal_is_unchanged_for_a_single_blocker(store):
     RawRedis(store.url, store.cluster).force(store._keys.weights(0), "CLEARED", version=2)
     assert store.read(WEIGHTS, 0).state == "CLEARED"
     assert start_blockers(store).startswith("waits: weights not NORMAL on ranks 0 CLEARED")
+
+
+@pytest.mark.slow
+def test_a_recording_with_a_config_change_replays_its_gates_with_the_changed_min_gain(redis_url, cluster_id, capsys,
+                                                                                      tmp_path):
+    from fdeplb.recording import export_recording
+    from fdeplb.replay import check_gates, replay_file
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        store = tc.store()
+        code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait")
+        assert code == 0 and "round 1: rearranged" in out, out + err
+        assert cli(capsys, store, "config", "set", "--min-gain", "1")[0] == 0
+        tc.loads = tc.loads[:, :, ::-1].copy()  # another load: round 2 plans a real gain, which min_gain 1 gates
+        code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait")
+        assert code == 0 and "round 2: skipped: planned gain" in out and "<= min_gain 1.0" in out, out + err
+        export_recording(store, tmp_path / "run.jsonl")
+    report = replay_file(tmp_path / "run.jsonl")
+    assert report.config_changes and report.config_changes[0][1]["min_gain"] == [0.0, 1.0]
+    check_gates(report)  # with the header's min_gain 0 it would say the gate let round 2 through
+    assert 2 in report.gates_checked
+
+
+def test_a_coordinator_refuses_to_start_on_an_unwritable_audit_export(capsys, redis_url, cluster_id, tmp_path):
+    store = Store(redis_url, cluster_id)
+    cfg = ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3, audit_keep=5,
+                        audit_export_path=str(tmp_path / "missing" / "audit.jsonl"))
+    init_cluster(store, cfg, np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
+    try:
+        code, _, err = run_cli(capsys, "coordinator", "--redis-url", redis_url, "--cluster", cluster_id,
+                               "--redis-wait-s", "0")
+        assert code == 2 and f"audit export {tmp_path / 'missing' / 'audit.jsonl'}: cannot be appended to" in err
+        assert store.lease_info().holder is None  # refused before it led
+    finally:
+        store.delete_cluster()
