@@ -75,7 +75,12 @@ class Coordinator(UnaskedRounds, Leadership):
     Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
     that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
-    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again.
+    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again. A request still not
+    started ``deadlines.request_ttl_ms`` after it was made expires: withdrawn with a fenced ``request_expired`` note
+    naming its age and what it waited on (:func:`fdeplb.orchestration.reasons.request_expired`).
+
+    Settings: the configuration is read again at every FREE step (``fdeplb config set`` bumps its version), so a
+    change applies from the next round; a round in flight keeps the settings it started with.
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
