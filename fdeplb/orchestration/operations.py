@@ -37,8 +37,6 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
 def _compared(config: ClusterConfig) -> dict:
     """What init-cluster compares with an existing cluster: every setting (deadlines one by one), the checkpoint
     and the model layers (the topology is compared first)."""
-    data = config.settings()
-    flat = {k: v for k, v in data.items() if k != "deadlines"}
-    flat.update({f"deadlines.{k}": v for k, v in data["deadlines"].items()})
+    flat = config.flat_settings()
     flat.update(checkpoint=config.checkpoint, layer_ids=config.model_layer_ids, num_model_layers=config.model_layers)
     return flat

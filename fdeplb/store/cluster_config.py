@@ -177,6 +177,14 @@ class ClusterConfig:
         data = self.to_json()
         return {name: data[name] for name in SETTABLE}
 
+    def flat_settings(self) -> dict[str, Any]:
+        """:meth:`settings` with ``deadlines`` spread out as ``deadlines.<name>``: the names a change is audited
+        under and ``init-cluster`` compares."""
+        data = self.settings()
+        out = {k: v for k, v in data.items() if k != "deadlines"}
+        out.update({f"deadlines.{k}": v for k, v in data["deadlines"].items()})
+        return out
+
     def with_settings(self, changes: Mapping[str, Any]) -> "ClusterConfig":
         """A copy with ``changes`` applied (names of :data:`SETTABLE`, ``deadlines`` as a partial dict of
         milliseconds) and :attr:`version` + 1, validated as any configuration is.

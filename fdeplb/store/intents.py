@@ -162,7 +162,7 @@ class Intents:
         def txn(pipe: Any) -> tuple[ClusterConfig, ClusterConfig, dict[str, list]]:
             old = self._parse_config(_hgetall(pipe, key))
             new = old.with_settings(changes)
-            before, after = _flat(old.settings()), _flat(new.settings())
+            before, after = old.flat_settings(), new.flat_settings()
             diff = {name: [before[name], after[name]] for name in before if before[name] != after[name]}
             if not diff:
                 pipe.unwatch()  # nothing queued: EXEC is not sent
@@ -302,9 +302,3 @@ class Intents:
         self._client.transaction(txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
 
-
-def _flat(settings: dict[str, Any]) -> dict[str, Any]:
-    """``settings`` with ``deadlines`` spread out as ``deadlines.<name>`` (what a change names)."""
-    out = {k: v for k, v in settings.items() if k != "deadlines"}
-    out.update({f"deadlines.{k}": v for k, v in settings.get("deadlines", {}).items()})
-    return out
