@@ -301,4 +301,3 @@ class Intents:
 
         self._client.transaction(txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
-
