@@ -66,8 +66,6 @@ class Retention:
         one ``{"id": ..., **fields}`` object per line, flushed and fsynced) and only then trim them from the
         stream (``XTRIM MINID``). Returns how many were trimmed (0 when the stream holds ``keep`` or fewer).
         Raises OSError when the file cannot be written (nothing is trimmed then)."""
-        import os
-
         length = self.audit_length()
         if keep < 1 or length <= keep:
             return 0
