@@ -4,7 +4,8 @@ A :class:`Reaper` is a small helper process (``python -m fdeplb.reaper``) holdin
 end only its parent holds. The parent tells it, one line at a time, which processes (pid + start time, so a reused
 pid is never signalled) and directories it owns. When the pipe reaches end-of-file (the parent closed it, exited or
 was killed by any signal, SIGKILL included), the reaper sends SIGTERM to every registered process still alive, waits
-up to ``grace_s`` seconds, sends SIGKILL to what is left, removes every registered directory and exits. It runs in
+up to ``grace_s`` seconds, sends SIGKILL to what is left, removes every registered directory, deletes every key of
+each registered cluster (``fdeplb demo --redis-url``: an external Redis keeps nothing of a demo) and exits. It runs in
 its own session and ignores SIGINT/SIGTERM/SIGHUP, so a Ctrl-C or ``timeout`` aimed at the parent does not stop it
 before it has cleaned up. A parent that cleans up itself just closes the pipe; the reaper then finds nothing to do.
 
@@ -65,6 +66,11 @@ class Reaper:
         """Remove directory ``path`` once this process is gone."""
         self._send(f"dir {os.fspath(path)}")
 
+    def watch_cluster(self, redis_url: str, cluster: str) -> None:
+        """Delete every key of ``cluster`` at ``redis_url`` once this process is gone (after its processes are
+        stopped, so none writes a key again)."""
+        self._send(f"cluster {cluster} {redis_url}")
+
     def close(self) -> None:
         """Close the pipe now: the reaper cleans up whatever is left and exits."""
         with self._io:
@@ -85,6 +91,7 @@ def _reap(grace_s: float) -> None:
         signal.signal(sig, signal.SIG_IGN)
     procs: list = []
     dirs: list[str] = []
+    clusters: list[tuple[str, str]] = []
     for raw in sys.stdin.buffer:  # until EOF: the parent closed the pipe or died
         kind, _, arg = raw.decode(errors="replace").strip().partition(" ")
         if kind == "pid":
@@ -94,6 +101,9 @@ def _reap(grace_s: float) -> None:
                 pass
         elif kind == "dir" and arg:
             dirs.append(arg)
+        elif kind == "cluster" and " " in arg:
+            cluster, _, url = arg.partition(" ")
+            clusters.append((cluster, url))
     alive = [p for p in procs if p.is_running()]
     for p in alive:
         try:
@@ -107,6 +117,13 @@ def _reap(grace_s: float) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=5)
+    for cluster, url in clusters:
+        try:
+            from fdeplb.store import Store
+
+            Store(url, cluster).delete_cluster()
+        except Exception:  # noqa: BLE001 - Redis gone or the URL wrong: nothing left to clean up there
+            pass
     deadline = time.monotonic() + 5
     for d in dirs:
         while Path(d).exists() and time.monotonic() < deadline:  # a dying process may still write into it

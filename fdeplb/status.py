@@ -24,6 +24,28 @@ __all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "h
 CORRUPT = "CORRUPT"
 
 
+def placement_file(store, fmt: str) -> str:
+    """The cluster's current placement as the text of a placement file in ``fmt`` (one of
+    :data:`fdeplb.placement.FORMATS`), with the model's layers (:attr:`~fdeplb.store.ClusterConfig.layer_ids`):
+    SGLang and FastDeploy one row per model layer, the dense layers with the trivial placement as in SGLang's own
+    files (DeepSeek-V3: 61 rows, as ``fdeplb rebalance --format sglang`` writes); TensorRT-LLM keyed by model layer
+    (DeepSeek-V3: 3..60); fdeplb with its ``layer_ids``. What ``GET /v1/placement?format=`` serves and ``fdeplb
+    status --placement-out`` writes. :class:`InputError` for another format."""
+    from fdeplb.errors import InputError
+    from fdeplb.placement import FORMATS
+    from fdeplb.placement.core import Placement
+    from fdeplb.placement.files import render_placement
+
+    if fmt not in FORMATS:
+        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {str(fmt)[:40]!r}")
+    cfg = store.read_config()
+    current = store.current_placement()
+    pl = Placement.from_phy2log(current.phy2log, cfg.num_logical_experts, policy=cfg.policy,
+                                num_groups=cfg.num_groups, num_nodes=cfg.num_nodes, num_gpus=cfg.ep_size)
+    return render_placement(pl, fmt, layer_ids=cfg.model_layer_ids, num_model_layers=cfg.model_layers,
+                            meta_file_name="placement.json")
+
+
 def commit_command(redis_url: str, cluster: str, plan_id: str) -> str:
     """The command that commits a cordoned cluster's staged plan ``plan_id``."""
     return f"fdeplb rearrange --redis-url {redis_url} --cluster {cluster} --commit {plan_id}"
@@ -90,7 +112,7 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     :class:`~fdeplb.errors.NotFoundError` (no cluster) and Redis errors."""
     from fdeplb.placement import routing_digest
 
-    config = store.read_config()
+    config = store.read_config(fresh=True)  # its settings change (`fdeplb config set`); a served store is long-lived
     corrupt: list[dict[str, str]] = []
 
     def parsed(value):
@@ -137,7 +159,8 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
         "degraded": _degraded(config, placement if has_placement else None, live),
         "staged": _staged(store, config, rec, cluster_state, read, redis_url),
         "config": {"ep_size": config.ep_size, "policy": config.policy, "cordoned": config.cordoned,
-                   **config.topology()},
+                   "min_gain": config.min_gain, "version": config.version, "layer_ids": config.model_layer_ids,
+                   "num_model_layers": config.model_layers, **config.topology()},
         "rearrange": {**_rearrange_status(rec, now), "lease_holder": lease.holder, "lease_ttl_ms": lease.ttl_ms},
         "placement": {"plan_id": placement.plan_id if has_placement else None,
                       "version": placement.version if has_placement else None, "routing_digest": expected,

@@ -40,14 +40,16 @@ async def has_basic(credentials: Credentials | None, request: Request) -> bool:
     return True
 
 
-async def check_basic(credentials: Credentials | None, request: Request) -> None:
-    """HTTP Basic auth of a GET route; :class:`AuthError` unless it matches (None: no auth). A header that is
-    absent, of another scheme, not base64 or without ``:`` is the same :class:`AuthError` as a wrong password."""
+async def check_basic(credentials: Credentials | None, request: Request) -> str:
+    """HTTP Basic auth of a GET route (and of fdeplb's own operator POST routes); returns the user name ("" when
+    the API has no credentials). :class:`AuthError` unless it matches (None: no auth). A header that is absent, of
+    another scheme, not base64 or without ``:`` is the same :class:`AuthError` as a wrong password."""
     if credentials is None:
-        return
+        return ""
     try:
         given = await _BASIC(request)
     except HTTPException:  # malformed: HTTPBasic raises even with auto_error=False
         given = None
     if given is None or not credentials.matches(given.username, given.password):
         raise AuthError(AUTH_FAILED)
+    return given.username

@@ -38,10 +38,65 @@ class RearrangeBody(_Body):
 
     action: StrictStr = Field("", max_length=64,
                               description='"" (start a round), "recv_expert_weight" or "update_weight_from_tensor"')
+    plan_id: StrictStr | None = Field(None, min_length=1, max_length=64,
+                                      description="update_weight_from_tensor: commit only if this is the staged plan "
+                                                  "(refused with 409 otherwise); omitted: whatever is staged")
     ips: list[Address] | None = Field(None, max_length=MAX_IPS,
                                       description="API addresses HOST:PORT of registered ranks (action \"\")")
     data: list[Annotated[list[LoadValue], Field(max_length=MAX_EXPERTS)]] | None = Field(
         None, max_length=MAX_LAYERS, description="expert_load [num_layers][num_logical_experts] (recv_expert_weight)")
+
+
+class _OperatorBody(BaseModel):
+    """fdeplb's own operator routes (``/v1/round/*``, ``/v1/config``, ``/v1/cluster/delete``): HTTP Basic, no
+    FastDeploy credential fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: StrictStr = Field("", max_length=500, description="why (kept in the audit record)")
+
+
+class ReasonBody(_OperatorBody):
+    """``POST /v1/round/abort`` and ``POST /v1/round/cancel``."""
+
+
+class DeleteBody(_OperatorBody):
+    """``POST /v1/cluster/delete``."""
+
+    force: StrictBool = Field(False, description="delete even while agents or a coordinator are alive")
+
+
+class DeadlinesBody(BaseModel):
+    """The deadlines ``POST /v1/config`` may change (ms), any subset."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    collecting_ms: StrictInt | None = None
+    loading_ms: StrictInt | None = None
+    commit_ms: StrictInt | None = None
+    swapping_ms: StrictInt | None = None
+    weights_ms: StrictInt | None = None
+    exclude_ms: StrictInt | None = None
+    request_ttl_ms: StrictInt | None = None
+
+
+class ConfigBody(_OperatorBody):
+    """``POST /v1/config``: the settings to change (as ``fdeplb config set``); fields left out stay."""
+
+    policy: StrictStr | None = Field(None, max_length=64)
+    min_gain: float | None = Field(None, description="in [0, 1]")
+    cordoned: StrictBool | None = None
+    retain_rounds: StrictInt | None = None
+    audit_keep: StrictInt | None = None
+    audit_export_path: StrictStr | None = Field(None, max_length=4096)
+    deadlines: DeadlinesBody | None = None
+
+    def changes(self) -> dict[str, Any]:
+        """The settings given, in :meth:`fdeplb.store.ClusterConfig.with_settings`' form."""
+        out = self.model_dump(exclude_none=True, exclude={"reason"})
+        if "deadlines" in out and not out["deadlines"]:
+            del out["deadlines"]
+        return out
 
 
 class StatsBody(_Body):

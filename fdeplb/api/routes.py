@@ -27,7 +27,8 @@ from starlette.concurrency import run_in_threadpool
 
 from fdeplb.api import service, ui_routes
 from fdeplb.api.auth import Credentials, check_basic, check_body, has_basic
-from fdeplb.api.bodies import CheckBody, RearrangeBody, StatsBody, openapi_body, read_json_object, validate
+from fdeplb.api.bodies import CheckBody, ConfigBody, DeleteBody, ReasonBody, RearrangeBody, StatsBody, openapi_body, \
+    read_json_object, validate
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.api.service import ApiSettings
 from fdeplb.errors import AuthError, FdeplbError, http_status
@@ -94,9 +95,16 @@ class _Routes:
         check_body(self.credentials, doc)
         return validate(model, doc)
 
-    async def basic(self, request: Request) -> None:
-        """HTTP Basic authentication of a GET route (:func:`fdeplb.api.auth.check_basic`)."""
-        await check_basic(self.credentials, request)
+    async def basic(self, request: Request) -> str:
+        """HTTP Basic authentication of a GET route (:func:`fdeplb.api.auth.check_basic`); the user name."""
+        return await check_basic(self.credentials, request)
+
+    async def operator_body(self, request: Request, model) -> tuple[str, Any]:
+        """An operator route's caller (``http:<Basic user>``, authenticated first) and its JSON body, validated."""
+        user = await self.basic(request)
+        doc = await read_json_object(request, max_bytes=self.settings.max_body_bytes,
+                                     max_depth=self.settings.max_depth)
+        return f"http:{user or 'anonymous'}", validate(model, doc)
 
 
 def create_router(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> APIRouter:
@@ -108,6 +116,7 @@ def create_router(store: Store, credentials: Credentials | None, settings: ApiSe
     _fastdeploy_routes(router, routes)
     _read_only_routes(router, routes)
     ui_routes.add_live_ui(router, routes, _guarded)
+    _operator_routes(router, routes)
     return router
 
 
@@ -132,7 +141,7 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         if body.action == "recv_expert_weight":
             return _reply(await run_in_threadpool(service.supply_load, store, body.data))
         if body.action == "update_weight_from_tensor":
-            return _reply(await run_in_threadpool(service.commit, store))
+            return _reply(await run_in_threadpool(service.commit, store, body.plan_id))
         return _reply(service.refuse(f"invalid action {body.action[:64]}"))
 
     @router.post("/get_per_expert_tokens_stats", openapi_extra=openapi_body(StatsBody), tags=["fastdeploy"])
@@ -228,6 +237,47 @@ def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
         if not settings.metrics_public:
             await ctx.basic(request)
         return Response(await run_in_threadpool(generate_latest, ctx.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _operator_routes(router: APIRouter, ctx: _Routes) -> None:
+    """fdeplb's operator verbs (:mod:`fdeplb.orchestration.operator`): HTTP Basic, a JSON body, audited with the
+    caller ``http:<user>`` and the body's ``reason``; a verb that cannot apply is a 409 saying why."""
+    store = ctx.store
+
+    @router.post("/v1/round/abort", openapi_extra=openapi_body(ReasonBody), tags=["operator"])
+    @_guarded
+    async def v1_round_abort(request: Request) -> Response:
+        """Abort the round in flight before the commit point (409 after it, or with no round in flight)."""
+        who, body = await ctx.operator_body(request, ReasonBody)
+        return _reply(await run_in_threadpool(service.abort_round, store, who, body.reason))
+
+    @router.post("/v1/round/cancel", openapi_extra=openapi_body(ReasonBody), tags=["operator"])
+    @_guarded
+    async def v1_round_cancel(request: Request) -> Response:
+        """Withdraw the pending round request (409 when none is pending)."""
+        who, body = await ctx.operator_body(request, ReasonBody)
+        return _reply(await run_in_threadpool(service.cancel_request, store, who, body.reason))
+
+    @router.get("/v1/config", tags=["operator"])
+    @_guarded
+    async def v1_config(request: Request) -> Response:
+        """The cluster's configuration (``version`` counts the changes)."""
+        await ctx.basic(request)
+        return JSONResponse(await run_in_threadpool(service.config, store))
+
+    @router.post("/v1/config", openapi_extra=openapi_body(ConfigBody), tags=["operator"])
+    @_guarded
+    async def v1_config_set(request: Request) -> Response:
+        """Change settings (policy, min_gain, cordoned, retention, deadlines): audited, version + 1."""
+        who, body = await ctx.operator_body(request, ConfigBody)
+        return _reply(await run_in_threadpool(service.change_config, store, body.changes(), who, body.reason))
+
+    @router.post("/v1/cluster/delete", openapi_extra=openapi_body(DeleteBody), tags=["operator"])
+    @_guarded
+    async def v1_cluster_delete(request: Request) -> Response:
+        """Delete every key of the cluster (409 while agents or a coordinator are alive, unless ``force``)."""
+        who, body = await ctx.operator_body(request, DeleteBody)
+        return _reply(await run_in_threadpool(service.delete_cluster, store, who, body.force))
 
 
 def create_app(store: Store, credentials: Credentials | None, settings: ApiSettings | None = None) -> FastAPI:

@@ -136,17 +136,65 @@ def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
     return ok(round=round_)
 
 
-def commit(store: Store) -> Reply:
-    """Action ``update_weight_from_tensor``: allow the cordoned cluster's staged plan to commit (LOAD_SUCC only)."""
+def commit(store: Store, plan_id: str | None = None) -> Reply:
+    """Action ``update_weight_from_tensor``: allow the cordoned cluster's staged plan to commit (LOAD_SUCC only).
+    With ``plan_id`` (the plan the caller reviewed), only if it is the staged one: a late commit after that plan's
+    round timed out is refused with 409 naming both, never committing a plan nobody reviewed."""
     rec = store.read_cluster()
+    staged = rec.plan_id if rec.state is ClusterState.LOAD_SUCC else ""
+    if plan_id is not None and staged != plan_id:
+        raise StateError(f"plan {plan_id} is not the staged plan: the cluster is {rec.state} (round {rec.round}), "
+                         f"staged plan {staged or 'none'}; nothing committed")
     if rec.state is not ClusterState.LOAD_SUCC:
         return refuse(f"actual status {CLUSTER.to_code(rec.state)} ({rec.state}), expect status 2 (LOAD_SUCC)")
     try:
         store.request_commit(rec.plan_id, by="http")
     except StateError as err:
+        if plan_id is not None:
+            raise  # 409: the named plan is no longer the staged one
         return refuse(str(err))
     log.info("commit requested", round=rec.round, plan_id=rec.plan_id)
     return ok(round=rec.round, plan_id=rec.plan_id)
+
+
+# ---- fdeplb's operator routes (fdeplb.orchestration.operator) -------------------------------------------------------
+def abort_round(store: Store, by: str, reason: str) -> Reply:
+    """``POST /v1/round/abort``: the round in flight aborted before the commit point (409 after it, or when none)."""
+    from fdeplb.orchestration.operator import abort_round as abort
+
+    fired = abort(store, by=by, reason=reason)
+    return ok(round=fired.before.round, state_was=fired.before.state.value, reason=fired.after.reason)
+
+
+def cancel_request(store: Store, by: str, reason: str) -> Reply:
+    """``POST /v1/round/cancel``: the pending round request withdrawn (409 when none is pending)."""
+    from fdeplb.orchestration.operator import cancel_request as cancel
+
+    return ok(round=cancel(store, by=by, reason=reason))
+
+
+def config(store: Store) -> dict[str, Any]:
+    """``GET /v1/config``: the cluster's configuration (its ``version`` counts the changes)."""
+    return store.read_config(fresh=True).to_json()
+
+
+def change_config(store: Store, changes: dict[str, Any], by: str, reason: str) -> Reply:
+    """``POST /v1/config``: change settings (400 for one that may not change or a bad value)."""
+    from fdeplb.orchestration.operator import change_settings
+
+    if not changes:
+        raise InputError("nothing to change: give at least one setting")
+    old, new = change_settings(store, changes, by=by, reason=reason)
+    return ok(version=new.version, changed=new.version != old.version, config=new.to_json())
+
+
+def delete_cluster(store: Store, by: str, force: bool) -> Reply:
+    """``POST /v1/cluster/delete``: every key of the cluster deleted (409 while agents are alive, unless force)."""
+    from fdeplb.orchestration.operator import delete_cluster as delete
+
+    n = delete(store, force=force)
+    log.warning("cluster deleted", by=by, keys=n, force=force)
+    return ok(deleted_keys=n)
 
 
 # ---- POST /get_per_expert_tokens_stats -----------------------------------------------------------------------------
@@ -344,32 +392,30 @@ PLACEMENT_MEDIA = {"sglang": "application/json", "fastdeploy": "application/json
 
 def placement(store: Store, fmt: str | None) -> tuple[str, str] | dict[str, Any]:
     """The current placement: phy2log / log2phy / logcnt as JSON (with ``live_ranks``, the members it was committed
-    for: log2phy and logcnt then name only their slots, exactly what every member's engine routes with), or (text,
-    media type) of a placement file in ``fmt`` (one of :data:`fdeplb.placement.FORMATS`)."""
-    from fdeplb.placement import FORMATS
-    from fdeplb.placement.core import Placement
-    from fdeplb.placement.files import render_placement
+    for: log2phy and logcnt then name only their slots, exactly what every member's engine routes with;
+    ``layer_ids``: the model layer of every row), or (text, media type) of a placement file in ``fmt`` (one of
+    :data:`fdeplb.placement.FORMATS`, with the model's layers: :func:`fdeplb.status.placement_file`)."""
+    import numpy as np
 
+    from fdeplb.placement import live_maps
+    from fdeplb.placement.core import Placement
+    from fdeplb.status import placement_file
+
+    if fmt is not None:
+        text = placement_file(store, fmt)
+        return text, PLACEMENT_MEDIA[fmt]
     cfg = store.read_config()
     current = store.current_placement()
     pl = Placement.from_phy2log(current.phy2log, cfg.num_logical_experts, policy=cfg.policy,
                                 num_groups=cfg.num_groups, num_nodes=cfg.num_nodes, num_gpus=cfg.ep_size)
-    if fmt is None:
-        import numpy as np
-
-        from fdeplb.placement import live_maps
-
-        live = np.zeros(cfg.ep_size, dtype=bool)
-        live[list(current.live_ranks(cfg.ep_size))] = True
-        log2phy, logcnt = (pl.log2phy, pl.logcnt) if live.all() else live_maps(
-            current.phy2log, cfg.num_logical_experts, cfg.ep_size, live)  # routes name live slots only
-        return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,
-                "num_physical_experts": cfg.num_physical_experts, "ep_size": cfg.ep_size,
-                "live_ranks": np.flatnonzero(live).tolist(),
-                "phy2log": pl.phy2log.tolist(), "log2phy": log2phy.tolist(), "logcnt": logcnt.tolist()}
-    if fmt not in FORMATS:
-        raise InputError(f"format must be one of {', '.join(FORMATS)}, got {fmt[:40]!r}")
-    return render_placement(pl, fmt, meta_file_name="placement.json"), PLACEMENT_MEDIA[fmt]
+    live = np.zeros(cfg.ep_size, dtype=bool)
+    live[list(current.live_ranks(cfg.ep_size))] = True
+    log2phy, logcnt = (pl.log2phy, pl.logcnt) if live.all() else live_maps(
+        current.phy2log, cfg.num_logical_experts, cfg.ep_size, live)  # routes name live slots only
+    return {"plan_id": current.plan_id, "version": current.version, "num_logical_experts": cfg.num_logical_experts,
+            "num_physical_experts": cfg.num_physical_experts, "ep_size": cfg.ep_size,
+            "live_ranks": np.flatnonzero(live).tolist(), "layer_ids": cfg.model_layer_ids,
+            "phy2log": pl.phy2log.tolist(), "log2phy": log2phy.tolist(), "logcnt": logcnt.tolist()}
 
 
 def statechart_svg(machine: str, folder: Path | None) -> str:

@@ -8,10 +8,13 @@ import dataclasses
 import signal
 import sys
 
+from fdeplb.cli.cluster_cmd import deadline_flags
 from fdeplb.options import cluster_parent, positive_float
 from fdeplb.placement import POLICIES
 from fdeplb.store import ClusterConfig, Deadlines
 
+#: the audit notes of a round request withdrawn before it started (the coordinator's expiry, an operator's cancel)
+WITHDRAWN = ("request_expired", "request_cancelled")
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}
 _DEADLINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Deadlines)}
 
@@ -20,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("init-cluster", help="create a cluster's configuration, placement and machine records",
                        description="Create a cluster in Redis: its topology and settings, the initial placement "
                                    "(trivial, or --initial FILE) and one record per machine at version 0. "
-                                   "An existing cluster with the same topology is left as it is.",
+                                   "An existing cluster with the same configuration is left as it is; one with "
+                                   "other settings is refused (change them with `fdeplb config set`).",
                        parents=[cluster_parent()])
     i.add_argument("--num-layers", type=int, required=True, help="MoE layers")
     i.add_argument("--num-logical-experts", type=int, required=True)
@@ -48,8 +52,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most changed layers switched at one safe point (0 = no limit; with --max-pause-bytes 0 "
                         "a swap is applied at one safe point)")
     for name, default in _DEADLINE_DEFAULTS.items():
-        phase = name.removesuffix("_ms")
-        i.add_argument(f"--{phase}-ms", type=int, default=default, help=f"{phase} deadline (default {default})")
+        i.add_argument(*deadline_flags(name), dest=name, type=int, default=default, metavar="MS",
+                       help=f"deadlines.{name} (default {default})")
+    layers = i.add_mutually_exclusive_group()
+    layers.add_argument("--layer-ids", default=None, metavar="IDS",
+                        help="model layer of every MoE layer, ascending: '3-60' or '3,4,5' (DeepSeek-V3: 3-60); "
+                             "exports then write SGLang's row per model layer and TensorRT-LLM's model layer keys")
+    layers.add_argument("--first-moe-layer", type=int, default=None, metavar="K",
+                        help="the MoE layers are model layers K..K+num_layers-1 (DeepSeek-V3: 3)")
+    i.add_argument("--num-model-layers", type=int, default=0, metavar="N",
+                   help="model layers, dense ones included (default: the largest layer id + 1)")
     i.set_defaults(handler=run_init)
 
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
@@ -102,6 +114,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
         check_holder(args.holder)
     wait_for_redis(args.redis_url, args.cluster, args.redis_wait_s, "coordinator")
     store = open_store(args.redis_url, args.cluster)
+    cfg = store.read_config()
+    if cfg.audit_keep:  # this process trims the audit: refuse at start, not at every round's end
+        from fdeplb.store.retention import check_export_path
+
+        check_export_path(cfg.audit_export_path)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
                               min_balancedness=args.min_balancedness)
 
@@ -145,10 +162,10 @@ def run_rearrange(args: argparse.Namespace) -> int:
     cursor = store.cursor()
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
-    blocker = _start_blocker(store)
-    if blocker:
-        print(f"note: round {target} {blocker}", file=sys.stderr)
     if not args.wait:
+        blocker = start_blockers(store)
+        if blocker:
+            print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
     return wait_for_round(store, target, cursor, args.timeout,
                           redis_url=args.redis_url if store.read_config().cordoned else None, store_url=args.redis_url)
@@ -177,7 +194,12 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
                    store_url: str | None = None) -> int:
     """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
     balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
-    skipped, 1 for aborted; :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
+    skipped, 1 for aborted or for a request withdrawn before it started (expired past ``deadlines.request_ttl_ms``,
+    or cancelled); :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
+
+    While the round has not started, why not (:func:`start_blockers`: stale ranks as the coordinator's refusal
+    records them, no coordinator holding the lease, weights not NORMAL) is printed on stderr as soon as the records
+    show it (again when it changes) and named in the timeout's message.
 
     ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
     returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
@@ -189,25 +211,32 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
 
     from fdeplb.errors import DeadlineError
     from fdeplb.machines.tables import CLUSTER, ClusterState
-    from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
+    from fdeplb.orchestration.reasons import RoundOutcome, detail_of, round_outcome
 
     end = time.monotonic() + timeout_s
     last = None
+    shown = ""
     while last is None:
-        if redis_url is not None:  # read each pass: a round staged before the cursor is seen too
-            rec = store.read_cluster()
-            if rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
-                return _print_staged(store, rec, redis_url)
+        rec = store.read_cluster()  # each pass: a round staged, or a refusal written, before the cursor is seen too
+        if redis_url is not None and rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
+            return _print_staged(store, rec, redis_url)
+        blocker = start_blockers(store, rec) if rec.state is ClusterState.FREE and rec.round < target else ""
+        if blocker and blocker != shown:
+            print(f"note: round {target} {blocker}", file=sys.stderr, flush=True)
+        shown = blocker or shown
         left = end - time.monotonic()
         if left <= 0:
-            rec = store.read_cluster()
-            blocker = _start_blocker(store) if rec.state is ClusterState.FREE and rec.round < target else ""
             raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
                                 f"{rec.round}{'; it ' + blocker if blocker else ''}); it may still finish: "
                                 f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}")
         for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
-            if (a["machine"] == CLUSTER.name and a["to"] == ClusterState.FREE
-                    and a["round"].isdigit() and int(a["round"]) >= target):
+            if a["machine"] == CLUSTER.name and a["trigger"] in WITHDRAWN and \
+                    (detail_of(a) or {}).get("round", -1) >= target:
+                print(f"round {target}: not started: {a['reason']}")
+                return 1
+            if a["machine"] != CLUSTER.name or not a["round"].isdigit() or int(a["round"]) < target:
+                continue
+            if a["to"] == ClusterState.FREE and a["from"] != ClusterState.FREE:
                 last = a
                 break
     outcome, reason = round_outcome(last)
@@ -223,17 +252,26 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     return 0 if outcome is RoundOutcome.SKIPPED else 1
 
 
-def _start_blocker(store) -> str:
-    """Why a requested round cannot start now, as the end of a sentence ("waits: ..."), or "": ranks whose weights
-    are not NORMAL (cleared or being updated; the start's guard)."""
+def start_blockers(store, rec=None) -> str:
+    """Why a requested round cannot start now, as the end of a sentence ("waits: ..."), or "": the leading
+    coordinator's refusal recorded in the cluster record (stale ranks), no coordinator holding the lease (nobody
+    would start it), ranks whose weights are not NORMAL (cleared or being updated; the start's guard)."""
     from fdeplb.machines.tables import WEIGHTS, WeightState
+    from fdeplb.orchestration.reasons import REFUSED
 
+    rec = rec or store.read_cluster()
+    why = []
+    if rec.reason.startswith(REFUSED):
+        why.append(rec.reason)
+    if not store.lease_info().holder:
+        why.append(f"no coordinator holds the lease of cluster {store.cluster} (start one: fdeplb coordinator "
+                   f"--redis-url URL --cluster {store.cluster})")
     off = [(r, w.state) for r, w in enumerate(store.read_all(WEIGHTS)) if w.state is not WeightState.NORMAL]
-    if not off:
-        return ""
-    ranks = ", ".join(f"{r} {state}" for r, state in off)
-    return (f"waits: weights not NORMAL on ranks {ranks}; it starts once they are "
-            f"(GET /update_model_weight reloads cleared weights)")
+    if off:
+        ranks = ", ".join(f"{r} {state}" for r, state in off)
+        why.append(f"weights not NORMAL on ranks {ranks}; it starts once they are (GET /update_model_weight "
+                   f"reloads cleared weights)")
+    return "waits: " + "; ".join(why) if why else ""
 
 
 def _plan_numbers(plan) -> str:
@@ -264,6 +302,27 @@ def check_checkpoint(path: str, preset: str, num_layers: int, num_logical_expert
                 reader.check_expert(layer, expert)
 
 
+def layer_ids_of(text: str | None, first: int | None, num_layers: int) -> list[int]:
+    """``--layer-ids`` ('3-60', '3,4,5', '0-2,5') or ``--first-moe-layer`` as a list of model layer ids ([] when
+    neither is given: the rows are model layers 0..L-1). :class:`InputError` for a bad list."""
+    from fdeplb.errors import InputError
+
+    if first is not None:
+        if first < 0:
+            raise InputError(f"--first-moe-layer must be >= 0, got {first}")
+        return list(range(first, first + num_layers))
+    if text is None:
+        return []
+    ids: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            ids += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
+    except ValueError:
+        raise InputError(f"--layer-ids {text[:60]!r}: expected ascending ids like '3-60' or '3,4,5'") from None
+    return ids
+
+
 def run_init(args: argparse.Namespace) -> int:
     from fdeplb.errors import InputError
     from fdeplb.orchestration.operations import init_cluster
@@ -275,6 +334,10 @@ def run_init(args: argparse.Namespace) -> int:
     for name in _DEADLINE_DEFAULTS:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.audit_export:
+        from fdeplb.store.retention import check_export_path
+
+        check_export_path(args.audit_export)
     config = ClusterConfig(
         num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
@@ -284,10 +347,13 @@ def run_init(args: argparse.Namespace) -> int:
         audit_export_path=args.audit_export, max_pause_bytes=args.max_pause_bytes,
         layers_per_safe_point=args.layers_per_safe_point,
         deadlines=Deadlines(**{name: getattr(args, name) for name in _DEADLINE_DEFAULTS}),
+        layer_ids=layer_ids_of(args.layer_ids, args.first_moe_layer, args.num_layers),
+        num_model_layers=args.num_model_layers,
     )
-    if args.initial:
-        phy2log = read_placement(args.initial, num_logical_experts=args.num_logical_experts,
-                                 num_gpus=args.ep_size).placement.phy2log
+    if args.initial:  # a file with a row per model layer (SGLang's, dense layers included): the MoE layers' rows
+        initial = read_placement(args.initial, num_logical_experts=args.num_logical_experts, num_gpus=args.ep_size)
+        phy2log = (initial.placement if initial.placement.num_layers == config.num_layers
+                   else initial.for_layers(config.model_layer_ids)).phy2log
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log

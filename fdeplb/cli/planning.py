@@ -44,8 +44,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", metavar="FILE", help="write the new placement here")
     p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
     p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
-    p.add_argument("--tolerance", type=float, default=0.0005,
-                   help="move_aware: allowed max/mean excess over balanced, mean over layers (each layer <= 2x)")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="move_aware only: allowed max/mean excess over balanced, mean over layers (each layer <= "
+                        "2x; default 0.0005); refused with another policy, which would ignore it")
     p.add_argument("--max-moved-experts", type=int, default=None, help="move_aware: cap on moved experts")
     p.set_defaults(handler=run)
 
@@ -66,10 +67,25 @@ def run(args: argparse.Namespace) -> int:
 
     for flag, path in (("--out", args.out), ("--plot", args.plot)):
         check_out_folder(flag, path)
+    if args.plot:
+        from fdeplb.placement.plot import check_plot_path
+
+        check_plot_path(args.plot)  # not after the planning: a .txt is no image
+    if args.tolerance is not None and args.policy != "move_aware":
+        raise InputError(f"--tolerance applies to the move_aware policy only; policy {args.policy} ignores it")
+    if args.max_moved_experts is not None and args.policy != "move_aware":
+        raise InputError(f"--max-moved-experts applies to the move_aware policy only; policy {args.policy} "
+                         f"ignores it")
     if args.out and args.format == "trtllm" and Path(args.out).suffix not in (".yaml", ".yml"):
         # read_placement (--old) knows a TensorRT-LLM file by its suffix: a .json one would not read back
         raise InputError(f"--out {args.out}: a trtllm placement is YAML; name it *.yaml or *.yml")
     dump = read_expert_load(args.load)
+    if dump.interleaved_dense:
+        import sys
+
+        print(f"note: {dump.path}: rows {dump.interleaved_dense} are all zero between MoE rows: read as dense "
+              f"layers and dropped (SGLang's convention for interleaved dense layers); if they are MoE layers "
+              f"that routed no token, the plan leaves them out", file=sys.stderr)
     load = dump.expert_load
     L, E = dump.expert_load.shape
     check_topology(E, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus)  # before any allocation
@@ -87,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     after = rebalance_experts(
         load, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
         old_phy2log=before if (args.old or args.policy == "move_aware") else None,
-        tolerance=args.tolerance, max_moved_experts=args.max_moved_experts,
+        max_moved_experts=args.max_moved_experts,
+        **({} if args.tolerance is None else {"tolerance": args.tolerance}),  # else rebalance_experts' default
     )
     elapsed_ms = (time.perf_counter() - start) * 1e3
     moved = moved_experts(before, after, args.num_gpus)
@@ -103,6 +120,13 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    from fdeplb.orchestration.gating import GateDecision  # the one gain rule, as a cluster's round applies it
+
+    gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
+                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0)
+    print(f"gate: {'goes on' if gate.goes_on else 'skipped'}: " +
+          (f"gain {gate.gain:+.4f} with {moved:,} moved experts" if gate.goes_on else
+           f"{gate.why_skipped} (a cluster would not run this plan)"))
     if args.out:
         write_placement(
             after, args.out, format=args.format, layer_ids=dump.layer_ids,

@@ -17,8 +17,9 @@ import sys
 from typing import Any, TextIO
 
 from fdeplb.cli._common import open_store, redis_or_url_parent, through_http
-from fdeplb.errors import CorruptRecordError, exit_code
-from fdeplb.status import CORRUPT, cluster_status
+from fdeplb.errors import CorruptRecordError, InputError, exit_code
+from fdeplb.placement import FORMATS
+from fdeplb.status import CORRUPT, cluster_status, placement_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,18 +29,34 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "heartbeat is older than the TTL its agent wrote with it (the rule the "
                                    "coordinator uses to refuse a start).", parents=[redis_or_url_parent()])
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    s.add_argument("--placement-out", default=None, metavar="FILE",
+                   help="also write the current placement to FILE, in --format, with the model's layers (SGLang: "
+                        "one row per model layer, dense ones included; TensorRT-LLM: model layer keys)")
+    s.add_argument("--format", default="sglang", choices=FORMATS, help="format of --placement-out (default %(default)s)")
     s.set_defaults(handler=run_status)
 
 
 def run_status(args: argparse.Namespace) -> int:
     """``fdeplb status``: :func:`fdeplb.status.cluster_status` from Redis, or ``GET /v1/state`` with ``--url``."""
+    from fdeplb.cli._common import check_out_folder
+
+    check_out_folder("--placement-out", args.placement_out)
     if through_http(args):
         from fdeplb.cli.http_client import ApiClient
 
+        if args.placement_out:
+            raise InputError(f"--placement-out reads from Redis; through the API the same file is GET "
+                             f"{args.url}/v1/placement?format={args.format}")
         status = ApiClient(args.url, args.credentials_file).get("/v1/state")
         status.pop("api_addresses", None)
     else:
-        status = cluster_status(open_store(args.redis_url, args.cluster), args.redis_url)
+        store = open_store(args.redis_url, args.cluster)
+        status = cluster_status(store, args.redis_url)
+        if args.placement_out:
+            from pathlib import Path
+
+            Path(args.placement_out).write_text(placement_file(store, args.format))
+            print(f"wrote {args.format} placement to {args.placement_out}", file=sys.stderr)
     return show_status(status, args.json)
 
 

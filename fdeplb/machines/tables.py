@@ -129,6 +129,10 @@ class TransitionSpec:
     #: round once it is released, carry out a weight request waiting for FREE); "plan", "loaded" and "swapped"
     #: wake no rank (a SWAPPED rank finishes at "release": one wake-up per rank per round less, issue #9)
     wakes_ranks: bool = False
+    #: fired by an operator's command (``fdeplb round abort``, the API's ``/v1/round/abort``), unfenced: it needs no
+    #: coordinator, and the record's expected state and version (checked in the commit step) order it against the
+    #: coordinator's fenced commits; its audit record names the operator as the actor
+    by_operator: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # one object per machine: compared and hashed by identity
@@ -274,6 +278,9 @@ CLUSTER = MachineTable(
         TransitionSpec("release", (C.DONE,), C.FREE, wakes_ranks=True, doc="round finished"),
         TransitionSpec("abort", _PRE_COMMIT, C.FREE, wakes_ranks=True,
                        doc="before the commit point only; old placement stays"),
+        TransitionSpec("operator_abort", _PRE_COMMIT, C.FREE, wakes_ranks=True, by_operator=True,
+                       doc="an operator ends the round in flight (who and why audited); before the commit point "
+                           "only, so it loses to a commit that came first; old placement stays"),
     ),
 )
 

@@ -75,7 +75,12 @@ class Coordinator(UnaskedRounds, Leadership):
     Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
     that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
-    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again.
+    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again. A request still not
+    started ``deadlines.request_ttl_ms`` after it was made expires: withdrawn with a fenced ``request_expired`` note
+    naming its age and what it waited on (:func:`fdeplb.orchestration.reasons.request_expired`).
+
+    Settings: the configuration is read again at every FREE step (``fdeplb config set`` bumps its version), so a
+    change applies from the next round; a round in flight keeps the settings it started with.
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
@@ -228,10 +233,25 @@ class Coordinator(UnaskedRounds, Leadership):
         return True, None
 
     def _on_free(self, rec: ClusterRecord) -> Step:
+        self.config = self.store.read_config(fresh=True)  # between rounds: `fdeplb config set` applies from here
         self._weights_watch.watch(rec, self.config, self.lease or "")
         view = self._members.view
         if rec.requested <= rec.round:
             return self._replace_or_periodic(rec)
+        ttl = self.config.deadlines.request_ttl_ms
+        age = self._now_ms - rec.requested_ms
+        if rec.requested_ms and age > ttl:  # nothing waits without a deadline: the request expires, audited
+            why = reasons.request_expired(rec.requested, age, ttl, self._start_waits or rec.reason)
+            try:
+                self.store.withdraw_request(rec.requested, trigger="request_expired", actor=self.holder,
+                                            reason=why.text[:2000], fence=self.lease or "", detail=why.detail)
+            except FenceError:
+                raise
+            except StateError:  # started or withdrawn meanwhile: the next pass sees which
+                return True, None
+            self.log.warning("request expired", round=rec.requested, age_ms=age, ttl_ms=ttl)
+            self._refused_ranks, self._start_waits = None, None
+            return True, None
         beats = self.store.heartbeats() if view is None else view.heartbeats
         gone = set() if view is None else {r for r, st in enumerate(view.states()) if st is MemberState.EXCLUDED}
         stale = {r: age for r, age in stale_of(beats).items() if r not in gone}
@@ -244,7 +264,7 @@ class Coordinator(UnaskedRounds, Leadership):
                 self.store.append_note(rec, trigger="start_refused", actor=self.holder, reason=refused.text,
                                        detail=refused.detail)
                 self.store.emit_event("start_refused", reason=refused.text)
-            return False, self.lease_ms // 3
+            return False, self._until_expiry(rec)
         self._refused_ranks = None
         # after a refusal (also one by a previous leader: it is the record's reason), the start shows why it may go
         why = reasons.fresh(beats) if rec.reason.startswith(reasons.REFUSED) else reasons.Reason("")
@@ -260,9 +280,16 @@ class Coordinator(UnaskedRounds, Leadership):
             if str(err) != self._start_waits:  # logged once per reason, not at every retry
                 self._start_waits = str(err)
                 self.log.info("start waits", reason=str(err))
-            return False, self.lease_ms // 3
+            return False, self._until_expiry(rec)
         self._start_waits = None
         return True, None
+
+    def _until_expiry(self, rec: ClusterRecord) -> int:
+        """How long a waiting start sleeps: a third of the lease, or less when the request expires sooner."""
+        if not rec.requested_ms:
+            return self.lease_ms // 3
+        left = rec.requested_ms + self.config.deadlines.request_ttl_ms - self._now_ms + 1
+        return max(1, min(self.lease_ms // 3, left))
 
     def _on_collecting(self, rec: ClusterRecord) -> Step:
         round_ = rec.round

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fdeplb.errors import TopologyError
+from fdeplb.errors import StateError, TopologyError
 from fdeplb.placement import check_phy2log
 from fdeplb.store import ClusterConfig, Store
 
@@ -13,8 +13,9 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     """Create a cluster: its configuration, initial placement, and a record per machine (cluster FREE, every
     rank IDLE, every weight status NORMAL), all at version 0, in one MULTI/EXEC (a crash leaves all or nothing).
 
-    Idempotent: an existing cluster is left as it is (returns False); a different topology for an existing
-    cluster is refused with :class:`TopologyError`. ``initial_phy2log`` is int [num_layers, num_physical_experts]
+    Idempotent: an existing cluster with the same configuration is left as it is (returns False); a different
+    topology for an existing cluster is refused with :class:`TopologyError`, other settings (or checkpoint, layer
+    ids) with :class:`StateError` naming each difference and ``fdeplb config set`` (nothing written). ``initial_phy2log`` is int [num_layers, num_physical_experts]
     holding expert ids in [0, num_logical_experts) (:class:`InputError` otherwise; nothing is written then).
     """
     phy2log = check_phy2log(initial_phy2log, config.num_logical_experts, name="initial phy2log",
@@ -24,4 +25,18 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     existing = store.read_config()
     if existing.topology() != config.topology():
         raise TopologyError(f"cluster {store.cluster!r} exists with topology {existing.topology()}")
+    ours, theirs = _compared(config), _compared(existing)
+    differ = [f"{k} {theirs.get(k)!r} (asked {ours.get(k)!r})" for k in sorted(ours) if ours.get(k) != theirs.get(k)]
+    if differ:
+        raise StateError(f"cluster {store.cluster!r} exists with other settings: {'; '.join(differ)}; nothing "
+                         f"changed. Change settings with `fdeplb config set --redis-url URL --cluster "
+                         f"{store.cluster} ...` (checkpoint and layer ids are fixed at creation)")
     return False
+
+
+def _compared(config: ClusterConfig) -> dict:
+    """What init-cluster compares with an existing cluster: every setting (deadlines one by one), the checkpoint
+    and the model layers (the topology is compared first)."""
+    flat = config.flat_settings()
+    flat.update(checkpoint=config.checkpoint, layer_ids=config.model_layer_ids, num_model_layers=config.model_layers)
+    return flat

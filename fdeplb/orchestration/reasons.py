@@ -17,7 +17,11 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
 - a weight clear / update withdrawn because its switch step was not fixed in time (trigger ``weights_cancelled``,
   a note): ``{"ranks": [3], "request": 7, "action": "clear", "weights_ms": 120000}`` (the ranks that never armed);
 - a rank's weight-status ``clear`` / ``update`` and its ``cancel`` / ``cancel_to_cleared``: ``{"request": 7}``, the
-  weight request it carries out or gives up.
+  weight request it carries out or gives up;
+- a round request that expired unstarted (trigger ``request_expired``, a note): ``{"round": 5, "age_ms": 30012,
+  "request_ttl_ms": 30000, "waited_on": "start refused: stale ranks 3 (...)"}``; one an operator cancelled
+  (``request_cancelled``) and an operator's abort (``operator_abort``): ``{"by": "operator:me@host", ...}``
+  (:mod:`fdeplb.orchestration.operator`).
 
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
@@ -235,6 +239,16 @@ def held_back(record: Mapping[str, Any]) -> list[int] | None:
     ValueError for a corrupt detail."""
     ranks = (detail_of(record) or {}).get("ranks")
     return [int(r) for r in ranks] if isinstance(ranks, list) else None
+
+
+# ---- a round request nobody started -----------------------------------------------------------------------------
+def request_expired(round_: int, age_ms: int, ttl_ms: int, waited_on: str) -> Reason:
+    """The reason of withdrawing round ``round_``'s request, pending ``age_ms`` past its ``ttl_ms``
+    (``deadlines.request_ttl_ms``); ``waited_on``: why it did not start ("" when nothing was recorded)."""
+    text = (f"round {round_} request expired: not started {age_ms} ms after it was requested (request_ttl_ms "
+            f"{ttl_ms})" + (f"; it waited on: {waited_on}" if waited_on else ""))
+    return Reason(text, {"round": int(round_), "age_ms": int(age_ms), "request_ttl_ms": int(ttl_ms),
+                         "waited_on": waited_on})
 
 
 # ---- a round's outcome ------------------------------------------------------------------------------------------

@@ -5,7 +5,10 @@ Formats (detected from the JSON keys):
 - SGLang ``expert_distribution_recorder`` dump (``--init-expert-location`` input):
   ``{"logical_count": [[...E...] x num_model_layers]}``, optionally stacked per rank ``[R, layers, E]`` (summed).
   All-zero rows are dense layers (DeepSeek-V3: the first 3) and are dropped; :attr:`ExpertLoad.layer_ids` keeps the
-  model-layer index of every kept row.
+  model-layer index of every kept row. That is SGLang's convention wherever the row lies, since models interleave
+  dense and MoE layers too (Qwen2-MoE's ``decoder_sparse_step``, Llama 4's ``interleave_moe_layer_step``); a zero
+  row *between* MoE rows is named by :attr:`ExpertLoad.interleaved_dense` so that callers say so (``fdeplb
+  rebalance`` prints a note): it may as well be a MoE layer that routed no token.
 - OEPLB / plain counts: ``{"counts": [[...E...] x layers]}`` (all rows kept).
 
 Values are tokens routed to each logical expert (token x top-k assignments) over the recording window.
@@ -65,6 +68,19 @@ class ExpertLoad:
     @property
     def digest(self) -> str:
         return load_digest(self.expert_load)
+
+    @property
+    def dense_layer_ids(self) -> list[int]:
+        """Model layers of the file whose rows were dropped (all zero: dense layers)."""
+        kept = set(self.layer_ids.tolist())
+        return [i for i in range(self.num_model_layers) if i not in kept]
+
+    @property
+    def interleaved_dense(self) -> list[int]:
+        """The dropped rows that lie between the first and the last MoE row (not leading or trailing dense
+        layers): interleaved dense layers, or MoE layers that routed no token."""
+        lo, hi = int(self.layer_ids[0]), int(self.layer_ids[-1])
+        return [i for i in self.dense_layer_ids if lo < i < hi]
 
 
 def read_expert_load(path: str | Path) -> ExpertLoad:

@@ -6,26 +6,49 @@ from pathlib import Path
 
 import numpy as np
 
-from fdeplb.errors import DependencyError
+from fdeplb.errors import DependencyError, InputError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DependencyError("--plot needs matplotlib: pip install 'fdeplb[plot]'") from None
+    return plt
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Before any work: :class:`InputError` unless ``path``'s suffix names an image format matplotlib writes
+    (``.png``, ``.svg``, ``.pdf``, ...); :class:`DependencyError` without matplotlib."""
+    plt = _pyplot()
+    fig = plt.figure()
+    try:
+        supported = fig.canvas.get_supported_filetypes()
+    finally:
+        plt.close(fig)
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in supported:
+        raise InputError(f"--plot {path}: {'.' + suffix if suffix else 'no suffix'} is not an image format; name it "
+                         f"*.png (or one of {', '.join('.' + s for s in sorted(supported))})")
 
 
 def plot_gpu_loads(panels: list[tuple[str, np.ndarray]], path: str | Path, *, title: str = "") -> Path:
-    """Write a PNG with one heatmap per ``(label, gpu_loads [L, num_gpus])`` panel, side by side.
+    """Write an image (PNG, or the format ``path``'s suffix names) with one heatmap per ``(label, gpu_loads
+    [L, num_gpus])`` panel, side by side.
 
     Colour = GPU load / mean GPU load of the layer, on one diverging scale centred on 1.0 shared by all panels, so
     hot GPUs are red, idle ones blue and a balanced layer is a white row.
 
     Raises:
         DependencyError: matplotlib is not installed (``pip install 'fdeplb[plot]'``).
+        InputError: ``path``'s suffix is not an image format (:func:`check_plot_path`).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.colors import TwoSlopeNorm
-    except ImportError:
-        raise DependencyError("--plot needs matplotlib: pip install 'fdeplb[plot]'") from None
+    check_plot_path(path)
+    plt = _pyplot()
+    from matplotlib.colors import TwoSlopeNorm
     rel = []
     for _, loads in panels:
         mean = loads.mean(axis=1, keepdims=True)

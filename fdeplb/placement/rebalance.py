@@ -8,13 +8,37 @@ import numpy as np
 
 from fdeplb.errors import InputError, RedundancyError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
-from fdeplb.placement.core import Placement
+from fdeplb.placement.core import Placement, derive_maps, replica_rank
 from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_placement
 from fdeplb.placement.greedy import greedy_phy2log
 from fdeplb.placement.live_ranks import check_live_ranks, live_slots, replace_orphans
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
+
+
+#: the largest per-layer load that is no load: float32's smallest normal (2**-126). DeepSeek's EPLB computes in
+#: float32, which flushes smaller loads (1e-300) to zero, and a layer without load has nothing to balance: any plan
+#: of it gains nothing, and the tie order alone decided which experts it moved (:func:`keep_unloaded`)
+NO_LOAD = float(np.finfo(np.float32).tiny)
+
+
+def keep_unloaded(load: np.ndarray, planned: np.ndarray, base: np.ndarray, rank: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The one rule for a layer without load (every expert's load below :data:`NO_LOAD`, all-zero included): it
+    keeps ``base`` (the old placement, or the trivial one), whatever the policy planned: nothing moves for no gain.
+
+    ``load`` [L, E], ``planned`` / ``base`` int64 [L, P]; ``rank`` (a policy's replica ranks, int64 [L, P], or
+    None) gets phy_id order on the kept layers. Returns (phy2log, rank), new arrays when a layer is kept."""
+    idle = load.max(axis=1) < NO_LOAD
+    if not idle.any():
+        return planned, rank
+    planned = planned.copy()
+    planned[idle] = base[idle]
+    if rank is not None:
+        rank = rank.copy()
+        rank[idle] = replica_rank(derive_maps(base[idle], load.shape[1])[0], base.shape[1])
+    return planned, rank
 
 
 def _deepseek(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **_):
@@ -55,6 +79,9 @@ POLICIES: dict[str, Callable[..., np.ndarray]] = {
     "balanced": _balanced,
     "move_aware": _move_aware,
 }
+#: policies that reproduce another project's output exactly (DeepSeek's eplb.py, TensorRT-LLM's greedy), layers
+#: without load included: :func:`keep_unloaded` does not apply to them (the gain gate judges their plans)
+REFERENCE_POLICIES = frozenset({"deepseek", "greedy"})
 
 
 def rebalance_experts(
@@ -92,6 +119,10 @@ def rebalance_experts(
             than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
             already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first
             put its groups on whole nodes. See :mod:`fdeplb.placement.move_aware`.
+            "balanced" and "move_aware" keep the old placement (the trivial one without ``old_phy2log``) of a
+            layer without load (:func:`keep_unloaded`): nothing moves for no gain; "deepseek" and "greedy"
+            (:data:`REFERENCE_POLICIES`) give their reference's output there (DeepSeek's float32 arithmetic plans
+            loads below 2**-126 as all-zero, in tie order), which the gain gate then judges.
         old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
         tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced" (>= 0, default 0.0005):
@@ -143,21 +174,26 @@ def rebalance_experts(
         options = {"tolerance": tol, "max_moved_experts": cap}
     live = check_live_ranks(live_ranks, num_gpus)
     if not live.all():
-        phy2log = _plan_live(fn, load, num_replicas, num_groups, num_nodes, num_gpus, old, live, options)
+        phy2log = _plan_live(fn, load, num_replicas, num_groups, num_nodes, num_gpus, old, live, options,
+                             keep=policy not in REFERENCE_POLICIES)
         return Placement.from_phy2log(phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes,
                                       num_gpus=num_gpus)
     phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
     rank = None
     if isinstance(phy2log, tuple):
         phy2log, rank = phy2log
+    if policy not in REFERENCE_POLICIES:
+        base = np.tile(np.arange(num_replicas, dtype=np.int64) % E, (L, 1)) if old is None else old
+        phy2log, rank = keep_unloaded(load, np.asarray(phy2log, dtype=np.int64), base, rank)
     return Placement.from_phy2log(
         phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes, num_gpus=num_gpus, replica_rank=rank
     )
 
 
 def _plan_live(fn, load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
-               old: np.ndarray | None, live: np.ndarray, options: dict) -> np.ndarray:
-    """phy2log int64 [L, P] planned by ``fn`` over the live ranks' slots only (see ``live_ranks`` above)."""
+               old: np.ndarray | None, live: np.ndarray, options: dict, keep: bool) -> np.ndarray:
+    """phy2log int64 [L, P] planned by ``fn`` over the live ranks' slots only (see ``live_ranks`` above);
+    ``keep``: layers without load keep their base (:func:`keep_unloaded`)."""
     L, E = load.shape
     slots = live_slots(num_replicas, num_gpus, live)
     n_live = int(live.sum())
@@ -176,4 +212,4 @@ def _plan_live(fn, load: np.ndarray, num_replicas: int, num_groups: int, num_nod
         planned = planned[0]
     new = base.copy()
     new[:, slots] = planned
-    return new
+    return keep_unloaded(load, new, base)[0] if keep else new

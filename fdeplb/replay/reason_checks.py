@@ -49,6 +49,16 @@ class RecordSays:
             self.refused = (line.where, stale)
         elif trigger == "weights_cancelled":
             self.weight_requests.cancelled(line)
+        elif trigger == "config_changed":  # the settings as changed from here on (``fdeplb config set``)
+            from fdeplb.orchestration import reasons
+
+            try:
+                changes = (reasons.detail_of(rec) or {}).get("changes", {})
+            except ValueError as exc:
+                raise ReplayError(f"{line.where}: config_changed detail is not JSON: {exc}") from None
+            if "cordoned" in changes:
+                self.cordoned = bool(changes["cordoned"][1])
+            self.report.config_changes.append((field_int(line, "round"), changes))
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start

@@ -39,6 +39,18 @@ class Recorded:
     def read_config(self):
         return self.config
 
+    def config_at(self, round_: int):
+        """The configuration round ``round_`` ran with: the header's, changed by every ``config_changed`` note made
+        before it started (:attr:`ReplayReport.config_changes`; a change applies from the next round)."""
+        cfg = self.config
+        for at, changes in self.report.config_changes:
+            if at < round_:
+                flat = {k: v[1] for k, v in changes.items() if not k.startswith("deadlines.")}
+                deadlines = {k.removeprefix("deadlines."): v[1] for k, v in changes.items()
+                             if k.startswith("deadlines.")}
+                cfg = cfg.with_settings({**flat, **({"deadlines": deadlines} if deadlines else {})})
+        return cfg
+
     def read_plan(self, plan_id: str):
         return self.report.stored_plans.get(plan_id)
 
@@ -186,7 +198,6 @@ def check_gates(report: ReplayReport) -> list[int]:
     from fdeplb.orchestration.reasons import RoundOutcome
 
     source = Recorded(report)
-    cfg = source.config
     placements = _placements(report, source)
     for seen in report.rounds:
         if seen.end is not RoundOutcome.SKIPPED:  # an abort whose reason is the gate's
@@ -194,6 +205,7 @@ def check_gates(report: ReplayReport) -> list[int]:
         load, old = report.snapshots.get(seen.round), placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
+        cfg = source.config_at(seen.round)  # min_gain and policy as `fdeplb config set` left them for this round
         decision = plan_round(load, old, cfg)
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)

@@ -87,6 +87,9 @@ class ReplayReport:
     records: int = 0
     transitions: int = 0
     skipped: int = 0
+    config_changes: list = field(default_factory=list)
+    """``(round, changes)`` of every ``config_changed`` note, in order: the cluster's round when it was made (the
+    change applies from the next round) and its ``detail.changes`` (``{name: [old, new]}``)."""
     final: dict[str, KeyState] = field(default_factory=dict)
     plans: list[LoadedPlan] = field(default_factory=list)
     plans_checked: list[str] = field(default_factory=list)

@@ -13,7 +13,8 @@ from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, Effect
 __all__ = ["NOT_TRANSITIONS", "StartState", "state_at"]
 
 #: triggers that are audited but are not transitions
-NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled"})
+NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled", "request_cancelled",
+                             "request_expired", "config_changed"})
 
 
 @dataclass(frozen=True)

@@ -85,27 +85,33 @@ class StoreBase:
         sec, usec = self._client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    def read_config(self) -> ClusterConfig:
+    def read_config(self, fresh: bool = False) -> ClusterConfig:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
-        :class:`CorruptRecordError` if it does not parse. Cached: a cluster's configuration never changes."""
-        if self._config is None:
-            raw = _hgetall(self._client, self._keys.config)
-            if not raw:
-                raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
-            data = {}
-            for k, v in raw.items():
-                try:
-                    data[_s(k)] = json.loads(_s(v))
-                except json.JSONDecodeError:
-                    raise CorruptRecordError(f"{self._keys.config}: field {_s(k)!r} holds {_s(v)[:60]!r}, which is "
-                                             f"not JSON", key=self._keys.config) from None
-            try:
-                self._config = ClusterConfig.from_json(data)
-            except InputError as exc:
-                why = str(exc).removeprefix("not a cluster configuration: ")
-                raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}",
-                                         key=self._keys.config) from None
+        :class:`CorruptRecordError` if it does not parse. Cached: only its settings change (``fdeplb config set``,
+        :meth:`~fdeplb.store.Store.change_config`, bumping its ``version``), so whoever acts on them reads it
+        ``fresh`` (the coordinator between rounds; a commit checking ``cordoned``)."""
+        if self._config is None or fresh:
+            self._config = self._parse_config(_hgetall(self._client, self._keys.config))
         return self._config
+
+    def _parse_config(self, raw: dict) -> ClusterConfig:
+        """The configuration hash ``raw`` (as HGETALL returns it) as a :class:`ClusterConfig`; errors as
+        :meth:`read_config`."""
+        if not raw:
+            raise NotFoundError(f"cluster {self.cluster!r} is not initialised (no {self._keys.config})")
+        data = {}
+        for k, v in raw.items():
+            try:
+                data[_s(k)] = json.loads(_s(v))
+            except json.JSONDecodeError:
+                raise CorruptRecordError(f"{self._keys.config}: field {_s(k)!r} holds {_s(v)[:60]!r}, which is "
+                                         f"not JSON", key=self._keys.config) from None
+        try:
+            return ClusterConfig.from_json(data)
+        except InputError as exc:
+            why = str(exc).removeprefix("not a cluster configuration: ")
+            raise CorruptRecordError(f"{self._keys.config}: not a cluster configuration: {why}",
+                                     key=self._keys.config) from None
 
     def ep_size(self) -> int:
         """Number of EP ranks of the cluster (from its configuration)."""

@@ -29,6 +29,9 @@ MAX_EXPERTS = 65_536
 MAX_RETAIN_ROUNDS = 1_000
 #: default pause budget of one safe point (bytes a rank writes into its live slots at one switch step): 64 MiB
 DEFAULT_MAX_PAUSE_BYTES = 64 * 2**20
+#: the settings ``fdeplb config set`` may change on a running cluster (each a field of :class:`ClusterConfig`;
+#: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids) is fixed when the cluster is created
+SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,11 @@ class Deadlines:
     exclude_ms: int = 30_000
     """A SUSPECT rank (heartbeat past its TTL) still stale this long after it was suspected is excluded from the
     members by the leading coordinator (fenced); its experts are then re-placed on the live ranks."""
+    request_ttl_ms: int = 30_000
+    """A requested round that has not started this long after it was requested (a stale rank, weights not NORMAL,
+    no leading coordinator) expires: the leading coordinator withdraws it with an audited ``request_expired`` note,
+    so a request made while a rank was away never fires minutes later, when it returns. Default: as
+    ``collecting_ms``'s."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -59,7 +67,9 @@ class Deadlines:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Topology and rearrangement settings of one cluster, hash ``fdeplb:{c}:config`` (written once).
+    """Topology and rearrangement settings of one cluster, hash ``fdeplb:{c}:config`` (written at creation; the
+    :data:`SETTABLE` settings change only through :meth:`fdeplb.store.Store.change_config`, which bumps
+    :attr:`version`).
 
     Raises :class:`InputError` / :class:`TopologyError` on construction for values that cannot describe a cluster.
     """
@@ -104,6 +114,14 @@ class ClusterConfig:
     layers_per_safe_point: int = 0
     """Most changed MoE layers one safe point switches (vLLM's async EPLB: 1); 0 = no layer limit. With both
     limits 0 a swap is applied at one safe point (stop the world)."""
+    layer_ids: list[int] = field(default_factory=list)
+    """Model layer index of every MoE layer (row of a placement), ascending; [] = rows are model layers
+    0..num_layers-1. DeepSeek-V3: 3..60 (its first 3 layers are dense). Exports write SGLang's one row per model
+    layer (dense layers with the trivial placement, as SGLang's own files) and TensorRT-LLM's model layer keys."""
+    num_model_layers: int = 0
+    """Model layers, dense ones included (SGLang's rows); 0 = the largest layer id + 1."""
+    version: int = 0
+    """Changes of the settings so far (``fdeplb config set``): 0 as created, +1 per change (audited)."""
 
     def __post_init__(self) -> None:
         from fdeplb.placement import POLICIES, check_topology
@@ -134,6 +152,8 @@ class ClusterConfig:
         check_int(self.layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS)
         if self.audit_keep and not self.audit_export_path:
             raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
+        check_int(self.version, "version", lo=0, hi=2**62)
+        self._check_layers()
         if self.num_physical_experts % self.ep_size:
             raise TopologyError(f"num_physical_experts ({self.num_physical_experts}) is not a multiple of "
                                 f"ep_size ({self.ep_size})")
@@ -141,6 +161,64 @@ class ClusterConfig:
             raise InputError(f"unknown policy {self.policy!r}; expected one of {', '.join(POLICIES)}")
         check_topology(self.num_logical_experts, self.num_physical_experts, self.num_groups, self.num_nodes,
                        self.ep_size)
+
+    def _check_layers(self) -> None:
+        ids = self.layer_ids
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise InputError(f"layer_ids must be a list of integers, got {ids!r}"[:200])
+        if ids and (len(ids) != self.num_layers or ids[0] < 0 or any(b <= a for a, b in zip(ids, ids[1:]))):
+            raise InputError(f"layer_ids must be {self.num_layers} ascending non-negative model layer ids (one per "
+                             f"MoE layer), got {len(ids)}: {ids[:5]}{'...' if len(ids) > 5 else ''}")
+        check_int(self.num_model_layers, "num_model_layers", lo=0, hi=MAX_LAYERS)
+        if self.num_model_layers and self.num_model_layers <= self.model_layer_ids[-1]:
+            raise InputError(f"num_model_layers ({self.num_model_layers}) must exceed the largest layer id "
+                             f"({self.model_layer_ids[-1]})")
+
+    @property
+    def model_layer_ids(self) -> list[int]:
+        """The model layer of every placement row (:attr:`layer_ids`, or 0..num_layers-1)."""
+        return list(self.layer_ids) if self.layer_ids else list(range(self.num_layers))
+
+    @property
+    def model_layers(self) -> int:
+        """Model layers, dense ones included (:attr:`num_model_layers`, or the largest layer id + 1)."""
+        return self.num_model_layers or self.model_layer_ids[-1] + 1
+
+    def settings(self) -> dict[str, Any]:
+        """The :data:`SETTABLE` settings, JSON-ready (``deadlines`` as a dict)."""
+        data = self.to_json()
+        return {name: data[name] for name in SETTABLE}
+
+    def flat_settings(self) -> dict[str, Any]:
+        """:meth:`settings` with ``deadlines`` spread out as ``deadlines.<name>``: the names a change is audited
+        under and ``init-cluster`` compares."""
+        data = self.settings()
+        out = {k: v for k, v in data.items() if k != "deadlines"}
+        out.update({f"deadlines.{k}": v for k, v in data["deadlines"].items()})
+        return out
+
+    def with_settings(self, changes: Mapping[str, Any]) -> "ClusterConfig":
+        """A copy with ``changes`` applied (names of :data:`SETTABLE`, ``deadlines`` as a partial dict of
+        milliseconds) and :attr:`version` + 1, validated as any configuration is.
+
+        Raises :class:`InputError` for a name that may not change (topology, checkpoint, layer ids) or an invalid
+        value (nothing changes then)."""
+        unknown = sorted(set(changes) - set(SETTABLE))
+        if unknown:
+            raise InputError(f"{', '.join(unknown)} cannot change on an existing cluster; settable: "
+                             f"{', '.join(SETTABLE)}")
+        data = self.to_json()
+        for name, value in changes.items():
+            if name == "deadlines":
+                bad = sorted(set(value) - set(data["deadlines"]))
+                if bad:
+                    raise InputError(f"unknown deadline(s) {', '.join(bad)}; deadlines: "
+                                     f"{', '.join(data['deadlines'])}")
+                data["deadlines"] = {**data["deadlines"], **value}
+            else:
+                data[name] = value
+        data["version"] = self.version + 1
+        return ClusterConfig.from_json(data)
 
     @property
     def num_redundant_experts(self) -> int:

@@ -5,15 +5,19 @@ and the rank agents to act on: a round, a commit of a cordoned cluster's staged 
 coalesce or are refused, never both accepted; a request is only a wish, the transitions stay guarded and audited.
 
 A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
-withdrawal, its checks and its audit record in one atomic step).
+withdrawal, its checks and its audit record in one atomic step). A pending round request is withdrawn by
+:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), and the
+settings that may change on a running cluster change through :meth:`Intents.change_config`; both append an audit
+note after their transaction.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``ep_size``,
-``read_config``, ``now_ms``, ``_weights_cancel`` (the registered script); from :mod:`fdeplb.store.streams`:
-``emit_event``, ``_signal``.
+``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` (the registered script); from
+:mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -43,6 +47,7 @@ class Intents:
         (nothing is written)."""
         check_request_reason(reason)
         key = self._keys.rearrange
+        now = self.now_ms()
 
         def txn(pipe: Any) -> tuple[int, bool]:
             rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
@@ -54,7 +59,8 @@ class Intents:
                 serving, write = rec.round + 1, True
             pipe.multi()  # EXEC even when nothing is written: the record read is the one a retry would see
             if write:
-                pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason})
+                pipe.hset(key, mapping={"requested": str(serving), "requested_reason": reason,
+                                        "requested_ms": str(now)})
             return serving, write
 
         serving, write = self._client.transaction(txn, key, value_from_callable=True)
@@ -74,6 +80,7 @@ class Intents:
         check_request_reason(reason)
         key = self._keys.rearrange
         wkeys = [self._keys.weights(r) for r in range(self.ep_size())]
+        now = self.now_ms()
 
         def txn(pipe: Any) -> tuple[bool, ClusterRecord]:
             raw = _hgetall(pipe, key)
@@ -94,13 +101,86 @@ class Intents:
                     else f"weight clear {rec.weights_request} is pending on ranks {clearing}")
             pipe.multi()
             pipe.hincrby(key, "requested", 1)
-            pipe.hset(key, "requested_reason", reason)
+            pipe.hset(key, mapping={"requested_reason": reason, "requested_ms": str(now)})
             return True, rec
 
         accepted, rec = self._client.transaction(txn, key, *wkeys, value_from_callable=True)
         if accepted:
             self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
         return accepted, rec
+
+    def withdraw_request(self, round_: int | None, *, trigger: str, actor: str, reason: str, fence: str = "",
+                         detail: dict[str, Any] | None = None) -> tuple[int, str]:
+        """Withdraw the pending round request (``requested`` back to ``round``: the round never starts), then append
+        the audit note ``trigger`` (``request_cancelled`` by an operator, ``request_expired`` by the coordinator
+        past ``deadlines.request_ttl_ms``) with ``reason`` and ``detail`` plus the withdrawn round and its
+        ``requested_reason``; with ``fence``, the note is refused (:class:`FenceError`) unless that lease is held.
+
+        ``round_``: withdraw only if round ``round_`` is the pending one (the coordinator's expiry); None: whichever
+        is pending (an operator's cancel). The check and the withdrawal are one WATCHed transaction: a start that
+        committed meanwhile wins and nothing is withdrawn.
+
+        Returns (the withdrawn round, the note's audit id). :class:`StateError` (nothing written) when no request
+        is pending: the cluster is FREE with none, or its round has started (before the commit point, ``fdeplb
+        round abort`` ends it)."""
+        key = self._keys.rearrange
+
+        def txn(pipe: Any) -> ClusterRecord:
+            rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            pending = rec.state is ClusterState.FREE and rec.requested > rec.round
+            if not pending or (round_ is not None and rec.requested != round_):
+                raise StateError(
+                    f"no round request is pending: cluster {self.cluster!r} is {rec.state}, round {rec.round}" +
+                    (" in flight (fdeplb round abort ends it before the commit point)"
+                     if rec.state is not ClusterState.FREE else ""))
+            pipe.multi()
+            pipe.hset(key, mapping={"requested": str(rec.round), "requested_ms": "0"})
+            return rec
+
+        rec = self._client.transaction(txn, key, value_from_callable=True)
+        withdrawn = rec.requested
+        facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason}
+        audit_id = self.append_note(rec, trigger=trigger, actor=actor, reason=reason, fence=fence, detail=facts)
+        self.emit_event(trigger, round=withdrawn, reason=reason[:500])
+        return withdrawn, audit_id
+
+    def change_config(self, changes: dict[str, Any], *, actor: str, reason: str = "") -> tuple[Any, Any, str]:
+        """Change settings of the cluster's configuration (``fdeplb config set``): ``changes`` maps names of
+        :data:`~fdeplb.store.cluster_config.SETTABLE` to new values (``deadlines`` a partial dict of ms). The new
+        configuration (``version`` + 1) is checked and written in one WATCHed transaction, then a
+        ``config_changed`` audit note names who (``actor``), why (``reason``) and each change
+        (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]}, "version": n}``).
+        The coordinator reads the configuration again between rounds: a round in flight keeps the settings it
+        started with.
+
+        Returns (old config, new config, audit id; "" and the config unchanged when nothing differs).
+        :class:`InputError` for a setting that may not change or an invalid value (nothing written)."""
+        from fdeplb.store.cluster_config import ClusterConfig
+
+        key = self._keys.config
+
+        def txn(pipe: Any) -> tuple[ClusterConfig, ClusterConfig, dict[str, list]]:
+            old = self._parse_config(_hgetall(pipe, key))
+            new = old.with_settings(changes)
+            before, after = old.flat_settings(), new.flat_settings()
+            diff = {name: [before[name], after[name]] for name in before if before[name] != after[name]}
+            if not diff:
+                pipe.unwatch()  # nothing queued: EXEC is not sent
+                return old, old, diff
+            pipe.multi()
+            pipe.hset(key, mapping={k: json.dumps(v) for k, v in new.to_json().items()})
+            return old, new, diff
+
+        old, new, diff = self._client.transaction(txn, key, value_from_callable=True)
+        self._config = new
+        if not diff:
+            return old, new, ""
+        text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
+            (f" ({reason})" if reason else "")
+        audit_id = self.append_note(self.read_cluster(), trigger="config_changed", actor=actor, reason=text[:2000],
+                                    detail={"changes": diff, "version": new.version, "by": actor})
+        self.emit_event("config_changed", version=new.version, by=actor)
+        return old, new, audit_id
 
     def request_commit(self, plan_id: str, by: str = "operator") -> None:
         """Allow a cordoned cluster's LOAD_SUCC round with ``plan_id`` to commit (FastDeploy's
@@ -109,7 +189,7 @@ class Intents:
 
         Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
         is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
-        if not self.read_config().cordoned:
+        if not self.read_config(fresh=True).cordoned:
             raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
         key = self._keys.rearrange
 

@@ -22,6 +22,12 @@ class Keys:
         self.prefix = f"fdeplb:{{{cluster}}}"
 
     @property
+    def pattern(self) -> str:
+        """SCAN ``MATCH`` glob of every key of this cluster (the hash tag's braces escaped): what deleting or
+        counting a cluster's keys walks, so a key added to this class is never left behind."""
+        return f"{self.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
+
+    @property
     def rearrange(self) -> str:
         """hash: the cluster rearrangement record (state, version, round, plan_id, deadline_ms, reason, ...)."""
         return f"{self.prefix}:rearrange"

@@ -73,6 +73,10 @@ class ClusterRecord(RecordHeader):
     coalesce (:meth:`~fdeplb.store.Store.request_round`): it is at most ``round + 1``."""
     requested_reason: str = ""
     """Who or what asked for the last round (operator, api, interval, ...); see :func:`check_request_reason`."""
+    requested_ms: int = 0
+    """Redis server time (ms) of the request that made the pending round pending (0 = none, or a request written
+    before this field existed: it never expires). Past ``deadlines.request_ttl_ms`` the leading coordinator
+    withdraws it (``request_expired``)."""
     commit_requested: str = ""
     """plan_id an operator allowed to commit on a cordoned cluster ("" = none)."""
     commit_requested_by: str = ""

@@ -8,9 +8,25 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``; from :m
 from __future__ import annotations
 
 import json
+import os
 
+from fdeplb.errors import InputError
 from fdeplb.store.connection import as_str as _s
 from fdeplb.store.streams import parse_stream_id
+
+
+def check_export_path(path: str) -> None:
+    """Before anything relies on it (``init-cluster``, ``config set``, a coordinator's start): the audit export file
+    ``path`` can be opened for appending (it is created, empty, when missing). :class:`InputError` naming the path
+    and the reason otherwise: an unwritable export would make every trim fail while the stream grows."""
+    if not isinstance(path, str) or not path:
+        raise InputError("the audit export path is empty")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise InputError(f"audit export {path}: cannot be appended to ({exc.strerror or exc}); older audit records "
+                         f"would never be trimmed") from None
 
 
 class Retention:
@@ -50,8 +66,6 @@ class Retention:
         one ``{"id": ..., **fields}`` object per line, flushed and fsynced) and only then trim them from the
         stream (``XTRIM MINID``). Returns how many were trimmed (0 when the stream holds ``keep`` or fewer).
         Raises OSError when the file cannot be written (nothing is trimmed then)."""
-        import os
-
         length = self.audit_length()
         if keep < 1 or length <= keep:
             return 0
@@ -70,8 +84,7 @@ class Retention:
 
     def key_count(self) -> int:
         """Keys of this cluster now (SCAN; used to check that nothing leaks)."""
-        pattern = f"{self._keys.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
-        return sum(1 for _ in self._client.scan_iter(match=pattern))
+        return sum(1 for _ in self._client.scan_iter(match=self._keys.pattern))
 
     def memory_used(self) -> int:
         """The server's ``used_memory`` in bytes (the sum over the nodes of a Redis Cluster)."""

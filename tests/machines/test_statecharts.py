@@ -56,7 +56,7 @@ def test_labels_carry_codes_guards_and_effect():
     assert 'state "LOAD_SUCC [2]" as LOAD_SUCC' in mmd
     assert "FREE --> COLLECTING: start [ranks_in(IDLE) & weights_in(NORMAL)]" in mmd
     assert "LOAD_SUCC --> SWAPPING: commit [ranks_in(LOADED, same plan)] / set_placement" in mmd
-    assert "COLLECTING --> FREE: abort\n" in mmd  # no guard, no brackets
+    assert "COLLECTING --> FREE: abort | operator_abort\n" in mmd  # no guard, no brackets; one edge, both triggers
     dot = diagrams.dot(RANK)
     assert '"IDLE" -> "LOADING" [label="stage\\n[cluster_in(LOADING, same plan)]"];' in dot
     assert 'state "CLEARED [-2]" as CLEARED' in diagrams.mermaid(WEIGHTS)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -151,3 +152,29 @@ def test_demo_bad_trace_exits_nonzero(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "bad.json" in proc.stderr
+
+
+def test_sigkill_of_a_demo_on_an_external_redis_leaves_none_of_its_keys(tmp_path, redis_url):
+    """``fdeplb demo --redis-url``: the reaper deletes the cluster's keys however the demo ends, SIGKILL too."""
+    import redis as redis_py
+
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"counts": [[(7 * i + 3 * e) % 11 + 1 for e in range(16)] for i in range(2)]}))
+    proc = subprocess.Popen(demo_cmd("--ranks", "2", "--trace", str(small), "--redis-url", redis_url),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cluster = None
+    for line in proc.stdout:
+        if line.startswith("redis "):
+            cluster = line.rsplit("cluster ", 1)[1].strip()
+        if line.startswith("ranks ready 2/2"):
+            break
+    assert cluster, proc.stderr.read()[-2000:]
+    client = redis_py.Redis.from_url(redis_url)
+    pattern = f"fdeplb:[{{]{cluster}[}}]:*"
+    assert list(client.scan_iter(match=pattern))
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while list(client.scan_iter(match=pattern)):
+        assert time.monotonic() < deadline, "the demo's keys are still there 30 s after its SIGKILL"
+        time.sleep(0.1)

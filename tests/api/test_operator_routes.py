@@ -1,0 +1,99 @@
+"""fdeplb's operator routes (``/v1/round/abort|cancel``, ``/v1/config``, ``/v1/cluster/delete``) and the HTTP commit
+that names its plan (``update_weight_from_tensor`` with ``plan_id``), on loopback against a real Redis: HTTP Basic,
+audited as ``http:<user>``, a verb that cannot apply a 409 with nothing written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+
+from fdeplb.api import ApiSettings, Credentials, create_app
+from fdeplb.machines.tables import ClusterState
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, Store
+from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, served
+from tests.helpers import RawRedis
+
+
+@pytest.fixture
+def store(redis_url, cluster_id):
+    store = Store(redis_url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3,
+                                      cordoned=True), np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
+    yield store
+    store.delete_cluster()
+
+
+@pytest.fixture
+def url(store):
+    with served(create_app(Store(store.url, store.cluster), Credentials(USER, PASSWORD), ApiSettings())) as base:
+        yield base
+
+
+def test_round_cancel_and_abort_over_http_are_audited_with_the_caller(store, url, redis_url):
+    r = requests.post(f"{url}/v1/round/cancel", json={"reason": "x"})
+    assert r.status_code == 401  # Basic, as every route but /health
+    r = requests.post(f"{url}/v1/round/cancel", json={"reason": "x"}, auth=AUTH)
+    assert r.status_code == 409 and "no round request is pending" in r.json()["msg"]
+    store.request_round("test")
+    r = requests.post(f"{url}/v1/round/cancel", json={"reason": "not needed"}, auth=AUTH)
+    assert r.status_code == 200 and r.json()["round"] == 1, r.text
+    note = store.audit()[-1]
+    assert (note["trigger"], note["actor"]) == ("request_cancelled", f"http:{USER}")
+
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.SWAPPING, version=3, round="1", plan_id="p1")
+    before = raw.snapshot()
+    r = requests.post(f"{url}/v1/round/abort", json={}, auth=AUTH)
+    assert r.status_code == 409 and "past the commit point" in r.json()["msg"]
+    assert raw.snapshot() == before
+    raw.force(raw.keys.rearrange, ClusterState.LOADING, version=4, round="1", plan_id="p1")
+    r = requests.post(f"{url}/v1/round/abort", json={"reason": "bad plan"}, auth=AUTH)
+    assert r.status_code == 200 and r.json()["state_was"] == "LOADING", r.text
+    last = store.audit()[-1]
+    assert (last["trigger"], last["actor"], last["to"]) == ("operator_abort", f"http:{USER}", "FREE")
+    r = requests.post(f"{url}/v1/round/abort", json={"reason": 7}, auth=AUTH)
+    assert r.status_code == 400 and "reason" in r.json()["msg"]
+
+
+def test_config_over_http_changes_only_the_settable(store, url):
+    r = requests.post(f"{url}/v1/config", json={"min_gain": 0.1, "deadlines": {"commit_ms": 5000}}, auth=AUTH)
+    assert r.status_code == 200 and r.json()["version"] == 1, r.text
+    assert requests.get(f"{url}/v1/config", auth=AUTH).json()["deadlines"]["commit_ms"] == 5000
+    note = store.audit()[-1]
+    assert note["actor"] == f"http:{USER}"
+    assert json.loads(note["detail"])["changes"] == {"min_gain": [0.0, 0.1], "deadlines.commit_ms": [600000, 5000]}
+    r = requests.post(f"{url}/v1/config", json={"num_layers": 2}, auth=AUTH)
+    assert r.status_code == 400 and "num_layers" in r.json()["msg"]
+    r = requests.post(f"{url}/v1/config", json={"policy": "nope"}, auth=AUTH)
+    assert r.status_code == 400 and "unknown policy" in r.json()["msg"]
+    assert store.read_config(fresh=True).version == 1
+
+
+def test_cluster_delete_over_http_is_refused_while_a_coordinator_leads(store, url):
+    store.acquire_lease("lead@test", 60_000)
+    r = requests.post(f"{url}/v1/cluster/delete", json={}, auth=AUTH)
+    assert r.status_code == 409 and "holds the lease" in r.json()["msg"] and store.key_count() > 0
+    r = requests.post(f"{url}/v1/cluster/delete", json={"force": True}, auth=AUTH)
+    assert r.status_code == 200 and r.json()["deleted_keys"] > 0 and store.key_count() == 0
+
+
+def test_update_weight_from_tensor_commits_only_the_plan_it_names(store, url, redis_url):
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.LOAD_SUCC, version=4, round="2", plan_id="newplan")
+    before = raw.snapshot()
+    body = {**CREDS, "action": "update_weight_from_tensor", "plan_id": "reviewed"}
+    r = requests.post(f"{url}/rearrange_experts", json=body)
+    assert r.status_code == 409 and "plan reviewed is not the staged plan" in r.json()["msg"]
+    assert "newplan" in r.json()["msg"] and raw.snapshot() == before  # nothing committed
+    r = requests.post(f"{url}/rearrange_experts", json={**body, "plan_id": "newplan"})
+    assert r.status_code == 200 and r.json()["plan_id"] == "newplan", r.text
+    rec = store.read_cluster()
+    assert (rec.commit_requested, rec.commit_requested_by) == ("newplan", "http")
+    raw.force(raw.keys.rearrange, ClusterState.FREE, version=5, round="2", plan_id="newplan")
+    r = requests.post(f"{url}/rearrange_experts", json={**body, "plan_id": "newplan"})  # its round timed out
+    assert r.status_code == 409 and r.json()["msg"].startswith("plan newplan is not the staged plan: the cluster "
+                                                               "is FREE (round 2), staged plan none")

@@ -1,0 +1,75 @@
+"""``fdeplb rebalance`` findings of issue 23: an image path that is no image, an option the policy ignores, and loads
+too small to balance (1e-300: DeepSeek's float32 arithmetic flushes them to zero), each refused or judged before any
+work is wasted or any expert moves for no gain."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fdeplb.placement import initial_placement, moved_experts, rebalance_experts
+from fdeplb.placement.rebalance import NO_LOAD
+from tests.helpers import run_cli
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"counts": [[1e-300 * (1 + e % 3) for e in range(16)] for _ in range(4)]}))
+    return path
+
+
+def rebalance(capsys, load, *extra):
+    return run_cli(capsys, "rebalance", "--load", str(load), "--num-replicas", "20", "--num-gpus", "4", *extra)
+
+
+def test_plot_into_a_text_file_is_refused_before_planning(capsys, tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = rebalance(capsys, tiny, "--plot", str(tmp_path / "x.txt"))
+    assert code == 2 and out == "" and err.startswith(f"error: --plot {tmp_path / 'x.txt'}: .txt is not an image")
+    assert not (tmp_path / "x.txt").exists()
+
+
+@pytest.mark.parametrize("flag", [("--tolerance", "0.01"), ("--max-moved-experts", "3")])
+def test_an_option_the_policy_ignores_is_refused(capsys, tiny, flag):
+    code, out, err = rebalance(capsys, tiny, "--policy", "deepseek", *flag)
+    assert code == 2 and out == "" and f"{flag[0]} applies to the move_aware policy only" in err
+    code, _, err = rebalance(capsys, tiny, "--policy", "move_aware", *flag)
+    assert code == 0, err
+
+
+def test_deepseeks_plan_of_loads_too_small_for_float32_is_gated_as_no_gain(capsys, tiny):
+    code, out, err = rebalance(capsys, tiny)
+    assert code == 0, err
+    gate = out.splitlines()[-1]
+    assert gate.startswith("gate: skipped: planned gain ") and gate.endswith(
+        "<= min_gain 0.0 (a cluster would not run this plan)"), out
+
+
+@pytest.mark.parametrize("policy", ["balanced", "move_aware"])
+@pytest.mark.parametrize("value", [0.0, 1e-300, NO_LOAD / 2])
+def test_a_layer_without_load_keeps_its_placement(policy, value):
+    load = np.ones((3, 16))
+    load[1] = value  # one layer without load between two loaded ones
+    old = initial_placement(3, 16, 20).phy2log
+    new = rebalance_experts(load, 20, 1, 1, 4, policy=policy, old_phy2log=old).phy2log
+    assert np.array_equal(new[1], old[1]) and moved_experts(old[1:2], new[1:2], 4) == 0
+    assert moved_experts(old, new, 4) > 0  # the loaded layers are still balanced
+
+
+def test_a_zero_row_between_moe_rows_is_named_not_silently_dropped(capsys, tmp_path):
+    from fdeplb.placement import read_expert_load
+
+    path = tmp_path / "dump.json"
+    rows = [[0] * 16, [5] * 16, [0] * 16, [3] * 16, [0] * 16]  # leading dense, MoE, zero inside, MoE, trailing
+    path.write_text(json.dumps({"logical_count": rows}))
+    dump = read_expert_load(path)
+    assert dump.layer_ids.tolist() == [1, 3] and dump.dense_layer_ids == [0, 2, 4]
+    assert dump.interleaved_dense == [2]  # leading and trailing zero rows are plain dense layers
+    code, _, err = rebalance(capsys, path)
+    assert code == 0 and f"note: {path}: rows [2] are all zero between MoE rows" in err
+    path.write_text(json.dumps({"logical_count": rows[:2] + rows[3:]}))
+    code, _, err = rebalance(capsys, path)
+    assert code == 0 and "note:" not in err
