@@ -16,12 +16,8 @@ from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
 
 @pytest.fixture
-def store(redis_url, cluster_id):
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3),
-                 np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
-    yield store
-    store.delete_cluster()
+def store(small_store):
+    return small_store
 
 
 def cli(capsys, store: Store, *argv: str):

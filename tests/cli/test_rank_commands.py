@@ -6,25 +6,18 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from fdeplb.machines.tables import MEMBERSHIP, MemberState
-from fdeplb.orchestration.operations import init_cluster
-from fdeplb.store import ClusterConfig, Store
+from fdeplb.store import Store
 from tests.helpers import RawRedis, run_cli
 
 M = MemberState
 
 
 @pytest.fixture
-def store(redis_url, cluster_id):
-    # E=4, P=6, 3 ranks of 2 slots: rank 1 holds experts 2, 3 and nothing else does
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3),
-                 np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
-    yield store
-    store.delete_cluster()
+def store(small_store):
+    return small_store
 
 
 def rank_cmd(capsys, store: Store, command: str, r: int, *extra: str):
