@@ -248,8 +248,9 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
 
 # ---- GET /health ---------------------------------------------------------------------------------------------------
 def health(store: Store) -> Reply:
-    """200 when Redis answers and every registered rank has a live heartbeat (one that has not outlived the TTL its
-    agent wrote with it: the coordinator's rule), else 503 naming the ranks and why
+    """200 when Redis answers and every member rank (all of ``ep_size`` but EXCLUDED ones) is registered and has a
+    live heartbeat (one that has not outlived the TTL its agent wrote with it: the coordinator's rule), else 503
+    naming the ranks and why (``not registered``: e.g. Redis lost its data and no agent registered again)
     (:func:`fdeplb.status.unhealthy_ranks`; a fixed number of round trips, however many ranks)."""
     registered, unhealthy = unhealthy_ranks(store)
     if unhealthy:

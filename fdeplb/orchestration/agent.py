@@ -35,14 +35,15 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
-    VerificationError, WeightError
+from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, RedisUnavailableError, StaleStateError, \
+    StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration.recovery import records_lost
 from fdeplb.orchestration.safe_points import Arm
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
@@ -120,6 +121,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
+        self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
+        self._reported_live = 0.0  # monotonic time of the last live report while the records are gone (recovery)
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
@@ -141,12 +144,31 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self._rejoin.begin(placement.plan_id)  # an excluded rank comes back: REJOINING, admitted when FREE
         self.live_ranks = tuple(self.store.member_view().active())
         self._open_window(self.config)
-        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
-                                                **(info or {})})
-        self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen,
-                        routing_digest=routing_digest(self.backend.phy2log))
+        self._info = dict(info or {})
+        self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
+
+    def _register(self, plan_id: str) -> None:
+        """Register the rank (pid, actor, agent id and :attr:`_info`) and heartbeat the plan it holds live."""
+        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
+                                                **self._info})
+        self._heartbeat(force=True, live_plan_id=plan_id, clear_stat=self._clear_stat_seen,
+                        routing_digest=routing_digest(self.backend.phy2log))
+
+    def rejoined_records(self, plan_id: str) -> None:
+        """The cluster was created again over this live agent (:mod:`~fdeplb.orchestration.recovery`), with the
+        placement ``plan_id`` it holds: forget the old cluster's round state (staging, published round, clear_stat
+        requests seen), create the rank's records and register again."""
+        self._drop_staging()
+        self._plan_read = ("", None)
+        self._published_round = -1
+        self.rank.ensure()
+        self.weights.ensure()
+        self._clear_stat_seen = self.store.read_cluster().clear_stat_request
+        self.live_plan_id = plan_id
+        self.live_ranks = tuple(self.store.member_view().active())
+        self._register(plan_id)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
@@ -173,6 +195,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                 progressed = self.step(given, send=False)
             except (StaleStateError, GuardError) as err:
                 self.log.info("retry", error=str(err))
+                progressed = True
+            except NotFoundError as err:  # records gone (Redis lost its data?): report, then register again
+                records_lost(self, err)
                 progressed = True
             if until is not None and until():
                 return True
@@ -295,6 +320,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         ``heartbeat_ttl_ms / 4``), raises an alarm (event and audit record) naming both and stops its loop, so only
         the newest agent drives the rank's records (until then both commit under the records' version checks)."""
         owner = self.store.rank_agent(self.ep_rank)
+        if owner is None and not self.stop_event.is_set():  # the registry lost this rank: Redis lost its data?
+            records_lost(self, None)
+            return
         if owner is None or owner == self.agent_id or self.stop_event.is_set():
             return
         message = (f"rank {self.ep_rank}: agent {self.actor} ({self.agent_id}) superseded by agent {owner}, "

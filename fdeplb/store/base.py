@@ -85,9 +85,13 @@ class StoreBase:
         sec, usec = self._client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
-    def read_config(self) -> ClusterConfig:
+    def read_config(self, fresh: bool = False) -> ClusterConfig:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
-        :class:`CorruptRecordError` if it does not parse. Cached: a cluster's configuration never changes."""
+        :class:`CorruptRecordError` if it does not parse. Cached (a cluster's configuration never changes) unless
+        ``fresh``: read again, e.g. to see whether the cluster was created anew (another ``incarnation``) after
+        Redis lost its data."""
+        if fresh:
+            self._config = None
         if self._config is None:
             raw = _hgetall(self._client, self._keys.config)
             if not raw:

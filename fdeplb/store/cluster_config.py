@@ -94,6 +94,11 @@ class ClusterConfig:
     older records to ``audit_export_path`` (JSONL, appended and fsynced) and only then trim them."""
     audit_export_path: str = ""
     """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0)."""
+    incarnation: str = ""
+    """This creation of the cluster: a fresh random id written by :meth:`Store.create_cluster` ("" in a
+    configuration given to it, or in one written before incarnations existed). A rank agent that finds another one
+    (the cluster was created again after Redis lost its data) re-registers or refuses, see
+    :mod:`fdeplb.orchestration.recovery`."""
 
     def __post_init__(self) -> None:
         from fdeplb.placement import POLICIES, check_topology
@@ -119,6 +124,8 @@ class ClusterConfig:
         if not isinstance(self.deadlines, Deadlines):
             raise InputError(f"deadlines must be a Deadlines, got {type(self.deadlines).__name__}")
         check_int(self.retain_rounds, "retain_rounds", lo=1, hi=MAX_RETAIN_ROUNDS)
+        if not isinstance(self.incarnation, str) or len(self.incarnation) > 64:
+            raise InputError(f"incarnation must be a string of at most 64 characters, got {self.incarnation!r}")
         check_int(self.audit_keep, "audit_keep", lo=0, hi=10**9)
         if self.audit_keep and not self.audit_export_path:
             raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
