@@ -107,6 +107,13 @@ class ThreadCluster:
         self.threads.append(t)
         return agent
 
+    def start_silent_rank(self, r: int) -> None:
+        """Rank ``r`` registered with a fresh heartbeat (TTL 1 h) but no agent: a rank that is up, so the start
+        guard lets a round start, and never publishes its load (the start guard refuses an unregistered rank)."""
+        store = self.store()
+        store.register_rank(r, {"agent_id": f"silent-{r}"})
+        store.heartbeat(r, heartbeat_ttl_ms=3_600_000)
+
     def start_coordinator(self, **kwargs) -> Coordinator:
         self.coordinator = Coordinator(self.store(), lease_ms=kwargs.pop("lease_ms", 1_500), **kwargs)
         t = threading.Thread(target=self.coordinator.run, daemon=True, name="coordinator")

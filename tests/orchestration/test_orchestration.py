@@ -209,7 +209,8 @@ def test_missing_rank_aborts_collecting_by_deadline(redis_url, cluster_id, tmp_p
     deadlines = Deadlines(collecting_ms=300, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
     with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
         store = tc.store()
-        tc.start_agents(ranks=[0, 1, 2])  # rank 3 never comes up
+        tc.start_agents(ranks=[0, 1, 2])
+        tc.start_silent_rank(3)  # registered and beating, never publishes (an unregistered one refuses the start)
         tc.start_coordinator()
         store.request_round()
         wait_for(lambda: (r := cluster_state(store)).round >= 1 and r.state == "FREE",
