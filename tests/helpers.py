@@ -97,6 +97,7 @@ class ThreadCluster:
     def start_agent(self, r: int, **kwargs) -> RankAgent:
         """Start (or, after its thread stopped, restart) the agent of rank ``r``, as a fresh process would."""
         kwargs.setdefault("verify_all", True)
+        kwargs.setdefault("replace", any(a.ep_rank == r for a in self.agents))  # a restart supersedes on purpose
         if self.backend == "numpy":
             kwargs.setdefault("backend_factory", NumpyWeights.factory())
         agent = RankAgent(self.store(), r, load_source=lambda _round: self.loads[r], **kwargs)

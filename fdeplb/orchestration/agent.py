@@ -48,7 +48,7 @@ from fdeplb.orchestration.safe_points import Arm
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
-from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
+from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
 
 log = structlog.get_logger("fdeplb.agent")
@@ -84,6 +84,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
     ``switch_margin_steps``: when this rank is the one that fixes a switch step, the steps it adds to the largest
     armed step counter (>= 1; see :meth:`at_safe_point`).
+    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL); without it
+    :meth:`start` refuses with :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take
+    a healthy rank over).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
@@ -91,7 +94,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                  device: str | None = None, actor: str | None = None, verify_all: bool = False,
                  safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
                  publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
-                 switch_margin_steps: int = SWITCH_MARGIN_STEPS) -> None:
+                 switch_margin_steps: int = SWITCH_MARGIN_STEPS, replace: bool = False) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
         self._init_safe_points(safe_points, switch_margin_steps)
@@ -105,6 +108,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.backend_factory = backend_factory or CheckpointBackend.factory(device=device)
         self.staging_budget_bytes = staging_budget_bytes
         self.verify_all = verify_all
+        self.replace = bool(replace)
         self.actor = actor or f"rank{ep_rank}@{os.getpid()}"
         self.agent_id = uuid.uuid4().hex  # this agent instance, in the registry (see _check_superseded)
         self.stop_event = threading.Event()
@@ -126,10 +130,13 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
-        """Load the live experts of the cluster's current placement and register the rank."""
+        """Load the live experts of the cluster's current placement and register the rank. :class:`InputError` for
+        an ep_rank outside the cluster; :class:`StateError` when a live agent drives the rank and ``replace`` is
+        not set (nothing written then)."""
         self.config = self.store.read_config()
         if not 0 <= self.ep_rank < self.config.ep_size:
             raise InputError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
+        self._check_not_driven()
         self.rank.ensure()
         self.weights.ensure()
         me = self.rank.read()  # a restarted worker's step counter carries on from the last one it published
@@ -148,6 +155,19 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
+
+    def _check_not_driven(self) -> None:
+        """Refuse to take over a rank whose registered agent is alive (heartbeat within its TTL) unless
+        :attr:`replace`: :class:`StateError` naming it."""
+        owner = self.store.rank_agent(self.ep_rank)
+        if owner is None or owner == self.agent_id or self.replace:
+            return
+        age, ttl = self.store.heartbeats().get(self.ep_rank, (0, 0))
+        if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}):
+            who = self.store.rank_info().get(self.ep_rank, {})
+            raise StateError(f"rank {self.ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
+                             f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
+                             f"supersede it, or stop it first")
 
     def _register(self, plan_id: str) -> None:
         """Register the rank (pid, actor, agent id and :attr:`_info`) and heartbeat the plan it holds live."""
