@@ -151,7 +151,8 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         """Reload every rank's weights (in the current placement) and wait for them (409 naming the ranks that
         held it back when the request was cancelled)."""
         await ctx.basic(request)
-        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s,
+                                                      settings.shutdown))
 
     @router.get("/clear_load_weight", tags=["fastdeploy"])
     @_guarded
@@ -159,7 +160,8 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         """Free every rank's weights and wait for them (409 naming the ranks that held it back when the request
         was cancelled)."""
         await ctx.basic(request)
-        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s,
+                                                      settings.shutdown))
 
     @router.get("/health", tags=["fastdeploy"])
     @_guarded
@@ -191,7 +193,7 @@ def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
         """Audit records after ``since`` (an audit id), at most ``limit`` (default 1000); ``wait_ms`` long-polls."""
         await ctx.basic(request)
         run = ctx.in_waiting_thread if wait_ms not in (None, "", "0") else run_in_threadpool
-        return JSONResponse(await run(service.audit, store, since, limit, wait_ms))
+        return JSONResponse(await run(service.audit, store, since, limit, wait_ms, settings.shutdown))
 
     @router.get("/v1/placement", tags=["fdeplb"])
     @_guarded

@@ -36,7 +36,7 @@ def run_status(args: argparse.Namespace) -> int:
     if through_http(args):
         from fdeplb.cli.http_client import ApiClient
 
-        status = ApiClient(args.url, args.credentials_file).get("/v1/state")
+        status = ApiClient(args.url, args.credentials_file, ca_cert=args.ca_cert).get("/v1/state")
         status.pop("api_addresses", None)
     else:
         status = cluster_status(open_store(args.redis_url, args.cluster), args.redis_url)
