@@ -84,7 +84,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
     ``switch_margin_steps``: when this rank is the one that fixes a switch step, the steps it adds to the largest
     armed step counter (>= 1; see :meth:`at_safe_point`).
-    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL); without it
+    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL and that did not
+    stop: :meth:`run` notes its end in the registry); without it
     :meth:`start` refuses with :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take
     a healthy rank over).
     """
@@ -162,9 +163,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         owner = self.store.rank_agent(self.ep_rank)
         if owner is None or owner == self.agent_id or self.replace:
             return
+        who = self.store.rank_info().get(self.ep_rank, {})
+        if who.get("stopped_ms"):  # it stopped (run's end): not a live agent
+            return
         age, ttl = self.store.heartbeats().get(self.ep_rank, (0, 0))
         if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}):
-            who = self.store.rank_info().get(self.ep_rank, {})
             raise StateError(f"rank {self.ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
                              f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
                              f"supersede it, or stop it first")
@@ -240,6 +243,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         finally:
             try:
                 self._send()
+                self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
             except FdeplbError as err:
                 self.log.warning("last writes not sent", error=str(err))
 

@@ -129,6 +129,28 @@ class Liveness:
                 raise CorruptRecordError(f"{key}: not a live report: {exc}", key=key) from None
         return out
 
+    def mark_rank_stopped(self, ep_rank: int, agent_id: str) -> bool:
+        """Note in ``ep_rank``'s registry entry that its agent ``agent_id`` stopped (``stopped_ms``, server clock),
+        if the entry still names it (WATCHed: an agent registered meanwhile is left alone); True if written. A
+        stopped agent is not a live one: the next agent of the rank needs no ``replace``."""
+        key, field_ = self._keys.ranks, str(int(ep_rank))
+
+        def txn(pipe: Any) -> bool:
+            raw = pipe.hget(key, field_)
+            try:
+                info = json.loads(_s(raw)) if raw is not None else None
+            except ValueError:
+                info = None
+            if not isinstance(info, dict) or info.get("agent_id") != agent_id:
+                pipe.unwatch()
+                return False
+            sec, _ = pipe.time()
+            pipe.multi()
+            pipe.hset(key, field_, json_text({**info, "stopped_ms": int(sec) * 1000}))
+            return True
+
+        return bool(self._client.transaction(txn, key, value_from_callable=True))
+
     def rank_agent(self, ep_rank: int) -> str | None:
         """The ``agent_id`` the registry names for ``ep_rank`` (the agent that registered last), or None;
         :class:`CorruptRecordError` for an entry that is not a rank's JSON."""
