@@ -167,9 +167,9 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
     @_guarded
     async def health(request: Request) -> Response:
         """200 when Redis answers and every member rank is registered with its heartbeat within its TTL, else
-        503. Open, as FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only healthy or not and
-        why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials also the
-        registered ranks, and which lack a heartbeat and why."""
+        503. Open, as FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only
+        healthy or not and why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials
+        also the registered ranks, and which lack a heartbeat and why."""
         if await has_basic(ctx.credentials, request):
             return _reply(await run_in_threadpool(service.health, store))
         return _reply(await run_in_threadpool(service.probe_health, store))

@@ -51,7 +51,8 @@ from fdeplb.store.windows import Windows
 
 __all__ = [
     "AUDIT_FIELDS", "EVENTS_MAXLEN", "MAX_BLOCK_MS", "SOCKET_TIMEOUT_S", "SWITCH_MARGIN_STEPS", "AuditRecord",
-    "CommitResult", "Cursor", "LiveReport", "MemberView", "NOT_REGISTERED", "PendingCall", "Store", "connect", "parse_stream_id", "stale_of",
+    "CommitResult", "Cursor", "LiveReport", "MemberView", "NOT_REGISTERED", "PendingCall", "Store", "connect",
+    "parse_stream_id", "stale_of",
 ]
 
 
