@@ -9,7 +9,9 @@
 # package. PYTHON (default .venv/bin/python of this checkout) is the interpreter with fdeplb installed; everything
 # runs as `$PYTHON -m fdeplb ...`. ROUND_TIMEOUT_S (default 300) bounds the wait for the round: a round that aborts or
 # does not end in time fails the script loudly (exit 1, with the reason and the cluster's status on stderr).
-# Everything it starts is stopped, and its temp dir removed, on exit (also on Ctrl-C).
+# Everything it starts is stopped (SIGTERM, then SIGKILL after STOP_GRACE_S, default 3), and its temp dir removed,
+# however it ends (exit, Ctrl-C, SIGTERM, `timeout`); the workers also stop if this script is SIGKILLed
+# (--parent-pid).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-$here/.venv/bin/python}
@@ -17,18 +19,43 @@ timeout_s=${ROUND_TIMEOUT_S:-300}
 fdeplb=("$python" -m fdeplb)  # an array, not a function: `$!` of a background command must be the command itself
 
 pids=()
+redis_pid=
 work=$(mktemp -d)
+# Stop everything this script started, whatever ends it (exit, Ctrl-C, SIGTERM, `timeout`): SIGTERM to the workers,
+# the coordinator and the clients first, then to redis-server; whatever still runs after STOP_GRACE_S (default 3)
+# gets SIGKILL; then the temp dir goes. Never a bare `wait` (it would wait for every child, redis-server included).
 cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done   # workers and coordinator
-  wait "${pids[@]}" 2>/dev/null || true
-  if [ -n "${redis_pid:-}" ]; then kill "$redis_pid" 2>/dev/null || true; wait "$redis_pid" 2>/dev/null || true; fi
+  trap '' INT TERM  # a second Ctrl-C must not cut the clean-up short
+  local all=("${pids[@]}") p left i
+  for p in "${all[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  if [ -n "$redis_pid" ]; then all+=("$redis_pid"); fi
+  for ((i = 0; i < ${STOP_GRACE_S:-3} * 10; i++)); do
+    left=()
+    for p in "${pids[@]}"; do if kill -0 "$p" 2>/dev/null; then left+=("$p"); fi; done
+    if [ ${#left[@]} -eq 0 ]; then break; fi
+    sleep 0.1
+  done
+  if [ -n "$redis_pid" ]; then kill -TERM "$redis_pid" 2>/dev/null || true; fi
+  for ((i = 0; i < 20; i++)); do
+    left=()
+    for p in "${all[@]}"; do if kill -0 "$p" 2>/dev/null; then left+=("$p"); fi; done
+    if [ ${#left[@]} -eq 0 ]; then break; fi
+    sleep 0.1
+  done
+  for p in "${all[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  for p in "${all[@]}"; do wait "$p" 2>/dev/null || true; done  # reap them: a pid list, never a bare wait
   rm -rf "$work"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-trace=${2:-$("$python" -c "from fdeplb.data import extract_bundled_trace; print(extract_bundled_trace('$work'))")}
+# a step in the foreground would hold a signal's trap until it ends: run each in the background and wait for it
+step() { "$@" & pids+=($!); wait $!; }
+if [ -n "${2:-}" ]; then trace=$2; else
+  step "$python" -c "from fdeplb.data import extract_bundled_trace; print(extract_bundled_trace('$work'))" \
+    > "$work/trace.path"
+  trace=$(cat "$work/trace.path")
+fi
 url=${1:-}
 if [ -z "$url" ]; then
   redis_server=$(command -v redis-server || "$python" -c "from fdeplb.store.embedded import redis_server_binary
@@ -39,7 +66,7 @@ print(redis_server_binary())")
     --save '' --appendonly no --daemonize no --logfile "$work/redis.log" &
   redis_pid=$!
   url=unix://$work/redis.sock
-  "$python" - "$url" "$redis_pid" <<'PY'
+  "$python" - "$url" "$redis_pid" <<'PY' &
 import os, sys, time, redis
 r = redis.Redis.from_url(sys.argv[1])
 for _ in range(100):
@@ -53,24 +80,27 @@ for _ in range(100):
 else:
     sys.exit("redis-server did not answer on " + sys.argv[1] + " within 10 s")
 PY
+  pids+=($!)
+  wait $!
 fi
 cluster=example-$$
 
 # a tiny checkpoint with the trace's shape (58 MoE layers x 256 experts for DeepSeek-V3), ERNIE tensor names
-read -r layers experts < <("$python" -c "
+step "$python" -c "
 from fdeplb.placement import read_expert_load
-t = read_expert_load('$trace'); print(t.num_layers, t.num_logical_experts)")
-"$python" -c "
+t = read_expert_load('$trace'); print(t.num_layers, t.num_logical_experts)" > "$work/shape"
+read -r layers experts < "$work/shape"
+step "$python" -c "
 from fdeplb.weights import write_synthetic_checkpoint
 write_synthetic_checkpoint('$work/ckpt', $layers, $experts)"
 
-"${fdeplb[@]}" init-cluster --redis-url "$url" --cluster "$cluster" --num-layers "$layers" \
+step "${fdeplb[@]}" init-cluster --redis-url "$url" --cluster "$cluster" --num-layers "$layers" \
   --num-logical-experts "$experts" --num-redundant-experts 8 --ep-size 4 --checkpoint "$work/ckpt" \
   --collecting-ms 180000  # the workers start meanwhile: loading their experts takes a while on a small machine
 
 for r in 0 1 2 3; do
   "$python" -m fdeplb.sim.worker --redis-url "$url" --cluster "$cluster" --rank "$r" --trace "$trace" \
-    --log-level WARNING &
+    --parent-pid $$ --log-level WARNING &
   pids+=($!)
 done
 "${fdeplb[@]}" coordinator --redis-url "$url" --cluster "$cluster" --log-level WARNING &
@@ -92,7 +122,7 @@ if [ "$rc" -ne 0 ]; then
   "${fdeplb[@]}" status --redis-url "$url" --cluster "$cluster" >&2 || true
   exit 1
 fi
-"${fdeplb[@]}" status --redis-url "$url" --cluster "$cluster"
-"${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --machine cluster
-"${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --export "$work/audit.jsonl"
-"${fdeplb[@]}" replay "$work/audit.jsonl" --redis-url "$url" --cluster "$cluster"
+step "${fdeplb[@]}" status --redis-url "$url" --cluster "$cluster"
+step "${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --machine cluster
+step "${fdeplb[@]}" audit --redis-url "$url" --cluster "$cluster" --export "$work/audit.jsonl"
+step "${fdeplb[@]}" replay "$work/audit.jsonl" --redis-url "$url" --cluster "$cluster"

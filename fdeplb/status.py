@@ -6,7 +6,8 @@ through :class:`~fdeplb.store.Store` only and writes nothing.
 
 Staleness has one rule, the coordinator's (:func:`fdeplb.store.redis_store.stale_of`): a registered rank is stale
 once its heartbeat is older than the TTL its agent wrote with it (``RankRecord.heartbeat_ttl_ms``; no TTL written:
-never stale). Ages and TTLs are milliseconds of the Redis server's clock.
+never stale); ``/health`` and the start guard also count every member rank that is not registered. Ages and TTLs
+are milliseconds of the Redis server's clock.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 from fdeplb.errors import CorruptRecordError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MemberState, RankState
 from fdeplb.store import RankRecord
-from fdeplb.store.redis_store import stale_of
+from fdeplb.store.redis_store import NOT_REGISTERED, stale_of
 
 __all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "unhealthy_ranks"]
 
@@ -61,26 +62,29 @@ def heartbeats_of(records: Sequence[Any], now_ms: int, registered=None) -> dict[
 
 
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
-    """(number of registered ranks, ``{ep_rank: why}`` for those without a live heartbeat): never beat (or no rank
-    record), or stale by the TTL rule. An EXCLUDED member is not counted (the cluster serves without it; an expert
-    it leaves without a replica is :func:`degraded_experts`' business). Four round trips whatever the number of
-    ranks (registry, server time, every rank record and every member record in a pipeline each).
-    :class:`CorruptRecordError` for a registered rank's record, a member record or a registry that does not
-    parse; Redis errors as the store raises them."""
+    """(number of registered ranks, ``{ep_rank: why}`` for every member rank (all of ``ep_size`` but EXCLUDED ones)
+    without a live heartbeat): not registered (e.g. Redis lost its data and the agent has not registered again),
+    never beat (or no rank record), or stale by the TTL rule. Four round trips whatever the number of ranks
+    (registry, server time, every rank record in one pipeline, membership). :class:`CorruptRecordError` for a
+    registered rank's record, a registry or a member record that does not parse; :class:`NotFoundError` without a
+    cluster; Redis errors as the store raises them."""
+    ep_size = store.ep_size()
     registered = store.rank_info()
-    if not registered:
-        return 0, {}
     now = store.now_ms()
     records = store.read_each(RANK)
     for r in sorted(registered):
         if r < len(records) and isinstance(records[r], CorruptRecordError):
             raise records[r]
-    excluded = {r for r, st in enumerate(_member_states(store)) if st is MemberState.EXCLUDED}
-    registered = {r: v for r, v in registered.items() if r not in excluded}  # not members: served without
+    excluded = {r for r, st in enumerate(store.member_view().states()) if st is MemberState.EXCLUDED}
     beats = heartbeats_of(records, now, registered)
-    out = {r: "never beat" for r in registered if r not in beats}
-    for r, age in stale_of(beats).items():
-        out[r] = f"last beat {age / 1000:.1f} s ago, past its {beats[r][1] / 1000:g} s TTL"
+    out = {r: "never beat" for r in registered if r not in beats and r not in excluded}
+    for r, age in stale_of(beats, ep_size).items():
+        if r in excluded:
+            continue
+        if r not in registered:
+            out[r] = "not registered"
+        elif age != NOT_REGISTERED:
+            out[r] = f"last beat {age / 1000:.1f} s ago, past its {beats[r][1] / 1000:g} s TTL"
     return len(registered), dict(sorted(out.items()))
 
 

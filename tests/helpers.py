@@ -97,6 +97,7 @@ class ThreadCluster:
     def start_agent(self, r: int, **kwargs) -> RankAgent:
         """Start (or, after its thread stopped, restart) the agent of rank ``r``, as a fresh process would."""
         kwargs.setdefault("verify_all", True)
+        kwargs.setdefault("replace", any(a.ep_rank == r for a in self.agents))  # a restart supersedes on purpose
         if self.backend == "numpy":
             kwargs.setdefault("backend_factory", NumpyWeights.factory())
         agent = RankAgent(self.store(), r, load_source=lambda _round: self.loads[r], **kwargs)
@@ -106,6 +107,13 @@ class ThreadCluster:
         self.agents.append(agent)
         self.threads.append(t)
         return agent
+
+    def start_silent_rank(self, r: int) -> None:
+        """Rank ``r`` registered with a fresh heartbeat (TTL 1 h) but no agent: a rank that is up, so the start
+        guard lets a round start, and never publishes its load (the start guard refuses an unregistered rank)."""
+        store = self.store()
+        store.register_rank(r, {"agent_id": f"silent-{r}"})
+        store.heartbeat(r, heartbeat_ttl_ms=3_600_000)
 
     def start_coordinator(self, **kwargs) -> Coordinator:
         self.coordinator = Coordinator(self.store(), lease_ms=kwargs.pop("lease_ms", 1_500), **kwargs)

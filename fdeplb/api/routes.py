@@ -168,7 +168,8 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         """Reload every rank's weights (in the current placement) and wait for them (409 naming the ranks that
         held it back when the request was cancelled)."""
         await ctx.basic(request)
-        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s))
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "update", settings.weights_timeout_s,
+                                                      settings.shutdown))
 
     @router.get("/clear_load_weight", tags=["fastdeploy"])
     @_guarded
@@ -176,15 +177,16 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         """Free every rank's weights and wait for them (409 naming the ranks that held it back when the request
         was cancelled)."""
         await ctx.basic(request)
-        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s))
+        return _reply(await ctx.in_waiting_thread(service.drive_weights, store, "clear", settings.weights_timeout_s,
+                                                      settings.shutdown))
 
     @router.get("/health", tags=["fastdeploy"])
     @_guarded
     async def health(request: Request) -> Response:
-        """200 when Redis answers and every registered rank's heartbeat is within its TTL, else 503. Open, as
-        FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only healthy or not and
-        why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials also the
-        registered ranks, and which lack a heartbeat and why."""
+        """200 when Redis answers and every member rank is registered with its heartbeat within its TTL, else
+        503. Open, as FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only
+        healthy or not and why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials
+        also the registered ranks, and which lack a heartbeat and why."""
         if await has_basic(ctx.credentials, request):
             return _reply(await run_in_threadpool(service.health, store))
         return _reply(await run_in_threadpool(service.probe_health, store))
@@ -208,7 +210,7 @@ def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:
         """Audit records after ``since`` (an audit id), at most ``limit`` (default 1000); ``wait_ms`` long-polls."""
         await ctx.basic(request)
         run = ctx.in_waiting_thread if wait_ms not in (None, "", "0") else run_in_threadpool
-        return JSONResponse(await run(service.audit, store, since, limit, wait_ms))
+        return JSONResponse(await run(service.audit, store, since, limit, wait_ms, settings.shutdown))
 
     @router.get("/v1/placement", tags=["fdeplb"])
     @_guarded

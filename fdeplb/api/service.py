@@ -11,8 +11,9 @@ agents registered (``Store.rank_info()``), and Redis carries the fan-out.
 from __future__ import annotations
 
 import re
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ FD_STATUS = FASTDEPLOY_STATUS_NAMES
 #: stream ids (``<ms>-<seq>``, ASCII digits, each part at most 2**64 - 1) accepted by ``since``
 MAX_AUDIT_LIMIT = 10_000
 MAX_WAIT_MS = 30_000
+#: longest slice a waiting call blocks before it looks at :attr:`ApiSettings.shutdown` again (ms)
+SHUTDOWN_POLL_MS = 250
 
 Reply = tuple[int, dict[str, Any]]
 
@@ -60,7 +63,9 @@ class ApiSettings:
     ``<machine>.svg`` diagrams are (default: ``statecharts/`` of the checkout, else rendered with Graphviz).
     ``max_waiting``: calls that wait on the cluster (``/v1/audit`` with ``wait_ms``, ``/update_model_weight``,
     ``/clear_load_weight``) served at once; more wait their turn. They have their own worker threads, so however
-    many are pending, the other routes (``/health`` first) still answer at once."""
+    many are pending, the other routes (``/health`` first) still answer at once. ``shutdown``: set when the
+    server stops (``fdeplb serve`` on SIGTERM / SIGINT); those waiting calls then answer within
+    :data:`SHUTDOWN_POLL_MS` (a long poll with what it has, a weight wait 503 ``server shutting down``)."""
 
     weights_timeout_s: float = 300.0
     metrics_public: bool = False
@@ -68,6 +73,7 @@ class ApiSettings:
     max_depth: int = 16
     statecharts_dir: Path | None = None
     max_waiting: int = 16
+    shutdown: threading.Event = field(default_factory=threading.Event, compare=False, repr=False)
 
 
 def _status_msg(rec, expect: int) -> str:
@@ -254,12 +260,13 @@ _WEIGHT_ACTIONS = {"update": (WeightState.NORMAL, "update model weight", "update
                    "clear": (WeightState.CLEARED, "clear model weight", "cleared")}
 
 
-def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
+def drive_weights(store: Store, action: str, timeout_s: float, shutdown: threading.Event | None = None) -> Reply:
     """Ask every rank to update or clear its weights and wait (at most ``timeout_s``) until every rank carried out
     this request (``WeightRecord.request``) and is NORMAL resp. CLEARED. 200 when done; 404 with the message on a
     timeout or a failed rank (FastDeploy's codes); 400 when the request cannot be made now; 409 when the request
     was cancelled (its switch step was not fixed within ``deadlines.weights_ms``: no rank applied it), the body's
-    ``ranks`` naming the ranks that held it back."""
+    ``ranks`` naming the ranks that held it back; 503 ``server shutting down`` once ``shutdown`` is set (the
+    request stays made: the ranks carry it out)."""
     target, what, done = _WEIGHT_ACTIONS[action]
     records = store.read_all(WEIGHTS)
     if all(w.state is target for w in records):
@@ -291,16 +298,19 @@ def drive_weights(store: Store, action: str, timeout_s: float) -> Reply:
             late = [r for r, w in enumerate(records) if not (w.request >= n and w.state is target)]
             return refuse(f"{what} timeout: ranks {late} not {target} after {timeout_s:g} s (request {n})", 404,
                           request=n)
-        store.wait(cursor, int(min(left, 1.0) * 1000) + 1)
+        if shutdown is not None and shutdown.is_set():
+            return refuse(f"server shutting down; {what} request {n} stays made", 503, request=n)
+        store.wait(cursor, int(min(left, SHUTDOWN_POLL_MS / 1000) * 1000) + 1)
 
 
 # ---- GET /health ---------------------------------------------------------------------------------------------------
 def health(store: Store) -> Reply:
-    """200 when Redis answers, every registered member rank has a live heartbeat (one that has not outlived the TTL
-    its agent wrote with it: the coordinator's rule) and every logical expert has a replica on a member; else 503
-    naming the ranks and why (:func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left without a
-    replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed). A fixed number of round trips,
-    however many ranks."""
+    """200 when Redis answers, every member rank (all of ``ep_size`` but EXCLUDED ones) is registered and has a
+    live heartbeat (one that has not outlived the TTL its agent wrote with it: the coordinator's rule) and every
+    logical expert has a replica on a member; else 503 naming the ranks and why (``not registered``: e.g. Redis lost
+    its data and no agent registered again; :func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left
+    without a replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed). A fixed number of
+    round trips, however many ranks."""
     registered, unhealthy = unhealthy_ranks(store)
     if unhealthy:
         why = "; ".join(f"rank {r} {text}" for r, text in unhealthy.items())
@@ -363,9 +373,11 @@ def _int_param(value: str | None, name: str, default: int, lo: int, hi: int) -> 
     return check_int(int(value), name, lo=lo, hi=hi)
 
 
-def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | None) -> dict[str, Any]:
+def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | None,
+          shutdown: threading.Event | None = None) -> dict[str, Any]:
     """Audit records after stream id ``since`` (all when absent), at most ``limit``; with ``wait_ms``, wait that
-    long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``)."""
+    long for the first new record when there is none yet (long poll, for ``fdeplb audit --url --follow``), or until
+    ``shutdown`` is set (looked at every :data:`SHUTDOWN_POLL_MS`)."""
     if since is not None:
         try:
             parse_stream_id(since)
@@ -379,9 +391,9 @@ def audit(store: Store, since: str | None, limit: str | None, wait_ms: str | Non
     while True:
         records = store.audit(start, "+", count=count)
         left = end - time.monotonic()
-        if records or cursor is None or left <= 0:
+        if records or cursor is None or left <= 0 or (shutdown is not None and shutdown.is_set()):
             break
-        store.wait(cursor, int(left * 1000) + 1)
+        store.wait(cursor, min(int(left * 1000) + 1, SHUTDOWN_POLL_MS))
     last = records[-1].id if records else (since or "0-0")
     return {"records": [audit_dict(r) for r in records], "last_id": last}
 

@@ -42,6 +42,9 @@ def redis_or_url_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, parents=[cluster_parent(required=False)])
     p.add_argument("--url", default=None, help="read through the HTTP API (http://host:port) instead of Redis")
     p.add_argument("--credentials-file", default=None, metavar="FILE", help="with --url: USER:PASSWORD file")
+    p.add_argument("--ca-cert", default=None, metavar="PEM",
+                   help="with an https:// --url: verify the server against this CA bundle (default: "
+                        "REQUESTS_CA_BUNDLE, else the system's)")
     return p
 
 

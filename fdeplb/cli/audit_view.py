@@ -105,7 +105,7 @@ def run_audit(args: argparse.Namespace) -> int:
 
         if args.export is not None:
             raise InputError("--export writes a self-contained recording (snapshots and plans too): use --redis-url")
-        client = ApiClient(args.url, args.credentials_file)
+        client = ApiClient(args.url, args.credentials_file, ca_cert=args.ca_cert)
         filtered = args.round is not None or args.machine is not None or args.rank is not None
         # unfiltered, the server stops at --limit itself; filtered, the records to print are only known here
         page_size = min(args.limit, AUDIT_PAGE) if args.limit is not None and not filtered else AUDIT_PAGE

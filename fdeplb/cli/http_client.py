@@ -13,6 +13,7 @@ An HTTP error status is raised as the error of the CLI's error table (:data:`_ST
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Iterator
 
 from fdeplb.credentials import load_credentials
@@ -42,18 +43,28 @@ def _requests():
 class ApiClient:
     """A small client of one ``fdeplb serve`` URL (``http://host:port``)."""
 
-    def __init__(self, url: str, credentials_file: str | None = None, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, url: str, credentials_file: str | None = None, timeout_s: float = TIMEOUT_S,
+                 ca_cert: str | None = None) -> None:
         if not url.startswith(("http://", "https://")):
             raise InputError(f"--url must start with http:// or https://, got {url!r}")
+        if ca_cert is not None and not os.path.isfile(ca_cert):
+            raise InputError(f"--ca-cert {ca_cert}: not a file")
         self.url = url.rstrip("/")
         self.credentials = load_credentials(credentials_file)
         self.timeout_s = timeout_s
+        #: what requests verifies an https:// server against: ``ca_cert``, else True (REQUESTS_CA_BUNDLE, or the
+        #: system's bundle); the certificate is always verified
+        self.verify: str | bool = ca_cert if ca_cert is not None else True
 
     def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         requests = _requests()
         try:
             resp = requests.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout_s),
-                                    **kwargs)
+                                    verify=self.verify, **kwargs)
+        except requests.exceptions.SSLError as exc:
+            raise RedisUnavailableError(f"no TLS connection to {self.url}: the certificate was not verified "
+                                        f"(pass --ca-cert PEM or set REQUESTS_CA_BUNDLE): "
+                                        f"{str(exc)[-160:]}") from None
         except requests.RequestException as exc:
             raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}") from None
         try:
@@ -107,11 +118,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--url", required=True, help="the API, http://host:port")
     t.add_argument("--ips", nargs="+", default=None, metavar="HOST:PORT", help="rank API addresses to name")
     t.add_argument("--credentials-file", default=None, metavar="FILE")
+    t.add_argument("--ca-cert", default=None, metavar="PEM", help="verify an https:// server against this CA bundle")
     t.set_defaults(handler=run_trigger)
 
 
 def run_trigger(args: argparse.Namespace) -> int:
-    client = ApiClient(args.url, args.credentials_file)
+    client = ApiClient(args.url, args.credentials_file, ca_cert=args.ca_cert)
     ips = args.ips
     if ips is None:
         ips = [a for a in client.get("/v1/state").get("api_addresses", {}).values() if a]

@@ -363,4 +363,7 @@ def run_init(args: argparse.Namespace) -> int:
     created = init_cluster(store, config, phy2log)
     print(f"cluster {args.cluster}: {'created' if created else 'exists already, left as it is'} "
           f"({config.ep_size} ranks x {config.slots_per_rank} slots, {config.num_layers} MoE layers)")
+    adopted = store.current_placement().plan_id if created else ""
+    if adopted:  # created over live ranks (Redis lost the cluster's data): their placement, not the initial one
+        print(f"cluster {args.cluster}: adopted the placement the live ranks hold (plan {adopted})")
     return 0

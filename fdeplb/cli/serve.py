@@ -5,6 +5,12 @@ Credentials come from ``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--crede
 ``--insecure-no-auth`` is given, and then warns on every start. ``/health`` answers without credentials (healthy or
 not, and why in one phrase, for probes); ``/metrics`` needs them unless ``--metrics-public``. ``/ui`` is the web
 view of the cluster (a browser asks for the same credentials).
+
+TLS: ``--ssl-certfile`` and ``--ssl-keyfile`` (PEM, both or neither) serve HTTPS (uvicorn's); the HTTP clients
+verify the certificate (``--ca-cert FILE`` or ``REQUESTS_CA_BUNDLE``). Stop: on SIGTERM / SIGINT open long polls
+and weight waits answer at once and the server exits within :data:`GRACEFUL_S` seconds (uvicorn's
+``timeout_graceful_shutdown``). ``serving`` is logged only once the socket is bound (a bind that fails exits 1
+with the reason and no such line).
 """
 
 from __future__ import annotations
@@ -12,8 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fdeplb.errors import DependencyError, InputError
+from fdeplb.errors import DependencyError, InputError, StateError
 from fdeplb.options import cluster_parent, positive_float
+
+#: seconds the server lets in-flight requests finish after SIGTERM before it cancels them
+GRACEFUL_S = 1
 
 INSECURE_WARNING = ("WARNING: --insecure-no-auth: the API accepts every request without credentials; anyone who "
                     "can reach {host}:{port} can start rounds and clear weights")
@@ -32,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without credentials (default: HTTP Basic, as every GET route; /health is "
                         "always open)")
+    p.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                   help="serve HTTPS with this certificate (chain) file; needs --ssl-keyfile")
+    p.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="the certificate's private key")
     p.add_argument("--weights-timeout-s", type=positive_float, default=300.0,
                    help="how long /update_model_weight and /clear_load_weight wait for the ranks (default 300)")
     p.add_argument("--log-level", default="INFO")
@@ -66,12 +78,45 @@ def run(args: argparse.Namespace) -> int:
     if credentials is None:
         print(INSECURE_WARNING.format(host=args.host, port=args.port), file=sys.stderr, flush=True)
         log.warning("serving without authentication", host=args.host, port=args.port)
+    tls = _tls_files(args.ssl_certfile, args.ssl_keyfile)
     store = open_store(args.redis_url, args.cluster)
     settings = ApiSettings(weights_timeout_s=args.weights_timeout_s, metrics_public=args.metrics_public)
     app = create_app(store, credentials, settings)
-    log.info("serving", cluster=args.cluster, host=args.host, port=args.port, auth=credentials is not None)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=5,  # open /v1/ui/events streams do not hold a shutdown
-                log_level=args.log_level.lower() if args.log_level.lower() in ("debug", "info", "warning", "error")
-                else "info")
+    level = args.log_level.lower() if args.log_level.lower() in ("debug", "info", "warning", "error") else "info"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False, log_level=level,
+                            timeout_graceful_shutdown=GRACEFUL_S, **tls)
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which says ``serving`` once bound and ends the API's waits when told to stop."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:  # bound: a failed bind exits inside startup, before this line
+                log.info("serving", cluster=args.cluster, host=args.host, port=args.port,
+                         auth=credentials is not None, tls=bool(tls))
+
+        def handle_exit(self, sig, frame) -> None:
+            settings.shutdown.set()  # long polls and weight waits answer now, so the graceful stop is short
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(config).run()
+    except SystemExit as exc:  # uvicorn exits 1 when it cannot bind (it logged why)
+        if exc.code:
+            raise StateError(f"could not serve on {args.host}:{args.port} (see the log line above)") from None
     return 0
+
+
+def _tls_files(certfile: str | None, keyfile: str | None) -> dict[str, str]:
+    """uvicorn's TLS arguments for ``--ssl-certfile`` / ``--ssl-keyfile``: both or neither, each a readable file
+    (:class:`InputError` otherwise)."""
+    if not certfile and not keyfile:
+        return {}
+    if not (certfile and keyfile):
+        raise InputError("--ssl-certfile and --ssl-keyfile go together (a certificate and its key)")
+    import os
+
+    for name, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise InputError(f"{name} {path}: not a readable file")
+    return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}

@@ -47,7 +47,7 @@ def run_status(args: argparse.Namespace) -> int:
         if args.placement_out:
             raise InputError(f"--placement-out reads from Redis; through the API the same file is GET "
                              f"{args.url}/v1/placement?format={args.format}")
-        status = ApiClient(args.url, args.credentials_file).get("/v1/state")
+        status = ApiClient(args.url, args.credentials_file, ca_cert=args.ca_cert).get("/v1/state")
         status.pop("api_addresses", None)
     else:
         store = open_store(args.redis_url, args.cluster)

@@ -36,19 +36,20 @@ import numpy as np
 import structlog
 
 from fdeplb.checks import check_int
-from fdeplb.errors import FdeplbError, GuardError, InputError, RedisUnavailableError, StaleStateError, StateError, \
-    VerificationError, WeightError
+from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, RedisUnavailableError, StaleStateError, \
+    StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration.recovery import records_lost
 from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
-from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS
+from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
 from fdeplb.weights.plan import PauseBudget, changed_layers
 
@@ -90,6 +91,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     (``ClusterConfig``). With safe points a committed swap is applied in chunks of whole layers within every rank's
     budget, one chunk per safe point (:class:`~fdeplb.orchestration.safe_points.Chunked`); a re-placement round
     that changes the members is applied at one safe point (its routing names other ranks).
+    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL and that did not
+    stop: :meth:`run` notes its end in the registry); without it
+    :meth:`start` refuses with :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take
+    a healthy rank over).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
@@ -98,7 +103,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                  safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
                  publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
                  switch_margin_steps: int = SWITCH_MARGIN_STEPS, max_pause_bytes: int | None = None,
-                 layers_per_safe_point: int | None = None) -> None:
+                 layers_per_safe_point: int | None = None, replace: bool = False) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
         self._pause_args = (None if max_pause_bytes is None else check_int(max_pause_bytes, "max_pause_bytes", lo=0),
@@ -117,6 +122,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.backend_factory = backend_factory or CheckpointBackend.factory(device=device)
         self.staging_budget_bytes = staging_budget_bytes
         self.verify_all = verify_all
+        self.replace = bool(replace)
         self.actor = actor or f"rank{ep_rank}@{os.getpid()}"
         self.agent_id = uuid.uuid4().hex  # this agent instance, in the registry (see _check_superseded)
         self.stop_event = threading.Event()
@@ -134,13 +140,18 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
+        self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
+        self._reported_live = 0.0  # monotonic time of the last live report while the records are gone (recovery)
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
-        """Load the live experts of the cluster's current placement and register the rank."""
+        """Load the live experts of the cluster's current placement and register the rank. :class:`InputError` for
+        an ep_rank outside the cluster; :class:`StateError` when a live agent drives the rank and ``replace`` is
+        not set (nothing written then)."""
         self.config = self.store.read_config()
         if not 0 <= self.ep_rank < self.config.ep_size:
             raise InputError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
+        self._check_not_driven()
         max_bytes, max_layers = self._pause_args
         self.pause_budget = PauseBudget(self.config.max_pause_bytes if max_bytes is None else max_bytes,
                                         self.config.layers_per_safe_point if max_layers is None else max_layers)
@@ -161,12 +172,47 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.live_ranks = placement.live_ranks(self.config.ep_size)
         self.backend.set_live_ranks(self.live_ranks)
         self._open_window(self.config)
-        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
-                                                **(info or {})})
-        self._heartbeat(force=True, live_plan_id=placement.plan_id, clear_stat=self._clear_stat_seen,
-                        routing_digest=routing_digest(self.backend.phy2log))
+        self._info = dict(info or {})
+        self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
+
+    def _check_not_driven(self) -> None:
+        """Refuse to take over a rank whose registered agent is alive (heartbeat within its TTL) unless
+        :attr:`replace`: :class:`StateError` naming it."""
+        owner = self.store.rank_agent(self.ep_rank)
+        if owner is None or owner == self.agent_id or self.replace:
+            return
+        who = self.store.rank_info().get(self.ep_rank, {})
+        if who.get("stopped_ms"):  # it stopped (run's end): not a live agent
+            return
+        age, ttl = self.store.heartbeats().get(self.ep_rank, (0, 0))
+        if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}):
+            raise StateError(f"rank {self.ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
+                             f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
+                             f"supersede it, or stop it first")
+
+    def _register(self, plan_id: str) -> None:
+        """Register the rank (pid, actor, agent id and :attr:`_info`) and heartbeat the plan it holds live."""
+        self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
+                                                **self._info})
+        self._heartbeat(force=True, live_plan_id=plan_id, clear_stat=self._clear_stat_seen,
+                        routing_digest=routing_digest(self.backend.phy2log))
+
+    def rejoined_records(self, plan_id: str) -> None:
+        """The cluster was created again over this live agent (:mod:`~fdeplb.orchestration.recovery`), with the
+        placement ``plan_id`` it holds: forget the old cluster's round state (staging, published round, clear_stat
+        requests seen), create the rank's records and register again."""
+        self._drop_staging()
+        self._plan_read = ("", None)
+        self._published_round = -1
+        self.rank.ensure()
+        self.weights.ensure()
+        self._clear_stat_seen = self.store.read_cluster().clear_stat_request
+        self.live_plan_id = plan_id
+        self.live_ranks = self.store.current_placement().live_ranks(self.config.ep_size)  # as start() routes
+        self.backend.set_live_ranks(self.live_ranks)
+        self._register(plan_id)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
@@ -194,6 +240,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             except (StaleStateError, GuardError) as err:
                 self.log.info("retry", error=str(err))
                 progressed = True
+            except NotFoundError as err:  # records gone (Redis lost its data?): report, then register again
+                records_lost(self, err)
+                progressed = True
             if until is not None and until():
                 return True
             if progressed and self._outbox:  # the next step reads: it must see this one's writes
@@ -215,6 +264,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         finally:
             try:
                 self._send()
+                self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
             except FdeplbError as err:
                 self.log.warning("last writes not sent", error=str(err))
 
@@ -315,6 +365,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         ``heartbeat_ttl_ms / 4``), raises an alarm (event and audit record) naming both and stops its loop, so only
         the newest agent drives the rank's records (until then both commit under the records' version checks)."""
         owner = self.store.rank_agent(self.ep_rank)
+        if owner is None and not self.stop_event.is_set():  # the registry lost this rank: Redis lost its data?
+            records_lost(self, None)
+            return
         if owner is None or owner == self.agent_id or self.stop_event.is_set():
             return
         message = (f"rank {self.ep_rank}: agent {self.actor} ({self.agent_id}) superseded by agent {owner}, "

@@ -25,7 +25,7 @@ import numpy as np
 import structlog
 
 from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardError, InputError, \
-    RedisUnavailableError, StaleStateError, StateError
+    NotFoundError, RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
 from fdeplb.orchestration import membership, reasons
@@ -72,7 +72,8 @@ class Coordinator(UnaskedRounds, Leadership):
     counters: the coordinator takes no part (an estimate made here from lazily reported counters could lie behind a
     rank that has already passed it).
 
-    Liveness: a round does not start while a registered rank's heartbeat is stale (past its TTL); the refusal is
+    Liveness: a round does not start while a rank is not registered or its heartbeat is stale (past its TTL,
+    :func:`~fdeplb.store.redis_store.stale_of` over every rank of ``ep_size``); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
     that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
     (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again. A request still not
@@ -168,7 +169,12 @@ class Coordinator(UnaskedRounds, Leadership):
         """
         if self.config is None:
             self.config = self.store.read_config()
-        rec, self._now_ms = self.store.read_cluster_at()
+        try:
+            rec, self._now_ms = self.store.read_cluster_at()
+        except NotFoundError:  # the cluster is gone (Redis lost its data?): read its configuration again when back
+            self.config = None
+            self.store.read_config(fresh=True)  # drops the store's cached one; NotFoundError while there is none
+            raise
         failpoint("coordinator.hang", rec.state,
                   lambda: self.store.emit_event("failpoint", name="coordinator.hang", state=rec.state,
                                                 holder=self.holder))
@@ -254,7 +260,8 @@ class Coordinator(UnaskedRounds, Leadership):
             return True, None
         beats = self.store.heartbeats() if view is None else view.heartbeats
         gone = set() if view is None else {r for r, st in enumerate(view.states()) if st is MemberState.EXCLUDED}
-        stale = {r: age for r, age in stale_of(beats).items() if r not in gone}
+        # every rank of ep_size counts, registered or not (an agent whose records Redis lost is not registered)
+        stale = {r: age for r, age in stale_of(beats, self.config.ep_size).items() if r not in gone}
         if stale:
             refused = reasons.refusal(stale)
             if sorted(stale) != self._refused_ranks:  # audited once per set of stale ranks

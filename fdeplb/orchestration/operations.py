@@ -1,10 +1,12 @@
-"""Cluster set-up: what an operator (CLI, API, demo) does to create a cluster before anything runs it."""
+"""Cluster set-up: what an operator (CLI, API, demo) does to create a cluster before anything runs it, or again
+over ranks that kept running when Redis lost its data (the placement they hold live is adopted)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from fdeplb.errors import StateError, TopologyError
+from fdeplb.errors import NotFoundError, StateError, TopologyError
+from fdeplb.orchestration.recovery import adopted_placement
 from fdeplb.placement import check_phy2log
 from fdeplb.store import ClusterConfig, Store
 
@@ -17,10 +19,25 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     topology for an existing cluster is refused with :class:`TopologyError`, other settings (or checkpoint, layer
     ids) with :class:`StateError` naming each difference and ``fdeplb config set`` (nothing written). ``initial_phy2log`` is int [num_layers, num_physical_experts]
     holding expert ids in [0, num_logical_experts) (:class:`InputError` otherwise; nothing is written then).
+
+    Over live ranks (a cluster whose records Redis lost while its agents kept serving): when the ranks that
+    reported their live placement (:func:`~fdeplb.orchestration.recovery.adopted_placement`) agree, that placement
+    and its plan_id are written instead of ``initial_phy2log`` (the placement record then names that plan); when they
+    disagree, :class:`~fdeplb.errors.StateError` names them and nothing is written.
     """
     phy2log = check_phy2log(initial_phy2log, config.num_logical_experts, name="initial phy2log",
                             shape=(config.num_layers, config.num_physical_experts))
-    if store.create_cluster(config, phy2log):
+    plan_id = ""
+    try:
+        store.read_config(fresh=True)
+        adopted = None  # it exists: left as it is (below)
+    except NotFoundError:
+        adopted = adopted_placement(store, config)
+    if adopted is not None:
+        live, plan_id, _ = adopted
+        phy2log = check_phy2log(live, config.num_logical_experts, name="live ranks' phy2log",
+                                shape=(config.num_layers, config.num_physical_experts))
+    if store.create_cluster(config, phy2log, plan_id):
         return True
     existing = store.read_config()
     if existing.topology() != config.topology():

@@ -42,6 +42,7 @@ import numpy as np
 
 from fdeplb.checks import check_int
 from fdeplb.errors import InputError
+from fdeplb.store.redis_store import NOT_REGISTERED
 
 if TYPE_CHECKING:
     from fdeplb.orchestration.gating import GateDecision
@@ -85,9 +86,11 @@ def detail_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
 
 # ---- a refused start and the start after it ------------------------------------------------------------------------
 def refusal(stale: Mapping[int, int]) -> Reason:
-    """The ``start_refused`` reason for ``stale`` (ep_rank -> ms since its heartbeat), ranks in order."""
+    """The ``start_refused`` reason for ``stale`` (ep_rank -> ms since its heartbeat, or
+    :data:`~fdeplb.store.redis_store.NOT_REGISTERED` for a rank with no registered agent), ranks in order."""
     items = [{"ep_rank": int(r), "heartbeat_age_ms": int(age)} for r, age in sorted(stale.items())]
-    text = REFUSED + ", ".join(f"{i['ep_rank']} (heartbeat {i['heartbeat_age_ms']} ms ago)" for i in items)
+    text = REFUSED + ", ".join(f"{i['ep_rank']} (not registered)" if i["heartbeat_age_ms"] == NOT_REGISTERED
+                               else f"{i['ep_rank']} (heartbeat {i['heartbeat_age_ms']} ms ago)" for i in items)
     return Reason(text, {"stale_ranks": items})
 
 

@@ -1,19 +1,58 @@
 """The error shell of a reconcile loop, shared by the coordinator and the rank agent: what a failed pass does.
 
-A lost Redis connection is logged and retried every :data:`REDIS_RETRY_S`; any other exception (a typed
-:class:`~fdeplb.errors.FdeplbError` or a bug) is logged, announced (an event) and retried after a back-off: no
-value kills the loop. No state of its own.
+A lost Redis connection is retried with an exponential back-off (:data:`REDIS_RETRY_S` doubling up to
+:data:`REDIS_RETRY_CAP_S`); any other exception (a typed :class:`~fdeplb.errors.FdeplbError` or a bug) is announced
+(an event) and retried after the caller's back-off: no value kills the loop. Each *change* of the loop's health is
+logged once, not every attempt: the first ``redis unavailable``, the first ``step failed`` with a given error, and
+``recovered`` when a pass succeeds again (with how many passes failed and for how long). State: only the loop's own
+failure streak (:class:`_Streak`), local to one call.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from fdeplb.errors import RedisUnavailableError
 
-#: seconds between two tries while Redis is away
+#: seconds before the first retry while Redis is away; doubled at every failed attempt up to REDIS_RETRY_CAP_S
 REDIS_RETRY_S = 0.5
+#: most seconds between two tries while Redis is away
+REDIS_RETRY_CAP_S = 8.0
+
+
+def redis_backoff_s(attempt: int) -> float:
+    """Seconds to wait after the ``attempt``-th consecutive failed try (1-based) while Redis is away:
+    ``REDIS_RETRY_S * 2 ** (attempt - 1)``, at most :data:`REDIS_RETRY_CAP_S`."""
+    return min(REDIS_RETRY_CAP_S, REDIS_RETRY_S * 2 ** min(max(attempt, 1) - 1, 32))
+
+
+@dataclass
+class _Streak:
+    """The loop's current failure streak: what failed (None: healthy), how many passes in a row, since when."""
+
+    what: tuple[str, str] | None = None
+    failures: int = 0
+    redis_failures: int = 0
+    since: float = 0.0
+
+    def fail(self, what: tuple[str, str]) -> bool:
+        """Count a failed pass; True when ``what`` differs from the streak's last failure (to be logged)."""
+        changed = what != self.what
+        if self.what is None:
+            self.since = time.monotonic()
+        self.what = what
+        self.failures += 1
+        return changed
+
+    def ok(self, log: Any) -> None:
+        """A pass succeeded: log ``recovered`` once if a streak ends."""
+        if self.what is not None:
+            log.info("recovered", after_failures=self.failures, failed_s=round(time.monotonic() - self.since, 3),
+                     last_error=self.what[1][:200])
+        self.what, self.failures, self.redis_failures = None, 0, 0
 
 
 def run_until_stopped(stop_event: threading.Event, iterate: Callable[[], bool], log: Any, *,
@@ -21,27 +60,40 @@ def run_until_stopped(stop_event: threading.Event, iterate: Callable[[], bool], 
                       until: Callable[[], bool] | None = None) -> None:
     """Call ``iterate()`` until ``stop_event`` is set or it returns True.
 
-    A :class:`~fdeplb.errors.RedisUnavailableError` out of it is logged as a warning (``redis unavailable``) and
-    retried after :data:`REDIS_RETRY_S` seconds. Any other exception is logged as an error (``step failed``, with
-    its type), passed to ``announce`` (an event; a failure of that is ignored: the log has it) and retried after
-    ``retry_s()`` seconds. ``until``: asked after a failed pass too, before the back-off (True: return); None:
-    only ``iterate`` decides.
+    A :class:`~fdeplb.errors.RedisUnavailableError` out of it is retried after :func:`redis_backoff_s` of the
+    consecutive Redis failures (0.5 s, 1 s, 2 s, ... up to :data:`REDIS_RETRY_CAP_S`); the first of a streak is
+    logged as a warning (``redis unavailable``). Any other exception is retried after ``retry_s()`` seconds; it is
+    logged as an error (``step failed``, with its type) and passed to ``announce`` (an event; a failure of that is
+    ignored: the log has it) when it differs from the streak's previous failure, so a cluster whose records are
+    gone logs one line, not one a second. The first pass that succeeds after failures logs ``recovered`` (info).
+    ``until``: asked after a failed pass too, before the back-off (True: return); None: only ``iterate`` decides.
     """
+    streak = _Streak()
     while not stop_event.is_set():
         try:
-            if iterate():
-                return
+            done = iterate()
         except RedisUnavailableError as err:
-            log.warning("redis unavailable", error=str(err))
+            if streak.fail(("RedisUnavailableError", "")):
+                log.warning("redis unavailable", error=str(err), retry="exponential back-off",
+                            cap_s=REDIS_RETRY_CAP_S)
+            streak.redis_failures += 1
             if until is not None and until():
                 return
-            stop_event.wait(REDIS_RETRY_S)
+            stop_event.wait(redis_backoff_s(streak.redis_failures))
+            continue
         except Exception as err:  # noqa: BLE001 - a missing plan, a corrupt record, a bug: keep going
-            log.error("step failed", error=str(err), error_type=type(err).__name__)
-            try:
-                announce(err)
-            except Exception:  # noqa: BLE001 - logged above; the next pass tries again
-                pass
+            streak.redis_failures = 0
+            if streak.fail((type(err).__name__, str(err))):
+                log.error("step failed", error=str(err), error_type=type(err).__name__,
+                          note="logged once until it changes or the loop recovers")
+                try:
+                    announce(err)
+                except Exception:  # noqa: BLE001 - logged above; the next pass tries again
+                    pass
             if until is not None and until():
                 return
             stop_event.wait(retry_s())
+            continue
+        streak.ok(log)
+        if done:
+            return

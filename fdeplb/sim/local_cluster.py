@@ -57,6 +57,8 @@ class LocalCluster:
                "--cluster", self.store.cluster, "--rank", str(ep_rank), "--seed", str(self.seed),
                "--backend", self.backend,
                *[x for t in traces for x in ("--trace", t)], *extra]
+        if ep_rank in self.procs:  # a restart: supersede the agent it replaces (whose heartbeat may be fresh yet)
+            cmd.append("--replace")
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
         proc = subprocess.Popen(cmd + ["--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)

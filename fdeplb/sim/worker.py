@@ -1,10 +1,22 @@
 """A simulated serving worker: one OS process per EP rank, running a :class:`~fdeplb.orchestration.agent.RankAgent`.
 
 ``python -m fdeplb.sim.worker --redis-url URL --cluster ID --rank R --trace PATH`` loads the rank's live experts
-from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT, or until its parent process is gone (``--parent-pid``, default the
-process that started it; checked every 0.5 s): a worker never outlives the demo or test that started it. Its expert_load window is its share of the
-trace (see :mod:`fdeplb.sim.shares`). With several ``--trace`` options, round n uses trace (n - 1) mod k: the load
-drifts between recorded workloads from round to round.
+from the cluster's checkpoint, then reconciles until SIGTERM/SIGINT, or, with ``--parent-pid PID`` (opt-in: the
+demo and the tests pass their own pid), until that process is gone (checked every 0.5 s), so that such a worker never
+outlives the demo or test that started it; a worker started in the background of a shell (``nohup ... &``) keeps
+running when the shell exits. Its expert_load window is its share of the trace (see :mod:`fdeplb.sim.shares`). With
+several ``--trace`` options, round n uses trace (n - 1) mod k: the load drifts between recorded workloads from round
+to round.
+
+Signals: SIGTERM / SIGINT are blocked from the start until the worker's own handlers are installed, after paddle is
+imported (paddle installs handlers of its own on import, which abort, or deadlock, a process signalled mid-import);
+a signal that arrived meanwhile is then handled by ours: the worker stops cleanly (exit 0).
+
+Before it registers, the worker checks its arguments against the cluster: an argument error is one line on stderr
+(``error: ...``) and the exit code of :func:`fdeplb.errors.exit_code`, as for ``fdeplb``: 2 an ``--rank`` outside
+the cluster, an unknown cluster or a trace whose shape is not the cluster's [num_layers, num_logical_experts];
+3 the rank is driven by a live agent (pass ``--replace`` to supersede it); 7 Redis did not answer within
+``--redis-wait-s``.
 
 ``--step-ms MS``: the worker is an engine instead: an :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`
 reconciles in the background and the main thread calls ``at_safe_point()`` every ``MS`` ms (a forward step), so
@@ -19,8 +31,12 @@ import signal
 import sys
 import threading
 
+from fdeplb.failpoints import failpoint
 from fdeplb.log import configure
 from fdeplb.options import cluster_parent
+
+#: the signals that stop a worker
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-address", default=None, metavar="HOST:PORT",
                    help="the worker's API address, registered with the rank (the only addresses `ips` may name)")
     p.add_argument("--parent-pid", type=int, default=None,
-                   help="stop when this process is gone (default: the process that started this one)")
+                   help="stop when this process is gone (opt-in; default: no parent watch)")
+    p.add_argument("--replace", action="store_true",
+                   help="supersede a live agent of the same rank (default: refuse, exit 3)")
     p.add_argument("--redis-wait-s", type=float, default=300.0, help="wait this long for Redis at start-up")
     p.add_argument("--heartbeat-ttl-ms", type=int, default=10_000,
                    help="the heartbeat's time to live: the rank is stale this long after its last beat")
@@ -42,27 +60,69 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=None,
                    help="run as an engine: a safe point every this many ms (an embedded agent); default: threaded")
     args = p.parse_args(argv)
-    parent = args.parent_pid or os.getppid()
     configure(args.log_level)
+    stop = threading.Event()
+    _import_with_our_signals(args.backend, stop)
+    if stop.is_set():
+        import structlog
 
+        structlog.get_logger("fdeplb.agent").info("stopped before start", ep_rank=args.rank)
+        return 0
+    from fdeplb.errors import FdeplbError, exit_code
+
+    try:
+        return _serve(args, stop)
+    except FdeplbError as err:  # an argument the cluster refuses, no cluster, no Redis: one line, its exit code
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return exit_code(err)
+
+
+def _import_with_our_signals(backend: str, stop: threading.Event) -> None:
+    """Import paddle (``backend == "paddle"``) with SIGTERM / SIGINT blocked, then install handlers that set
+    ``stop`` and unblock them (a signal that came meanwhile is delivered to ours)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        if backend == "paddle":
+            from fdeplb.weights import import_paddle
+
+            import_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): ours replace it below
+        failpoint("worker.stop", "imported")  # tests: SIGSTOP here, signal, SIGCONT
+    finally:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda _signum, _frame: stop.set())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     from fdeplb.machines.tables import RANK
     import structlog
 
+    from fdeplb.errors import InputError
     from fdeplb.orchestration.agent import RankAgent
     from fdeplb.placement import read_expert_load
     from fdeplb.sim.shares import rank_share
     from fdeplb.store import Store
     from fdeplb.testing import NumpyWeights
-    from fdeplb.weights import import_paddle
 
     store = Store(args.redis_url, args.cluster)
     store.wait_available(args.redis_wait_s, lambda err: structlog.get_logger("fdeplb.agent").warning(
         "waiting for redis", url=args.redis_url, timeout_s=args.redis_wait_s, error=err))
-    ep_size = store.ep_size()
-    windows = [rank_share(read_expert_load(t).expert_load, args.rank, ep_size, args.seed) for t in args.trace]
+    config = store.read_config()
+    if not 0 <= args.rank < config.ep_size:
+        raise InputError(f"--rank {args.rank} is outside cluster {args.cluster!r}'s ranks 0..{config.ep_size - 1}")
+    shape = (config.num_layers, config.num_logical_experts)
+    loads = []
+    for t in args.trace:
+        load = read_expert_load(t).expert_load
+        if load.shape != shape:  # before registering: a wrong trace must not take a rank over
+            raise InputError(f"--trace {t} holds a load of {load.shape[0]} layers x {load.shape[1]} experts; "
+                             f"cluster {args.cluster!r} has {shape[0]} x {shape[1]} (num_layers x "
+                             f"num_logical_experts)")
+        loads.append(load)
+    windows = [rank_share(load, args.rank, config.ep_size, args.seed) for load in loads]
     kwargs = dict(load_source=lambda round_: windows[(round_ - 1) % len(windows)],
                   backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
-                  staging_budget_bytes=args.staging_budget_bytes, verify_all=True,
+                  staging_budget_bytes=args.staging_budget_bytes, verify_all=True, replace=args.replace,
                   heartbeat_ttl_ms=args.heartbeat_ttl_ms)
     if args.step_ms is not None:
         from fdeplb.orchestration.embedded_agent import EmbeddedAgent
@@ -70,16 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         agent = EmbeddedAgent(store, args.rank, block_ms=20, publish_interval_s=None, **kwargs)
     else:
         agent = RankAgent(store, args.rank, **kwargs)
-
-    def stop(_signum, _frame):
-        agent.stop_event.set()
-
-    if args.backend == "paddle":
-        import_paddle()  # paddle installs its own SIGTERM handler on import (it aborts): import first, then ours
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    threading.Thread(target=watch_parent, args=(parent, agent.stop_event), daemon=True,
-                     name="watch-parent").start()
+    agent.stop_event = stop  # the signal handlers set it
+    if args.parent_pid is not None:
+        threading.Thread(target=watch_parent, args=(args.parent_pid, stop), daemon=True,
+                         name="watch-parent").start()
     agent.start(info={"api_address": args.api_address} if args.api_address else None)
     # the live placement as loaded is verified too, not only after a swap: a round that is skipped or aborted
     # still reports how many slots hold exactly their expert (the demo's "verified" line)
@@ -89,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_ms is None:
         agent.run()
         return 0
-    while not agent.stop_event.wait(args.step_ms / 1000):  # the engine's forward steps (start() began the loop)
+    while not stop.wait(args.step_ms / 1000):  # the engine's forward steps (start() began the loop)
         agent.at_safe_point()
     agent.close()
     return 0

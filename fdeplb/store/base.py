@@ -89,7 +89,8 @@ class StoreBase:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
         :class:`CorruptRecordError` if it does not parse. Cached: only its settings change (``fdeplb config set``,
         :meth:`~fdeplb.store.Store.change_config`, bumping its ``version``), so whoever acts on them reads it
-        ``fresh`` (the coordinator between rounds; a commit checking ``cordoned``)."""
+        ``fresh`` (the coordinator between rounds; a commit checking ``cordoned``; an agent checking whether the
+        cluster was created anew, another ``incarnation``, after Redis lost its data)."""
         if self._config is None or fresh:
             self._config = self._parse_config(_hgetall(self._client, self._keys.config))
         return self._config

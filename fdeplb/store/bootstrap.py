@@ -7,7 +7,9 @@ the other parts: ``snapshot_fields`` (:mod:`fdeplb.store.windows`), ``PlanEntry.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import uuid
 from typing import Any
 
 import numpy as np
@@ -25,10 +27,15 @@ from fdeplb.store.windows import snapshot_fields
 class Bootstrap:
     """Creating, rebuilding and deleting a cluster (see the module doc)."""
 
-    def create_cluster(self, config: ClusterConfig, phy2log: np.ndarray) -> bool:
-        """Write a new cluster in one MULTI/EXEC: its configuration, the initial placement (plan_id "") and one
-        record per machine at version 0 in its initial state. Returns False, writing nothing, if the cluster's
-        configuration exists already (WATCHed, so two creators cannot both win)."""
+    def create_cluster(self, config: ClusterConfig, phy2log: np.ndarray, plan_id: str = "") -> bool:
+        """Write a new cluster in one MULTI/EXEC: its configuration (with a fresh ``incarnation`` unless it names
+        one), the initial placement (``plan_id``: "" for an initial placement, or the plan live ranks reported
+        holding, see :func:`fdeplb.orchestration.operations.init_cluster`) and one record per machine at version 0
+        in its initial state; the ranks' live reports (:meth:`Store.live_reports`) are deleted with it. Returns
+        False, writing nothing, if the cluster's configuration exists already (WATCHed, so two creators cannot
+        both win)."""
+        if not config.incarnation:
+            config = dataclasses.replace(config, incarnation=uuid.uuid4().hex)
         records = [(self._keys.rearrange, CLUSTER.initial)]
         for r in range(config.ep_size):
             records += [(self._keys.rank(r), RANK.initial), (self._keys.weights(r), WEIGHTS.initial),
@@ -39,9 +46,10 @@ class Bootstrap:
                 pipe.unwatch()  # nothing queued: EXEC is not sent
                 return False
             pipe.multi()
-            pipe.delete(self._keys.placement, *(key for key, _ in records))  # leftovers of a stray write
+            pipe.delete(self._keys.placement, *(key for key, _ in records),  # leftovers of a stray write
+                        *(self._keys.live(r) for r in range(config.ep_size)))
             pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)),
-                                                     "plan_id": "", "version": "0"})
+                                                     "plan_id": str(plan_id), "version": "0"})
             for key, initial in records:
                 pipe.hset(key, mapping={"state": initial.value, "version": "0"})
             pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})

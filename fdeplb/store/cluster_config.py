@@ -122,6 +122,11 @@ class ClusterConfig:
     """Model layers, dense ones included (SGLang's rows); 0 = the largest layer id + 1."""
     version: int = 0
     """Changes of the settings so far (``fdeplb config set``): 0 as created, +1 per change (audited)."""
+    incarnation: str = ""
+    """This creation of the cluster: a fresh random id written by :meth:`Store.create_cluster` ("" in a
+    configuration given to it, or in one written before incarnations existed). A rank agent that finds another one
+    (the cluster was created again after Redis lost its data) re-registers or refuses, see
+    :mod:`fdeplb.orchestration.recovery`."""
 
     def __post_init__(self) -> None:
         from fdeplb.placement import POLICIES, check_topology
@@ -147,6 +152,8 @@ class ClusterConfig:
         if not isinstance(self.deadlines, Deadlines):
             raise InputError(f"deadlines must be a Deadlines, got {type(self.deadlines).__name__}")
         check_int(self.retain_rounds, "retain_rounds", lo=1, hi=MAX_RETAIN_ROUNDS)
+        if not isinstance(self.incarnation, str) or len(self.incarnation) > 64:
+            raise InputError(f"incarnation must be a string of at most 64 characters, got {self.incarnation!r}")
         check_int(self.audit_keep, "audit_keep", lo=0, hi=10**9)
         check_int(self.max_pause_bytes, "max_pause_bytes", lo=0, hi=2**62)
         check_int(self.layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS)

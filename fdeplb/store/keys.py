@@ -104,6 +104,11 @@ class Keys:
         """hash: registered ranks -> JSON (API address, pid, started_ms)."""
         return f"{self.prefix}:ranks"
 
+    def live(self, ep_rank: int) -> str:
+        """hash: the placement a rank agent holds live (phy2log, plan_id, agent_id, reported_ms, ttl_ms), reported
+        once the cluster's records are gone (Redis lost its data) for ``init-cluster`` to adopt; expires."""
+        return f"{self.prefix}:live:{int(ep_rank)}"
+
     @property
     def retained(self) -> str:
         """sorted set: snapshot and plan keys -> the round that wrote them (what the coordinator prunes from)."""

@@ -1,6 +1,7 @@
 """Which ranks are there and alive: the rank registry (the only peers ever named in requests), heartbeats read at
-one server time and the staleness rule of a heartbeat TTL (:func:`stale_of`), and an armed rank's safe point
-(``lua/switch.lua``: the step at which every embedded rank applies a change).
+one server time and the staleness rule of a heartbeat TTL (:func:`stale_of`), the placement a rank reports holding
+live once the cluster's records are gone (:meth:`Liveness.report_live`, what ``init-cluster`` adopts), and an armed
+rank's safe point (``lua/switch.lua``: the step at which every embedded rank applies a change).
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_switch`` (the registered script),
 ``read_all``, ``ep_size``, ``now_ms``.
@@ -13,10 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import redis
 
 from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import MEMBERSHIP, RANK, MemberState, StateEnum
+from fdeplb.store import arrays
 from fdeplb.store.connection import as_str as _s, hgetall as _hgetall, typed as _typed
 from fdeplb.store.records import ClusterRecord, MemberRecord, json_text
 from fdeplb.store.scripts import switch_call
@@ -54,10 +57,33 @@ def parse_chunks(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def stale_of(heartbeats: dict[int, tuple[int, int]]) -> dict[int, int]:
+#: the age :func:`stale_of` gives a rank that ``heartbeats`` does not hold (not registered, or never beat)
+NOT_REGISTERED = -1
+
+
+def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None) -> dict[int, int]:
     """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
-    whose TTL is set (> 0) and has passed."""
-    return {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+    whose TTL is set (> 0) and has passed. With ``ep_size``, every rank of ``range(ep_size)`` that ``heartbeats``
+    does not hold (not registered: e.g. after Redis lost its data) is stale too, with age :data:`NOT_REGISTERED`
+    (the start guard and ``/health`` count every rank, registered or not)."""
+    stale = {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+    if ep_size is not None:
+        stale.update({r: NOT_REGISTERED for r in range(int(ep_size)) if r not in heartbeats})
+    return dict(sorted(stale.items()))
+
+
+@dataclass(frozen=True)
+class LiveReport:
+    """What a rank agent reported holding live after the cluster's records were lost (:meth:`Liveness.report_live`):
+    its phy2log (int64 [L, P]), the plan_id it serves ("" the initial placement), its ``agent_id``, and the
+    report's age and TTL (ms, server clock; stale by :func:`stale_of`)."""
+
+    ep_rank: int
+    plan_id: str
+    phy2log: np.ndarray
+    agent_id: str
+    age_ms: int
+    ttl_ms: int
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,71 @@ class Liveness:
     def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
         """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
         self._client.hset(self._keys.ranks, str(int(ep_rank)), json_text(info))
+
+    def report_live(self, ep_rank: int, phy2log: np.ndarray, plan_id: str, *, agent_id: str, ttl_ms: int) -> None:
+        """Report the placement ``ep_rank``'s agent holds live (int [L, P], the plan_id it serves), stamped with
+        the server's clock and ``ttl_ms``; the key expires after 3 TTLs (a report nobody renews goes away)."""
+        key = self._keys.live(ep_rank)
+        now = self.now_ms()
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(key, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)), "plan_id": str(plan_id),
+                                "agent_id": str(agent_id), "reported_ms": str(now), "ttl_ms": str(int(ttl_ms))})
+        pipe.pexpire(key, 3 * int(ttl_ms))
+        pipe.execute()
+
+    def live_reports(self, ep_size: int) -> dict[int, LiveReport]:
+        """The ranks' live reports (:meth:`report_live`) of ranks ``0..ep_size-1``, read at one server time (one
+        round trip; two on Redis Cluster). :class:`CorruptRecordError` naming the key of one that does not parse."""
+        keys = [self._keys.live(r) for r in range(int(ep_size))]
+        timed = not isinstance(self._client, redis.cluster.RedisCluster)
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        if timed:
+            pipe.time()
+        replies = pipe.execute()
+        if timed:
+            sec, usec = replies.pop()
+            now = int(sec) * 1000 + int(usec) // 1000
+        else:
+            now = self.now_ms()
+        out = {}
+        for r, (key, raw) in enumerate(zip(keys, replies)):
+            if not raw:
+                continue
+            fields = {_s(k): v for k, v in raw.items()}
+            try:
+                phy2log = arrays.decode("phy2log", fields)
+                if phy2log is None:
+                    raise InputError("no phy2log")
+                out[r] = LiveReport(r, _s(fields.get("plan_id", b"")), phy2log, _s(fields.get("agent_id", b"")),
+                                    max(0, now - int(_s(fields.get("reported_ms", b"0")))),
+                                    int(_s(fields.get("ttl_ms", b"0"))))
+            except (InputError, ValueError) as exc:
+                raise CorruptRecordError(f"{key}: not a live report: {exc}", key=key) from None
+        return out
+
+    def mark_rank_stopped(self, ep_rank: int, agent_id: str) -> bool:
+        """Note in ``ep_rank``'s registry entry that its agent ``agent_id`` stopped (``stopped_ms``, server clock),
+        if the entry still names it (WATCHed: an agent registered meanwhile is left alone); True if written. A
+        stopped agent is not a live one: the next agent of the rank needs no ``replace``."""
+        key, field_ = self._keys.ranks, str(int(ep_rank))
+
+        def txn(pipe: Any) -> bool:
+            raw = pipe.hget(key, field_)
+            try:
+                info = json.loads(_s(raw)) if raw is not None else None
+            except ValueError:
+                info = None
+            if not isinstance(info, dict) or info.get("agent_id") != agent_id:
+                pipe.unwatch()
+                return False
+            sec, _ = pipe.time()
+            pipe.multi()
+            pipe.hset(key, field_, json_text({**info, "stopped_ms": int(sec) * 1000}))
+            return True
+
+        return bool(self._client.transaction(txn, key, value_from_callable=True))
 
     def rank_agent(self, ep_rank: int) -> str | None:
         """The ``agent_id`` the registry names for ``ep_rank`` (the agent that registered last), or None;

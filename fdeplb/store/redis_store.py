@@ -42,7 +42,7 @@ from fdeplb.store.connection import MAX_BLOCK_MS, SOCKET_TIMEOUT_S, connect, map
 from fdeplb.store.deferred import DeferredCalls, PendingCall
 from fdeplb.store.intents import Intents
 from fdeplb.store.lease import Lease
-from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, Liveness, MemberView, stale_of
+from fdeplb.store.liveness import NOT_REGISTERED, SWITCH_MARGIN_STEPS, LiveReport, Liveness, MemberView, stale_of
 from fdeplb.store.machine_io import AUDIT_FIELDS, CommitResult, MachineIO
 from fdeplb.store.placements import Placements
 from fdeplb.store.retention import Retention
@@ -51,7 +51,8 @@ from fdeplb.store.windows import Windows
 
 __all__ = [
     "AUDIT_FIELDS", "EVENTS_MAXLEN", "MAX_BLOCK_MS", "SOCKET_TIMEOUT_S", "SWITCH_MARGIN_STEPS", "AuditRecord",
-    "CommitResult", "Cursor", "MemberView", "PendingCall", "Store", "connect", "parse_stream_id", "stale_of",
+    "CommitResult", "Cursor", "LiveReport", "MemberView", "NOT_REGISTERED", "PendingCall", "Store", "connect",
+    "parse_stream_id", "stale_of",
 ]
 
 

@@ -339,10 +339,15 @@ def test_weight_request_times_out_with_404_when_no_rank_carries_it_out(redis_url
 def test_health_reports_stale_heartbeats_503(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        store.register_rank(0, {"api_address": "10.0.0.1:8000"})
         with served(_app(tc)) as url:
+            r = requests.get(f"{url}/health", auth=AUTH)  # no rank registered (issue 23: it said 200, "ranks": 0)
+            assert r.status_code == 503 and "rank 3 not registered" in r.json()["msg"], r.text
+            for rank in range(tc.config.ep_size):
+                store.register_rank(rank, {"api_address": f"10.0.0.{rank}:8000"})
+                if rank:
+                    store.heartbeat(rank)
             r = requests.get(f"{url}/health", auth=AUTH)
-            assert r.status_code == 503 and "ranks [0]" in r.json()["msg"]
+            assert r.status_code == 503 and "ranks [0]" in r.json()["msg"] and "never beat" in r.json()["msg"]
             store.heartbeat(0)
             assert requests.get(f"{url}/health", auth=AUTH).status_code == 200
     app = create_app(Store("redis://127.0.0.1:1/0", "gone"), Credentials(USER, PASSWORD))

@@ -49,7 +49,8 @@ def test_rearrange_wait_skipped_exits_0_with_the_rule(redis_url, cluster_id, cap
 def test_rearrange_wait_aborted_exits_1_with_the_reason(redis_url, cluster_id, capsys, tmp_path):
     deadlines = Deadlines(collecting_ms=300, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
     with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
-        tc.start_agents([0, 1, 2])  # rank 3 never publishes its load
+        tc.start_agents([0, 1, 2])
+        tc.start_silent_rank(3)  # rank 3 never publishes its load
         tc.start_coordinator()
         code, out, err = rearrange_wait(capsys, redis_url, cluster_id)
         assert code == 1, out + err
@@ -60,6 +61,7 @@ def test_rearrange_wait_times_out_with_exit_6(redis_url, cluster_id, capsys, tmp
     deadlines = Deadlines(collecting_ms=600_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000)
     with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
         tc.start_agents([0, 1, 2])
+        tc.start_silent_rank(3)
         tc.start_coordinator()
         code, out, err = run(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
                              "--timeout", "2")

@@ -1,0 +1,121 @@
+"""Recovery from lost records, the pieces without processes (issue 23, deliverable 2): the start guard and
+``/health`` count every rank of ``ep_size``, registered or not; ``init-cluster`` over live ranks adopts the placement
+they report when they agree and refuses, naming them, when they do not; an agent whose records are gone reports
+its live placement and registers again once the cluster is created anew, or refuses a different placement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fdeplb.errors import NotFoundError, StateError
+from fdeplb.orchestration import Coordinator, RankAgent, init_cluster
+from fdeplb.orchestration.recovery import RecordsLostError, records_lost
+from fdeplb.placement import initial_placement
+from fdeplb.status import unhealthy_ranks
+from fdeplb.store import ClusterConfig, Store
+from fdeplb.testing import NumpyWeights
+
+CFG = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=3)
+
+
+def _store(redis_url, cluster_id) -> Store:
+    store = Store(redis_url, cluster_id)
+    assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log)
+    return store
+
+
+def test_the_start_guard_refuses_unregistered_ranks_and_health_is_503(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    try:
+        assert unhealthy_ranks(store) == (0, {0: "not registered", 1: "not registered", 2: "not registered"})
+        store.register_rank(1, {"agent_id": "a1"})
+        store.heartbeat(1, heartbeat_ttl_ms=60_000)
+        store.request_round("test")
+        coordinator = Coordinator(store, "co")
+        assert coordinator.ensure_leadership()
+        coordinator.step()
+        rec = store.read_cluster()
+        assert rec.state == "FREE" and rec.reason == "start refused: stale ranks 0 (not registered), 2 (not registered)"
+        assert unhealthy_ranks(store) == (1, {0: "not registered", 2: "not registered"})
+        notes = [a for a in store.iter_audit() if a["trigger"] == "start_refused"]
+        assert len(notes) == 1 and '"heartbeat_age_ms":-1' in notes[0]["detail"]
+    finally:
+        store.delete_cluster()
+
+
+def _report(store, r, phy2log, plan_id):
+    store.report_live(r, phy2log, plan_id, agent_id=f"agent{r}", ttl_ms=60_000)
+
+
+def test_init_cluster_adopts_the_live_placement_when_the_ranks_agree(redis_url, cluster_id):
+    store = Store(redis_url, cluster_id)
+    live = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
+    try:
+        for r in range(3):
+            _report(store, r, live, "abc123")
+        assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log)
+        placement = store.current_placement()
+        assert placement.plan_id == "abc123" and np.array_equal(placement.phy2log, live)
+        assert store.live_reports(3) == {} and store.read_config().incarnation
+    finally:
+        store.delete_cluster()
+
+
+def test_init_cluster_refuses_when_the_live_ranks_disagree_and_writes_nothing(redis_url, cluster_id):
+    store = Store(redis_url, cluster_id)
+    first = initial_placement(2, 8, 12).phy2log
+    try:
+        _report(store, 0, first, "")
+        _report(store, 1, first[:, ::-1].copy(), "p2")
+        _report(store, 2, first[:, ::-1].copy(), "p2")
+        with pytest.raises(StateError, match=r"disagree.*ranks \[0\] hold plan initial.*ranks \[1, 2\] hold plan p2"):
+            init_cluster(store, CFG, first)
+        assert store.key_count() == 3  # the three reports, nothing else
+    finally:
+        store.delete_cluster()
+
+
+def _agent(store, r=0) -> RankAgent:
+    agent = RankAgent(store, r, load_source=lambda _round: np.zeros((2, 8), np.int64),
+                      backend_factory=NumpyWeights.factory(), heartbeat_ttl_ms=60_000)
+    agent.start(info={"api_address": "10.0.0.1:8000"})
+    return agent
+
+
+def test_an_agent_reports_while_the_records_are_gone_then_registers_again(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    agent = _agent(Store(redis_url, cluster_id))
+    try:
+        old = store.read_config().incarnation
+        store.delete_cluster()  # as FLUSHALL would
+        with pytest.raises(NotFoundError) as gone:
+            agent.step()
+        with pytest.raises(RecordsLostError, match="records are gone"):
+            records_lost(agent, gone.value)  # what the agent's loop does with it
+        assert sorted(store.live_reports(3)) == [0]
+        assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log)
+        assert store.read_config(fresh=True).incarnation != old
+        agent._heartbeat(force=True)  # finds the registry without it: registers again
+        info = store.rank_info()[0]
+        assert info["agent_id"] == agent.agent_id and info["api_address"] == "10.0.0.1:8000"
+        assert agent.config.incarnation == store.read_config().incarnation
+        assert store.read_rank(0).heartbeat_ttl_ms == 60_000
+    finally:
+        store.delete_cluster()
+
+
+def test_an_agent_refuses_a_cluster_created_again_with_another_placement(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    agent = _agent(Store(redis_url, cluster_id))
+    try:
+        store.delete_cluster()
+        other = dataclasses.replace(CFG)
+        assert init_cluster(store, other, initial_placement(2, 8, 12).phy2log[:, ::-1].copy())
+        with pytest.raises(StateError, match="holds plan initial .* live; not registering"):
+            records_lost(agent, None)
+        assert 0 not in store.rank_info()
+    finally:
+        store.delete_cluster()
