@@ -55,9 +55,9 @@ L, E, P, EP, H, INTER, TOPK, TOKENS = 2, 8, 12, 4, 16, 8, 2, 24
 SPR = P // EP
 DUMP = Path(__file__).resolve().parents[2] / "shared" / "real_data" / "dsv3_sglang_ep_stats" / "decode_in1000out1000.json"
 TOL = 1e-5
-#: --lose-rank: every rank holds two experts of its own and one redundant copy, so a lost rank orphans two experts
-#: per layer that the re-placement moves onto redundant slots of the survivors
-ELASTIC_PHY2LOG = [[0, 1, 4, 2, 3, 5, 4, 5, 0, 6, 7, 1]] * L
+#: --lose-rank: rank r holds experts 2r and 2r+1 and a copy of expert 2(r+1) mod 8, so expert 2r+1 lives on rank r
+#: only: whichever rank is lost orphans one expert per layer, which the re-placement moves onto a redundant slot
+ELASTIC_PHY2LOG = [[0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 0]] * L
 PEER_POLL_S, PEER_DEADLINE_S = 0.25, 120.0
 
 
@@ -479,7 +479,7 @@ def lose_rank(node: Node, lost: int) -> tuple[dict, bool]:
         rec = node.wait(lambda: node.round_done(1) and store.current_placement().members != "" and
                         node.round_done(1), "the re-placement round", 90)
         load = [a for a in store.iter_audit() if a["key"] == "cluster" and a["trigger"] == "load"][-1]
-        out["replaced_experts"] = len(reasons.detail_of(load)["replacement"]["orphans"])
+        out["replaced_experts"] = len(((reasons.detail_of(load) or {}).get("replacement") or {}).get("orphans", []))
         out["switch_step"] = rec.switch_step
         node.wait(lambda: node.steps_now(survivors) >= rec.switch_step + 20, "steps after the switch", 60)
         # a new worker for the lost rank: rejoins, is admitted, and is routed to from the membership round's switch

@@ -261,19 +261,25 @@ _WEIGHT_ACTIONS = {"update": (WeightState.NORMAL, "update model weight", "update
 
 
 def drive_weights(store: Store, action: str, timeout_s: float, shutdown: threading.Event | None = None) -> Reply:
-    """Ask every rank to update or clear its weights and wait (at most ``timeout_s``) until every rank carried out
-    this request (``WeightRecord.request``) and is NORMAL resp. CLEARED. 200 when done; 404 with the message on a
+    """Ask every rank to update or clear its weights and wait (at most ``timeout_s``) until every ACTIVE member
+    carried out this request (``WeightRecord.request``) and is NORMAL resp. CLEARED (a rank that is not a member is
+    not waited for: the switch step does not count it either). 200 when done; 404 with the message on a
     timeout or a failed rank (FastDeploy's codes); 400 when the request cannot be made now; 409 when the request
     was cancelled (its switch step was not fixed within ``deadlines.weights_ms``: no rank applied it), the body's
     ``ranks`` naming the ranks that held it back; 503 ``server shutting down`` once ``shutdown`` is set (the
     request stays made: the ranks carry it out)."""
     target, what, done = _WEIGHT_ACTIONS[action]
-    records = store.read_all(WEIGHTS)
-    if all(w.state is target for w in records):
+
+    def members_records() -> list[tuple[int, Any]]:  # the ACTIVE members' records: the others are not waited for
+        records, members = store.read_all(WEIGHTS), set(store.member_view().active())
+        return [(r, w) for r, w in enumerate(records) if r in members]
+
+    records = members_records()
+    if all(w.state is target for _, w in records):
         return ok(msg=f"model weight is {done}")
-    busy = [r for r, w in enumerate(records) if w.state in (WeightState.UPDATING, WeightState.CLEARING)]
+    busy = [r for r, w in records if w.state in (WeightState.UPDATING, WeightState.CLEARING)]
     if busy:
-        return refuse(f"ranks {busy} are {records[busy[0]].state} already; try again when they finish")
+        return refuse(f"ranks {busy} are {dict(records)[busy[0]].state} already; try again when they finish")
     cursor = store.cursor()
     try:  # a clear: refused while a round runs or is pending (checked where the request is written)
         n = store.request_weights(action, reason="api", when_idle=action == "clear")
@@ -282,20 +288,20 @@ def drive_weights(store: Store, action: str, timeout_s: float, shutdown: threadi
     log.info("weights requested", action=action, request=n)
     end = time.monotonic() + timeout_s
     while True:
-        records = store.read_all(WEIGHTS)
-        if all(w.request >= n and w.state is target for w in records):
+        records = members_records()
+        if all(w.request >= n and w.state is target for _, w in records):
             return ok(msg=f"{what} successfully", request=n)
         rec = store.read_cluster()
         if rec.weights_cancelled == n:  # withdrawn: no rank applied it, every rank goes back to its previous state
             return refuse(f"{what} cancelled: {rec.weights_cancel_reason}", 409, request=n, ranks=rec.held_by)
-        failed = [(r, w) for r, w in enumerate(records) if w.request >= n and w.state is not target
+        failed = [(r, w) for r, w in records if w.request >= n and w.state is not target
                   and w.state not in (WeightState.UPDATING, WeightState.CLEARING)]
         if failed:
             detail = "; ".join(f"rank {r} {w.state}{': ' + w.reason if w.reason else ''}" for r, w in failed)
             return refuse(f"{what} failed: {detail}", 404, request=n)
         left = end - time.monotonic()
         if left <= 0:
-            late = [r for r, w in enumerate(records) if not (w.request >= n and w.state is target)]
+            late = [r for r, w in records if not (w.request >= n and w.state is target)]
             return refuse(f"{what} timeout: ranks {late} not {target} after {timeout_s:g} s (request {n})", 404,
                           request=n)
         if shutdown is not None and shutdown.is_set():
@@ -311,11 +317,14 @@ def health(store: Store) -> Reply:
     its data and no agent registered again; :func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left
     without a replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed). A fixed number of
     round trips, however many ranks."""
-    registered, unhealthy = unhealthy_ranks(store)
+    try:
+        registered, unhealthy = unhealthy_ranks(store)
+        degraded = None if unhealthy else degraded_experts(store)
+    except (CorruptRecordError, NotFoundError) as err:  # unhealthy, and why (the probe says one phrase): a corrupt
+        return refuse(f"cluster state unreadable: {err}", 503)  # record, or no cluster (deleted, Redis lost it)
     if unhealthy:
         why = "; ".join(f"rank {r} {text}" for r, text in unhealthy.items())
         return refuse(f"ranks {sorted(unhealthy)} have no live heartbeat ({why})", 503, ranks=registered)
-    degraded = degraded_experts(store)
     if degraded:
         orphans = degraded["orphans"]
         shown = ", ".join(f"[{l}, {e}]" for l, e in orphans[:10]) + (f" and {len(orphans) - 10} more"
@@ -343,6 +352,8 @@ def probe_health(store: Store) -> Reply:
         return refuse(HEALTH_PHRASES["unreadable"], 503)
     if status == 200:
         return ok()
+    if str(body.get("msg", "")).startswith("cluster state unreadable"):
+        return refuse(HEALTH_PHRASES["unreadable"], 503)
     return refuse(HEALTH_PHRASES["degraded" if body.get("orphans") else "ranks"], 503)
 
 

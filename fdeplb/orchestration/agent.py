@@ -475,6 +475,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
 
     def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
+        if not (cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id):
+            current = self.store.current_placement()
+            if current.plan_id != plan_id:  # the round rolled forward without this rank, and later ones too
+                return self._catch_up(me, current)
         new = self._new_phy2log(plan_id)
         report: dict[str, Any] = {}
         pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
@@ -542,6 +546,32 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             self.store.emit_event("alarm", rank=self.ep_rank, message=report["reason"])
             return False
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
+        return False
+
+    def _catch_up(self, me: RankRecord, current: Any) -> bool:
+        """The round this rank was SWAPPING in is over and a later placement is current (the rank was lost
+        mid-swap, the round completed among the members, the rank was excluded, its experts re-placed, and it came
+        back): hold the current placement (reloaded from the checkpoint at a safe point when the live slots hold
+        another one, routed over its members) and leave SWAPPING; never swap to the old round's plan."""
+        members = current.live_ranks(self.config.ep_size)
+        if not np.array_equal(self.backend.phy2log, current.phy2log) or members != self.live_ranks:
+            def reload() -> None:
+                self.backend.reload_in(current.phy2log)
+                self.backend.set_live_ranks(members)
+                self.live_ranks = members
+
+            op = self._at_safe_point(("catch_up", current.plan_id), 0, reload)
+            if op is None:
+                return False  # at the worker's next safe point
+            self._op = None
+            if op.error is not None:
+                raise op.error
+        self.log.warning("round over without this rank: holds the current placement", stale_plan=me.plan_id,
+                         plan_id=current.plan_id)
+        self.live_plan_id = current.plan_id
+        self.rank.fire("swapped", record=me, defer=self._outbox,
+                       changes={"live_plan_id": current.plan_id, "routing_digest": routing_digest(self.backend.phy2log),
+                                "reason": f"round of plan {me.plan_id} ended without this rank; holds {current.plan_id or 'initial'}"})
         return False
 
     def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None,

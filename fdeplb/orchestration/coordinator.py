@@ -367,18 +367,25 @@ class Coordinator(UnaskedRounds, Leadership):
         live = np.zeros(cfg.ep_size, dtype=bool)
         live[membership.participants(rec.members, cfg.ep_size)] = True
         # the members are part of what a plan is computed from (with every rank a member: the topology alone)
-        topology = cfg.topology() if live.all() else {**cfg.topology(), "live_ranks": np.flatnonzero(live).tolist()}
+        # a round whose members differ from those the placement is routed over is a membership round: never gated
+        # (it switches the routing to the members even when nothing moves). One whose members only shrank is a
+        # re-route: the orphaned experts get a live replica and nothing else moves (``reroute`` in the topology,
+        # which the replay reads); one a rank rejoined plans over every member.
+        routed, members = current.live_ranks(cfg.ep_size), tuple(np.flatnonzero(live).tolist())
+        regrouped = routed != members
+        reroute = regrouped and set(members) < set(routed)
+        topology = cfg.topology() if live.all() else {**cfg.topology(), "live_ranks": list(members),
+                                                      **({"reroute": True} if reroute else {})}
         plan_id = plan_digest(snapshot, old, cfg.policy, topology)
         try:
             new = self.store.plan_phy2log(plan_id)
         except CorruptRecordError as err:  # computed again next round
             self.store.drop_plan(plan_id)
             return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
-        # a round whose members differ from those the placement is routed over is a membership round: never gated
-        # (it switches the routing to the members even when nothing moves)
-        regrouped = current.live_ranks(cfg.ep_size) != tuple(np.flatnonzero(live).tolist())
         replaced, closed = (None, None) if live.all() else membership.replacement(
             old, cfg.num_logical_experts, cfg.ep_size, live, snapshot)
+        if replaced is None and closed is None and reroute:  # nothing orphaned: only the routing changes
+            replaced = old.copy()
         if closed is not None:  # fail closed: no placement drops an expert; audited alarm, placement intact
             self._failed_closed = ",".join(map(str, np.flatnonzero(live)))
             self.store.append_alarm(rec, actor=self.holder, reason=closed.text[:2000], detail=closed.detail)
@@ -405,7 +412,7 @@ class Coordinator(UnaskedRounds, Leadership):
             balancedness_after=after, moved_experts=moved))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
         why = reasons.Reason("") if replaced is None else reasons.replacement_round(
-            np.flatnonzero(~live).tolist(), orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
+            [r for r in routed if r not in members], orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
         self._fire(rec, "load", plan_id=plan_id, reason=why.text, detail=why.detail,
                    changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None

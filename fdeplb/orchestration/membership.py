@@ -27,8 +27,8 @@ from fdeplb.store.liveness import MemberView
 
 M = MemberState
 
-__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "live_mask", "live_planner", "lost_participants", "operator_fire", "participants",
-           "participants_text", "replacement"]
+__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "live_mask", "live_planner", "lost_participants",
+           "operator_fire", "participants", "participants_text", "replacement", "routed_members"]
 
 
 class MembershipWatch:
@@ -143,9 +143,19 @@ def operator_fire(store: Store, ep_rank: int, command: str, *, who: str, reason:
         raise IllegalTransitionError(f"membership: no operator command {command!r}")
     handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=who)
     rec = handle.read()
+    trigger = OPERATOR_TRIGGERS[command]
+    legal = [src.value for spec in MEMBERSHIP.transitions if spec.trigger == trigger for src in spec.sources]
+    if rec.state.value not in legal:
+        raise IllegalTransitionError(f"rank {ep_rank} is {rec.state.value}: `rank {command}` applies to a rank that "
+                                     f"is {' or '.join(legal)}")
+    if command == "drain":  # the last member never leaves: with no member nothing serves and no round can start
+        others = [r for r in store.member_view().active() if r != int(ep_rank)]
+        if not others:
+            raise IllegalTransitionError(f"rank {ep_rank} is the last ACTIVE member: draining it would leave the "
+                                         f"cluster with none; readmit or rejoin another rank first")
     why = reasons.Reason(f"operator {command}: {reason}" if reason else f"operator {command}",
                          {"ranks": [int(ep_rank)], "by": who})
-    return handle.fire(OPERATOR_TRIGGERS[command], record=rec, reason=why.text, detail=why.detail,
+    return handle.fire(trigger, record=rec, reason=why.text, detail=why.detail,
                        changes={"actor": who, "deadline_ms": 0})
 
 
@@ -202,6 +212,17 @@ def live_mask(view: MemberView | None, ep_size: int) -> np.ndarray:
         for r, st in enumerate(view.states()):
             mask[r] = st is M.ACTIVE
     return mask
+
+
+def routed_members(routed: tuple[int, ...], view: MemberView | None, ep_size: int) -> tuple[int, ...]:
+    """The ranks the placement should be routed over, given the ranks it is ``routed`` over now: an EXCLUDED rank
+    leaves, an ACTIVE one joins, and a SUSPECT, DRAINING or REJOINING rank stays as it is (a heartbeat that lapses
+    for a moment must not cost a round: only its exclusion, after ``exclude_ms``, re-routes)."""
+    if view is None:
+        return tuple(range(ep_size))
+    states = view.states()
+    return tuple(r for r in range(ep_size) if (r in routed and states[r] is not M.EXCLUDED)
+                 or (r not in routed and states[r] is M.ACTIVE))
 
 
 def replacement(phy2log: np.ndarray, num_logical_experts: int, ep_size: int, live: np.ndarray,

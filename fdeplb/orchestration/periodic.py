@@ -34,8 +34,9 @@ class UnaskedRounds:
         key = ",".join(map(str, active))
         if key != self._failed_closed:
             routed = self.store.current_placement().live_ranks(self.config.ep_size)
-            if routed != active:  # the placement is routed over other ranks than the members
-                lost, back = sorted(set(routed) - set(active)), sorted(set(active) - set(routed))
+            target = membership.routed_members(routed, self._members.view, self.config.ep_size)
+            if routed != target:  # an EXCLUDED rank is still routed to, or an admitted one is not yet
+                lost, back = sorted(set(routed) - set(target)), sorted(set(target) - set(routed))
                 why = [f"ranks {lost} are not members" if lost else "", f"ranks {back} rejoined" if back else ""]
                 self.store.request_round("replacement: " + "; ".join(w for w in why if w))
                 return True, None

@@ -186,8 +186,10 @@ def replacement_round(lost: list[int], orphans) -> Reason:
     """The reason of a re-placement round's ``load``: the ``orphans`` ((layer, log_id) pairs) that had no replica on
     a member once ``lost`` ranks left get one on a live rank; nothing else moves."""
     items = _orphan_list(orphans)
-    return Reason(f"re-placement: {len(items)} orphaned experts of ranks {sorted(lost)} get a live replica, "
-                  f"nothing else moves", {"replacement": {"ranks": sorted(int(r) for r in lost), "orphans": items}})
+    text = (f"re-placement: {len(items)} orphaned experts of ranks {sorted(lost)} get a live replica, nothing else "
+            f"moves" if items else f"re-placement: ranks {sorted(lost)} leave the routes; every expert keeps a live "
+            f"replica, nothing moves")
+    return Reason(text, {"replacement": {"ranks": sorted(int(r) for r in lost), "orphans": items}})
 
 
 def fail_closed(error: str, lost: list[int], orphans) -> Reason:

@@ -120,11 +120,12 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
         topology = dict(stored.topology)
         live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member (issue 22)
+        reroute = bool(topology.pop("reroute", False))  # its members only shrank: the orphans move, nothing else
         if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
                               f"{config.topology()}")
         if plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
-            again = np.asarray(_planned(load, old, replace(config, policy=policy), live_ranks, where),
+            again = np.asarray(_planned(load, old, replace(config, policy=policy), live_ranks, where, reroute),
                                dtype=np.int64)
             if not np.array_equal(again, new):
                 diff = int(np.count_nonzero(again != new)) if again.shape == new.shape else new.size
@@ -143,9 +144,11 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     return list(report.plans_checked)
 
 
-def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, where: str) -> np.ndarray:
+def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, where: str,
+             reroute: bool = False) -> np.ndarray:
     """What the coordinator plans for ``load`` from ``old``: the policy over every rank, or with ``live_ranks``
-    (the round's members) the re-placement of the orphaned experts when there are any, else the policy over the
+    (the round's members) the re-placement of the orphaned experts when there are any, else, for a ``reroute``
+    (a round whose members only shrank), ``old`` itself (only the routing changes), else the policy over the
     members' slots (:mod:`fdeplb.orchestration.membership`)."""
     from fdeplb.orchestration.gating import default_planner
     from fdeplb.placement import check_live_ranks
@@ -161,7 +164,9 @@ def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, wh
     replaced, closed = replacement(old, config.num_logical_experts, config.ep_size, live, load)
     if closed is not None:
         raise ReplayError(f"{where}: a stored plan whose re-placement fails closed: {closed.text}")
-    return replaced if replaced is not None else default_planner(load, old, config, live_ranks=live)
+    if replaced is not None:
+        return replaced
+    return old.copy() if reroute else default_planner(load, old, config, live_ranks=live)
 
 
 def _check_round(where: str, stored: int, referenced: int, planned_in: set[int], last_round: int) -> None:

@@ -115,3 +115,16 @@ def test_corrupt_placement_members_is_a_typed_error(store, members):
     store._client.hset(store._keys.placement, "members", members)
     with pytest.raises(CorruptRecordError, match="members"):
         store.current_placement()
+
+
+def test_wrong_state_and_last_member_are_refused_naming_what_applies(capsys, store):
+    code, _, err = run_cli(capsys, "rank", "exclude", "--redis-url", store.url, "--cluster", store.cluster,
+                           "--rank", "0")
+    assert code == 3 and "rank 0 is ACTIVE: `rank exclude` applies to a rank that is SUSPECT" in err
+    for r in (0, 1):
+        assert run_cli(capsys, "rank", "drain", "--redis-url", store.url, "--cluster", store.cluster,
+                       "--rank", str(r))[0] == 0
+    code, _, err = run_cli(capsys, "rank", "drain", "--redis-url", store.url, "--cluster", store.cluster,
+                           "--rank", "2")
+    assert code == 3 and "rank 2 is the last ACTIVE member" in err
+    assert store.read(MEMBERSHIP, 2).state is M.ACTIVE  # nothing written

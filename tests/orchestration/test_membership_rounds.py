@@ -191,3 +191,81 @@ def test_readmit_waits_for_a_round_to_end(redis_url, cluster_id, tmp_path):
         with pytest.raises(GuardError, match="cluster_in"):
             operator_fire(store, 3, "readmit", who="operator:test", reason="")
         assert store.read(MEMBERSHIP, 3).state is M.EXCLUDED
+
+
+def test_a_rank_lost_in_swapping_comes_back_into_the_current_placement(redis_url, cluster_id, tmp_path):
+    # rank 2 died SWAPPING for plan X; the round completed among the others, it was excluded and its experts
+    # re-placed (plan Y current): its new worker must hold Y and leave SWAPPING, never swap back to X
+    from tests.helpers import RawRedis
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        kill(tc, 2)
+        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        current = store.current_placement()
+        assert current.plan_id and current.members == "0,1,3"
+        RawRedis(redis_url, cluster_id).force(store._keys.rank(2), "SWAPPING", version=store.read_rank(2).version,
+                                              plan_id="0123456789abcdef")  # the round it died in
+        back = tc.start_agent(2, heartbeat_ttl_ms=TTL)
+        rec = wait_for(lambda: (r := store.read_rank(2)).state.value == "IDLE" and r, 30, store, "rank 2 IDLE")
+        assert rec.live_plan_id == current.plan_id and np.array_equal(back.backend.phy2log, current.phy2log)
+        trail = [(a["from"], a["to"]) for a in store.iter_audit() if a["key"] == "rank:2"][-2:]
+        assert trail == [("SWAPPING", "SWAPPED"), ("SWAPPED", "IDLE")]
+        # admitted, then routed to again by the membership round that follows
+        wait_for(lambda: round_done(store, 2), 60, store, "the membership round")
+        assert store.current_placement().members == "" and back.live_ranks == (0, 1, 2, 3)
+
+
+def test_weight_clear_and_update_do_not_wait_on_an_excluded_rank(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                        deadlines=deadlines(weights_ms=2_000)) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        kill(tc, 2)
+        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        assert service.drive_weights(store, "clear", 30.0)[0] == 200
+        assert service.drive_weights(store, "update", 30.0) == (
+            200, {"code": 0, "msg": "update model weight successfully", "request": 2})
+        # past weights_ms no alarm names the excluded rank: nobody waits for it
+        wait_for(lambda: store.now_ms() - int([a for a in store.iter_audit()][-1]["ts_ms"]) > 3_000, 10, store,
+                 "weights_ms passed")
+        assert not [a for a in store.iter_audit() if a["trigger"] in ("alarm", "weights_cancelled")]
+
+
+@pytest.mark.parametrize("field,value", [("state", "BOGUS"), ("generation", "abc")])
+def test_a_corrupt_member_record_makes_health_503_not_500(redis_url, cluster_id, tmp_path, field, value):
+    from tests.helpers import RawRedis
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        RawRedis(redis_url, cluster_id).r.hset(store._keys.member(3), field, value)
+        code, body = service.health(store)
+        assert code == 503 and body["msg"].startswith("cluster state unreadable:") and "member:3" in body["msg"]
+        assert service.probe_health(store) == (503, {"code": 1, "msg": service.HEALTH_PHRASES["unreadable"]})
+
+
+def test_health_of_a_deleted_cluster_is_503(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        tc.stop()
+        store.delete_cluster()
+        code, body = service.health(store)
+        assert code == 503 and "not initialised" in body["msg"]
+        assert service.probe_health(store)[0] == 503
+
+
+def test_a_corrupt_cluster_generation_is_refused_not_read_as_zero(redis_url, cluster_id, tmp_path):
+    from fdeplb.errors import StaleStateError
+    from fdeplb.orchestration.membership import operator_fire
+    from tests.helpers import RawRedis
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines()) as tc:
+        store = tc.store()
+        RawRedis(redis_url, cluster_id).r.hset(store._keys.rearrange, "generation", "x1")
+        with pytest.raises(StaleStateError, match="generation .* is not a non-negative integer"):
+            operator_fire(store, 3, "drain", who="operator:test", reason="")
+        assert store.read(MEMBERSHIP, 3).state is M.ACTIVE

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import requests
 
+from fdeplb.machines.tables import RANK
+
 CHROMIUM = Path("/usr/bin/chromium")
 
 pytestmark = [
@@ -47,6 +49,8 @@ def _screenshot(page, tmp_path: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def browser():
+    # pages open with bypass_csp: Playwright's wait_for_function evaluates strings, which the page's CSP (no eval)
+    # refuses; the CSP header itself is checked in test_ui_api.py
     """The system Chromium, headless (Playwright's launch gives it a fresh temporary profile, its own
     user-data-dir, removed at close)."""
     from playwright.sync_api import sync_playwright
@@ -111,7 +115,7 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
 
     url, sim, store = live_cluster
     assert requests.get(f"{url}/ui", timeout=10).status_code == 401  # a browser is asked for credentials
-    page = browser.new_page(http_credentials={"username": USER, "password": PASSWORD},
+    page = browser.new_page(bypass_csp=True, http_credentials={"username": USER, "password": PASSWORD},
                             viewport={"width": 1600, "height": 1000})
     try:
         errors: list[str] = []
@@ -172,6 +176,16 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
         assert page.get_attribute(f'#audit tr[data-audit-id="{audit_id}"]', "aria-selected") == "true"
         page.wait_for_selector(f'#timeline line[data-moment="{audit_id}"]', state="attached", timeout=DEADLINE_MS)
         assert store.read_cluster().round == 1
+
+        # a rank's reason is an agent's error text, shown as text: markup in it is never run
+        evil = '<img src=x onerror="window.__xss=1">'
+        store.update(RANK, 2, reason=evil)
+        page.wait_for_function(f"ui.view && ui.view.ranks[2].reason === {evil!r}", timeout=DEADLINE_MS)
+        page.hover('.cell[data-rank="1"]')
+        page.hover('.cell[data-rank="2"]')
+        page.wait_for_function(f"document.querySelector('#tip').textContent.includes({evil!r})",
+                               timeout=DEADLINE_MS)
+        assert page.evaluate("window.__xss") is None and page.query_selector("#tip img") is None
         assert not errors, errors
         assert requests.get(f"{url}/v1/ui/view", auth=AUTH, timeout=10).json()["counts"]["stale"] >= 1
     finally:
@@ -198,7 +212,7 @@ def test_player_steps_through_every_recording_to_its_final_state_and_marks_a_fai
     lines = (REPLAYS / "happy.jsonl").read_text().splitlines()
     lines[8] = lines[8].replace('"to":"LOADED"', '"to":"SWAPPED"')
     bad.write_text("\n".join(lines) + "\n")
-    page = browser.new_page(viewport={"width": 1600, "height": 1000})
+    page = browser.new_page(bypass_csp=True, viewport={"width": 1600, "height": 1000})
     try:
         for path in [*recordings, bad]:
             proc, url = _player(path)

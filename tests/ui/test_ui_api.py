@@ -58,6 +58,12 @@ def test_the_page_and_its_files_are_served_from_the_package_and_nothing_else(cli
     assert client.get("/ui/style.css", auth=AUTH).headers["content-type"].startswith("text/css")
     for name in ("nope.js", "__init__.py", "..%2Fview_model.py"):
         assert client.get(f"/ui/{name}", auth=AUTH).status_code == 404
+    # the browser runs the page's own script only, and requests go to this server only
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "connect-src 'self'" in csp and "unsafe-eval" not in csp
+    assert "'unsafe-inline'" not in csp.split("script-src")[1].split(";")[0]
+    assert js.headers["content-security-policy"] == csp and page.headers["x-content-type-options"] == "nosniff"
+    assert "innerHTML = rankTip" not in js.text  # the rank tooltip (Redis values) is built from text nodes
 
 
 def test_view_shape(client):

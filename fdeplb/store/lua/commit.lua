@@ -62,7 +62,14 @@ local function field_of(key, field)
   return v
 end
 
-local generation = tonumber(field_of(KEYS[4], 'generation')) or 0
+local stored_generation = field_of(KEYS[4], 'generation')
+local generation = tonumber(stored_generation)
+if stored_generation == '' then
+  generation = 0
+elseif not generation or generation ~= math.floor(generation) or generation < 0 then
+  -- a corrupt value would silently disable the generation fence: refuse, nothing written
+  return {'ERR_STALE', 'generation of ' .. KEYS[4] .. ' is not a non-negative integer: ' .. stored_generation}
+end
 if ARGV[11] ~= '' and generation > tonumber(ARGV[11]) then
   return {'ERR_GENERATION', 'made under generation ' .. ARGV[11] .. ', the cluster is at generation ' ..
     generation .. ' (the membership changed)'}

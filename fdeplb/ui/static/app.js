@@ -150,16 +150,25 @@ function drawRanks(view) {
 }
 
 function rankTip(r) {
-  const rows = [["rank", `<b>${r.ep_rank}</b>`], ["state", r.state], ["weights", r.weights],
+  // built from text nodes only: the values come from Redis (a rank's reason is an agent's error text)
+  const rows = [["rank", String(r.ep_rank), true], ["state", r.state], ["weights", r.weights],
     ["membership", r.membership]];
   if (ui.mode === "live") {
     rows.push(["heartbeat", r.heartbeat_age_ms === null ? "never" : `${fmtMs(r.heartbeat_age_ms)} ago` +
       (r.heartbeat_ttl_ms ? ` (ttl ${fmtMs(r.heartbeat_ttl_ms)})` : "")]);
-    rows.push(["stale", r.stale ? "<b>yes</b>" : "no"], ["step", r.step ?? "–"],
+    rows.push(["stale", r.stale ? "yes" : "no", Boolean(r.stale)], ["step", r.step ?? "–"],
       ["staged", fmtBytes(r.staged_bytes)], ["routing", r.routing ?? "–"]);
   }
   if (r.reason) rows.push(["reason", r.reason]);
-  return rows.map(([k, v]) => `${k}: ${v}`).join("<br>");
+  const out = document.createDocumentFragment();
+  rows.forEach(([k, v, bold], i) => {
+    if (i) out.appendChild(document.createElement("br"));
+    out.appendChild(document.createTextNode(`${k}: `));
+    const value = document.createTextNode(String(v));
+    if (bold) { const b = document.createElement("b"); b.appendChild(value); out.appendChild(b); }
+    else out.appendChild(value);
+  });
+  return out;
 }
 
 function setupTips() {
@@ -169,7 +178,7 @@ function setupTips() {
     if (!cell || !ui.view) { tip.hidden = true; return; }
     const r = ui.view.ranks[Number(cell.dataset.rank)];
     if (!r) return;
-    tip.innerHTML = rankTip(r);
+    tip.replaceChildren(rankTip(r));
     tip.hidden = false;
     const box = cell.getBoundingClientRect();
     tip.style.left = `${Math.min(window.innerWidth - 300, box.right + 8)}px`;
