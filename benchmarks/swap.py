@@ -12,12 +12,13 @@ written slot), the new path at one safe point (every changed layer in one chunk)
 layers within the default pause budget (``ClusterConfig.max_pause_bytes``, 64 MiB): each chunk's experts moved to
 the device buffer before its step (not in the pause), then the pause = device copy checked on the device + the
 chunk's routing rows. ``pause_vs_memcpy`` = largest chunked pause / a plain memcpy of that pause's bytes (timed right
-after it). Targets on CPU: pause_vs_memcpy <= 1.5, largest chunked pause <= 1/8 of the unchunked pause, sum of the
-chunked pauses <= 1.2x the unchunked pause (best of --repeats each).
+after it, between paddle host tensors like the slots: see :func:`host_pair`). Targets on CPU: pause_vs_memcpy
+<= 1.5, largest chunked pause <= 1/8 of the unchunked pause, sum of the chunked pauses <= 1.2x the unchunked pause
+(best of --repeats each).
 
 Measures: bytes read from the checkpoint, bytes copied locally, peak staging bytes, and the swap's copy throughput as
-a ratio of a plain memcpy (numpy.copyto between pre-faulted buffers) of the same number of bytes, timed right after
-each swap in the same run (best of --repeats for both). Staging (parallel reads by offset into preallocated tensors
+a ratio of a plain memcpy (numpy.copyto between pre-faulted paddle host buffers) of the same number of bytes, timed
+right after each swap in the same run (best of --repeats for both). Staging (parallel reads by offset into preallocated tensors
 + CRC-32C) is timed against a plain single-threaded ``os.preadv`` of exactly the bytes the plan loads, from the same
 files, kept in memory as staging keeps them, with the page cache in the same state (``stage_vs_raw_read`` = raw seconds / stage seconds, target >= 0.8):
 warm (files just read) and cold (page cache dropped with ``echo 1 > /proc/sys/vm/drop_caches`` where allowed, else
@@ -50,6 +51,7 @@ sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != 
 from fdeplb.placement import read_expert_load, rebalance_experts  # noqa: E402
 from fdeplb.store.cluster_config import DEFAULT_MAX_PAUSE_BYTES  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers, chunk_starts  # noqa: E402
+from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights import (  # noqa: E402
     CheckpointReader,
     LiveExperts,
@@ -86,16 +88,32 @@ def cluster_totals(old: np.ndarray, new: np.ndarray, ep_size: int) -> tuple[dict
     return totals, per_rank
 
 
+def host_pair(nbytes: int) -> tuple[list, np.ndarray, np.ndarray]:
+    """Two pre-faulted host buffers of ``nbytes`` allocated as the rank's slots and buffers are (paddle CPU tensors),
+    as numpy views: ``(the tensors, to keep alive; src; dst)``.
+
+    Not ``numpy.ones``: numpy's large arrays start 16 bytes past a page boundary, paddle's host tensors on one, and
+    so do the slots and device-buffer entries a pause copies between (their sizes are page multiples). On this
+    benchmark's 2-core EPYC VM the same 59 MiB memcpy measured 10-30% slower between page-aligned paddle tensors than
+    between numpy arrays (best of 30, interleaved); the baseline is a memcpy of the pause's bytes on memory laid out
+    as the pause's is.
+    """
+    tensors = [_paddle.empty([max(int(nbytes), 1)], "uint8", "cpu") for _ in range(2)]
+    src, dst = (np.frombuffer(_paddle.host_buffer(t), dtype=np.uint8)[:nbytes] for t in tensors)
+    src.fill(1)
+    dst.fill(1)
+    return tensors, src, dst
+
+
 class MemcpyBaseline:
-    """A plain memcpy (numpy.copyto between two pre-faulted buffers) of the bytes a swap wrote; one timed copy per
-    call, run right after each swap so both see the same machine state."""
+    """A plain memcpy (numpy.copyto between two pre-faulted paddle host buffers, :func:`host_pair`) of the bytes a
+    swap wrote; one timed copy per call, run right after each swap so both see the same machine state."""
 
     def nbytes(self, report: SwapReport) -> int:
         return report.bytes_from_staging + report.bytes_local + report.bytes_snapshot
 
     def allocate(self, nbytes: int) -> None:
-        self.src = np.ones(nbytes, dtype=np.uint8)
-        self.dst = np.ones(nbytes, dtype=np.uint8)
+        self.tensors, self.src, self.dst = host_pair(nbytes)
 
     def copy(self) -> None:
         np.copyto(self.dst, self.src)
@@ -129,15 +147,15 @@ def run_swaps(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new:
 
 
 class SizedMemcpy:
-    """A plain memcpy (numpy.copyto between two pre-faulted buffers) of any byte count up to the largest asked for:
-    the baseline of one pause, timed right after it."""
+    """A plain memcpy (numpy.copyto between two pre-faulted paddle host buffers, :func:`host_pair`) of any byte
+    count up to the largest asked for: the baseline of one pause, timed right after it."""
 
     def __init__(self) -> None:
         self.src = self.dst = np.empty(0, dtype=np.uint8)
 
     def __call__(self, nbytes: int) -> float:
         if nbytes > self.src.size:
-            self.src, self.dst = np.ones(nbytes, dtype=np.uint8), np.ones(nbytes, dtype=np.uint8)
+            self.tensors, self.src, self.dst = host_pair(nbytes)
         src, dst = self.src[:nbytes], self.dst[:nbytes]
         np.copyto(dst, src)  # warm-up: the same pages as the timed copy
         t0 = time.perf_counter()
@@ -404,13 +422,16 @@ def measure(args: argparse.Namespace, baseline: MemcpyBaseline, pause_memcpy=Non
         live = LiveExperts.from_checkpoint(reader, old, rank, ep_size, device=args.device)
         load_s = time.perf_counter() - t0
         runs = run_swaps(live, reader, old, new, args.repeats, args.device, baseline)
+        # staging vs a raw read right after the swaps, as before the pause runs existed: the raw read's bytes
+        # objects are fresh allocations, and after the pause runs' frees glibc hands them already-faulted heap
+        # pages (2-3x faster raw read, a context effect, not a staging change)
+        read_speed = stage_vs_raw(reader, runs[0][0], args.device, args.repeats)
         memcpy = pause_memcpy or SizedMemcpy()
         budget = PauseBudget(args.max_pause_bytes, 0)
         chunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy)
         unchunked, _ = pause_runs(live, reader, old, new, PauseBudget(0, 0), args.repeats, args.device, memcpy)
         pauses = {"budget": budget, "chunked": chunked, "unchunked": unchunked, "at_once": at_once}
         verified, total = live.verify(reader)
-        read_speed = stage_vs_raw(reader, runs[0][0], args.device, args.repeats)
         reader.close()
     plan, staged_bytes, read_s, _, _ = runs[0]
     return Measured(rank, per_rank, int(old.shape[0]), hidden, inter, reader.expert_nbytes, live.nbytes, totals,

@@ -93,9 +93,6 @@ class LiveExperts:
         self.phy2log_tensor = self._device_int64(p2l)
         self.log2phy = self._device_int64(log2phy)
         self.logcnt = self._device_int64(logcnt)
-        # one view per layer of each routing table (rows switched by swap_layers)
-        self._route_rows = [(self.phy2log_tensor[layer], self.log2phy[layer], self.logcnt[layer])
-                            for layer in range(p2l.shape[0])]
         self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
         self.needs_reload = False
 
@@ -331,19 +328,25 @@ class LiveExperts:
         if not np.array_equal(plan.new[rows], new[rows, self._slots]):
             raise InputError(f"rank {self.ep_rank}: new_phy2log does not match the plan's target for this rank")
         check_staged_for(plan, staged)
-        wanted = None if layers is None else set(layers)
-        for i, tensors in enumerate(staged.experts):
-            if wanted is not None and plan.disk[i][0] not in wanted:
-                continue  # another chunk's expert: checked when its chunk is swapped
-            for suffix, layers_ in self.tensors.items():
-                t, slot = tensors.get(suffix), layers_[0][0]
-                if t is None or list(t.shape) != list(slot.shape) or t.dtype != slot.dtype:
+        if layers is None:
+            self._check_staged_shapes(plan, staged.experts)
+        return new
+
+    def _check_staged_shapes(self, plan: TransferPlan, experts: Any, indices: Any = None) -> None:
+        """WeightError unless every staged expert (``experts[k]`` for index ``indices[k]`` into ``plan.disk``; all
+        when ``indices`` is None) has each live suffix in the slots' shape and dtype."""
+        slots = {suffix: self._views[0][0][suffix] for suffix in self.tensors}
+        want = {suffix: (list(v.shape), v.dtype) for suffix, v in slots.items()}
+        for k, tensors in enumerate(experts):
+            for suffix, (shape, dtype) in want.items():
+                t = tensors.get(suffix)
+                if t is None or list(t.shape) != shape or t.dtype != dtype:
                     got = "missing" if t is None else f"{_paddle.dtype_name(t)}{list(t.shape)}"
+                    i = k if indices is None else indices[k]
                     raise WeightError(
                         f"rank {self.ep_rank}: staged expert {plan.disk[i]} {suffix!r} is {got}, "
-                        f"slots are {_paddle.dtype_name(slot)}{list(slot.shape)}"
+                        f"slots are {_paddle.dtype_name(slots[suffix])}{shape}"
                     )
-        return new
 
     def swap(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
              live_ranks: Any = None) -> SwapReport:
@@ -462,21 +465,46 @@ class LiveExperts:
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
         buffer.layers, buffer.loaded, buffer.routing = (), {}, {}
+        # the chunk's staged experts and the buffer are checked here, before the switch step, so the pause only
+        # checks that the buffer holds this chunk
+        self._check_staged_shapes(plan, [staged.experts[i] for i in indices], indices)
+        for suffix, layers_ in self.tensors.items() if indices else ():
+            t, slot = buffer.tensors.get(suffix), layers_[0]
+            if t is None or list(t.shape[1:]) != list(slot.shape[1:]) or t.dtype != slot.dtype:
+                raise WeightError(f"rank {self.ep_rank}: the device buffer's {suffix!r} does not match the slots")
         copied = 0
         for entry, i in enumerate(indices):
-            for suffix, t in staged.experts[i].items():
+            for suffix in self.tensors:
+                t = staged.experts[i][suffix]
                 _paddle.copy_into(buffer.entries[entry][suffix], t)
                 copied += _paddle.nbytes(t)
             buffer.loaded[i] = entry
         new = np.asarray(new_phy2log, dtype=np.int64)
         log2phy, logcnt = routing_tables(new[sorted(wanted)], self.num_logical_experts, self.max_replicas,
                                          self._live)
-        for row, layer in enumerate(sorted(wanted)):
-            buffer.routing[layer] = (self._device_int64(new[layer]), self._device_int64(log2phy[row]),
-                                     self._device_int64(logcnt[row]))
+        rows = sorted(wanted)
+        # one block of rows per run of consecutive layers: the pause switches each run with one copy per table
+        for lo, hi in _runs(rows):
+            a, b = rows.index(lo), rows.index(hi) + 1
+            buffer.routing[(lo, hi + 1)] = (self._device_int64(new[lo:hi + 1]), self._device_int64(log2phy[a:b]),
+                                            self._device_int64(logcnt[a:b]))
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
         buffer.layers = tuple(sorted(wanted))
         return copied
+
+    def _failed_slots(self, failed: list[tuple[str, int, int, int, int, str]], buffer: DeviceBuffer,
+                      plan: TransferPlan) -> set[tuple[int, int, int]]:
+        """``(layer, slot, expert)`` of the slots behind failed checks; a failed run of disk writes is compared
+        again slot by slot with its buffer entries (on the device; the buffer is unchanged) to name the slots."""
+        bad: set[tuple[int, int, int]] = set()
+        for kind, layer, slot, source, count, suffix in failed:
+            slots = [slot]
+            if count > 1:
+                pairs = [(self._views[layer][slot + j][suffix], buffer.entries[source + j][suffix]) for j in range(count)]
+                found = _paddle.all_checked([_paddle.device_equal(d, s) for d, s in pairs], self.device)
+                slots = [slot + j for j in found] or list(range(slot, slot + count))
+            bad.update((layer, s, int(plan.new[layer, s])) for s in slots)
+        return bad
 
     def swap_layers(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
                     layers: tuple[int, ...]) -> SwapReport:
@@ -513,38 +541,54 @@ class LiveExperts:
         per_slot = self.expert_nbytes
         steps = [step for step in plan.steps if step.layer in wanted]
 
+        # consecutive disk writes into consecutive slots of a layer from consecutive buffer entries are one run:
+        # one copy and one check per run and suffix (tensor slices along the slot axis, contiguous on both sides)
+        writes: list[tuple[str, int, int, int, int]] = []  # (kind, layer, first slot, first source, slots)
+        for step in steps:
+            source = buffer.loaded[step.source] if step.kind == "disk" else step.source
+            if writes and step.kind == "disk":
+                kind, layer, slot, first, count = writes[-1]
+                if (kind, layer, slot + count, first + count) == ("disk", step.layer, step.slot, source):
+                    writes[-1] = (kind, layer, slot, first, count + 1)
+                    continue
+            writes.append((step.kind, step.layer, step.slot, source, 1))
+
         start = time.perf_counter()
         self.needs_reload = True
         snapshots: dict[tuple[int, int], dict[str, Any]] = {}
         checks: list[Any] = []
-        written: list[tuple[int, int, int]] = []
+        written: list[tuple[str, int, int, int, int, str]] = []  # the write and suffix of each check
         disk_slots = local = snaps = 0
-        for step in steps:
-            dst = self._views[step.layer][step.slot]
-            if step.kind == "snapshot":
-                snapshots[(step.layer, step.slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
+        for kind, layer, slot, source, count in writes:
+            dst = self._views[layer][slot]
+            if kind == "snapshot":
+                snapshots[(layer, slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
                 snaps += 1
                 continue
-            if step.kind == "disk":
-                src = buffer.entries[buffer.loaded[step.source]]
-                disk_slots += 1
-            elif step.kind == "local":
-                src = self._views[step.layer][step.source]
+            if kind == "disk":
+                src = buffer.entries[source]
+                if count > 1:
+                    dst = {s: layers_[layer][slot:slot + count] for s, layers_ in self.tensors.items()}
+                    src = {s: t[source:source + count] for s, t in buffer.tensors.items()}
+                disk_slots += count
+            elif kind == "local":
+                src = self._views[layer][source]
                 local += 1
             else:
-                src = snapshots[(step.layer, step.source)]
+                src = snapshots[(layer, source)]
                 local += 1
             for suffix, t in dst.items():
                 checks.append(_paddle.copy_checked(t, src[suffix]))
-                written.append((step.layer, step.slot, int(plan.new[step.layer, step.slot])))
+                written.append((kind, layer, slot, source, count, suffix))
         _paddle.synchronize(self.device)
         copy_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        bad = sorted({written[i] for i in _paddle.all_checked(checks, self.device)})
+        failed = [written[i] for i in _paddle.all_checked(checks, self.device)]
         snapshots.clear()
         verify_seconds = time.perf_counter() - start
-        if bad:
+        if failed:
+            bad = sorted(self._failed_slots(failed, buffer, plan))
             raise VerificationError(
                 f"rank {self.ep_rank}: {len(bad)} swapped slot(s) differ on the device from what they were copied "
                 f"from (layer, slot, expert): {bad[:8]}; the routing rows of layers {chunk} keep the old "
@@ -552,12 +596,12 @@ class LiveExperts:
             )
 
         start = time.perf_counter()
-        for layer in chunk:
-            for dst, src in zip(self._route_rows[layer], buffer.routing[layer]):
-                _paddle.copy_into(dst, src)
+        for (lo, hi), rows in buffer.routing.items():
+            for table, src in zip((self.phy2log_tensor, self.log2phy, self.logcnt), rows):
+                _paddle.copy_into(table[lo:hi], src)
         _paddle.synchronize(self.device)
         self._phy2log[chunk] = new[chunk]
-        self._checksums.update((key, c) for key, c in zip(plan.disk, staged.checksums) if key[0] in wanted)
+        self._checksums.update((plan.disk[i], staged.checksums[i]) for i in buffer.loaded)
         self.needs_reload = False
         routing_seconds = time.perf_counter() - start
 
@@ -578,3 +622,14 @@ class LiveExperts:
             verify_seconds=verify_seconds,
             routing_seconds=routing_seconds,
         )
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """``(first, last)`` of each run of consecutive integers in the sorted ``values``."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] + 1 == v:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs

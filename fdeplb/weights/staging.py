@@ -46,7 +46,8 @@ class DeviceBuffer:
         tensors: ``suffix -> tensor [capacity, *shape]`` on ``device``; entries: one ``suffix -> view`` per entry.
         nbytes: device bytes held (0 after :meth:`release`).
         layers: the chunk it holds (layer indices; () = none yet); loaded: ``index into plan.disk -> entry``.
-        routing: ``layer -> (phy2log row, log2phy rows, logcnt row)`` device tensors of the chunk's new routing.
+        routing: ``(first layer, stop) -> (phy2log rows, log2phy rows, logcnt rows)`` device tensors of the
+            chunk's new routing, one block per run of consecutive layers.
     """
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]], capacity: int, device: str) -> None:
@@ -58,7 +59,7 @@ class DeviceBuffer:
         self.nbytes = sum(_paddle.nbytes(t) for t in self.tensors.values())
         self.layers: tuple[int, ...] = ()
         self.loaded: dict[int, int] = {}
-        self.routing: dict[int, tuple[Any, Any, Any]] = {}
+        self.routing: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 
     def release(self) -> None:
         """Free the device memory (idempotent)."""

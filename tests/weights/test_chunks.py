@@ -147,3 +147,30 @@ def test_copy_checked_compares_the_bytes_on_the_device_path_too():
     raw[3] ^= 0x01
     assert _paddle.all_checked([_paddle.device_equal(b, a), _paddle.device_equal(a, a)], "cpu") == [0]
     assert _paddle.copy_checked(b, a) is True and _paddle.host_buffer(b) == _paddle.host_buffer(a)
+
+
+
+def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, monkeypatch):
+    """Disk writes into consecutive slots from consecutive buffer entries are copied and checked as one run; a byte
+    wrong in the run's second slot fails the run, and the error names exactly that slot (compared again slot by
+    slot on the device)."""
+    new = OLD.copy()
+    new[1, :2] = [7, 6]  # rank 0's slots 0 and 1 of layer 1 (experts 0, 1 before): two new experts from disk
+    b = backend(ckpt)
+    staged = b.stage(new, None, PauseBudget(0, 1))
+    b.prepare(staged, new, (1,))
+    real_copy, runs = _paddle.copy_checked, []
+
+    def corrupt_second_slot(dst, src):
+        ok = real_copy(dst, src)
+        if len(dst.shape) == 3:  # a run: [slots, *shape]
+            runs.append(int(dst.shape[0]))
+            if len(runs) == 1:
+                _paddle.host_buffer(dst[1])[0] ^= 0xFF
+                return False
+        return ok
+
+    monkeypatch.setattr(_paddle, "copy_checked", corrupt_second_slot)
+    with pytest.raises(VerificationError, match=r": 1 swapped slot\(s\) differ on the device .*\[\(1, 1, 6\)\]"):
+        b.swap_layers(staged, new, (1,))
+    assert runs == [2, 2]  # one copy per suffix for both slots
