@@ -39,6 +39,9 @@ class Credentials:
             raise InputError("API credentials need a non-empty user and a non-empty password")
         if ":" in self.user:
             raise InputError("the API user may not contain ':' (HTTP Basic separates user and password with it)")
+        if not (self.user + self.password).isascii() or not (self.user + self.password).isprintable():
+            # FastAPI's HTTPBasic decodes the header as ASCII: such credentials would never match
+            raise InputError("API credentials must be printable ASCII (HTTP Basic as the server decodes it)")
         register_secret(self.password)
 
     def __repr__(self) -> str:

@@ -19,7 +19,8 @@ View dict (JSON-ready)::
      "ranks": [{"ep_rank", "state", "weights", "membership", "stale" (bool | None), "heartbeat_age_ms",
                 "heartbeat_ttl_ms", "step", "staged_bytes", "reason"}],
      "counts": {"rank": {...}, "weights": {...}, "membership": {...}, "stale": int},
-     "timeline": {"now_ms", "rounds": [{"round", "start_ms", "end_ms" | None, "outcome",
+     "timeline": {"now_ms", "rounds": [{"round", "start_ms", "end_ms" | None, "outcome" (running | rearranged |
+                 skipped | aborted: ``reasons.round_outcome``),
                   "cluster": [{"state", "start_ms", "end_ms", "deadline_ms" | None}],
                   "ranks": {ep_rank: [{"state", "start_ms", "end_ms"}]},
                   "marks": [{"kind": "abort" | "alarm" | "skip" | "start_refused", "ts_ms", "reason", "id"}]}]},
@@ -43,6 +44,7 @@ import numpy as np
 
 from fdeplb.errors import CorruptRecordError, DependencyError, InputError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS, ClusterState, MachineTable
+from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
 from fdeplb.placement.metrics import gpu_loads
 from fdeplb.recording import audit_dict
 from fdeplb.replay.machine_replay import NOT_TRANSITIONS
@@ -190,15 +192,23 @@ def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: 
                 lane[-1]["end_ms"] = ts
             if rec.get("to") != RANK.initial.value:
                 lane.append({"state": rec.get("to"), "start_ms": ts, "end_ms": None})
-        marks = [{"kind": "abort" if r.get("trigger") == "abort" else r.get("trigger"), "ts_ms": _int(r.get("ts_ms")),
+        marks = [{"kind": _mark_kind(r), "ts_ms": _int(r.get("ts_ms")),
                   "reason": r.get("reason", ""), "id": r.get("id", "")}
                  for r in records if r.get("machine") == CLUSTER.name
                  and (r.get("trigger") in NOT_TRANSITIONS or r.get("trigger") == "abort")
                  and start_ms <= _int(r.get("ts_ms")) <= (end_ms if end_ms is not None else now_ms)]
-        outcome = "running" if end is None else ("aborted" if end.get("trigger") == "abort" else "rearranged")
+        outcome = round_outcome(end if end is not None else cluster[-1])[0].value  # the one outcome rule
         out.append({"round": n, "start_ms": start_ms, "end_ms": end_ms, "outcome": outcome, "cluster": segments,
                     "ranks": {str(r): lane for r, lane in sorted(lanes.items()) if r >= 0}, "marks": marks})
     return {"now_ms": now_ms, "rounds": out}
+
+
+def _mark_kind(record: Mapping[str, Any]) -> str:
+    """A timeline mark's kind: its trigger, and ``skip`` for a gated round's abort (a normal outcome, not a failure:
+    :func:`~fdeplb.orchestration.reasons.round_outcome`)."""
+    if record.get("trigger") == "abort" and str(record.get("to")) == CLUSTER.initial.value:
+        return "skip" if round_outcome(record)[0] is RoundOutcome.SKIPPED else "abort"
+    return str(record.get("trigger"))
 
 
 # ---- audit table -----------------------------------------------------------------------------------------------------

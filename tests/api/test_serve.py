@@ -238,3 +238,14 @@ def test_serve_health_is_open_and_metrics_public_opens_only_metrics(redis_url, c
         assert requests.get(f"{url}/v1/state").status_code == 401
     finally:
         _stop([proc])
+
+
+@pytest.mark.parametrize("line", ["opé:x", "op:wörd", "op:tab\there"])
+def test_credentials_the_server_could_never_match_are_refused_at_start(tmp_path, line):
+    from fdeplb.credentials import load_credentials
+    from fdeplb.errors import InputError
+
+    path = tmp_path / "creds"
+    path.write_text(line + "\n", encoding="utf-8")
+    with pytest.raises(InputError, match="printable ASCII"):
+        load_credentials(path)

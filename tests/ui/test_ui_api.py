@@ -215,3 +215,11 @@ def test_event_stream_says_redis_unavailable_while_it_is_down_and_recovers_after
         assert back["redis"] == "ok" and back["summary"]["state"] == ClusterState.FREE.value
     finally:
         server.close()
+
+
+def test_a_gated_round_is_shown_skipped_not_aborted():
+    last = PlayerModel(REPLAYS / "gated_skip.jsonl").view()
+    outcomes = {r["round"]: r["outcome"] for r in last["timeline"]["rounds"]}
+    assert "skipped" in outcomes.values() and "aborted" not in outcomes.values(), outcomes
+    kinds = [m["kind"] for r in last["timeline"]["rounds"] for m in r["marks"]]
+    assert "skip" in kinds and "abort" not in kinds, kinds
