@@ -176,6 +176,8 @@ def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url
         store = tc.store()
         raw = RawRedis(redis_url, cluster_id)
         raw.force(raw.keys.weights(2), "CLEARED", version=2)
+        for r in range(4):  # every rank up (the start guard counts unregistered ranks): only the weights hold it
+            tc.start_silent_rank(r)
         tc.start_coordinator()
         wait_for(lambda: store.lease_info().holder, 30, store, "a leader")
         code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
