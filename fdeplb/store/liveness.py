@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import redis
@@ -123,22 +123,30 @@ class Liveness:
         pipe.pexpire(key, 3 * int(ttl_ms))
         pipe.execute()
 
+    def _execute_timed(self, fill: Callable[[Any], None]) -> tuple[list, int]:
+        """A pipeline filled by ``fill``, executed with the Redis server's time: (its replies, now in ms). TIME goes in
+        the same round trip, except on Redis Cluster, whose pipelines refuse it (then a second one)."""
+        timed = not isinstance(self._client, redis.cluster.RedisCluster)
+        pipe = self._client.pipeline(transaction=False)
+        fill(pipe)
+        if timed:
+            pipe.time()
+        replies = pipe.execute()
+        if not timed:
+            return replies, self.now_ms()
+        sec, usec = replies.pop()
+        return replies, int(sec) * 1000 + int(usec) // 1000
+
     def live_reports(self, ep_size: int) -> dict[int, LiveReport]:
         """The ranks' live reports (:meth:`report_live`) of ranks ``0..ep_size-1``, read at one server time (one
         round trip; two on Redis Cluster). :class:`CorruptRecordError` naming the key of one that does not parse."""
         keys = [self._keys.live(r) for r in range(int(ep_size))]
-        timed = not isinstance(self._client, redis.cluster.RedisCluster)
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.hgetall(key)
-        if timed:
-            pipe.time()
-        replies = pipe.execute()
-        if timed:
-            sec, usec = replies.pop()
-            now = int(sec) * 1000 + int(usec) // 1000
-        else:
-            now = self.now_ms()
+
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.hgetall(key)
+
+        replies, now = self._execute_timed(fill)
         out = {}
         for r, (key, raw) in enumerate(zip(keys, replies)):
             if not raw:
@@ -221,22 +229,16 @@ class Liveness:
         heartbeats (not observed: its rank record's readers report it)."""
         n = self.ep_size()
         members = [self._keys.member(r) for r in range(n)]
-        timed = not isinstance(self._client, redis.cluster.RedisCluster)
-        pipe = self._client.pipeline(transaction=False)
-        pipe.hkeys(self._keys.ranks)
-        for r in range(n):
-            pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms")
-        for key in members:
-            pipe.hgetall(key)
-        if timed:
-            pipe.time()
+
+        def fill(pipe: Any) -> None:
+            pipe.hkeys(self._keys.ranks)
+            for r in range(n):
+                pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms")
+            for key in members:
+                pipe.hgetall(key)
+
         with _typed(self._keys.ranks):
-            replies = pipe.execute()
-        if timed:
-            sec, usec = replies.pop()
-            now = int(sec) * 1000 + int(usec) // 1000
-        else:
-            now = self.now_ms()
+            replies, now = self._execute_timed(fill)
         try:
             registered = {int(_s(k)) for k in replies[0]}
         except ValueError:
