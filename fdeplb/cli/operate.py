@@ -319,7 +319,9 @@ def layer_ids_of(text: str | None, first: int | None, num_layers: int) -> list[i
             lo, sep, hi = part.strip().partition("-")
             ids += list(range(int(lo), int(hi) + 1)) if sep else [int(lo)]
     except ValueError:
-        raise InputError(f"--layer-ids {text[:60]!r}: expected ascending ids like '3-60' or '3,4,5'") from None
+        ids = []
+    if not ids or any(a >= b for a, b in zip(ids, ids[1:])) or min(ids) < 0:  # '60-3' is an empty range
+        raise InputError(f"--layer-ids {text[:60]!r}: expected ascending ids like '3-60' or '3,4,5'")
     return ids
 
 

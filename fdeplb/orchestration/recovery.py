@@ -91,6 +91,11 @@ def adopted_placement(store: Store, config: ClusterConfig) -> tuple[np.ndarray, 
     plan_id, the reporting ranks) when every rank whose live report (:meth:`Store.live_reports`) is fresh reports
     the same phy2log; None when no rank reports. :class:`StateError` naming the groups of ranks and the plan each
     holds when they disagree; :class:`TopologyError` when what they hold is not of ``config``'s shape."""
+    beyond = [r for r in store.live_report_ranks() if r >= config.ep_size]
+    if beyond:
+        raise TopologyError(f"cluster {store.cluster!r}: ranks {beyond} report the placement they hold live, but the "
+                            f"configuration has ep_size {config.ep_size}; nothing written (create it with the ranks "
+                            f"that serve, or stop those ranks first)")
     reports = store.live_reports(config.ep_size)
     stale = stale_of({r: (rep.age_ms, rep.ttl_ms) for r, rep in reports.items()})
     fresh = [rep for r, rep in sorted(reports.items()) if r not in stale]

@@ -137,6 +137,17 @@ class Liveness:
         sec, usec = replies.pop()
         return replies, int(sec) * 1000 + int(usec) // 1000
 
+    def live_report_ranks(self) -> list[int]:
+        """The ranks that have a live report now, whatever the configuration's ep_size (a SCAN of the cluster's
+        ``live:<r>`` keys): ``init-cluster`` refuses to adopt for fewer ranks than report."""
+        pattern = self._keys.live(0).rsplit(":", 1)[0].replace("{", "[{]").replace("}", "[}]") + ":*"
+        ranks = []
+        for key in self._client.scan_iter(match=pattern):
+            tail = _s(key).rsplit(":", 1)[1]
+            if tail.isascii() and tail.isdigit():
+                ranks.append(int(tail))
+        return sorted(ranks)
+
     def live_reports(self, ep_size: int) -> dict[int, LiveReport]:
         """The ranks' live reports (:meth:`report_live`) of ranks ``0..ep_size-1``, read at one server time (one
         round trip; two on Redis Cluster). :class:`CorruptRecordError` naming the key of one that does not parse."""

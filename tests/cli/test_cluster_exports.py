@@ -104,3 +104,8 @@ def test_init_cluster_stores_layer_ids_and_reads_an_sglang_initial_file(redis_ur
                            "--num-layers", "2", "--num-logical-experts", "4", "--num-redundant-experts", "0",
                            "--ep-size", "2", "--checkpoint", str(ckpt), "--layer-ids", "3,1")
     assert code == 2 and "ascending" in err
+    for bad in ("60-3", "", "3,-1"):  # a descending range is empty, not "no layer ids"
+        code, _, err = run_cli(capsys, "init-cluster", "--redis-url", redis_url, "--cluster", cluster_id,
+                               "--num-layers", "2", "--num-logical-experts", "4", "--num-redundant-experts", "0",
+                               "--ep-size", "2", "--checkpoint", str(ckpt), "--layer-ids", bad)
+        assert code == 2 and "ascending" in err, (bad, err)

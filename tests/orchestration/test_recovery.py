@@ -119,3 +119,19 @@ def test_an_agent_refuses_a_cluster_created_again_with_another_placement(redis_u
         assert 0 not in store.rank_info()
     finally:
         store.delete_cluster()
+
+
+def test_init_cluster_refuses_fewer_ranks_than_report_a_live_placement(redis_url, cluster_id):
+    from fdeplb.errors import TopologyError
+
+    store = Store(redis_url, cluster_id)
+    live = initial_placement(2, 8, 12).phy2log
+    try:
+        for r in range(4):  # 4 live ranks of a 4-rank cluster whose records were lost; re-created with ep_size 3
+            _report(store, r, live, "abc123")
+        with pytest.raises(TopologyError, match=r"ranks \[3\] report the placement they hold live.*ep_size 3"):
+            init_cluster(store, CFG, live)
+        with pytest.raises(NotFoundError):
+            store.read_config()  # nothing written
+    finally:
+        store.delete_cluster()
