@@ -205,6 +205,9 @@ class Coordinator(UnaskedRounds, Leadership):
         self.store.emit_event("coordinator_error", holder=self.holder, state=rec.state, error=problem[:500])
         if rec.state in ABORTABLE and isinstance(err, (CorruptRecordError, InputError)):
             return self._abort(rec, f"{rec.state} failed: {problem}")
+        if isinstance(err, CorruptRecordError):  # no round to abort (FREE) or past the commit point: say it, audited
+            self._alarm(rec, f"a stored value is corrupt, the coordinator cannot go on until it is repaired: "
+                             f"{problem}"[:2000])
         _, left = self._deadline(rec)
         # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
         retry = self._retry_ms()

@@ -242,6 +242,10 @@ def test_a_corrupt_member_record_makes_health_503_not_500(redis_url, cluster_id,
         store = tc.store()
         tc.start(heartbeat_ttl_ms=TTL)
         RawRedis(redis_url, cluster_id).r.hset(store._keys.member(3), field, value)
+        # the coordinator cannot observe the members: an audited alarm naming the key, once (not every second)
+        alarm = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "alarm"], 30, store, "the alarm")
+        assert "corrupt" in alarm[0]["reason"] and "member:3" in alarm[0]["reason"]
+        assert store.read_cluster().alarm == alarm[0]["reason"]
         code, body = service.health(store)
         assert code == 503 and body["msg"].startswith("cluster state unreadable:") and "member:3" in body["msg"]
         assert service.probe_health(store) == (503, {"code": 1, "msg": service.HEALTH_PHRASES["unreadable"]})
