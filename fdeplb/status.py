@@ -175,22 +175,12 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     }
 
 
-def _member_states(store) -> list[MemberState]:
-    """Every rank's membership state (ACTIVE for a cluster made before membership); CorruptRecordError raised."""
-    out = []
-    for m in store.read_each(MEMBERSHIP):
-        if isinstance(m, CorruptRecordError):
-            raise m
-        out.append(MemberState.ACTIVE if m is None else m.state)
-    return out
-
-
 def degraded_experts(store) -> dict[str, Any] | None:
     """``cluster_status``' ``degraded`` alone (for ``/health``): None while every logical expert of the current
     placement has a replica on an ACTIVE member, else ``{"orphans": [[layer, log_id], ...], "ranks": [...]}``.
     :class:`CorruptRecordError` for a configuration, placement or member record that does not parse."""
     config = store.read_config()
-    live = [r for r, st in enumerate(_member_states(store)) if st is MemberState.ACTIVE]
+    live = store.member_view().active()  # the membership reader unhealthy_ranks uses too
     if len(live) == config.ep_size:
         return None
     try:

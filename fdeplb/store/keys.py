@@ -25,7 +25,15 @@ class Keys:
     def pattern(self) -> str:
         """SCAN ``MATCH`` glob of every key of this cluster (the hash tag's braces escaped): what deleting or
         counting a cluster's keys walks, so a key added to this class is never left behind."""
-        return f"{self.prefix.replace('{', '[{]').replace('}', '[}]')}:*"
+        return self._glob("")
+
+    @property
+    def live_pattern(self) -> str:
+        """SCAN ``MATCH`` glob of every rank's live report (:meth:`live`)."""
+        return self._glob("live:")
+
+    def _glob(self, sub: str) -> str:
+        return f"{self.prefix.replace('{', '[{]').replace('}', '[}]')}:{sub}*"
 
     @property
     def rearrange(self) -> str:

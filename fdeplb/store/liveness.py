@@ -140,9 +140,8 @@ class Liveness:
     def live_report_ranks(self) -> list[int]:
         """The ranks that have a live report now, whatever the configuration's ep_size (a SCAN of the cluster's
         ``live:<r>`` keys): ``init-cluster`` refuses to adopt for fewer ranks than report."""
-        pattern = self._keys.live(0).rsplit(":", 1)[0].replace("{", "[{]").replace("}", "[}]") + ":*"
         ranks = []
-        for key in self._client.scan_iter(match=pattern):
+        for key in self._client.scan_iter(match=self._keys.live_pattern):
             tail = _s(key).rsplit(":", 1)[1]
             if tail.isascii() and tail.isdigit():
                 ranks.append(int(tail))
