@@ -450,18 +450,20 @@ class LiveExperts:
         them. Replaces the buffer's previous chunk. Returns the bytes copied.
 
         Raises:
-            WeightError: no device buffer (staged without one), staging released or of another plan.
+            WeightError: staging (or its device buffer) released, or of another plan.
             InputError: ``new_phy2log`` malformed for the routing tables.
         """
         check_staged_for(plan, staged)
         buffer = staged.buffer
-        if buffer is None or (not buffer.entries and buffer.capacity):
-            raise WeightError(f"rank {self.ep_rank}: the staged plan has no device buffer (released, or staged "
-                              "for a swap at one safe point)")
+        if buffer is not None and not buffer.entries and buffer.capacity:
+            raise WeightError(f"rank {self.ep_rank}: the staged plan's device buffer was released")
         wanted = set(int(layer) for layer in layers)
         indices = [i for i, (layer, _) in enumerate(plan.disk) if layer in wanted]
-        if len(indices) > buffer.capacity:  # a layout finer than the one the buffer was sized for never needs this
-            buffer.release()
+        # no buffer: the rank's chunks read nothing from disk (staged with none; an empty one holds the chunk's
+        # routing rows and writes). A chunk larger than the buffer never comes from the layout it was sized for.
+        if buffer is None or len(indices) > buffer.capacity:
+            if buffer is not None:
+                buffer.release()
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
         buffer.layers, buffer.loaded, buffer.routing = (), {}, {}

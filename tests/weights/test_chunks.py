@@ -174,3 +174,19 @@ def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, m
     with pytest.raises(VerificationError, match=r": 1 swapped slot\(s\) differ on the device .*\[\(1, 1, 6\)\]"):
         b.swap_layers(staged, new, (1,))
     assert runs == [2, 2]  # one copy per suffix for both slots
+
+
+def test_a_chunked_swap_with_only_local_copies_needs_no_device_buffer(ckpt):
+    """A rank whose chunks read nothing from disk (its slots exchange experts it already holds) is staged without
+    a device buffer; every chunk still loads and applies (found in examples/serving_node.py: such a rank failed
+    every chunk with 'no device buffer' and switched late)."""
+    new = OLD.copy()
+    new[0, :2] = [1, 0]  # rank 0 swaps the experts of its slots 0 and 1 in layer 0
+    new[2, 2] = 0  # and copies expert 0 (its slot 0) into slot 2 of layer 2 (expert 2 stays on rank 1)
+    b = backend(ckpt)
+    staged = b.stage(new, None, PauseBudget(0, 1))
+    assert staged.experts.buffer is None and not staged.transfer.disk
+    reports = apply_all(b, staged, new, chunk_layers(staged.starts, changed_layers(OLD, new)))
+    assert [r.local for r in reports] == [2, 1] and all(r.disk_slots == 0 for r in reports)
+    assert np.array_equal(b.phy2log, new)
+    assert b.verify() == (L * 6, L * 6)
