@@ -14,7 +14,10 @@ the device buffer before its step (not in the pause), then the pause = device co
 chunk's routing rows. ``pause_vs_memcpy`` = largest chunked pause / a plain memcpy of that pause's bytes (timed right
 after it, between paddle host tensors like the slots: see :func:`host_pair`). Targets on CPU: pause_vs_memcpy
 <= 1.5, largest chunked pause <= 1/8 of the unchunked pause, sum of the chunked pauses <= 1.2x the unchunked pause
-(best of --repeats each).
+(best of --repeats each). On a CPU rank the pause's checked copy runs on up to 4 threads (the cores the stopped
+engine leaves idle; ``fdeplb.weights._paddle.copy_threads``), so ``pause_vs_parallel_memcpy`` also compares it
+with a memcpy of the same bytes split over as many threads: the plain ratio measures the pause against the one-core
+copy the issue names, the parallel one what the checking costs.
 
 Measures: bytes read from the checkpoint, bytes copied locally, peak staging bytes, and the swap's copy throughput as
 a ratio of a plain memcpy (numpy.copyto between pre-faulted paddle host buffers) of the same number of bytes, timed
@@ -163,17 +166,49 @@ class SizedMemcpy:
         return time.perf_counter() - t0
 
 
+class ParallelMemcpy(SizedMemcpy):
+    """The same memcpy split in :func:`~fdeplb.weights._paddle.copy_threads` contiguous parts, one per thread
+    (numpy releases the GIL): a baseline on as many cores as the pause's checked copy uses, reported beside the
+    plain one so neither ratio hides the other."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        super().__init__()
+        self.threads = _paddle.copy_threads()
+        self.pool = ThreadPoolExecutor(self.threads)
+
+    def __call__(self, nbytes: int) -> float:
+        if nbytes > self.src.size:
+            self.tensors, self.src, self.dst = host_pair(nbytes)
+        step = -(-nbytes // self.threads)
+        parts = [(self.dst[i:min(i + step, nbytes)], self.src[i:min(i + step, nbytes)]) for i in range(0, nbytes, step)]
+
+        def copy() -> None:
+            futures = [self.pool.submit(np.copyto, d, s) for d, s in parts[1:]]
+            np.copyto(*parts[0])
+            for f in futures:
+                f.result()
+
+        copy()  # warm-up: the same pages as the timed copy
+        t0 = time.perf_counter()
+        copy()
+        return time.perf_counter() - t0
+
+
 @dataclass
 class PauseRun:
     """One forward swap's pauses: ``chunks`` (layers), ``pauses`` (s), ``nbytes`` (written per pause),
-    ``memcpy`` (s, the baseline of each pause's bytes) and ``span`` (s, first pause's start to last's end, the
-    device-buffer moves between them included)."""
+    ``memcpy`` (s, the baseline of each pause's bytes), ``span`` (s, first pause's start to last's end, the
+    device-buffer moves between them included) and ``memcpy_parallel`` (s, the same bytes copied on as many threads
+    as the pause's checked copy; empty on a GPU)."""
 
     chunks: list
     pauses: list
     nbytes: list
     memcpy: list
     span: float
+    memcpy_parallel: list
 
     @property
     def worst(self) -> int:
@@ -181,10 +216,10 @@ class PauseRun:
 
 
 def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, budget: PauseBudget,
-               repeats: int, device: str, memcpy) -> tuple[list[PauseRun], list[float]]:
+               repeats: int, device: str, memcpy, memcpy_parallel=None) -> tuple[list[PauseRun], list[float]]:
     """Forward swaps old -> new in chunks within ``budget`` (``repeats`` times; each swapped back at once, untimed)
     and, for the same plan, the swap at once as before (``LiveExperts.swap``): (the chunked runs, the at-once
-    pauses in s)."""
+    pauses in s). ``memcpy(nbytes)`` / ``memcpy_parallel(nbytes)`` time each pause's baselines right after it."""
     runs, at_once = [], []
     for _ in range(repeats):
         plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
@@ -192,7 +227,7 @@ def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new
         chunks = chunk_layers(chunk_starts(changed, plan.layer_nbytes(live.expert_nbytes), budget), changed)
         cap = max(sum(1 for layer, _ in plan.disk if layer in c) for c in chunks)
         staged = stage_experts(plan, reader, device=device, buffer_experts=cap)
-        pauses, nbytes, base = [], [], []
+        pauses, nbytes, base, base_parallel = [], [], [], []
         t_first = None
         for layers in chunks:
             live.load_chunk(plan, staged, new, layers)  # before the chunk's switch step: not the pause
@@ -203,9 +238,11 @@ def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new
             pauses.append(t1 - t0)
             nbytes.append(report.bytes_from_staging + report.bytes_local + report.bytes_snapshot)
             base.append(memcpy(nbytes[-1]))
+            if memcpy_parallel is not None:
+                base_parallel.append(memcpy_parallel(nbytes[-1]))
         span = t1 - t_first
         staged.release()
-        runs.append(PauseRun(chunks, pauses, nbytes, base, span))
+        runs.append(PauseRun(chunks, pauses, nbytes, base, span, base_parallel))
         back = plan_transfer(new, old, live.ep_rank, live.ep_size)  # back at once (untimed)
         staged = stage_experts(back, reader, device=device)
         live.swap(back, staged, old)
@@ -227,7 +264,16 @@ def pause_fields(m: "Measured") -> dict:
     best = min(chunked, key=lambda r: max(r.pauses))
     worst = best.worst
     unchunked_s = min(r.pauses[0] for r in unchunked)
+    parallel = {}
+    if all(r.memcpy_parallel for r in chunked):
+        parallel = {
+            "copy_threads": _paddle.copy_threads(),
+            "memcpy_parallel_ms_of_max_pause": best.memcpy_parallel[worst] * 1e3,
+            "pause_vs_parallel_memcpy": min(max(p / b for p, b in zip(r.pauses, r.memcpy_parallel) if b > 0)
+                                            for r in chunked),
+        }
     return {
+        **parallel,
         "pause_budget_bytes": m.pauses["budget"].max_pause_bytes,
         "chunks_per_swap": len(best.chunks),
         "pause_ms_chunked": [round(p * 1e3, 3) for p in best.pauses],
@@ -261,6 +307,10 @@ def pause_rows(m: "Measured", fields: dict) -> list[tuple[str, str]]:
         ("pause budget", f"{mib(fields['pause_budget_bytes'])} per safe point: {fields['chunks_per_swap']} chunks"),
         ("largest chunked pause", f"{fields['max_pause_ms_chunked']:,.2f} ms ({mib(fields['max_pause_bytes_chunked'])}"
                                   f", x{fields['pause_vs_memcpy']:.2f} memcpy; target <= 1.5)"),
+        *([("largest pause vs a memcpy on as many threads",
+            f"x{fields['pause_vs_parallel_memcpy']:.2f} ({fields['copy_threads']} threads; "
+            f"{fields['memcpy_parallel_ms_of_max_pause']:,.2f} ms for the largest pause's bytes)")]
+          if "pause_vs_parallel_memcpy" in fields else []),
         ("sum of chunked pauses", f"{fields['sum_pause_ms_chunked']:,.2f} ms (span first..last chunk "
                                   f"{fields['chunked_span_ms']:,.2f} ms)"),
         ("unchunked pause (one safe point)", f"{fields['max_pause_ms_unchunked']:,.2f} ms"),
@@ -427,9 +477,11 @@ def measure(args: argparse.Namespace, baseline: MemcpyBaseline, pause_memcpy=Non
         # pages (2-3x faster raw read, a context effect, not a staging change)
         read_speed = stage_vs_raw(reader, runs[0][0], args.device, args.repeats)
         memcpy = pause_memcpy or SizedMemcpy()
+        parallel = None if pause_memcpy else ParallelMemcpy()
         budget = PauseBudget(args.max_pause_bytes, 0)
-        chunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy)
-        unchunked, _ = pause_runs(live, reader, old, new, PauseBudget(0, 0), args.repeats, args.device, memcpy)
+        chunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy, parallel)
+        unchunked, _ = pause_runs(live, reader, old, new, PauseBudget(0, 0), args.repeats, args.device, memcpy,
+                                  parallel)
         pauses = {"budget": budget, "chunked": chunked, "unchunked": unchunked, "at_once": at_once}
         verified, total = live.verify(reader)
         reader.close()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -149,8 +151,10 @@ def checksum(t: Any) -> int:
     return int(_crc32c()(np.frombuffer(host_buffer(t), dtype=np.uint8)))
 
 
-#: block of a checked host copy (:func:`copy_checked`): copied, then compared while both halves are in L2
+#: block of a checked host copy: copied, then compared while both halves are still in L2
 _CHECK_BLOCK = 256 * 1024
+#: most threads a batch of checked host copies uses (:func:`copy_rows_checked`)
+_MAX_COPY_THREADS = 4
 
 
 @lru_cache(maxsize=None)
@@ -180,6 +184,21 @@ def _as_words(t: Any) -> Any:
     return flat.view(pd.int16 if size == 2 else pd.int8).astype(pd.int32)
 
 
+#: the raw host copy of :func:`_host_copy_checked` (``memmove(dst, src, n)``; a test replaces it with a faulty one)
+_copy_bytes = ctypes.memmove
+
+
+def _host_copy_checked(dst: int, src: int, size: int) -> bool:
+    """Copy ``size`` bytes from address ``src`` to ``dst`` in blocks, each compared (``memcmp``) right after its
+    copy while it is still in cache; True when every block compares equal. Both libc calls release the GIL."""
+    memcmp, copy, ok = _memcmp(), _copy_bytes, True
+    for offset in range(0, size, _CHECK_BLOCK):
+        n = min(_CHECK_BLOCK, size - offset)
+        copy(dst + offset, src + offset, n)
+        ok = memcmp(dst + offset, src + offset, n) == 0 and ok
+    return ok
+
+
 def copy_checked(dst: Any, src: Any) -> Any:
     """Copy ``src`` into ``dst`` in place and check, on the tensors' own device, that ``dst`` now holds exactly
     ``src``'s bytes; nothing is read back to the host but the answer. Both must have the same shape and dtype.
@@ -187,20 +206,119 @@ def copy_checked(dst: Any, src: Any) -> Any:
     Host tensors (a CPU device): copied in blocks of 256 KiB, each compared (``memcmp``) right after its copy while
     it is still in cache; returns a Python bool. Device tensors: ``copy_`` and a bit-exact ``equal_all`` of their
     raw words queued behind it on the device; returns a 0-d device bool tensor (:func:`all_checked` reads them).
-    A later write of ``src`` (a copy chain of the same swap) does not disturb the answer: it is taken in order."""
+    A later write of ``src`` (a copy chain of the same swap) does not disturb the answer: it is taken in order.
+
+    Raises:
+        ValueError: host tensors of different byte sizes.
+    """
     if _on_host(dst) and _on_host(src):
         size = nbytes(dst)
         if size != nbytes(src):
-            raise ValueError(f"copy_checked: {size} bytes into {nbytes(src)}")
-        d, s, memcmp = dst.data_ptr(), src.data_ptr(), _memcmp()
-        ok = True
-        for offset in range(0, size, _CHECK_BLOCK):
-            n = min(_CHECK_BLOCK, size - offset)
-            ctypes.memmove(d + offset, s + offset, n)
-            ok = ok and memcmp(d + offset, s + offset, n) == 0
-        return ok
+            raise ValueError(f"copy_checked: {nbytes(src)} bytes into {size}")
+        return _host_copy_checked(dst.data_ptr(), src.data_ptr(), size)
     copy_into(dst, src)
     return device_equal(dst, src)
+
+
+class RowCopy(NamedTuple):
+    """Rows ``[src_row, src_row + rows)`` of ``src`` copied onto rows ``[dst_row, dst_row + rows)`` of ``dst``:
+    two tensors of the same row shape and dtype (rows = the leading axis: a stacked expert tensor's slots, or a
+    device buffer's entries)."""
+
+    dst: Any
+    dst_row: int
+    src: Any
+    src_row: int
+    rows: int
+
+
+@lru_cache(maxsize=None)
+def _copy_pool(pid: int, workers: int) -> ThreadPoolExecutor:
+    """Threads of the checked host copies of process ``pid`` (a forked child builds its own: threads do not
+    survive ``fork``)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fdeplb-copy")
+
+
+def copy_threads() -> int:
+    """Threads a batch of checked host copies uses: the cores this process may run on, at most 4 (on a CPU rank
+    the CPU is the device, and the engine's own threads wait at the safe point while the batch runs)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_COPY_THREADS, cores))
+
+
+def _host_rows(t: Any, row: int, rows: int) -> tuple[int, int]:
+    """``(address, bytes)`` of rows ``[row, row + rows)`` of a contiguous host tensor."""
+    per_row = nbytes(t) // int(t.shape[0]) if int(t.shape[0]) else 0
+    if not 0 <= row <= row + rows <= int(t.shape[0]):
+        raise ValueError(f"rows [{row}, {row + rows}) outside a tensor of {int(t.shape[0])} rows")
+    return t.data_ptr() + row * per_row, rows * per_row
+
+
+def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int, int]]]:
+    """``(index, dst, src, bytes)`` pieces of ``segments`` (``(dst, src, bytes)``) in ``parts`` lists of about equal
+    bytes, each a contiguous stretch of the segments in order, cut on block boundaries."""
+    total = sum(n for _, _, n in segments)
+    share = -(-total // parts)
+    share = -(-share // _CHECK_BLOCK) * _CHECK_BLOCK
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(parts)]
+    pos = 0
+    for i, (d, s, n) in enumerate(segments):
+        offset = 0
+        while offset < n:
+            part = min(pos // share, parts - 1)
+            m = n - offset if part == parts - 1 else min(n - offset, (part + 1) * share - pos)
+            out[part].append((i, d + offset, s + offset, m))
+            offset, pos = offset + m, pos + m
+    return [p for p in out if p]
+
+
+def _run_pieces(pieces: list[tuple[int, int, int, int]]) -> set[int]:
+    return {i for i, d, s, n in pieces if not _host_copy_checked(d, s, n)}
+
+
+def copy_rows_checked(copies: list[RowCopy], device: str) -> list[int]:
+    """Apply a batch of independent row copies in place, each checked bit-exactly on the tensors' device; returns
+    the indices of the copies whose check failed (empty: every byte landed). Waits until every copy is done.
+
+    The copies of one batch must be independent (no copy reads rows another writes): they may run in any order and
+    at once. Host tensors (a CPU device): the batch is cut into 256 KiB blocks, each copied and compared
+    (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in contiguous stretches. Device
+    tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued on the device, one flag
+    vector read back (:func:`all_checked`): no tensor bytes reach the host.
+
+    Raises:
+        ValueError: rows outside a tensor, or copies between tensors of different row sizes.
+    """
+    if not copies:
+        return []
+    if all(_on_host(c.dst) and _on_host(c.src) for c in copies):
+        segments = []
+        for c in copies:
+            d, n = _host_rows(c.dst, c.dst_row, c.rows)
+            s, m = _host_rows(c.src, c.src_row, c.rows)
+            if n != m:
+                raise ValueError(f"copy_rows_checked: {m} bytes into {n}")
+            segments.append((d, s, n))
+        threads = min(copy_threads(), max(1, sum(n for _, _, n in segments) // (4 * _CHECK_BLOCK)))
+        parts = _split(segments, threads)
+        if len(parts) == 1:
+            return sorted(_run_pieces(parts[0]))
+        pool = _copy_pool(os.getpid(), copy_threads())
+        futures = [pool.submit(_run_pieces, p) for p in parts[1:]]
+        try:
+            bad = _run_pieces(parts[0])  # the calling thread takes the first stretch
+        finally:
+            wait(futures)  # never return (or raise) while another thread still writes
+        for f in futures:
+            bad |= f.result()
+        return sorted(bad)
+    results = [copy_checked(c.dst[c.dst_row:c.dst_row + c.rows], c.src[c.src_row:c.src_row + c.rows])
+               for c in copies]
+    synchronize(device)
+    return all_checked(results, device)
 
 
 def device_equal(a: Any, b: Any) -> Any:

@@ -466,7 +466,7 @@ class LiveExperts:
                 buffer.release()
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
-        buffer.layers, buffer.loaded, buffer.routing = (), {}, {}
+        buffer.layers, buffer.loaded, buffer.routing, buffer.writes = (), {}, {}, []
         # the chunk's staged experts and the buffer are checked here, before the switch step, so the pause only
         # checks that the buffer holds this chunk
         self._check_staged_shapes(plan, [staged.experts[i] for i in indices], indices)
@@ -490,6 +490,7 @@ class LiveExperts:
             a, b = rows.index(lo), rows.index(hi) + 1
             buffer.routing[(lo, hi + 1)] = (self._device_int64(new[lo:hi + 1]), self._device_int64(log2phy[a:b]),
                                             self._device_int64(logcnt[a:b]))
+        buffer.writes = _chunk_writes(plan, wanted, buffer.loaded)
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
         buffer.layers = tuple(sorted(wanted))
         return copied
@@ -517,7 +518,10 @@ class LiveExperts:
 
         Each written slot is compared bit-exactly with what it was copied from (its device buffer entry, the
         source slot, or the cycle snapshot) on the device, right after its copy; only the answer is read back
-        (:func:`~fdeplb.weights._paddle.copy_checked`): no expert bytes go to the host.
+        (:func:`~fdeplb.weights._paddle.copy_checked`, :func:`~fdeplb.weights._paddle.copy_rows_checked`): no
+        expert bytes go to the host. Local copies run first, in the plan's order; the disk writes (runs of
+        consecutive slots from consecutive buffer entries) then run as one batch, on a CPU device spread over
+        :func:`~fdeplb.weights._paddle.copy_threads` threads.
 
         Raises:
             InputError / WeightError: as :meth:`swap`, checked for these layers before any write; WeightError also
@@ -541,52 +545,39 @@ class LiveExperts:
                 "verify(reader) the live slots first"
             )
         per_slot = self.expert_nbytes
-        steps = [step for step in plan.steps if step.layer in wanted]
-
-        # consecutive disk writes into consecutive slots of a layer from consecutive buffer entries are one run:
-        # one copy and one check per run and suffix (tensor slices along the slot axis, contiguous on both sides)
-        writes: list[tuple[str, int, int, int, int]] = []  # (kind, layer, first slot, first source, slots)
-        for step in steps:
-            source = buffer.loaded[step.source] if step.kind == "disk" else step.source
-            if writes and step.kind == "disk":
-                kind, layer, slot, first, count = writes[-1]
-                if (kind, layer, slot + count, first + count) == ("disk", step.layer, step.slot, source):
-                    writes[-1] = (kind, layer, slot, first, count + 1)
-                    continue
-            writes.append((step.kind, step.layer, step.slot, source, 1))
-
         start = time.perf_counter()
         self.needs_reload = True
         snapshots: dict[tuple[int, int], dict[str, Any]] = {}
-        checks: list[Any] = []
+        checks: list[Any] = []  # local copies, in the plan's order (a slot is read before it is overwritten)
         written: list[tuple[str, int, int, int, int, str]] = []  # the write and suffix of each check
+        runs: list[_paddle.RowCopy] = []  # disk writes: independent of each other, after every local copy
+        run_written: list[tuple[str, int, int, int, int, str]] = []
         disk_slots = local = snaps = 0
-        for kind, layer, slot, source, count in writes:
+        for kind, layer, slot, source, count in buffer.writes:
+            if kind == "disk":
+                for suffix, layers_ in self.tensors.items():
+                    runs.append(_paddle.RowCopy(layers_[layer], slot, buffer.tensors[suffix], source, count))
+                    run_written.append((kind, layer, slot, source, count, suffix))
+                disk_slots += count
+                continue
             dst = self._views[layer][slot]
             if kind == "snapshot":
                 snapshots[(layer, slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
                 snaps += 1
                 continue
-            if kind == "disk":
-                src = buffer.entries[source]
-                if count > 1:
-                    dst = {s: layers_[layer][slot:slot + count] for s, layers_ in self.tensors.items()}
-                    src = {s: t[source:source + count] for s, t in buffer.tensors.items()}
-                disk_slots += count
-            elif kind == "local":
-                src = self._views[layer][source]
-                local += 1
-            else:
-                src = snapshots[(layer, source)]
-                local += 1
+            src = self._views[layer][source] if kind == "local" else snapshots[(layer, source)]
+            local += 1
             for suffix, t in dst.items():
                 checks.append(_paddle.copy_checked(t, src[suffix]))
                 written.append((kind, layer, slot, source, count, suffix))
+        # every local copy of a layer reads its slots before that layer's disk writes overwrite them (the plan's
+        # order), and disk writes only read the buffer: once the local copies are queued, the runs are independent
+        failed = [run_written[i] for i in _paddle.copy_rows_checked(runs, self.device)]
         _paddle.synchronize(self.device)
         copy_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        failed = [written[i] for i in _paddle.all_checked(checks, self.device)]
+        failed += [written[i] for i in _paddle.all_checked(checks, self.device)]
         snapshots.clear()
         verify_seconds = time.perf_counter() - start
         if failed:
@@ -624,6 +615,25 @@ class LiveExperts:
             verify_seconds=verify_seconds,
             routing_seconds=routing_seconds,
         )
+
+
+def _chunk_writes(plan: TransferPlan, layers: set[int], loaded: dict[int, int]) -> list[tuple[str, int, int, int, int]]:
+    """The writes of ``plan`` in ``layers``, in the plan's order, as ``(kind, layer, first slot, first source,
+    slots)``: a disk write's source is its device buffer entry (``loaded``: index into ``plan.disk`` -> entry), and
+    consecutive disk writes into consecutive slots of a layer from consecutive entries are one run (one copy and
+    one check per run and suffix: tensor rows along the slot axis, contiguous on both sides)."""
+    writes: list[tuple[str, int, int, int, int]] = []
+    for step in plan.steps:
+        if step.layer not in layers:
+            continue
+        source = loaded[step.source] if step.kind == "disk" else step.source
+        if writes and step.kind == "disk":
+            kind, layer, slot, first, count = writes[-1]
+            if (kind, layer, slot + count, first + count) == ("disk", step.layer, step.slot, source):
+                writes[-1] = (kind, layer, slot, first, count + 1)
+                continue
+        writes.append((step.kind, step.layer, step.slot, source, 1))
+    return writes
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

@@ -48,6 +48,8 @@ class DeviceBuffer:
         layers: the chunk it holds (layer indices; () = none yet); loaded: ``index into plan.disk -> entry``.
         routing: ``(first layer, stop) -> (phy2log rows, log2phy rows, logcnt rows)`` device tensors of the
             chunk's new routing, one block per run of consecutive layers.
+        writes: the chunk's writes, worked out when it is loaded (``(kind, layer, first slot, first source,
+            slots)``, see :meth:`fdeplb.weights.LiveExperts.load_chunk`): the pause only copies.
     """
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]], capacity: int, device: str) -> None:
@@ -60,10 +62,11 @@ class DeviceBuffer:
         self.layers: tuple[int, ...] = ()
         self.loaded: dict[int, int] = {}
         self.routing: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.writes: list[tuple[str, int, int, int, int]] = []
 
     def release(self) -> None:
         """Free the device memory (idempotent)."""
-        self.tensors, self.entries, self.routing, self.loaded = {}, [], {}, {}
+        self.tensors, self.entries, self.routing, self.loaded, self.writes = {}, [], {}, {}, []
         self.layers, self.nbytes = (), 0
 
 

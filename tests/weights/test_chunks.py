@@ -3,6 +3,8 @@ of every written slot (never a read-back of the experts) and the routing rows th
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -101,32 +103,38 @@ def test_the_device_buffer_counts_in_the_staging_budget_up_front(ckpt):
     staged.release()
 
 
+def short_copy_once(monkeypatch):
+    """Make the next raw host copy land one byte short (the copy primitive itself fails, the real comparison after
+    it must find it); returns the list of (dst, n) copies it saw."""
+    real, seen = _paddle._copy_bytes, []
+
+    def copy(dst, src, n):
+        seen.append((dst, n))
+        return real(dst, src, n - 1 if len(seen) == 1 else n)
+
+    monkeypatch.setattr(_paddle, "_copy_bytes", copy)
+    return seen
+
+
 def test_a_mismatch_found_on_the_device_raises_and_keeps_that_layers_routing(ckpt, monkeypatch):
-    """A slot written wrong in chunk 2 (the copy lands short): found by the on-device comparison, with no expert
-    read back to the host (a checksum during the pause would fail the test); chunk 1 stays applied, chunk 2's
+    """A slot written wrong in chunk 2 (the copy lands a byte short): found by the on-device comparison, with no
+    expert read back to the host (a checksum during the pause would fail the test); chunk 1 stays applied, chunk 2's
     layers keep the old routing rows, and reload() restores a consistent rank."""
     b = backend(ckpt)
     staged = b.stage(NEW, None, PauseBudget(0, 1))
     b.prepare(staged, NEW, (0,))
     b.swap_layers(staged, NEW, (0,))
     b.prepare(staged, NEW, (2,))
-    real_copy = _paddle.copy_checked
-
-    def short_copy(dst, src):  # the first written tensor's last byte does not land; checked as a GPU would
-        real_copy(dst, src)
-        if not getattr(short_copy, "hit", False):
-            short_copy.hit = True
-            _paddle.host_buffer(dst)[-1] ^= 0xFF
-        return _paddle.device_equal(dst, src)
 
     def no_readback(*_a, **_k):
         raise AssertionError("an expert was checksummed (read back) during the pause")
 
-    monkeypatch.setattr(_paddle, "copy_checked", short_copy)
+    seen = short_copy_once(monkeypatch)
     monkeypatch.setattr(_paddle, "checksum", no_readback)
     with pytest.raises(VerificationError, match="on the device"):
         b.swap_layers(staged, NEW, (2,))
     monkeypatch.undo()
+    assert seen  # the pause copied through the checked host copy
     assert b.live.needs_reload
     p2l = b.live.phy2log_tensor.numpy()
     assert np.array_equal(p2l[0], NEW[0]) and np.array_equal(p2l[2], OLD[2])  # chunk 1 applied, chunk 2 not
@@ -149,6 +157,50 @@ def test_copy_checked_compares_the_bytes_on_the_device_path_too():
     assert _paddle.copy_checked(b, a) is True and _paddle.host_buffer(b) == _paddle.host_buffer(a)
 
 
+def test_a_batch_of_row_copies_lands_every_byte_and_names_the_one_that_did_not(monkeypatch):
+    """copy_rows_checked on host tensors: rows land where asked (nothing else touched), a large batch is spread over
+    several threads, and a copy short by one byte in a later stretch is the one index reported."""
+    import threading
+
+    import paddle
+
+    rows, width = 64, 64 * 1024  # 64 rows of 256 KiB (float32): 16 MiB, enough for every copy thread
+    src = paddle.arange(rows * width, dtype="float32").reshape([rows, width])
+    dst = paddle.zeros([rows, width], dtype="float32")
+    copies = [_paddle.RowCopy(dst, 0, src, 8, 8), _paddle.RowCopy(dst, 16, src, 0, 8),
+              _paddle.RowCopy(dst, 40, src, 40, 24)]
+    threads: set[str] = set()
+    real = _paddle._copy_bytes
+
+    def copy(d, s, n):
+        threads.add(threading.current_thread().name)
+        last = dst.data_ptr() + rows * width * 4
+        return real(d, s, n - 1 if d + n == last else n)  # the last row of the last copy lands a byte short
+
+    monkeypatch.setattr(_paddle, "_copy_bytes", copy)
+    assert _paddle.copy_rows_checked(copies, "cpu") == [2]
+    got, want = dst.numpy(), src.numpy()
+    assert np.array_equal(got[0:8], want[8:16]) and np.array_equal(got[16:24], want[0:8])
+    assert not got[8:16].any() and not got[24:40].any()  # rows no copy names stay as they were
+    assert np.array_equal(got[40:63], want[40:63])
+    assert len(threads) >= 2 if _paddle.copy_threads() > 1 else len(threads) == 1
+    monkeypatch.undo()
+    assert _paddle.copy_rows_checked(copies, "cpu") == []
+    with pytest.raises(ValueError, match="outside"):
+        _paddle.copy_rows_checked([_paddle.RowCopy(dst, 60, src, 0, 8)], "cpu")
+
+
+def test_the_device_path_of_a_batch_copies_rows_and_compares_on_the_device(monkeypatch):
+    """With the tensors taken for device tensors (the GPU path, on CPU tensors): each copy is a copy_ of the row
+    slices plus an equal_all, one flag vector read back."""
+    import paddle
+
+    src = paddle.arange(6 * 10, dtype="float32").reshape([6, 10])
+    dst = paddle.zeros([6, 10], dtype="float32")
+    monkeypatch.setattr(_paddle, "_on_host", lambda t: False)
+    assert _paddle.copy_rows_checked([_paddle.RowCopy(dst, 1, src, 3, 2)], "cpu") == []
+    assert np.array_equal(dst.numpy()[1:3], src.numpy()[3:5]) and not dst.numpy()[[0, 3, 4, 5]].any()
+
 
 def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, monkeypatch):
     """Disk writes into consecutive slots from consecutive buffer entries are copied and checked as one run; a byte
@@ -159,18 +211,22 @@ def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, m
     b = backend(ckpt)
     staged = b.stage(new, None, PauseBudget(0, 1))
     b.prepare(staged, new, (1,))
-    real_copy, runs = _paddle.copy_checked, []
+    real_batch, real_copy, runs = _paddle.copy_rows_checked, _paddle._copy_bytes, []
+    first_suffix = next(iter(b.live.tensors))
+    target = b.live.slot(1, 1)[first_suffix].data_ptr()  # first byte of slot 1, layer 1
 
-    def corrupt_second_slot(dst, src):
-        ok = real_copy(dst, src)
-        if len(dst.shape) == 3:  # a run: [slots, *shape]
-            runs.append(int(dst.shape[0]))
-            if len(runs) == 1:
-                _paddle.host_buffer(dst[1])[0] ^= 0xFF
-                return False
-        return ok
+    def batch(copies, device):
+        runs.extend(c.rows for c in copies)
+        return real_batch(copies, device)
 
-    monkeypatch.setattr(_paddle, "copy_checked", corrupt_second_slot)
+    def copy(d, s, n):
+        out = real_copy(d, s, n)
+        if d <= target < d + n:
+            ctypes.c_char.from_address(target).value = bytes([ctypes.c_char.from_address(target).value[0] ^ 0xFF])
+        return out
+
+    monkeypatch.setattr(_paddle, "copy_rows_checked", batch)
+    monkeypatch.setattr(_paddle, "_copy_bytes", copy)
     with pytest.raises(VerificationError, match=r": 1 swapped slot\(s\) differ on the device .*\[\(1, 1, 6\)\]"):
         b.swap_layers(staged, new, (1,))
     assert runs == [2, 2]  # one copy per suffix for both slots
