@@ -310,6 +310,11 @@ def test_swap_benchmark_smoke(real_data, monkeypatch):
     assert result["slots_verified"] == result["slots_total"] == 58 * 9
     assert result["bytes_read_from_disk"] == result["counts"]["disk"] * result["expert_nbytes"]
     assert result["peak_staging_bytes"] == result["bytes_read_from_disk"]
+    # the pause table's fields (figures, not targets: timings are the benchmark's to judge, never a test's)
+    assert len(result["pause_ms_chunked"]) == result["chunks_per_swap"] >= 1
+    assert result["copy_threads"] >= 1 and result["pause_vs_parallel_memcpy"] > 0
+    assert set(result["pause_targets"]) == {"pause_vs_memcpy<=1.5", "max_chunked<=unchunked/8",
+                                            "sum_chunked<=1.2*unchunked"}
 
 
 def _gpu_device() -> str | None:
