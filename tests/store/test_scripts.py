@@ -198,12 +198,15 @@ def test_the_lua_chain_prelude_computes_chain_of(raw, previous, fields):
 
 
 def test_the_scripts_that_append_to_the_audit_share_the_chain_prelude():
-    """commit.lua and audit.lua run with lua/_chain.lua before them and compute no chain of their own."""
+    """commit.lua, audit.lua and weights_cancel.lua run with lua/_chain.lua before them and compute no chain, lease
+    fence or time stamp of their own."""
     prelude = lua_file(CHAIN_PRELUDE)
-    assert "sha1hex" in prelude
+    assert "sha1hex" in prelude and "'TIME'" in prelude and "ERR_FENCE" in prelude
     for name in CHAINED:
         assert script_text(name) == prelude + lua_file(name)
         assert "sha1hex" not in lua_file(name) and "append_chained(" in lua_file(name)
+        assert "'TIME'" not in lua_file(name) and "now_ms()" in lua_file(name)
+        assert "ERR_FENCE'" not in lua_file(name) and "fence_refused(" in lua_file(name)
     assert "append_chained" not in script_text("lease") and "sha1hex" not in script_text("lease")
 
 

@@ -1,5 +1,6 @@
--- _chain.lua: the audit chain, defined once. fdeplb/store/scripts.py (script_text) puts this file before every
--- script that appends to the audit stream (commit.lua, audit.lua); fdeplb.replay.chain_of is its Python twin, and
+-- _chain.lua: what every script that appends to the audit stream shares, defined once: the audit chain, the
+-- lease-fence check and the server-time stamp. fdeplb/store/scripts.py (script_text) puts this file before each of
+-- them (commit.lua, audit.lua, weights_cancel.lua); fdeplb.replay.chain_of is the chain's Python twin, and
 -- tests/test_scripts.py pins the two against each other.
 --
 -- chain = sha1hex(previous chain .. "\n" .. for every other field of the audit record, by name in byte order:
@@ -27,3 +28,22 @@ local function append_chained(audit_key, head_key, fields, order)
   return redis.call('XADD', audit_key, '*', unpack(fields))
 end
 
+
+-- nil when `fence` is "" (an unfenced caller) or is the lease value `lease_key` holds; else the {"ERR_FENCE",
+-- detail} reply the script returns at once, with nothing written.
+local function fence_refused(lease_key, fence)
+  if fence == '' then
+    return nil
+  end
+  local lease = redis.call('GET', lease_key)
+  if lease ~= fence then
+    return {'ERR_FENCE', 'fence ' .. fence .. ' is not the lease holder (' .. tostring(lease) .. ')'}
+  end
+  return nil
+end
+
+-- The Redis server's clock in milliseconds since the epoch, as a decimal string (every audit record's ts_ms).
+local function now_ms()
+  local t = redis.call('TIME')
+  return t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+end

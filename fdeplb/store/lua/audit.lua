@@ -13,11 +13,9 @@
 -- chain: lua/_chain.lua's append_chained (put before this script by scripts.py), as in commit.lua.
 -- Returns {"OK", audit_stream_id, ts_ms}, or {"ERR_FENCE", detail} with nothing written.
 
-if ARGV[1] ~= '' then
-  local lease = redis.call('GET', KEYS[3])
-  if lease ~= ARGV[1] then
-    return {'ERR_FENCE', 'fence ' .. ARGV[1] .. ' is not the lease holder (' .. tostring(lease) .. ')'}
-  end
+local refused = fence_refused(KEYS[3], ARGV[1])
+if refused then
+  return refused
 end
 
 local fields = cjson.decode(ARGV[2])
@@ -27,8 +25,7 @@ if #order * 2 ~= #fields + 4 then
     (#fields / 2 + 2))
 end
 
-local t = redis.call('TIME')
-local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+local ts_ms = now_ms()
 local n = #fields
 fields[n + 1], fields[n + 2], fields[n + 3], fields[n + 4] = 'fence', ARGV[1], 'ts_ms', ts_ms
 local id = append_chained(KEYS[1], KEYS[2], fields, order)

@@ -45,11 +45,9 @@ if not cur_state or not cur_version then
   return {'ERR_STALE', 'record ' .. rec .. ' does not exist or has no state/version'}
 end
 
-if ARGV[3] ~= '' then
-  local lease = redis.call('GET', KEYS[3])
-  if lease ~= ARGV[3] then
-    return {'ERR_FENCE', 'fence ' .. ARGV[3] .. ' is not the lease holder (' .. tostring(lease) .. ')'}
-  end
+local refused = fence_refused(KEYS[3], ARGV[3])
+if refused then
+  return refused
 end
 
 if cur_state ~= ARGV[1] or cur_version ~= ARGV[2] then
@@ -142,8 +140,7 @@ if #order * 2 ~= #fields + 6 then
     (#fields / 2 + 3))
 end
 
-local t = redis.call('TIME')
-local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+local ts_ms = now_ms()
 local new_version = tostring(tonumber(cur_version) + 1)
 
 if ARGV[8] == 'set_placement' then

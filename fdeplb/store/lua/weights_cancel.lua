@@ -28,11 +28,9 @@
 -- request is not withdrawn, and both scripts are atomic: of a cancel and the last arm, exactly one wins.
 -- Returns {"OK", audit_stream_id}, {"ALREADY", ""} (withdrawn before: nothing written), or {error_code, detail}.
 
-if ARGV[2] ~= '' then
-  local lease = redis.call('GET', KEYS[4])
-  if lease ~= ARGV[2] then
-    return {'ERR_FENCE', 'fence ' .. ARGV[2] .. ' is not the lease holder (' .. tostring(lease) .. ')'}
-  end
+local refused = fence_refused(KEYS[4], ARGV[2])
+if refused then
+  return refused
 end
 
 local rec = redis.call('HMGET', KEYS[1], 'state', 'version', 'weights_request', 'weights_switch_step',
@@ -74,8 +72,7 @@ if #order * 2 ~= #fields + 10 then
 end
 
 redis.call('HSET', KEYS[1], 'weights_cancelled', n, 'weights_held_by', ARGV[4], 'weights_cancel_reason', ARGV[5])
-local t = redis.call('TIME')
-local ts_ms = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+local ts_ms = now_ms()
 local m = #fields
 fields[m + 1], fields[m + 2], fields[m + 3], fields[m + 4], fields[m + 5] = 'from', rec[1], 'to', rec[1], 'version'
 fields[m + 6], fields[m + 7], fields[m + 8], fields[m + 9], fields[m + 10] = rec[2], 'fence', ARGV[2], 'ts_ms', ts_ms
