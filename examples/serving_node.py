@@ -5,7 +5,8 @@ safetensors checkpoint (2 MoE layers x 8 experts, 4 redundant slots), a coordina
 per EP rank. Every worker embeds an :class:`fdeplb.orchestration.embedded_agent.EmbeddedAgent` and, every step:
 
 1. draws its batch of tokens (seeded per step and rank) and runs each MoE layer: gate -> top-k (the gate is biased
-   by a real DeepSeek-V3 dump's expert distribution, ``../shared/real_data``; a Zipf one when it is absent) ->
+   by a real DeepSeek-V3 dump's expert distribution, ``$FDEPLB_REAL_DATA`` or ``../shared/real_data``; a Zipf one
+   when it is absent) ->
    dispatch every (token, expert) through the live ``log2phy`` / ``logcnt`` to a physical slot and its owning
    rank -> an all-to-all through multiprocessing queues -> the owner's expert FFN on its **live slot tensors** ->
    the results back (a second all-to-all) -> combine;
@@ -53,7 +54,8 @@ import numpy as np
 
 L, E, P, EP, H, INTER, TOPK, TOKENS = 2, 8, 12, 4, 16, 8, 2, 24
 SPR = P // EP
-DUMP = Path(__file__).resolve().parents[2] / "shared" / "real_data" / "dsv3_sglang_ep_stats" / "decode_in1000out1000.json"
+REAL_DATA = Path(os.environ.get("FDEPLB_REAL_DATA", Path(__file__).resolve().parents[2] / "shared" / "real_data"))
+DUMP = REAL_DATA / "dsv3_sglang_ep_stats" / "decode_in1000out1000.json"
 TOL = 1e-5
 #: --lose-rank: rank r holds experts 2r and 2r+1 and a copy of expert 2(r+1) mod 8, so expert 2r+1 lives on rank r
 #: only: whichever rank is lost orphans one expert per layer, which the re-placement moves onto a redundant slot

@@ -577,9 +577,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None,
                          layers: tuple[int, ...] | None = None) -> SwapReport:
         """Swap in place (at the safe point; only the chunk ``layers`` when given) and take the round's
-        ``members`` as :attr:`live_ranks`; on a failed verification rewrite the live placement (the old one, for
-        the layers of the failed chunk) from the source of truth before re-raising, so the rank keeps serving it
-        (and its members) consistently."""
+        ``members`` as :attr:`live_ranks`. When the swap raises (a failed verification, or anything else once
+        writing may have begun: a device error, out of memory in a snapshot, a copy thread), rewrite the live
+        placement (the old one, for the layers of the failed chunk) from the source of truth before re-raising,
+        so the rank keeps serving it (and its members) consistently; a reload that fails too is logged and the
+        swap's own error raised."""
         try:
             if layers is None:  # the whole swap, the routing over the round's members
                 report = self.backend.swap(staged, new, members)
@@ -588,8 +590,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if members is not None:
                 self.live_ranks = members
             return report
-        except VerificationError:
-            self.backend.reload()
+        except Exception as err:
+            try:
+                self.backend.reload()
+            except Exception as reload_err:  # noqa: BLE001 - the swap's error is the one reported
+                self.log.error("reload after a failed swap failed", error=str(reload_err), swap_error=str(err))
             raise
 
     def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:

@@ -136,12 +136,16 @@ class SafePointOp:
 
     def apply(self, step: int) -> None:
         """Apply every chunk whose step is reached (normally one; several only for a rank late to its switch
-        step), each timed as its own pause; stops at the first error."""
+        step), each timed as its own pause; stops at the first error. The worker's wait for the background
+        thread to finish preparing (the two share the device buffer) counts in the first chunk's pause: the
+        worker is held for it."""
+        held = time.perf_counter()
         with self._lock:
             results = self.result if isinstance(self.result, list) else []
             while self.due(step):
                 k = self._next
-                t0 = time.perf_counter()
+                t0 = held if held is not None else time.perf_counter()
+                held = None
                 try:
                     if self.chunked is None:
                         results.append(self.fn())

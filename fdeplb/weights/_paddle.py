@@ -166,7 +166,8 @@ def _memcmp() -> Any:
     return fn
 
 
-def _on_host(t: Any) -> bool:
+def on_host(t: Any) -> bool:
+    """True for a contiguous host (or pinned) tensor, whose bytes the host can address."""
     place = t.place
     return (place.is_cpu_place() or place.is_cuda_pinned_place()) and t.is_contiguous()
 
@@ -211,7 +212,7 @@ def copy_checked(dst: Any, src: Any) -> Any:
     Raises:
         ValueError: host tensors of different byte sizes.
     """
-    if _on_host(dst) and _on_host(src):
+    if on_host(dst) and on_host(src):
         size = nbytes(dst)
         if size != nbytes(src):
             raise ValueError(f"copy_checked: {nbytes(src)} bytes into {size}")
@@ -249,20 +250,48 @@ def copy_threads() -> int:
     return max(1, min(_MAX_COPY_THREADS, cores))
 
 
-def _host_rows(t: Any, row: int, rows: int) -> tuple[int, int]:
-    """``(address, bytes)`` of rows ``[row, row + rows)`` of a contiguous host tensor."""
-    per_row = nbytes(t) // int(t.shape[0]) if int(t.shape[0]) else 0
-    if not 0 <= row <= row + rows <= int(t.shape[0]):
-        raise ValueError(f"rows [{row}, {row + rows}) outside a tensor of {int(t.shape[0])} rows")
+def _rows_span(t: Any, row: int, rows: int) -> tuple[int, int]:
+    """``(address, bytes)`` of rows ``[row, row + rows)`` of ``t`` (on its device; the address is meaningful for a
+    contiguous tensor only). Raises ValueError for rows outside ``t``."""
+    count = int(t.shape[0]) if len(t.shape) else 0
+    if rows < 0 or not 0 <= row <= row + rows <= count:
+        raise ValueError(f"rows [{row}, {row + rows}) outside a tensor of {count} rows")
+    per_row = nbytes(t) // count if count else 0
     return t.data_ptr() + row * per_row, rows * per_row
 
 
+def _check_batch(copies: list[RowCopy]) -> list[tuple[int, int, int]]:
+    """``(dst address, src address, bytes)`` of each copy after checking the batch: rows inside both tensors, the
+    same row shape and dtype on both sides, and no copy writing bytes that another copy (or itself) reads or
+    writes (one sweep over the spans sorted by address). Raises ValueError otherwise."""
+    segments, spans = [], []
+    for i, c in enumerate(copies):
+        d, n = _rows_span(c.dst, c.dst_row, c.rows)
+        s, m = _rows_span(c.src, c.src_row, c.rows)
+        if list(c.dst.shape[1:]) != list(c.src.shape[1:]) or c.dst.dtype != c.src.dtype or n != m:
+            raise ValueError(f"copy_rows_checked: copy {i} is from rows of {dtype_name(c.src)}"
+                             f"{list(c.src.shape[1:])} into rows of {dtype_name(c.dst)}{list(c.dst.shape[1:])}")
+        segments.append((d, s, n))
+        if n and c.dst.is_contiguous() and c.src.is_contiguous():
+            spans += [(d, d + n, True, i), (s, s + n, False, i)]
+    reach_any = reach_written = -1  # furthest end of any span / of a written one, among those starting before
+    for start, end, written, i in sorted(spans):
+        if start < (reach_any if written else reach_written):
+            raise ValueError(f"copy_rows_checked: copy {i} overlaps the bytes another copy of the batch (or "
+                             "itself) writes; a batch's copies must be independent")
+        reach_any = max(reach_any, end)
+        if written:
+            reach_written = max(reach_written, end)
+    return segments
+
+
 def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int, int]]]:
-    """``(index, dst, src, bytes)`` pieces of ``segments`` (``(dst, src, bytes)``) in ``parts`` lists of about equal
-    bytes, each a contiguous stretch of the segments in order, cut on block boundaries."""
+    """``(index, dst, src, bytes)`` pieces of ``segments`` (``(dst, src, bytes)``) in at most ``parts`` lists of
+    about equal bytes, each a contiguous stretch of the segments in order, cut on block boundaries (no list for
+    a batch of no bytes)."""
     total = sum(n for _, _, n in segments)
     share = -(-total // parts)
-    share = -(-share // _CHECK_BLOCK) * _CHECK_BLOCK
+    share = max(_CHECK_BLOCK, -(-share // _CHECK_BLOCK) * _CHECK_BLOCK)
     out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(parts)]
     pos = 0
     for i, (d, s, n) in enumerate(segments):
@@ -279,46 +308,57 @@ def _run_pieces(pieces: list[tuple[int, int, int, int]]) -> set[int]:
     return {i for i, d, s, n in pieces if not _host_copy_checked(d, s, n)}
 
 
+def _wait_all(futures: list[Any]) -> None:
+    """Wait for every future, even through an interrupt (KeyboardInterrupt, a signal handler that raises): the
+    interrupt is raised again once no thread still writes."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other threads are done
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
+
+
 def copy_rows_checked(copies: list[RowCopy], device: str) -> list[int]:
     """Apply a batch of independent row copies in place, each checked bit-exactly on the tensors' device; returns
-    the indices of the copies whose check failed (empty: every byte landed). Waits until every copy is done.
+    the indices of the copies whose check failed (empty: every byte landed). Returns (or raises, an interrupt
+    included) only once every copy is done: no thread writes afterwards.
 
-    The copies of one batch must be independent (no copy reads rows another writes): they may run in any order and
-    at once. Host tensors (a CPU device): the batch is cut into 256 KiB blocks, each copied and compared
-    (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in contiguous stretches. Device
-    tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued on the device, one flag
+    The copies of one batch must be independent (no copy reads or writes bytes another one writes): they may run in
+    any order and at once. Host tensors (a CPU device): the batch is cut into 256 KiB blocks, each copied and
+    compared (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in contiguous stretches.
+    Device tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued on the device, one flag
     vector read back (:func:`all_checked`): no tensor bytes reach the host.
 
     Raises:
-        ValueError: rows outside a tensor, or copies between tensors of different row sizes.
+        ValueError: rows outside a tensor, rows of another shape or dtype, or copies that overlap (a copy's own
+            source and destination included); nothing copied.
     """
+    segments = _check_batch(copies)
     if not copies:
         return []
-    if all(_on_host(c.dst) and _on_host(c.src) for c in copies):
-        segments = []
-        for c in copies:
-            d, n = _host_rows(c.dst, c.dst_row, c.rows)
-            s, m = _host_rows(c.src, c.src_row, c.rows)
-            if n != m:
-                raise ValueError(f"copy_rows_checked: {m} bytes into {n}")
-            segments.append((d, s, n))
+    if all(on_host(c.dst) and on_host(c.src) for c in copies):
         threads = min(copy_threads(), max(1, sum(n for _, _, n in segments) // (4 * _CHECK_BLOCK)))
         parts = _split(segments, threads)
-        if len(parts) == 1:
-            return sorted(_run_pieces(parts[0]))
+        if len(parts) <= 1:
+            return sorted(_run_pieces(parts[0])) if parts else []
         pool = _copy_pool(os.getpid(), copy_threads())
         futures = [pool.submit(_run_pieces, p) for p in parts[1:]]
         try:
             bad = _run_pieces(parts[0])  # the calling thread takes the first stretch
         finally:
-            wait(futures)  # never return (or raise) while another thread still writes
+            _wait_all(futures)  # never return (or raise) while another thread still writes
         for f in futures:
             bad |= f.result()
         return sorted(bad)
     results = [copy_checked(c.dst[c.dst_row:c.dst_row + c.rows], c.src[c.src_row:c.src_row + c.rows])
-               for c in copies]
+               for c in copies if c.rows]
     synchronize(device)
-    return all_checked(results, device)
+    live = [i for i, c in enumerate(copies) if c.rows]
+    return [live[k] for k in all_checked(results, device)]
 
 
 def device_equal(a: Any, b: Any) -> Any:

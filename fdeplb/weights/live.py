@@ -449,9 +449,13 @@ class LiveExperts:
         ``layers`` into ``staged.buffer`` on the live experts' device, and the layers' new routing rows next to
         them. Replaces the buffer's previous chunk. Returns the bytes copied.
 
+        Every buffer entry is checked against its staged expert here (outside the pause; see the comment).
+
         Raises:
             WeightError: staging (or its device buffer) released, or of another plan.
             InputError: ``new_phy2log`` malformed for the routing tables.
+            VerificationError: a buffer entry differs from its staged expert; the buffer holds no chunk then (a
+                later load_chunk loads it again), nothing live was written.
         """
         check_staged_for(plan, staged)
         buffer = staged.buffer
@@ -474,13 +478,32 @@ class LiveExperts:
             t, slot = buffer.tensors.get(suffix), layers_[0]
             if t is None or list(t.shape[1:]) != list(slot.shape[1:]) or t.dtype != slot.dtype:
                 raise WeightError(f"rank {self.ep_rank}: the device buffer's {suffix!r} does not match the slots")
-        copied = 0
+        # the buffer is checked against the staged experts (themselves checked against the checkpoint when read):
+        # the pause then only proves each slot equals its buffer entry. Host to host: compared block by block
+        # right after the copy; onto a device: the entry's checksum, read back here, outside the pause.
+        copied, bad, by_checksum = 0, [], []
         for entry, i in enumerate(indices):
+            checked = True
             for suffix in self.tensors:
-                t = staged.experts[i][suffix]
-                _paddle.copy_into(buffer.entries[entry][suffix], t)
+                t, dst = staged.experts[i][suffix], buffer.entries[entry][suffix]
+                if _paddle.on_host(dst) and _paddle.on_host(t):
+                    checked = _paddle.copy_checked(dst, t) and checked
+                else:
+                    _paddle.copy_into(dst, t)
+                    by_checksum.append((entry, i))
                 copied += _paddle.nbytes(t)
-            buffer.loaded[i] = entry
+            if not checked:
+                bad.append(plan.disk[i])
+        _paddle.synchronize(self.device)
+        for entry, i in dict.fromkeys(by_checksum):
+            got = buffer.entries[entry]
+            if tuple(_paddle.checksum(got[s]) for s in staged.experts[i]) != staged.checksums[i]:
+                bad.append(plan.disk[i])
+        if bad:
+            raise VerificationError(
+                f"rank {self.ep_rank}: the device buffer's copy of staged expert(s) (layer, expert) {bad[:8]} differs "
+                f"from the staged bytes; nothing was written, the chunk {sorted(wanted)} is not loaded")
+        buffer.loaded = {i: entry for entry, i in enumerate(indices)}
         new = np.asarray(new_phy2log, dtype=np.int64)
         log2phy, logcnt = routing_tables(new[sorted(wanted)], self.num_logical_experts, self.max_replicas,
                                          self._live)

@@ -125,3 +125,35 @@ def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_place
         thread.join(10)
         cluster.stop()
         store.delete_cluster()
+
+
+def test_a_safe_point_that_waits_for_the_chunks_prepare_counts_the_wait_in_its_pause():
+    """The background prepare of chunk k (its device-buffer load) and chunk k's pause share the op's lock: a worker
+    that reaches the safe point while the load still runs is held until it ends, and that wait is part of the
+    pause it reports (QA: a 251 ms stall was reported as a 0.011 ms pause)."""
+    import time
+
+    from fdeplb.orchestration.safe_points import Chunked, SafePointOp
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_prepare(layers):
+        entered.set()
+        assert release.wait(10), "the test never released the prepare"
+
+    op = SafePointOp(("swap", "p", 1), 1, None, lambda: None,
+                     Chunked((0, 1), np.array([0, 1]), prepare=slow_prepare, apply=lambda layers: "ok"))
+    op.set_layout((0, 1))
+    background = threading.Thread(target=op.prepare_next)
+    background.start()
+    assert entered.wait(10)  # the background thread is inside the prepare, holding the lock
+    started: list[float] = []
+    worker = threading.Thread(target=lambda: (started.append(time.perf_counter()), op.apply(1)))
+    worker.start()
+    threading.Event().wait(0.2)  # the worker blocks on the lock meanwhile (if it were late, the bound only shrinks)
+    released = time.perf_counter()
+    release.set()
+    worker.join(10)
+    background.join(10)
+    assert op.late_prepares == 0 and op.result == ["ok"]
+    assert op.pauses_ms[0] >= (released - started[0]) * 1000

@@ -197,7 +197,7 @@ def test_the_device_path_of_a_batch_copies_rows_and_compares_on_the_device(monke
 
     src = paddle.arange(6 * 10, dtype="float32").reshape([6, 10])
     dst = paddle.zeros([6, 10], dtype="float32")
-    monkeypatch.setattr(_paddle, "_on_host", lambda t: False)
+    monkeypatch.setattr(_paddle, "on_host", lambda t: False)
     assert _paddle.copy_rows_checked([_paddle.RowCopy(dst, 1, src, 3, 2)], "cpu") == []
     assert np.array_equal(dst.numpy()[1:3], src.numpy()[3:5]) and not dst.numpy()[[0, 3, 4, 5]].any()
 
