@@ -14,7 +14,8 @@ the device buffer before its step (not in the pause), then the pause = device co
 chunk's routing rows. ``pause_vs_memcpy`` = largest chunked pause / a plain memcpy of that pause's bytes (timed right
 after it, between paddle host tensors like the slots: see :func:`host_pair`). Targets on CPU: pause_vs_memcpy
 <= 1.5, largest chunked pause <= 1/8 of the unchunked pause, sum of the chunked pauses <= 1.2x the unchunked pause
-(best of --repeats each). On a CPU rank the pause's checked copy runs on up to 4 threads (the cores the stopped
+(each safe point's pause and baseline the best of --repeats, default 5: :func:`per_safe_point`; the unchunked
+pause the best of its --repeats). On a CPU rank the pause's checked copy runs on up to 4 threads (the cores the stopped
 engine leaves idle; ``fdeplb.weights._paddle.copy_threads``), so ``pause_vs_parallel_memcpy`` also compares it
 with a memcpy of the same bytes split over as many threads: the plain ratio measures the pause against the one-core
 copy the issue names, the parallel one what the checking costs.
@@ -27,7 +28,7 @@ files, kept in memory as staging keeps them, with the page cache in the same sta
 warm (files just read) and cold (page cache dropped with ``echo 1 > /proc/sys/vm/drop_caches`` where allowed, else
 ``posix_fadvise(POSIX_FADV_DONTNEED)`` on the shard files; the output says which worked).
 
-    python benchmarks/swap.py [--scale 8] [--dtype bfloat16] [--rank R] [--repeats 3] [--device cpu]
+    python benchmarks/swap.py [--scale 8] [--dtype bfloat16] [--rank R] [--repeats 5] [--device cpu]
 
 Prints a table, then one machine-readable JSON line (the last line).
 """
@@ -258,31 +259,48 @@ def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new
     return runs, at_once
 
 
+def per_safe_point(runs: list[PauseRun]) -> PauseRun:
+    """The chunked runs of one plan folded into one: each safe point's best (least disturbed) pause of the repeats,
+    and the best baseline of its bytes (``nbytes`` and ``chunks`` are the same in every run: same plan, same
+    budget). Best-of-N per safe point, as ``timeit`` takes the best of its repeats: a single run's max over 12
+    pauses is mostly a measure of the shared machine's worst moment."""
+    first = runs[0]
+    if any(r.chunks != first.chunks or r.nbytes != first.nbytes for r in runs):
+        raise SystemExit("the chunked runs of one plan differ in their chunks: not comparable")
+    column = lambda name: [min(getattr(r, name)[k] for r in runs) for k in range(len(first.chunks))]  # noqa: E731
+    parallel = column("memcpy_parallel") if all(r.memcpy_parallel for r in runs) else []
+    return PauseRun(first.chunks, column("pauses"), first.nbytes, column("memcpy"), min(r.span for r in runs),
+                    parallel)
+
+
 def pause_fields(m: "Measured") -> dict:
-    """The pause figures of ``m`` (best of the repeats each): JSON fields shared with benchmarks/swap_gpu.py."""
+    """The pause figures of ``m``: each safe point's pause and baselines the best of the repeats
+    (:func:`per_safe_point`), the unchunked pause the best of its repeats; ``sum_pause_ms_chunked_run`` is the
+    least sum of one whole run. JSON fields shared with benchmarks/swap_gpu.py."""
     chunked, unchunked = m.pauses["chunked"], m.pauses["unchunked"]
-    best = min(chunked, key=lambda r: max(r.pauses))
+    best = per_safe_point(chunked)
     worst = best.worst
     unchunked_s = min(r.pauses[0] for r in unchunked)
     parallel = {}
-    if all(r.memcpy_parallel for r in chunked):
+    if best.memcpy_parallel:
         parallel = {
             "copy_threads": _paddle.copy_threads(),
             "memcpy_parallel_ms_of_max_pause": best.memcpy_parallel[worst] * 1e3,
-            "pause_vs_parallel_memcpy": min(max(p / b for p, b in zip(r.pauses, r.memcpy_parallel) if b > 0)
-                                            for r in chunked),
+            "pause_vs_parallel_memcpy": max(p / b for p, b in zip(best.pauses, best.memcpy_parallel) if b > 0),
         }
     return {
         **parallel,
+        "repeats": len(chunked),
         "pause_budget_bytes": m.pauses["budget"].max_pause_bytes,
         "chunks_per_swap": len(best.chunks),
         "pause_ms_chunked": [round(p * 1e3, 3) for p in best.pauses],
         "max_pause_ms_chunked": max(best.pauses) * 1e3,
-        "sum_pause_ms_chunked": min(sum(r.pauses) for r in chunked) * 1e3,
-        "chunked_span_ms": min(r.span for r in chunked) * 1e3,
+        "sum_pause_ms_chunked": sum(best.pauses) * 1e3,
+        "sum_pause_ms_chunked_run": min(sum(r.pauses) for r in chunked) * 1e3,
+        "chunked_span_ms": best.span * 1e3,
         "max_pause_bytes_chunked": best.nbytes[worst],
         "memcpy_ms_of_max_pause": best.memcpy[worst] * 1e3,
-        "pause_vs_memcpy": min(max(p / b for p, b in zip(r.pauses, r.memcpy) if b > 0) for r in chunked),
+        "pause_vs_memcpy": max(p / b for p, b in zip(best.pauses, best.memcpy) if b > 0),
         "max_pause_ms_unchunked": unchunked_s * 1e3,
         "pause_ms_at_once_before": min(m.pauses["at_once"]) * 1e3,
     }
@@ -298,8 +316,8 @@ def pause_targets(fields: dict) -> dict:
 
 
 def pause_rows(m: "Measured", fields: dict) -> list[tuple[str, str]]:
-    """The pause table: one row per safe point of the best chunked run, then the totals."""
-    best = min(m.pauses["chunked"], key=lambda r: max(r.pauses))
+    """The pause table: one row per safe point (best of the repeats, :func:`per_safe_point`), then the totals."""
+    best = per_safe_point(m.pauses["chunked"])
     rows = [(f"safe point {k + 1} (layers {c[0]}..{c[-1]})",
              f"{p * 1e3:7.2f} ms, {mib(n)}, memcpy {b * 1e3:6.2f} ms, x{p / b if b else 0:.2f}")
             for k, (c, p, n, b) in enumerate(zip(best.chunks, best.pauses, best.nbytes, best.memcpy))]
@@ -311,7 +329,8 @@ def pause_rows(m: "Measured", fields: dict) -> list[tuple[str, str]]:
             f"x{fields['pause_vs_parallel_memcpy']:.2f} ({fields['copy_threads']} threads; "
             f"{fields['memcpy_parallel_ms_of_max_pause']:,.2f} ms for the largest pause's bytes)")]
           if "pause_vs_parallel_memcpy" in fields else []),
-        ("sum of chunked pauses", f"{fields['sum_pause_ms_chunked']:,.2f} ms (span first..last chunk "
+        ("sum of chunked pauses", f"{fields['sum_pause_ms_chunked']:,.2f} ms (least of one run "
+                                  f"{fields['sum_pause_ms_chunked_run']:,.2f} ms; span first..last chunk "
                                   f"{fields['chunked_span_ms']:,.2f} ms)"),
         ("unchunked pause (one safe point)", f"{fields['max_pause_ms_unchunked']:,.2f} ms"),
         ("at once, as before (H2D + CRC)", f"{fields['pause_ms_at_once_before']:,.2f} ms"),
@@ -439,7 +458,7 @@ def parser(doc: str, *, scale: int, device: str) -> argparse.ArgumentParser:
     ap.add_argument("--scale", type=int, default=scale, help="divide DeepSeek-V3 hidden and intermediate sizes by this")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rank", type=int, default=None, help="EP rank to measure (default: the one reading most)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default=device)
     ap.add_argument("--workdir", default=None, help="where to write the synthetic checkpoint (default: a temp dir)")
     ap.add_argument("--max-pause-bytes", type=int, default=DEFAULT_MAX_PAUSE_BYTES,

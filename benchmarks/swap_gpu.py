@@ -14,7 +14,7 @@ bytes.
 Needs a CUDA build of paddle (paddlepaddle-gpu) and a visible GPU; without one it prints why and exits 0. Not run in
 CI.
 
-    python benchmarks/swap_gpu.py [--scale 4] [--dtype bfloat16] [--repeats 3] [--device gpu:0]
+    python benchmarks/swap_gpu.py [--scale 4] [--dtype bfloat16] [--repeats 5] [--device gpu:0]
 
 Prints a table, then one machine-readable JSON line (the last line).
 """
