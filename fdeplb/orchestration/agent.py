@@ -527,7 +527,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             report.update(snapshots=sum(r.snapshots for r in swaps),
                           bytes_from_staging=sum(r.bytes_from_staging for r in swaps),
                           bytes_local=sum(r.bytes_local for r in swaps), swap_ms=round(op.pause_ms, 3),
-                          chunks=len(op.pauses_ms), pause_max_ms=round(max(op.pauses_ms, default=0.0), 3),
+                          chunks=len(op.pauses_ms), late_prepares=op.late_prepares,
+                          pause_max_ms=round(max(op.safe_point_pauses_ms, default=0.0), 3),
                           pause_sum_ms=round(op.pause_ms, 3))
             self._drop_staging()
         total = self.backend.slots_total

@@ -86,6 +86,7 @@ class SafePointOp:
         self.applied_steps: list[int] = []
         self.pauses_ms: list[float] = []
         self.late_prepares = 0
+        self.prepare_error: BaseException | None = None  # the last background prepare's failure (retried in the pause)
         self.gone = False
         self.done = threading.Event()
         self.progress = threading.Event()  # set when the layout is learned and after every applied chunk
@@ -103,6 +104,15 @@ class SafePointOp:
         """The pauses of every applied chunk together (ms)."""
         return sum(self.pauses_ms)
 
+    @property
+    def safe_point_pauses_ms(self) -> list[float]:
+        """The pause of each safe point that applied chunks (ms): the chunks applied at one step together (a rank
+        late to its switch step, or a retry, may apply several at once)."""
+        out: dict[int, float] = {}
+        for step, ms in zip(self.applied_steps, self.pauses_ms):
+            out[step] = out.get(step, 0.0) + ms
+        return list(out.values())
+
     def set_layout(self, starts: tuple[int, ...]) -> None:
         """Fix the chunks from a layout (the cluster's, or this rank's own when unarmed)."""
         ch = self.chunked
@@ -115,8 +125,13 @@ class SafePointOp:
             self.progress.set()
 
     def due(self, step: int) -> bool:
-        """A chunk's step is reached and it is not applied yet."""
-        return self.chunks is not None and self._next < len(self.chunks) and (self.switch_step or 0) + self._next <= step
+        """A chunk's step is reached and it is not applied yet: chunk k at ``switch_step + k`` (several at once only
+        for a rank past them); with no switch step (0: a retry, at the next safe point), one chunk per safe point."""
+        if self.chunks is None or self._next >= len(self.chunks):
+            return False
+        if self.switch_step:
+            return self.switch_step + self._next <= step
+        return not self.applied_steps or self.applied_steps[-1] < step
 
     def prepare_next(self) -> None:
         """Background thread: prepare the next chunk to apply, once (its predecessor is applied: one device
@@ -131,8 +146,8 @@ class SafePointOp:
             try:
                 ch.prepare(chunks[k])
                 self._prepared = k
-            except Exception:  # noqa: BLE001 - retried in the chunk's pause, where an error is reported
-                return
+            except Exception as err:  # noqa: BLE001 - retried in the chunk's pause, where an error is reported
+                self.prepare_error = err  # the agent logs it (SafePoints._wait_for_worker)
 
     def apply(self, step: int) -> None:
         """Apply every chunk whose step is reached (normally one; several only for a rank late to its switch
@@ -337,5 +352,10 @@ class SafePoints:
         (at most ``timeout_s``) for the next chunk to be applied or the layout to be learned."""
         op.progress.clear()
         op.prepare_next()
+        err, op.prepare_error = op.prepare_error, None
+        if err is not None:  # the chunk is prepared again in its pause (counted in late_prepares), which reports
+            # a failure there; this one is logged so a load that failed and then succeeded is not silent
+            self.log.warning("chunk prepare failed in the background; retried in its pause", error=str(err),
+                             error_type=type(err).__name__, chunk=op._next)
         op.progress.wait(timeout_s)
 

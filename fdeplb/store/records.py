@@ -195,10 +195,13 @@ class RankRecord(RecordHeader):
     chunks: int = 0
     """Last swap: safe points (chunks of layers) it was applied in."""
     pause_max_ms: float = 0.0
-    """Last swap: the longest pause of one safe point (ms: the worker held for one chunk's copy, on-device check
-    and routing rows)."""
+    """Last swap: the longest pause of one safe point (ms: the worker held for the copy, on-device check and
+    routing rows of the chunks applied there, normally one)."""
     pause_sum_ms: float = 0.0
     """Last swap: the pauses of all its safe points together (ms)."""
+    late_prepares: int = 0
+    """Last swap: chunks whose device-buffer load was not done by their safe point (a slow or failed background
+    load), so it ran in the pause."""
     clear_stat: int = 0
     """The cluster's ``clear_stat_request`` this rank last carried out."""
     routing_digest: str = ""

@@ -322,43 +322,69 @@ def _wait_all(futures: list[Any]) -> None:
         raise interrupted
 
 
-def copy_rows_checked(copies: list[RowCopy], device: str) -> list[int]:
-    """Apply a batch of independent row copies in place, each checked bit-exactly on the tensors' device; returns
-    the indices of the copies whose check failed (empty: every byte landed). Returns (or raises, an interrupt
-    included) only once every copy is done: no thread writes afterwards.
+class CheckedCopies:
+    """A batch of independent row copies, checked once when built (rows inside both tensors, the same row shape and
+    dtype, no copy overlapping what another one, or itself, writes), applied with :meth:`run`, each copy checked
+    bit-exactly on the tensors' device. Built ahead (a chunk's disk writes, when the chunk is loaded), so the pause
+    only copies; :meth:`run` checks again only when a tensor's storage moved since.
 
-    The copies of one batch must be independent (no copy reads or writes bytes another one writes): they may run in
-    any order and at once. Host tensors (a CPU device): the batch is cut into 256 KiB blocks, each copied and
-    compared (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in contiguous stretches.
-    Device tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued on the device, one flag
-    vector read back (:func:`all_checked`): no tensor bytes reach the host.
+    The copies may run in any order and at once. Host tensors (a CPU device): the batch is cut into 256 KiB
+    blocks, each copied and compared (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in
+    contiguous stretches. Device tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued
+    on the device, one flag vector read back (:func:`all_checked`): no tensor bytes reach the host.
 
     Raises:
-        ValueError: rows outside a tensor, rows of another shape or dtype, or copies that overlap (a copy's own
-            source and destination included); nothing copied.
+        ValueError (building, or :meth:`run` after storage moved): rows outside a tensor, rows of another shape or
+            dtype, or copies that overlap; nothing copied.
     """
-    segments = _check_batch(copies)
-    if not copies:
-        return []
-    if all(on_host(c.dst) and on_host(c.src) for c in copies):
-        threads = min(copy_threads(), max(1, sum(n for _, _, n in segments) // (4 * _CHECK_BLOCK)))
-        parts = _split(segments, threads)
-        if len(parts) <= 1:
-            return sorted(_run_pieces(parts[0])) if parts else []
-        pool = _copy_pool(os.getpid(), copy_threads())
-        futures = [pool.submit(_run_pieces, p) for p in parts[1:]]
-        try:
-            bad = _run_pieces(parts[0])  # the calling thread takes the first stretch
-        finally:
-            _wait_all(futures)  # never return (or raise) while another thread still writes
-        for f in futures:
-            bad |= f.result()
-        return sorted(bad)
-    results = [copy_checked(c.dst[c.dst_row:c.dst_row + c.rows], c.src[c.src_row:c.src_row + c.rows])
-               for c in copies if c.rows]
-    synchronize(device)
-    live = [i for i, c in enumerate(copies) if c.rows]
-    return [live[k] for k in all_checked(results, device)]
+
+    def __init__(self, copies: list[RowCopy]) -> None:
+        self.copies = list(copies)
+        self._check()
+
+    def _check(self) -> None:
+        self._segments = _check_batch(self.copies)
+        tensors = {id(t): t for c in self.copies for t in (c.dst, c.src)}
+        self._storage = [(t, t.data_ptr()) for t in tensors.values()]
+        self._host = all(on_host(t) for t in tensors.values())
+        threads = min(copy_threads(), max(1, sum(n for _, _, n in self._segments) // (4 * _CHECK_BLOCK)))
+        self._parts = _split(self._segments, threads) if self._host else []
+
+    def __len__(self) -> int:
+        return len(self.copies)
+
+    def run(self, device: str) -> list[int]:
+        """Apply every copy; returns the indices of those whose check failed (empty: every byte landed). Returns (or
+        raises, an interrupt included) only once every copy is done: no thread writes afterwards."""
+        copies = self.copies
+        if not copies:
+            return []
+        if any(t.data_ptr() != ptr for t, ptr in self._storage):  # re-allocated since (a weight clear + reload)
+            self._check()
+        if self._host:
+            parts = self._parts
+            if len(parts) <= 1:
+                return sorted(_run_pieces(parts[0])) if parts else []
+            pool = _copy_pool(os.getpid(), copy_threads())
+            futures = [pool.submit(_run_pieces, p) for p in parts[1:]]
+            try:
+                bad = _run_pieces(parts[0])  # the calling thread takes the first stretch
+            finally:
+                _wait_all(futures)  # never return (or raise) while another thread still writes
+            for f in futures:
+                bad |= f.result()
+            return sorted(bad)
+        live = [i for i, c in enumerate(copies) if c.rows]
+        results = [copy_checked(c.dst[c.dst_row:c.dst_row + c.rows], c.src[c.src_row:c.src_row + c.rows])
+                   for c in (copies[i] for i in live)]
+        synchronize(device)
+        return [live[k] for k in all_checked(results, device)]
+
+
+def copy_rows_checked(copies: list[RowCopy], device: str) -> list[int]:
+    """:class:`CheckedCopies` of ``copies``, run at once: the indices of the copies whose check failed. Raises
+    ValueError for a batch :class:`CheckedCopies` refuses (nothing copied)."""
+    return CheckedCopies(copies).run(device)
 
 
 def device_equal(a: Any, b: Any) -> Any:

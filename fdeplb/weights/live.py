@@ -205,11 +205,15 @@ class LiveExperts:
         from fdeplb.placement.live_ranks import check_live_ranks
 
         mask = check_live_ranks(live_ranks, self.ep_size)
-        log2phy, logcnt = routing_tables(self._phy2log, self.num_logical_experts, self.max_replicas, mask)
-        for dst, arr in ((self.log2phy, log2phy), (self.logcnt, logcnt)):
+        self._write_routing(self._phy2log, mask)
+        self._live = None if mask.all() else mask
+
+    def _write_routing(self, phy2log: np.ndarray, live: np.ndarray | None) -> None:
+        """Rewrite phy2log / log2phy / logcnt in place for ``phy2log`` routed over ``live`` (None: every rank)."""
+        log2phy, logcnt = routing_tables(phy2log, self.num_logical_experts, self.max_replicas, live)
+        for dst, arr in ((self.phy2log_tensor, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             _paddle.copy_into(dst, self._device_int64(arr))
         _paddle.synchronize(self.device)
-        self._live = None if mask.all() else mask
 
     # ---- loading and verification ---------------------------------------------------------------------------------
     def reload(self, reader: CheckpointReader) -> int:
@@ -470,7 +474,8 @@ class LiveExperts:
                 buffer.release()
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
-        buffer.layers, buffer.loaded, buffer.routing, buffer.writes = (), {}, {}, []
+        buffer.layers, buffer.loaded, buffer.writes = (), {}, []
+        buffer.routing, buffer.disk_batch, buffer.disk_written = _paddle.CheckedCopies([]), _paddle.CheckedCopies([]), []
         # the chunk's staged experts and the buffer are checked here, before the switch step, so the pause only
         # checks that the buffer holds this chunk
         self._check_staged_shapes(plan, [staged.experts[i] for i in indices], indices)
@@ -508,12 +513,23 @@ class LiveExperts:
         log2phy, logcnt = routing_tables(new[sorted(wanted)], self.num_logical_experts, self.max_replicas,
                                          self._live)
         rows = sorted(wanted)
-        # one block of rows per run of consecutive layers: the pause switches each run with one copy per table
+        # one block of rows per run of consecutive layers: the pause switches each run with one checked copy per
+        # table (a batch, checked now: the pause only copies)
+        routing = []
         for lo, hi in _runs(rows):
             a, b = rows.index(lo), rows.index(hi) + 1
-            buffer.routing[(lo, hi + 1)] = (self._device_int64(new[lo:hi + 1]), self._device_int64(log2phy[a:b]),
-                                            self._device_int64(logcnt[a:b]))
+            blocks = (self._device_int64(new[lo:hi + 1]), self._device_int64(log2phy[a:b]),
+                      self._device_int64(logcnt[a:b]))
+            routing += [_paddle.RowCopy(table, lo, block, 0, hi + 1 - lo)
+                        for table, block in zip((self.phy2log_tensor, self.log2phy, self.logcnt), blocks)]
+        buffer.routing = _paddle.CheckedCopies(routing)
         buffer.writes = _chunk_writes(plan, wanted, buffer.loaded)
+        # the disk writes (runs of consecutive slots from consecutive entries) as one batch, checked now
+        disk = [w for w in buffer.writes if w[0] == "disk"]
+        buffer.disk_written = [(*w, suffix) for w in disk for suffix in self.tensors]
+        buffer.disk_batch = _paddle.CheckedCopies([
+            _paddle.RowCopy(self.tensors[suffix][layer], slot, buffer.tensors[suffix], source, count)
+            for _, layer, slot, source, count, suffix in buffer.disk_written])
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
         buffer.layers = tuple(sorted(wanted))
         return copied
@@ -541,10 +557,11 @@ class LiveExperts:
 
         Each written slot is compared bit-exactly with what it was copied from (its device buffer entry, the
         source slot, or the cycle snapshot) on the device, right after its copy; only the answer is read back
-        (:func:`~fdeplb.weights._paddle.copy_checked`, :func:`~fdeplb.weights._paddle.copy_rows_checked`): no
+        (:func:`~fdeplb.weights._paddle.copy_checked`, :class:`~fdeplb.weights._paddle.CheckedCopies`): no
         expert bytes go to the host. Local copies run first, in the plan's order; the disk writes (runs of
-        consecutive slots from consecutive buffer entries) then run as one batch, on a CPU device spread over
-        :func:`~fdeplb.weights._paddle.copy_threads` threads.
+        consecutive slots from consecutive buffer entries) then run as one batch built and checked when the chunk
+        was loaded, on a CPU device spread over :func:`~fdeplb.weights._paddle.copy_threads` threads; then the
+        routing rows, one checked copy per table and run of layers.
 
         Raises:
             InputError / WeightError: as :meth:`swap`, checked for these layers before any write; WeightError also
@@ -573,14 +590,9 @@ class LiveExperts:
         snapshots: dict[tuple[int, int], dict[str, Any]] = {}
         checks: list[Any] = []  # local copies, in the plan's order (a slot is read before it is overwritten)
         written: list[tuple[str, int, int, int, int, str]] = []  # the write and suffix of each check
-        runs: list[_paddle.RowCopy] = []  # disk writes: independent of each other, after every local copy
-        run_written: list[tuple[str, int, int, int, int, str]] = []
         disk_slots = local = snaps = 0
         for kind, layer, slot, source, count in buffer.writes:
-            if kind == "disk":
-                for suffix, layers_ in self.tensors.items():
-                    runs.append(_paddle.RowCopy(layers_[layer], slot, buffer.tensors[suffix], source, count))
-                    run_written.append((kind, layer, slot, source, count, suffix))
+            if kind == "disk":  # in the chunk's batch of disk writes (checked when it was loaded), run below
                 disk_slots += count
                 continue
             dst = self._views[layer][slot]
@@ -595,7 +607,7 @@ class LiveExperts:
                 written.append((kind, layer, slot, source, count, suffix))
         # every local copy of a layer reads its slots before that layer's disk writes overwrite them (the plan's
         # order), and disk writes only read the buffer: once the local copies are queued, the runs are independent
-        failed = [run_written[i] for i in _paddle.copy_rows_checked(runs, self.device)]
+        failed = [buffer.disk_written[i] for i in buffer.disk_batch.run(self.device)]
         _paddle.synchronize(self.device)
         copy_seconds = time.perf_counter() - start
 
@@ -612,10 +624,11 @@ class LiveExperts:
             )
 
         start = time.perf_counter()
-        for (lo, hi), rows in buffer.routing.items():
-            for table, src in zip((self.phy2log_tensor, self.log2phy, self.logcnt), rows):
-                _paddle.copy_into(table[lo:hi], src)
-        _paddle.synchronize(self.device)
+        if buffer.routing.run(self.device):  # a routing row did not land: put back the tables of the placement
+            # the slots hold now (these layers' old rows, the other chunks' applied ones); the slots are fine
+            self._write_routing(self._phy2log, self._live)
+            raise VerificationError(f"rank {self.ep_rank}: the routing rows of layers {chunk} did not land on the "
+                                    "device; the tables keep the old placement for them")
         self._phy2log[chunk] = new[chunk]
         self._checksums.update((plan.disk[i], staged.checksums[i]) for i in buffer.loaded)
         self.needs_reload = False

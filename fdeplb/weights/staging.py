@@ -46,10 +46,12 @@ class DeviceBuffer:
         tensors: ``suffix -> tensor [capacity, *shape]`` on ``device``; entries: one ``suffix -> view`` per entry.
         nbytes: device bytes held (0 after :meth:`release`).
         layers: the chunk it holds (layer indices; () = none yet); loaded: ``index into plan.disk -> entry``.
-        routing: ``(first layer, stop) -> (phy2log rows, log2phy rows, logcnt rows)`` device tensors of the
-            chunk's new routing, one block per run of consecutive layers.
+        routing: the chunk's new routing rows (phy2log / log2phy / logcnt, one block per run of consecutive layers)
+            as one :class:`~fdeplb.weights._paddle.CheckedCopies` onto the live tables.
         writes: the chunk's writes, worked out when it is loaded (``(kind, layer, first slot, first source,
             slots)``, see :meth:`fdeplb.weights.LiveExperts.load_chunk`): the pause only copies.
+        disk_batch, disk_written: the chunk's disk writes as one :class:`~fdeplb.weights._paddle.CheckedCopies`
+            (validated when loaded) and the write and suffix behind each of its copies.
     """
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]], capacity: int, device: str) -> None:
@@ -61,12 +63,15 @@ class DeviceBuffer:
         self.nbytes = sum(_paddle.nbytes(t) for t in self.tensors.values())
         self.layers: tuple[int, ...] = ()
         self.loaded: dict[int, int] = {}
-        self.routing: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+        self.routing: Any = _paddle.CheckedCopies([])
         self.writes: list[tuple[str, int, int, int, int]] = []
+        self.disk_batch: Any = _paddle.CheckedCopies([])  # the chunk's disk writes, one checked batch
+        self.disk_written: list[tuple[str, int, int, int, int, str]] = []  # (write..., suffix) of each batch copy
 
     def release(self) -> None:
         """Free the device memory (idempotent)."""
-        self.tensors, self.entries, self.routing, self.loaded, self.writes = {}, [], {}, {}, []
+        self.tensors, self.entries, self.loaded, self.writes = {}, [], {}, []
+        self.routing, self.disk_batch, self.disk_written = _paddle.CheckedCopies([]), _paddle.CheckedCopies([]), []
         self.layers, self.nbytes = (), 0
 
 

@@ -4,6 +4,7 @@ what was staged, an error other than a failed verification in the pause, and the
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import signal
@@ -39,9 +40,12 @@ def test_a_failed_chunk_reloads_and_the_same_chunk_retries_to_the_whole_swaps_en
     b.prepare(staged, NEW, chunks[0])
     real, n = _paddle._copy_bytes, []
 
-    def short(d, s, k):
+    def short(d, s, k):  # the 2nd raw copy of the pause lands a byte short, that byte wrong
         n.append(k)
-        return real(d, s, k - 1 if len(n) == 2 else k)  # the 2nd raw copy of the pause lands a byte short
+        out = real(d, s, k - 1 if len(n) == 2 else k)
+        if len(n) == 2:
+            ctypes.c_ubyte.from_address(d + k - 1).value = ctypes.c_ubyte.from_address(s + k - 1).value ^ 0x40
+        return out
 
     monkeypatch.setattr(_paddle, "_copy_bytes", short)
     with pytest.raises(VerificationError):
@@ -66,11 +70,15 @@ def test_a_device_buffer_that_does_not_hold_the_staged_bytes_is_refused_before_t
     before = snapshot_bytes(b.live)
     real, calls = _paddle._copy_bytes, []
 
-    def lands_short(d, s_, n):  # the first raw copy of the load (the first buffer entry) misses its last byte
+    def lands_wrong(d, s_, n):  # the first raw copy of the load (the first buffer entry) gets its last byte wrong
         calls.append(n)
-        return real(d, s_, n - 1 if len(calls) == 1 else n)
+        out = real(d, s_, n)
+        if len(calls) == 1:  # (a short copy could leave a right byte behind: the buffer's memory is reused)
+            last = ctypes.c_ubyte.from_address(d + n - 1)
+            last.value ^= 0x40
+        return out
 
-    monkeypatch.setattr(_paddle, "_copy_bytes", lands_short)
+    monkeypatch.setattr(_paddle, "_copy_bytes", lands_wrong)
     with pytest.raises(VerificationError, match=r"device buffer's copy of staged expert\(s\) \(layer, expert\) \[\(0, "):
         b.prepare(staged, NEW, (0,))
     monkeypatch.undo()
@@ -95,10 +103,10 @@ def test_an_error_other_than_a_failed_verification_in_a_chunks_pause_restores_th
     staged = b.stage(new, None, PauseBudget(0, 1))
     b.prepare(staged, new, (0,))
 
-    def device_error(copies, device):
+    def device_error(self, device):
         raise RuntimeError("simulated device error in the batch of disk writes")
 
-    monkeypatch.setattr(_paddle, "copy_rows_checked", device_error)
+    monkeypatch.setattr(_paddle.CheckedCopies, "run", device_error)
 
     class Host:  # the parts of a RankAgent that _swap_or_restore uses
         backend = b

@@ -104,13 +104,16 @@ def test_the_device_buffer_counts_in_the_staging_budget_up_front(ckpt):
 
 
 def short_copy_once(monkeypatch):
-    """Make the next raw host copy land one byte short (the copy primitive itself fails, the real comparison after
-    it must find it); returns the list of (dst, n) copies it saw."""
+    """Make the next raw host copy land one byte short, that byte wrong (the copy primitive itself fails, the real
+    comparison after it must find it); returns the list of (dst, n) copies it saw."""
     real, seen = _paddle._copy_bytes, []
 
     def copy(dst, src, n):
         seen.append((dst, n))
-        return real(dst, src, n - 1 if len(seen) == 1 else n)
+        out = real(dst, src, n - 1 if len(seen) == 1 else n)
+        if len(seen) == 1:  # the byte left behind is made wrong (it could equal the right one by chance)
+            ctypes.c_ubyte.from_address(dst + n - 1).value = ctypes.c_ubyte.from_address(src + n - 1).value ^ 0x40
+        return out
 
     monkeypatch.setattr(_paddle, "_copy_bytes", copy)
     return seen
@@ -211,13 +214,13 @@ def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, m
     b = backend(ckpt)
     staged = b.stage(new, None, PauseBudget(0, 1))
     b.prepare(staged, new, (1,))
-    real_batch, real_copy, runs = _paddle.copy_rows_checked, _paddle._copy_bytes, []
+    real_run, real_copy, runs = _paddle.CheckedCopies.run, _paddle._copy_bytes, []
     first_suffix = next(iter(b.live.tensors))
     target = b.live.slot(1, 1)[first_suffix].data_ptr()  # first byte of slot 1, layer 1
 
-    def batch(copies, device):
-        runs.extend(c.rows for c in copies)
-        return real_batch(copies, device)
+    def batch(self, device):
+        runs.extend(c.rows for c in self.copies)
+        return real_run(self, device)
 
     def copy(d, s, n):
         out = real_copy(d, s, n)
@@ -225,7 +228,7 @@ def test_a_run_of_slots_is_one_check_and_a_mismatch_in_it_names_its_slot(ckpt, m
             ctypes.c_char.from_address(target).value = bytes([ctypes.c_char.from_address(target).value[0] ^ 0xFF])
         return out
 
-    monkeypatch.setattr(_paddle, "copy_rows_checked", batch)
+    monkeypatch.setattr(_paddle.CheckedCopies, "run", batch)
     monkeypatch.setattr(_paddle, "_copy_bytes", copy)
     with pytest.raises(VerificationError, match=r": 1 swapped slot\(s\) differ on the device .*\[\(1, 1, 6\)\]"):
         b.swap_layers(staged, new, (1,))

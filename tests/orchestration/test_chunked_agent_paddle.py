@@ -1,0 +1,209 @@
+"""The chunked swap end to end through EmbeddedAgents on paddle tensors (CPU): a tiny pause budget (one changed
+layer per safe point) over several rounds, a VerificationError in load_chunk in the background prepare and again in
+the pause (the retry still switches one chunk per safe point), and budgets init-cluster would refuse."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("paddle")
+
+from fdeplb.errors import VerificationError  # noqa: E402
+from fdeplb.machines.tables import RankState  # noqa: E402
+from fdeplb.orchestration.embedded_agent import EmbeddedAgent  # noqa: E402
+from fdeplb.weights.live import LiveExperts  # noqa: E402
+from fdeplb.weights.plan import routing_tables  # noqa: E402
+from tests.helpers import thread_cluster, wait_for  # noqa: E402
+from tests.orchestration.test_embedding import _round_done, _Workers  # noqa: E402
+
+L = 4
+
+
+def _new_load(tc, n, store=None):
+    """Round n's load: the experts' loads rolled by 5 * n (in place: the workers record tc.loads), so every round
+    plans a placement that gains over the last one; with ``store``, returns once every rank stepped 5 more times
+    with it (recorded, as the round's window will be)."""
+    tc.loads[...] = np.roll(tc.base_loads, 5 * n, axis=-1)
+    if store is not None:
+        steps = [store.read_rank(r).step for r in range(tc.config.ep_size)]
+        wait_for(lambda: all(store.read_rank(r).step >= s + 5 for r, s in enumerate(steps)), 30, store,
+                 "five steps with the new load")
+
+
+def _check_consistent(store, agents):
+    wait_for(lambda: all(store.read_rank(r).state is RankState.IDLE for r in range(len(agents))), 30, store,
+             "every rank IDLE")
+    placement = store.current_placement()
+    ranks = [store.read_rank(r) for r in range(len(agents))]
+    for a, rec in zip(agents, ranks):
+        assert rec.state is RankState.IDLE, rec
+        assert np.array_equal(a.backend.phy2log, placement.phy2log), f"rank {a.ep_rank} serves another placement"
+        assert tuple(a.backend.verify()) == (a.backend.slots_total, a.backend.slots_total)
+        live = a.backend.live
+        assert not live.needs_reload
+        log2phy, logcnt = routing_tables(placement.phy2log, live.num_logical_experts, live.max_replicas)
+        assert np.array_equal(live.phy2log_tensor.numpy(), placement.phy2log)
+        assert np.array_equal(live.log2phy.numpy(), log2phy)
+        assert np.array_equal(live.logcnt.numpy(), logcnt)
+    assert len({r.routing_digest for r in ranks}) == 1
+    return ranks
+
+
+def _agents(tc, **kw):
+    return [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
+                          max_pause_bytes=1, **kw).start() for r in range(tc.config.ep_size)]
+
+
+def test_chunked_rounds_on_paddle_tensors_converge_with_one_chunk_per_layer(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
+        agents = _agents(tc)
+        tc.base_loads = tc.loads.copy()
+        tc.start_coordinator()
+        store = tc.store()
+        try:
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
+                for n in (1, 2):
+                    _new_load(tc, n, store)
+                    store.request_round(f"test {n}")
+                    wait_for(lambda: _round_done(store, n), 90, store, f"round {n}")
+                    ranks = _check_consistent(store, agents)
+                    assert [x.chunks for x in ranks] == [L] * 4, [x.chunks for x in ranks]
+                    assert all(0 < x.pause_max_ms <= x.pause_sum_ms for x in ranks)
+                    assert [x.late_steps for x in ranks] == [0] * 4
+        finally:
+            for a in agents:
+                a.close()
+
+
+@pytest.mark.parametrize("failures", [1, 2], ids=["background-only", "background-and-pause"])
+def test_a_verification_error_in_load_chunk_on_one_rank_still_converges(redis_url, cluster_id, tmp_path,
+                                                                         monkeypatch, failures):
+    """Rank 1's load_chunk raises VerificationError on its first ``failures`` calls of round 1: once (the
+    background prepare; the pause prepares again) or twice (background and pause: the chunk fails, the rank alarms
+    and retries). The round completes, every rank serves the committed placement, slots and routing match."""
+    real = LiveExperts.load_chunk
+    calls = {"n": 0, "where": []}
+
+    def flaky(self, plan, staged, new, layers):
+        if self.ep_rank == 1 and calls["n"] < failures:
+            calls["n"] += 1
+            calls["where"].append(threading.current_thread().name)
+            raise VerificationError("test: the device buffer's copy differs")
+        return real(self, plan, staged, new, layers)
+
+    monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
+        agents = _agents(tc)
+        tc.base_loads = tc.loads.copy()
+        tc.start_coordinator()
+        store = tc.store()
+        cursor = store.cursor()
+        try:
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
+                _new_load(tc, 1, store)
+                store.request_round("test fault")
+                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
+                ranks = _check_consistent(store, agents)
+                alarms = [e.fields for e in store.wait(cursor, 100) if e["kind"] == "alarm"]
+                assert calls["n"] == failures
+                if failures == 2:  # the chunk failed in its pause: the rank alarmed (and retried)
+                    assert any("swap verification failed" in str(a.get("message", "")) for a in alarms), alarms
+                # a second round after the fault goes through cleanly
+                _new_load(tc, 2, store)
+                store.request_round("test after")
+                wait_for(lambda: _round_done(store, 2), 90, store, "round 2")
+                _check_consistent(store, agents)
+        finally:
+            for a in agents:
+                a.close()
+
+
+@pytest.mark.parametrize("fail_layer", [0, 2])
+def test_the_retry_after_a_failed_chunk_keeps_one_chunk_per_safe_point(redis_url, cluster_id, tmp_path,
+                                                                       monkeypatch, fail_layer):
+    """README ("A swap in chunks"): a swap of N chunks stretches over N consecutive steps instead of one long stall;
+    a mismatch makes the rank reload, retry and alarm. Rank 1's chunk of layer ``fail_layer`` fails to load twice
+    (background prepare and the pause). The round converges and the retry (not armed: from the next safe point)
+    still applies one chunk per safe point (QA: it applied every remaining chunk at one, and the rank record's
+    pause_max_ms, then the largest single chunk, hid it)."""
+    from fdeplb.orchestration.safe_points import SafePointOp
+
+    real = LiveExperts.load_chunk
+    calls = {"n": 0}
+
+    def flaky(self, plan, staged, new, layers):
+        if self.ep_rank == 1 and tuple(layers) == (fail_layer,) and calls["n"] < 2:
+            calls["n"] += 1
+            raise VerificationError("test: the device buffer's copy differs")
+        return real(self, plan, staged, new, layers)
+
+    per_safe_point: list[tuple[int, float]] = []  # rank 1: (chunks applied, ms) per safe point that applied any
+    real_apply = SafePointOp.apply
+
+    def apply(self, step):
+        before = len(self.pauses_ms)
+        real_apply(self, step)
+        if threading.current_thread().name == "worker1" and len(self.pauses_ms) > before:
+            per_safe_point.append((len(self.pauses_ms) - before, sum(self.pauses_ms[before:])))
+
+    monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
+    monkeypatch.setattr(SafePointOp, "apply", apply)
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
+        agents = _agents(tc)
+        tc.base_loads = tc.loads.copy()
+        tc.start_coordinator()
+        store = tc.store()
+        try:
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
+                _new_load(tc, 1, store)
+                store.request_round("test retry")
+                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
+                ranks = _check_consistent(store, agents)
+            assert calls["n"] == 2
+            assert max(n for n, _ in per_safe_point) == 1, (
+                f"rank 1 applied {per_safe_point} (chunks, ms) per safe point: the retry took every remaining "
+                "chunk at one safe point")
+        finally:
+            for a in agents:
+                a.close()
+
+
+@pytest.mark.parametrize("kw", [dict(max_pause_bytes=10**30), dict(max_pause_bytes=0, layers_per_safe_point=10**9)],
+                         ids=["bytes1e30", "layers1e9"])
+def test_an_agent_budget_init_cluster_would_refuse_still_swaps_whole_and_reports_it(redis_url, cluster_id, tmp_path,
+                                                                                      kw):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fdeplb.api.prometheus import ClusterCollector
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
+        agents = [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
+                                **kw).start() for r in range(tc.config.ep_size)]
+        tc.base_loads = tc.loads.copy()
+        tc.start_coordinator()
+        store = tc.store()
+        try:
+            with _Workers(agents, tc.loads):
+                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
+                _new_load(tc, 1, store)
+                store.request_round("test budget")
+                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
+                ranks = _check_consistent(store, agents)
+            assert [x.chunks for x in ranks] == [1] * 4
+            registry = CollectorRegistry()
+            registry.register(ClusterCollector(store))
+            text = generate_latest(registry).decode()
+            for r, x in enumerate(ranks):
+                assert f'fdeplb_swap_chunks{{ep_rank="{r}"}} 1.0' in text
+                assert f'fdeplb_swap_pause_max_seconds{{ep_rank="{r}"}} {x.pause_max_ms / 1000}' in text
+                assert f'fdeplb_swap_pause_sum_seconds{{ep_rank="{r}"}} {x.pause_sum_ms / 1000}' in text
+                assert x.pause_max_ms == x.pause_sum_ms > 0
+        finally:
+            for a in agents:
+                a.close()
