@@ -4,6 +4,7 @@ the pause (the retry still switches one chunk per safe point), and budgets init-
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -52,31 +53,42 @@ def _check_consistent(store, agents):
     return ranks
 
 
-def _agents(tc, **kw):
-    return [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
-                          max_pause_bytes=1, **kw).start() for r in range(tc.config.ep_size)]
+def _round(tc, store, agents, n, reason):
+    """Round ``n`` with round n's load (:func:`_new_load`) recorded first; waits for it, checks every rank
+    (:func:`_check_consistent`) and returns their records."""
+    _new_load(tc, n, store)
+    store.request_round(reason)
+    wait_for(lambda: _round_done(store, n), 90, store, f"round {n}")
+    return _check_consistent(store, agents)
 
 
-def test_chunked_rounds_on_paddle_tensors_converge_with_one_chunk_per_layer(redis_url, cluster_id, tmp_path):
+@contextlib.contextmanager
+def _serving(redis_url, cluster_id, tmp_path, **agent_kw):
+    """A paddle-backed thread cluster of L layers, one EmbeddedAgent per rank (``agent_kw``; default one changed
+    layer per safe point), a coordinator and the workers stepping: yields ``(tc, store, agents)``."""
+    agent_kw = {"max_pause_bytes": 1, **agent_kw}
     with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = _agents(tc)
+        agents = [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
+                                **agent_kw).start() for r in range(tc.config.ep_size)]
         tc.base_loads = tc.loads.copy()
         tc.start_coordinator()
         store = tc.store()
         try:
             with _Workers(agents, tc.loads):
                 wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                for n in (1, 2):
-                    _new_load(tc, n, store)
-                    store.request_round(f"test {n}")
-                    wait_for(lambda: _round_done(store, n), 90, store, f"round {n}")
-                    ranks = _check_consistent(store, agents)
-                    assert [x.chunks for x in ranks] == [L] * 4, [x.chunks for x in ranks]
-                    assert all(0 < x.pause_max_ms <= x.pause_sum_ms for x in ranks)
-                    assert [x.late_steps for x in ranks] == [0] * 4
+                yield tc, store, agents
         finally:
             for a in agents:
                 a.close()
+
+
+def test_chunked_rounds_on_paddle_tensors_converge_with_one_chunk_per_layer(redis_url, cluster_id, tmp_path):
+    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
+        for n in (1, 2):
+            ranks = _round(tc, store, agents, n, f"test {n}")
+            assert [x.chunks for x in ranks] == [L] * 4, [x.chunks for x in ranks]
+            assert all(0 < x.pause_max_ms <= x.pause_sum_ms for x in ranks)
+            assert [x.late_steps for x in ranks] == [0] * 4
 
 
 @pytest.mark.parametrize("failures", [1, 2], ids=["background-only", "background-and-pause"])
@@ -96,31 +108,15 @@ def test_a_verification_error_in_load_chunk_on_one_rank_still_converges(redis_ur
         return real(self, plan, staged, new, layers)
 
     monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = _agents(tc)
-        tc.base_loads = tc.loads.copy()
-        tc.start_coordinator()
-        store = tc.store()
+    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
         cursor = store.cursor()
-        try:
-            with _Workers(agents, tc.loads):
-                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                _new_load(tc, 1, store)
-                store.request_round("test fault")
-                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
-                ranks = _check_consistent(store, agents)
-                alarms = [e.fields for e in store.wait(cursor, 100) if e["kind"] == "alarm"]
-                assert calls["n"] == failures
-                if failures == 2:  # the chunk failed in its pause: the rank alarmed (and retried)
-                    assert any("swap verification failed" in str(a.get("message", "")) for a in alarms), alarms
-                # a second round after the fault goes through cleanly
-                _new_load(tc, 2, store)
-                store.request_round("test after")
-                wait_for(lambda: _round_done(store, 2), 90, store, "round 2")
-                _check_consistent(store, agents)
-        finally:
-            for a in agents:
-                a.close()
+        ranks = _round(tc, store, agents, 1, "test fault")
+        alarms = [e.fields for e in store.wait(cursor, 100) if e["kind"] == "alarm"]
+        assert calls["n"] == failures
+        if failures == 2:  # the chunk failed in its pause: the rank alarmed (and retried)
+            assert any("swap verification failed" in str(a.get("message", "")) for a in alarms), alarms
+        # a second round after the fault goes through cleanly
+        _round(tc, store, agents, 2, "test after")
 
 
 @pytest.mark.parametrize("fail_layer", [0, 2])
@@ -153,25 +149,12 @@ def test_the_retry_after_a_failed_chunk_keeps_one_chunk_per_safe_point(redis_url
 
     monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
     monkeypatch.setattr(SafePointOp, "apply", apply)
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = _agents(tc)
-        tc.base_loads = tc.loads.copy()
-        tc.start_coordinator()
-        store = tc.store()
-        try:
-            with _Workers(agents, tc.loads):
-                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                _new_load(tc, 1, store)
-                store.request_round("test retry")
-                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
-                ranks = _check_consistent(store, agents)
-            assert calls["n"] == 2
-            assert max(n for n, _ in per_safe_point) == 1, (
-                f"rank 1 applied {per_safe_point} (chunks, ms) per safe point: the retry took every remaining "
-                "chunk at one safe point")
-        finally:
-            for a in agents:
-                a.close()
+    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
+        _round(tc, store, agents, 1, "test retry")
+        assert calls["n"] == 2
+        assert max(n for n, _ in per_safe_point) == 1, (
+            f"rank 1 applied {per_safe_point} (chunks, ms) per safe point: the retry took every remaining "
+            "chunk at one safe point")
 
 
 @pytest.mark.parametrize("kw", [dict(max_pause_bytes=10**30), dict(max_pause_bytes=0, layers_per_safe_point=10**9)],
@@ -182,28 +165,14 @@ def test_an_agent_budget_init_cluster_would_refuse_still_swaps_whole_and_reports
 
     from fdeplb.api.prometheus import ClusterCollector
 
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
-                                **kw).start() for r in range(tc.config.ep_size)]
-        tc.base_loads = tc.loads.copy()
-        tc.start_coordinator()
-        store = tc.store()
-        try:
-            with _Workers(agents, tc.loads):
-                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                _new_load(tc, 1, store)
-                store.request_round("test budget")
-                wait_for(lambda: _round_done(store, 1), 90, store, "round 1")
-                ranks = _check_consistent(store, agents)
-            assert [x.chunks for x in ranks] == [1] * 4
-            registry = CollectorRegistry()
-            registry.register(ClusterCollector(store))
-            text = generate_latest(registry).decode()
-            for r, x in enumerate(ranks):
-                assert f'fdeplb_swap_chunks{{ep_rank="{r}"}} 1.0' in text
-                assert f'fdeplb_swap_pause_max_seconds{{ep_rank="{r}"}} {x.pause_max_ms / 1000}' in text
-                assert f'fdeplb_swap_pause_sum_seconds{{ep_rank="{r}"}} {x.pause_sum_ms / 1000}' in text
-                assert x.pause_max_ms == x.pause_sum_ms > 0
-        finally:
-            for a in agents:
-                a.close()
+    with _serving(redis_url, cluster_id, tmp_path, **kw) as (tc, store, agents):
+        ranks = _round(tc, store, agents, 1, "test budget")
+        assert [x.chunks for x in ranks] == [1] * 4
+        registry = CollectorRegistry()
+        registry.register(ClusterCollector(store))
+        text = generate_latest(registry).decode()
+        for r, x in enumerate(ranks):
+            assert f'fdeplb_swap_chunks{{ep_rank="{r}"}} 1.0' in text
+            assert f'fdeplb_swap_pause_max_seconds{{ep_rank="{r}"}} {x.pause_max_ms / 1000}' in text
+            assert f'fdeplb_swap_pause_sum_seconds{{ep_rank="{r}"}} {x.pause_sum_ms / 1000}' in text
+            assert x.pause_max_ms == x.pause_sum_ms > 0
