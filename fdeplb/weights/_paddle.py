@@ -153,7 +153,7 @@ def checksum(t: Any) -> int:
 
 #: block of a checked host copy: copied, then compared while both halves are still in L2
 _CHECK_BLOCK = 256 * 1024
-#: most threads a batch of checked host copies uses (:func:`copy_rows_checked`)
+#: most threads a batch of checked host copies uses (:class:`CheckedCopies`)
 _MAX_COPY_THREADS = 4
 
 
@@ -269,7 +269,7 @@ def _check_batch(copies: list[RowCopy]) -> list[tuple[int, int, int]]:
         d, n = _rows_span(c.dst, c.dst_row, c.rows)
         s, m = _rows_span(c.src, c.src_row, c.rows)
         if list(c.dst.shape[1:]) != list(c.src.shape[1:]) or c.dst.dtype != c.src.dtype or n != m:
-            raise ValueError(f"copy_rows_checked: copy {i} is from rows of {dtype_name(c.src)}"
+            raise ValueError(f"row copies: copy {i} is from rows of {dtype_name(c.src)}"
                              f"{list(c.src.shape[1:])} into rows of {dtype_name(c.dst)}{list(c.dst.shape[1:])}")
         segments.append((d, s, n))
         if n and c.dst.is_contiguous() and c.src.is_contiguous():
@@ -277,7 +277,7 @@ def _check_batch(copies: list[RowCopy]) -> list[tuple[int, int, int]]:
     reach_any = reach_written = -1  # furthest end of any span / of a written one, among those starting before
     for start, end, written, i in sorted(spans):
         if start < (reach_any if written else reach_written):
-            raise ValueError(f"copy_rows_checked: copy {i} overlaps the bytes another copy of the batch (or "
+            raise ValueError(f"row copies: copy {i} overlaps the bytes another copy of the batch (or "
                              "itself) writes; a batch's copies must be independent")
         reach_any = max(reach_any, end)
         if written:
@@ -349,9 +349,6 @@ class CheckedCopies:
         self._host = all(on_host(t) for t in tensors.values())
         threads = min(copy_threads(), max(1, sum(n for _, _, n in self._segments) // (4 * _CHECK_BLOCK)))
         self._parts = _split(self._segments, threads) if self._host else []
-
-    def __len__(self) -> int:
-        return len(self.copies)
 
     def run(self, device: str) -> list[int]:
         """Apply every copy; returns the indices of those whose check failed (empty: every byte landed). Returns (or

@@ -210,7 +210,10 @@ class LiveExperts:
 
     def _write_routing(self, phy2log: np.ndarray, live: np.ndarray | None) -> None:
         """Rewrite phy2log / log2phy / logcnt in place for ``phy2log`` routed over ``live`` (None: every rank)."""
-        log2phy, logcnt = routing_tables(phy2log, self.num_logical_experts, self.max_replicas, live)
+        self._write_tables(phy2log, *routing_tables(phy2log, self.num_logical_experts, self.max_replicas, live))
+
+    def _write_tables(self, phy2log: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray) -> None:
+        """Copy whole routing tables (numpy) into the device tables in place, and wait for the copies."""
         for dst, arr in ((self.phy2log_tensor, phy2log), (self.log2phy, log2phy), (self.logcnt, logcnt)):
             _paddle.copy_into(dst, self._device_int64(arr))
         _paddle.synchronize(self.device)
@@ -286,8 +289,7 @@ class LiveExperts:
             ]
             self._cleared = False
         self._phy2log = new
-        for dst, arr in ((self.phy2log_tensor, new), (self.log2phy, log2phy), (self.logcnt, logcnt)):
-            _paddle.copy_into(dst, self._device_int64(arr))
+        self._write_tables(new, log2phy, logcnt)
         return self.reload(reader)
 
     def verify(self, reader: CheckpointReader) -> tuple[int, int]:
@@ -420,9 +422,7 @@ class LiveExperts:
 
         start = time.perf_counter()
         self._phy2log = new.copy()
-        for dst, arr in ((self.phy2log_tensor, new), (self.log2phy, log2phy), (self.logcnt, logcnt)):
-            _paddle.copy_into(dst, self._device_int64(arr))
-        _paddle.synchronize(self.device)
+        self._write_tables(new, log2phy, logcnt)
         self._checksums = expected
         self._live = None if live is None or live.all() else live
         self.needs_reload = False
@@ -474,8 +474,7 @@ class LiveExperts:
                 buffer.release()
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
-        buffer.layers, buffer.loaded, buffer.writes = (), {}, []
-        buffer.routing, buffer.disk_batch, buffer.disk_written = _paddle.CheckedCopies([]), _paddle.CheckedCopies([]), []
+        buffer.clear_chunk()
         # the chunk's staged experts and the buffer are checked here, before the switch step, so the pause only
         # checks that the buffer holds this chunk
         self._check_staged_shapes(plan, [staged.experts[i] for i in indices], indices)
@@ -488,19 +487,21 @@ class LiveExperts:
         # right after the copy; onto a device: the entry's checksum, read back here, outside the pause.
         copied, bad, by_checksum = 0, [], []
         for entry, i in enumerate(indices):
-            checked = True
+            checked, on_device = True, False
             for suffix in self.tensors:
                 t, dst = staged.experts[i][suffix], buffer.entries[entry][suffix]
                 if _paddle.on_host(dst) and _paddle.on_host(t):
                     checked = _paddle.copy_checked(dst, t) and checked
                 else:
                     _paddle.copy_into(dst, t)
-                    by_checksum.append((entry, i))
+                    on_device = True
                 copied += _paddle.nbytes(t)
             if not checked:
                 bad.append(plan.disk[i])
+            if on_device:
+                by_checksum.append((entry, i))
         _paddle.synchronize(self.device)
-        for entry, i in dict.fromkeys(by_checksum):
+        for entry, i in by_checksum:
             got = buffer.entries[entry]
             if tuple(_paddle.checksum(got[s]) for s in staged.experts[i]) != staged.checksums[i]:
                 bad.append(plan.disk[i])

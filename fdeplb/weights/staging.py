@@ -61,6 +61,10 @@ class DeviceBuffer:
                         for suffix, (shape, dtype) in spec.items()} if self.capacity else {}
         self.entries = [{suffix: t[i] for suffix, t in self.tensors.items()} for i in range(self.capacity)]
         self.nbytes = sum(_paddle.nbytes(t) for t in self.tensors.values())
+        self.clear_chunk()
+
+    def clear_chunk(self) -> None:
+        """Forget the chunk it holds (none loaded: ``layers`` is ``()``); the device memory stays."""
         self.layers: tuple[int, ...] = ()
         self.loaded: dict[int, int] = {}
         self.routing: Any = _paddle.CheckedCopies([])
@@ -70,9 +74,8 @@ class DeviceBuffer:
 
     def release(self) -> None:
         """Free the device memory (idempotent)."""
-        self.tensors, self.entries, self.loaded, self.writes = {}, [], {}, []
-        self.routing, self.disk_batch, self.disk_written = _paddle.CheckedCopies([]), _paddle.CheckedCopies([]), []
-        self.layers, self.nbytes = (), 0
+        self.tensors, self.entries, self.nbytes = {}, [], 0
+        self.clear_chunk()
 
 
 @dataclass(eq=False)
