@@ -35,7 +35,6 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.checks import check_int
 from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, RedisUnavailableError, StaleStateError, \
     StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
@@ -49,6 +48,7 @@ from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
+from fdeplb.store.cluster_config import check_pause_budget
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
 from fdeplb.weights.plan import PauseBudget, changed_layers
@@ -106,9 +106,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                  layers_per_safe_point: int | None = None, replace: bool = False) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
-        self._pause_args = (None if max_pause_bytes is None else check_int(max_pause_bytes, "max_pause_bytes", lo=0),
-                            None if layers_per_safe_point is None
-                            else check_int(layers_per_safe_point, "layers_per_safe_point", lo=0))
+        own = check_pause_budget(0 if max_pause_bytes is None else max_pause_bytes,  # the cluster's rule
+                                 0 if layers_per_safe_point is None else layers_per_safe_point)
+        self._pause_args = tuple(None if arg is None else v for arg, v in zip((max_pause_bytes, layers_per_safe_point), own))
         #: the pause budget of one safe point (the agent's arguments over the cluster's), known after start()
         self.pause_budget: PauseBudget | None = None
         self._init_safe_points(safe_points, switch_margin_steps)

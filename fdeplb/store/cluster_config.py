@@ -29,6 +29,16 @@ MAX_EXPERTS = 65_536
 MAX_RETAIN_ROUNDS = 1_000
 #: default pause budget of one safe point (bytes a rank writes into its live slots at one switch step): 64 MiB
 DEFAULT_MAX_PAUSE_BYTES = 64 * 2**20
+#: the largest pause budget in bytes a cluster or a rank agent may set (0 = no byte limit)
+MAX_PAUSE_BYTES = 2**62
+
+
+def check_pause_budget(max_pause_bytes: Any, layers_per_safe_point: Any) -> tuple[int, int]:
+    """The pause budget of one safe point, the cluster's (:class:`ClusterConfig`) or a rank agent's own:
+    ``max_pause_bytes`` in [0, 2**62] bytes, ``layers_per_safe_point`` in [0, :data:`MAX_LAYERS`] (0 = no limit of
+    that kind). Returns them as ints; raises InputError (bools, floats, out of range)."""
+    return (check_int(max_pause_bytes, "max_pause_bytes", lo=0, hi=MAX_PAUSE_BYTES),
+            check_int(layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS))
 #: the settings ``fdeplb config set`` may change on a running cluster (each a field of :class:`ClusterConfig`;
 #: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids) is fixed when the cluster is created
 SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")
@@ -155,8 +165,7 @@ class ClusterConfig:
         if not isinstance(self.incarnation, str) or len(self.incarnation) > 64:
             raise InputError(f"incarnation must be a string of at most 64 characters, got {self.incarnation!r}")
         check_int(self.audit_keep, "audit_keep", lo=0, hi=10**9)
-        check_int(self.max_pause_bytes, "max_pause_bytes", lo=0, hi=2**62)
-        check_int(self.layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS)
+        check_pause_budget(self.max_pause_bytes, self.layers_per_safe_point)
         if self.audit_keep and not self.audit_export_path:
             raise InputError("audit_keep > 0 trims the audit stream: set audit_export_path to export it first")
         check_int(self.version, "version", lo=0, hi=2**62)

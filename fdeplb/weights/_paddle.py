@@ -11,6 +11,7 @@ import ctypes.util
 import math
 import os
 import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor, wait
 from functools import lru_cache
 from typing import Any, NamedTuple
@@ -155,6 +156,8 @@ def checksum(t: Any) -> int:
 _CHECK_BLOCK = 256 * 1024
 #: most threads a batch of checked host copies uses (:class:`CheckedCopies`)
 _MAX_COPY_THREADS = 4
+#: the most one thread of a batch of checked host copies takes at a time (its own stretch, or another's tail)
+_PIECE = 4 * _CHECK_BLOCK
 
 
 @lru_cache(maxsize=None)
@@ -287,8 +290,8 @@ def _check_batch(copies: list[RowCopy]) -> list[tuple[int, int, int]]:
 
 def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int, int]]]:
     """``(index, dst, src, bytes)`` pieces of ``segments`` (``(dst, src, bytes)``) in at most ``parts`` lists of
-    about equal bytes, each a contiguous stretch of the segments in order, cut on block boundaries (no list for
-    a batch of no bytes)."""
+    about equal bytes, each a contiguous stretch of the segments in order, cut on block boundaries into pieces of
+    at most :data:`_PIECE` bytes (no list for a batch of no bytes)."""
     total = sum(n for _, _, n in segments)
     share = -(-total // parts)
     share = max(_CHECK_BLOCK, -(-share // _CHECK_BLOCK) * _CHECK_BLOCK)
@@ -298,14 +301,27 @@ def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[
         offset = 0
         while offset < n:
             part = min(pos // share, parts - 1)
-            m = n - offset if part == parts - 1 else min(n - offset, (part + 1) * share - pos)
+            m = min(_PIECE, n - offset if part == parts - 1 else min(n - offset, (part + 1) * share - pos))
             out[part].append((i, d + offset, s + offset, m))
             offset, pos = offset + m, pos + m
     return [p for p in out if p]
 
 
-def _run_pieces(pieces: list[tuple[int, int, int, int]]) -> set[int]:
-    return {i for i, d, s, n in pieces if not _host_copy_checked(d, s, n)}
+def _run_pieces(own: deque, others: list[deque]) -> set[int]:
+    """Copy and check the pieces of this thread's stretch ``own`` from its front, then take from the back of the
+    ``others`` until every stretch is empty (a thread that started late or runs slower is left fewer; each
+    ``deque`` pop hands a piece to one thread). Returns the indices whose check failed."""
+    bad: set[int] = set()
+    queues = [own.popleft, *(q.pop for q in others)]
+    for take in queues:
+        while True:
+            try:
+                i, d, s, n = take()
+            except IndexError:  # this stretch is done
+                break
+            if not _host_copy_checked(d, s, n):
+                bad.add(i)
+    return bad
 
 
 def _wait_all(futures: list[Any]) -> None:
@@ -328,9 +344,11 @@ class CheckedCopies:
     bit-exactly on the tensors' device. Built ahead (a chunk's disk writes, when the chunk is loaded), so the pause
     only copies; :meth:`run` checks again only when a tensor's storage moved since.
 
-    The copies may run in any order and at once. Host tensors (a CPU device): the batch is cut into 256 KiB
-    blocks, each copied and compared (``memcmp``) while still in cache, spread over :func:`copy_threads` threads in
-    contiguous stretches. Device tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued
+    The copies may run in any order and at once. Host tensors (a CPU device): the batch is spread over
+    :func:`copy_threads` threads in contiguous stretches of 1 MiB pieces; a thread done with its stretch takes
+    pieces from the back of the others' (work stealing: a thread that starts late or runs slower on a shared core
+    does not hold the batch up). Each piece is copied and compared (``memcmp``) in 256 KiB blocks while still in
+    cache. Device tensors: ``copy_`` + a bit-exact ``equal_all`` of the raw words per copy, queued
     on the device, one flag vector read back (:func:`all_checked`): no tensor bytes reach the host.
 
     Raises:
@@ -359,13 +377,13 @@ class CheckedCopies:
         if any(t.data_ptr() != ptr for t, ptr in self._storage):  # re-allocated since (a weight clear + reload)
             self._check()
         if self._host:
-            parts = self._parts
-            if len(parts) <= 1:
-                return sorted(_run_pieces(parts[0])) if parts else []
+            queues = [deque(p) for p in self._parts]
+            if len(queues) <= 1:
+                return sorted(_run_pieces(queues[0], [])) if queues else []
             pool = _copy_pool(os.getpid(), copy_threads())
-            futures = [pool.submit(_run_pieces, p) for p in parts[1:]]
+            futures = [pool.submit(_run_pieces, q, queues[:k] + queues[k + 1:]) for k, q in enumerate(queues) if k]
             try:
-                bad = _run_pieces(parts[0])  # the calling thread takes the first stretch
+                bad = _run_pieces(queues[0], queues[1:])  # the calling thread takes the first stretch
             finally:
                 _wait_all(futures)  # never return (or raise) while another thread still writes
             for f in futures:

@@ -23,8 +23,9 @@ from fdeplb.errors import InputError, VerificationError, WeightError
 from fdeplb.weights import _paddle
 from fdeplb.weights.backend import SwapReport
 from fdeplb.weights.checkpoint import CheckpointReader
-from fdeplb.weights.plan import LOCAL, TransferPlan, rank_slots, routing_tables
-from fdeplb.weights.staging import DeviceBuffer, ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
+from fdeplb.weights.plan import KEEP, LOCAL, TransferPlan, rank_slots, routing_tables
+from fdeplb.weights.staging import (DeviceBuffer, ExpertChecksum, LoadedChunk, StagedExperts, check_staged_for,
+                                    expert_checksum)
 
 
 class LiveExperts:
@@ -95,6 +96,7 @@ class LiveExperts:
         self.logcnt = self._device_int64(logcnt)
         self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
         self.needs_reload = False
+        self._epoch = 0  # moved by every change of the slots, the placement, the checksums or the routed ranks
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -167,6 +169,13 @@ class LiveExperts:
         return self._phy2log[:, self._slots].copy()
 
     @property
+    def epoch(self) -> int:
+        """A counter moved by every change of the live slots, the placement or the routed ranks (a reload, a clear,
+        a swap, a chunk applied, :meth:`set_live_ranks`): a chunk loaded at one epoch (:meth:`load_chunk`) is
+        applied only at that epoch."""
+        return self._epoch
+
+    @property
     def num_layers(self) -> int:
         return int(self._phy2log.shape[0])
 
@@ -205,6 +214,7 @@ class LiveExperts:
         from fdeplb.placement.live_ranks import check_live_ranks
 
         mask = check_live_ranks(live_ranks, self.ep_size)
+        self._epoch += 1
         self._write_routing(self._phy2log, mask)
         self._live = None if mask.all() else mask
 
@@ -231,6 +241,7 @@ class LiveExperts:
         wanted = sorted({(layer, int(e)) for layer in range(self.num_layers) for e in rank[layer]})
         for layer, expert in wanted:
             reader.check_expert(layer, expert)
+        self._epoch += 1
         self.needs_reload = True
         for layer, expert in wanted:
             tensors = reader.read_expert(layer, expert)
@@ -264,6 +275,7 @@ class LiveExperts:
                 t._clear_data()
         self._checksums.clear()
         self._cleared = True
+        self._epoch += 1
         self.needs_reload = True
         return freed
 
@@ -278,6 +290,7 @@ class LiveExperts:
         if new.shape != self._phy2log.shape:
             raise InputError(f"phy2log has shape {new.shape}, the live placement {self._phy2log.shape}")
         log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas, self._live)
+        self._epoch += 1
         if self.cleared:
             for suffix, layers in self.tensors.items():
                 shape, dtype = reader.spec[suffix]
@@ -388,6 +401,7 @@ class LiveExperts:
         per_slot = self.expert_nbytes
 
         start = time.perf_counter()
+        self._epoch += 1
         self.needs_reload = True
         snapshots: dict[tuple[int, int], dict[str, Any]] = {}
         layer_of_snapshots = -1
@@ -449,23 +463,36 @@ class LiveExperts:
     # ---- chunked swap: one chunk of layers per safe point ---------------------------------------------------------
     def load_chunk(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
                    layers: tuple[int, ...]) -> int:
-        """Before the chunk's switch step (the serving engine keeps running): copy the staged experts of
-        ``layers`` into ``staged.buffer`` on the live experts' device, and the layers' new routing rows next to
-        them. Replaces the buffer's previous chunk. Returns the bytes copied.
+        """Before the chunk's switch step (the serving engine keeps running): check the chunk against the live
+        experts as :meth:`swap` checks a whole swap, copy the staged experts of ``layers`` into ``staged.buffer``
+        on the live experts' device, and work out what the chunk's pause applies (a
+        :class:`~fdeplb.weights.staging.LoadedChunk`: its writes, the batch of disk writes, the routing rows, the
+        report's counts). Replaces the buffer's previous chunk. Returns the bytes copied.
 
         Every buffer entry is checked against its staged expert here (outside the pause; see the comment).
 
         Raises:
-            WeightError: staging (or its device buffer) released, or of another plan.
-            InputError: ``new_phy2log`` malformed for the routing tables.
-            VerificationError: a buffer entry differs from its staged expert; the buffer holds no chunk then (a
-                later load_chunk loads it again), nothing live was written.
+            InputError: the plan does not start from the live placement of ``layers``, or ``new_phy2log`` is
+                malformed or not the plan's target; nothing copied.
+            WeightError: live slots that need a reload; staging (or its device buffer) released, or of another
+                plan, or of the wrong shape; nothing copied.
+            VerificationError: a locally copied expert has no recorded checkpoint checksum (nothing copied), or a
+                buffer entry differs from its staged expert: the buffer holds no chunk then (a later load_chunk
+                loads it again), nothing live was written.
         """
-        check_staged_for(plan, staged)
+        chunk = sorted({int(layer) for layer in layers})
+        new = self._check_swap(plan, staged, new_phy2log, chunk)
+        wanted = set(chunk)
+        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))
+                   if int(layer) in wanted} - self._checksums.keys()
+        if missing:
+            raise VerificationError(
+                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
+                "verify(reader) the live slots first"
+            )
         buffer = staged.buffer
         if buffer is not None and not buffer.entries and buffer.capacity:
             raise WeightError(f"rank {self.ep_rank}: the staged plan's device buffer was released")
-        wanted = set(int(layer) for layer in layers)
         indices = [i for i, (layer, _) in enumerate(plan.disk) if layer in wanted]
         # no buffer: the rank's chunks read nothing from disk (staged with none; an empty one holds the chunk's
         # routing rows and writes). A chunk larger than the buffer never comes from the layout it was sized for.
@@ -474,7 +501,7 @@ class LiveExperts:
                 buffer.release()
             spec = {suffix: (tuple(t[0].shape[1:]), t[0].dtype) for suffix, t in self.tensors.items()}
             buffer = staged.buffer = DeviceBuffer(spec, len(indices), self.device)
-        buffer.clear_chunk()
+        buffer.chunk = None
         # the chunk's staged experts and the buffer are checked here, before the switch step, so the pause only
         # checks that the buffer holds this chunk
         self._check_staged_shapes(plan, [staged.experts[i] for i in indices], indices)
@@ -508,31 +535,36 @@ class LiveExperts:
         if bad:
             raise VerificationError(
                 f"rank {self.ep_rank}: the device buffer's copy of staged expert(s) (layer, expert) {bad[:8]} differs "
-                f"from the staged bytes; nothing was written, the chunk {sorted(wanted)} is not loaded")
-        buffer.loaded = {i: entry for entry, i in enumerate(indices)}
-        new = np.asarray(new_phy2log, dtype=np.int64)
-        log2phy, logcnt = routing_tables(new[sorted(wanted)], self.num_logical_experts, self.max_replicas,
-                                         self._live)
-        rows = sorted(wanted)
+                f"from the staged bytes; nothing was written, the chunk {chunk} is not loaded")
+        loaded = {i: entry for entry, i in enumerate(indices)}
+        log2phy, logcnt = routing_tables(new[chunk], self.num_logical_experts, self.max_replicas, self._live)
         # one block of rows per run of consecutive layers: the pause switches each run with one checked copy per
         # table (a batch, checked now: the pause only copies)
         routing = []
-        for lo, hi in _runs(rows):
-            a, b = rows.index(lo), rows.index(hi) + 1
+        for lo, hi in _runs(chunk):
+            a, b = chunk.index(lo), chunk.index(hi) + 1
             blocks = (self._device_int64(new[lo:hi + 1]), self._device_int64(log2phy[a:b]),
                       self._device_int64(logcnt[a:b]))
             routing += [_paddle.RowCopy(table, lo, block, 0, hi + 1 - lo)
                         for table, block in zip((self.phy2log_tensor, self.log2phy, self.logcnt), blocks)]
-        buffer.routing = _paddle.CheckedCopies(routing)
-        buffer.writes = _chunk_writes(plan, wanted, buffer.loaded)
+        writes = _chunk_writes(plan, wanted, loaded)
         # the disk writes (runs of consecutive slots from consecutive entries) as one batch, checked now
-        disk = [w for w in buffer.writes if w[0] == "disk"]
-        buffer.disk_written = [(*w, suffix) for w in disk for suffix in self.tensors]
-        buffer.disk_batch = _paddle.CheckedCopies([
+        disk_written = [(*w, suffix) for w in writes if w[0] == "disk" for suffix in self.tensors]
+        disk_batch = _paddle.CheckedCopies([
             _paddle.RowCopy(self.tensors[suffix][layer], slot, buffer.tensors[suffix], source, count)
-            for _, layer, slot, source, count, suffix in buffer.disk_written])
+            for _, layer, slot, source, count, suffix in disk_written])
+        local = [(kind, layer, slot, source) for kind, layer, slot, source, _ in writes if kind != "disk"]
+        action = plan.action[chunk]
+        counts = {"keep": int(np.count_nonzero(action == KEEP)), "local": sum(w[0] != "snapshot" for w in local),
+                  "disk": len(loaded), "disk_slots": sum(w[4] for w in writes if w[0] == "disk"),
+                  "snapshots": sum(w[0] == "snapshot" for w in local)}
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
-        buffer.layers = tuple(sorted(wanted))
+        buffer.chunk = LoadedChunk(
+            layers=tuple(chunk), plan=plan, plan_key=staged.plan_key, new_rows=new[chunk].copy(),
+            live_epoch=self._epoch, slot_nbytes=self.expert_nbytes, loaded=loaded, writes=writes, local=local,
+            disk_batch=disk_batch,
+            disk_written=disk_written, routing=_paddle.CheckedCopies(routing), counts=counts,
+            checksums=[(plan.disk[i], staged.checksums[i]) for i in loaded])
         return copied
 
     def _failed_slots(self, failed: list[tuple[str, int, int, int, int, str]], buffer: DeviceBuffer,
@@ -549,12 +581,39 @@ class LiveExperts:
             bad.update((layer, s, int(plan.new[layer, s])) for s in slots)
         return bad
 
+    def _loaded_chunk(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
+                      layers: tuple[int, ...]) -> LoadedChunk:
+        """The chunk ``staged.buffer`` holds for ``layers``, when nothing :meth:`load_chunk` checked it against has
+        moved since: the same plan and staging, the same rows of ``new_phy2log``, the same :attr:`epoch`. A few
+        comparisons, no hashing: this runs in the pause."""
+        chunk = tuple(sorted(int(layer) for layer in layers))
+        buffer = staged.buffer
+        loaded = None if buffer is None else buffer.chunk
+        if loaded is None or loaded.layers != chunk:
+            raise WeightError(f"rank {self.ep_rank}: the device buffer holds layers {getattr(buffer, 'layers', ())}, "
+                              f"not the chunk {chunk}; load_chunk() it first")
+        if self.needs_reload:
+            raise WeightError(f"rank {self.ep_rank}: live slots failed verification; reload() before swapping")
+        if staged.released:
+            raise WeightError(f"rank {plan.ep_rank}: the staged experts were released; stage the plan again")
+        if plan is not loaded.plan and plan.key != loaded.plan_key:
+            raise WeightError(f"rank {self.ep_rank}: the chunk {chunk} was loaded for another plan "
+                              f"({loaded.plan_key} != {plan.key})")
+        if loaded.live_epoch != self._epoch:
+            raise WeightError(f"rank {self.ep_rank}: the live experts changed since the chunk {chunk} was loaded "
+                              "(a reload, a clear, a swap, another chunk or new routed ranks); load_chunk() it again")
+        new = np.asarray(new_phy2log, dtype=np.int64)
+        if new.shape != self._phy2log.shape or not np.array_equal(new[list(chunk)], loaded.new_rows):
+            raise InputError(f"rank {self.ep_rank}: new_phy2log's rows of layers {list(chunk)} are not those the "
+                             "chunk was loaded for")
+        return loaded
+
     def swap_layers(self, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
                     layers: tuple[int, ...]) -> SwapReport:
         """At the chunk's switch step: apply ``plan``'s writes of ``layers`` from the chunk's device buffer
-        (:meth:`load_chunk` first), check every written slot on the device, then switch the routing rows
-        (phy2log / log2phy / logcnt) of exactly those layers. Layers that do not change on this rank cost no copy:
-        only their routing rows switch (other ranks' slots moved).
+        (:meth:`load_chunk` first, which checked the chunk against the live experts), check every written slot on
+        the device, then switch the routing rows (phy2log / log2phy / logcnt) of exactly those layers. Layers that
+        do not change on this rank cost no copy: only their routing rows switch (other ranks' slots moved).
 
         Each written slot is compared bit-exactly with what it was copied from (its device buffer entry, the
         source slot, or the cycle snapshot) on the device, right after its copy; only the answer is read back
@@ -562,53 +621,36 @@ class LiveExperts:
         expert bytes go to the host. Local copies run first, in the plan's order; the disk writes (runs of
         consecutive slots from consecutive buffer entries) then run as one batch built and checked when the chunk
         was loaded, on a CPU device spread over :func:`~fdeplb.weights._paddle.copy_threads` threads; then the
-        routing rows, one checked copy per table and run of layers.
+        routing rows, one checked copy per table and run of layers. A chunk is applied once.
 
         Raises:
-            InputError / WeightError: as :meth:`swap`, checked for these layers before any write; WeightError also
-                when the device buffer does not hold this chunk.
+            WeightError: the device buffer does not hold this chunk, or something it was loaded against moved
+                since (the plan, the staging, the live experts' :attr:`epoch`: load it again); nothing written.
+            InputError: ``new_phy2log``'s rows of ``layers`` differ from those the chunk was loaded with.
             VerificationError: a written slot differs from its source on the device. The routing rows of these
                 layers keep the old placement (other chunks already applied stay applied) and
                 :attr:`needs_reload` is set: the rank must :meth:`reload`.
         """
-        chunk = sorted(int(layer) for layer in layers)
-        new = self._check_swap(plan, staged, new_phy2log, chunk)
+        loaded = self._loaded_chunk(plan, staged, new_phy2log, layers)
         buffer = staged.buffer
-        if buffer is None or buffer.layers != tuple(chunk):
-            raise WeightError(f"rank {self.ep_rank}: the device buffer holds layers {getattr(buffer, 'layers', ())}, "
-                              f"not the chunk {tuple(chunk)}; load_chunk() it first")
-        wanted = set(chunk)
-        missing = {(layer, int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))
-                   if int(layer) in wanted} - self._checksums.keys()
-        if missing:
-            raise VerificationError(
-                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
-                "verify(reader) the live slots first"
-            )
-        per_slot = self.expert_nbytes
         start = time.perf_counter()
+        self._epoch += 1
         self.needs_reload = True
         snapshots: dict[tuple[int, int], dict[str, Any]] = {}
         checks: list[Any] = []  # local copies, in the plan's order (a slot is read before it is overwritten)
         written: list[tuple[str, int, int, int, int, str]] = []  # the write and suffix of each check
-        disk_slots = local = snaps = 0
-        for kind, layer, slot, source, count in buffer.writes:
-            if kind == "disk":  # in the chunk's batch of disk writes (checked when it was loaded), run below
-                disk_slots += count
-                continue
+        for kind, layer, slot, source in loaded.local:
             dst = self._views[layer][slot]
             if kind == "snapshot":
                 snapshots[(layer, slot)] = {s: _paddle.clone(t) for s, t in dst.items()}
-                snaps += 1
                 continue
             src = self._views[layer][source] if kind == "local" else snapshots[(layer, source)]
-            local += 1
             for suffix, t in dst.items():
                 checks.append(_paddle.copy_checked(t, src[suffix]))
-                written.append((kind, layer, slot, source, count, suffix))
+                written.append((kind, layer, slot, source, 1, suffix))
         # every local copy of a layer reads its slots before that layer's disk writes overwrite them (the plan's
         # order), and disk writes only read the buffer: once the local copies are queued, the runs are independent
-        failed = [buffer.disk_written[i] for i in buffer.disk_batch.run(self.device)]
+        failed = [loaded.disk_written[i] for i in loaded.disk_batch.run(self.device)]
         _paddle.synchronize(self.device)
         copy_seconds = time.perf_counter() - start
 
@@ -616,6 +658,7 @@ class LiveExperts:
         failed += [written[i] for i in _paddle.all_checked(checks, self.device)]
         snapshots.clear()
         verify_seconds = time.perf_counter() - start
+        chunk = list(loaded.layers)
         if failed:
             bad = sorted(self._failed_slots(failed, buffer, plan))
             raise VerificationError(
@@ -625,29 +668,26 @@ class LiveExperts:
             )
 
         start = time.perf_counter()
-        if buffer.routing.run(self.device):  # a routing row did not land: put back the tables of the placement
+        if loaded.routing.run(self.device):  # a routing row did not land: put back the tables of the placement
             # the slots hold now (these layers' old rows, the other chunks' applied ones); the slots are fine
             self._write_routing(self._phy2log, self._live)
             raise VerificationError(f"rank {self.ep_rank}: the routing rows of layers {chunk} did not land on the "
                                     "device; the tables keep the old placement for them")
-        self._phy2log[chunk] = new[chunk]
-        self._checksums.update((plan.disk[i], staged.checksums[i]) for i in buffer.loaded)
+        self._phy2log[chunk] = loaded.new_rows
+        self._checksums.update(loaded.checksums)
+        buffer.chunk = None  # applied: a chunk is applied once
         self.needs_reload = False
         routing_seconds = time.perf_counter() - start
 
-        action = plan.action[chunk]
+        counts, per_slot = loaded.counts, loaded.slot_nbytes
         return SwapReport(
             ep_rank=self.ep_rank,
-            plan_key=plan.key,
-            keep=int(np.count_nonzero(action == 0)),
-            local=local,
-            disk=len(buffer.loaded),
-            disk_slots=disk_slots,
-            snapshots=snaps,
-            slots_verified=disk_slots + local,
-            bytes_from_staging=disk_slots * per_slot,
-            bytes_local=local * per_slot,
-            bytes_snapshot=snaps * per_slot,
+            plan_key=loaded.plan_key,
+            **counts,
+            slots_verified=counts["disk_slots"] + counts["local"],
+            bytes_from_staging=counts["disk_slots"] * per_slot,
+            bytes_local=counts["local"] * per_slot,
+            bytes_snapshot=counts["snapshots"] * per_slot,
             copy_seconds=copy_seconds,
             verify_seconds=verify_seconds,
             routing_seconds=routing_seconds,

@@ -37,21 +37,58 @@ def expert_checksum(tensors: dict[str, Any]) -> ExpertChecksum:
     return tuple(_paddle.checksum(t) for t in tensors.values())
 
 
+@dataclass(eq=False)
+class LoadedChunk:
+    """One chunk of a swap as :meth:`fdeplb.weights.LiveExperts.load_chunk` worked it out and checked it against the
+    live experts, before the chunk's switch step, so that the pause (:meth:`~fdeplb.weights.LiveExperts.swap_layers`)
+    only copies: it checks that nothing it relied on moved since (the same plan, the same rows of the new
+    placement, the live experts' :attr:`~fdeplb.weights.LiveExperts.epoch`) and applies what is here.
+
+    Attributes:
+        layers: the chunk (sorted layer indices).
+        plan: the plan it was loaded for (``plan_key``: its :attr:`~fdeplb.weights.TransferPlan.key`).
+        new_rows: int64 ``[len(layers), P]``: the chunk's rows of the new placement.
+        live_epoch: the live experts' epoch when loaded (a reload, a clear, a whole swap or a change of the
+            routed ranks moves it, and the pause then refuses the chunk: load it again).
+        slot_nbytes: bytes of one slot (every suffix), for the report's byte counts.
+        loaded: index into ``plan.disk`` -> buffer entry.
+        writes: the chunk's writes in the plan's order (``(kind, layer, first slot, first source, slots)``; a disk
+            write's source is its buffer entry; consecutive disk slots from consecutive entries are one run).
+        local: the local copies and snapshots among ``writes`` (``(kind, layer, slot, source)``), in that order.
+        disk_batch, disk_written: the disk writes as one :class:`~fdeplb.weights._paddle.CheckedCopies` (checked
+            when built) and the write and suffix behind each of its copies.
+        routing: the chunk's new routing rows (phy2log / log2phy / logcnt, one block per run of consecutive
+            layers) as one :class:`~fdeplb.weights._paddle.CheckedCopies` onto the live tables.
+        counts: the report's counts (``keep``, ``local``, ``disk``, ``disk_slots``, ``snapshots``: slots, or
+            experts for ``disk``).
+        checksums: ``((layer, expert), checksum)`` of the chunk's staged experts, recorded once the chunk lands.
+    """
+
+    layers: tuple[int, ...]
+    plan: TransferPlan
+    plan_key: str
+    new_rows: Any
+    live_epoch: int
+    slot_nbytes: int
+    loaded: dict[int, int]
+    writes: list[tuple[str, int, int, int, int]]
+    local: list[tuple[str, int, int, int]]
+    disk_batch: Any
+    disk_written: list[tuple[str, int, int, int, int, str]]
+    routing: Any
+    counts: dict[str, int]
+    checksums: list[tuple[tuple[int, int], ExpertChecksum]]
+
+
 class DeviceBuffer:
     """Room for one chunk's staged experts on the live experts' device (``capacity`` experts, each every suffix of
-    ``spec``), plus the chunk's routing rows, filled before the chunk's switch step
-    (:meth:`fdeplb.weights.LiveExperts.load_chunk`).
+    ``spec``), filled before the chunk's switch step (:meth:`fdeplb.weights.LiveExperts.load_chunk`), with what the
+    chunk's pause applies (:class:`LoadedChunk`).
 
     Attributes:
         tensors: ``suffix -> tensor [capacity, *shape]`` on ``device``; entries: one ``suffix -> view`` per entry.
         nbytes: device bytes held (0 after :meth:`release`).
-        layers: the chunk it holds (layer indices; () = none yet); loaded: ``index into plan.disk -> entry``.
-        routing: the chunk's new routing rows (phy2log / log2phy / logcnt, one block per run of consecutive layers)
-            as one :class:`~fdeplb.weights._paddle.CheckedCopies` onto the live tables.
-        writes: the chunk's writes, worked out when it is loaded (``(kind, layer, first slot, first source,
-            slots)``, see :meth:`fdeplb.weights.LiveExperts.load_chunk`): the pause only copies.
-        disk_batch, disk_written: the chunk's disk writes as one :class:`~fdeplb.weights._paddle.CheckedCopies`
-            (validated when loaded) and the write and suffix behind each of its copies.
+        chunk: the :class:`LoadedChunk` it holds (None: none, or the last one was applied).
     """
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], Any]], capacity: int, device: str) -> None:
@@ -61,21 +98,17 @@ class DeviceBuffer:
                         for suffix, (shape, dtype) in spec.items()} if self.capacity else {}
         self.entries = [{suffix: t[i] for suffix, t in self.tensors.items()} for i in range(self.capacity)]
         self.nbytes = sum(_paddle.nbytes(t) for t in self.tensors.values())
-        self.clear_chunk()
+        self.chunk: LoadedChunk | None = None
 
-    def clear_chunk(self) -> None:
-        """Forget the chunk it holds (none loaded: ``layers`` is ``()``); the device memory stays."""
-        self.layers: tuple[int, ...] = ()
-        self.loaded: dict[int, int] = {}
-        self.routing: Any = _paddle.CheckedCopies([])
-        self.writes: list[tuple[str, int, int, int, int]] = []
-        self.disk_batch: Any = _paddle.CheckedCopies([])  # the chunk's disk writes, one checked batch
-        self.disk_written: list[tuple[str, int, int, int, int, str]] = []  # (write..., suffix) of each batch copy
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """The layers of the chunk it holds (``()``: none)."""
+        return () if self.chunk is None else self.chunk.layers
 
     def release(self) -> None:
         """Free the device memory (idempotent)."""
         self.tensors, self.entries, self.nbytes = {}, [], 0
-        self.clear_chunk()
+        self.chunk = None
 
 
 @dataclass(eq=False)

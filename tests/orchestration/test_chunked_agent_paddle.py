@@ -157,9 +157,8 @@ def test_the_retry_after_a_failed_chunk_keeps_one_chunk_per_safe_point(redis_url
             "chunk at one safe point")
 
 
-@pytest.mark.parametrize("kw", [dict(max_pause_bytes=10**30, layers_per_safe_point=10**9)], ids=["huge"])
-def test_an_agent_budget_init_cluster_would_refuse_still_swaps_whole_and_reports_it(redis_url, cluster_id, tmp_path,
-                                                                                      kw):
+@pytest.mark.parametrize("kw", [dict(max_pause_bytes=2**62, layers_per_safe_point=4096)], ids=["largest"])
+def test_the_largest_agent_budget_swaps_whole_and_reports_it(redis_url, cluster_id, tmp_path, kw):
     from prometheus_client import CollectorRegistry, generate_latest
 
     from fdeplb.api.prometheus import ClusterCollector

@@ -112,6 +112,22 @@ def test_window_keeps_last_steps_and_seconds_and_clears():
         ExpertLoadWindow(1, 2, steps=None, seconds=None)
 
 
+@pytest.mark.parametrize("kw", [dict(max_pause_bytes=2**62 + 1), dict(max_pause_bytes=-1),
+                                dict(max_pause_bytes=1.5), dict(layers_per_safe_point=4097),
+                                dict(layers_per_safe_point=True)])
+def test_an_agent_refuses_a_pause_budget_init_cluster_refuses(kw):
+    """A rank agent's own pause budget obeys the cluster's rule (:func:`fdeplb.store.cluster_config.check_pause_budget`,
+    the one ClusterConfig and init-cluster use), checked when the agent is built, before it touches the store."""
+    from fdeplb.orchestration.agent import RankAgent
+    from fdeplb.store import ClusterConfig
+
+    name = next(iter(kw))
+    with pytest.raises(InputError, match=name):
+        RankAgent(None, 0, **kw)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=name):
+        ClusterConfig(num_layers=2, num_logical_experts=4, num_physical_experts=4, ep_size=2, **kw)
+
+
 def test_the_periodic_publication_refuses_a_fractional_window_as_a_round_does(redis_url, cluster_id, tmp_path):
     """The periodic publication (``publish_interval_s``) takes the round's checked path: a fractional window is
     refused with an alarm, not truncated into the store; a whole-numbered one is published."""

@@ -5,7 +5,6 @@ what was staged, an error other than a failed verification in the pause, and the
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import signal
 import threading
@@ -16,7 +15,7 @@ import pytest
 
 pytest.importorskip("paddle")
 
-from fdeplb.errors import VerificationError, WeightError  # noqa: E402
+from fdeplb.errors import InputError, VerificationError, WeightError  # noqa: E402
 from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.weights import CheckpointBackend  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
@@ -171,9 +170,9 @@ def test_copies_that_overlap_are_refused_before_anything_is_copied():
 
 
 def test_an_interrupt_while_the_batch_waits_for_its_threads_leaves_only_after_they_are_done(monkeypatch):
-    """A KeyboardInterrupt (SIGINT, or an engine's signal handler that raises) while the calling thread waits for the
-    other copy threads is raised again only once they are done: nothing writes into the live tensors after
-    copy_rows_checked has raised (QA: 25 raw copies ran after it)."""
+    """A KeyboardInterrupt (SIGINT, or an engine's signal handler that raises) while the calling thread copies or
+    waits for the other copy threads is raised again only once they are done: nothing writes into the live tensors
+    after copy_rows_checked has raised (QA: 25 raw copies ran after it), and every byte was copied."""
     if _paddle.copy_threads() < 2:
         pytest.skip("needs 2 copy threads (2 usable cores)")
     import paddle
@@ -181,17 +180,15 @@ def test_an_interrupt_while_the_batch_waits_for_its_threads_leaves_only_after_th
     rows, width = 64, 64 * 1024  # 16 MiB of float32 rows: 64 blocks of 256 KiB
     src = paddle.arange(rows * width, dtype="float32").reshape([rows, width])
     dst = paddle.zeros([rows, width], dtype="float32")
-    blocks, threads = 64, min(_paddle.copy_threads(), 16)
-    others_expected = blocks - math.ceil(blocks / threads)  # the calling thread takes the first stretch
+    blocks = 64
     real, main = _paddle._copy_bytes, threading.main_thread()
-    others: list[float] = []
+    writes: list[tuple[bool, float]] = []  # (by the calling thread, when) of each raw copy
     raised_at: list[float] = []
 
-    def slow(d, s, n):  # the other threads copy slowly: the calling thread waits for them
+    def slow(d, s, n):  # another thread's piece takes >= 0.4 s: the interrupt comes while it still writes
         out = real(d, s, n)
-        if threading.current_thread() is not main:
-            threading.Event().wait(0.01)
-            others.append(time.perf_counter())
+        threading.Event().wait(0.001 if threading.current_thread() is main else 0.1)
+        writes.append((threading.current_thread() is main, time.perf_counter()))
         return out
 
     monkeypatch.setattr(_paddle, "_copy_bytes", slow)
@@ -204,8 +201,41 @@ def test_an_interrupt_while_the_batch_waits_for_its_threads_leaves_only_after_th
     timer.join()
     assert raised_at, "the interrupt did not arrive during the batch"
     deadline = time.monotonic() + 30
-    while len(others) < others_expected and time.monotonic() < deadline:  # a wrong build would still be writing
+    while len(writes) < blocks and time.monotonic() < deadline:  # a wrong build would still be writing
         threading.Event().wait(0.01)
-    assert len(others) == others_expected
-    assert max(others) < raised_at[0], "a copy thread still wrote after copy_rows_checked had raised"
+    assert len(writes) == blocks and not all(by_main for by_main, _ in writes)
+    assert max(t for _, t in writes) < raised_at[0], "a copy thread still wrote after copy_rows_checked had raised"
     assert np.array_equal(dst.numpy(), src.numpy())
+
+
+def test_a_chunk_is_applied_only_to_the_live_state_it_was_loaded_against(ckpt):
+    """load_chunk checks the chunk against the live experts (as swap checks a whole swap) so the pause only compares
+    identities: a reload, a change of the routed ranks or the chunk's own application since it was loaded is a
+    WeightError in the pause, other rows of the new placement an InputError; nothing is written then, and loading
+    the chunk again applies it."""
+    b = backend(ckpt)
+    staged = b.stage(NEW, None, PauseBudget(0, 1))
+    before = snapshot_bytes(b.live)
+    b.prepare(staged, NEW, (0,))
+    b.reload()
+    with pytest.raises(WeightError, match="changed since the chunk"):
+        b.swap_layers(staged, NEW, (0,))
+    b.prepare(staged, NEW, (0,))
+    b.set_live_ranks(tuple(range(EP)))
+    with pytest.raises(WeightError, match="changed since the chunk"):
+        b.swap_layers(staged, NEW, (0,))
+    b.prepare(staged, NEW, (0,))
+    other = NEW.copy()
+    other[0] = OLD[0]
+    with pytest.raises(InputError, match="rows of layers"):
+        b.swap_layers(staged, other, (0,))
+    assert snapshot_bytes(b.live) == before and np.array_equal(b.phy2log, OLD) and not b.live.needs_reload
+    b.swap_layers(staged, NEW, (0,))
+    with pytest.raises(WeightError, match="load_chunk"):
+        b.swap_layers(staged, NEW, (0,))  # applied once
+    with pytest.raises(InputError, match="another placement"):
+        b.prepare(staged, NEW, (0,))  # layer 0 is live on the new placement now: the plan no longer starts there
+    for layers in chunk_layers(staged.starts, changed_layers(OLD, NEW))[1:]:
+        b.prepare(staged, NEW, layers)
+        b.swap_layers(staged, NEW, layers)
+    assert np.array_equal(b.phy2log, NEW) and b.verify() == (L * 6, L * 6)

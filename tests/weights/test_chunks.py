@@ -193,6 +193,43 @@ def test_a_batch_of_row_copies_lands_every_byte_and_names_the_one_that_did_not(m
         _paddle.copy_rows_checked([_paddle.RowCopy(dst, 60, src, 0, 8)], "cpu")
 
 
+def test_a_copy_thread_that_is_held_up_leaves_the_rest_of_its_stretch_to_the_others(monkeypatch):
+    """Work stealing: the other copy thread's first raw copy is held (once it has taken its first piece) until the
+    calling thread has copied everything but that piece (the calling thread's own stretch, then the back of the other's). A static split
+    would wait for the held thread's whole stretch; the event is then set by the calling thread, not by its 10 s
+    deadline, and the held thread wrote only the piece it had taken."""
+    if _paddle.copy_threads() != 2:
+        pytest.skip("needs exactly 2 copy threads (2 usable cores)")
+    import threading
+
+    import paddle
+
+    rows, width = 64, 64 * 1024  # 64 blocks of 256 KiB, 16 pieces: 8 per thread
+    src = paddle.arange(rows * width, dtype="float32").reshape([rows, width])
+    dst = paddle.zeros([rows, width], dtype="float32")
+    real, main = _paddle._copy_bytes, threading.main_thread()
+    per_piece = _paddle._PIECE // _paddle._CHECK_BLOCK
+    started, release, by_main, by_other = threading.Event(), threading.Event(), [], []
+
+    def copy(d, s, n):
+        if threading.current_thread() is main:
+            assert by_main or started.wait(10), "the other copy thread never started"
+            by_main.append(d)
+            if len(by_main) == rows - per_piece:
+                release.set()
+        else:
+            started.set()  # it holds its first piece
+            assert release.wait(10), "the calling thread never took the held thread's pieces"
+            by_other.append(d)
+        return real(d, s, n)
+
+    monkeypatch.setattr(_paddle, "_copy_bytes", copy)
+    assert _paddle.copy_rows_checked([_paddle.RowCopy(dst, 0, src, 0, rows)], "cpu") == []
+    assert release.is_set() and len(by_other) == per_piece and len(by_main) == rows - per_piece
+    assert min(by_other) == dst.data_ptr() + (rows // 2) * width * 4  # the held thread's stretch: the second half
+    assert np.array_equal(dst.numpy(), src.numpy())
+
+
 def test_the_device_path_of_a_batch_copies_rows_and_compares_on_the_device(monkeypatch):
     """With the tensors taken for device tensors (the GPU path, on CPU tensors): each copy is a copy_ of the row
     slices plus an equal_all, one flag vector read back."""
