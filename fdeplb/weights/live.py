@@ -560,7 +560,7 @@ class LiveExperts:
                   "snapshots": sum(w[0] == "snapshot" for w in local)}
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
         buffer.chunk = LoadedChunk(
-            layers=tuple(chunk), plan=plan, plan_key=staged.plan_key, new_rows=new[chunk].copy(),
+            layers=tuple(chunk), plan=plan, plan_key=staged.plan_key, new_rows=new[chunk].copy(), live=self,
             live_epoch=self._epoch, slot_nbytes=self.expert_nbytes, loaded=loaded, writes=writes, local=local,
             disk_batch=disk_batch,
             disk_written=disk_written, routing=_paddle.CheckedCopies(routing), counts=counts,
@@ -586,7 +586,7 @@ class LiveExperts:
         """The chunk ``staged.buffer`` holds for ``layers``, when nothing :meth:`load_chunk` checked it against has
         moved since: the same plan and staging, the same rows of ``new_phy2log``, the same :attr:`epoch`. A few
         comparisons, no hashing: this runs in the pause."""
-        chunk = tuple(sorted(int(layer) for layer in layers))
+        chunk = tuple(sorted({int(layer) for layer in layers}))  # as load_chunk reads ``layers``
         buffer = staged.buffer
         loaded = None if buffer is None else buffer.chunk
         if loaded is None or loaded.layers != chunk:
@@ -599,7 +599,7 @@ class LiveExperts:
         if plan is not loaded.plan and plan.key != loaded.plan_key:
             raise WeightError(f"rank {self.ep_rank}: the chunk {chunk} was loaded for another plan "
                               f"({loaded.plan_key} != {plan.key})")
-        if loaded.live_epoch != self._epoch:
+        if loaded.live is not self or loaded.live_epoch != self._epoch:
             raise WeightError(f"rank {self.ep_rank}: the live experts changed since the chunk {chunk} was loaded "
                               "(a reload, a clear, a swap, another chunk or new routed ranks); load_chunk() it again")
         new = np.asarray(new_phy2log, dtype=np.int64)

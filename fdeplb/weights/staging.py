@@ -48,7 +48,7 @@ class LoadedChunk:
         layers: the chunk (sorted layer indices).
         plan: the plan it was loaded for (``plan_key``: its :attr:`~fdeplb.weights.TransferPlan.key`).
         new_rows: int64 ``[len(layers), P]``: the chunk's rows of the new placement.
-        live_epoch: the live experts' epoch when loaded (a reload, a clear, a whole swap or a change of the
+        live, live_epoch: the live experts it was checked against (another's pause refuses it) and their epoch then (a reload, a clear, a whole swap or a change of the
             routed ranks moves it, and the pause then refuses the chunk: load it again).
         slot_nbytes: bytes of one slot (every suffix), for the report's byte counts.
         loaded: index into ``plan.disk`` -> buffer entry.
@@ -68,6 +68,7 @@ class LoadedChunk:
     plan: TransferPlan
     plan_key: str
     new_rows: Any
+    live: Any
     live_epoch: int
     slot_nbytes: int
     loaded: dict[int, int]
