@@ -96,7 +96,7 @@ class LiveExperts:
         self.logcnt = self._device_int64(logcnt)
         self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
         self.needs_reload = False
-        self._epoch = 0  # moved by every change of the slots, the placement, the checksums or the routed ranks
+        self._epoch = 0  # moved by every change of the slots, the placement or the routed ranks (see epoch)
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -351,6 +351,18 @@ class LiveExperts:
             self._check_staged_shapes(plan, staged.experts)
         return new
 
+    def _check_local_checksums(self, plan: TransferPlan, known: Any, layers: set[int] | None = None) -> None:
+        """VerificationError unless every expert ``plan`` copies locally (in ``layers``; None: all) has a checkpoint
+        checksum among ``known`` (tensors wrapped without verify() have none to check local copies against: the
+        swap then writes nothing)."""
+        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))
+                   if layers is None or int(layer) in layers} - known
+        if missing:
+            raise VerificationError(
+                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
+                "verify(reader) the live slots first"
+            )
+
     def _check_staged_shapes(self, plan: TransferPlan, experts: Any, indices: Any = None) -> None:
         """WeightError unless every staged expert (``experts[k]`` for index ``indices[k]`` into ``plan.disk``; all
         when ``indices`` is None) has each live suffix in the slots' shape and dtype."""
@@ -391,13 +403,7 @@ class LiveExperts:
         log2phy, logcnt = routing_tables(new, self.num_logical_experts, self.max_replicas, live)
         expected: dict[tuple[int, int], ExpertChecksum] = dict(self._checksums)
         expected.update(zip(plan.disk, staged.checksums))
-        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))}
-        missing -= expected.keys()
-        if missing:  # tensors wrapped without verify(): nothing to check local copies against, so write nothing
-            raise VerificationError(
-                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
-                "verify(reader) the live slots first"
-            )
+        self._check_local_checksums(plan, expected.keys())
         per_slot = self.expert_nbytes
 
         start = time.perf_counter()
@@ -480,16 +486,10 @@ class LiveExperts:
                 buffer entry differs from its staged expert: the buffer holds no chunk then (a later load_chunk
                 loads it again), nothing live was written.
         """
-        chunk = sorted({int(layer) for layer in layers})
+        chunk = list(_chunk_of(layers))
         new = self._check_swap(plan, staged, new_phy2log, chunk)
         wanted = set(chunk)
-        missing = {(int(layer), int(plan.new[layer, s])) for layer, s in zip(*np.nonzero(plan.action == LOCAL))
-                   if int(layer) in wanted} - self._checksums.keys()
-        if missing:
-            raise VerificationError(
-                f"rank {self.ep_rank}: no checkpoint checksum for locally copied experts {sorted(missing)[:8]}; "
-                "verify(reader) the live slots first"
-            )
+        self._check_local_checksums(plan, self._checksums.keys(), wanted)
         buffer = staged.buffer
         if buffer is not None and not buffer.entries and buffer.capacity:
             raise WeightError(f"rank {self.ep_rank}: the staged plan's device buffer was released")
@@ -561,9 +561,8 @@ class LiveExperts:
         _paddle.synchronize(self.device)  # the buffer is complete before the safe point reads it
         buffer.chunk = LoadedChunk(
             layers=tuple(chunk), plan=plan, plan_key=staged.plan_key, new_rows=new[chunk].copy(), live=self,
-            live_epoch=self._epoch, slot_nbytes=self.expert_nbytes, loaded=loaded, writes=writes, local=local,
-            disk_batch=disk_batch,
-            disk_written=disk_written, routing=_paddle.CheckedCopies(routing), counts=counts,
+            live_epoch=self._epoch, slot_nbytes=self.expert_nbytes, loaded=loaded, local=local,
+            disk_batch=disk_batch, disk_written=disk_written, routing=_paddle.CheckedCopies(routing), counts=counts,
             checksums=[(plan.disk[i], staged.checksums[i]) for i in loaded])
         return copied
 
@@ -586,7 +585,7 @@ class LiveExperts:
         """The chunk ``staged.buffer`` holds for ``layers``, when nothing :meth:`load_chunk` checked it against has
         moved since: the same plan and staging, the same rows of ``new_phy2log``, the same :attr:`epoch`. A few
         comparisons, no hashing: this runs in the pause."""
-        chunk = tuple(sorted({int(layer) for layer in layers}))  # as load_chunk reads ``layers``
+        chunk = _chunk_of(layers)
         buffer = staged.buffer
         loaded = None if buffer is None else buffer.chunk
         if loaded is None or loaded.layers != chunk:
@@ -711,6 +710,11 @@ def _chunk_writes(plan: TransferPlan, layers: set[int], loaded: dict[int, int]) 
                 continue
         writes.append((step.kind, step.layer, step.slot, source, 1))
     return writes
+
+
+def _chunk_of(layers: Any) -> tuple[int, ...]:
+    """A chunk's layers as load_chunk and swap_layers read them: ints, each once, ascending."""
+    return tuple(sorted({int(layer) for layer in layers}))
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

@@ -52,11 +52,10 @@ class LoadedChunk:
             routed ranks moves it, and the pause then refuses the chunk: load it again).
         slot_nbytes: bytes of one slot (every suffix), for the report's byte counts.
         loaded: index into ``plan.disk`` -> buffer entry.
-        writes: the chunk's writes in the plan's order (``(kind, layer, first slot, first source, slots)``; a disk
-            write's source is its buffer entry; consecutive disk slots from consecutive entries are one run).
-        local: the local copies and snapshots among ``writes`` (``(kind, layer, slot, source)``), in that order.
+        local: the chunk's local copies and snapshots (``(kind, layer, slot, source)``), in the plan's order.
         disk_batch, disk_written: the disk writes as one :class:`~fdeplb.weights._paddle.CheckedCopies` (checked
-            when built) and the write and suffix behind each of its copies.
+            when built) and, behind each of its copies, ``(kind, layer, first slot, first buffer entry, slots,
+            suffix)`` (consecutive slots from consecutive entries are one run).
         routing: the chunk's new routing rows (phy2log / log2phy / logcnt, one block per run of consecutive
             layers) as one :class:`~fdeplb.weights._paddle.CheckedCopies` onto the live tables.
         counts: the report's counts (``keep``, ``local``, ``disk``, ``disk_slots``, ``snapshots``: slots, or
@@ -72,7 +71,6 @@ class LoadedChunk:
     live_epoch: int
     slot_nbytes: int
     loaded: dict[int, int]
-    writes: list[tuple[str, int, int, int, int]]
     local: list[tuple[str, int, int, int]]
     disk_batch: Any
     disk_written: list[tuple[str, int, int, int, int, str]]
