@@ -39,6 +39,8 @@ def check_pause_budget(max_pause_bytes: Any, layers_per_safe_point: Any) -> tupl
     that kind). Returns them as ints; raises InputError (bools, floats, out of range)."""
     return (check_int(max_pause_bytes, "max_pause_bytes", lo=0, hi=MAX_PAUSE_BYTES),
             check_int(layers_per_safe_point, "layers_per_safe_point", lo=0, hi=MAX_LAYERS))
+
+
 #: the settings ``fdeplb config set`` may change on a running cluster (each a field of :class:`ClusterConfig`;
 #: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids) is fixed when the cluster is created
 SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")

@@ -478,15 +478,16 @@ class LiveExperts:
         Every buffer entry is checked against its staged expert here (outside the pause; see the comment).
 
         Raises:
-            InputError: the plan does not start from the live placement of ``layers``, or ``new_phy2log`` is
-                malformed or not the plan's target; nothing copied.
+            InputError: ``layers`` is empty or holds a non-integer or a layer outside the model, the plan does
+                not start from the live placement of ``layers``, or ``new_phy2log`` is malformed or not the plan's
+                target; nothing copied.
             WeightError: live slots that need a reload; staging (or its device buffer) released, or of another
                 plan, or of the wrong shape; nothing copied.
             VerificationError: a locally copied expert has no recorded checkpoint checksum (nothing copied), or a
                 buffer entry differs from its staged expert: the buffer holds no chunk then (a later load_chunk
                 loads it again), nothing live was written.
         """
-        chunk = list(_chunk_of(layers))
+        chunk = list(_chunk_of(layers, self.num_layers))
         new = self._check_swap(plan, staged, new_phy2log, chunk)
         wanted = set(chunk)
         self._check_local_checksums(plan, self._checksums.keys(), wanted)
@@ -585,7 +586,7 @@ class LiveExperts:
         """The chunk ``staged.buffer`` holds for ``layers``, when nothing :meth:`load_chunk` checked it against has
         moved since: the same plan and staging, the same rows of ``new_phy2log``, the same :attr:`epoch`. A few
         comparisons, no hashing: this runs in the pause."""
-        chunk = _chunk_of(layers)
+        chunk = _chunk_of(layers, self.num_layers)
         buffer = staged.buffer
         loaded = None if buffer is None else buffer.chunk
         if loaded is None or loaded.layers != chunk:
@@ -625,7 +626,9 @@ class LiveExperts:
         Raises:
             WeightError: the device buffer does not hold this chunk, or something it was loaded against moved
                 since (the plan, the staging, the live experts' :attr:`epoch`: load it again); nothing written.
-            InputError: ``new_phy2log``'s rows of ``layers`` differ from those the chunk was loaded with.
+            InputError: ``layers`` is empty or holds a non-integer or a layer outside the model (as
+                :meth:`load_chunk`), or ``new_phy2log``'s rows of ``layers`` differ from those the chunk was loaded
+                with; nothing written.
             VerificationError: a written slot differs from its source on the device. The routing rows of these
                 layers keep the old placement (other chunks already applied stay applied) and
                 :attr:`needs_reload` is set: the rank must :meth:`reload`.
@@ -712,9 +715,26 @@ def _chunk_writes(plan: TransferPlan, layers: set[int], loaded: dict[int, int]) 
     return writes
 
 
-def _chunk_of(layers: Any) -> tuple[int, ...]:
-    """A chunk's layers as load_chunk and swap_layers read them: ints, each once, ascending."""
-    return tuple(sorted({int(layer) for layer in layers}))
+def _chunk_of(layers: Any, num_layers: int) -> tuple[int, ...]:
+    """A chunk's layers as load_chunk and swap_layers read them: ints, each once, ascending.
+
+    Raises:
+        InputError: no layer, a layer that is not an integer (a float, a bool, a string), or one outside
+            ``[0, num_layers)`` (a negative layer never counts from the end).
+    """
+    try:
+        values = list(layers)
+    except TypeError:
+        raise InputError(f"a chunk is a sequence of layer indices, got {layers!r}") from None
+    if not values:
+        raise InputError("a chunk names at least one layer")
+    bad = [v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]
+    if bad:
+        raise InputError(f"a chunk's layers are integers, got {bad[0]!r}")
+    out = [v for v in values if not 0 <= int(v) < num_layers]
+    if out:
+        raise InputError(f"layer {int(out[0])} is outside the model's {num_layers} layers")
+    return tuple(sorted({int(layer) for layer in values}))
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

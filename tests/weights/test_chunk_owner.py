@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("paddle")
 
-from fdeplb.errors import WeightError  # noqa: E402
+from fdeplb.errors import InputError, WeightError  # noqa: E402
 from fdeplb.weights import CheckpointReader, LiveExperts, routing_tables, stage_experts  # noqa: E402
 from fdeplb.weights.plan import plan_transfer  # noqa: E402
 from tests.weights.test_weights import EP, NEW, OLD, ckpt  # noqa: E402,F401  (fixture)
@@ -43,3 +43,25 @@ def test_load_chunk_and_swap_layers_agree_on_duplicated_layers(ckpt):
     live.load_chunk(plan, staged, NEW, (0, 0))
     live.swap_layers(plan, staged, NEW, (0, 0))
     assert np.array_equal(live.phy2log[0], NEW[0])
+
+
+@pytest.mark.parametrize("layers", [(-1,), (3,), (), (0.5,), ("0",), (True,), None])
+def test_a_chunk_of_no_layer_or_of_layers_outside_the_model_is_refused_and_changes_nothing(ckpt, layers):
+    """A negative layer must not count from the end (numpy would take (-1,) as the last layer's rows), a float or
+    a bool must not be truncated to a layer, and an empty chunk is no chunk: InputError from both steps, nothing
+    loaded or applied, the epoch unchanged."""
+    reader = CheckpointReader(ckpt)
+    live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    staged = stage_experts(plan, reader, device="cpu", buffer_experts=len(plan.disk))
+    epoch, p2l = live.epoch, live.phy2log.copy()
+    with pytest.raises(InputError):
+        live.load_chunk(plan, staged, NEW, layers)
+    assert staged.buffer is None or staged.buffer.chunk is None
+    with pytest.raises(InputError):
+        live.swap_layers(plan, staged, NEW, layers)
+    assert live.epoch == epoch and np.array_equal(live.phy2log, p2l)
+    # a real chunk still loads and applies afterwards
+    live.load_chunk(plan, staged, NEW, (OLD.shape[0] - 1,))
+    live.swap_layers(plan, staged, NEW, (OLD.shape[0] - 1,))
+    assert np.array_equal(live.phy2log[-1], NEW[-1])
