@@ -17,7 +17,8 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
 
     Idempotent: an existing cluster with the same configuration is left as it is (returns False); a different
     topology for an existing cluster is refused with :class:`TopologyError`, other settings (or checkpoint, layer
-    ids) with :class:`StateError` naming each difference and ``fdeplb config set`` (nothing written). ``initial_phy2log`` is int [num_layers, num_physical_experts]
+    ids, pause budget) with :class:`StateError` naming each difference and ``fdeplb config set`` (nothing written).
+    ``initial_phy2log`` is int [num_layers, num_physical_experts]
     holding expert ids in [0, num_logical_experts) (:class:`InputError` otherwise; nothing is written then).
 
     Over live ranks (a cluster whose records Redis lost while its agents kept serving): when the ranks that
@@ -47,13 +48,14 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     if differ:
         raise StateError(f"cluster {store.cluster!r} exists with other settings: {'; '.join(differ)}; nothing "
                          f"changed. Change settings with `fdeplb config set --redis-url URL --cluster "
-                         f"{store.cluster} ...` (checkpoint and layer ids are fixed at creation)")
+                         f"{store.cluster} ...` (checkpoint, layer ids and the pause budget are fixed at creation)")
     return False
 
 
 def _compared(config: ClusterConfig) -> dict:
-    """What init-cluster compares with an existing cluster: every setting (deadlines one by one), the checkpoint
-    and the model layers (the topology is compared first)."""
+    """What init-cluster compares with an existing cluster: every setting (deadlines one by one), the checkpoint,
+    the model layers and the pause budget (the topology is compared first)."""
     flat = config.flat_settings()
-    flat.update(checkpoint=config.checkpoint, layer_ids=config.model_layer_ids, num_model_layers=config.model_layers)
+    flat.update(checkpoint=config.checkpoint, layer_ids=config.model_layer_ids, num_model_layers=config.model_layers,
+                max_pause_bytes=config.max_pause_bytes, layers_per_safe_point=config.layers_per_safe_point)
     return flat

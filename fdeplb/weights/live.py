@@ -15,6 +15,7 @@ from, and the chunk's routing rows; every other layer keeps routing with its own
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -719,13 +720,16 @@ def _chunk_of(layers: Any, num_layers: int) -> tuple[int, ...]:
     """A chunk's layers as load_chunk and swap_layers read them: ints, each once, ascending.
 
     Raises:
-        InputError: no layer, a layer that is not an integer (a float, a bool, a string), or one outside
+        InputError: not a sequence (a string, bytes or a mapping are none), no layer, a layer that is not an
+            integer (a float, a bool, a string), or one outside
             ``[0, num_layers)`` (a negative layer never counts from the end).
     """
+    if isinstance(layers, (str, bytes, bytearray, Mapping)):  # iterable, but not of layer indices
+        raise InputError(f"a chunk is a sequence of layer indices, got {type(layers).__name__} {layers!r:.40}")
     try:
         values = list(layers)
     except TypeError:
-        raise InputError(f"a chunk is a sequence of layer indices, got {layers!r}") from None
+        raise InputError(f"a chunk is a sequence of layer indices, got {layers!r:.40}") from None
     if not values:
         raise InputError("a chunk names at least one layer")
     bad = [v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]

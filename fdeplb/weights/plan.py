@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from fdeplb.checks import check_int
 from fdeplb.errors import InputError, TopologyError
 from fdeplb.placement.core import derive_maps
 
@@ -331,8 +332,13 @@ def chunk_starts(changed: np.ndarray, layer_nbytes: np.ndarray, budget: PauseBud
 
     Every rank proposes its own layout; the switch step fixes their union (:func:`chunk_layers` of the union is the
     common refinement, within every rank's budget): see ``store/lua/switch.lua``.
+
+    Raises:
+        InputError: a budget field that is not a non-negative integer (a bool, a float, a string, < 0); the
+            cluster's and an agent's budgets are also bounded above (``store.cluster_config.check_pause_budget``).
     """
-    max_bytes, max_layers = int(budget.max_pause_bytes), int(budget.layers_per_safe_point)
+    max_bytes = check_int(budget.max_pause_bytes, "max_pause_bytes", lo=0)
+    max_layers = check_int(budget.layers_per_safe_point, "layers_per_safe_point", lo=0)
     starts: list[int] = []
     nbytes = layers = 0
     for layer in np.asarray(changed, dtype=np.int64).tolist():
