@@ -17,7 +17,9 @@ memcpy between two chunks, more than its 32 MiB L3, made the next pause ~7% slow
 the slots: see :func:`host_pair`; at least the largest pause's own ratio). Targets on CPU: pause_vs_memcpy <= 1.5, largest chunked pause <= 1/8 of the unchunked
 pause, sum of the chunked pauses of one swap <= 1.2x the unchunked pause. Each safe point's pause and baselines are
 the best of --repeats (default 5: :func:`per_safe_point`); the sum is the least of whole swaps (one run's pauses
-together, never bests of different runs), the unchunked pause the best of its --repeats. On a CPU rank the pause's checked copy runs on up to 4 threads (the cores the stopped
+together, never bests of different runs), the unchunked pause the best of its --repeats; the chunked and the
+unchunked swaps alternate repeat by repeat (:func:`pause_runs`), so their ratio compares one stretch of the machine's
+time, not two. On a CPU rank the pause's checked copy runs on up to 4 threads (the cores the stopped
 engine leaves idle; ``fdeplb.weights._paddle.copy_threads``), so ``pause_vs_parallel_memcpy`` also compares it
 with a memcpy of the same bytes split over as many threads: the plain ratio measures the pause against the one-core
 copy the issue names, the parallel one what the checking costs.
@@ -218,50 +220,65 @@ class PauseRun:
         return int(np.argmax(self.pauses))
 
 
-def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, budget: PauseBudget,
-               repeats: int, device: str, memcpy, memcpy_parallel=None) -> tuple[list[PauseRun], list[float]]:
-    """Forward swaps old -> new in chunks within ``budget`` (``repeats`` times; each swapped back at once, untimed)
-    and, for the same plan, the swap at once as before (``LiveExperts.swap``): (the chunked runs, the at-once
-    pauses in s). ``memcpy(nbytes)`` / ``memcpy_parallel(nbytes)`` time each pause's baselines once the swap's last
-    chunk is applied, so the chunks' pauses run back to back as their switch steps would, with nothing of the
-    benchmark's own between them."""
-    runs, at_once = [], []
-    for _ in range(repeats):
-        plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
-        changed = changed_layers(old, new)
-        chunks = chunk_layers(chunk_starts(changed, plan.layer_nbytes(live.expert_nbytes), budget), changed)
-        cap = max(sum(1 for layer, _ in plan.disk if layer in c) for c in chunks)
-        staged = stage_experts(plan, reader, device=device, buffer_experts=cap)
-        pauses, nbytes, base, base_parallel = [], [], [], []
-        t_first = None
-        for layers in chunks:
-            live.load_chunk(plan, staged, new, layers)  # before the chunk's switch step: not the pause
-            t0 = time.perf_counter()
-            t_first = t0 if t_first is None else t_first
-            report = live.swap_layers(plan, staged, new, layers)
-            t1 = time.perf_counter()
-            pauses.append(t1 - t0)
-            nbytes.append(report.bytes_from_staging + report.bytes_local + report.bytes_snapshot)
-        span = t1 - t_first
-        for n in nbytes:  # after the last pause: a baseline between two pauses would disturb the next one
-            base.append(memcpy(n))
-            if memcpy_parallel is not None:
-                base_parallel.append(memcpy_parallel(n))
-        staged.release()
-        runs.append(PauseRun(chunks, pauses, nbytes, base, span, base_parallel))
-        back = plan_transfer(new, old, live.ep_rank, live.ep_size)  # back at once (untimed)
-        staged = stage_experts(back, reader, device=device)
-        live.swap(back, staged, old)
-        staged.release()
-        staged = stage_experts(plan, reader, device=device)  # the swap at once, as before issue 24
+def pause_run(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, budget: PauseBudget,
+              device: str, memcpy, memcpy_parallel=None) -> PauseRun:
+    """One forward swap old -> new in chunks within ``budget`` (then swapped back at once, untimed).
+    ``memcpy(nbytes)`` / ``memcpy_parallel(nbytes)`` time each pause's baselines once the swap's last chunk is
+    applied, so the chunks' pauses run back to back as their switch steps would, with nothing of the benchmark's
+    own between them."""
+    plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
+    changed = changed_layers(old, new)
+    chunks = chunk_layers(chunk_starts(changed, plan.layer_nbytes(live.expert_nbytes), budget), changed)
+    cap = max(sum(1 for layer, _ in plan.disk if layer in c) for c in chunks)
+    staged = stage_experts(plan, reader, device=device, buffer_experts=cap)
+    pauses, nbytes, base, base_parallel = [], [], [], []
+    t_first = None
+    for layers in chunks:
+        live.load_chunk(plan, staged, new, layers)  # before the chunk's switch step: not the pause
         t0 = time.perf_counter()
-        live.swap(plan, staged, new)
-        at_once.append(time.perf_counter() - t0)
-        staged.release()
-        staged = stage_experts(back, reader, device=device)
-        live.swap(back, staged, old)
-        staged.release()
-    return runs, at_once
+        t_first = t0 if t_first is None else t_first
+        report = live.swap_layers(plan, staged, new, layers)
+        t1 = time.perf_counter()
+        pauses.append(t1 - t0)
+        nbytes.append(report.bytes_from_staging + report.bytes_local + report.bytes_snapshot)
+    span = t1 - t_first
+    staged.release()
+    for n in nbytes:  # after the last pause: a baseline between two pauses would disturb the next one
+        base.append(memcpy(n))
+        if memcpy_parallel is not None:
+            base_parallel.append(memcpy_parallel(n))
+    swap_at_once(live, reader, new, old, device)  # back (untimed)
+    return PauseRun(chunks, pauses, nbytes, base, span, base_parallel)
+
+
+def swap_at_once(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, device: str
+                 ) -> float:
+    """The swap old -> new applied at once as before issue 24 (``LiveExperts.swap``: copies from host staging +
+    CRC of every written slot), staged first: the pause in s."""
+    plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
+    staged = stage_experts(plan, reader, device=device)
+    t0 = time.perf_counter()
+    live.swap(plan, staged, new)
+    pause = time.perf_counter() - t0
+    staged.release()
+    return pause
+
+
+def pause_runs(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, budget: PauseBudget,
+               repeats: int, device: str, memcpy, memcpy_parallel=None
+               ) -> tuple[list[PauseRun], list[PauseRun], list[float]]:
+    """``repeats`` rounds of the same plan: a forward swap in chunks within ``budget``, one at a single safe point
+    (:func:`pause_run` with no budget) and one at once as before (:func:`swap_at_once`), each swapped back
+    untimed. Interleaved, the chunked and single-safe-point swaps in turn first, so a ratio of the two is never one
+    of two moments of a shared machine. Returns (chunked runs, unchunked runs, at-once pauses in s)."""
+    chunked, unchunked, at_once = [], [], []
+    for k in range(repeats):
+        order = [(budget, chunked), (PauseBudget(0, 0), unchunked)]
+        for b, out in order if k % 2 == 0 else order[::-1]:
+            out.append(pause_run(live, reader, old, new, b, device, memcpy, memcpy_parallel))
+        at_once.append(swap_at_once(live, reader, old, new, device))
+        swap_at_once(live, reader, new, old, device)  # back (untimed)
+    return chunked, unchunked, at_once
 
 
 def per_safe_point(runs: list[PauseRun]) -> PauseRun:
@@ -505,9 +522,8 @@ def measure(args: argparse.Namespace, baseline: MemcpyBaseline, pause_memcpy=Non
         memcpy = pause_memcpy or SizedMemcpy()
         parallel = None if pause_memcpy else ParallelMemcpy()
         budget = PauseBudget(args.max_pause_bytes, 0)
-        chunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy, parallel)
-        unchunked, _ = pause_runs(live, reader, old, new, PauseBudget(0, 0), args.repeats, args.device, memcpy,
-                                  parallel)
+        chunked, unchunked, at_once = pause_runs(live, reader, old, new, budget, args.repeats, args.device, memcpy,
+                                                 parallel)
         pauses = {"budget": budget, "chunked": chunked, "unchunked": unchunked, "at_once": at_once}
         verified, total = live.verify(reader)
         reader.close()
