@@ -174,9 +174,16 @@ def test_a_batch_of_row_copies_lands_every_byte_and_names_the_one_that_did_not(m
               _paddle.RowCopy(dst, 40, src, 40, 24)]
     threads: set[str] = set()
     real = _paddle._copy_bytes
+    # with work stealing the calling thread may copy everything before a pool thread wakes (a busy machine): the
+    # caller's first piece waits (with a deadline) until a pool thread has copied, so the spread is what is tested
+    spread = threading.Event()
 
     def copy(d, s, n):
         threads.add(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            spread.wait(30 if _paddle.copy_threads() > 1 else 0)
+        else:
+            spread.set()
         last = dst.data_ptr() + rows * width * 4
         return real(d, s, n - 1 if d + n == last else n)  # the last row of the last copy lands a byte short
 
