@@ -476,9 +476,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
         if not (cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id):
-            current = self.store.current_placement()
-            if current.plan_id != plan_id:  # the round rolled forward without this rank, and later ones too
-                return self._catch_up(me, current)
+            # the round is over without this rank (lost mid-swap, excluded, back): hold the current placement,
+            # routed over the ranks it names. Never the cluster record's members then: they are another round's
+            # (an aborted membership round's, say), and routing over them can leave a replica-less expert
+            return self._catch_up(me, self.store.current_placement())
         new = self._new_phy2log(plan_id)
         report: dict[str, Any] = {}
         pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
@@ -550,10 +551,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         return False
 
     def _catch_up(self, me: RankRecord, current: Any) -> bool:
-        """The round this rank was SWAPPING in is over and a later placement is current (the rank was lost
-        mid-swap, the round completed among the members, the rank was excluded, its experts re-placed, and it came
-        back): hold the current placement (reloaded from the checkpoint at a safe point when the live slots hold
-        another one, routed over its members) and leave SWAPPING; never swap to the old round's plan."""
+        """The round this rank was SWAPPING in is over without it (the rank was lost mid-swap, the round
+        completed among the members, the rank was excluded and came back; its experts re-placed in a later
+        placement, or not when that failed closed): hold the current placement, its plan or a later one (reloaded
+        from the checkpoint at a safe point when the live slots hold another one, routed over the placement's
+        members) and leave SWAPPING; never swap to the old round's plan."""
         members = current.live_ranks(self.config.ep_size)
         if not np.array_equal(self.backend.phy2log, current.phy2log) or members != self.live_ranks:
             def reload() -> None:
