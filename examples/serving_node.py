@@ -20,8 +20,9 @@ After each of these four changes it checks that every rank applied it at the cha
 armed ranks fixed together, see ``EmbeddedAgent.at_safe_point``). Swaps are chunked (``layers_per_safe_point=1``:
 one MoE layer per safe point, chunk k at switch step + k on every rank), and every step's output still equals the
 no-EPLB reference between chunks. The last line is JSON (``switches``: each change's switch step, chunks and the
-step every rank applied its last chunk at; ``chunks_per_swap`` and ``max_pause_ms``: the rounds' most chunks and
-longest safe-point pause; ``loadavg_1m``: the host's load at the start and the end); the exit status is 0 only when
+step every rank applied its last chunk at, and for a swap its longest safe-point pause; ``chunks_per_swap`` and
+``max_pause_ms``: the rounds' most chunks and longest swap pause; ``safe_point_pause_ms``: every safe point that
+applied something, weight clears and updates included; ``loadavg_1m``: the host's load at the start and the end); the exit status is 0 only when
 every check held.
 
 ``--lose-rank R`` runs the elastic scenario instead (README "Membership: losing a rank"): after the warm-up rank R's
@@ -391,7 +392,9 @@ def changes(node: Node) -> tuple[dict, bool]:
         chunks = max(x.chunks for x in ranks) if what.startswith("round") else 1  # a swap: chunk k at step + k
         switches.append({"what": what, "switch_step": switch_step, "chunks": chunks,
                          "last_step": switch_step + chunks - 1, "applied_steps": [x.applied_step for x in ranks],
-                         "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else 0.0})
+                         # the rank record times a swap's safe points; a weight clear or update is one safe point, timed with
+                         # every other in safe_point_pause_ms (None here, not a 0 it never was)
+                         "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else None})
 
     for r in range(EP):
         node.start_worker(r)
@@ -445,7 +448,7 @@ def changes(node: Node) -> tuple[dict, bool]:
                                 "applied": len(pauses)},
         "late_switches": late, "switches": switches, "errors": [e[2] for e in state["errors"]],
         "chunks_per_swap": max((s["chunks"] for s in switches if s["what"].startswith("round")), default=0),
-        "max_pause_ms": round(max((s["max_pause_ms"] for s in switches if s["what"].startswith("round")),
+        "max_pause_ms": round(max((s["max_pause_ms"] for s in switches if s["max_pause_ms"] is not None),
                                   default=0.0), 3),
     }
     together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["last_step"]] * EP
