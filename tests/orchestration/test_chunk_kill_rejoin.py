@@ -7,7 +7,6 @@ now holds the current placement, routed over the ranks it names, and leaves SWAP
 
 from __future__ import annotations
 
-import signal
 import threading
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from fdeplb.orchestration.reasons import FAIL_CLOSED
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, RankState
 from tests.helpers import wait_for
+from tests.orchestration.test_chunked_switch import kill_rank1_between_chunks
 from tests.orchestration.test_embedding import _round_done
 
 
@@ -26,7 +26,6 @@ def test_a_rank_killed_between_chunks_that_rejoins_after_a_fail_closed_replaceme
     from fdeplb.placement import initial_placement
     from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
     from fdeplb.store import ClusterConfig, Deadlines, Store
-    from tests.faults.test_kill import wait_event
     from tests.helpers import real_traces_28x64
 
     from fdeplb.weights import write_synthetic_checkpoint
@@ -46,14 +45,7 @@ def test_a_rank_killed_between_chunks_that_rejoins_after_a_fail_closed_replaceme
     coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
     thread = threading.Thread(target=coordinator.run, daemon=True)
     try:
-        for r in range(4):
-            cluster.start_rank(r, *args, env={"FDEPLB_FAILPOINTS": "rank.chunk.hang=2"} if r == 1 else None)
-        cluster.wait_ready(timeout_s=120)
-        thread.start()
-        cursor = store.cursor()
-        store.request_round("kill between chunks, stay down")
-        wait_event(store, cursor, kind="failpoint", name="rank.chunk.hang", rank=1)
-        cluster.kill_rank(1, signal.SIGKILL)
+        kill_rank1_between_chunks(cluster, store, thread, args, "kill between chunks, stay down")
         # the round completes among the members once rank 1 is suspected; rank 1 is excluded, its orphans cannot
         # be re-placed on 8 redundant slots: the membership round fails closed
         wait_for(lambda: _round_done(store, 1), 90, store, "round 1 completes without rank 1")

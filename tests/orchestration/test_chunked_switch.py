@@ -74,6 +74,23 @@ def test_every_rank_switches_each_chunk_at_the_same_step_in_the_union_of_their_l
 
 @pytest.mark.slow
 @pytest.mark.faults
+def kill_rank1_between_chunks(cluster, store, coordinator_thread: threading.Thread, args: tuple[str, ...],
+                              reason: str) -> dict:
+    """Start the 4 workers of ``cluster`` (rank 1 hangs at its second chunk: failpoint ``rank.chunk.hang=2``), then
+    the coordinator, request a round and SIGKILL rank 1's worker once it hangs there: the failpoint's event."""
+    from tests.faults.test_kill import wait_event
+
+    for r in range(4):
+        cluster.start_rank(r, *args, env={"FDEPLB_FAILPOINTS": "rank.chunk.hang=2"} if r == 1 else None)
+    cluster.wait_ready(timeout_s=120)
+    coordinator_thread.start()
+    cursor = store.cursor()
+    store.request_round(reason)
+    hit = wait_event(store, cursor, kind="failpoint", name="rank.chunk.hang", rank=1)
+    cluster.kill_rank(1, signal.SIGKILL)
+    return hit
+
+
 def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_placement(redis_url, real_data,
                                                                                   tmp_path):
     """Four engine processes (a safe point every 5 ms), one changed layer per safe point; rank 1's process is
@@ -83,7 +100,6 @@ def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_place
     from fdeplb.placement import initial_placement
     from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
     from fdeplb.store import ClusterConfig, Deadlines, Store
-    from tests.faults.test_kill import wait_event
     from tests.helpers import real_traces_28x64
 
     traces = real_traces_28x64(real_data, tmp_path)
@@ -98,14 +114,7 @@ def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_place
     coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
     thread = threading.Thread(target=coordinator.run, daemon=True)
     try:
-        for r in range(4):
-            cluster.start_rank(r, *step, env={"FDEPLB_FAILPOINTS": "rank.chunk.hang=2"} if r == 1 else None)
-        cluster.wait_ready(timeout_s=120)
-        thread.start()
-        cursor = store.cursor()
-        store.request_round("kill between chunks")
-        hit = wait_event(store, cursor, kind="failpoint", name="rank.chunk.hang", rank=1)
-        cluster.kill_rank(1, signal.SIGKILL)
+        hit = kill_rank1_between_chunks(cluster, store, thread, step, "kill between chunks")
         rec = store.read_cluster()
         assert rec.state is ClusterState.SWAPPING and rec.switch_step > 0  # past the commit point
         assert int(hit["chunks"]) == 2 and len(parse_chunks(rec.switch_chunks)) > 2  # killed between chunks
