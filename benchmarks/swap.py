@@ -14,8 +14,9 @@ the device buffer before its step (not in the pause), then the pause = device co
 chunk's routing rows. ``pause_vs_memcpy`` = the largest, over the safe points, of a pause / a plain memcpy of that
 pause's bytes (timed once the swap's last chunk is applied, never between two pauses: on the 2-core VM a 59 MiB
 memcpy between two chunks, more than its 32 MiB L3, made the next pause ~7% slower; between paddle host tensors like
-the slots: see :func:`host_pair`; at least the largest pause's own ratio). Targets on CPU: pause_vs_memcpy <= 1.5, largest chunked pause <= 1/8 of the unchunked
-pause, sum of the chunked pauses of one swap <= 1.2x the unchunked pause. Each safe point's pause and baselines are
+the slots: see :func:`host_pair`; at least the largest pause's own ratio). Targets on CPU: pause_vs_memcpy <= 1.5,
+largest chunked pause <= 1/8 of the unchunked pause, sum of the chunked pauses of one swap <= 1.2x the unchunked
+pause. Each safe point's pause and baselines are
 the best of --repeats (default 5: :func:`per_safe_point`); the sum is the least of whole swaps (one run's pauses
 together, never bests of different runs), the unchunked pause the best of its --repeats; the chunked and the
 unchunked swaps alternate repeat by repeat (:func:`pause_runs`), so their ratio compares one stretch of the machine's

@@ -22,8 +22,8 @@ one MoE layer per safe point, chunk k at switch step + k on every rank), and eve
 no-EPLB reference between chunks. The last line is JSON (``switches``: each change's switch step, chunks and the
 step every rank applied its last chunk at, and for a swap its longest safe-point pause; ``chunks_per_swap`` and
 ``max_pause_ms``: the rounds' most chunks and longest swap pause; ``safe_point_pause_ms``: every safe point that
-applied something, weight clears and updates included; ``loadavg_1m``: the host's load at the start and the end); the exit status is 0 only when
-every check held.
+applied something, weight clears and updates included; ``loadavg_1m``: the host's load at the start and the end);
+the exit status is 0 only when every check held.
 
 ``--lose-rank R`` runs the elastic scenario instead (README "Membership: losing a rank"): after the warm-up rank R's
 worker is SIGKILLed and not restarted. The survivors keep serving: their dispatcher sends to the members the
@@ -392,8 +392,8 @@ def changes(node: Node) -> tuple[dict, bool]:
         chunks = max(x.chunks for x in ranks) if what.startswith("round") else 1  # a swap: chunk k at step + k
         switches.append({"what": what, "switch_step": switch_step, "chunks": chunks,
                          "last_step": switch_step + chunks - 1, "applied_steps": [x.applied_step for x in ranks],
-                         # the rank record times a swap's safe points; a weight clear or update is one safe point, timed with
-                         # every other in safe_point_pause_ms (None here, not a 0 it never was)
+                         # the rank record times a swap's safe points; a weight clear or update is one safe
+                         # point, timed with every other in safe_point_pause_ms (None here, not a 0 it never was)
                          "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else None})
 
     for r in range(EP):

@@ -42,7 +42,8 @@ def check_pause_budget(max_pause_bytes: Any, layers_per_safe_point: Any) -> tupl
 
 
 #: the settings ``fdeplb config set`` may change on a running cluster (each a field of :class:`ClusterConfig`;
-#: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids) is fixed when the cluster is created
+#: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids, pause budget) is fixed when the cluster
+#: is created
 SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")
 
 

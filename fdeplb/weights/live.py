@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fdeplb.checks import check_int
 from fdeplb.errors import InputError, VerificationError, WeightError
 from fdeplb.weights import _paddle
 from fdeplb.weights.backend import SwapReport
@@ -720,9 +721,9 @@ def _chunk_of(layers: Any, num_layers: int) -> tuple[int, ...]:
     """A chunk's layers as load_chunk and swap_layers read them: ints, each once, ascending.
 
     Raises:
-        InputError: not a sequence (a string, bytes or a mapping are none), no layer, a layer that is not an
-            integer (a float, a bool, a string), or one outside
-            ``[0, num_layers)`` (a negative layer never counts from the end).
+        InputError: not a sequence (a string, bytes or a mapping are none), no layer, or a layer that is not an
+            integer in ``[0, num_layers)`` (:func:`fdeplb.checks.check_int`: a float, a bool or a string is
+            refused, a negative layer never counts from the end).
     """
     if isinstance(layers, (str, bytes, bytearray, Mapping)):  # iterable, but not of layer indices
         raise InputError(f"a chunk is a sequence of layer indices, got {type(layers).__name__} {layers!r:.40}")
@@ -732,13 +733,7 @@ def _chunk_of(layers: Any, num_layers: int) -> tuple[int, ...]:
         raise InputError(f"a chunk is a sequence of layer indices, got {layers!r:.40}") from None
     if not values:
         raise InputError("a chunk names at least one layer")
-    bad = [v for v in values if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))]
-    if bad:
-        raise InputError(f"a chunk's layers are integers, got {bad[0]!r}")
-    out = [v for v in values if not 0 <= int(v) < num_layers]
-    if out:
-        raise InputError(f"layer {int(out[0])} is outside the model's {num_layers} layers")
-    return tuple(sorted({int(layer) for layer in values}))
+    return tuple(sorted({check_int(v, "a chunk's layer", lo=0, hi=num_layers - 1) for v in values}))
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:
