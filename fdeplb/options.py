@@ -1,5 +1,6 @@
 """Command-line pieces shared by every fdeplb entry point (``fdeplb`` and ``python -m fdeplb.sim.worker``): the
-one declaration of ``--redis-url`` / ``--cluster`` (an argparse parent) and the positive-number argument types.
+one declaration of ``--redis-url`` / ``--cluster`` and of ``--audit-dir`` (argparse parents) and the
+positive-number argument types.
 
 argparse only, no I/O. A bad value is argparse's usage error (exit 2, naming the option).
 """
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["cluster_parent", "positive_float", "positive_int"]
+__all__ = ["audit_dir_parent", "cluster_parent", "positive_float", "positive_int"]
 
 
 def cluster_parent(*, required: bool = True) -> argparse.ArgumentParser:
@@ -18,6 +19,17 @@ def cluster_parent(*, required: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--redis-url", required=required, help="redis://host:port/db, rediss://... or unix:///path")
     p.add_argument("--cluster", required=required, help="cluster id")
+    return p
+
+
+def audit_dir_parent() -> argparse.ArgumentParser:
+    """An argparse parent declaring ``--audit-dir DIR`` (default None), for the commands that set the audit export
+    path and the processes that write it: the only directory that export may lie in
+    (:mod:`fdeplb.store.audit_export`); without it every export path is refused."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--audit-dir", default=None, metavar="DIR",
+                   help="the only directory the audit export (--audit-export, audit_keep) may lie in, symbolic links "
+                        "and '..' resolved; without it every export path is refused and the audit is never trimmed")
     return p
 
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from fdeplb.errors import InputError, PayloadTooLargeError
 from fdeplb.placement import MAX_LOAD
+from fdeplb.store.cluster_config import COMMAND_LINE_ONLY
 
 #: most entries of ``ips`` (FastDeploy's shared-memory limit is 1 KiB of text: a few dozen addresses)
 MAX_IPS = 4096
@@ -88,11 +89,20 @@ class ConfigBody(_OperatorBody):
     cordoned: StrictBool | None = None
     retain_rounds: StrictInt | None = None
     audit_keep: StrictInt | None = None
-    audit_export_path: StrictStr | None = Field(None, max_length=4096)
+    audit_export_path: StrictStr | None = Field(
+        None, max_length=4096, description="refused (400): set only on the command line, inside --audit-dir")
     deadlines: DeadlinesBody | None = None
 
     def changes(self) -> dict[str, Any]:
-        """The settings given, in :meth:`fdeplb.store.ClusterConfig.with_settings`' form."""
+        """The settings given, in :meth:`fdeplb.store.ClusterConfig.with_settings`' form. :class:`InputError`
+        (400, nothing changed) when the body names a setting of
+        :data:`~fdeplb.store.cluster_config.COMMAND_LINE_ONLY` (even as null)."""
+        fixed = sorted(set(COMMAND_LINE_ONLY) & self.model_fields_set)
+        if fixed:
+            raise InputError(f"{', '.join(fixed)} cannot be changed over the API: it names a file the coordinators "
+                             f"write, so it is set only on the command line (`fdeplb init-cluster` / `fdeplb config "
+                             f"set --audit-export FILE --audit-dir DIR`, inside the coordinators' --audit-dir); "
+                             f"nothing was changed")
         out = self.model_dump(exclude_none=True, exclude={"reason"})
         if "deadlines" in out and not out["deadlines"]:
             del out["deadlines"]

@@ -270,7 +270,8 @@ def _operator_routes(router: APIRouter, ctx: _Routes) -> None:
     @router.post("/v1/config", openapi_extra=openapi_body(ConfigBody), tags=["operator"])
     @_guarded
     async def v1_config_set(request: Request) -> Response:
-        """Change settings (policy, min_gain, cordoned, retention, deadlines): audited, version + 1."""
+        """Change settings (policy, min_gain, cordoned, retention, deadlines): audited, version + 1. The audit export
+        path is refused (400): only the command line sets it."""
         who, body = await ctx.operator_body(request, ConfigBody)
         return _reply(await run_in_threadpool(service.change_config, store, body.changes(), who, body.reason))
 

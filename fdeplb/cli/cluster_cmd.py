@@ -11,7 +11,7 @@ import json
 
 from fdeplb.cli._common import open_store
 from fdeplb.cli.rank_cmd import operator_id
-from fdeplb.options import cluster_parent
+from fdeplb.options import audit_dir_parent, cluster_parent
 from fdeplb.placement import POLICIES
 from fdeplb.store import Deadlines
 
@@ -52,14 +52,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     ccmds.required = True
     show = ccmds.add_parser("show", parents=[cluster_parent()], help="print the configuration as JSON")
     show.set_defaults(handler=run_show)
-    s = ccmds.add_parser("set", parents=[cluster_parent()], help="change settings (audited, version + 1)")
+    s = ccmds.add_parser("set", parents=[cluster_parent(), audit_dir_parent()],
+                         help="change settings (audited, version + 1)")
     s.add_argument("--policy", choices=tuple(POLICIES), default=None)
     s.add_argument("--min-gain", type=float, default=None, help="least balancedness gain worth a round, in [0, 1]")
     s.add_argument("--cordoned", action=argparse.BooleanOptionalAction, default=None,
                    help="commit only on an external request (--no-cordoned: commit on their own)")
     s.add_argument("--retain-rounds", type=int, default=None)
     s.add_argument("--audit-keep", type=int, default=None)
-    s.add_argument("--audit-export", default=None, help="JSONL file older audit records go to before trimming")
+    s.add_argument("--audit-export", default=None, metavar="FILE",
+                   help="JSONL file older audit records go to before trimming: a regular file inside --audit-dir "
+                        "(only the command line sets it, never the API)")
     for name in _DEADLINES:
         s.add_argument(*deadline_flags(name), dest=name, type=int, default=None, metavar="MS",
                        help=f"deadlines.{name}")
@@ -118,7 +121,7 @@ def run_set(args: argparse.Namespace) -> int:
     if not changes:
         raise InputError("nothing to change: give at least one setting (see fdeplb config set --help)")
     old, new = change_settings(open_store(args.redis_url, args.cluster), changes, by=operator_id(),
-                               reason=args.reason)
+                               reason=args.reason, audit_dir=args.audit_dir)
     if new.version == old.version:
         print(f"cluster {args.cluster}: settings already as given (version {new.version})")
     else:

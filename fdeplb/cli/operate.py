@@ -9,7 +9,7 @@ import signal
 import sys
 
 from fdeplb.cli.cluster_cmd import deadline_flags
-from fdeplb.options import cluster_parent, positive_float
+from fdeplb.options import audit_dir_parent, cluster_parent, positive_float
 from fdeplb.placement import POLICIES
 from fdeplb.store import ClusterConfig, Deadlines
 
@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "(trivial, or --initial FILE) and one record per machine at version 0. "
                                    "An existing cluster with the same configuration is left as it is; one with "
                                    "other settings is refused (change them with `fdeplb config set`).",
-                       parents=[cluster_parent()])
+                       parents=[cluster_parent(), audit_dir_parent()])
     i.add_argument("--num-layers", type=int, required=True, help="MoE layers")
     i.add_argument("--num-logical-experts", type=int, required=True)
     i.add_argument("--num-redundant-experts", type=int, required=True)
@@ -44,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="keep the snapshots and plans of this many last rounds (default %(default)s)")
     i.add_argument("--audit-keep", type=int, default=_CONFIG_DEFAULTS["audit_keep"],
                    help="audit records kept in Redis; 0 (default) keeps the stream complete")
-    i.add_argument("--audit-export", default="", help="JSONL file older audit records go to before trimming")
+    i.add_argument("--audit-export", default="", metavar="FILE",
+                   help="JSONL file older audit records go to before trimming: a regular file inside --audit-dir")
     i.add_argument("--max-pause-bytes", type=int, default=_CONFIG_DEFAULTS["max_pause_bytes"],
                    help="bytes a rank writes into its live slots at one safe point: a swap is applied in chunks of "
                         "whole layers within it, one chunk per step (0 = no byte limit; default %(default)s)")
@@ -67,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
                        description="Run a coordinator next to the workers. Several may run: one holds the lease "
                                    "and drives the cluster machine, the others take over when its lease lapses.",
-                       parents=[cluster_parent()])
+                       parents=[cluster_parent(), audit_dir_parent()])
     p.add_argument("--holder", default=None, help="holder id (default coordinator@host:pid:random)")
     p.add_argument("--lease-ms", type=int, default=3_000, help="lease time to live in ms (default 3000)")
     p.add_argument("--interval", type=float, default=None, metavar="SECONDS",
@@ -116,11 +117,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
     if cfg.audit_keep:  # this process trims the audit: refuse at start, not at every round's end
-        from fdeplb.store.retention import check_export_path
+        from fdeplb.store.audit_export import check_export_path
 
-        check_export_path(cfg.audit_export_path)
+        check_export_path(cfg.audit_export_path, args.audit_dir)
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
-                              min_balancedness=args.min_balancedness)
+                              min_balancedness=args.min_balancedness, audit_dir=args.audit_dir)
 
     def stop(_signum, _frame):
         coordinator.stop_event.set()
@@ -336,17 +337,18 @@ def run_init(args: argparse.Namespace) -> int:
     for name in _DEADLINE_DEFAULTS:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.audit_export:
-        from fdeplb.store.retention import check_export_path
+    export = args.audit_export
+    if export:  # inside --audit-dir, a regular file (or none yet); stored as its absolute path
+        from fdeplb.store.audit_export import check_export_path
 
-        check_export_path(args.audit_export)
+        export = check_export_path(export, args.audit_dir)
     config = ClusterConfig(
         num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
         checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
         min_gain=args.min_gain, retain_rounds=args.retain_rounds, audit_keep=args.audit_keep,
-        audit_export_path=args.audit_export, max_pause_bytes=args.max_pause_bytes,
+        audit_export_path=export, max_pause_bytes=args.max_pause_bytes,
         layers_per_safe_point=args.layers_per_safe_point,
         deadlines=Deadlines(**{name: getattr(args, name) for name in _DEADLINE_DEFAULTS}),
         layer_ids=layer_ids_of(args.layer_ids, args.first_moe_layer, args.num_layers),

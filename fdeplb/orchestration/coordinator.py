@@ -81,18 +81,21 @@ class Coordinator(UnaskedRounds, Leadership):
     naming its age and what it waited on (:func:`fdeplb.orchestration.reasons.request_expired`).
 
     Settings: the configuration is read again at every FREE step (``fdeplb config set`` bumps its version), so a
-    change applies from the next round; a round in flight keeps the settings it started with.
+    change applies from the next round; a round in flight keeps the settings it started with. ``audit_dir``: the
+    only directory the audit export (``audit_keep``) may write in (None: exporting, and trimming, is off).
     """
 
     def __init__(self, store: Store, holder: str | None = None, *, lease_ms: int = 3_000,
                  planner: Planner | None = None,
-                 interval_s: float | None = None, min_balancedness: float | None = None) -> None:
+                 interval_s: float | None = None, min_balancedness: float | None = None,
+                 audit_dir: str | None = None) -> None:
         self._init_leadership(holder, lease_ms)
         if interval_s is not None and not interval_s > 0:
             raise InputError(f"interval_s must be > 0, got {interval_s}")
         if min_balancedness is not None and not 0 < min_balancedness <= 1:
             raise InputError(f"min_balancedness must be in (0, 1], got {min_balancedness}")
         self.interval_s = interval_s
+        self.audit_dir = audit_dir
         self.min_balancedness = min_balancedness
         self._next_periodic_ms: int | None = None
         self._refused_ranks: list[int] | None = None
@@ -237,7 +240,7 @@ class Coordinator(UnaskedRounds, Leadership):
             self.log.info("skip", round=rec.round, state=rec.state, reason=text, **why.detail["gate"])
         else:
             self.log.warning("abort", round=rec.round, state=rec.state, reason=text)
-        prune_after_round(self.store, self.config, rec, self.log)
+        prune_after_round(self.store, self.config, rec, self.log, self.holder, self.lease or "", self.audit_dir)
         self._fire(rec, "abort", reason=text, detail=why.detail, changes={"deadline_ms": 0, "reason": text})
         return True, None
 
@@ -540,7 +543,7 @@ class Coordinator(UnaskedRounds, Leadership):
             self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
 
     def _on_done(self, rec: ClusterRecord) -> Step:
-        prune_after_round(self.store, self.config, rec, self.log)
+        prune_after_round(self.store, self.config, rec, self.log, self.holder, self.lease or "", self.audit_dir)
         self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None
 

@@ -1,6 +1,7 @@
 """The coordinator's housekeeping: work beside the rounds that never fails one.
 
-- :func:`prune_after_round`: retention as a round ends (old snapshots and plans, the audit stream's length);
+- :func:`prune_after_round`: retention as a round ends (old snapshots and plans; the audit stream's length,
+  :func:`trim_audit`: exported before it is trimmed, never trimmed when the export fails, which raises an alarm);
 - :class:`WeightsWatchdog`: the cancel of a weight clear / update whose switch step is not fixed in time (or the
   alarm, when a rank carried it out already), with its own memory of when it first saw each request pending.
 """
@@ -10,19 +11,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fdeplb.errors import StateError
+from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHT_CANCELS, WEIGHTS, WeightState
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
 
 
-def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any) -> None:
+def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any, actor: str, fence: str,
+                      audit_dir: str | None) -> None:
     """As a round ends, just before its release or abort commits (so whoever sees the cluster FREE sees the store
     pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots and plans
     older than the last ``cfg.retain_rounds`` rounds, keeping the current placement's plan; record what went in the
     cluster record's ``pruned`` field and a ``pruned`` event; with ``cfg.audit_keep`` set, export and trim the
-    audit stream. Never fails the round: an error is logged and the next round's end prunes again."""
+    audit stream (:func:`trim_audit`, alarms audited as ``actor`` with ``fence``, the export confined to
+    ``audit_dir``). Never fails the round: an error is logged and the next round's end prunes
+    again."""
     try:
         dropped = store.prune(cfg.retain_rounds, (store.current_placement().plan_id,))
         if dropped:
@@ -30,12 +34,40 @@ def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log:
             store.update(CLUSTER, pruned=short)
             store.emit_event("pruned", round=rec.round, keys=short)
             log.info("pruned", round=rec.round, keys=short)
-        if cfg.audit_keep:
-            trimmed = store.trim_audit(cfg.audit_keep, cfg.audit_export_path)
-            if trimmed:
-                store.emit_event("audit_trimmed", round=rec.round, records=trimmed, export=cfg.audit_export_path)
     except Exception as err:  # noqa: BLE001 - retention is housekeeping
         log.error("pruning failed", error=str(err))
+    if cfg.audit_keep:
+        trim_audit(store, cfg, rec, log, actor=actor, fence=fence, audit_dir=audit_dir)
+
+
+def trim_audit(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any, *, actor: str, fence: str = "",
+               audit_dir: str | None = None) -> int:
+    """Export the audit records but the newest ``cfg.audit_keep`` to ``cfg.audit_export_path`` (confined to this
+    coordinator's ``audit_dir``, :mod:`fdeplb.store.audit_export`) and trim them only once they are appended and
+    fsynced (:meth:`fdeplb.store.Store.trim_audit`; an ``audit_trimmed`` event). An export that is refused (no
+    ``audit_dir``, a path outside it, not a regular file) or fails to write trims nothing: the stream stays whole
+    and an alarm is raised (an audited ``alarm`` note with ``detail`` ``{"export", "error"}``, fenced with
+    ``fence``; an ``alarm`` event; an error log line), once per round end while it lasts. Returns how many records
+    were trimmed; never raises (an alarm that cannot be written is logged)."""
+    path = cfg.audit_export_path
+    try:
+        trimmed = store.trim_audit(cfg.audit_keep, path, audit_dir)
+    except (InputError, OSError) as err:
+        alarm = (f"audit not trimmed, export failed: {err}; the audit stream is kept whole (audit_keep "
+                 f"{cfg.audit_keep}) until an export succeeds")[:2000]
+        log.error("alarm", round=rec.round, alarm=alarm)
+        try:
+            store.emit_event("alarm", round=rec.round, message=alarm)
+            store.append_alarm(rec, actor=actor, reason=alarm, fence=fence, detail={"export": path, "error": str(err)})
+        except Exception as err2:  # noqa: BLE001 - retention is housekeeping
+            log.error("alarm not recorded", error=str(err2))
+        return 0
+    except Exception as err:  # noqa: BLE001 - retention is housekeeping
+        log.error("audit trim failed", error=str(err))
+        return 0
+    if trimmed:
+        store.emit_event("audit_trimmed", round=rec.round, records=trimmed, export=path)
+    return trimmed
 
 
 class WeightsWatchdog:

@@ -15,6 +15,7 @@ from fdeplb.machines.tables import CLUSTER, ClusterState
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import Fired, RecordHandle
 from fdeplb.store import ClusterConfig, Store
+from fdeplb.store.audit_export import check_export_path
 from fdeplb.store.records import check_request_reason
 from fdeplb.store.redis_store import stale_of
 
@@ -71,18 +72,19 @@ def cancel_request(store: Store, *, by: str, reason: str = "") -> int:
     return withdrawn
 
 
-def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: str = ""
-                    ) -> tuple[ClusterConfig, ClusterConfig]:
+def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: str = "",
+                    audit_dir: str | None = None) -> tuple[ClusterConfig, ClusterConfig]:
     """Change the settings of :data:`~fdeplb.store.cluster_config.SETTABLE` (policy, min_gain, cordoned,
-    retention, deadlines) of a running cluster: the configuration's ``version`` goes up by one and a
-    ``config_changed`` note audits each change with who and why (:meth:`fdeplb.store.Store.change_config`).
-    Applies from the next round (a round in flight keeps the settings it started with). Returns (old, new);
-    :class:`InputError` for a setting that may not change or a bad value (nothing written)."""
+    retention, deadlines, the audit export path) of a running cluster: the configuration's ``version`` goes up by
+    one and a ``config_changed`` note audits each change with who and why (:meth:`fdeplb.store.Store.change_config`).
+    Applies from the next round (a round in flight keeps the settings it started with). A non-empty
+    ``audit_export_path`` must lie in ``audit_dir`` and be a regular file
+    (:func:`~fdeplb.store.audit_export.check_export_path`; stored as its absolute path); with no ``audit_dir`` it is
+    refused. Returns (old, new); :class:`InputError` for a setting that may not change or a bad value (nothing
+    written)."""
     check_request_reason(reason)
     if changes.get("audit_export_path"):
-        from fdeplb.store.retention import check_export_path
-
-        check_export_path(changes["audit_export_path"])
+        changes = {**changes, "audit_export_path": check_export_path(changes["audit_export_path"], audit_dir)}
     old, new, _ = store.change_config(changes, actor=by, reason=reason)
     return old, new
 

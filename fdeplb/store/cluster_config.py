@@ -45,6 +45,10 @@ def check_pause_budget(max_pause_bytes: Any, layers_per_safe_point: Any) -> tupl
 #: ``deadlines`` field by field); the rest (topology, checkpoint, layer ids, pause budget) is fixed when the cluster
 #: is created
 SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")
+#: the settings of :data:`SETTABLE` only the command line sets (``init-cluster``, ``config set``), never the API
+#: (``POST /v1/config`` refuses them): the audit export path names a file the coordinators write, confined to their
+#: ``--audit-dir``
+COMMAND_LINE_ONLY = ("audit_export_path",)
 
 
 @dataclass(frozen=True)
@@ -118,7 +122,9 @@ class ClusterConfig:
     """Audit records kept in Redis: 0 (default) keeps the stream complete; N > 0 lets the coordinator export
     older records to ``audit_export_path`` (JSONL, appended and fsynced) and only then trim them."""
     audit_export_path: str = ""
-    """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0)."""
+    """JSONL file older audit records are appended to before trimming (required when ``audit_keep`` > 0): set only
+    on the command line (:data:`COMMAND_LINE_ONLY`), an absolute path inside the coordinators' ``--audit-dir``
+    (:mod:`fdeplb.store.audit_export`)."""
     max_pause_bytes: int = DEFAULT_MAX_PAUSE_BYTES
     """Pause budget of one safe point: a committed swap is applied in chunks of whole MoE layers, one chunk per
     safe point, each writing at most this many bytes into a rank's live slots (a layer larger than this is a chunk

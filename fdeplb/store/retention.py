@@ -1,5 +1,6 @@
 """What a cluster keeps and how much: pruning old snapshots and plans by the retention index, the opt-in audit
-trim (exported to a JSONL file first), and the counts that show nothing leaks (keys, server memory).
+trim (exported first to a JSONL file, :mod:`fdeplb.store.audit_export`), and the counts that show nothing leaks
+(keys, server memory).
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``; from :mod:`fdeplb.store.streams`:
 ``audit``, ``audit_length``.
@@ -10,23 +11,9 @@ from __future__ import annotations
 import json
 import os
 
-from fdeplb.errors import InputError
+from fdeplb.store.audit_export import open_export
 from fdeplb.store.connection import as_str as _s
 from fdeplb.store.streams import parse_stream_id
-
-
-def check_export_path(path: str) -> None:
-    """Before anything relies on it (``init-cluster``, ``config set``, a coordinator's start): the audit export file
-    ``path`` can be opened for appending (it is created, empty, when missing). :class:`InputError` naming the path
-    and the reason otherwise: an unwritable export would make every trim fail while the stream grows."""
-    if not isinstance(path, str) or not path:
-        raise InputError("the audit export path is empty")
-    try:
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise InputError(f"audit export {path}: cannot be appended to ({exc.strerror or exc}); older audit records "
-                         f"would never be trimmed") from None
 
 
 class Retention:
@@ -61,18 +48,23 @@ class Retention:
         """Snapshot and plan keys in the retention index -> the round that wrote them."""
         return {_s(k): int(v) for k, v in self._client.zrange(self._keys.retained, 0, -1, withscores=True)}
 
-    def trim_audit(self, keep: int, export_path: str) -> int:
+    def trim_audit(self, keep: int, export_path: str, audit_dir: str | None) -> int:
         """Opt-in audit retention: append every audit record but the newest ``keep`` to ``export_path`` (JSONL,
-        one ``{"id": ..., **fields}`` object per line, flushed and fsynced) and only then trim them from the
-        stream (``XTRIM MINID``). Returns how many were trimmed (0 when the stream holds ``keep`` or fewer).
-        Raises OSError when the file cannot be written (nothing is trimmed then)."""
+        one ``{"id": ..., **fields}`` object per line, flushed and fsynced), a regular file confined to
+        ``audit_dir`` (:func:`~fdeplb.store.audit_export.open_export`), and only then trim them from the stream
+        (``XTRIM MINID``: records appended meanwhile stay). Returns how many were trimmed (0 when the stream holds
+        ``keep`` or fewer).
+
+        Raises :class:`~fdeplb.errors.InputError` when the export is refused (outside ``audit_dir``, no
+        ``audit_dir``, a symbolic link, a device, a FIFO) and OSError when it cannot be written: nothing is trimmed
+        then (lines written before a failed write stay in the file; the next trim appends them again)."""
         length = self.audit_length()
         if keep < 1 or length <= keep:
             return 0
         old = self.audit("-", "+", count=length - keep)
         if not old:
             return 0
-        with open(export_path, "a", encoding="utf-8") as fh:
+        with open_export(export_path, audit_dir) as fh:
             for entry in old:
                 fh.write(json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n")
             fh.flush()

@@ -5,6 +5,7 @@ audited as ``http:<user>``, a verb that cannot apply a 409 with nothing written.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -71,6 +72,20 @@ def test_config_over_http_changes_only_the_settable(store, url):
     r = requests.post(f"{url}/v1/config", json={"policy": "nope"}, auth=AUTH)
     assert r.status_code == 400 and "unknown policy" in r.json()["msg"]
     assert store.read_config(fresh=True).version == 1
+
+
+@pytest.mark.parametrize("path", ["/etc/passwd", "/dev/null", "new", "../escape.jsonl", "", None])
+def test_config_over_http_never_sets_the_audit_export_path(store, url, redis_url, tmp_path, path):
+    path = str(tmp_path / path) if path in ("new", "../escape.jsonl") else path
+    raw, before = RawRedis(redis_url, store.cluster), store.read_config(fresh=True)
+    snapshot, passwd = raw.snapshot(), os.stat("/etc/passwd")
+    body = {"min_gain": 0.2, "audit_keep": 1, "audit_export_path": path, "reason": "hostile"}
+    r = requests.post(f"{url}/v1/config", json=body, auth=AUTH)
+    assert r.status_code == 400 and r.json()["msg"].startswith("audit_export_path cannot be changed over the API")
+    assert "--audit-dir" in r.json()["msg"]
+    assert store.read_config(fresh=True) == before and raw.snapshot() == snapshot  # nor min_gain, nor audit_keep
+    assert os.stat("/etc/passwd").st_mtime_ns == passwd.st_mtime_ns and os.listdir(tmp_path) == []
+    assert path in (None, "", "/etc/passwd", "/dev/null") or not os.path.exists(path)
 
 
 def test_cluster_delete_over_http_is_refused_while_a_coordinator_leads(store, url):

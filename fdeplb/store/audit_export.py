@@ -1,0 +1,122 @@
+"""The audit export file: where the coordinator appends audit records before it trims them (``audit_keep``), and
+the one rule of which files that may be.
+
+The path is an operator's decision made on the command line (``init-cluster`` / ``config set --audit-export``),
+never over the API, and it is confined to the directory the operator names when starting the processes that check
+or write it (``--audit-dir``): a path outside that directory (``..`` and symbolic links resolved) is refused, and
+with no directory every path is refused (exporting, and so trimming, is then off). The file itself must be a
+regular file: its last component is opened with ``O_NOFOLLOW`` (a symbolic link is refused, wherever it points),
+without blocking (a FIFO with no reader is refused, not waited on), created with ``O_CREAT | O_EXCL`` when missing,
+and checked with ``fstat`` (no device, FIFO or directory).
+
+Every refusal is an :class:`~fdeplb.errors.InputError` (HTTP 400, exit 2) naming the path and why; a refused check
+creates and writes nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import TextIO
+
+from fdeplb.errors import InputError
+
+__all__ = ["check_export_path", "confine_export_path", "open_export"]
+
+#: longest export path accepted (as Linux's PATH_MAX)
+MAX_PATH = 4096
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def confine_export_path(path: str, audit_dir: str | None) -> str:
+    """The absolute form of export ``path`` (its folder resolved: ``..`` and symbolic links; its last component
+    kept as given, so a symbolic link there is still seen, and refused, when it is opened), checked to lie inside
+    ``audit_dir`` (resolved likewise). A relative ``path`` is relative to the working directory.
+
+    Raises :class:`InputError` when ``audit_dir`` is None or empty (no directory was named: exporting is off), is
+    not a directory, or when ``path`` is empty, names a folder (``.``, ``..``, a trailing ``/``), holds a NUL or
+    lies outside ``audit_dir``."""
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH or "\0" in path:
+        raise InputError(f"audit export {str(path)[:200]!r}: not a file path (1 to {MAX_PATH} characters, no NUL)")
+    if not audit_dir:
+        raise InputError(f"audit export {path}: refused: this process was started without --audit-dir DIR (the "
+                         f"directory audit exports must lie in), so it exports nothing and trims nothing")
+    root = os.path.realpath(audit_dir)
+    if not os.path.isdir(root):
+        raise InputError(f"--audit-dir {audit_dir}: not a directory")
+    folder, name = os.path.split(path)
+    if name in ("", ".", ".."):
+        raise InputError(f"audit export {path}: names a directory, not a file")
+    parent = os.path.realpath(folder or ".")
+    target = os.path.join(parent, name)
+    if os.path.commonpath([root, parent]) != root:
+        raise InputError(f"audit export {path}: refused: it resolves to {target}, outside the audit directory "
+                         f"{root} (--audit-dir)")
+    return target
+
+
+def check_export_path(path: str, audit_dir: str | None) -> str:
+    """Before anything relies on export ``path`` (``init-cluster``, ``config set``, a coordinator's start): it is
+    confined to ``audit_dir`` (:func:`confine_export_path`) and is an existing regular file that can be appended to
+    (opened and closed, nothing written) or, when missing, its folder is one this process may create it in.
+    Returns the confined absolute path (what the configuration stores). Creates and writes nothing.
+
+    Raises :class:`InputError` naming the path and why (see the module doc)."""
+    target = confine_export_path(path, audit_dir)
+    try:
+        fd = _open_existing(target)
+    except FileNotFoundError:
+        folder = os.path.dirname(target)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            raise InputError(f"audit export {path}: cannot be created (folder {folder} is missing or not "
+                             f"writable); older audit records would never be trimmed") from None
+        return target
+    os.close(fd)
+    return target
+
+
+def open_export(path: str, audit_dir: str | None) -> TextIO:
+    """Export ``path`` opened for appending text (UTF-8), confined to ``audit_dir``: an existing regular file, or a
+    new one created with ``O_CREAT | O_EXCL`` (mode 0600). The caller writes, flushes, fsyncs and closes it.
+
+    Raises :class:`InputError` naming the path and why (see the module doc); nothing is created then."""
+    target = confine_export_path(path, audit_dir)
+    try:
+        fd = _open_existing(target)
+    except FileNotFoundError:
+        try:
+            fd = os.open(target, _APPEND | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise _refusal(path, exc) from None
+        fd = _regular(path, fd)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def _open_existing(target: str) -> int:
+    """An fd appending to the existing regular file ``target`` (FileNotFoundError when missing; InputError when it
+    is a symbolic link, a FIFO, a device, a folder or cannot be opened)."""
+    try:
+        fd = os.open(target, _APPEND)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise _refusal(target, exc) from None
+    return _regular(target, fd)
+
+
+def _regular(path: str, fd: int) -> int:
+    """``fd`` when ``fstat`` says it is a regular file (closed and InputError otherwise)."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return fd
+    os.close(fd)
+    kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    raise InputError(f"audit export {path}: refused: {kind}, not a regular file")
+
+
+def _refusal(path: str, exc: OSError) -> InputError:
+    why = {errno.ELOOP: "a symbolic link (refused wherever it points)", errno.ENXIO: "a FIFO or socket, not a regular file",
+           errno.EISDIR: "a directory, not a regular file"}.get(exc.errno, exc.strerror or str(exc))
+    return InputError(f"audit export {path}: refused: {why}; older audit records would never be trimmed")

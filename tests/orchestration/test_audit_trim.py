@@ -1,0 +1,91 @@
+"""The coordinator's audit trim as a round ends (issue 34 item B): records leave the stream only once they are
+appended to the export and fsynced; an export that is refused (no ``--audit-dir``, a file swapped for a symbolic
+link to ``/dev/null``) or fails to write trims nothing and raises an audited alarm. Real Redis, no processes."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import numpy as np
+import pytest
+import structlog
+
+from fdeplb.orchestration.housekeeping import prune_after_round
+from fdeplb.orchestration.operations import init_cluster
+from fdeplb.store import ClusterConfig, Store
+
+KEEP = 3
+
+
+@pytest.fixture
+def audit_dir(tmp_path):
+    d = tmp_path / "audit"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def store(redis_url, cluster_id, audit_dir):
+    store = Store(redis_url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3,
+                                      audit_keep=KEEP, audit_export_path=str(audit_dir / "audit.jsonl")),
+                 np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
+    for i in range(6):  # records to trim
+        store.append_note(store.read_cluster(), trigger="skip", actor="test", reason=f"note {i}")
+    yield store
+    store.delete_cluster()
+
+
+def round_end(store: Store, audit_dir) -> None:
+    """What the coordinator runs as a round ends, with its --audit-dir (None: started without one)."""
+    prune_after_round(store, store.read_config(fresh=True), store.read_cluster(), structlog.get_logger(),
+                      "coordinator@test", "", None if audit_dir is None else str(audit_dir))
+
+
+def alarms(store: Store) -> list:
+    return [a for a in store.audit() if a["trigger"] == "alarm"]
+
+
+def test_the_audit_is_trimmed_only_after_the_export_is_written(store, audit_dir):
+    ids = [a.id for a in store.audit()]
+    round_end(store, audit_dir)
+    lines = [json.loads(x) for x in (audit_dir / "audit.jsonl").read_text().splitlines()]
+    assert [x["id"] for x in lines] == ids[:-KEEP]
+    assert [a.id for a in store.audit()] == ids[-KEEP:] and not alarms(store)
+
+
+def test_without_an_audit_dir_nothing_is_trimmed_and_an_alarm_is_audited(store, audit_dir):
+    n = store.audit_length()
+    round_end(store, None)
+    assert store.audit_length() == n + 1  # the stream whole, plus the alarm
+    (alarm,) = alarms(store)
+    assert "audit not trimmed" in alarm["reason"] and "without --audit-dir" in alarm["reason"]
+    assert json.loads(alarm["detail"])["export"] == str(audit_dir / "audit.jsonl")
+    assert not (audit_dir / "audit.jsonl").exists()
+
+
+def test_an_export_swapped_for_a_link_to_dev_null_never_trims(store, audit_dir):
+    (audit_dir / "audit.jsonl").symlink_to("/dev/null")  # set while it was a plain path; swapped since
+    ids = [a.id for a in store.audit()]
+    round_end(store, audit_dir)
+    assert [a.id for a in store.audit()][:len(ids)] == ids
+    (alarm,) = alarms(store)
+    assert "a symbolic link" in alarm["reason"] and json.loads(alarm["detail"])["error"].startswith("audit export")
+
+
+def test_a_failed_fsync_leaves_the_audit_whole(store, audit_dir, monkeypatch):
+    import fdeplb.store.retention as retention
+
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(retention.os, "fsync", failing_fsync)
+    ids = [a.id for a in store.audit()]
+    round_end(store, audit_dir)
+    assert [a.id for a in store.audit()][:len(ids)] == ids  # nothing trimmed: the export was never made durable
+    (alarm,) = alarms(store)
+    assert "Input/output error" in alarm["reason"] and alarm["actor"] == "coordinator@test"
+    monkeypatch.undo()  # the disk recovers: the next round's end exports (again) and trims
+    round_end(store, audit_dir)
+    assert store.audit_length() == KEEP

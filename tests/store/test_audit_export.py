@@ -1,0 +1,100 @@
+"""Which files the audit export may be (issue 34 item B): only a regular file inside the operator's ``--audit-dir``,
+``..`` and symbolic links resolved, never a device, a FIFO or a symbolic link; a refused path is neither created
+nor written. No Redis: :mod:`fdeplb.store.audit_export` alone."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fdeplb.errors import InputError
+from fdeplb.store.audit_export import check_export_path, confine_export_path, open_export
+
+
+@pytest.fixture
+def audit_dir(tmp_path):
+    d = tmp_path / "audit"
+    d.mkdir()
+    return d
+
+
+def refused(path, audit_dir, *words: str) -> str:
+    """Both the check and the open refuse ``path`` with an InputError holding every word; returns the message."""
+    for call in (check_export_path, open_export):
+        with pytest.raises(InputError) as info:
+            call(str(path), None if audit_dir is None else str(audit_dir))
+        for word in words:
+            assert word in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def test_a_path_outside_the_audit_dir_is_refused_and_nothing_is_created(audit_dir, tmp_path):
+    before = os.stat("/etc/passwd")
+    refused("/etc/passwd", audit_dir, "outside the audit directory", str(audit_dir))
+    after = os.stat("/etc/passwd")
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    refused(tmp_path / "new.jsonl", audit_dir, "outside the audit directory")
+    assert not (tmp_path / "new.jsonl").exists()
+
+
+def test_dotdot_escapes_are_resolved_before_the_check(audit_dir, tmp_path):
+    refused(audit_dir / ".." / "escape.jsonl", audit_dir, f"resolves to {tmp_path / 'escape.jsonl'}")
+    refused(audit_dir / "sub" / ".." / ".." / "escape.jsonl", audit_dir, "outside the audit directory")
+    refused(audit_dir / "..", audit_dir, "names a directory")
+    assert not (tmp_path / "escape.jsonl").exists()
+    (audit_dir / "sub").mkdir()  # a '..' that stays inside is fine
+    assert check_export_path(str(audit_dir / "sub" / ".." / "a.jsonl"), str(audit_dir)) == str(audit_dir / "a.jsonl")
+
+
+def test_symbolic_links_are_refused_wherever_they_point(audit_dir, tmp_path):
+    outside = tmp_path / "outside.jsonl"
+    outside.write_text("precious\n")
+    (audit_dir / "out.jsonl").symlink_to(outside)  # the file is a link out of the folder
+    refused(audit_dir / "out.jsonl", audit_dir, "a symbolic link")
+    assert outside.read_text() == "precious\n"
+    (audit_dir / "null").symlink_to("/dev/null")
+    refused(audit_dir / "null", audit_dir, "a symbolic link")
+    (audit_dir / "in.jsonl").write_text("")
+    (audit_dir / "alias.jsonl").symlink_to(audit_dir / "in.jsonl")  # even one pointing inside
+    refused(audit_dir / "alias.jsonl", audit_dir, "a symbolic link")
+    (audit_dir / "linkdir").symlink_to(tmp_path)  # a folder link out of it: the folder resolves outside
+    refused(audit_dir / "linkdir" / "x.jsonl", audit_dir, "outside the audit directory")
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_devices_fifos_and_folders_are_refused(audit_dir):
+    refused("/dev/null", audit_dir, "outside the audit directory")
+    refused("/dev/null", "/dev", "a character device, not a regular file")  # even inside its own --audit-dir
+    os.mkfifo(audit_dir / "fifo")
+    refused(audit_dir / "fifo", audit_dir, "a FIFO")  # no reader: refused at once, not waited on
+    reader = os.open(audit_dir / "fifo", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        refused(audit_dir / "fifo", audit_dir, "a FIFO, not a regular file")  # with a reader: fstat refuses it
+    finally:
+        os.close(reader)
+    (audit_dir / "folder").mkdir()
+    refused(audit_dir / "folder", audit_dir, "a directory")
+    refused(str(audit_dir) + "/", audit_dir, "names a directory")
+
+
+def test_without_an_audit_dir_every_path_is_refused(audit_dir, tmp_path):
+    refused(audit_dir / "a.jsonl", None, "without --audit-dir", "trims nothing")
+    refused(audit_dir / "a.jsonl", tmp_path / "missing", "not a directory")
+    refused("", audit_dir, "not a file path")
+    refused("a\0b", audit_dir, "no NUL")
+    assert not (audit_dir / "a.jsonl").exists()
+
+
+def test_a_regular_file_inside_is_created_exclusively_then_appended_to(audit_dir, monkeypatch):
+    path = audit_dir / "audit.jsonl"
+    assert check_export_path(str(path), str(audit_dir)) == str(path)
+    assert not path.exists()  # the check creates nothing
+    with open_export(str(path), str(audit_dir)) as fh:
+        fh.write("one\n")
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    with open_export(str(path), str(audit_dir)) as fh:
+        fh.write("two\n")
+    assert path.read_text() == "one\ntwo\n"
+    monkeypatch.chdir(audit_dir)  # a relative path is the working directory's, stored absolute
+    assert confine_export_path("audit.jsonl", str(audit_dir)) == str(path)
