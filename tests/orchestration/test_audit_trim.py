@@ -89,3 +89,23 @@ def test_a_failed_fsync_leaves_the_audit_whole(store, audit_dir, monkeypatch):
     monkeypatch.undo()  # the disk recovers: the next round's end exports (again) and trims
     round_end(store, audit_dir)
     assert store.audit_length() == KEEP
+
+
+def test_a_coordinator_exports_into_its_audit_dir_as_a_round_ends(redis_url, cluster_id, tmp_path):
+    from fdeplb.orchestration.operator import change_settings
+    from tests.helpers import thread_cluster, wait_for
+
+    audit_dir = tmp_path / "audit"
+    audit_dir.mkdir()
+    with thread_cluster(redis_url, f"{cluster_id}-t", tmp_path) as tc:
+        store = tc.store()
+        change_settings(store, {"audit_keep": 2, "audit_export_path": str(audit_dir / "a.jsonl")}, by="test",
+                        audit_dir=str(audit_dir))
+        tc.start_agents()
+        tc.start_coordinator(audit_dir=str(audit_dir))
+        store.request_round("test")
+        wait_for(lambda: (rec := store.read_cluster()).state == "FREE" and rec.round >= 1, 60, store, "round 1")
+        lines = [json.loads(x) for x in (audit_dir / "a.jsonl").read_text().splitlines()]
+        assert [x["trigger"] for x in lines][:2] == ["config_changed", "start"] and not alarms(store)
+        sid = lambda i: tuple(int(x) for x in i.split("-"))  # noqa: E731
+        assert sid(lines[-1]["id"]) < sid(store.audit()[0].id)  # exported, then trimmed: nothing in both
