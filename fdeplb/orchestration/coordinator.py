@@ -95,8 +95,8 @@ class Coordinator(UnaskedRounds, Leadership):
         if min_balancedness is not None and not 0 < min_balancedness <= 1:
             raise InputError(f"min_balancedness must be in (0, 1], got {min_balancedness}")
         self.interval_s = interval_s
-        self.audit_dir = audit_dir
         self.min_balancedness = min_balancedness
+        self.audit_dir = audit_dir
         self._next_periodic_ms: int | None = None
         self._refused_ranks: list[int] | None = None
         self._start_waits: str | None = None  # the last reason a requested start waited on (logged once)

@@ -1,7 +1,8 @@
 """The coordinator's housekeeping: work beside the rounds that never fails one.
 
 - :func:`prune_after_round`: retention as a round ends (old snapshots and plans; the audit stream's length,
-  :func:`trim_audit`: exported before it is trimmed, never trimmed when the export fails, which raises an alarm);
+  :func:`export_and_trim_audit`: exported before it is trimmed, never trimmed when the export fails, which raises
+  an alarm);
 - :class:`WeightsWatchdog`: the cancel of a weight clear / update whose switch step is not fixed in time (or the
   alarm, when a rank carried it out already), with its own memory of when it first saw each request pending.
 """
@@ -24,9 +25,8 @@ def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log:
     pruned; a coordinator that dies in between prunes again at the next round's end): drop snapshots and plans
     older than the last ``cfg.retain_rounds`` rounds, keeping the current placement's plan; record what went in the
     cluster record's ``pruned`` field and a ``pruned`` event; with ``cfg.audit_keep`` set, export and trim the
-    audit stream (:func:`trim_audit`, alarms audited as ``actor`` with ``fence``, the export confined to
-    ``audit_dir``). Never fails the round: an error is logged and the next round's end prunes
-    again."""
+    audit stream (:func:`export_and_trim_audit`: alarms audited as ``actor`` with ``fence``, the export confined
+    to ``audit_dir``). Never fails the round: an error is logged and the next round's end prunes again."""
     try:
         dropped = store.prune(cfg.retain_rounds, (store.current_placement().plan_id,))
         if dropped:
@@ -37,11 +37,11 @@ def prune_after_round(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log:
     except Exception as err:  # noqa: BLE001 - retention is housekeeping
         log.error("pruning failed", error=str(err))
     if cfg.audit_keep:
-        trim_audit(store, cfg, rec, log, actor=actor, fence=fence, audit_dir=audit_dir)
+        export_and_trim_audit(store, cfg, rec, log, actor=actor, fence=fence, audit_dir=audit_dir)
 
 
-def trim_audit(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any, *, actor: str, fence: str = "",
-               audit_dir: str | None = None) -> int:
+def export_and_trim_audit(store: Store, cfg: ClusterConfig, rec: ClusterRecord, log: Any, *, actor: str,
+                          fence: str, audit_dir: str | None) -> int:
     """Export the audit records but the newest ``cfg.audit_keep`` to ``cfg.audit_export_path`` (confined to this
     coordinator's ``audit_dir``, :mod:`fdeplb.store.audit_export`) and trim them only once they are appended and
     fsynced (:meth:`fdeplb.store.Store.trim_audit`; an ``audit_trimmed`` event). An export that is refused (no
