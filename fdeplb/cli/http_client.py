@@ -62,9 +62,7 @@ class ApiClient:
             resp = requests.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout_s),
                                     verify=self.verify, **kwargs)
         except requests.exceptions.SSLError as exc:
-            raise RedisUnavailableError(f"no TLS connection to {self.url}: the certificate was not verified "
-                                        f"(pass --ca-cert PEM or set REQUESTS_CA_BUNDLE): "
-                                        f"{str(exc)[-160:]}") from None
+            raise RedisUnavailableError(f"no TLS connection to {self.url}: {tls_failure(exc)}") from None
         except requests.RequestException as exc:
             raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}") from None
         try:
@@ -102,6 +100,56 @@ class ApiClient:
             page = self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
             since = page["last_id"]
             yield [_entry(r) for r in page["records"]]
+
+
+#: OpenSSL verify codes (X509_V_ERR_*) of a certificate outside its validity period
+_EXPIRED, _NOT_YET_VALID = 10, 9
+#: ... of a certificate that does not name the host or IP address the client asked for
+_NAME_MISMATCH = (62, 64)
+#: handshake failures of a server that answered in plain text (an HTTP server, not TLS): OpenSSL's reasons
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE")
+
+
+def _ssl_error(exc: BaseException):
+    """The :class:`ssl.SSLError` under a requests/urllib3 error (its cause chain and ``reason``), or None."""
+    import ssl
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ssl.SSLError):
+            return exc
+        nxt = getattr(exc, "reason", None)
+        exc = nxt if isinstance(nxt, BaseException) else (exc.__cause__ or exc.__context__
+                                                          or next((a for a in exc.args
+                                                                   if isinstance(a, BaseException)), None))
+    return None
+
+
+def tls_failure(exc: BaseException) -> str:
+    """What went wrong in a failed TLS handshake (``exc``: a ``requests`` SSLError), in words and with OpenSSL's
+    whole reason (never cut): the server does not speak TLS on that port, its certificate has expired (or is not yet
+    valid), does not name the host asked for, or was not verified against the CA bundle (``--ca-cert``); else the
+    handshake's own error."""
+    import ssl
+
+    err = _ssl_error(exc)
+    if err is None:
+        return f"TLS handshake failed: {exc}"
+    text = str(err).split(" (_ssl.c:")[0]
+    if isinstance(err, ssl.SSLCertVerificationError):
+        what = err.verify_message or text
+        if err.verify_code == _EXPIRED:
+            return f"the server's certificate has expired ({what}): renew it"
+        if err.verify_code == _NOT_YET_VALID:
+            return f"the server's certificate is not valid yet ({what}): check the clocks"
+        if err.verify_code in _NAME_MISMATCH:
+            return (f"the server's certificate does not name this host ({what}): use a host name or IP address "
+                    f"the certificate holds, or reissue it with this one")
+        return f"the certificate was not verified: {what} (pass --ca-cert PEM or set REQUESTS_CA_BUNDLE)"
+    if err.reason in _NOT_TLS:
+        return f"the server does not speak TLS on that port (a plain-HTTP server? try http://) ({text})"
+    return f"TLS handshake failed: {text}"
 
 
 def _entry(record: dict[str, Any]):
