@@ -16,6 +16,7 @@ import argparse
 import os
 from typing import Any, Iterator
 
+from fdeplb.backoff import ride_out
 from fdeplb.credentials import load_credentials
 from fdeplb.errors import (AuthError, DependencyError, FdeplbError, InputError, NotFoundError, RedisUnavailableError,
                            StateError, StoreError)
@@ -85,10 +86,13 @@ class ApiClient:
             body = {"user": self.credentials.user, "passwd": self.credentials.password, **body}
         return self._send("POST", path, json=body)
 
-    def audit_pages(self, page_size: int = AUDIT_PAGE, follow: bool = False) -> Iterator[list]:
+    def audit_pages(self, page_size: int = AUDIT_PAGE, follow: bool = False, retry_s: float = 0.0) -> Iterator[list]:
         """The audit stream as pages of :class:`~fdeplb.store.AuditRecord` (``GET /v1/audit``, oldest first):
         every record there is so far, ``page_size`` at a time; then, with ``follow``, each long poll's new records
-        (an empty page when none came within :data:`FOLLOW_WAIT_MS`), until the caller stops asking."""
+        (an empty page when none came within :data:`FOLLOW_WAIT_MS`), until the caller stops asking. A long poll
+        that gets no answer (the server restarting) or a 503 (its Redis away) is retried for up to ``retry_s`` s
+        (:func:`fdeplb.backoff.ride_out`), from the last record received; then
+        :class:`~fdeplb.errors.RedisUnavailableError`."""
         since = None
         while True:
             page = self.get("/v1/audit", since=since, limit=page_size)
@@ -97,7 +101,8 @@ class ApiClient:
             if len(page["records"]) < page_size:
                 break
         while follow:
-            page = self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
+            page = ride_out(lambda: self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS),
+                            what=f"the API at {self.url}", retry_s=retry_s)
             since = page["last_id"]
             yield [_entry(r) for r in page["records"]]
 

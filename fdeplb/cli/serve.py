@@ -8,10 +8,10 @@ view of the cluster (a browser asks for the same credentials).
 
 TLS: ``--ssl-certfile`` and ``--ssl-keyfile`` (PEM, both or neither) serve HTTPS (uvicorn's); the pair is loaded
 before binding, and one that does not load (mismatched, swapped, corrupt, an encrypted key) is one line naming the
-files, exit 2. The HTTP clients verify the certificate (``--ca-cert FILE`` or ``REQUESTS_CA_BUNDLE``). Stop: on SIGTERM / SIGINT open long polls
-and weight waits answer at once and the server exits within :data:`GRACEFUL_S` seconds (uvicorn's
-``timeout_graceful_shutdown``). ``serving`` is logged only once the socket is bound (a bind that fails exits 1
-with the reason and no such line).
+files, exit 2. The HTTP clients verify the certificate (``--ca-cert FILE`` or ``REQUESTS_CA_BUNDLE``). Stop: on
+SIGTERM / SIGINT open long polls and weight waits answer at once and the server exits within :data:`GRACEFUL_S`
+seconds (uvicorn's ``timeout_graceful_shutdown``). ``serving`` is logged only once the socket is bound (a bind that
+fails exits 1 with the reason and no such line).
 """
 
 from __future__ import annotations
