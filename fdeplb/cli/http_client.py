@@ -7,7 +7,8 @@ work on an install without the ``api`` extra. Credentials come from the same pla
 (``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file``, :mod:`fdeplb.credentials`).
 
 An HTTP error status is raised as the error of the CLI's error table (:data:`_STATUS_ERRORS`); no answer at all
-(refused, unreachable, timed out) is :class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
+(refused, unreachable, timed out, a failed TLS handshake: :func:`tls_failure` says why) is
+:class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
 """
 
 from __future__ import annotations
@@ -116,18 +117,20 @@ _NOT_TLS = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "R
 
 
 def _ssl_error(exc: BaseException):
-    """The :class:`ssl.SSLError` under a requests/urllib3 error (its cause chain and ``reason``), or None."""
+    """The :class:`ssl.SSLError` under a requests error (requests wraps urllib3's MaxRetryError, whose ``reason`` is
+    urllib3's SSLError around the ssl module's), found through ``reason``, ``args`` and the cause chain; or None."""
     import ssl
 
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ssl.SSLError):
-            return exc
-        nxt = getattr(exc, "reason", None)
-        exc = nxt if isinstance(nxt, BaseException) else (exc.__cause__ or exc.__context__
-                                                          or next((a for a in exc.args
-                                                                   if isinstance(a, BaseException)), None))
+    todo, seen = [exc], set()
+    while todo:
+        err = todo.pop(0)
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLError):
+            return err
+        todo += [e for e in (getattr(err, "reason", None), err.__cause__, err.__context__, *err.args)
+                 if isinstance(e, BaseException)]
     return None
 
 
