@@ -1,10 +1,11 @@
 """``fdeplb audit``: print a cluster's audit stream, follow it, or export it as a recording.
 
-It prints one line per record (or JSON lines), filtered by round, machine and rank, oldest first; ``--follow``
-then prints new records as they commit; ``--export FILE [--round N]`` writes a self-contained recording
-(:mod:`fdeplb.recording`) for ``fdeplb replay``. The records come from Redis (``--redis-url`` / ``--cluster``) or
-through an ``fdeplb serve`` (``--url``, :meth:`fdeplb.cli.http_client.ApiClient.audit_pages`); both give pages of
-:class:`~fdeplb.store.AuditRecord` that one loop filters and prints, so the output is the same.
+It prints one line per record (or JSON lines), filtered by round, machine and rank, oldest first; ``--follow`` then
+prints new records as they commit, riding out a restart of Redis or of the server for up to ``--retry-timeout`` s
+(:func:`fdeplb.backoff.ride_out`, said once on stderr); ``--export FILE [--round N]`` writes a self-contained
+recording (:mod:`fdeplb.recording`) for ``fdeplb replay``. The records come from Redis (``--redis-url`` /
+``--cluster``) or through an ``fdeplb serve`` (``--url``, :meth:`fdeplb.cli.http_client.ApiClient.audit_pages`);
+both give pages of :class:`~fdeplb.store.AuditRecord` that one loop filters and prints, so the output is the same.
 
 Bad input (unknown cluster, bad URL, bad filter, unwritable file) is a typed error: ``error: ...`` and a non-zero
 exit code from the error table. Nothing here writes to Redis.
@@ -19,13 +20,17 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from fdeplb.backoff import ride_out
 from fdeplb.cli._common import open_store, redis_or_url_parent, through_http
 from fdeplb.errors import InputError
+from fdeplb.options import positive_float
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS
 from fdeplb.recording import audit_dict, export_recording
 
 #: how long one ``audit --follow`` read of Redis blocks before it checks again (ms)
 FOLLOW_BLOCK_MS = 1_000
+#: default of ``--retry-timeout``: seconds one outage of Redis (or of the --url server) is waited out by --follow
+RETRY_TIMEOUT_S = 300.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="write a self-contained recording (header, records, snapshots, plans; docs/recordings.md) "
                         "to FILE for `fdeplb replay`; with --round, the stretch of the audit holding that round")
     a.add_argument("--follow", action="store_true",
-                   help="after the records so far, print new ones as they commit (until interrupted)")
+                   help="after the records so far, print new ones as they commit (until interrupted); an outage of "
+                        "Redis or of the --url server (a restart) is waited out with back-off, said once on stderr")
+    a.add_argument("--retry-timeout", type=positive_float, default=None, metavar="S",
+                   help=f"with --follow: how long one outage is waited out before exiting 7 (default "
+                        f"{RETRY_TIMEOUT_S:g} s)")
     a.add_argument("--limit", type=int, default=None, metavar="N", help="stop after printing N records")
     a.set_defaults(handler=run_audit)
 
@@ -90,6 +99,8 @@ def check_audit_args(args: argparse.Namespace) -> None:
         raise InputError(f"--rank must be >= 0, got {args.rank}")
     if args.rank is not None and args.machine == CLUSTER.name:
         raise InputError("--rank selects rank and weights records; it cannot be combined with --machine cluster")
+    if args.retry_timeout is not None and not args.follow:
+        raise InputError("--retry-timeout bounds how long --follow waits out an outage: it needs --follow")
     if args.export is not None and (args.machine or args.rank is not None or args.follow or args.json):
         raise InputError("--export writes a self-contained recording: only --round narrows it (--machine, --rank, "
                          "--follow, --json do not apply)")
@@ -109,7 +120,7 @@ def run_audit(args: argparse.Namespace) -> int:
         filtered = args.round is not None or args.machine is not None or args.rank is not None
         # unfiltered, the server stops at --limit itself; filtered, the records to print are only known here
         page_size = min(args.limit, AUDIT_PAGE) if args.limit is not None and not filtered else AUDIT_PAGE
-        return print_audit(client.audit_pages(page_size, args.follow), args)
+        return print_audit(client.audit_pages(page_size, args.follow, args.retry_timeout or RETRY_TIMEOUT_S), args)
     store = open_store(args.redis_url, args.cluster)
     if args.rank is not None and not 0 <= args.rank < store.ep_size():
         raise InputError(f"--rank {args.rank} outside the cluster's ranks 0..{store.ep_size() - 1}")
@@ -119,13 +130,15 @@ def run_audit(args: argparse.Namespace) -> int:
               f"{args.cluster} to {args.export}" + (f" ({n['missing']} named but no longer in Redis)"
                                                     if n["missing"] else ""))
         return 0
-    return print_audit(store_pages(store, args.follow), args)
+    return print_audit(store_pages(store, args.follow, args.retry_timeout or RETRY_TIMEOUT_S), args)
 
 
-def store_pages(store, follow: bool = False) -> Iterator[Iterable]:
+def store_pages(store, follow: bool = False, retry_s: float = 0.0) -> Iterator[Iterable]:
     """The audit stream read from Redis as pages (lazy iterables of :class:`~fdeplb.store.AuditRecord`): every
-    record so far, then, with ``follow``, what each blocking read (:data:`FOLLOW_BLOCK_MS`) brings. Consume each
-    page before asking for the next: the next read starts after the last record consumed."""
+    record so far, then, with ``follow``, what each blocking read (:data:`FOLLOW_BLOCK_MS`) brings; a read that
+    finds Redis away is retried for up to ``retry_s`` s (:func:`fdeplb.backoff.ride_out`), then
+    :class:`~fdeplb.errors.RedisUnavailableError`. Consume each page before asking for the next: the next read
+    starts after the last record consumed."""
     last_id = "0-0"
 
     def tracked(entries: Iterable) -> Iterator:
@@ -136,7 +149,8 @@ def store_pages(store, follow: bool = False) -> Iterator[Iterable]:
 
     yield tracked(store.iter_audit())
     while follow:
-        yield tracked(store.follow_audit(last_id, FOLLOW_BLOCK_MS))
+        yield tracked(ride_out(lambda: store.follow_audit(last_id, FOLLOW_BLOCK_MS), what=f"Redis at {store.url}",
+                               retry_s=retry_s))
 
 
 def print_audit(pages: Iterable[Iterable], args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ work on an install without the ``api`` extra. Credentials come from the same pla
 (``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file``, :mod:`fdeplb.credentials`).
 
 An HTTP error status is raised as the error of the CLI's error table (:data:`_STATUS_ERRORS`); no answer at all
-(refused, unreachable, timed out) is :class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
+(refused, unreachable, timed out, a failed TLS handshake: :func:`tls_failure` says why) is
+:class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import os
 from typing import Any, Iterator
 
+from fdeplb.backoff import ride_out
 from fdeplb.credentials import load_credentials
 from fdeplb.errors import (AuthError, DependencyError, FdeplbError, InputError, NotFoundError, RedisUnavailableError,
                            StateError, StoreError)
@@ -62,9 +64,7 @@ class ApiClient:
             resp = requests.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout_s),
                                     verify=self.verify, **kwargs)
         except requests.exceptions.SSLError as exc:
-            raise RedisUnavailableError(f"no TLS connection to {self.url}: the certificate was not verified "
-                                        f"(pass --ca-cert PEM or set REQUESTS_CA_BUNDLE): "
-                                        f"{str(exc)[-160:]}") from None
+            raise RedisUnavailableError(f"no TLS connection to {self.url}: {tls_failure(exc)}") from None
         except requests.RequestException as exc:
             raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}") from None
         try:
@@ -87,10 +87,13 @@ class ApiClient:
             body = {"user": self.credentials.user, "passwd": self.credentials.password, **body}
         return self._send("POST", path, json=body)
 
-    def audit_pages(self, page_size: int = AUDIT_PAGE, follow: bool = False) -> Iterator[list]:
+    def audit_pages(self, page_size: int = AUDIT_PAGE, follow: bool = False, retry_s: float = 0.0) -> Iterator[list]:
         """The audit stream as pages of :class:`~fdeplb.store.AuditRecord` (``GET /v1/audit``, oldest first):
         every record there is so far, ``page_size`` at a time; then, with ``follow``, each long poll's new records
-        (an empty page when none came within :data:`FOLLOW_WAIT_MS`), until the caller stops asking."""
+        (an empty page when none came within :data:`FOLLOW_WAIT_MS`), until the caller stops asking. A long poll
+        that gets no answer (the server restarting) or a 503 (its Redis away) is retried for up to ``retry_s`` s
+        (:func:`fdeplb.backoff.ride_out`), from the last record received; then
+        :class:`~fdeplb.errors.RedisUnavailableError`."""
         since = None
         while True:
             page = self.get("/v1/audit", since=since, limit=page_size)
@@ -99,9 +102,62 @@ class ApiClient:
             if len(page["records"]) < page_size:
                 break
         while follow:
-            page = self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS)
+            page = ride_out(lambda: self.get("/v1/audit", since=since, limit=page_size, wait_ms=FOLLOW_WAIT_MS),
+                            what=f"the API at {self.url}", retry_s=retry_s)
             since = page["last_id"]
             yield [_entry(r) for r in page["records"]]
+
+
+#: OpenSSL verify codes (X509_V_ERR_*) of a certificate outside its validity period
+_EXPIRED, _NOT_YET_VALID = 10, 9
+#: ... of a certificate that does not name the host or IP address the client asked for
+_NAME_MISMATCH = (62, 64)
+#: handshake failures of a server that answered in plain text (an HTTP server, not TLS): OpenSSL's reasons
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE")
+
+
+def _ssl_error(exc: BaseException):
+    """The :class:`ssl.SSLError` under a requests error (requests wraps urllib3's MaxRetryError, whose ``reason`` is
+    urllib3's SSLError around the ssl module's), found through ``reason``, ``args`` and the cause chain; or None."""
+    import ssl
+
+    todo, seen = [exc], set()
+    while todo:
+        err = todo.pop(0)
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, ssl.SSLError):
+            return err
+        todo += [e for e in (getattr(err, "reason", None), err.__cause__, err.__context__, *err.args)
+                 if isinstance(e, BaseException)]
+    return None
+
+
+def tls_failure(exc: BaseException) -> str:
+    """What went wrong in a failed TLS handshake (``exc``: a ``requests`` SSLError), in words and with OpenSSL's
+    whole reason (never cut): the server does not speak TLS on that port, its certificate has expired (or is not yet
+    valid), does not name the host asked for, or was not verified against the CA bundle (``--ca-cert``); else the
+    handshake's own error."""
+    import ssl
+
+    err = _ssl_error(exc)
+    if err is None:
+        return f"TLS handshake failed: {exc}"
+    text = str(err).split(" (_ssl.c:")[0]
+    if isinstance(err, ssl.SSLCertVerificationError):
+        what = err.verify_message or text
+        if err.verify_code == _EXPIRED:
+            return f"the server's certificate has expired ({what}): renew it"
+        if err.verify_code == _NOT_YET_VALID:
+            return f"the server's certificate is not valid yet ({what}): check the clocks"
+        if err.verify_code in _NAME_MISMATCH:
+            return (f"the server's certificate does not name this host ({what}): use a host name or IP address "
+                    f"the certificate holds, or reissue it with this one")
+        return f"the certificate was not verified: {what} (pass --ca-cert PEM or set REQUESTS_CA_BUNDLE)"
+    if err.reason in _NOT_TLS:
+        return f"the server does not speak TLS on that port (a plain-HTTP server? try http://) ({text})"
+    return f"TLS handshake failed: {text}"
 
 
 def _entry(record: dict[str, Any]):

@@ -93,7 +93,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "requested_reason, and the round_requested event; default %(default)s)")
     r.add_argument("--wait", action="store_true",
                    help="wait for the requested round to end: exit 0 if it rearranged or was skipped (nothing worth "
-                        "moving), 1 if it aborted, 6 on timeout. On a cordoned cluster it ends when the round is "
+                        "moving), 1 if it aborted, 6 on timeout, 7 if Redis is away as the timeout passes (a shorter "
+                        "outage is waited out, said once on stderr). On a cordoned cluster it ends when the round is "
                         "staged (exit 0; prints the plan and the --commit command); with --commit, when the "
                         "committed round is over")
     r.add_argument("--timeout", type=positive_float, default=300.0,
@@ -202,6 +203,11 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     records them, no coordinator holding the lease, weights not NORMAL) is printed on stderr as soon as the records
     show it (again when it changes) and named in the timeout's message.
 
+    Redis going away meanwhile (restarted, failed over) does not end the wait: every read rides the outage out
+    (:func:`fdeplb.backoff.ride_out`: the house back-off, ``note: Redis at URL unavailable, retrying for up to N s``
+    on stderr once per outage) within what is left of ``timeout_s``; :class:`RedisUnavailableError` (exit 7) when
+    Redis is still away as the time runs out.
+
     ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
     returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
     moved experts) and the ``rearrange --commit`` command that commits it.
@@ -210,18 +216,29 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     ``fdeplb status --redis-url <store_url> --cluster <id>`` (``URL`` when not given)."""
     import time
 
-    from fdeplb.errors import DeadlineError
+    from fdeplb.backoff import ride_out
+    from fdeplb.errors import DeadlineError, RedisUnavailableError
     from fdeplb.machines.tables import CLUSTER, ClusterState
     from fdeplb.orchestration.reasons import RoundOutcome, detail_of, round_outcome
 
     end = time.monotonic() + timeout_s
+    status_hint = f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}"
+
+    def retried(call):
+        try:
+            return ride_out(call, what=f"Redis at {store_url or store.url}", retry_s=end - time.monotonic())
+        except RedisUnavailableError as err:
+            raise RedisUnavailableError(f"{err}; --timeout {timeout_s:g}s passed before round {target} was seen "
+                                        f"to end, it may still finish: {status_hint}") from None
+
     last = None
     shown = ""
     while last is None:
-        rec = store.read_cluster()  # each pass: a round staged, or a refusal written, before the cursor is seen too
+        rec = retried(store.read_cluster)  # each pass: a round staged, or a refusal written, before the cursor too
         if redis_url is not None and rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
-            return _print_staged(store, rec, redis_url)
-        blocker = start_blockers(store, rec) if rec.state is ClusterState.FREE and rec.round < target else ""
+            return retried(lambda: _print_staged(store, rec, redis_url))
+        blocker = retried(lambda: start_blockers(store, rec)) \
+            if rec.state is ClusterState.FREE and rec.round < target else ""
         if blocker and blocker != shown:
             print(f"note: round {target} {blocker}", file=sys.stderr, flush=True)
         shown = blocker or shown
@@ -229,8 +246,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
         if left <= 0:
             raise DeadlineError(f"round {target} not over after {timeout_s:g}s (cluster {rec.state}, round "
                                 f"{rec.round}{'; it ' + blocker if blocker else ''}); it may still finish: "
-                                f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}")
-        for a in store.wait(cursor, int(min(left, 1.0) * 1000) + 1):
+                                f"{status_hint}")
+        for a in retried(lambda: store.wait(cursor, int(min(left, 1.0) * 1000) + 1)):
             if a["machine"] == CLUSTER.name and a["trigger"] in WITHDRAWN and \
                     (detail_of(a) or {}).get("round", -1) >= target:
                 print(f"round {target}: not started: {a['reason']}")
@@ -242,8 +259,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
                 break
     outcome, reason = round_outcome(last)
     if outcome is RoundOutcome.REARRANGED:
-        plan_id = last["plan_id"] or store.current_placement().plan_id
-        plan = store.read_plan(plan_id) if plan_id else None
+        plan_id = last["plan_id"] or retried(store.current_placement).plan_id
+        plan = retried(lambda: store.read_plan(plan_id)) if plan_id else None
         if plan is None:
             print(f"round {last['round']}: rearranged (plan {last['plan_id'] or '?'})")
         else:

@@ -6,11 +6,12 @@ Credentials come from ``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--crede
 not, and why in one phrase, for probes); ``/metrics`` needs them unless ``--metrics-public``. ``/ui`` is the web
 view of the cluster (a browser asks for the same credentials).
 
-TLS: ``--ssl-certfile`` and ``--ssl-keyfile`` (PEM, both or neither) serve HTTPS (uvicorn's); the HTTP clients
-verify the certificate (``--ca-cert FILE`` or ``REQUESTS_CA_BUNDLE``). Stop: on SIGTERM / SIGINT open long polls
-and weight waits answer at once and the server exits within :data:`GRACEFUL_S` seconds (uvicorn's
-``timeout_graceful_shutdown``). ``serving`` is logged only once the socket is bound (a bind that fails exits 1
-with the reason and no such line).
+TLS: ``--ssl-certfile`` and ``--ssl-keyfile`` (PEM, both or neither) serve HTTPS (uvicorn's); the pair is loaded
+before binding, and one that does not load (mismatched, swapped, corrupt, an encrypted key) is one line naming the
+files, exit 2. The HTTP clients verify the certificate (``--ca-cert FILE`` or ``REQUESTS_CA_BUNDLE``). Stop: on
+SIGTERM / SIGINT open long polls and weight waits answer at once and the server exits within :data:`GRACEFUL_S`
+seconds (uvicorn's ``timeout_graceful_shutdown``). ``serving`` is logged only once the socket is bound (a bind that
+fails exits 1 with the reason and no such line).
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _tls_files(certfile: str | None, keyfile: str | None) -> dict[str, str]:
-    """uvicorn's TLS arguments for ``--ssl-certfile`` / ``--ssl-keyfile``: both or neither, each a readable file
-    (:class:`InputError` otherwise)."""
+    """uvicorn's TLS arguments for ``--ssl-certfile`` / ``--ssl-keyfile``: both or neither, each a readable file, and
+    a pair that loads (:func:`check_tls_pair`). :class:`InputError` otherwise (exit 2, one line naming the files)."""
     if not certfile and not keyfile:
         return {}
     if not (certfile and keyfile):
@@ -119,4 +120,46 @@ def _tls_files(certfile: str | None, keyfile: str | None) -> dict[str, str]:
     for name, path in (("--ssl-certfile", certfile), ("--ssl-keyfile", keyfile)):
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
             raise InputError(f"{name} {path}: not a readable file")
+    check_tls_pair(certfile, keyfile)
     return {"ssl_certfile": certfile, "ssl_keyfile": keyfile}
+
+
+class _Encrypted(Exception):
+    """Raised by the passphrase callback: OpenSSL asked for one, so the key is encrypted."""
+
+
+def _no_passphrase() -> str:
+    raise _Encrypted
+
+
+def check_tls_pair(certfile: str, keyfile: str) -> None:
+    """Load ``certfile`` (PEM certificate chain) and ``keyfile`` (PEM private key) as uvicorn will, with the
+    standard library's :mod:`ssl`, before serving: :class:`InputError` naming the files and what is wrong: no
+    certificate in ``certfile`` (corrupt, or the two files swapped), an encrypted key (uvicorn would prompt for
+    its passphrase on the terminal), no readable key, or a key that is not the certificate's."""
+    import ssl
+
+    def holds_certificate(path: str) -> bool:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cafile=path)
+            return True
+        except ssl.SSLError:
+            return False
+
+    if not holds_certificate(certfile):
+        if holds_certificate(keyfile):
+            raise InputError(f"--ssl-certfile {certfile} holds no PEM certificate but --ssl-keyfile {keyfile} does: "
+                             f"the two files look swapped")
+        raise InputError(f"--ssl-certfile {certfile}: holds no PEM certificate (corrupt, or not a certificate)")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile, password=_no_passphrase)
+    except _Encrypted:
+        raise InputError(f"--ssl-keyfile {keyfile}: the private key is encrypted; serve needs it unencrypted "
+                         f"(openssl pkey -in {keyfile} -out PLAIN.pem, kept private)") from None
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise InputError(f"--ssl-keyfile {keyfile} is not the private key of the certificate in --ssl-certfile "
+                             f"{certfile} (key values mismatch)") from None
+        said = f"; OpenSSL: {exc.reason}" if exc.reason else ""  # "PEM lib" (no reason) says nothing more
+        raise InputError(f"--ssl-keyfile {keyfile}: holds no readable PEM private key for --ssl-certfile "
+                         f"{certfile} (corrupt, or not a key{said})") from None

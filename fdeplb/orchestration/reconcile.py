@@ -1,11 +1,11 @@
 """The error shell of a reconcile loop, shared by the coordinator and the rank agent: what a failed pass does.
 
-A lost Redis connection is retried with an exponential back-off (:data:`REDIS_RETRY_S` doubling up to
-:data:`REDIS_RETRY_CAP_S`); any other exception (a typed :class:`~fdeplb.errors.FdeplbError` or a bug) is announced
-(an event) and retried after the caller's back-off: no value kills the loop. Each *change* of the loop's health is
-logged once, not every attempt: the first ``redis unavailable``, the first ``step failed`` with a given error, and
-``recovered`` when a pass succeeds again (with how many passes failed and for how long). State: only the loop's own
-failure streak (:class:`_Streak`), local to one call.
+A lost Redis connection is retried with the house exponential back-off (:func:`fdeplb.backoff.redis_backoff_s`,
+which the command-line clients use too); any other exception (a typed :class:`~fdeplb.errors.FdeplbError` or a bug)
+is announced (an event) and retried after the caller's back-off: no value kills the loop. Each *change* of the
+loop's health is logged once, not every attempt: the first ``redis unavailable``, the first ``step failed`` with a
+given error, and ``recovered`` when a pass succeeds again (with how many passes failed and for how long). State:
+only the loop's own failure streak (:class:`_Streak`), local to one call.
 """
 
 from __future__ import annotations
@@ -15,18 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from fdeplb.backoff import REDIS_RETRY_CAP_S, REDIS_RETRY_S, redis_backoff_s  # noqa: F401 - the house rule
 from fdeplb.errors import RedisUnavailableError
-
-#: seconds before the first retry while Redis is away; doubled at every failed attempt up to REDIS_RETRY_CAP_S
-REDIS_RETRY_S = 0.5
-#: most seconds between two tries while Redis is away
-REDIS_RETRY_CAP_S = 8.0
-
-
-def redis_backoff_s(attempt: int) -> float:
-    """Seconds to wait after the ``attempt``-th consecutive failed try (1-based) while Redis is away:
-    ``REDIS_RETRY_S * 2 ** (attempt - 1)``, at most :data:`REDIS_RETRY_CAP_S`."""
-    return min(REDIS_RETRY_CAP_S, REDIS_RETRY_S * 2 ** min(max(attempt, 1) - 1, 32))
 
 
 @dataclass
