@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from fdeplb.backoff import REDIS_RETRY_CAP_S, REDIS_RETRY_S, redis_backoff_s  # noqa: F401 - the house rule
+from fdeplb.backoff import REDIS_RETRY_CAP_S, redis_backoff_s
 from fdeplb.errors import RedisUnavailableError
 
 

@@ -7,7 +7,8 @@ import threading
 import structlog.testing
 
 from fdeplb.errors import NotFoundError, RedisUnavailableError
-from fdeplb.orchestration.reconcile import REDIS_RETRY_CAP_S, REDIS_RETRY_S, redis_backoff_s, run_until_stopped
+from fdeplb.backoff import REDIS_RETRY_CAP_S, REDIS_RETRY_S, redis_backoff_s
+from fdeplb.orchestration.reconcile import run_until_stopped
 
 
 class _Clock(threading.Event):
