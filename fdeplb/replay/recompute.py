@@ -132,7 +132,7 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
                                   f"({diff} of {new.size} slots differ)")
             recomputed.add(plan.plan_id)
-        decision = decide(load, old, new, config)
+        decision = decide(load, old, new, config, live_ranks if _over_members(report) else None)
         figures = {"balancedness_before": decision.balancedness_before,
                    "balancedness_after": decision.balancedness_after, "moved_experts": decision.moved_experts}
         for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
@@ -186,6 +186,27 @@ def _check_round(where: str, stored: int, referenced: int, planned_in: set[int],
                           f"{', '.join(map(str, sorted(planned_in)))})")
 
 
+def _over_members(report: ReplayReport) -> bool:
+    """Whether the recording's balancedness figures are over the round's members (from schema
+    :data:`~fdeplb.replay.recording_format.MEMBERS_SCHEMA` on) or over every rank (older recordings)."""
+    from fdeplb.replay.recording_format import MEMBERS_SCHEMA
+
+    return int((report.header or {}).get("schema", 1)) >= MEMBERS_SCHEMA
+
+
+def _members(report: ReplayReport, members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
+    """(planner, live mask) of a round with ``members`` (its ACTIVE members at its start, as replayed): the
+    coordinator's planner over them and the mask its figures are over; (default planner, None) with every rank a
+    member, or for a recording older than the members' figures (which planned and gated over every rank)."""
+    from fdeplb.orchestration.gating import default_planner
+    from fdeplb.orchestration.membership import live_planner
+
+    if members is None or len(members) == ep_size or not _over_members(report):
+        return default_planner, None
+    live = np.isin(np.arange(ep_size), members)
+    return live_planner(default_planner, live), live
+
+
 # ---- gated rounds --------------------------------------------------------------------------------------------------
 def check_gates(report: ReplayReport) -> list[int]:
     """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
@@ -193,7 +214,11 @@ def check_gates(report: ReplayReport) -> list[int]:
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
     moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
     it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
-    recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
+    recording lacks are left out. From schema 3 on the plan and the figures are over the round's members (its
+    ACTIVE members at its start, as replayed), and a round the gate let through carries the figures in its
+    ``load`` record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and
+    compared exactly too, with the text of :func:`fdeplb.orchestration.reasons.gate_passed`. Returns the rounds
+    checked (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
     through; :class:`InputError` for a recording without header.
@@ -211,7 +236,7 @@ def check_gates(report: ReplayReport) -> list[int]:
         if load is None or old is None:
             continue
         cfg = source.config_at(seen.round)  # min_gain and policy as `fdeplb config set` left them for this round
-        decision = plan_round(load, old, cfg)
+        decision = plan_round(load, old, cfg, *_members(report, seen.members, cfg.ep_size))
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)
         if expected is None:
@@ -232,7 +257,36 @@ def check_gates(report: ReplayReport) -> list[int]:
             raise ReplayError(f"{seen.where}: gated round {seen.round} says {seen.reason!r}; recomputing its "
                               f"{cfg.policy!r} plan gives {expected.text!r}")
         report.gates_checked.append(seen.round)
+    _check_passed_gates(report, source)
     return list(report.gates_checked)
+
+
+def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
+    """The gate's figures a ``load`` record carries (a round the gate let through), recomputed from its stored plan
+    over the plan's members (see :func:`check_gates`); a plan the recording lacks (pruned) is left out."""
+    from fdeplb.orchestration import reasons
+    from fdeplb.orchestration.gating import decide
+
+    for loaded in report.plans:
+        try:
+            recorded = reasons.gate_figures(loaded.record or {})
+        except ValueError as exc:
+            raise ReplayError(f"{loaded.where}: detail is not a load's: {exc}") from None
+        plan = report.stored_plans.get(loaded.plan_id)
+        if recorded is None or plan is None:
+            continue
+        cfg = source.config_at(loaded.round)
+        decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg,
+                          plan.live_ranks(cfg.ep_size) if _over_members(report) else None)
+        expected = reasons.gate_passed(decision)
+        if not decision.goes_on or recorded != expected.detail["gate"]:
+            raise ReplayError(f"{loaded.where}: round {loaded.round} went on with the gate's figures {recorded}; "
+                              f"recomputing its plan {loaded.plan_id} gives {expected.detail['gate']}"
+                              f"{'' if decision.goes_on else ', which the gate skips'}")
+        if (loaded.record or {}).get("reason", "") != expected.text:
+            raise ReplayError(f"{loaded.where}: round {loaded.round}'s load says "
+                              f"{(loaded.record or {}).get('reason', '')!r}; its figures give {expected.text!r}")
+        report.gates_checked.append(loaded.round)
 
 
 def _placements(report: ReplayReport, source: Recorded) -> dict[str, np.ndarray]:
@@ -251,8 +305,8 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     """Replan every recorded round that has a snapshot with ``policy`` (a name of
     :data:`fdeplb.placement.POLICIES`), from the placement the round started from.
 
-    Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers) of the placement
-    before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
+    Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers, over the round's
+    members from schema 3 on) of the placement before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
     moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
     """
     from fdeplb.orchestration.gating import decide, plan_round
@@ -270,8 +324,9 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
         old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg)
-        new = plan_round(load, old, cfg)
+        planner, live = _members(report, seen.members, cfg.ep_size)  # over the round's members, as it ran
+        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg, live)
+        new = plan_round(load, old, cfg, planner, live)
         rows.append({
             "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
             "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,
