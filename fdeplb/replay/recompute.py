@@ -132,13 +132,8 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
                                   f"({diff} of {new.size} slots differ)")
             recomputed.add(plan.plan_id)
-        decision = decide(load, old, new, config, live_ranks if _over_members(report) else None)
-        figures = {"balancedness_before": decision.balancedness_before,
-                   "balancedness_after": decision.balancedness_after, "moved_experts": decision.moved_experts}
-        for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
-            # the store keeps balancedness to 6 decimals (Store.save_plan); moved experts exactly
-            if not math.isclose(getattr(stored, name), value, rel_tol=0.0, abs_tol=1e-6):
-                raise ReplayError(f"{where}: {name} is {getattr(stored, name)}, its arrays give {value}")
+        _check_figures(where, stored, [decide(load, old, new, config, live_ranks)] + (
+            [] if live_ranks is None else [decide(load, old, new, config)]))
         new_of[plan.plan_id] = new
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
@@ -186,25 +181,37 @@ def _check_round(where: str, stored: int, referenced: int, planned_in: set[int],
                           f"{', '.join(map(str, sorted(planned_in)))})")
 
 
-def _over_members(report: ReplayReport) -> bool:
-    """Whether the recording's balancedness figures are over the round's members (from schema
-    :data:`~fdeplb.replay.recording_format.MEMBERS_SCHEMA` on) or over every rank (older recordings)."""
-    from fdeplb.replay.recording_format import MEMBERS_SCHEMA
+def _check_figures(where: str, stored: Any, decisions: list[Any]) -> None:
+    """A plan line's figures (what ``status`` shows of a staged plan; the line is not chained) against its arrays:
+    those of the first of ``decisions`` (over the plan's members), or of the second (over every rank: a plan of a
+    round some rank was not a member of, written by fdeplb before schema 3). The store keeps balancedness to 6
+    decimals (``PlanEntry.to_fields``), moved experts exactly."""
+    names = ("balancedness_before", "balancedness_after", "moved_experts")
+    for decision in decisions:
+        if all(math.isclose(getattr(stored, n), getattr(decision, n), rel_tol=0.0, abs_tol=1e-6) for n in names):
+            return
+    bad = next(n for n in names if not math.isclose(getattr(stored, n), getattr(decisions[0], n), rel_tol=0.0,
+                                                    abs_tol=1e-6))
+    raise ReplayError(f"{where}: {bad} is {getattr(stored, bad)}, its arrays give {getattr(decisions[0], bad)}")
 
-    return int((report.header or {}).get("schema", 1)) >= MEMBERS_SCHEMA
 
-
-def _members(report: ReplayReport, members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
+def _members(members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
     """(planner, live mask) of a round with ``members`` (its ACTIVE members at its start, as replayed): the
-    coordinator's planner over them and the mask its figures are over; (default planner, None) with every rank a
-    member, or for a recording older than the members' figures (which planned and gated over every rank)."""
+    coordinator's planner over them (:func:`fdeplb.orchestration.membership.live_planner`) and the mask its
+    figures are over; (default planner, None) with every rank a member."""
     from fdeplb.orchestration.gating import default_planner
     from fdeplb.orchestration.membership import live_planner
 
-    if members is None or len(members) == ep_size or not _over_members(report):
+    if members is None or len(members) == ep_size:
         return default_planner, None
     live = np.isin(np.arange(ep_size), members)
     return live_planner(default_planner, live), live
+
+
+def _gate_over(recorded: dict[str, Any] | None, live: Any) -> Any:
+    """The members a recorded gate's figures are over: ``live`` when its detail names them (``live_ranks``, from
+    schema 3 on whenever some rank is not a member), else every rank (None: an older record)."""
+    return live if recorded is not None and "live_ranks" in recorded else None
 
 
 # ---- gated rounds --------------------------------------------------------------------------------------------------
@@ -214,11 +221,12 @@ def check_gates(report: ReplayReport) -> list[int]:
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
     moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
     it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
-    recording lacks are left out. From schema 3 on the plan and the figures are over the round's members (its
-    ACTIVE members at its start, as replayed), and a round the gate let through carries the figures in its
-    ``load`` record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and
-    compared exactly too, with the text of :func:`fdeplb.orchestration.reasons.gate_passed`. Returns the rounds
-    checked (also in ``report.gates_checked``).
+    recording lacks are left out. The plan is made over the round's members (its ACTIVE members at its start, as
+    replayed) and the figures are over them when the detail names them (``live_ranks``, schema 3), else over every
+    rank (an older record). From schema 3 on a round the gate let through carries the figures in its ``load``
+    record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and compared
+    exactly too, with the text of :func:`fdeplb.orchestration.reasons.gate_passed`. Returns the rounds checked
+    (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
     through; :class:`InputError` for a recording without header.
@@ -236,17 +244,18 @@ def check_gates(report: ReplayReport) -> list[int]:
         if load is None or old is None:
             continue
         cfg = source.config_at(seen.round)  # min_gain and policy as `fdeplb config set` left them for this round
-        decision = plan_round(load, old, cfg, *_members(report, seen.members, cfg.ep_size))
+        try:
+            recorded = reasons.gate_figures(seen.last or {})
+        except ValueError as exc:
+            raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
+        planner, live = _members(seen.members, cfg.ep_size)
+        decision = plan_round(load, old, cfg, planner, _gate_over(recorded, live))
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)
         if expected is None:
             raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
                               f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
                               f"min_gain {cfg.min_gain}, which the gate lets through")
-        try:
-            recorded = reasons.gate_figures(seen.last or {})
-        except ValueError as exc:
-            raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
         if recorded is None and int(report.header.get("schema", 1)) >= 2:  # the figures are the detail's
             raise ReplayError(f"{seen.where}: gated round {seen.round} without its gate's figures (detail.gate); a "
                               f"schema {report.header['schema']} recording carries them")
@@ -277,7 +286,7 @@ def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
             continue
         cfg = source.config_at(loaded.round)
         decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg,
-                          plan.live_ranks(cfg.ep_size) if _over_members(report) else None)
+                          _gate_over(recorded, plan.live_ranks(cfg.ep_size)))
         expected = reasons.gate_passed(decision)
         if not decision.goes_on or recorded != expected.detail["gate"]:
             raise ReplayError(f"{loaded.where}: round {loaded.round} went on with the gate's figures {recorded}; "
@@ -306,8 +315,8 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     :data:`fdeplb.placement.POLICIES`), from the placement the round started from.
 
     Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers, over the round's
-    members from schema 3 on) of the placement before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
-    moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
+    members) of the placement before, of the recorded plan (the placement before when the round had none) and of
+    the new policy's plan, and moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
     """
     from fdeplb.orchestration.gating import decide, plan_round
     from fdeplb.placement import POLICIES
@@ -324,7 +333,7 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
         old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        planner, live = _members(report, seen.members, cfg.ep_size)  # over the round's members, as it ran
+        planner, live = _members(seen.members, cfg.ep_size)  # over the round's members, as it ran
         recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg, live)
         new = plan_round(load, old, cfg, planner, live)
         rows.append({

@@ -31,17 +31,15 @@ from fdeplb.array_json import array_from_json
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.store.records import PlanEntry
 
-__all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "MEMBERS_SCHEMA", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA",
-           "AuditFields", "AuditLine", "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines",
-           "read_export"]
+__all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
+           "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]
 
 #: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
 #: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`).
-#: Schema 3: every balancedness figure (a plan's, a gate's) is over the round's members (:data:`MEMBERS_SCHEMA`)
+#: Schema 3: every balancedness figure (a plan's, a gate's) is over the round's members, which a gate's detail
+#: names (``live_ranks``) when some rank is not one (before: over every rank); a gated ``load`` carries the gate's
+#: figures (``detail.gate``). A recording of an older schema replays with its figures over every rank
 SCHEMA = 3
-#: the first schema whose balancedness figures are over the members the placement is routed over (before it: over
-#: every rank, also in a round some rank was not a member of)
-MEMBERS_SCHEMA = 3
 #: oldest schema this fdeplb still reads (schema 1: the same lines, reasons in text only)
 OLDEST_SCHEMA = 1
 #: audit fields the export writes as integers in JSON (the stream stores text); the reader takes any field as
