@@ -4,9 +4,10 @@ cannot disagree.
 
 A round goes on when its plan moves at least one expert **and** gains more than the cluster's ``min_gain`` in mean
 balancedness (``after - before``, balancedness as :func:`fdeplb.placement.balancedness`: per layer mean GPU load /
-max GPU load, averaged over layers, over the round's members: the ranks the plan is routed over). Otherwise it is *skipped*: a normal, audited outcome with its numbers, not a
-failure. This is the gain gate of SGLang's ``eplb_min_rebalancing_utilization_threshold`` turned into a planned
-comparison: the plan is computed first, so the gate judges the placement the round would actually commit.
+max GPU load, averaged over layers, over the round's members: the ranks the plan is routed over). Otherwise it is
+*skipped*: a normal, audited outcome with its numbers, not a failure. This is the gain gate of SGLang's
+``eplb_min_rebalancing_utilization_threshold`` turned into a planned comparison: the plan is computed first, so
+the gate judges the placement the round would actually commit.
 
 Pure numpy, no I/O, no clock.
 """
@@ -21,7 +22,7 @@ import numpy as np
 from fdeplb.placement import balancedness, check_live_ranks, check_phy2log, moved_experts, rebalance_experts
 from fdeplb.store import ClusterConfig
 
-__all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balancedness", "members_of", "plan_round"]
+__all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balancedness", "plan_round"]
 
 #: (expert_load int64 [L, E], old phy2log int64 [L, P], config) -> new phy2log int64 [L, P]
 Planner = Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray]
@@ -49,7 +50,7 @@ def mean_balancedness(expert_load: np.ndarray, phy2log: np.ndarray, ep_size: int
     return float(np.mean(balancedness(expert_load, phy2log, ep_size, live_ranks)))
 
 
-def members_of(live_ranks: object, ep_size: int) -> tuple[int, ...] | None:
+def _members_of(live_ranks: object, ep_size: int) -> tuple[int, ...] | None:
     """``live_ranks`` (see :func:`mean_balancedness`) as the ep_ranks in order; None when every rank is one."""
     live = check_live_ranks(live_ranks, ep_size)
     return None if live.all() else tuple(np.flatnonzero(live).tolist())
@@ -103,7 +104,7 @@ def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.nda
     """The gate on an already planned ``new_phy2log`` (int64 [L, P]) for ``expert_load`` [L, E] from
     ``old_phy2log`` (int64 [L, P]), with ``cfg.min_gain``, both figures over ``live_ranks`` (the round's members,
     see :func:`mean_balancedness`). No error for well-formed arrays and members."""
-    members = members_of(live_ranks, cfg.ep_size)
+    members = _members_of(live_ranks, cfg.ep_size)
     return GateDecision(new_phy2log=new_phy2log,
                         balancedness_before=mean_balancedness(expert_load, old_phy2log, cfg.ep_size, members),
                         balancedness_after=mean_balancedness(expert_load, new_phy2log, cfg.ep_size, members),

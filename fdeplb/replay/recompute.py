@@ -195,7 +195,7 @@ def _check_figures(where: str, stored: Any, decisions: list[Any]) -> None:
     raise ReplayError(f"{where}: {bad} is {getattr(stored, bad)}, its arrays give {getattr(decisions[0], bad)}")
 
 
-def _members(members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
+def _round_planner(members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
     """(planner, live mask) of a round with ``members`` (its ACTIVE members at its start, as replayed): the
     coordinator's planner over them (:func:`fdeplb.orchestration.membership.live_planner`) and the mask its
     figures are over; (default planner, None) with every rank a member."""
@@ -248,7 +248,7 @@ def check_gates(report: ReplayReport) -> list[int]:
             recorded = reasons.gate_figures(seen.last or {})
         except ValueError as exc:
             raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
-        planner, live = _members(seen.members, cfg.ep_size)
+        planner, live = _round_planner(seen.members, cfg.ep_size)
         decision = plan_round(load, old, cfg, planner, _gate_over(recorded, live))
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)
@@ -316,7 +316,8 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
 
     Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers, over the round's
     members) of the placement before, of the recorded plan (the placement before when the round had none) and of
-    the new policy's plan, and moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
+    the new policy's plan, and moved experts of both. :class:`InputError` for an unknown policy or a recording
+    without header.
     """
     from fdeplb.orchestration.gating import decide, plan_round
     from fdeplb.placement import POLICIES
@@ -333,7 +334,7 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
         old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        planner, live = _members(seen.members, cfg.ep_size)  # over the round's members, as it ran
+        planner, live = _round_planner(seen.members, cfg.ep_size)  # over the round's members, as it ran
         recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg, live)
         new = plan_round(load, old, cfg, planner, live)
         rows.append({
