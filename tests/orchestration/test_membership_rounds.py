@@ -16,7 +16,7 @@ from fdeplb.orchestration import reasons
 from fdeplb.placement import live_maps, orphaned_experts
 from fdeplb.replay import ReplayError, check_plans, replay_file
 from fdeplb.store import Deadlines
-from tests.helpers import thread_cluster, wait_for
+from tests.helpers import run_cli, thread_cluster, wait_for
 
 pytestmark = pytest.mark.slow  # thread clusters
 
@@ -103,7 +103,7 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         assert main(["replay", str(path)]) == 0
 
 
-def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, cluster_id, tmp_path):
+def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, cluster_id, tmp_path, capsys):
     # issue 34 A: the gate, /metrics and /ui counted the excluded rank's slots, so every later round was skipped
     from fdeplb.orchestration.gating import decide, mean_balancedness
     from fdeplb.replay import check_gates
@@ -119,9 +119,12 @@ def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, clust
         kill(tc, 1)
         wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
         assert store.current_placement().members == "0,2,3"
-        store.request_round("test")
-        rec = wait_for(lambda: round_done(store, 2), 60, store, "round 2")
+        capsys.readouterr()
+        code, out, _ = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                               "--timeout", "60")
+        rec = store.read_cluster()
         placement = store.current_placement()
+        assert code == 0 and rec.round == 2 and f"round 2: rearranged, plan {rec.plan_id}: balancedness " in out
         assert rec.plan_id and placement.plan_id == rec.plan_id, f"round 2 did not rearrange: {rec.reason}"
         load = [a for a in store.iter_audit() if a["trigger"] == "load" and a["round"] == "2"]
         gate = reasons.detail_of(load[0])["gate"]
@@ -132,6 +135,7 @@ def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, clust
         assert gate["balancedness_after"] == mean_balancedness(snap, new, 4, members)
         assert gate["gain"] > 0.05 and load[0]["reason"].startswith("gate: balancedness ")
         assert round(gate["balancedness_after"], 6) == plan.balancedness_after  # the plan's figures, 6 decimals
+        assert f"balancedness {plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f}" in out
         assert decide(snap, old, new, tc.config).gain < 0.05  # counting rank 1's slots would have skipped it
         families = {f.name: f for f in ClusterCollector(store).collect()}
         current = {s.labels["placement"]: s.value for s in families["fdeplb_balancedness"].samples}
