@@ -11,8 +11,9 @@ Gauges come from the records as they are now.
   ``fdeplb_fail_closed_total`` (re-placements refused because an expert would have no replica on a member)
 - ``fdeplb_rounds_aborted_total{reason}``, ``fdeplb_rounds_skipped_total{reason}`` (gated rounds are skips);
   ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values)
-- ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot,
-  ``fdeplb_moved_experts`` of the latest plan
+- ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot, each over the members
+  the placement is routed over (:func:`~fdeplb.orchestration.gating.mean_balancedness`), ``fdeplb_moved_experts``
+  of the latest plan
 - ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
   ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging)
 - ``fdeplb_up``: 1 when Redis answered the scrape, 0 when it did not (only then); ``fdeplb_corrupt_records``: the
@@ -184,7 +185,8 @@ class ClusterCollector(Collector):
                                     value=CLUSTER.to_code(rec.state))
             yield GaugeMetricFamily("fdeplb_round", "Round in progress or last finished", value=rec.round)
         bal = GaugeMetricFamily("fdeplb_balancedness", "Mean over layers of mean/max GPU load on the latest "
-                                "round's load snapshot", labels=["placement"])
+                                "round's load snapshot, over the members the placement is routed over",
+                                labels=["placement"])
         moved = GaugeMetricFamily("fdeplb_moved_experts", "Moved experts of the latest plan")
         plan = parsed(store.read_plan, rec.plan_id) if rec is not None and rec.plan_id else None
         snapshot = (plan.expert_load if plan is not None
@@ -194,7 +196,8 @@ class ClusterCollector(Collector):
         except NotFoundError:
             placement = None
         if snapshot is not None and placement is not None:
-            bal.add_metric(["current"], mean_balancedness(snapshot, placement.phy2log, cfg.ep_size))
+            bal.add_metric(["current"], mean_balancedness(snapshot, placement.phy2log, cfg.ep_size,
+                                                          placement.live_ranks(cfg.ep_size)))
         if plan is not None:
             bal.add_metric(["planned"], plan.balancedness_after)
             moved.add_metric([], plan.moved_experts)

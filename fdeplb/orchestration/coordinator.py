@@ -398,27 +398,28 @@ class Coordinator(UnaskedRounds, Leadership):
             return self._abort(rec, closed)
         try:
             if replaced is not None:  # a re-placement: only the orphaned experts move, no gate
-                decision = decide(snapshot, old, replaced if new is None else new, cfg)
-            elif new is None:
+                decision = decide(snapshot, old, replaced if new is None else new, cfg, live)
+            elif new is None:  # figures over the members (gating.mean_balancedness), as is the plan
                 decision = plan_round(snapshot, old, cfg, self.planner if live.all() else
-                                      membership.live_planner(self.planner, live))
+                                      membership.live_planner(self.planner, live), live)
             else:  # content-addressed: a retried round reuses the stored plan
-                decision = decide(snapshot, old, new, cfg)
+                decision = decide(snapshot, old, new, cfg, live)
         except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
             return self._abort(rec, f"planning failed: {err}")
-        new, before, after, moved = (decision.new_phy2log, decision.balancedness_before,
-                                     decision.balancedness_after, decision.moved_experts)
-        skip = None if replaced is not None or regrouped else reasons.gated(decision)  # unless it moves and gains
+        new = decision.new_phy2log  # its figures over the round's members, as the gate judged it
+        gated = replaced is None and not regrouped
+        skip = reasons.gated(decision) if gated else None  # unless it moves and gains
         if skip:
             return self._abort(rec, skip)
         self.store.save_plan(PlanEntry(
             plan_id=plan_id, round=round_, policy=cfg.policy, old_plan_id=current.plan_id, topology=topology,
             generation=rec.generation,
-            expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=before,
-            balancedness_after=after, moved_experts=moved))
+            expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=decision.balancedness_before,
+            balancedness_after=decision.balancedness_after, moved_experts=decision.moved_experts))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
-        why = reasons.Reason("") if replaced is None else reasons.replacement_round(
-            [r for r in routed if r not in members], orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
+        why = reasons.gate_passed(decision) if gated else reasons.Reason("") if replaced is None else \
+            reasons.replacement_round([r for r in routed if r not in members],
+                                      orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
         self._fire(rec, "load", plan_id=plan_id, reason=why.text, detail=why.detail,
                    changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None

@@ -4,9 +4,10 @@ cannot disagree.
 
 A round goes on when its plan moves at least one expert **and** gains more than the cluster's ``min_gain`` in mean
 balancedness (``after - before``, balancedness as :func:`fdeplb.placement.balancedness`: per layer mean GPU load /
-max GPU load, averaged over layers). Otherwise it is *skipped*: a normal, audited outcome with its numbers, not a
-failure. This is the gain gate of SGLang's ``eplb_min_rebalancing_utilization_threshold`` turned into a planned
-comparison: the plan is computed first, so the gate judges the placement the round would actually commit.
+max GPU load, averaged over layers, over the round's members: the ranks the plan is routed over). Otherwise it is
+*skipped*: a normal, audited outcome with its numbers, not a failure. This is the gain gate of SGLang's
+``eplb_min_rebalancing_utilization_threshold`` turned into a planned comparison: the plan is computed first, so
+the gate judges the placement the round would actually commit.
 
 Pure numpy, no I/O, no clock.
 """
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fdeplb.placement import balancedness, check_phy2log, moved_experts, rebalance_experts
+from fdeplb.placement import balancedness, check_live_ranks, check_phy2log, moved_experts, rebalance_experts
 from fdeplb.store import ClusterConfig
 
 __all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balancedness", "plan_round"]
@@ -40,10 +41,19 @@ def default_planner(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: Clust
     return placement.phy2log
 
 
-def mean_balancedness(expert_load: np.ndarray, phy2log: np.ndarray, ep_size: int) -> float:
+def mean_balancedness(expert_load: np.ndarray, phy2log: np.ndarray, ep_size: int,
+                      live_ranks: object = None) -> float:
     """Mean over layers of :func:`fdeplb.placement.balancedness` (``expert_load`` [L, E], ``phy2log`` int64
-    [L, P]): the one figure the gate, ``status`` and the replay compare. A float in (0, 1]."""
-    return float(np.mean(balancedness(expert_load, phy2log, ep_size)))
+    [L, P]) over ``live_ranks``, the members the placement is routed over (a placement's
+    ``PlacementEntry.live_ranks``, a plan's ``PlanEntry.live_ranks``; None: every rank): the one figure the gate,
+    ``status``, ``/metrics``, ``/ui`` and the replay compare. A float in (0, 1]. InputError for bad input."""
+    return float(np.mean(balancedness(expert_load, phy2log, ep_size, live_ranks)))
+
+
+def _members_of(live_ranks: object, ep_size: int) -> tuple[int, ...] | None:
+    """``live_ranks`` (see :func:`mean_balancedness`) as the ep_ranks in order; None when every rank is one."""
+    live = check_live_ranks(live_ranks, ep_size)
+    return None if live.all() else tuple(np.flatnonzero(live).tolist())
 
 
 @dataclass(frozen=True)
@@ -52,7 +62,8 @@ class GateDecision:
 
     ``new_phy2log``: int64 [L, P], the plan; ``balancedness_before`` / ``balancedness_after``: mean balancedness of
     the current placement and of the plan on the round's load; ``moved_experts``: experts the plan puts on a GPU
-    that did not hold them (:func:`fdeplb.placement.moved_experts`); ``min_gain``: the cluster's threshold.
+    that did not hold them (:func:`fdeplb.placement.moved_experts`); ``min_gain``: the cluster's threshold;
+    ``live_ranks``: the members both figures are over (None: every rank).
     """
 
     new_phy2log: np.ndarray
@@ -60,6 +71,7 @@ class GateDecision:
     balancedness_after: float
     moved_experts: int
     min_gain: float
+    live_ranks: tuple[int, ...] | None = None
 
     @property
     def gain(self) -> float:
@@ -80,29 +92,34 @@ class GateDecision:
         return "the plan moves no expert"
 
     def detail(self) -> dict[str, Any]:
-        """The gate's figures as JSON-able values (the structured detail an audit record carries)."""
+        """The gate's figures as JSON-able values (the structured detail an audit record carries), with
+        ``live_ranks`` when some rank is not a member."""
+        members = {} if self.live_ranks is None else {"live_ranks": list(self.live_ranks)}
         return {"balancedness_before": self.balancedness_before, "balancedness_after": self.balancedness_after,
-                "gain": self.gain, "min_gain": self.min_gain, "moved_experts": self.moved_experts}
+                "gain": self.gain, "min_gain": self.min_gain, "moved_experts": self.moved_experts, **members}
 
 
 def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.ndarray,
-           cfg: ClusterConfig) -> GateDecision:
+           cfg: ClusterConfig, live_ranks: object = None) -> GateDecision:
     """The gate on an already planned ``new_phy2log`` (int64 [L, P]) for ``expert_load`` [L, E] from
-    ``old_phy2log`` (int64 [L, P]), with ``cfg.min_gain``. No error for well-formed arrays."""
+    ``old_phy2log`` (int64 [L, P]), with ``cfg.min_gain``, both figures over ``live_ranks`` (the round's members,
+    see :func:`mean_balancedness`). No error for well-formed arrays and members."""
+    members = _members_of(live_ranks, cfg.ep_size)
     return GateDecision(new_phy2log=new_phy2log,
-                        balancedness_before=mean_balancedness(expert_load, old_phy2log, cfg.ep_size),
-                        balancedness_after=mean_balancedness(expert_load, new_phy2log, cfg.ep_size),
+                        balancedness_before=mean_balancedness(expert_load, old_phy2log, cfg.ep_size, members),
+                        balancedness_after=mean_balancedness(expert_load, new_phy2log, cfg.ep_size, members),
                         moved_experts=int(moved_experts(old_phy2log, new_phy2log, cfg.ep_size)),
-                        min_gain=cfg.min_gain)
+                        min_gain=cfg.min_gain, live_ranks=members)
 
 
 def plan_round(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig,
-               planner: Planner = default_planner) -> GateDecision:
-    """Plan ``expert_load`` (int64 [L, E]) from ``old_phy2log`` (int64 [L, P]) with ``planner`` and gate the plan.
+               planner: Planner = default_planner, live_ranks: object = None) -> GateDecision:
+    """Plan ``expert_load`` (int64 [L, E]) from ``old_phy2log`` (int64 [L, P]) with ``planner`` and gate the plan
+    over ``live_ranks`` (:func:`decide`; the planner must plan over them: ``membership.live_planner``).
 
     The planner's output is checked (:func:`fdeplb.placement.check_phy2log`: shape [L, P], every logical expert
     present): a planner bug is an :class:`~fdeplb.errors.InputError`, never a committed malformed placement.
     Raises what ``planner`` raises (an :class:`~fdeplb.errors.FdeplbError` for a load or topology it refuses)."""
     new = check_phy2log(planner(expert_load, old_phy2log, cfg), cfg.num_logical_experts, name="planned phy2log",
                         shape=old_phy2log.shape)
-    return decide(expert_load, old_phy2log, np.asarray(new, dtype=np.int64), cfg)
+    return decide(expert_load, old_phy2log, np.asarray(new, dtype=np.int64), cfg, live_ranks)

@@ -1,6 +1,7 @@
 """The coordinator's rounds nobody asked for, while the cluster is FREE: the re-placement round a lost rank calls
 for (the current placement leaves a logical expert without a replica on an ACTIVE member) and the periodic trigger
-(``interval_s``), skipped and audited with its numbers when it is not worth a round.
+(``interval_s``), skipped and audited with its numbers when it is not worth a round. The periodic trigger judges
+the load windows of the members the current placement is routed over, its figures over those members.
 
 :class:`UnaskedRounds` is mixed into :class:`~fdeplb.orchestration.coordinator.Coordinator`; it uses, of its host:
 ``store``, ``config``, ``holder``, ``log``, ``planner``, ``interval_s``, ``min_balancedness``,
@@ -53,19 +54,23 @@ class UnaskedRounds:
             return False, self._next_periodic_ms - now
         self._next_periodic_ms = now + int(self.interval_s * 1000)
         cfg = self.config
-        windows = [self.store.read_load(r) for r in range(cfg.ep_size)]
+        current = self.store.current_placement()  # judged over the members it is routed over, as a round plans
+        members = current.live_ranks(cfg.ep_size)
+        live = np.isin(np.arange(cfg.ep_size), members)
+        windows = [self.store.read_load(r) for r in members]
         if any(w is None for w in windows):  # no window to judge by: the round collects them and gates itself
             self.store.request_round("interval")
             return True, None
         load = np.sum(np.stack([w.expert_load for w in windows]), axis=0, dtype=np.int64)
         if not load.any():
             return self._skip(rec, "skipped: no tokens in the ranks' load windows")
-        old = self.store.current_placement().phy2log
-        before = mean_balancedness(load, old, cfg.ep_size)
+        old = current.phy2log
+        before = mean_balancedness(load, old, cfg.ep_size, live)
         if self.min_balancedness is not None and before >= self.min_balancedness:
             return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
         try:
-            decision = plan_round(load, old, cfg, self.planner)
+            decision = plan_round(load, old, cfg, self.planner if live.all() else
+                                  membership.live_planner(self.planner, live), live)
         except FdeplbError as err:
             return self._skip(rec, f"skipped: planning failed: {err}")
         skip = reasons.skipped(decision)  # the gate's one rule and words (GateDecision.why_skipped)

@@ -8,8 +8,9 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   "heartbeat_age_ms": 2412}, ...]}``;
 - the start that follows it: every registered rank's heartbeat, ``{"heartbeats": [{"ep_rank": 0, "age_ms": 12,
   "ttl_ms": 2000}, ...]}`` (ttl 0: none);
-- a gated round (trigger ``abort``): ``{"gate": {"balancedness_before", "balancedness_after", "gain", "min_gain",
-  "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
+- a gated round (trigger ``abort`` when skipped, ``load`` when it goes on): ``{"gate": {"balancedness_before",
+  "balancedness_after", "gain", "min_gain", "moved_experts"}}`` and ``live_ranks`` when some rank is not a member
+  (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision, over the round's members);
 - the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
 - the load of a re-placement round (trigger ``load``): ``{"replacement": {"ranks": [3], "orphans": [[layer,
   log_id], ...]}}`` (the ranks that are not members, the experts that had no replica on a member);
@@ -135,7 +136,20 @@ def skipped(decision: "GateDecision") -> Reason | None:
     if why is None:
         return None
     text = (f"skipped: {why} (balancedness {decision.balancedness_before:.4f} -> "
-            f"{decision.balancedness_after:.4f}, {decision.moved_experts} moved experts)")
+            f"{decision.balancedness_after:.4f}{_over(decision)}, {decision.moved_experts} moved experts)")
+    return Reason(text, {"gate": decision.detail()})
+
+
+def _over(decision: "GateDecision") -> str:
+    """Where the figures are over, in a gate's text: nothing with every rank a member."""
+    return "" if decision.live_ranks is None else f" over members {list(decision.live_ranks)}"
+
+
+def gate_passed(decision: "GateDecision") -> Reason:
+    """The ``load`` reason of a round the gate lets through: its figures (as :func:`skipped`'s) and the rule."""
+    text = (f"gate: balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}"
+            f"{_over(decision)}, gain {decision.gain:.4f} > min_gain {decision.min_gain}, "
+            f"{decision.moved_experts} moved experts")
     return Reason(text, {"gate": decision.detail()})
 
 

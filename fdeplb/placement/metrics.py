@@ -3,6 +3,14 @@
 GPU load of EP rank ``g`` in layer ``l`` = sum over the rank's slots ``p`` of
 ``expert_load[l, phy2log[l, p]] / logcnt[l, phy2log[l, p]]``: an expert's tokens are split evenly over its replicas.
 All metrics are computed in float64 whatever the load dtype. ``phy2log`` arguments accept a :class:`Placement` too.
+
+**Over the members.** With ``live_ranks`` (the EP ranks the placement is routed over, as
+:func:`fdeplb.placement.check_live_ranks` takes them; None: every rank) a figure is what the engine sees when it
+routes with :func:`fdeplb.placement.live_maps`: an expert's tokens are split over its replicas on those ranks only,
+every other rank's GPU load is 0, and the per-layer mean / max of :func:`balancedness` and :func:`imbalance` are
+over those ranks only (an excluded rank serves nothing: counting its slots would make a balanced placement look
+unbalanced and stop every round after a rank is lost). An expert with no replica on them (orphaned: its tokens
+reach no member) adds to no GPU. With every rank a member the figures are exactly those without ``live_ranks``.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log
 from fdeplb.placement.core import Placement
+from fdeplb.placement.live_ranks import check_live_ranks, live_slots
 
 
 def _phy2log_of(placement: object) -> np.ndarray:
@@ -31,51 +40,72 @@ def _checked(expert_load: object, phy2log: object, num_gpus: object) -> tuple[np
     return load, p2l, G
 
 
-def raw_gpu_loads(load: np.ndarray, phy2log: np.ndarray, num_gpus: int) -> np.ndarray:
-    """:func:`gpu_loads` without input checks (callers pass checked float/int [L, E] and int64 [L, P])."""
+def raw_gpu_loads(load: np.ndarray, phy2log: np.ndarray, num_gpus: int,
+                  live: np.ndarray | None = None) -> np.ndarray:
+    """:func:`gpu_loads` without input checks (callers pass checked float/int [L, E], int64 [L, P] and, for
+    ``live``, a bool [num_gpus] mask or None)."""
     L, E = load.shape
     rows = np.arange(L)[:, None]
-    logcnt = np.zeros((L, E), dtype=np.int64)
-    np.add.at(logcnt, (rows, phy2log), 1)
-    per_replica = load.astype(np.float64) / np.maximum(logcnt, 1)
-    return per_replica[rows, phy2log].reshape(L, num_gpus, -1).sum(axis=-1)
+    routed = phy2log
+    if live is not None:  # a slot of a rank not routed to holds the sentinel expert E: no replica, no load
+        routed = np.where(live_slots(phy2log.shape[1], num_gpus, live)[None, :], phy2log, E)
+    logcnt = np.zeros((L, E + 1), dtype=np.int64)
+    np.add.at(logcnt, (rows, routed), 1)
+    per_replica = load.astype(np.float64) / np.maximum(logcnt[:, :E], 1)
+    if live is not None:
+        per_replica = np.concatenate([per_replica, np.zeros((L, 1))], axis=1)
+    return per_replica[rows, routed].reshape(L, num_gpus, -1).sum(axis=-1)
 
 
-def gpu_loads(expert_load: object, phy2log: object, num_gpus: int) -> np.ndarray:
+def gpu_loads(expert_load: object, phy2log: object, num_gpus: int, live_ranks: object = None) -> np.ndarray:
     """Load of every EP rank: float64 [num_layers, num_gpus], in the units of ``expert_load`` (tokens).
 
     Args:
         expert_load: [L, E] non-negative loads.
         phy2log: int [L, P] placement (or a :class:`Placement`); P a multiple of ``num_gpus``.
         num_gpus: EP size.
+        live_ranks: the ranks routed to (module doc; None: every rank): the others' GPU load is 0.
 
     Raises:
-        InputError: bad shapes or values (see :func:`fdeplb.placement.rebalance_experts`).
+        InputError: bad shapes or values (see :func:`fdeplb.placement.rebalance_experts`), or ``live_ranks`` that
+            :func:`fdeplb.placement.check_live_ranks` refuses.
     """
-    return raw_gpu_loads(*_checked(expert_load, phy2log, num_gpus))
+    load, p2l, G = _checked(expert_load, phy2log, num_gpus)
+    return raw_gpu_loads(load, p2l, G, None if live_ranks is None else check_live_ranks(live_ranks, G))
 
 
-def _ratios(loads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _ratios(expert_load: object, phy2log: object, num_gpus: int,
+            live_ranks: object) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer (mean, max, max > 0) of the GPU loads of the members (module doc): the one place figures are
+    taken over the members."""
+    load, p2l, G = _checked(expert_load, phy2log, num_gpus)
+    live = None if live_ranks is None else check_live_ranks(live_ranks, G)
+    loads = raw_gpu_loads(load, p2l, G, live)
+    if live is not None:
+        loads = loads[:, live]
     mean = loads.mean(axis=1)
     peak = loads.max(axis=1)
     return mean, peak, peak > 0
 
 
-def balancedness(expert_load: object, phy2log: object, num_gpus: int) -> np.ndarray:
+def balancedness(expert_load: object, phy2log: object, num_gpus: int, live_ranks: object = None) -> np.ndarray:
     """Per-layer mean(GPU load) / max(GPU load): float64 [L] in (0, 1]; 1.0 for a layer without load.
 
-    Report the mean over layers. Raises :class:`InputError` on bad input.
+    ``live_ranks``: the ranks the placement is routed over (module doc; None: every rank): mean and max over
+    them, each expert's tokens split over its replicas on them. Report the mean over layers. Raises
+    :class:`InputError` on bad input.
     """
-    mean, peak, nonzero = _ratios(gpu_loads(expert_load, phy2log, num_gpus))
+    mean, peak, nonzero = _ratios(expert_load, phy2log, num_gpus, live_ranks)
     return np.divide(mean, peak, out=np.ones_like(mean), where=nonzero)
 
 
-def imbalance(expert_load: object, phy2log: object, num_gpus: int) -> np.ndarray:
+def imbalance(expert_load: object, phy2log: object, num_gpus: int, live_ranks: object = None) -> np.ndarray:
     """Per-layer (max - mean) / mean of the GPU loads (TensorRT-LLM's figure): float64 [L] >= 0; 0.0 without load.
 
-    ``1 + imbalance`` is the max/mean ratio. Raises :class:`InputError` on bad input.
+    ``1 + imbalance`` is the max/mean ratio; ``live_ranks`` as in :func:`balancedness`. Raises
+    :class:`InputError` on bad input.
     """
-    mean, peak, nonzero = _ratios(gpu_loads(expert_load, phy2log, num_gpus))
+    mean, peak, nonzero = _ratios(expert_load, phy2log, num_gpus, live_ranks)
     return np.divide(peak - mean, mean, out=np.zeros_like(mean), where=nonzero)
 
 

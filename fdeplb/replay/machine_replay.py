@@ -336,13 +336,17 @@ class _Replay(RecordSays):
         report = self.report
         if spec.trigger == "start":
             report.cluster_round = field_int(line, "round")
-            report.rounds.append(RoundSeen(report.cluster_round, report.placement_plan))
+            active = None if self.ep_size is None else tuple(  # the members the round counts (commit.lua's rule)
+                r for r in range(self.ep_size)
+                if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MEMBERSHIP.initial.value)
+            report.rounds.append(RoundSeen(report.cluster_round, report.placement_plan, active))
             self.generations.started(report.cluster_round)
         current = report.rounds[-1] if report.rounds else None
         if current is not None:  # its outcome: round_outcome of its last cluster transition (RoundSeen.outcome)
             current.last, current.where = line.record, line.where
         if spec.trigger == "load":
-            report.plans.append(LoadedPlan(line.where, plan_id, field_int(line, "round"), report.placement_plan))
+            report.plans.append(LoadedPlan(line.where, plan_id, field_int(line, "round"), report.placement_plan,
+                                           line.record))
             self.generations.loaded(line, field_int(line, "round"))
             if current is not None:
                 current.plan_id = plan_id

@@ -132,13 +132,8 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
                                   f"({diff} of {new.size} slots differ)")
             recomputed.add(plan.plan_id)
-        decision = decide(load, old, new, config)
-        figures = {"balancedness_before": decision.balancedness_before,
-                   "balancedness_after": decision.balancedness_after, "moved_experts": decision.moved_experts}
-        for name, value in figures.items():  # what `status` shows of a staged plan; the plan line is not chained
-            # the store keeps balancedness to 6 decimals (Store.save_plan); moved experts exactly
-            if not math.isclose(getattr(stored, name), value, rel_tol=0.0, abs_tol=1e-6):
-                raise ReplayError(f"{where}: {name} is {getattr(stored, name)}, its arrays give {value}")
+        _check_figures(where, stored, [decide(load, old, new, config, live_ranks)] + (
+            [] if live_ranks is None else [decide(load, old, new, config)]))
         new_of[plan.plan_id] = new
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
@@ -186,6 +181,39 @@ def _check_round(where: str, stored: int, referenced: int, planned_in: set[int],
                           f"{', '.join(map(str, sorted(planned_in)))})")
 
 
+def _check_figures(where: str, stored: Any, decisions: list[Any]) -> None:
+    """A plan line's figures (what ``status`` shows of a staged plan; the line is not chained) against its arrays:
+    those of the first of ``decisions`` (over the plan's members), or of the second (over every rank: a plan of a
+    round some rank was not a member of, written by fdeplb before schema 3). The store keeps balancedness to 6
+    decimals (``PlanEntry.to_fields``), moved experts exactly."""
+    names = ("balancedness_before", "balancedness_after", "moved_experts")
+    for decision in decisions:
+        if all(math.isclose(getattr(stored, n), getattr(decision, n), rel_tol=0.0, abs_tol=1e-6) for n in names):
+            return
+    bad = next(n for n in names if not math.isclose(getattr(stored, n), getattr(decisions[0], n), rel_tol=0.0,
+                                                    abs_tol=1e-6))
+    raise ReplayError(f"{where}: {bad} is {getattr(stored, bad)}, its arrays give {getattr(decisions[0], bad)}")
+
+
+def _round_planner(members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
+    """(planner, live mask) of a round with ``members`` (its ACTIVE members at its start, as replayed): the
+    coordinator's planner over them (:func:`fdeplb.orchestration.membership.live_planner`) and the mask its
+    figures are over; (default planner, None) with every rank a member."""
+    from fdeplb.orchestration.gating import default_planner
+    from fdeplb.orchestration.membership import live_planner
+
+    if members is None or len(members) == ep_size:
+        return default_planner, None
+    live = np.isin(np.arange(ep_size), members)
+    return live_planner(default_planner, live), live
+
+
+def _gate_over(recorded: dict[str, Any] | None, live: Any) -> Any:
+    """The members a recorded gate's figures are over: ``live`` when its detail names them (``live_ranks``, from
+    schema 3 on whenever some rank is not a member), else every rank (None: an older record)."""
+    return live if recorded is not None and "live_ranks" in recorded else None
+
+
 # ---- gated rounds --------------------------------------------------------------------------------------------------
 def check_gates(report: ReplayReport) -> list[int]:
     """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
@@ -193,7 +221,12 @@ def check_gates(report: ReplayReport) -> list[int]:
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
     moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
     it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
-    recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
+    recording lacks are left out. The plan is made over the round's members (its ACTIVE members at its start, as
+    replayed) and the figures are over them when the detail names them (``live_ranks``, schema 3), else over every
+    rank (an older record). From schema 3 on a round the gate let through carries the figures in its ``load``
+    record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and compared
+    exactly too, with the text of :func:`fdeplb.orchestration.reasons.gate_passed`. Returns the rounds checked
+    (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
     through; :class:`InputError` for a recording without header.
@@ -211,17 +244,18 @@ def check_gates(report: ReplayReport) -> list[int]:
         if load is None or old is None:
             continue
         cfg = source.config_at(seen.round)  # min_gain and policy as `fdeplb config set` left them for this round
-        decision = plan_round(load, old, cfg)
+        try:
+            recorded = reasons.gate_figures(seen.last or {})
+        except ValueError as exc:
+            raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
+        planner, live = _round_planner(seen.members, cfg.ep_size)
+        decision = plan_round(load, old, cfg, planner, _gate_over(recorded, live))
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)
         if expected is None:
             raise ReplayError(f"{seen.where}: round {seen.round} was gated, but its {cfg.policy!r} plan goes from "
                               f"balancedness {before:.4f} to {after:.4f} moving {moved} experts: a gain above "
                               f"min_gain {cfg.min_gain}, which the gate lets through")
-        try:
-            recorded = reasons.gate_figures(seen.last or {})
-        except ValueError as exc:
-            raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
         if recorded is None and int(report.header.get("schema", 1)) >= 2:  # the figures are the detail's
             raise ReplayError(f"{seen.where}: gated round {seen.round} without its gate's figures (detail.gate); a "
                               f"schema {report.header['schema']} recording carries them")
@@ -232,7 +266,36 @@ def check_gates(report: ReplayReport) -> list[int]:
             raise ReplayError(f"{seen.where}: gated round {seen.round} says {seen.reason!r}; recomputing its "
                               f"{cfg.policy!r} plan gives {expected.text!r}")
         report.gates_checked.append(seen.round)
+    _check_passed_gates(report, source)
     return list(report.gates_checked)
+
+
+def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
+    """The gate's figures a ``load`` record carries (a round the gate let through), recomputed from its stored plan
+    over the plan's members (see :func:`check_gates`); a plan the recording lacks (pruned) is left out."""
+    from fdeplb.orchestration import reasons
+    from fdeplb.orchestration.gating import decide
+
+    for loaded in report.plans:
+        try:
+            recorded = reasons.gate_figures(loaded.record or {})
+        except ValueError as exc:
+            raise ReplayError(f"{loaded.where}: detail is not a load's: {exc}") from None
+        plan = report.stored_plans.get(loaded.plan_id)
+        if recorded is None or plan is None:
+            continue
+        cfg = source.config_at(loaded.round)
+        decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg,
+                          _gate_over(recorded, plan.live_ranks(cfg.ep_size)))
+        expected = reasons.gate_passed(decision)
+        if not decision.goes_on or recorded != expected.detail["gate"]:
+            raise ReplayError(f"{loaded.where}: round {loaded.round} went on with the gate's figures {recorded}; "
+                              f"recomputing its plan {loaded.plan_id} gives {expected.detail['gate']}"
+                              f"{'' if decision.goes_on else ', which the gate skips'}")
+        if (loaded.record or {}).get("reason", "") != expected.text:
+            raise ReplayError(f"{loaded.where}: round {loaded.round}'s load says "
+                              f"{(loaded.record or {}).get('reason', '')!r}; its figures give {expected.text!r}")
+        report.gates_checked.append(loaded.round)
 
 
 def _placements(report: ReplayReport, source: Recorded) -> dict[str, np.ndarray]:
@@ -251,9 +314,10 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     """Replan every recorded round that has a snapshot with ``policy`` (a name of
     :data:`fdeplb.placement.POLICIES`), from the placement the round started from.
 
-    Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers) of the placement
-    before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
-    moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
+    Returns one dict per round: round, outcome, recorded plan_id, balancedness (mean over layers, over the round's
+    members) of the placement before, of the recorded plan (the placement before when the round had none) and of
+    the new policy's plan, and moved experts of both. :class:`InputError` for an unknown policy or a recording
+    without header.
     """
     from fdeplb.orchestration.gating import decide, plan_round
     from fdeplb.placement import POLICIES
@@ -270,8 +334,9 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
         old = plan.old_phy2log if plan is not None else placements.get(seen.placement_plan)
         if load is None or old is None:
             continue
-        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg)
-        new = plan_round(load, old, cfg)
+        planner, live = _round_planner(seen.members, cfg.ep_size)  # over the round's members, as it ran
+        recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg, live)
+        new = plan_round(load, old, cfg, planner, live)
         rows.append({
             "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
             "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,

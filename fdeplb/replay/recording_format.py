@@ -35,8 +35,11 @@ __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUI
            "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]
 
 #: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
-#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`)
-SCHEMA = 2
+#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`).
+#: Schema 3: every balancedness figure (a plan's, a gate's) is over the round's members, which a gate's detail
+#: names (``live_ranks``) when some rank is not one (before: over every rank); a gated ``load`` carries the gate's
+#: figures (``detail.gate``). A recording of an older schema replays with its figures over every rank
+SCHEMA = 3
 #: oldest schema this fdeplb still reads (schema 1: the same lines, reasons in text only)
 OLDEST_SCHEMA = 1
 #: audit fields the export writes as integers in JSON (the stream stores text); the reader takes any field as

@@ -34,12 +34,13 @@ class KeyState:
 
 @dataclass(frozen=True)
 class LoadedPlan:
-    """A ``load`` transition seen by the replay: its plan, round, and the plan committed before it."""
+    """A ``load`` transition seen by the replay: its plan, round, the plan committed before it, and its record."""
 
     where: str
     plan_id: str
     round: int
     previous_plan_id: str
+    record: Mapping[str, Any] | None = None  # the load's audit record (its reason and detail: the gate's figures)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class RoundSeen:
 
     round: int
     placement_plan: str
+    members: tuple[int, ...] | None = None  # the ACTIVE members at its start, as replayed (None: rank count unknown)
     plan_id: str = ""
     committed: bool = False  # its plan became the current placement (the commit point passed)
     last: Mapping[str, Any] | None = None

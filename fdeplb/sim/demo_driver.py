@@ -315,8 +315,9 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "plan_id": plan_id,
         "policy": config.policy,
         "topology": config.topology(),
-        "balancedness_before": mean_balancedness(load, initial, config.ep_size),
-        "balancedness_after": mean_balancedness(load, current, config.ep_size),
+        # both over the members the current placement is routed over: the ranks that serve the load now
+        "balancedness_before": mean_balancedness(load, initial, config.ep_size, placement.live_ranks(config.ep_size)),
+        "balancedness_after": mean_balancedness(load, current, config.ep_size, placement.live_ranks(config.ep_size)),
         "moved_experts": plan.moved_experts if plan and outcome is RoundOutcome.REARRANGED else 0,
         "experts_loaded_from_disk": sum(r.disk for r in ranks),
         "experts_copied_locally": sum(r.local for r in ranks),

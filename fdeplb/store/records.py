@@ -420,6 +420,10 @@ class PlanEntry:
     generation: int = 0
     """The cluster's membership generation the plan was made under (its round's start)."""
 
+    def live_ranks(self, ep_size: int) -> tuple[int, ...]:
+        """The ranks it is routed over: its round's members (``topology["live_ranks"]``; every rank without)."""
+        return tuple(int(r) for r in self.topology.get("live_ranks", range(ep_size)))
+
     def to_fields(self) -> dict[str, Any]:
         """The plan as the fields of its Redis hash: the three arrays as int64 dtype + shape + bytes
         (:func:`fdeplb.store.arrays.encode`), the rest as text (``topology`` as canonical JSON, the balancedness

@@ -24,8 +24,9 @@ View dict (JSON-ready)::
                   "cluster": [{"state", "start_ms", "end_ms", "deadline_ms" | None}],
                   "ranks": {ep_rank: [{"state", "start_ms", "end_ms"}]},
                   "marks": [{"kind": "abort" | "alarm" | "skip" | "start_refused", "ts_ms", "reason", "id"}]}]},
-     "plan": None | {"plan_id", "round", "policy", "balancedness_before", "balancedness_after", "moved_experts",
-                     "before": [[GPU load / layer mean]] (L x ep_size), "after": [[...]], "lo", "hi"},
+     "plan": None | {"plan_id", "round", "policy", "live_ranks" (None: every rank), "balancedness_before",
+                     "balancedness_after", "moved_experts", "before": [[GPU load / layer mean]] (L x members),
+                     "after": [[...]], "lo", "hi"},
      "last_audit_id": str}
 
 Times are ms of the Redis server's clock (a recording: its ``ts_ms``). The diagrams are
@@ -256,12 +257,15 @@ def plan_view(plan, ep_size: int) -> dict[str, Any] | None:
     """The last plan as the page draws it: per-GPU load before / after (:func:`fdeplb.placement.gpu_loads` of its
     snapshot under the old and the new phy2log, as ``rebalance --plot`` draws them: each layer's GPU loads over
     their mean, rounded to 4 decimals), the colour scale's ``lo`` / ``hi``, balancedness and moved experts. None
-    for no plan."""
+    for no plan. Like its balancedness, the loads are over the plan's members (``PlanEntry.live_ranks``): only
+    their GPUs are drawn, and ``live_ranks`` names them when some rank is not a member (else None)."""
     if plan is None:
         return None
-    before = _relative(gpu_loads(plan.expert_load, plan.old_phy2log, ep_size).astype(float))
-    after = _relative(gpu_loads(plan.expert_load, plan.new_phy2log, ep_size).astype(float))
+    members = list(plan.live_ranks(ep_size))
+    before = _relative(gpu_loads(plan.expert_load, plan.old_phy2log, ep_size, members)[:, members])
+    after = _relative(gpu_loads(plan.expert_load, plan.new_phy2log, ep_size, members)[:, members])
     return {"plan_id": plan.plan_id, "round": plan.round, "policy": plan.policy,
+            "live_ranks": None if len(members) == ep_size else members,
             "balancedness_before": plan.balancedness_before, "balancedness_after": plan.balancedness_after,
             "moved_experts": plan.moved_experts, "before": np.round(before, 4).tolist(),
             "after": np.round(after, 4).tolist(), "lo": round(min(0.95, float(before.min()), float(after.min())), 4),

@@ -14,9 +14,9 @@ from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration import reasons
 from fdeplb.placement import live_maps, orphaned_experts
-from fdeplb.replay import check_plans, replay_file
+from fdeplb.replay import ReplayError, check_plans, replay_file
 from fdeplb.store import Deadlines
-from tests.helpers import thread_cluster, wait_for
+from tests.helpers import run_cli, thread_cluster, wait_for
 
 pytestmark = pytest.mark.slow  # thread clusters
 
@@ -101,6 +101,69 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
         assert report.final["member:2"].state == "EXCLUDED"
         assert len(check_plans(store, report)) == 2
         assert main(["replay", str(path)]) == 0
+
+
+def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, cluster_id, tmp_path, capsys):
+    # issue 34 A: the gate, /metrics and /ui counted the excluded rank's slots, so every later round was skipped
+    from fdeplb.orchestration.gating import decide, mean_balancedness
+    from fdeplb.replay import check_gates
+    from fdeplb.ui.view_model import plan_view
+
+    members = (0, 2, 3)
+    # 8 experts in 16 slots, each on two ranks: losing rank 1 orphans none; this seed's load over every rank would
+    # plan a loss (gain -0.06) where over the members it gains +0.07: min_gain 0.05 tells the two apart
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=8, seed=1,
+                        min_gain=0.05, deadlines=deadlines()) as tc:
+        store = tc.store()
+        tc.start(heartbeat_ttl_ms=TTL)
+        kill(tc, 1)
+        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+        assert store.current_placement().members == "0,2,3"
+        capsys.readouterr()
+        code, out, _ = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
+                               "--timeout", "60")
+        rec = store.read_cluster()
+        placement = store.current_placement()
+        assert code == 0 and rec.round == 2 and f"round 2: rearranged, plan {rec.plan_id}: balancedness " in out
+        assert rec.plan_id and placement.plan_id == rec.plan_id, f"round 2 did not rearrange: {rec.reason}"
+        load = [a for a in store.iter_audit() if a["trigger"] == "load" and a["round"] == "2"]
+        gate = reasons.detail_of(load[0])["gate"]
+        plan = store.read_plan(rec.plan_id)
+        snap, old, new = plan.expert_load, plan.old_phy2log, plan.new_phy2log
+        assert gate["live_ranks"] == list(members) == list(plan.live_ranks(4)) == list(placement.live_ranks(4))
+        assert gate["balancedness_before"] == mean_balancedness(snap, old, 4, members)
+        assert gate["balancedness_after"] == mean_balancedness(snap, new, 4, members)
+        assert gate["gain"] > 0.05 and load[0]["reason"].startswith("gate: balancedness ")
+        assert round(gate["balancedness_after"], 6) == plan.balancedness_after  # the plan's figures, 6 decimals
+        assert f"balancedness {plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f}" in out
+        assert decide(snap, old, new, tc.config).gain < 0.05  # counting rank 1's slots would have skipped it
+        families = {f.name: f for f in ClusterCollector(store).collect()}
+        current = {s.labels["placement"]: s.value for s in families["fdeplb_balancedness"].samples}
+        assert current == {"current": mean_balancedness(snap, new, 4, members), "planned": plan.balancedness_after}
+        view = plan_view(plan, 4)
+        assert view["live_ranks"] == list(members) and {len(row) for row in view["after"]} == {3}
+        # the export replays: the plan, its figures and the load's gate recomputed over the members
+        tc.stop()
+        path = tmp_path / "members.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        report = replay_file(path)
+        assert report.header["schema"] == 3 and rec.plan_id in check_plans(store, report)
+        assert check_gates(report) == [2]
+        assert main(["replay", str(path)]) == 0
+        # a forger who edits the load's figures (and recomputes the chain) is caught by the recomputation
+        import json
+
+        from tests.replay.test_recordings import rechain
+
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        at = next(i for i, x in enumerate(lines) if x.get("trigger") == "load" and x.get("round") == 2)
+        detail = json.loads(lines[at]["detail"])
+        detail["gate"]["balancedness_after"] += 1e-9  # invisible in the 4-decimal text
+        lines[at]["detail"] = json.dumps(detail, sort_keys=True, separators=(",", ":"))
+        forged = tmp_path / "forged.jsonl"
+        forged.write_text("".join(json.dumps(x) + "\n" for x in rechain(lines)))
+        with pytest.raises(ReplayError, match="round 2 went on with the gate's figures"):
+            check_gates(replay_file(forged))
 
 
 def test_no_redundant_replica_fails_closed_naming_the_experts(redis_url, cluster_id, tmp_path):

@@ -40,6 +40,32 @@ def test_metrics_accept_placements_and_define_zero_layers():
     assert b.tolist() == [0.5] and (b > 0).all()
 
 
+def test_balancedness_over_members_ignores_the_other_ranks_slots():
+    # 3 ranks of 2 slots; rank 2 is excluded: its replicas of experts 0 and 1 serve nothing
+    load = np.array([[30, 10, 20, 20]])
+    phy2log = np.array([[0, 1, 2, 3, 0, 1]])
+    # every rank: 0 and 1 split over two ranks, rank 2 counted -> [20, 40, 20]: 26.67 / 40
+    np.testing.assert_allclose(balancedness(load, phy2log, 3), [(80 / 3) / 40])
+    # over members 0 and 1 (the engine routes with live_maps): 0 and 1 have one live replica each -> [40, 40]
+    assert gpu_loads(load, phy2log, 3, [0, 1]).tolist() == [[40.0, 40.0, 0.0]]
+    assert balancedness(load, phy2log, 3, [0, 1]).tolist() == [1.0]
+    assert imbalance(load, phy2log, 3, np.array([True, True, False])).tolist() == [0.0]
+    # an expert with no replica on a member reaches no GPU: members 1 and 2 hold 2, 3, 0, 1 (all)...
+    assert gpu_loads(load, phy2log, 3, [1, 2]).tolist() == [[0.0, 40.0, 40.0]]
+    # ...members 0 and 2 miss experts 2 and 3, whose load is counted on no GPU
+    assert gpu_loads(load, phy2log, 3, [0, 2]).tolist() == [[20.0, 0.0, 20.0]]
+    # every rank a member (mask, list or set): exactly today's figure, bit for bit
+    rng = np.random.default_rng(3)
+    big_load, big = rng.integers(0, 1000, (5, 16)), rebalance_experts(rng.integers(1, 1000, (5, 16)), 24, 1, 1, 4)
+    for every in (None, [0, 1, 2, 3], {0, 1, 2, 3}, np.ones(4, dtype=bool)):
+        assert balancedness(big_load, big, 4, every).tobytes() == balancedness(big_load, big, 4).tobytes()
+        assert imbalance(big_load, big, 4, every).tobytes() == imbalance(big_load, big, 4).tobytes()
+    with pytest.raises(InputError, match="no rank is live"):
+        balancedness(load, phy2log, 3, np.zeros(3, dtype=bool))
+    with pytest.raises(InputError, match="outside"):
+        balancedness(load, phy2log, 3, [0, 3])
+
+
 def test_moved_experts_is_a_multiset_difference_per_gpu():
     old = np.array([[0, 1, 2, 3, 0, 1]])
     assert moved_experts(old, old, 2) == 0

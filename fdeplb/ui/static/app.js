@@ -306,7 +306,8 @@ function drawPlan(view) {
   const figs = el("div", { class: "plan-figs" });
   for (const [label, value] of [["balancedness before", p.balancedness_before.toFixed(4)],
     ["balancedness after", p.balancedness_after.toFixed(4)], ["moved experts", p.moved_experts],
-    ["layers × GPUs", `${p.before.length} × ${p.before[0].length}`]]) {
+    ["layers × GPUs", `${p.before.length} × ${p.before[0].length}`],
+    ...(p.live_ranks ? [["over members", p.live_ranks.join(", ")]] : [])]) {
     const d = el("div"); d.appendChild(el("span", {}, label)); d.appendChild(el("b", {}, String(value))); figs.appendChild(d);
   }
   box.appendChild(figs);
