@@ -102,6 +102,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  reason     {c['reason']}\n")
     if c["alarm"]:
         out.write(f"  ALARM      {c['alarm']}\n")
+    if c.get("probe_mismatch"):
+        out.write(f"  PROBE      {c['probe_mismatch']}\n")
     st = status.get("staged")
     if st:
         out.write(f"  staged     plan {st['plan_id']}: balancedness {st['balancedness_before']:.4f} -> "

@@ -124,6 +124,11 @@ class ClusterRecord(RecordHeader):
     members: str = ""
     """The EP ranks the round in flight counts (its ACTIVE members when it started), comma-separated; "" = every
     rank. Before the commit point the round aborts when they are no longer exactly the ACTIVE members."""
+    probe_mismatch: str = ""
+    """The audited ``probe_mismatch`` still in force (its reason text, :func:`fdeplb.orchestration.reasons.
+    probe_mismatch`): a committed swap whose output probe disagreed on some rank; "" = none. Written by the
+    ``swapped`` of a round: set when a rank's probe failed, cleared by a later round whose probes all agree (the
+    rollback round). ``/health`` is 503 while it is set."""
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
@@ -207,6 +212,17 @@ class RankRecord(RecordHeader):
     routing_digest: str = ""
     """:func:`fdeplb.placement.routing_digest` of the routing tables (phy2log) the rank's live slots hold, written
     when it loads or swaps ("" = not reported yet); must equal the current placement's (``fdeplb status``)."""
+    probe: str = ""
+    """Last swap: its output probe (:class:`fdeplb.orchestration.probe.ProbeOutcome`): ``agree``, ``mismatch``,
+    ``failed`` (the probe raised) or "" (no probe registered, or no swap)."""
+    probe_layers: str = ""
+    """Last swap: the MoE layers whose probe outputs disagreed, comma-separated ("" = none)."""
+    probe_message: str = ""
+    """Last swap: what the probe found wrong (per layer, or the probe's exception), at most 500 characters."""
+    probe_before_ms: float = 0.0
+    """Last swap: the probe's run before the switch (ms, in the first chunk's pause)."""
+    probe_after_ms: float = 0.0
+    """Last swap: the probe's run after the last chunk (ms, in its pause)."""
 
 
 @dataclass(frozen=True)
