@@ -40,7 +40,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.membership import Rejoin, participants
-from fdeplb.orchestration.probe import Probe, ProbeResult, ProbeRun
+from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
@@ -67,7 +67,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver):
+class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -143,8 +143,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
         self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
         self._reported_live = 0.0  # monotonic time of the last live report while the records are gone (recovery)
-        self._probe: Probe | None = None  # the engine's output probe (set_probe)
-        self._probe_reference: dict[int, np.ndarray] | None = None  # see fdeplb.orchestration.probe
+        self._init_probe()
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
@@ -507,9 +506,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                 chunked = Chunked(getattr(staged, "starts", ()), changed_layers(self.backend.phy2log, new),
                                   lambda layers: self.backend.prepare(staged, new, layers),
                                   lambda layers: self._swap_or_restore(staged, new, None, layers))
-            probe = None if self._probe is None else ProbeRun(self._probe, self._probe_reference)
             op = self._at_safe_point(("swap", plan_id, attempt), when,
-                                     lambda: self._swap_or_restore(staged, new, members), chunked, probe)
+                                     lambda: self._swap_or_restore(staged, new, members), chunked, self._probe_run())
             if op is None or op.gone:
                 return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
             report.update(self._applied(op, cluster, f"plan {plan_id}"))
@@ -554,31 +552,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             return False
         self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
         return False
-
-    def set_probe(self, fn: Callable[[], Any] | None, *, rtol: float = 0.0, atol: float = 0.0) -> None:
-        """Register the engine's output probe (None: remove it): ``fn()`` runs a fixed input through the MoE layers
-        and returns one output per MoE layer (a dict layer -> array, or a list; paddle / numpy arrays) that does
-        not depend on the placement. Every swap runs it inside the worker's safe point before the switch and
-        after its last chunk; the outputs must agree within ``rtol`` / ``atol`` (``numpy.isclose``'s rule; 0, 0:
-        bit-exact, right for the same kernels). A mismatch, or a probe that raises, is reported in the rank
-        record (``probe``, ``probe_layers``, ``probe_message``, ``probe_before_ms`` / ``probe_after_ms``) and the
-        coordinator rolls the round back (:mod:`~fdeplb.orchestration.probe`, README "A swap checked by its
-        output"). :class:`~fdeplb.errors.InputError` for a ``fn`` that is not callable or a bad tolerance."""
-        self._probe = None if fn is None else Probe(fn, rtol, atol)
-        self._probe_reference = None
-
-    def _probe_report(self, run: ProbeRun | None) -> dict[str, Any]:
-        """The rank-record fields of a swap's probe (all cleared without one); keeps the reference the next swap
-        compares with (:meth:`ProbeRun.trusted`) and logs a failed probe."""
-        if run is None:
-            return ProbeResult().fields()
-        self._probe_reference = run.trusted()
-        if run.result.failed:
-            self.log.error("probe mismatch after the swap", probe=run.result.outcome.value,
-                           layers=list(run.result.layers), message=run.result.message[:300])
-            self.store.emit_event("alarm", rank=self.ep_rank, message=f"probe {run.result.outcome.value}: "
-                                                                      f"{run.result.message[:300]}")
-        return run.result.fields()
 
     def _catch_up(self, me: RankRecord, current: Any) -> bool:
         """The round this rank was SWAPPING in is over without it (the rank was lost mid-swap, the round

@@ -11,7 +11,8 @@ engine's tolerance (bit-exact by default: the same kernels on the same input).
 This module owns the probe's contract: :class:`Probe` (the function and its tolerance), :func:`outputs_of` (what a
 probe may return, checked), :func:`compare` (the tolerance rule, per layer) and :class:`ProbeRun` (one swap's
 before / after, the exception of a probe that raises, the timings, and the :class:`ProbeResult` the rank record
-reports). No I/O; paddle tensors are read through their ``numpy()`` (the only host copy, at a safe point).
+reports) and :class:`Probing`, the rank agent's side of it (:meth:`Probing.set_probe`). No I/O of its own; paddle
+tensors are read through their ``numpy()`` (the only host copy, at a safe point).
 
 **The reference.** A rank compares the *after* outputs with the outputs of the last placement it trusts: the
 *before* of this swap, unless its previous swap's probe failed (then its live slots are suspect, and the reference
@@ -30,7 +31,7 @@ import numpy as np
 
 from fdeplb.errors import InputError
 
-__all__ = ["Probe", "ProbeOutcome", "ProbeResult", "ProbeRun", "compare", "outputs_of"]
+__all__ = ["Probe", "ProbeOutcome", "ProbeResult", "ProbeRun", "Probing", "compare", "outputs_of"]
 
 #: most characters of a probe's message kept in the rank record (the audit names every layer anyway)
 MAX_MESSAGE = 500
@@ -207,3 +208,47 @@ class ProbeRun:
         if not self.result.failed:
             return None
         return self.reference if self.reference is not None else self.before_outputs
+
+
+class Probing:
+    """The rank agent's side of the probe, mixed into :class:`~fdeplb.orchestration.agent.RankAgent`: the registered
+    probe, the reference it keeps between swaps, a :class:`ProbeRun` per swap and its report. It uses, of its host:
+    ``log``, ``store`` and ``ep_rank``."""
+
+    log: Any
+    store: Any
+    ep_rank: int
+
+    def _init_probe(self) -> None:
+        self._probe: Probe | None = None
+        self._probe_reference: dict[int, np.ndarray] | None = None
+
+    def set_probe(self, fn: Callable[[], Any] | None, *, rtol: float = 0.0, atol: float = 0.0) -> None:
+        """Register the engine's output probe (None: remove it): ``fn()`` runs a fixed input through the MoE layers
+        and returns one output per MoE layer (a dict layer -> array, or a list; paddle / numpy arrays) that does
+        not depend on the placement. Every swap runs it inside the worker's safe point before the switch and
+        after its last chunk; the outputs must agree within ``rtol`` / ``atol`` (``numpy.isclose``'s rule; 0, 0:
+        bit-exact, right for the same kernels). A mismatch, or a probe that raises, is reported in the rank
+        record (``probe``, ``probe_layers``, ``probe_message``, ``probe_before_ms`` / ``probe_after_ms``) and the
+        coordinator rolls the round back (:mod:`~fdeplb.orchestration.rollback`, README "A swap checked by its
+        output"). :class:`~fdeplb.errors.InputError` for a ``fn`` that is not callable or a bad tolerance (the
+        probe registered before stays)."""
+        probe = None if fn is None else Probe(fn, rtol, atol)
+        self._probe, self._probe_reference = probe, None
+
+    def _probe_run(self) -> ProbeRun | None:
+        """A run of the registered probe for the next swap (None without one), against the kept reference."""
+        return None if self._probe is None else ProbeRun(self._probe, self._probe_reference)
+
+    def _probe_report(self, run: ProbeRun | None) -> dict[str, Any]:
+        """The rank-record fields of a swap's probe (all cleared without one); keeps the reference the next swap
+        compares with (:meth:`ProbeRun.trusted`); a failed probe is logged and announced (an ``alarm`` event)."""
+        if run is None:
+            return ProbeResult().fields()
+        self._probe_reference = run.trusted()
+        if run.result.failed:
+            self.log.error("probe failed after the swap", probe=run.result.outcome.value,
+                           layers=list(run.result.layers), message=run.result.message[:300])
+            self.store.emit_event("alarm", rank=self.ep_rank,
+                                  message=f"probe {run.result.outcome.value}: {run.result.message[:300]}")
+        return run.result.fields()

@@ -52,6 +52,8 @@ def after_round(store: Any, rec: ClusterRecord) -> str | None:
     whose probe failed (``rec.probe_mismatch``) supplies the placement it replaced (its plan entry's
     ``old_phy2log``) for a rollback round. Idempotent (a coordinator replaced mid-way does it again). Returns an
     alarm's text when no rollback can be made (the round was itself a rollback, or its plan is gone), else None."""
+    if not rec.probe_mismatch and store.supplied_placement() is None:
+        return None  # the usual round: nothing supplied, nothing to undo (its plan is not read)
     plan = store.read_plan(rec.plan_id)
     facts = None if plan is None else reasons.supplied_of(plan.topology)
     if facts is not None:

@@ -7,7 +7,6 @@ it all replays."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 
@@ -19,15 +18,14 @@ pytest.importorskip("paddle")
 from fdeplb.api import service  # noqa: E402
 from fdeplb.machines.tables import RankState  # noqa: E402
 from fdeplb.orchestration import rollback  # noqa: E402
-from fdeplb.orchestration.embedded_agent import EmbeddedAgent  # noqa: E402
 from fdeplb.recording import export_recording  # noqa: E402
 from fdeplb.replay.verify import check_recording  # noqa: E402
 from fdeplb.status import cluster_status  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.live import LiveExperts  # noqa: E402
-from tests.helpers import thread_cluster, wait_for  # noqa: E402
-from tests.orchestration.test_chunked_agent_paddle import _new_load  # noqa: E402
-from tests.orchestration.test_embedding import _round_done, _Workers  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.orchestration.test_chunked_agent_paddle import _new_load, _serving  # noqa: E402
+from tests.orchestration.test_embedding import _round_done  # noqa: E402
 
 L, TOKENS, UP, DOWN = 4, 8, "up_gate_proj.weight", "down_proj.weight"
 
@@ -76,26 +74,13 @@ class ClusterProbe:
         return out
 
 
-@contextlib.contextmanager
-def _serving(redis_url, cluster_id, tmp_path):
-    """Four EmbeddedAgents on paddle (one changed layer per safe point, only the written slots verified: the
-    checksums a wrong layout passes), each with the cluster probe, a coordinator and the workers stepping."""
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=False, block_ms=50, publish_interval_s=None,
-                                max_pause_bytes=1).start() for r in range(tc.config.ep_size)]
-        probe = ClusterProbe(agents)
+def _with_probe(box):
+    """A ``setup`` for :func:`_serving`: every agent gets the cluster probe (kept in ``box``)."""
+    def setup(agents):
+        box["probe"] = ClusterProbe(agents)
         for r, a in enumerate(agents):
-            a.set_probe(probe.of(r))
-        tc.base_loads = tc.loads.copy()
-        tc.start_coordinator()
-        store = tc.store()
-        try:
-            with _Workers(agents, tc.loads):
-                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                yield tc, store, agents, probe
-        finally:
-            for a in agents:
-                a.close()
+            a.set_probe(box["probe"].of(r))
+    return setup
 
 
 def _swapped(store, round_):
@@ -136,7 +121,9 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
     monkeypatch.setattr(LiveExperts, "swap_layers", swap_then_exchange)
     # the rollback is requested at once; held here until the test has seen /health 503 between the two rounds
     monkeypatch.setattr(rollback, "request_supplied", lambda store: gate.is_set() and real_request(store))
-    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents, probe):
+    box: dict = {}  # only the written slots verified after a swap: the checksums a wrong layout passes
+    with _serving(redis_url, cluster_id, tmp_path, _with_probe(box), verify_all=False) as (tc, store, agents):
+        probe = box["probe"]
         before = store.current_placement()
         _new_load(tc, 1, store)
         store.request_round("test probe")
