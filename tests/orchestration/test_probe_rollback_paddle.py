@@ -83,6 +83,17 @@ def _with_probe(box):
     return setup
 
 
+def _metrics(store):
+    """One Prometheus scrape of the cluster, as text."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from fdeplb.api.prometheus import ClusterCollector
+
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector(store))
+    return generate_latest(registry).decode()
+
+
 def _swapped(store, round_):
     """Round ``round_``'s cluster ``swapped`` audit record's fields, or None."""
     return next((a.fields for a in store.audit() if a["trigger"] == "swapped" and a["machine"] == "cluster"
@@ -143,6 +154,7 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         assert status == 503 and "probe" in body["msg"] and f"rank 1 layers [{layer}]" in body["probe_mismatch"]
         assert service.probe_health(store) == (503, {"code": 1, "msg": service.HEALTH_PHRASES["probe"]})
         assert cluster_status(store)["rearrange"]["probe_mismatch"] == body["probe_mismatch"]
+        assert 'fdeplb_swap_probe_failed{ep_rank="1"} 1.0' in _metrics(store)
         round1 = store.read_plan(store.current_placement().plan_id)
         assert np.array_equal(round1.old_phy2log, before.phy2log)
 
@@ -158,6 +170,7 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         wait_for(lambda: all(store.read_rank(r).state is RankState.IDLE for r in range(4)), 30, store, "ranks IDLE")
         assert [store.read_rank(r).probe for r in range(4)] == ["agree"] * 4
         assert service.health(store)[0] == 200 and store.read_cluster().probe_mismatch == ""
+        assert 'fdeplb_swap_probe_failed{ep_rank="1"} 0.0' in _metrics(store)
         assert store.supplied_placement() is None
         assert all(n >= 4 for n in probe.calls), probe.calls  # before and after, both rounds, every rank
         export_recording(store, tmp_path / "audit.jsonl")
