@@ -379,7 +379,7 @@ class Coordinator(UnaskedRounds, Leadership):
         reroute = regrouped and set(members) < set(routed)
         topology = cfg.topology() if live.all() else {**cfg.topology(), "live_ranks": list(members),
                                                       **({"reroute": True} if reroute else {})}
-        supplied = None if regrouped else rollback.supplied_for_planning(self.store)  # a round to a given placement
+        supplied = None if regrouped else rollback.supplied_for_planning(self.store, cfg.num_logical_experts, live)
         if supplied is not None:
             topology = {**topology, "supplied": supplied[1]}
         plan_id = plan_digest(snapshot, old, cfg.policy, topology)

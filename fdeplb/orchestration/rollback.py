@@ -29,6 +29,7 @@ from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import RANK
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.probe import ProbeOutcome
+from fdeplb.placement import orphaned_experts
 from fdeplb.store import ClusterRecord
 
 __all__ = ["after_round", "probe_outcome", "request_supplied", "supplied_for_planning"]
@@ -52,12 +53,17 @@ def after_round(store: Any, rec: ClusterRecord) -> str | None:
     whose probe failed (``rec.probe_mismatch``) supplies the placement it replaced (its plan entry's
     ``old_phy2log``) for a rollback round. Idempotent (a coordinator replaced mid-way does it again). Returns an
     alarm's text when no rollback can be made (the round was itself a rollback, or its plan is gone), else None."""
-    if not rec.probe_mismatch and store.supplied_placement() is None:
+    try:
+        supplied = store.supplied_placement()
+    except CorruptRecordError:  # never blocks the release: a placement nobody can read is no rollback
+        store.drop_supplied_placement()
+        supplied = None
+    if not rec.probe_mismatch and supplied is None:
         return None  # the usual round: nothing supplied, nothing to undo (its plan is not read)
     plan = store.read_plan(rec.plan_id)
     facts = None if plan is None else reasons.supplied_of(plan.topology)
-    if facts is not None:
-        store.drop_supplied_placement()
+    if facts is not None and supplied is not None and _facts(supplied[1]) == facts:
+        store.drop_supplied_placement()  # this round went to it (one supplied since stays for the next round)
     if not rec.probe_mismatch:
         return None
     if facts is not None and facts["kind"] == "rollback":
@@ -85,15 +91,29 @@ def request_supplied(store: Any) -> bool:
     return True
 
 
-def supplied_for_planning(store: Any) -> tuple[np.ndarray, dict[str, Any]] | None:
-    """PLANNING: the supplied placement and its checked facts (:func:`~fdeplb.orchestration.reasons.supplied_of`),
-    or None. A stored value that does not parse is dropped and raises :class:`CorruptRecordError` (the round
-    aborts, naming it)."""
+def supplied_for_planning(store: Any, num_logical_experts: int, live: np.ndarray) -> \
+        tuple[np.ndarray, dict[str, Any]] | None:
+    """PLANNING: the supplied placement (int64 [L, P]) and its checked facts
+    (:func:`~fdeplb.orchestration.reasons.supplied_of`), or None. ``live``: bool [ep_size], the round's members.
+    A stored value that does not parse raises :class:`CorruptRecordError`, one that leaves a logical expert
+    without a replica on a member :class:`InputError` naming them; either way it is dropped (never retried) and
+    the round aborts with the error."""
     try:
         supplied = store.supplied_placement()
         if supplied is None:
             return None
-        return supplied[0], reasons.supplied_of({"supplied": supplied[1]})
+        phy2log, facts = supplied[0], _facts(supplied[1])
     except (CorruptRecordError, InputError, ValueError, KeyError, TypeError) as err:
         store.drop_supplied_placement()
         raise CorruptRecordError(f"supplied placement: {err}") from None
+    orphans = orphaned_experts(phy2log, num_logical_experts, len(live), live)  # also an expert it lacks
+    if orphans:
+        store.drop_supplied_placement()
+        raise InputError(f"the supplied placement ({facts['kind']} of round {facts['undoes']}) leaves {len(orphans)} "
+                         f"experts (layer, log_id) without a replica on a member, e.g. {orphans[:5]}: dropped")
+    return phy2log, facts
+
+
+def _facts(stored: Any) -> dict[str, Any]:
+    """Stored facts of a supplied placement, checked (ValueError / InputError / KeyError otherwise)."""
+    return reasons.supplied_of({"supplied": stored})

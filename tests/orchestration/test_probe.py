@@ -145,3 +145,22 @@ def test_a_probe_that_raises_after_the_swap_is_rolled_back_and_the_loop_goes_on(
         assert np.array_equal(store.current_placement().phy2log, before.phy2log)
         assert store.read_rank(2).probe == "agree" and store.read_cluster().probe_mismatch == ""
         assert all(t.is_alive() for t in tc.threads), "an agent loop died"
+
+
+# ---- a supplied placement the round cannot go to -----------------------------------------------------------------
+def test_a_supplied_placement_that_drops_an_expert_aborts_its_round_and_is_dropped(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        tc.start_coordinator()
+        store = tc.store()
+        before = store.current_placement()
+        bad = before.phy2log.copy()
+        bad[0, bad[0] == 3] = 4  # logical expert 3 of layer 0 has no slot left
+        store.supply_placement(bad, {"kind": "rollback", "undoes": 1, "plan_id": "", "why": "test"})
+        with pytest.raises(InputError, match="supplied placement"):
+            store.supply_placement(bad[:, :-1], {"kind": "rollback", "undoes": 1})  # a wrong shape: refused
+        store.request_round("test supplied")
+        rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        assert "without a replica on a member" in rec.reason and "(0, 3)" in rec.reason, rec.reason
+        assert store.supplied_placement() is None  # dropped: never retried
+        assert np.array_equal(store.current_placement().phy2log, before.phy2log)
