@@ -268,6 +268,7 @@ def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale
         "weights_version": weights.version if has_weights else None,
         "routing_digest": (rank.routing_digest or None) if has_rank else None,
         "routing": _routing(rank, expected, cluster_state) if has_rank else None,
+        "probe": (rank.probe or None) if has_rank else None,  # its last swap's output probe (None: none ran)
     }
 
 

@@ -140,6 +140,7 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
     bad = (f"  ROUTING MISMATCH (digest {r['routing_digest']} != {p['routing_digest']})"
            if r.get("routing") == "mismatch" else "")
     stale = f"  STALE (> {_ms(r.get('heartbeat_ttl_ms'))})" if r.get("stale") else ""  # older than its TTL
+    bad += f"  PROBE {r['probe'].upper()}" if r.get("probe") in ("mismatch", "failed") else ""  # its last swap's
     return (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
             f"{_opt(r['weights_code']):<6}{r.get('membership') or '-':<11}{r['plan_id'] or '-':<18}{live:<18}"
             f"{routing:<14}"

@@ -153,7 +153,8 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         status, body = service.health(store)
         assert status == 503 and "probe" in body["msg"] and f"rank 1 layers [{layer}]" in body["probe_mismatch"]
         assert service.probe_health(store) == (503, {"code": 1, "msg": service.HEALTH_PHRASES["probe"]})
-        assert cluster_status(store)["rearrange"]["probe_mismatch"] == body["probe_mismatch"]
+        shown = cluster_status(store)
+        assert shown["rearrange"]["probe_mismatch"] == body["probe_mismatch"] and shown["ranks"][1]["probe"] == "mismatch"
         assert 'fdeplb_swap_probe_failed{ep_rank="1"} 1.0' in _metrics(store)
         round1 = store.read_plan(store.current_placement().plan_id)
         assert np.array_equal(round1.old_phy2log, before.phy2log)
