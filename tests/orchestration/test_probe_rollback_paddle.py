@@ -21,6 +21,7 @@ from fdeplb.orchestration import rollback  # noqa: E402
 from fdeplb.recording import export_recording  # noqa: E402
 from fdeplb.replay.verify import check_recording  # noqa: E402
 from fdeplb.status import cluster_status  # noqa: E402
+from fdeplb.ui.view_model import timeline  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.live import LiveExperts  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
@@ -156,6 +157,9 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         shown = cluster_status(store)
         assert shown["rearrange"]["probe_mismatch"] == body["probe_mismatch"] and shown["ranks"][1]["probe"] == "mismatch"
         assert 'fdeplb_swap_probe_failed{ep_rank="1"} 1.0' in _metrics(store)
+        records = [{"id": a.id, **a.fields} for a in store.audit()]
+        marks = timeline(records, tc.config, store.now_ms())["rounds"][-1]["marks"]
+        assert [m["kind"] for m in marks] == ["probe_mismatch"], marks  # the web view's round 1
         round1 = store.read_plan(store.current_placement().plan_id)
         assert np.array_equal(round1.old_phy2log, before.phy2log)
 
