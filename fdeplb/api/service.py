@@ -317,7 +317,7 @@ def health(store: Store) -> Reply:
     its data and no agent registered again; :func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left
     without a replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed), or the audited
     ``probe_mismatch`` of a committed swap whose output probe failed (the cluster record's ``probe_mismatch``,
-    until a round whose probes all agree: :mod:`fdeplb.orchestration.rollback`). A fixed number of round trips,
+    until a later round swaps with no probe failing, the rollback: :mod:`fdeplb.orchestration.rollback`). A fixed number of round trips,
     however many ranks."""
     try:
         registered, unhealthy = unhealthy_ranks(store)
@@ -334,7 +334,7 @@ def health(store: Store) -> Reply:
                                                                      if len(orphans) > 10 else "")
         return refuse(f"degraded: {len(orphans)} experts (layer, log_id) have no replica on a member rank: {shown} "
                       f"(ranks {degraded['ranks']} are not members)", 503, ranks=registered, orphans=orphans)
-    if mismatch:  # cleared by the swapped of a later round whose probes all agree (the rollback's)
+    if mismatch:  # cleared by the swapped of a later round with no probe failing (the rollback's)
         return refuse(f"a swap's output probe failed; rolling back: {mismatch}", 503, ranks=registered,
                       probe_mismatch=mismatch)
     return ok(ranks=registered)

@@ -40,9 +40,9 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration.membership import Rejoin, participants
-from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
+from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.orchestration.recovery import records_lost
 from fdeplb.orchestration.safe_points import Arm, Chunked

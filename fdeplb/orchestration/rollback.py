@@ -13,8 +13,12 @@ the **rollback**:
    entry's ``old_phy2log``) is supplied for the next round;
 3. in FREE (:func:`request_supplied`) a round is requested at once; it goes back to that placement, the probe
    runs again (compared with the outputs of the placement it goes back to), and its ``swapped`` clears
-   ``probe_mismatch`` when every probe agrees (``/health`` 200 again). A rollback whose probe fails again is not
-   rolled back once more: an alarm says so and ``/health`` stays 503 until an operator acts.
+   ``probe_mismatch`` when no probe fails (``/health`` 200 again). A rollback whose probe fails again is not
+   rolled back once more: an alarm says so and ``/health`` stays 503 until a later round swaps with no probe
+   failing (an operator's).
+
+A supplied placement that leaves a logical expert without a replica on a member aborts its round and is dropped
+(:func:`supplied_for_planning`); one whose round aborts otherwise stays, and FREE requests a round for it again.
 
 Functions of the coordinator's entry work (their ``store``: a :class:`~fdeplb.store.Store`); no state of their own.
 """

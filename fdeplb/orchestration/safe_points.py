@@ -68,7 +68,8 @@ class SafePointOp:
     cluster's current one before its switch step was fixed (``done`` is set, ``fn`` never ran).
 
     With ``probe`` (a swap's :class:`~fdeplb.orchestration.probe.ProbeRun`), the probe runs in the safe point of
-    the first chunk before it is applied and in that of the last after it is (in the pause it holds the worker for).
+    the first chunk before it is applied and in that of the last after it is (both counted in those pauses: the
+    worker is held for them).
 
     With ``chunked``, the change is applied in chunks: chunk k at the safe point where the step counter reaches
     ``switch_step + k`` (:attr:`chunks` is known once the switch step is); ``result`` is then the list of the
@@ -186,7 +187,9 @@ class SafePointOp:
                     break
             self.result = results if self.chunked is not None else (results[0] if results else None)
             if self.error is None and self._next >= len(self.chunks) and self.probe is not None:
-                self.probe.after()  # the new placement, in the last chunk's safe point
+                t0 = time.perf_counter()
+                self.probe.after()  # the new placement, in the last chunk's safe point: part of its pause
+                self.pauses_ms[-1] += (time.perf_counter() - t0) * 1000
             if self.error is not None or self._next >= len(self.chunks):
                 self.done.set()
             self.progress.set()

@@ -125,10 +125,10 @@ class ClusterRecord(RecordHeader):
     """The EP ranks the round in flight counts (its ACTIVE members when it started), comma-separated; "" = every
     rank. Before the commit point the round aborts when they are no longer exactly the ACTIVE members."""
     probe_mismatch: str = ""
-    """The audited ``probe_mismatch`` still in force (its reason text, :func:`fdeplb.orchestration.reasons.
-    probe_mismatch`): a committed swap whose output probe disagreed on some rank; "" = none. Written by the
-    ``swapped`` of a round: set when a rank's probe failed, cleared by a later round whose probes all agree (the
-    rollback round). ``/health`` is 503 while it is set."""
+    """The audited ``probe_mismatch`` still in force (its reason text,
+    :func:`fdeplb.orchestration.reasons.probe_mismatch`): a committed swap whose output probe failed on some rank;
+    "" = none. Written by every round's ``swapped``: set when a rank's probe failed, cleared by a later round's
+    with no probe failing (the rollback round's). ``/health`` is 503 while it is set."""
     pruned: str = ""
     """What the coordinator pruned after the last round ended (snapshot and plan keys, comma-separated; "" =
     nothing); each pruning is also announced as a ``pruned`` event."""
