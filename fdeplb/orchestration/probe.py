@@ -242,13 +242,16 @@ class Probing:
 
     def _probe_report(self, run: ProbeRun | None) -> dict[str, Any]:
         """The rank-record fields of a swap's probe (all cleared without one); keeps the reference the next swap
-        compares with (:meth:`ProbeRun.trusted`); a failed probe is logged and announced (an ``alarm`` event)."""
+        compares with (:meth:`ProbeRun.trusted`); a failed probe is logged, announced (an ``alarm`` event) and is
+        the rank record's ``reason``."""
         if run is None:
             return ProbeResult().fields()
         self._probe_reference = run.trusted()
-        if run.result.failed:
-            self.log.error("probe failed after the swap", probe=run.result.outcome.value,
-                           layers=list(run.result.layers), message=run.result.message[:300])
-            self.store.emit_event("alarm", rank=self.ep_rank,
-                                  message=f"probe {run.result.outcome.value}: {run.result.message[:300]}")
-        return run.result.fields()
+        result = run.result
+        if not result.failed:
+            return result.fields()
+        why = f"probe {result.outcome.value} after the swap: {result.message}"[:MAX_MESSAGE]
+        self.log.error("probe failed after the swap", probe=result.outcome.value, layers=list(result.layers),
+                       message=result.message[:MAX_MESSAGE])
+        self.store.emit_event("alarm", rank=self.ep_rank, message=why)
+        return {**result.fields(), "reason": why}

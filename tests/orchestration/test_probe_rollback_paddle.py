@@ -150,6 +150,7 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
                  "round 1 released with its rollback supplied")
         rank1 = store.read_rank(1)
         assert (rank1.probe, rank1.probe_layers) == ("mismatch", str(layer)), rank1
+        assert rank1.reason.startswith(f"probe mismatch after the swap: layer {layer}: ")
         assert rank1.probe_before_ms > 0 and rank1.probe_after_ms > 0
         status, body = service.health(store)
         assert status == 503 and "probe" in body["msg"] and f"rank 1 layers [{layer}]" in body["probe_mismatch"]
