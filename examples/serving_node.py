@@ -137,10 +137,12 @@ class DataPlane:
 
 
 def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans, backs, results, phase,
-           stop_at, pids, steps_of, heartbeat_ttl_ms: int, incarnation: int = 0) -> None:
+           stop_at, pids, steps_of, heartbeat_ttl_ms: int, incarnation: int = 0, with_probe: bool = False) -> None:
     """One EP rank's serving loop (see the module doc). ``chans`` carries the dispatch all-to-all, ``backs`` the
     replies (see :class:`DataPlane`); ``steps_of[r]`` is rank r's step, which a rejoining worker
-    (``incarnation`` 1) follows until it is routed to."""
+    (``incarnation`` 1) follows until it is routed to. ``with_probe``: register the output probe (its all-to-all
+    needs every member at the same safe points: not in the elastic scenario, where a rejoining worker steps
+    alone until it is routed to)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import logging
 
@@ -176,6 +178,67 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
         g, u = paddle.split(h, 2, axis=-1)
         return paddle.matmul(F.silu(g) * u, w[down])
 
+    def route(layer, x, dist_now):
+        """The gate: top-k experts of every token and their weights."""
+        logits = x @ gate[layer] + 2.0 * np.log(dist_now[layer]).astype(np.float32)
+        ids = np.argsort(-logits, axis=1, kind="stable")[:, :TOPK]
+        w = np.take_along_axis(logits, ids, 1)
+        w = np.exp(w - w.max(1, keepdims=True))
+        return ids, (w / w.sum(1, keepdims=True)).astype(np.float32)
+
+    def moe(layer, x, ids, w, log2phy, logcnt, shift, counts=None):
+        """One MoE layer over the EP group: every (token t, expert) to replica (t + shift) mod logcnt through the
+        live tables, the all-to-all, the owners' FFNs on their live slots, the answers back, combined. With
+        ``counts`` (serving) the routed tokens are counted per slot. Returns (out, tokens lost, misrouted)."""
+        out = np.zeros_like(x)
+        payloads = {r: [] for r in range(EP)}
+        peers = set(plane.peers())
+        lost = misrouted = 0
+        if counts is not None:
+            for t in range(len(x)):
+                for k in range(ids.shape[1]):
+                    e = int(ids[t, k])
+                    phy = int(log2phy[layer, e, (t + shift) % int(logcnt[layer, e])])
+                    owner = phy // SPR
+                    misrouted += owner not in plane.members  # the tables name a non-member's slot
+                    if owner not in peers:  # a member found dead: the token's expert is lost
+                        lost += 1
+                        continue
+                    counts[layer, phy] += 1
+                    payloads[owner].append((t, k, phy % SPR))
+        sent = {r: np.array(p, np.int64).reshape(-1, 3) for r, p in payloads.items()}
+        got = plane.exchange({r: (s, x[s[:, 0]]) for r, s in sent.items()}, chans)
+        replies = {}
+        for src, (idx, xs) in got.items():  # compute for my slots, on the live tensors
+            y = np.zeros_like(xs)
+            for slot in (np.unique(idx[:, 2]).tolist() if agent.serving else []):  # cleared: zeros
+                m = idx[:, 2] == slot
+                wts = {k: live.tensors[k][layer][slot] for k in (up, down)}
+                y[m] = ffn(paddle.to_tensor(xs[m]), wts).numpy()
+            replies[src] = y
+        answers = plane.exchange({r: replies.get(r, np.zeros((0, H), np.float32)) for r in range(EP)}, backs)
+        lost += sum(len(sent[r]) for r in sent if r not in answers)  # a peer that died in this step
+        for src, y in answers.items():
+            for (t, k, _), row in zip(sent[src].tolist(), y):
+                out[t] += w[t, k] * row
+        return out, lost, misrouted
+
+    probe_x = np.random.default_rng([99, rank]).standard_normal((L, TOKENS, H)).astype(np.float32)
+
+    def probe():
+        """The output probe (README "A swap checked by its output"): a fixed batch through every MoE layer, each
+        layer fed its own fixed input (a wrong layer shows in its own output only), routed and computed like a
+        step, on the tables and slots live now. Every rank runs it at the same safe points (the first and the last
+        chunk's switch steps), so its all-to-all pairs with theirs as a step's does."""
+        log2phy, logcnt = live.log2phy.numpy(), live.logcnt.numpy()
+        outputs = {}
+        for layer in range(L):
+            ids, w = route(layer, probe_x[layer], dist)
+            outputs[layer] = moe(layer, probe_x[layer], ids, w, log2phy, logcnt, 0, np.zeros((L, P), np.int64))[0]
+        return outputs
+
+    if with_probe:  # tokens reach other slots after a swap, summed in another order: equal to float32 rounding
+        agent.set_probe(probe, rtol=1e-5, atol=1e-6)
     # a rejoining worker is not routed to until the membership round's switch step: it follows the others' steps
     while rank not in agent.live_ranks and not stop_at.value:
         others = max(int(steps_of[r]) for r in range(EP) if r != rank)
@@ -199,42 +262,10 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
             diff, lost, misrouted = None, 0, 0
             log2phy, logcnt = live.log2phy.numpy(), live.logcnt.numpy()  # change only at safe points
             for layer in range(L):
-                logits = x @ gate[layer] + 2.0 * np.log(dist_now[layer]).astype(np.float32)
-                ids = np.argsort(-logits, axis=1, kind="stable")[:, :TOPK]
-                w = np.take_along_axis(logits, ids, 1)
-                w = np.exp(w - w.max(1, keepdims=True))
-                w = (w / w.sum(1, keepdims=True)).astype(np.float32)
-                out = np.zeros_like(x)
-                payloads = {r: [] for r in range(EP)}
-                peers = set(plane.peers())
-                if serving:
-                    for t in range(TOKENS):
-                        for k in range(TOPK):
-                            e = int(ids[t, k])
-                            phy = int(log2phy[layer, e, (t + step) % int(logcnt[layer, e])])
-                            owner = phy // SPR
-                            misrouted += owner not in plane.members  # the tables name a non-member's slot
-                            if owner not in peers:  # a member found dead: the token's expert is lost
-                                lost += 1
-                                continue
-                            counts[layer, phy] += 1
-                            payloads[owner].append((t, k, phy % SPR))
-                sent = {r: np.array(p, np.int64).reshape(-1, 3) for r, p in payloads.items()}
-                got = plane.exchange({r: (s, x[s[:, 0]]) for r, s in sent.items()}, chans)
-                replies = {}
-                for src, (idx, xs) in got.items():  # compute for my slots, on the live tensors
-                    y = np.zeros_like(xs)
-                    for slot in (np.unique(idx[:, 2]).tolist() if agent.serving else []):  # cleared: zeros
-                        m = idx[:, 2] == slot
-                        wts = {k: live.tensors[k][layer][slot] for k in (up, down)}
-                        y[m] = ffn(paddle.to_tensor(xs[m]), wts).numpy()
-                    replies[src] = y
-                answers = plane.exchange({r: replies.get(r, np.zeros((0, H), np.float32)) for r in range(EP)},
-                                         backs)
-                lost += sum(len(sent[r]) for r in sent if r not in answers)  # a peer that died in this step
-                for src, y in answers.items():
-                    for (t, k, _), row in zip(sent[src].tolist(), y):
-                        out[t] += w[t, k] * row
+                ids, w = route(layer, x, dist_now)
+                out, lost_here, misrouted_here = moe(layer, x, ids, w, log2phy, logcnt, step, counts if serving
+                                                     else None)
+                lost, misrouted = lost + lost_here, misrouted + misrouted_here
                 if serving:
                     expect = np.zeros_like(x)
                     for e in np.unique(ids).tolist():  # the checkpoint's logical expert e, no EPLB
@@ -262,7 +293,8 @@ class Node:
     the worker processes and what they report (one results queue per worker: a killed process can corrupt only its
     own). ``phy2log``: the initial placement; ``deadlines``: the cluster's."""
 
-    def __init__(self, tmp: str, url: str, phy2log, deadlines, dist: np.ndarray, heartbeat_ttl_ms: int) -> None:
+    def __init__(self, tmp: str, url: str, phy2log, deadlines, dist: np.ndarray, heartbeat_ttl_ms: int,
+                 with_probe: bool = False) -> None:
         from fdeplb.orchestration.coordinator import Coordinator
         from fdeplb.orchestration.operations import init_cluster
         from fdeplb.store import ClusterConfig, Store
@@ -270,6 +302,7 @@ class Node:
 
         self.ctx = mp.get_context("spawn")
         self.url, self.cluster, self.dist, self.heartbeat_ttl_ms = url, "serving-node", dist, heartbeat_ttl_ms
+        self.with_probe = with_probe
         self.ckpt = write_synthetic_checkpoint(Path(tmp) / "ckpt", L, E, hidden=H, intermediate=INTER)
         self.store = Store(url, self.cluster)
         config = ClusterConfig(num_layers=L, num_logical_experts=E, num_physical_experts=P, ep_size=EP,
@@ -296,7 +329,8 @@ class Node:
         q = self.results[(rank, incarnation)] = self.ctx.Queue()
         p = self.procs[(rank, incarnation)] = self.ctx.Process(
             target=worker, args=(rank, self.url, self.cluster, str(self.ckpt), self.dist, self.chans, self.backs, q,
-                                 self.phase, self.stop_at, self.pids, self.steps_of, self.heartbeat_ttl_ms, incarnation),
+                                 self.phase, self.stop_at, self.pids, self.steps_of, self.heartbeat_ttl_ms, incarnation,
+                                 self.with_probe),
             daemon=True)
         p.start()
         if not self.drainer.is_alive():
@@ -394,7 +428,11 @@ def changes(node: Node) -> tuple[dict, bool]:
                          "last_step": switch_step + chunks - 1, "applied_steps": [x.applied_step for x in ranks],
                          # the rank record times a swap's safe points; a weight clear or update is one safe
                          # point, timed with every other in safe_point_pause_ms (None here, not a 0 it never was)
-                         "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else None})
+                         "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else None,
+                         # a swap's output probe on every rank (before the switch, after the last chunk)
+                         **({"probe": [x.probe for x in ranks], "probe_ms": max(x.probe_before_ms + x.probe_after_ms
+                                                                               for x in ranks)}
+                            if what.startswith("round") else {})})
 
     for r in range(EP):
         node.start_worker(r)
@@ -453,8 +491,11 @@ def changes(node: Node) -> tuple[dict, bool]:
     }
     together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["last_step"]] * EP
                                           for s in switches)
+    summary["probe_agrees"] = all(s["probe"] == ["agree"] * EP for s in switches if "probe" in s) and \
+        not any(a["trigger"] == "swapped" and a["reason"] for a in audit)
     ok = ok and not summary["errors"] and rounds >= 2 and during > 0 and summary["max_rel_diff"] <= TOL \
-        and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together
+        and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together \
+        and summary["probe_agrees"]
     if failure:
         summary["failure"] = failure
     print(f"rounds {rounds}, steps {len(rank0)} ({during} during rounds), max_rel_diff "
@@ -555,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     deadlines = Deadlines(collecting_ms=30_000, loading_ms=30_000, swapping_ms=30_000, exclude_ms=5_000)
     with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as server:
         if args.lose_rank is None:
-            node = Node(tmp, server.url, initial_placement(L, E, P).phy2log, deadlines, dist, 10_000)
+            node = Node(tmp, server.url, initial_placement(L, E, P).phy2log, deadlines, dist, 10_000, with_probe=True)
             summary, ok = changes(node)
         else:
             node = Node(tmp, server.url, ELASTIC_PHY2LOG, deadlines, dist, 5_000)

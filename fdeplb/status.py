@@ -225,7 +225,8 @@ def _rearrange_status(rec, now: int) -> dict[str, Any]:
     does not parse)."""
     if rec is CORRUPT:
         return {"state": CORRUPT, **dict.fromkeys(("code", "version", "round", "requested", "requested_reason",
-                                                    "plan_id", "deadline_left_ms", "reason", "alarm"))}
+                                                    "plan_id", "deadline_left_ms", "reason", "alarm",
+                                                    "probe_mismatch"))}
     return {
         "state": rec.state,
         "code": CLUSTER.to_code(rec.state),
@@ -237,6 +238,7 @@ def _rearrange_status(rec, now: int) -> dict[str, Any]:
         "deadline_left_ms": rec.deadline_ms - now if rec.deadline_ms else None,
         "reason": rec.reason,
         "alarm": rec.alarm,
+        "probe_mismatch": rec.probe_mismatch,
     }
 
 
@@ -266,6 +268,7 @@ def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale
         "weights_version": weights.version if has_weights else None,
         "routing_digest": (rank.routing_digest or None) if has_rank else None,
         "routing": _routing(rank, expected, cluster_state) if has_rank else None,
+        "probe": (rank.probe or None) if has_rank else None,  # its last swap's output probe (None: none ran)
     }
 
 

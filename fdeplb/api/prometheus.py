@@ -15,7 +15,9 @@ Gauges come from the records as they are now.
   the placement is routed over (:func:`~fdeplb.orchestration.gating.mean_balancedness`), ``fdeplb_moved_experts``
   of the latest plan
 - ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
-  ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging)
+  ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging),
+  ``fdeplb_swap_probe_failed{ep_rank}`` / ``fdeplb_swap_probe_seconds{ep_rank, when}`` (the output probe of the
+  rank's last swap: failed or not, its runs before the switch and after the last chunk)
 - ``fdeplb_up``: 1 when Redis answered the scrape, 0 when it did not (only then); ``fdeplb_corrupt_records``: the
   stored values this scrape read that did not parse (the configuration, the cluster, rank and weight-status records,
   the placement, the latest plan or load snapshot). The other gauges skip such a value instead of failing: a corrupt
@@ -214,6 +216,10 @@ class ClusterCollector(Collector):
                                       "together", labels=["ep_rank"])
         chunks = GaugeMetricFamily("fdeplb_swap_chunks", "Safe points (chunks of layers) each rank's last swap was "
                                    "applied in", labels=["ep_rank"])
+        probe_failed = GaugeMetricFamily("fdeplb_swap_probe_failed", "1 when the output probe of each rank's last "
+                                         "swap disagreed or raised, 0 when it agreed", labels=["ep_rank"])
+        probe_s = GaugeMetricFamily("fdeplb_swap_probe_seconds", "The output probe's runs in each rank's last swap "
+                                    "(before the switch, after the last chunk)", labels=["ep_rank", "when"])
         for r, rank in enumerate(store.read_each(RANK)):
             if isinstance(rank, CorruptRecordError):
                 corrupt.add(rank.key or str(rank))
@@ -227,12 +233,18 @@ class ClusterCollector(Collector):
                 pause_max.add_metric([str(r)], rank.pause_max_ms / 1000)
                 pause_sum.add_metric([str(r)], rank.pause_sum_ms / 1000)
                 chunks.add_metric([str(r)], rank.chunks)
+            if rank.probe:  # a probe is registered and ran in the last swap
+                probe_failed.add_metric([str(r)], 0 if rank.probe == "agree" else 1)
+                probe_s.add_metric([str(r), "before"], rank.probe_before_ms / 1000)
+                probe_s.add_metric([str(r), "after"], rank.probe_after_ms / 1000)
         corrupt.update(w.key or str(w) for w in store.read_each(WEIGHTS) if isinstance(w, CorruptRecordError))
         yield age
         yield staging
         yield pause_max
         yield pause_sum
         yield chunks
+        yield probe_failed
+        yield probe_s
         yield from self._member_gauges(rec, corrupt)
 
     def _member_gauges(self, rec, corrupt: set[str]):

@@ -315,11 +315,14 @@ def health(store: Store) -> Reply:
     live heartbeat (one that has not outlived the TTL its agent wrote with it: the coordinator's rule) and every
     logical expert has a replica on a member; else 503 naming the ranks and why (``not registered``: e.g. Redis lost
     its data and no agent registered again; :func:`fdeplb.status.unhealthy_ranks`), or the experts a lost rank left
-    without a replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed). A fixed number of
-    round trips, however many ranks."""
+    without a replica (:func:`fdeplb.status.degraded_experts`: a re-placement failed closed), or the audited
+    ``probe_mismatch`` of a committed swap whose output probe failed (the cluster record's ``probe_mismatch``,
+    until a later round swaps with no probe failing, the rollback: :mod:`fdeplb.orchestration.rollback`). A fixed number of round trips,
+    however many ranks."""
     try:
         registered, unhealthy = unhealthy_ranks(store)
         degraded = None if unhealthy else degraded_experts(store)
+        mismatch = "" if unhealthy or degraded else store.read_cluster().probe_mismatch
     except (CorruptRecordError, NotFoundError) as err:  # unhealthy, and why (the probe says one phrase): a corrupt
         return refuse(f"cluster state unreadable: {err}", 503)  # record, or no cluster (deleted, Redis lost it)
     if unhealthy:
@@ -331,12 +334,15 @@ def health(store: Store) -> Reply:
                                                                      if len(orphans) > 10 else "")
         return refuse(f"degraded: {len(orphans)} experts (layer, log_id) have no replica on a member rank: {shown} "
                       f"(ranks {degraded['ranks']} are not members)", 503, ranks=registered, orphans=orphans)
+    if mismatch:  # cleared by the swapped of a later round with no probe failing (the rollback's)
+        return refuse(f"a swap's output probe failed; rolling back: {mismatch}", 503, ranks=registered,
+                      probe_mismatch=mismatch)
     return ok(ranks=registered)
 
 
 #: the one phrase an anonymous /health gives for each way the cluster is unhealthy (nothing else of the cluster)
 HEALTH_PHRASES = {"ranks": "a rank has no live heartbeat", "degraded": "an expert has no replica on a member rank",
-                  "redis": "Redis unavailable",
+                  "probe": "a swap's output probe mismatched", "redis": "Redis unavailable",
                   "unreadable": "cluster state unreadable"}
 
 
@@ -354,7 +360,8 @@ def probe_health(store: Store) -> Reply:
         return ok()
     if str(body.get("msg", "")).startswith("cluster state unreadable"):
         return refuse(HEALTH_PHRASES["unreadable"], 503)
-    return refuse(HEALTH_PHRASES["degraded" if body.get("orphans") else "ranks"], 503)
+    return refuse(HEALTH_PHRASES["degraded" if body.get("orphans") else "probe" if body.get("probe_mismatch")
+                                 else "ranks"], 503)
 
 
 # ---- read-only /v1 routes ------------------------------------------------------------------------------------------

@@ -102,6 +102,8 @@ def print_status(status: dict[str, Any], out: TextIO) -> None:
         out.write(f"  reason     {c['reason']}\n")
     if c["alarm"]:
         out.write(f"  ALARM      {c['alarm']}\n")
+    if c.get("probe_mismatch"):
+        out.write(f"  PROBE      {c['probe_mismatch']}\n")
     st = status.get("staged")
     if st:
         out.write(f"  staged     plan {st['plan_id']}: balancedness {st['balancedness_before']:.4f} -> "
@@ -138,6 +140,7 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
     bad = (f"  ROUTING MISMATCH (digest {r['routing_digest']} != {p['routing_digest']})"
            if r.get("routing") == "mismatch" else "")
     stale = f"  STALE (> {_ms(r.get('heartbeat_ttl_ms'))})" if r.get("stale") else ""  # older than its TTL
+    bad += f"  PROBE {r['probe'].upper()}" if r.get("probe") in ("mismatch", "failed") else ""  # its last swap's
     return (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
             f"{_opt(r['weights_code']):<6}{r.get('membership') or '-':<11}{r['plan_id'] or '-':<18}{live:<18}"
             f"{routing:<14}"

@@ -42,6 +42,7 @@ from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry
 from fdeplb.orchestration.membership import Rejoin, participants
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
+from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.orchestration.recovery import records_lost
 from fdeplb.orchestration.safe_points import Arm, Chunked
@@ -66,7 +67,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver):
+class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -142,6 +143,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
         self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
         self._reported_live = 0.0  # monotonic time of the last live report while the records are gone (recovery)
+        self._init_probe()
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
@@ -481,7 +483,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             # (an aborted membership round's, say), and routing over them can leave a replica-less expert
             return self._catch_up(me, self.store.current_placement())
         new = self._new_phy2log(plan_id)
-        report: dict[str, Any] = {}
+        report: dict[str, Any] = ProbeResult().fields()  # no swap here: no probe (none reported from an older one)
         pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
         members = tuple(participants(cluster.members, self.config.ep_size))
         # a plan that moves nothing still switches the routing when the members changed (a rank left or rejoined)
@@ -505,7 +507,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
                                   lambda layers: self.backend.prepare(staged, new, layers),
                                   lambda layers: self._swap_or_restore(staged, new, None, layers))
             op = self._at_safe_point(("swap", plan_id, attempt), when,
-                                     lambda: self._swap_or_restore(staged, new, members), chunked)
+                                     lambda: self._swap_or_restore(staged, new, members), chunked, self._probe_run())
             if op is None or op.gone:
                 return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
             report.update(self._applied(op, cluster, f"plan {plan_id}"))
@@ -523,6 +525,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if op.error is not None:
                 self._drop_staging()
                 raise op.error
+            report.update(self._probe_report(op.probe))
             swaps: list[SwapReport] = op.result if isinstance(op.result, list) else [op.result]
             report.update(info)  # the staging's counts: the swap carried out the same transfer
             report.update(snapshots=sum(r.snapshots for r in swaps),

@@ -28,7 +28,7 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
     NotFoundError, RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
-from fdeplb.orchestration import membership, reasons
+from fdeplb.orchestration import membership, reasons, rollback
 from fdeplb.orchestration.gating import Planner, decide, default_planner, plan_round
 from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
 from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
@@ -382,6 +382,9 @@ class Coordinator(UnaskedRounds, Leadership):
         reroute = regrouped and set(members) < set(routed)
         topology = cfg.topology() if live.all() else {**cfg.topology(), "live_ranks": list(members),
                                                       **({"reroute": True} if reroute else {})}
+        supplied = None if regrouped else rollback.supplied_for_planning(self.store, cfg.num_logical_experts, live)
+        if supplied is not None:
+            topology = {**topology, "supplied": supplied[1]}
         plan_id = plan_digest(snapshot, old, cfg.policy, topology)
         try:
             new = self.store.plan_phy2log(plan_id)
@@ -392,6 +395,8 @@ class Coordinator(UnaskedRounds, Leadership):
             old, cfg.num_logical_experts, cfg.ep_size, live, snapshot)
         if replaced is None and closed is None and reroute:  # nothing orphaned: only the routing changes
             replaced = old.copy()
+        if supplied is not None and new is None:  # supplied, not computed: decided as a stored plan, never gated
+            new = supplied[0]
         if closed is not None:  # fail closed: no placement drops an expert; audited alarm, placement intact
             self._failed_closed = ",".join(map(str, np.flatnonzero(live)))
             self.store.append_alarm(rec, actor=self.holder, reason=closed.text[:2000], detail=closed.detail)
@@ -407,7 +412,7 @@ class Coordinator(UnaskedRounds, Leadership):
         except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
             return self._abort(rec, f"planning failed: {err}")
         new = decision.new_phy2log  # its figures over the round's members, as the gate judged it
-        gated = replaced is None and not regrouped
+        gated = replaced is None and not regrouped and supplied is None
         skip = reasons.gated(decision) if gated else None  # unless it moves and gains
         if skip:
             return self._abort(rec, skip)
@@ -417,9 +422,14 @@ class Coordinator(UnaskedRounds, Leadership):
             expert_load=snapshot, old_phy2log=old, new_phy2log=new, balancedness_before=decision.balancedness_before,
             balancedness_after=decision.balancedness_after, moved_experts=decision.moved_experts))
         deadline = self.store.now_ms() + cfg.deadlines.loading_ms
-        why = reasons.gate_passed(decision) if gated else reasons.Reason("") if replaced is None else \
-            reasons.replacement_round([r for r in routed if r not in members],
-                                      orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
+        if supplied is not None:
+            why = reasons.supplied_round(**supplied[1])
+        elif gated:
+            why = reasons.gate_passed(decision)
+        else:
+            why = reasons.Reason("") if replaced is None else reasons.replacement_round(
+                [r for r in routed if r not in members],
+                orphaned_experts(old, cfg.num_logical_experts, cfg.ep_size, live))
         self._fire(rec, "load", plan_id=plan_id, reason=why.text, detail=why.detail,
                    changes={"plan_id": plan_id, "deadline_ms": deadline})
         return True, None
@@ -526,8 +536,10 @@ class Coordinator(UnaskedRounds, Leadership):
         plan_id = rec.plan_id
         late = self._not_in(self._rank_states(rec), RankState.SWAPPED, plan_id, rec.members,
                             self._members.view)
-        if not late:
-            self._fire(rec, "swapped", changes={"deadline_ms": 0})
+        if not late:  # every probe's verdict is audited with the swap: a failed one is a probe_mismatch
+            why = rollback.probe_outcome(self.store, plan_id)
+            self._fire(rec, "swapped", reason=why.text, detail=why.detail,
+                       changes={"deadline_ms": 0, "probe_mismatch": why.text[:2000]})
             return True, None
         expired, left = self._deadline(rec)
         if expired:
@@ -544,6 +556,9 @@ class Coordinator(UnaskedRounds, Leadership):
             self.store.emit_event("alarm", round=rec.round, plan_id=rec.plan_id, message=alarm)
 
     def _on_done(self, rec: ClusterRecord) -> Step:
+        alarm = rollback.after_round(self.store, rec)  # before pruning: the placement a rollback goes back to
+        if alarm:
+            self._alarm(rec, alarm)
         prune_after_round(self.store, self.config, rec, self.log, self.holder, self.lease or "", self.audit_dir)
         self._fire(rec, "release", changes={"deadline_ms": 0, "alarm": ""})
         return True, None

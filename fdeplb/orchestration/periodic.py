@@ -1,7 +1,8 @@
 """The coordinator's rounds nobody asked for, while the cluster is FREE: the re-placement round a lost rank calls
 for (the current placement leaves a logical expert without a replica on an ACTIVE member) and the periodic trigger
-(``interval_s``), skipped and audited with its numbers when it is not worth a round. The periodic trigger judges
-the load windows of the members the current placement is routed over, its figures over those members.
+(``interval_s``), skipped and audited with its numbers when it is not worth a round; before the periodic
+trigger, the round a supplied placement waits for (a rollback, :mod:`~fdeplb.orchestration.rollback`). The periodic
+trigger judges the load windows of the members the current placement is routed over, its figures over those members.
 
 :class:`UnaskedRounds` is mixed into :class:`~fdeplb.orchestration.coordinator.Coordinator`; it uses, of its host:
 ``store``, ``config``, ``holder``, ``log``, ``planner``, ``interval_s``, ``min_balancedness``,
@@ -14,7 +15,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError
 from fdeplb.machines.tables import CLUSTER
-from fdeplb.orchestration import membership, reasons
+from fdeplb.orchestration import membership, reasons, rollback
 from fdeplb.orchestration.gating import mean_balancedness, plan_round
 from fdeplb.store import ClusterRecord
 
@@ -41,6 +42,8 @@ class UnaskedRounds:
                 why = [f"ranks {lost} are not members" if lost else "", f"ranks {back} rejoined" if back else ""]
                 self.store.request_round("replacement: " + "; ".join(w for w in why if w))
                 return True, None
+        if rollback.request_supplied(self.store):  # a round to a supplied placement (a rollback): at once
+            return True, None
         return self._periodic(rec)
 
     def _periodic(self, rec: ClusterRecord) -> Step:

@@ -24,6 +24,11 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   (``request_cancelled``) and an operator's abort (``operator_abort``): ``{"by": "operator:me@host", ...}``
   (:mod:`fdeplb.orchestration.operator`).
 
+- a committed swap whose output probe failed on some rank (trigger ``swapped``): ``{"probe_mismatch": [{"ep_rank":
+  1, "outcome": "mismatch", "layers": [3], "message": "..."}, ...]}`` (:func:`probe_mismatch`);
+- the ``load`` of a round to a supplied placement (a rollback): ``{"supplied": {"kind": "rollback", "undoes": 5,
+  "plan_id": "<the placement it goes back to>"}}`` (:func:`supplied_round`).
+
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
 
@@ -268,6 +273,65 @@ def request_expired(round_: int, age_ms: int, ttl_ms: int, waited_on: str) -> Re
             f"{ttl_ms})" + (f"; it waited on: {waited_on}" if waited_on else ""))
     return Reason(text, {"round": int(round_), "age_ms": int(age_ms), "request_ttl_ms": int(ttl_ms),
                          "waited_on": waited_on})
+
+
+# ---- a swap checked by its output, and the round back ------------------------------------------------------------
+#: reason of a ``swapped`` whose probe failed on some rank: ``probe_mismatch: rank 1 layers [3] (...)``
+PROBE_MISMATCH = "probe_mismatch: "
+#: the kinds of supplied placement a round may go to (:func:`supplied_round`)
+SUPPLIED_KINDS = ("rollback",)
+
+
+def probe_mismatch(ranks: list[dict[str, Any]]) -> Reason:
+    """The reason of a ``swapped`` after which some rank's output probe failed: ``ranks`` as ``[{"ep_rank",
+    "outcome" ("mismatch" / "failed"), "layers" [ints], "message"}]`` (from their rank records; messages cut to
+    200 characters), rank order. The round is past its commit point: it rolls forward, and the coordinator goes
+    back to the previous placement (:func:`supplied_round`)."""
+    items = [{"ep_rank": int(i["ep_rank"]), "outcome": str(i["outcome"]), "layers": [int(x) for x in i["layers"]],
+              "message": str(i["message"])[:200]} for i in sorted(ranks, key=lambda i: int(i["ep_rank"]))]
+    text = PROBE_MISMATCH + "; ".join(
+        f"rank {i['ep_rank']} " + (f"layers {i['layers']}" if i["layers"] else i["outcome"]) + f" ({i['message']})"
+        for i in items)
+    return Reason(text, {"probe_mismatch": items})
+
+
+def probe_mismatches(record: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The ranks a ``swapped`` record names as having failed their probe (:func:`probe_mismatch`'s items); None
+    when it names none. ValueError for a corrupt detail, :class:`~fdeplb.errors.InputError` for a rank or layer
+    that is not an integer >= 0."""
+    items = (detail_of(record) or {}).get("probe_mismatch")
+    if items is None:
+        return None
+    if not isinstance(items, list):
+        raise ValueError("probe_mismatch is not a list")
+    return [{"ep_rank": _rank(i), "outcome": str(i["outcome"]),
+             "layers": [check_int(x, "layer", lo=0) for x in i["layers"]], "message": str(i["message"])}
+            for i in items]
+
+
+def supplied_round(kind: str, undoes: int, plan_id: str, why: str = "") -> Reason:
+    """The reason of the ``load`` of a round whose plan was supplied rather than computed (no gain gate): ``kind``
+    (:data:`SUPPLIED_KINDS`; a ``rollback`` goes back to the placement ``plan_id`` round ``undoes`` replaced,
+    ``""`` = the initial one), ``why`` (what called for it)."""
+    if kind not in SUPPLIED_KINDS:
+        raise InputError(f"supplied placement kind must be one of {SUPPLIED_KINDS}, got {kind!r}")
+    text = (f"{kind}: round {int(undoes)} undone, back to placement {plan_id or 'initial'}"
+            + (f" ({why})" if why else ""))
+    return Reason(text, {"supplied": {"kind": kind, "undoes": int(undoes), "plan_id": plan_id, "why": why}})
+
+
+def supplied_of(record_or_topology: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``supplied`` facts of a ``load`` record (its detail) or of a stored plan's topology; None when the
+    round planned itself. ValueError for a corrupt detail or facts of the wrong shape."""
+    source = record_or_topology if "supplied" in record_or_topology else (
+        detail_of(record_or_topology) or {} if "detail" in record_or_topology else {})
+    facts = source.get("supplied")
+    if facts is None:
+        return None
+    if not isinstance(facts, dict) or facts.get("kind") not in SUPPLIED_KINDS:
+        raise ValueError(f"supplied is not a supplied placement's facts: {str(facts)[:80]!r}")
+    return {"kind": facts["kind"], "undoes": check_int(facts["undoes"], "undoes", lo=1),
+            "plan_id": str(facts.get("plan_id", "")), "why": str(facts.get("why", ""))}
 
 
 # ---- a round's outcome ------------------------------------------------------------------------------------------

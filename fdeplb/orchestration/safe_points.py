@@ -26,6 +26,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.failpoints import failpoint
+from fdeplb.orchestration.probe import ProbeRun
 from fdeplb.store import ClusterRecord
 from fdeplb.weights.plan import chunk_layers
 
@@ -66,6 +67,10 @@ class SafePointOp:
     step is not known yet (None): the worker learns it at its safe points. ``gone``: the change stopped being the
     cluster's current one before its switch step was fixed (``done`` is set, ``fn`` never ran).
 
+    With ``probe`` (a swap's :class:`~fdeplb.orchestration.probe.ProbeRun`), the probe runs in the safe point of
+    the first chunk before it is applied and in that of the last after it is (both counted in those pauses: the
+    worker is held for them).
+
     With ``chunked``, the change is applied in chunks: chunk k at the safe point where the step counter reaches
     ``switch_step + k`` (:attr:`chunks` is known once the switch step is); ``result`` is then the list of the
     chunks' results, ``pauses_ms`` / ``applied_steps`` one entry per applied chunk, ``done`` set after the last
@@ -74,8 +79,9 @@ class SafePointOp:
     """
 
     def __init__(self, key: tuple, switch_step: int | None, arm: Arm | None, fn: Callable[[], Any],
-                 chunked: Chunked | None = None) -> None:
+                 chunked: Chunked | None = None, probe: ProbeRun | None = None) -> None:
         self.key = key
+        self.probe = probe  # run before the first chunk and after the last, in the same safe points
         self.switch_step = switch_step
         self.arm = arm
         self.fn = fn
@@ -162,6 +168,8 @@ class SafePointOp:
                 t0 = held if held is not None else time.perf_counter()
                 held = None
                 try:
+                    if k == 0 and self.probe is not None:  # the old placement, before anything changes
+                        self.probe.before()
                     if self.chunked is None:
                         results.append(self.fn())
                     else:
@@ -178,6 +186,10 @@ class SafePointOp:
                 if self.error is not None:
                     break
             self.result = results if self.chunked is not None else (results[0] if results else None)
+            if self.error is None and self._next >= len(self.chunks) and self.probe is not None:
+                t0 = time.perf_counter()
+                self.probe.after()  # the new placement, in the last chunk's safe point: part of its pause
+                self.pauses_ms[-1] += (time.perf_counter() - t0) * 1000
             if self.error is not None or self._next >= len(self.chunks):
                 self.done.set()
             self.progress.set()
@@ -310,23 +322,24 @@ class SafePoints:
         return True
 
     def _at_safe_point(self, key: tuple, when: Arm | int, fn: Callable[[], Any],
-                       chunked: Chunked | None = None) -> SafePointOp | None:
+                       chunked: Chunked | None = None, probe: ProbeRun | None = None) -> SafePointOp | None:
         """Have ``fn`` applied at a safe point (at once in a threaded agent): armed (``when`` an :class:`Arm`: at
         the switch step the ranks fix together, see :meth:`at_safe_point`) or at step ``when`` (0: the next one).
         With ``chunked`` (safe points only), the change is applied chunk by chunk instead of ``fn``: armed, in
         the layout fixed with the switch step; at step ``when``, in this rank's own layout, every chunk due then.
         Returns the op once it was applied (or is ``gone``), None while it waits. Idempotent per ``key``; an op
-        whose change is gone is replaced by a new one (armed for what is current now)."""
+        whose change is gone is replaced by a new one (armed for what is current now). ``probe``: the swap's
+        output probe, run before the first chunk and after the last (:mod:`~fdeplb.orchestration.probe`)."""
         op = self._op
         if op is None or op.key != key or op.gone:
             arm = when if isinstance(when, Arm) else None
             if not self.safe_points:
-                op = SafePointOp(key, 0, None, fn)
+                op = SafePointOp(key, 0, None, fn, probe=probe)
                 op.apply(self.steps)
                 self._live_phy2log = self.backend.phy2log
                 self._op = None
                 return op
-            op = SafePointOp(key, None if arm is not None else int(when), arm, fn, chunked)
+            op = SafePointOp(key, None if arm is not None else int(when), arm, fn, chunked, probe)
             if arm is None:
                 op.set_layout(())
             self._op = op

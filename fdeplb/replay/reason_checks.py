@@ -2,8 +2,9 @@
 :mod:`fdeplb.orchestration.reasons`): the notes (an alarm, skip, start refusal or weight withdrawal names the
 cluster in its replayed state and version; skips and refusals only in FREE; a refusal names ranks of the cluster
 and stays in force until a start), the start after a refusal shows every refused rank fresh again, a cordoned
-cluster's commit names its external request, a weight ``updated`` names the current placement. From schema 2 on
-the facts are read from the record's ``detail`` only, and its ``reason`` must be the text they give.
+cluster's commit names its external request, a weight ``updated`` names the current placement, a ``swapped``'s
+``probe_mismatch`` names ranks of the cluster and a supplied round's ``load`` says what it goes back to. From
+schema 2 on the facts are read from the record's ``detail`` only, and its ``reason`` must be the text they give.
 
 :class:`RecordSays` is mixed into the machine replay (``fdeplb.replay.machine_replay._Replay``); of its host it
 uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests`` and
@@ -85,6 +86,14 @@ class RecordSays:
                 self._detail(line, reasons.requested_by, lambda v: reasons.external_commit(v).text) is None:
             raise ReplayError(f"{where}: cluster commit of a cordoned cluster without an external request "
                               f"(reason {reason[:80]!r})")
+        if table is CLUSTER and spec.trigger == "swapped":  # a probe_mismatch names ranks of the cluster
+            failed = self._detail(line, reasons.probe_mismatches, lambda v: reasons.probe_mismatch(v).text) or []
+            strays = [i["ep_rank"] for i in failed if self.ep_size is not None and i["ep_rank"] >= self.ep_size]
+            if strays:
+                raise ReplayError(f"{where}: probe_mismatch names ranks {strays}; the cluster has ranks "
+                                  f"0..{self.ep_size - 1}")
+        if table is CLUSTER and spec.trigger == "load":  # a round to a supplied placement says which and why
+            self._detail(line, reasons.supplied_of, lambda v: reasons.supplied_round(**v).text)
         if table is WEIGHTS and spec.trigger == "updated" and self.placement_known \
                 and plan_id != self.report.placement_plan:
             raise ReplayError(f"{where}: {line.record['key']} updated into placement {plan_id or 'initial'}, but "

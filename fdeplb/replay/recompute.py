@@ -73,7 +73,9 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     recording's copy), its round and previous placement match the audit (:func:`_check_round`), its load snapshot
     is the round's frozen snapshot,
     :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology) is the plan_id, and the
-    coordinator's planner on that snapshot gives the stored ``new_phy2log``.
+    coordinator's planner on that snapshot gives the stored ``new_phy2log``; a round to a supplied placement (the
+    topology's ``supplied``: a rollback) is not planned, its ``new_phy2log`` is the placement it names when the
+    recording holds that one.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
     from fdeplb.orchestration.gating import decide
@@ -119,12 +121,18 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         if digest != plan.plan_id:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
         topology = dict(stored.topology)
+        supplied = _supplied(topology.pop("supplied", None), where)  # a round to a given placement: not planned
         live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member (issue 22)
         reroute = bool(topology.pop("reroute", False))  # its members only shrank: the orphans move, nothing else
         if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
                               f"{config.topology()}")
-        if plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
+        if supplied is not None:  # a rollback goes back to the placement it names, when the recording holds it
+            target = new_of.get(supplied["plan_id"])
+            if target is not None and not np.array_equal(target, new):
+                raise ReplayError(f"{where}: a {supplied['kind']} to placement {supplied['plan_id'] or 'initial'}, "
+                                  f"but its new_phy2log is another placement")
+        elif plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
             again = np.asarray(_planned(load, old, replace(config, policy=policy), live_ranks, where, reroute),
                                dtype=np.int64)
             if not np.array_equal(again, new):
@@ -137,6 +145,19 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         new_of[plan.plan_id] = new
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
+
+
+def _supplied(facts: Any, where: str) -> dict[str, Any] | None:
+    """The ``supplied`` facts of a stored plan's topology, checked (:func:`fdeplb.orchestration.reasons.
+    supplied_of`); None for a planned round."""
+    if facts is None:
+        return None
+    from fdeplb.orchestration import reasons
+
+    try:
+        return reasons.supplied_of({"supplied": facts})
+    except (ValueError, KeyError, TypeError, InputError) as exc:
+        raise ReplayError(f"{where}: topology's supplied placement is malformed: {exc}") from None
 
 
 def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, where: str,

@@ -65,6 +65,11 @@ class Keys:
         """hash: an expert_load [L, E] supplied by an operator (``recv_expert_weight``) for one round + that round."""
         return f"{self.prefix}:supplied_load"
 
+    @property
+    def supplied_placement(self) -> str:
+        """hash: the placement the next round goes to instead of planning (a rollback), with its facts."""
+        return f"{self.prefix}:supplied_placement"
+
     def plan(self, plan_id: str) -> str:
         """hash: a stored plan (snapshot, old and new phy2log, policy, topology)."""
         return f"{self.prefix}:plan:{plan_id}"

@@ -1,8 +1,8 @@
 """Plans and the current placement: stored plans (write-once, content-addressed; their hash through
 :meth:`fdeplb.store.PlanEntry.to_fields` / :meth:`~fdeplb.store.PlanEntry.from_fields`), the new phy2log of one
 (at once or deferred), the cluster's current placement (written by ``commit.lua``'s ``set_placement`` effect), the
-corruption checks of a placement table on read (int64 [L, P], expert ids in [0, E)), and which ranks' routing
-tables disagree with the placement.
+corruption checks of a placement table on read (int64 [L, P], expert ids in [0, E)), which ranks' routing
+tables disagree with the placement, and a placement supplied for the next round (a rollback).
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_array``, ``_put_once``,
 ``read_config``, ``read_all``; from :mod:`fdeplb.store.windows`: ``_loads``.
@@ -10,16 +10,18 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``clust
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import CorruptRecordError, NotFoundError
+from fdeplb.errors import CorruptRecordError, InputError, NotFoundError
 from fdeplb.machines.tables import RANK
 from fdeplb.placement import routing_digest
 from fdeplb.store.connection import as_str as _s, hgetall as _hgetall
 from fdeplb.store.deferred import PendingCall
-from fdeplb.store.records import PlacementEntry, PlanEntry
+from fdeplb.store import arrays
+from fdeplb.store.records import PlacementEntry, PlanEntry, json_text
 
 
 class Placements:
@@ -87,6 +89,44 @@ class Placements:
             key = self._keys.placement
             raise CorruptRecordError(f"{key}: members {members[:60]!r} is not a list of ep_ranks", key=key)
         return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version, members=members)
+
+    # ---- a placement supplied for the next round (a rollback) -----------------------------------------------------
+    def supply_placement(self, phy2log: np.ndarray, facts: dict[str, Any]) -> None:
+        """Store ``phy2log`` (int64 [L, P], checked against the configuration: :class:`InputError` otherwise,
+        nothing written) as the placement the next round goes to instead of planning one, with its ``facts``
+        (JSON-able: what :func:`fdeplb.orchestration.reasons.supplied_round` takes). Replaces an earlier one; kept
+        until :meth:`drop_supplied_placement` (the round that commits it), never pruned by retention."""
+        arr = np.asarray(phy2log)
+        try:
+            self._table(self._keys.supplied_placement, arr, "phy2log")
+        except CorruptRecordError as err:
+            raise InputError(f"supplied placement: {err}") from None
+        key = self._keys.supplied_placement
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(key)
+        pipe.hset(key, mapping={**arrays.encode("phy2log", arr), "facts": json_text(facts),
+                                "supplied_ms": str(self.now_ms())})
+        pipe.execute()
+
+    def supplied_placement(self) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """(phy2log int64 [L, P], facts) of the placement supplied for the next round, or None;
+        :class:`CorruptRecordError` naming the key for a table or facts that do not parse."""
+        key = self._keys.supplied_placement
+        raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
+        if not raw:
+            return None
+        arr = self._array(key, "phy2log", raw)
+        try:
+            facts = json.loads(_s(raw.get("facts", b"{}")))
+        except ValueError:
+            facts = None
+        if arr is None or not isinstance(facts, dict):
+            raise CorruptRecordError(f"{key}: not a supplied placement (phy2log and facts)", key=key)
+        return self._table(key, arr, "phy2log"), facts
+
+    def drop_supplied_placement(self) -> None:
+        """Delete the supplied placement (its round committed it); nothing when there is none."""
+        self._client.delete(self._keys.supplied_placement)
 
     def _table(self, key: str, arr: np.ndarray, name: str) -> np.ndarray:
         """A stored placement table checked against the configuration: int64 [L, P], ids in [0, E)."""

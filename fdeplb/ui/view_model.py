@@ -23,7 +23,8 @@ View dict (JSON-ready)::
                  skipped | aborted: ``reasons.round_outcome``),
                   "cluster": [{"state", "start_ms", "end_ms", "deadline_ms" | None}],
                   "ranks": {ep_rank: [{"state", "start_ms", "end_ms"}]},
-                  "marks": [{"kind": "abort" | "alarm" | "skip" | "start_refused", "ts_ms", "reason", "id"}]}]},
+                  "marks": [{"kind": "abort" | "alarm" | "skip" | "start_refused" | "probe_mismatch", "ts_ms",
+                             "reason", "id"}]}]},
      "plan": None | {"plan_id", "round", "policy", "live_ranks" (None: every rank), "balancedness_before",
                      "balancedness_after", "moved_experts", "before": [[GPU load / layer mean]] (L x members),
                      "after": [[...]], "lo", "hi"},
@@ -45,7 +46,7 @@ import numpy as np
 
 from fdeplb.errors import CorruptRecordError, DependencyError, InputError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS, ClusterState, MachineTable
-from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
+from fdeplb.orchestration.reasons import PROBE_MISMATCH, RoundOutcome, round_outcome
 from fdeplb.placement.metrics import gpu_loads
 from fdeplb.recording import audit_dict
 from fdeplb.replay.machine_replay import NOT_TRANSITIONS
@@ -157,8 +158,8 @@ def _int(value: Any, default: int = 0) -> int:
 def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: int = TIMELINE_ROUNDS
              ) -> dict[str, Any]:
     """The last ``rounds`` rounds of ``records`` (audit dicts, oldest first): per round the cluster's time in each
-    state with its deadline, each rank's time in each of its states, and the aborts, alarms, skips and start
-    refusals (the shape in the module doc). A round is the records of the cluster and rank machines carrying its
+    state with its deadline, each rank's time in each of its states, and the aborts, alarms, skips, start
+    refusals and probe mismatches (the shape in the module doc). A round is the records of the cluster and rank machines carrying its
     number; it ends at the cluster's return to FREE (``end_ms`` None while it runs, drawn up to ``now_ms``)."""
     by_round: dict[int, list[Mapping[str, Any]]] = {}
     for rec in records:
@@ -196,7 +197,7 @@ def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: 
         marks = [{"kind": _mark_kind(r), "ts_ms": _int(r.get("ts_ms")),
                   "reason": r.get("reason", ""), "id": r.get("id", "")}
                  for r in records if r.get("machine") == CLUSTER.name
-                 and (r.get("trigger") in NOT_TRANSITIONS or r.get("trigger") == "abort")
+                 and (r.get("trigger") in NOT_TRANSITIONS or r.get("trigger") == "abort" or _probe_failed(r))
                  and start_ms <= _int(r.get("ts_ms")) <= (end_ms if end_ms is not None else now_ms)]
         outcome = round_outcome(end if end is not None else cluster[-1])[0].value  # the one outcome rule
         out.append({"round": n, "start_ms": start_ms, "end_ms": end_ms, "outcome": outcome, "cluster": segments,
@@ -209,7 +210,12 @@ def _mark_kind(record: Mapping[str, Any]) -> str:
     :func:`~fdeplb.orchestration.reasons.round_outcome`)."""
     if record.get("trigger") == "abort" and str(record.get("to")) == CLUSTER.initial.value:
         return "skip" if round_outcome(record)[0] is RoundOutcome.SKIPPED else "abort"
-    return str(record.get("trigger"))
+    return "probe_mismatch" if _probe_failed(record) else str(record.get("trigger"))
+
+
+def _probe_failed(record: Mapping[str, Any]) -> bool:
+    """A cluster ``swapped`` after which some rank's output probe failed (a mark: the round is rolled back)."""
+    return record.get("trigger") == "swapped" and str(record.get("reason", "")).startswith(PROBE_MISMATCH)
 
 
 # ---- audit table -----------------------------------------------------------------------------------------------------

@@ -63,13 +63,16 @@ def _round(tc, store, agents, n, reason):
 
 
 @contextlib.contextmanager
-def _serving(redis_url, cluster_id, tmp_path, **agent_kw):
+def _serving(redis_url, cluster_id, tmp_path, setup=None, **agent_kw):
     """A paddle-backed thread cluster of L layers, one EmbeddedAgent per rank (``agent_kw``; default one changed
-    layer per safe point), a coordinator and the workers stepping: yields ``(tc, store, agents)``."""
-    agent_kw = {"max_pause_bytes": 1, **agent_kw}
+    layer per safe point, every slot verified after a swap), ``setup(agents)`` called before the coordinator
+    starts, a coordinator and the workers stepping: yields ``(tc, store, agents)``."""
+    agent_kw = {"max_pause_bytes": 1, "verify_all": True, **agent_kw}
     with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = [EmbeddedAgent(tc.store(), r, device="cpu", verify_all=True, block_ms=50, publish_interval_s=None,
+        agents = [EmbeddedAgent(tc.store(), r, device="cpu", block_ms=50, publish_interval_s=None,
                                 **agent_kw).start() for r in range(tc.config.ep_size)]
+        if setup is not None:
+            setup(agents)
         tc.base_loads = tc.loads.copy()
         tc.start_coordinator()
         store = tc.store()

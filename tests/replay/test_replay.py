@@ -22,9 +22,10 @@ from tests.helpers import RawRedis, thread_cluster, wait_for
 PLAN = "p0000000000000001"
 
 
-def fire_round(store: Store) -> None:
+def fire_round(store: Store, swapped: dict | None = None) -> None:
     """One full round on a one-rank cluster, committed through the real commit script (no agents, no paddle):
-    every machine moves, with a stored plan whose content is made up."""
+    every machine moves, with a stored plan whose content is made up; ``swapped``: what the cluster's ``swapped``
+    says (reason, detail)."""
     lease = store.acquire_lease("test", 60_000)
     cluster = RecordHandle(store, CLUSTER, actor="test", fence=lease)
     rank = RecordHandle(store, RANK, 0, actor="test")
@@ -43,7 +44,7 @@ def fire_round(store: Store) -> None:
     cluster.fire("commit")
     rank.fire("swap")
     rank.fire("swapped")
-    cluster.fire("swapped")
+    cluster.fire("swapped", **(swapped or {}))
     cluster.fire("release")
     rank.fire("finish")
     weights.fire("update")

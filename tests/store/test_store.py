@@ -43,10 +43,10 @@ def test_every_record_field_is_documented():
     import ast
     import inspect
 
-    from fdeplb.store import records
+    from fdeplb.store import plan_entry, records
 
-    tree = ast.parse(inspect.getsource(records))
-    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    trees = [ast.parse(inspect.getsource(module)) for module in (records, plan_entry)]
+    classes = {n.name: n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)}
     for cls in (ClusterRecord, RankRecord, WeightRecord, PlanEntry):
         documented = set()
         for node in (classes[c.__name__] for c in cls.__mro__ if c.__name__ in classes):  # a field may be the base's

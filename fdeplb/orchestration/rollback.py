@@ -1,0 +1,123 @@
+"""Rounds to a given placement, and the rollback after a swap whose output probe failed.
+
+A *supplied* round goes to a placement given to it (stored with :meth:`fdeplb.store.Store.supply_placement`)
+instead of one its policy computes: the coordinator's next round plans it with no gain gate, its plan's topology
+and its ``load`` record carry the facts (``supplied``: kind, the round it undoes, the placement it goes to;
+:func:`fdeplb.orchestration.reasons.supplied_round`), and the round that commits it drops it. The one kind today is
+the **rollback**:
+
+1. every rank reports its swap's probe in its rank record (:mod:`fdeplb.orchestration.probe`); when every rank has
+   swapped, :func:`probe_outcome` reads them and the round's ``swapped`` is audited as a ``probe_mismatch`` naming
+   the ranks and layers (the cluster record keeps it in ``probe_mismatch``: ``/health`` is 503);
+2. in DONE (:func:`after_round`), before retention prunes anything, the placement the round replaced (its plan
+   entry's ``old_phy2log``) is supplied for the next round;
+3. in FREE (:func:`request_supplied`) a round is requested at once; it goes back to that placement, the probe
+   runs again (compared with the outputs of the placement it goes back to), and its ``swapped`` clears
+   ``probe_mismatch`` when no probe fails (``/health`` 200 again). A rollback whose probe fails again is not
+   rolled back once more: an alarm says so and ``/health`` stays 503 until a later round swaps with no probe
+   failing (an operator's).
+
+A supplied placement that leaves a logical expert without a replica on a member aborts its round and is dropped
+(:func:`supplied_for_planning`); one whose round aborts otherwise stays, and FREE requests a round for it again.
+
+Functions of the coordinator's entry work (their ``store``: a :class:`~fdeplb.store.Store`); no state of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fdeplb.errors import CorruptRecordError, InputError
+from fdeplb.machines.tables import RANK
+from fdeplb.orchestration import reasons
+from fdeplb.orchestration.probe import ProbeOutcome
+from fdeplb.placement import orphaned_experts
+from fdeplb.store import ClusterRecord
+
+__all__ = ["after_round", "probe_outcome", "request_supplied", "supplied_for_planning"]
+
+_FAILED = (ProbeOutcome.MISMATCH.value, ProbeOutcome.FAILED.value)
+
+
+def probe_outcome(store: Any, plan_id: str) -> reasons.Reason:
+    """The reason of the ``swapped`` of plan ``plan_id``'s round: :func:`~fdeplb.orchestration.reasons.
+    probe_mismatch` naming every rank whose record reports a failed probe for that plan, or an empty reason when
+    none does. Reads every rank's whole record (one round trip; :class:`CorruptRecordError` for one that does not
+    parse)."""
+    items = [{"ep_rank": r, "outcome": x.probe, "message": x.probe_message,
+              "layers": [int(v) for v in x.probe_layers.split(",") if v.isdigit()]}
+             for r, x in enumerate(store.read_all(RANK)) if x.plan_id == plan_id and x.probe in _FAILED]
+    return reasons.probe_mismatch(items) if items else reasons.Reason("")
+
+
+def after_round(store: Any, rec: ClusterRecord) -> str | None:
+    """DONE entry work, before retention: a supplied round that committed drops its supplied placement; a round
+    whose probe failed (``rec.probe_mismatch``) supplies the placement it replaced (its plan entry's
+    ``old_phy2log``) for a rollback round. Idempotent (a coordinator replaced mid-way does it again). Returns an
+    alarm's text when no rollback can be made (the round was itself a rollback, or its plan is gone), else None."""
+    try:
+        supplied = store.supplied_placement()
+    except CorruptRecordError:  # never blocks the release: a placement nobody can read is no rollback
+        store.drop_supplied_placement()
+        supplied = None
+    if not rec.probe_mismatch and supplied is None:
+        return None  # the usual round: nothing supplied, nothing to undo (its plan is not read)
+    plan = store.read_plan(rec.plan_id)
+    facts = None if plan is None else reasons.supplied_of(plan.topology)
+    if facts is not None and supplied is not None and _facts(supplied[1]) == facts:
+        store.drop_supplied_placement()  # this round went to it (one supplied since stays for the next round)
+    if not rec.probe_mismatch:
+        return None
+    if facts is not None and facts["kind"] == "rollback":
+        return (f"rollback round {rec.round} (of round {facts['undoes']}) still fails its probe: no further rollback; "
+                f"{rec.probe_mismatch}")
+    if plan is None:
+        return f"cannot roll back round {rec.round}: its plan {rec.plan_id} is not stored; {rec.probe_mismatch}"
+    store.supply_placement(plan.old_phy2log, reasons.supplied_round(
+        "rollback", rec.round, plan.old_plan_id, "probe_mismatch").detail["supplied"])
+    return None
+
+
+def request_supplied(store: Any) -> bool:
+    """FREE entry work with no round pending: request the round a supplied placement waits for (True), or nothing
+    to do (False)."""
+    try:
+        supplied = store.supplied_placement()
+    except CorruptRecordError:
+        store.drop_supplied_placement()  # never a round to a placement nobody can read: planned as usual
+        raise
+    if supplied is None:
+        return False
+    facts = supplied[1]
+    store.request_round(f"{facts.get('kind', 'supplied')} of round {facts.get('undoes', '?')}"[:100])
+    return True
+
+
+def supplied_for_planning(store: Any, num_logical_experts: int, live: np.ndarray) -> \
+        tuple[np.ndarray, dict[str, Any]] | None:
+    """PLANNING: the supplied placement (int64 [L, P]) and its checked facts
+    (:func:`~fdeplb.orchestration.reasons.supplied_of`), or None. ``live``: bool [ep_size], the round's members.
+    A stored value that does not parse raises :class:`CorruptRecordError`, one that leaves a logical expert
+    without a replica on a member :class:`InputError` naming them; either way it is dropped (never retried) and
+    the round aborts with the error."""
+    try:
+        supplied = store.supplied_placement()
+        if supplied is None:
+            return None
+        phy2log, facts = supplied[0], _facts(supplied[1])
+    except (CorruptRecordError, InputError, ValueError, KeyError, TypeError) as err:
+        store.drop_supplied_placement()
+        raise CorruptRecordError(f"supplied placement: {err}") from None
+    orphans = orphaned_experts(phy2log, num_logical_experts, len(live), live)  # also an expert it lacks
+    if orphans:
+        store.drop_supplied_placement()
+        raise InputError(f"the supplied placement ({facts['kind']} of round {facts['undoes']}) leaves {len(orphans)} "
+                         f"experts (layer, log_id) without a replica on a member, e.g. {orphans[:5]}: dropped")
+    return phy2log, facts
+
+
+def _facts(stored: Any) -> dict[str, Any]:
+    """Stored facts of a supplied placement, checked (ValueError / InputError / KeyError otherwise)."""
+    return reasons.supplied_of({"supplied": stored})

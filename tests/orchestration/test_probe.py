@@ -1,0 +1,166 @@
+"""The output probe's rules (fdeplb.orchestration.probe): what a probe may return, the tolerance, a probe that
+raises or changes its outputs' shape, the reference a rank keeps after a failed probe; and a threaded cluster whose
+probe raises on one rank after the swap: audited as a failed probe, the agent loop goes on, the round is rolled
+back and the probe agrees again."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fdeplb.errors import InputError
+from fdeplb.orchestration import reasons
+from fdeplb.orchestration.probe import Probe, ProbeOutcome, ProbeRun, compare, outputs_of
+from tests.helpers import thread_cluster, wait_for
+from tests.orchestration.test_embedding import _round_done
+
+
+def _run(before, after, reference=None, **tol):
+    """A ProbeRun whose probe returns ``before`` then ``after`` (an exception instance is raised)."""
+    values = iter([before, after])
+
+    def fn():
+        value = next(values)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    run = ProbeRun(Probe(fn, **tol), reference)
+    run.before()
+    run.after()
+    return run
+
+
+# ---- what a probe returns ------------------------------------------------------------------------------------------
+def test_outputs_of_takes_a_dict_or_a_list_and_copies():
+    arr = np.arange(4.0)
+    out = outputs_of({3: arr, 0: [1, 2]})
+    assert sorted(out) == [0, 3] and out[3] is not arr and np.array_equal(out[3], arr)
+    assert list(outputs_of([arr, arr])) == [0, 1]
+
+
+@pytest.mark.parametrize("value, words", [
+    (np.zeros(3), "one output per MoE layer"), ({}, "no layer"), ({-1: [1.0]}, "int >= 0"),
+    ({"a": [1.0]}, "int >= 0"), ({True: [1.0]}, "int >= 0"), ({0: ["x"]}, "not numeric"), ("ab", "one output"),
+])
+def test_outputs_of_refuses_what_is_not_per_layer_numbers(value, words):
+    with pytest.raises(InputError, match=words):
+        outputs_of(value)
+
+
+@pytest.mark.parametrize("kw", [dict(rtol=-1.0), dict(atol=float("nan")), dict(rtol=True), dict(atol="0")])
+def test_a_bad_tolerance_or_fn_is_an_input_error(kw):
+    with pytest.raises(InputError, match="probe"):
+        Probe(lambda: {0: [1.0]}, **kw)
+    with pytest.raises(InputError, match="callable"):
+        Probe(42)
+
+
+# ---- the tolerance -------------------------------------------------------------------------------------------------
+def test_bit_exact_by_default_and_within_the_engines_tolerance():
+    ref = {0: np.array([1.0, 2.0], np.float32), 1: np.array([3.0], np.float32)}
+    nudged = {0: np.nextafter(ref[0], np.float32(9)), 1: ref[1].copy()}
+    bad = compare(ref, nudged)
+    assert [m.layer for m in bad] == [0] and "2 of 2 values differ" in bad[0].message
+    assert compare(ref, nudged, rtol=1e-6) == []
+    assert compare(ref, nudged, atol=1e-6) == []
+    assert [m.layer for m in compare(ref, {0: ref[0] + 1e-3, 1: ref[1]}, rtol=1e-6, atol=1e-6)] == [0]
+    assert compare({0: np.array([np.nan])}, {0: np.array([np.nan])}) == []  # NaN at the same place agrees
+
+
+def test_a_changed_shape_dtype_or_layer_set_is_a_mismatch_saying_so():
+    ref = {0: np.zeros((2, 3), np.float32), 1: np.zeros(2, np.float32)}
+    bad = compare(ref, {0: np.zeros((3, 2), np.float32), 1: np.zeros(2, np.float64), 2: np.zeros(1)})
+    assert [m.layer for m in bad] == [0, 1, 2]
+    assert "float32 [3, 2] after the swap, float32 [2, 3] before" in bad[0].message
+    assert "float64 [2] after the swap, float32 [2] before" in bad[1].message
+    assert "after the swap only" in bad[2].message
+
+
+# ---- one swap's run ------------------------------------------------------------------------------------------------
+def test_a_run_agrees_or_names_its_layers_and_keeps_the_reference_after_a_failure():
+    same = _run({0: [1.0], 1: [2.0]}, {0: [1.0], 1: [2.0]})
+    assert same.result.outcome is ProbeOutcome.AGREE and same.trusted() is None
+    assert same.result.fields()["probe"] == "agree" and same.result.before_ms >= 0
+    bad = _run({0: [1.0], 1: [2.0]}, {0: [1.0], 1: [2.5]})
+    assert bad.result.outcome is ProbeOutcome.MISMATCH and bad.result.layers == (1,)
+    assert bad.result.fields()["probe_layers"] == "1" and "layer 1" in bad.result.message
+    kept = bad.trusted()  # the outputs of the placement before the failed swap: what a rollback must give again
+    assert np.array_equal(kept[1], [2.0])
+    back = _run({0: [9.0], 1: [9.0]}, {0: [1.0], 1: [2.0]}, reference=kept)  # its before is the garbage
+    assert back.result.outcome is ProbeOutcome.AGREE
+
+
+def test_a_probe_that_raises_is_a_failed_probe_with_the_exception_text():
+    after = _run({0: [1.0]}, ZeroDivisionError("no tokens"))
+    assert after.result.outcome is ProbeOutcome.FAILED and after.result.failed
+    assert after.result.message == "probe raised after the swap: ZeroDivisionError: no tokens"
+    before = _run(RuntimeError("cuda"), {0: [1.0]})
+    assert before.result.message == "probe raised before the swap: RuntimeError: cuda"
+    assert _run(RuntimeError("x"), {0: [1.0]}, reference={0: np.array([1.0])}).result.outcome is ProbeOutcome.AGREE
+    wrong = _run({0: [1.0]}, "not per layer")  # a wrong return type after the swap: failed, with the reason
+    assert wrong.result.outcome is ProbeOutcome.FAILED and "one output per MoE layer" in wrong.result.message
+
+
+def test_the_audited_reason_is_derived_from_its_detail():
+    why = reasons.probe_mismatch([{"ep_rank": 2, "outcome": "failed", "layers": [], "message": "E: x"},
+                                  {"ep_rank": 0, "outcome": "mismatch", "layers": [1, 3], "message": "m" * 300}])
+    assert why.text == f"probe_mismatch: rank 0 layers [1, 3] ({'m' * 200}); rank 2 failed (E: x)"
+    record = {"trigger": "swapped", "reason": why.text, "detail": json.dumps(why.detail)}
+    assert reasons.probe_mismatch(reasons.probe_mismatches(record)).text == why.text
+
+
+# ---- a threaded cluster whose probe raises -----------------------------------------------------------------------
+def test_a_probe_that_raises_after_the_swap_is_rolled_back_and_the_loop_goes_on(redis_url, cluster_id, tmp_path):
+    calls = {r: 0 for r in range(4)}
+
+    def probe_of(r):
+        def probe():  # placement-independent outputs; rank 2 raises on its second call (round 1's after)
+            calls[r] += 1
+            if r == 2 and calls[r] == 2:
+                raise ZeroDivisionError("the probe batch routed no token")
+            return {0: np.arange(3, dtype=np.float32), 1: np.ones((2, 2))}
+        return probe
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        for a in tc.agents:
+            a.set_probe(probe_of(a.ep_rank))
+        tc.start_coordinator()
+        store = tc.store()
+        before = store.current_placement()
+        store.request_round("test raising probe")
+        wait_for(lambda: _round_done(store, 2), 60, store, "round 1 and its rollback")
+        audit = [a.fields for a in store.audit() if a["machine"] == "cluster"]
+        swapped = [a for a in audit if a["trigger"] == "swapped"]
+        assert [a["round"] for a in swapped] == ["1", "2"]
+        assert json.loads(swapped[0]["detail"])["probe_mismatch"] == [
+            {"ep_rank": 2, "outcome": "failed", "layers": [],
+             "message": "probe raised after the swap: ZeroDivisionError: the probe batch routed no token"}]
+        assert swapped[1]["reason"] == ""
+        load = [a for a in audit if a["trigger"] == "load"][1]
+        assert json.loads(load["detail"])["supplied"]["undoes"] == 1
+        assert np.array_equal(store.current_placement().phy2log, before.phy2log)
+        assert store.read_rank(2).probe == "agree" and store.read_cluster().probe_mismatch == ""
+        assert all(t.is_alive() for t in tc.threads), "an agent loop died"
+
+
+# ---- a supplied placement the round cannot go to -----------------------------------------------------------------
+def test_a_supplied_placement_that_drops_an_expert_aborts_its_round_and_is_dropped(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        tc.start_coordinator()
+        store = tc.store()
+        before = store.current_placement()
+        bad = before.phy2log.copy()
+        bad[0, bad[0] == 3] = 4  # logical expert 3 of layer 0 has no slot left
+        store.supply_placement(bad, {"kind": "rollback", "undoes": 1, "plan_id": "", "why": "test"})
+        with pytest.raises(InputError, match="supplied placement"):
+            store.supply_placement(bad[:, :-1], {"kind": "rollback", "undoes": 1})  # a wrong shape: refused
+        store.request_round("test supplied")
+        rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        assert "without a replica on a member" in rec.reason and "(0, 3)" in rec.reason, rec.reason
+        assert store.supplied_placement() is None  # dropped: never retried
+        assert np.array_equal(store.current_placement().phy2log, before.phy2log)
