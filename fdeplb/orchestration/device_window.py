@@ -1,0 +1,191 @@
+"""The device side of the load window: a step's counts that arrive as a device tensor stay on that device, and the
+window's device steps are summed, folded to logical experts and checked there when the window is published.
+
+What an engine hands :meth:`~fdeplb.orchestration.load_window.LoadRecorder.record` per forward step is the routed
+tokens per physical slot (or per logical expert) its router already produced, on the GPU. Reading it to the host
+every step (``.numpy()``: a device-to-host copy and a stream sync) costs more than the step's own bookkeeping
+should; vLLM (``expert_load_pass`` / ``expert_load_window``) and SGLang (its expert-distribution recorder) keep the
+counts on the device and read them only when they publish. So does fdeplb: a recorded device step is a copy of
+the step's tensor on its device (:class:`DeviceStep`, one device op, nothing read back), and :func:`window_sum`
+folds and sums the window's device steps on that device, with one device-to-host copy per publication.
+
+Paddle is reached only through :func:`fdeplb.weights._paddle.paddle` (the one module that imports it, lazily); a
+torch tensor is taken through DLPack (zero-copy). torch is not a dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fdeplb.weights._paddle import dtype_name, paddle
+
+#: paddle's integer dtypes a count may have (bool is not a count; paddle has no unsigned type wider than 8 bits)
+INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8"})
+#: the low half of an int64 count: sums of halves are exact in int64 far past any window (see :func:`window_sum`)
+_LOW = (1 << 32) - 1
+#: a high half at or past this means the sum is past the int64 range
+_HIGH_LIMIT = 1 << 31
+
+
+class DeviceStep(NamedTuple):
+    """One recorded step kept on its device."""
+
+    #: the step's counts: a copy of the tensor the engine passed (its own integer dtype), [L, E] or [L, P]
+    counts: Any
+    #: int64 [L, P]: the placement the step routed with, for per-slot counts; None for logical counts
+    phy2log: np.ndarray | None
+
+
+class WindowSum(NamedTuple):
+    """:func:`window_sum`'s answer: the window's total, or the steps to drop and why."""
+
+    #: int64 [L, E], every count in [0, int64 max]; None when the window is refused
+    total: np.ndarray | None
+    #: indices (into the steps passed) of the steps the window refuses: negative counts, or past the int64 range
+    bad: list[int]
+    #: the InputError message of the first refusal (None when ``total`` is given)
+    error: str | None
+
+
+def device_tensor(counts: Any) -> Any | None:
+    """``counts`` as a paddle tensor when it is one, or a torch tensor (through DLPack: the same memory, no copy);
+    None for anything else (a numpy array, a list: the host path). Reads nothing from the device."""
+    module = type(counts).__module__.partition(".")[0]
+    if module == "paddle":
+        return counts
+    if module == "torch" and hasattr(counts, "__dlpack__"):
+        return paddle().utils.dlpack.from_dlpack(counts)
+    return None
+
+
+def count_dtype(t: Any) -> str:
+    """The dtype name of a device tensor of counts (``"int32"``...); host metadata only."""
+    return dtype_name(t)
+
+
+def copy_step(t: Any, phy2log: np.ndarray | None) -> DeviceStep:
+    """A :class:`DeviceStep` of ``t``: one device copy (the engine may reuse its tensor), queued, not waited for."""
+    return DeviceStep(t.clone(), phy2log)
+
+
+def _fold(x: Any, phy2log: np.ndarray | None, num_logical: int, index: dict[int, Any]) -> Any:
+    """int64 [L, X] on its device -> int64 [L, E]: per-slot counts summed into their logical experts (``phy2log``
+    uploaded once per publication into ``index``); logical counts as they are."""
+    if phy2log is None:
+        return x
+    pd = paddle()
+    idx = index.get(id(phy2log))
+    if idx is None:
+        idx = index[id(phy2log)] = pd.to_tensor(np.ascontiguousarray(phy2log, dtype=np.int64), place=x.place)
+    zeros = pd.to_tensor(np.zeros((phy2log.shape[0], num_logical), np.int64), place=x.place)
+    return pd.put_along_axis(zeros, idx, x, axis=1, reduce="add")
+
+
+def _halves(x: Any) -> tuple[Any, Any]:
+    """(high, low) 32-bit halves of non-negative int64 ``x`` on its device: x = high * 2**32 + low."""
+    pd = paddle()
+    return (pd.bitwise_right_shift(x, pd.to_tensor(32, dtype="int64", place=x.place)),
+            pd.bitwise_and(x, pd.to_tensor(_LOW, dtype="int64", place=x.place)))
+
+
+def _combine(base: np.ndarray, high: np.ndarray, low: np.ndarray) -> np.ndarray | None:
+    """``base + high * 2**32 + low`` in int64 (all int64 [L, E], >= 0, the halves' sums below 2**62), or None
+    when any count is past the int64 range. Exact: the halves are carried, never wrapped."""
+    low = low + (base & _LOW)
+    high = high + (base >> 32) + (low >> 32)
+    if high.size and int(high.max()) >= _HIGH_LIMIT:
+        return None
+    return (high << 32) | (low & _LOW)
+
+
+def window_sum(steps: list[DeviceStep], base: np.ndarray) -> WindowSum:
+    """The window's total: ``base`` (int64 [L, E], the host steps' sum, >= 0) plus every device step in
+    ``steps`` (oldest first, all on one device), folded to logical experts through each step's own phy2log and
+    summed on the device; one device-to-host copy (each step's minimum and the [L, E] sums).
+
+    The sums are exact: steps of at most 32-bit counts are summed in int64 (no wrap below 2**31 / P steps); with
+    int64 counts, or more steps than that, the 32-bit halves of the counts are summed apart and carried on the host.
+    Checked here, not when recorded (that would read the device every step): a step with a negative count is
+    refused (``expert counts must be >= 0, found N``), and so is every step that would take the window past the
+    int64 range, in the order they were recorded, as ``record()`` refuses a host step (``... per slot sum past the
+    int64 range for a logical expert`` for a step that does alone, else ``... would take the load window's sum past
+    the int64 range``); only on such a window is the device read again (a flag per step).
+
+    Returns:
+        :class:`WindowSum`: the total, or the refused steps and the message of the first refusal.
+    """
+    pd = paddle()
+    num_layers, num_logical = base.shape
+    groups: dict[tuple[str, int], list[int]] = {}  # steps summed together: same dtype, same routing
+    for i, step in enumerate(steps):
+        groups.setdefault((count_dtype(step.counts), id(step.phy2log)), []).append(i)
+    widest = max(int(step.counts.shape[1]) for step in steps)
+    halves = any(dtype == "int64" for dtype, _ in groups) or len(steps) * widest >= _HIGH_LIMIT
+    index: dict[int, Any] = {}
+    mins, high, low, order = [], [], [], []
+    for idx in groups.values():
+        x = pd.stack([steps[i].counts for i in idx]).astype("int64")  # [n, L, X]
+        mins.append(x.min(axis=[1, 2]))
+        order += idx
+        phy2log = steps[idx[0]].phy2log
+        if halves:
+            h, lo = _halves(x)
+            high.append(_fold(h.sum(axis=0), phy2log, num_logical, index))
+            low.append(_fold(lo.sum(axis=0), phy2log, num_logical, index))
+        else:
+            high.append(_fold(x.sum(axis=0), phy2log, num_logical, index))
+    parts = [pd.concat(mins), pd.add_n(high).flatten()] + ([pd.add_n(low).flatten()] if halves else [])
+    host = pd.concat(parts).numpy()  # the publication's one device-to-host copy
+    n, size = len(steps), num_layers * num_logical
+    step_min = np.empty(n, np.int64)
+    step_min[order] = host[:n]
+    if (step_min < 0).any():
+        negative = np.flatnonzero(step_min < 0).tolist()
+        error = f"expert counts must be >= 0, found {int(step_min.min())}"
+        dropped = set(negative)
+        rest = [i for i in range(n) if i not in dropped]
+        later = window_sum([steps[i] for i in rest], base) if rest else WindowSum(base.copy(), [], None)
+        return WindowSum(None, sorted(negative + [rest[i] for i in later.bad]), error)
+    sums = host[n:n + size].reshape(num_layers, num_logical)
+    if halves:
+        total = _combine(base, sums, host[n + size:].reshape(num_layers, num_logical))
+    else:
+        total = _combine(base, sums >> 32, sums & _LOW)
+    if total is not None:
+        return WindowSum(total, [], None)
+    return _refuse_overflow(steps, base, index)
+
+
+def _refuse_overflow(steps: list[DeviceStep], base: np.ndarray, index: dict[int, Any]) -> WindowSum:
+    """A window past the int64 range: replay the steps on the device in order, each added only if the running
+    sum stays in range (what ``record()`` does with a host step), and name the steps left out."""
+    pd = paddle()
+    place = steps[0].counts.place
+    num_logical = base.shape[1]
+    run_high = pd.to_tensor(base >> 32, place=place)
+    run_low = pd.to_tensor(base & _LOW, place=place)
+    kept, alone = [], []
+    for step in steps:
+        h, lo = _halves(step.counts.astype("int64"))
+        h, lo = _fold(h, step.phy2log, num_logical, index), _fold(lo, step.phy2log, num_logical, index)
+        h, lo = _halves_carried(h, lo)
+        alone.append(h.max() >= _HIGH_LIMIT)
+        cand_h, cand_lo = _halves_carried(run_high + h, run_low + lo)
+        ok = cand_h.max() < _HIGH_LIMIT
+        kept.append(ok)
+        run_high, run_low = pd.where(ok, cand_h, run_high), pd.where(ok, cand_lo, run_low)
+    flags = pd.stack([pd.stack(kept), pd.stack(alone)]).numpy()  # the one extra read of a refused window
+    bad = np.flatnonzero(~flags[0]).tolist()
+    if flags[1][bad[0]]:
+        error = "expert counts per slot sum past the int64 range for a logical expert"
+    else:
+        error = "expert counts would take the load window's sum past the int64 range"
+    return WindowSum(None, bad, error)
+
+
+def _halves_carried(high: Any, low: Any) -> tuple[Any, Any]:
+    """(high, low) with low's carry moved into high: low back in [0, 2**32)."""
+    carry, low = _halves(low)
+    return high + carry, low
