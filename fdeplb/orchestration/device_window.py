@@ -15,6 +15,9 @@ torch tensor is taken through DLPack (zero-copy). torch is not a dependency.
 
 from __future__ import annotations
 
+import collections
+import sys
+import threading
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -65,9 +68,41 @@ def count_dtype(t: Any) -> str:
     return dtype_name(t)
 
 
-def copy_step(t: Any, phy2log: np.ndarray | None) -> DeviceStep:
-    """A :class:`DeviceStep` of ``t``: one device copy (the engine may reuse its tensor), queued, not waited for."""
-    return DeviceStep(t.clone(), phy2log)
+class StepCopies:
+    """The device copies a window's steps are kept in (the engine may reuse its own tensor next step): a copy
+    nothing else holds any more (its step left the window and no publication reads it) is written again instead
+    of allocating a new one, so a recorded step is one device copy into memory already there (an allocation among
+    a thousand live blocks costs the host more than the copy). Thread-safe.
+
+    Args:
+        keep: copies remembered per kind (shape, dtype, place); past that, the oldest is only forgotten, not reused.
+    """
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.keep = keep
+        self._rings: dict[tuple, collections.deque] = {}
+        self._lock = threading.Lock()
+
+    def copy(self, t: Any, kind: tuple) -> Any:
+        """A copy of ``t`` on its device (queued, not waited for); ``kind``: a key naming ``t``'s shape, dtype
+        and place (copies are reused within a kind only)."""
+        with self._lock:
+            ring = self._rings.get(kind)
+            if ring is None:
+                ring = self._rings[kind] = collections.deque(maxlen=self.keep)
+            if ring and sys.getrefcount(ring[0]) == 2:  # held by the ring alone (and getrefcount's argument)
+                copy = ring[0]
+                ring.rotate(-1)
+                copy.copy_(t, False)
+                return copy
+            copy = t.clone()
+            ring.append(copy)
+            return copy
+
+    def clear(self) -> None:
+        """Forget every copy (those still in a window stay there)."""
+        with self._lock:
+            self._rings.clear()
 
 
 def _fold(x: Any, phy2log: np.ndarray | None, num_logical: int, index: dict[int, Any]) -> Any:
@@ -91,7 +126,7 @@ def _halves(x: Any) -> tuple[Any, Any]:
 
 
 def _combine(base: np.ndarray, high: np.ndarray, low: np.ndarray) -> np.ndarray | None:
-    """``base + high * 2**32 + low`` in int64 (all int64 [L, E], >= 0, the halves' sums below 2**62), or None
+    """``base + high * 2**32 + low`` in int64 (all int64 [L, E], >= 0, below 2**62), or None
     when any count is past the int64 range. Exact: the halves are carried, never wrapped."""
     low = low + (base & _LOW)
     high = high + (base >> 32) + (low >> 32)
@@ -100,59 +135,102 @@ def _combine(base: np.ndarray, high: np.ndarray, low: np.ndarray) -> np.ndarray 
     return (high << 32) | (low & _LOW)
 
 
-def window_sum(steps: list[DeviceStep], base: np.ndarray) -> WindowSum:
-    """The window's total: ``base`` (int64 [L, E], the host steps' sum, >= 0) plus every device step in
-    ``steps`` (oldest first, all on one device), folded to logical experts through each step's own phy2log and
-    summed on the device; one device-to-host copy (each step's minimum and the [L, E] sums).
+#: device steps summed together once and kept (a block's sums are reused by every later publication it is whole in)
+BLOCK_STEPS = 64
 
-    The sums are exact: steps of at most 32-bit counts are summed in int64 (no wrap below 2**31 / P steps); with
-    int64 counts, or more steps than that, the 32-bit halves of the counts are summed apart and carried on the host.
-    Checked here, not when recorded (that would read the device every step): a step with a negative count is
-    refused (``expert counts must be >= 0, found N``), and so is every step that would take the window past the
-    int64 range, in the order they were recorded, as ``record()`` refuses a host step (``... per slot sum past the
-    int64 range for a logical expert`` for a step that does alone, else ``... would take the load window's sum past
-    the int64 range``); only on such a window is the device read again (a flag per step).
 
-    Returns:
-        :class:`WindowSum`: the total, or the refused steps and the message of the first refusal.
-    """
+class _Partial(NamedTuple):
+    """Some device steps' sums on their device: each step's smallest count (int64 [n], in ``order``: indices into
+    those steps) and the 32-bit halves of their folded sum (int64 [L, E] each: sum = high * 2**32 + low)."""
+
+    mins: Any
+    order: list[int]
+    high: Any
+    low: Any
+
+
+def _partial(steps: list[DeviceStep], num_logical: int, index: dict[int, Any]) -> _Partial:
+    """:class:`_Partial` of at most :data:`BLOCK_STEPS` steps, summed per (dtype, routing): counts of at most 32
+    bits in int64 (at most 64 steps x P slots of < 2**31: no wrap), int64 counts by their halves."""
     pd = paddle()
-    num_layers, num_logical = base.shape
     groups: dict[tuple[str, int], list[int]] = {}  # steps summed together: same dtype, same routing
     for i, step in enumerate(steps):
         groups.setdefault((count_dtype(step.counts), id(step.phy2log)), []).append(i)
-    widest = max(int(step.counts.shape[1]) for step in steps)
-    halves = any(dtype == "int64" for dtype, _ in groups) or len(steps) * widest >= _HIGH_LIMIT
-    index: dict[int, Any] = {}
     mins, high, low, order = [], [], [], []
-    for idx in groups.values():
-        x = pd.stack([steps[i].counts for i in idx]).astype("int64")  # [n, L, X]
-        mins.append(x.min(axis=[1, 2]))
+    for (dtype, _), idx in groups.items():
+        x = pd.stack([steps[i].counts for i in idx])  # [n, L, X], the counts' own dtype
+        if dtype not in ("int32", "int64"):  # paddle's min / sum kernels take int32 and int64 only
+            x = x.astype("int32")
+        mins.append(x.min(axis=[1, 2]).astype("int64"))
         order += idx
         phy2log = steps[idx[0]].phy2log
-        if halves:
+        if dtype == "int64":
             h, lo = _halves(x)
             high.append(_fold(h.sum(axis=0), phy2log, num_logical, index))
             low.append(_fold(lo.sum(axis=0), phy2log, num_logical, index))
         else:
-            high.append(_fold(x.sum(axis=0), phy2log, num_logical, index))
-    parts = [pd.concat(mins), pd.add_n(high).flatten()] + ([pd.add_n(low).flatten()] if halves else [])
+            h, lo = _halves(_fold(pd.sum(x, axis=0, dtype="int64"), phy2log, num_logical, index))
+            high.append(h)
+            low.append(lo)
+    return _Partial(pd.concat(mins), order, pd.add_n(high), pd.add_n(low))
+
+
+def window_sum(steps: list[DeviceStep], seqs: list[int], base: np.ndarray, blocks: dict[int, Any]) -> WindowSum:
+    """The window's total: ``base`` (int64 [L, E], the host steps' sum, >= 0) plus every device step in
+    ``steps`` (oldest first, all on one device; ``seqs``: their numbers, counted up as they were recorded),
+    folded to logical experts through each step's own phy2log and summed on the device; one device-to-host copy
+    (each step's minimum and the [L, E] sums).
+
+    Steps are summed in blocks of :data:`BLOCK_STEPS` consecutive numbers: a whole block's sums are kept in
+    ``blocks`` (the caller's, one per window; a number is never given twice, so a whole block is the same steps
+    while it stays whole) and reused by the next publications, so a publication sums only the
+    steps recorded since the last one and the two partial blocks at the window's ends. The sums are exact: the
+    32-bit halves of the folded counts are summed apart and carried on the host (no wrap for fewer than ~2**17
+    blocks). Checked here, not when recorded (that would read the device every step): a step with a negative
+    count is refused (``expert counts must be >= 0, found N``), and so is every step that would take the window
+    past the int64 range, in the order they were recorded, as ``record()`` refuses a host step (``... per slot sum
+    past the int64 range for a logical expert`` for a step that does alone, else ``... would take the load
+    window's sum past the int64 range``); only on such a window is the device read again (a flag per step).
+
+    Returns:
+        :class:`WindowSum`: the total, or the refused steps (indices into ``steps``) and the first refusal's message.
+    """
+    pd = paddle()
+    num_layers, num_logical = base.shape
+    index: dict[int, Any] = {}
+    by_block: dict[int, list[int]] = {}
+    for i, seq in enumerate(seqs):
+        by_block.setdefault(seq // BLOCK_STEPS, []).append(i)
+    kept: dict[int, Any] = {}
+    partials = []
+    for block, idx in by_block.items():
+        members = [steps[i] for i in idx]
+        if len(idx) < BLOCK_STEPS:  # the window's ends (or a block with refused steps): summed each time
+            partials.append((idx, _partial(members, num_logical, index)))
+            continue
+        cached = blocks.get(block)  # a whole block: its numbers, hence its steps, are the same as when cached
+        if cached is None:
+            cached = _partial(members, num_logical, index)
+        kept[block] = cached
+        partials.append((idx, cached))
+    blocks.clear()
+    blocks.update(kept)  # whole blocks still in the window: the rest expired
+    parts = [pd.concat([p.mins for _, p in partials]), pd.add_n([p.high for _, p in partials]).flatten(),
+             pd.add_n([p.low for _, p in partials]).flatten()]
     host = pd.concat(parts).numpy()  # the publication's one device-to-host copy
     n, size = len(steps), num_layers * num_logical
     step_min = np.empty(n, np.int64)
-    step_min[order] = host[:n]
+    step_min[[idx[j] for idx, p in partials for j in p.order]] = host[:n]
     if (step_min < 0).any():
         negative = np.flatnonzero(step_min < 0).tolist()
         error = f"expert counts must be >= 0, found {int(step_min.min())}"
         dropped = set(negative)
         rest = [i for i in range(n) if i not in dropped]
-        later = window_sum([steps[i] for i in rest], base) if rest else WindowSum(base.copy(), [], None)
+        later = (window_sum([steps[i] for i in rest], [seqs[i] for i in rest], base, blocks) if rest
+                 else WindowSum(base.copy(), [], None))
         return WindowSum(None, sorted(negative + [rest[i] for i in later.bad]), error)
-    sums = host[n:n + size].reshape(num_layers, num_logical)
-    if halves:
-        total = _combine(base, sums, host[n + size:].reshape(num_layers, num_logical))
-    else:
-        total = _combine(base, sums >> 32, sums & _LOW)
+    total = _combine(base, host[n:n + size].reshape(num_layers, num_logical),
+                     host[n + size:].reshape(num_layers, num_logical))
     if total is not None:
         return WindowSum(total, [], None)
     return _refuse_overflow(steps, base, index)

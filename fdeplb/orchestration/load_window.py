@@ -6,10 +6,12 @@ range) and the physical -> logical fold; :class:`ExpertLoadWindow` holds what it
 count in [0, int64 max]) and sums it exactly. Device counts (a paddle tensor, or a torch tensor through DLPack):
 :class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype, place) and keeps a copy
 of the step on its device; the window sums, folds and checks its device steps when it is published
-(:mod:`fdeplb.orchestration.device_window`), so ``record()`` reads nothing back from the device. :class:`LoadRecorder` (mixed into the rank agent) is ``record()``, the ``clear_stat`` request and the
-publication: a round's collection and the periodic one both go through :meth:`LoadRecorder._defer_window`, where
-the store checks the window as it lays out the write (``Store.deferred_publish``: at most
-``fdeplb.placement.MAX_LOAD`` = 2**53 per count, whole numbers: a fractional window is refused, never truncated).
+(:mod:`fdeplb.orchestration.device_window`), so ``record()`` reads nothing back from the device.
+
+:class:`LoadRecorder` (mixed into the rank agent) is ``record()``, the ``clear_stat`` request and the publication:
+a round's collection and the periodic one both go through :meth:`LoadRecorder._defer_window`, where the store
+checks the window as it lays out the write (``Store.deferred_publish``: at most ``fdeplb.placement.MAX_LOAD`` =
+2**53 per count, whole numbers: a fractional window is refused, never truncated).
 
 The two ceilings differ on purpose (a test pins the window's): the window accumulates exactly up to the int64
 range (so that it never wraps, however long it runs), the store publishes only what float64 holds exactly.
@@ -26,7 +28,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import ClusterState
-from fdeplb.orchestration.device_window import (INT_DTYPES, DeviceStep, copy_step, count_dtype, device_tensor,
+from fdeplb.orchestration.device_window import (INT_DTYPES, DeviceStep, StepCopies, count_dtype, device_tensor,
                                                 window_sum)
 from fdeplb.store import ClusterConfig, ClusterRecord
 
@@ -64,9 +66,14 @@ class DeviceCounts:
     The values (negative counts, the int64 range) are checked when the window is published
     (:func:`~fdeplb.orchestration.device_window.window_sum`)."""
 
+    #: kinds remembered at most (a dtype object that is not a singleton would only cost re-checks)
+    MAX_KINDS = 64
+
     def __init__(self) -> None:
-        self._known: dict[tuple, bool] = {}  # (shape, dtype, place, physical) -> per-slot counts
+        # (*shape, id(dtype), physical) -> (dtype, per-slot counts); the dtype kept alive keeps its id unique
+        self._known: dict[tuple, tuple[Any, bool]] = {}
         self.place: Any = None  # of the first device step: every later one must be on it
+        self.copies = StepCopies()
 
     def step(self, t: Any, live_phy2log: np.ndarray, num_logical: int, physical: bool | None) -> DeviceStep:
         """The :class:`~fdeplb.orchestration.device_window.DeviceStep` of ``t`` (a paddle tensor, [L, E] or
@@ -76,18 +83,27 @@ class DeviceCounts:
         Raises:
             InputError: not an integer dtype (float, bool), wrong shape, or another device than earlier steps'.
         """
-        key = (tuple(t.shape), t.dtype, t.place, physical)
-        per_slot = self._known.get(key)
-        if per_slot is None:
-            dtype = count_dtype(t)
-            if dtype not in INT_DTYPES:
-                raise InputError(f"expert counts must be an integer array, got dtype {dtype}")
-            per_slot = counts_physical(key[0], live_phy2log.shape, num_logical, physical)
-            if self.place is not None and t.place != self.place:
-                raise InputError(f"expert counts on {t.place}, the load window's steps are on {self.place}")
-            self.place = t.place
-            self._known[key] = per_slot
-        return copy_step(t, live_phy2log if per_slot else None)
+        dtype = t.dtype
+        key = (*t.shape, id(dtype), physical)  # host metadata only: ~1 us, no device work
+        known = self._known.get(key)
+        if known is None or not t.place._equals(self.place):
+            known = self._check(t, key, live_phy2log, num_logical, physical)
+        return DeviceStep(self.copies.copy(t, key), live_phy2log if known[1] else None)
+
+    def _check(self, t: Any, key: tuple, live_phy2log: np.ndarray, num_logical: int,
+               physical: bool | None) -> tuple[Any, bool]:
+        """The first step of a kind (or on another place): dtype, shape and place checked, the kind remembered."""
+        name = count_dtype(t)
+        if name not in INT_DTYPES:
+            raise InputError(f"expert counts must be an integer array, got dtype {name}")
+        per_slot = counts_physical(tuple(t.shape), live_phy2log.shape, num_logical, physical)
+        if self.place is not None and not t.place._equals(self.place):
+            raise InputError(f"expert counts on {t.place}, the load window's steps are on {self.place}")
+        self.place = t.place
+        if len(self._known) >= self.MAX_KINDS:
+            self._known.clear()
+        known = self._known[key] = (t.dtype, per_slot)
+        return known
 
 
 def fold_counts(counts: Any, live_phy2log: np.ndarray, num_logical: int, *, physical: bool | None = None) -> np.ndarray:
@@ -160,10 +176,14 @@ class ExpertLoadWindow:
         self.max_steps = None if steps is None else int(steps)
         self.seconds = None if seconds is None else float(seconds)
         self.clock = clock
-        self._entries: collections.deque[tuple[float, np.ndarray | DeviceStep]] = collections.deque()
+        # (time, step, number): numbers count every step up; a device step's number places it in a block
+        self._entries: collections.deque[tuple[float, np.ndarray | DeviceStep, int]] = collections.deque()
+        self._recorded = 0
         self._total = np.zeros(self.shape, dtype=np.int64)  # of the host steps
         self._device_steps = 0
+        self._blocks: dict[int, Any] = {}  # whole blocks' device sums (window_sum's)
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # one reader of the device steps at a time: they share the blocks
 
     def add(self, load: np.ndarray) -> None:
         """Add one step's load, int64 [L, E], each count >= 0 (what :func:`fold_counts` returns: not checked
@@ -185,7 +205,8 @@ class ExpertLoadWindow:
                 raise InputError("expert counts would take the load window's sum past the int64 range")
             if full:
                 self._drop_oldest()
-            self._entries.append((now, load))
+            self._entries.append((now, load, self._recorded))
+            self._recorded += 1
             self._total += load
 
     def add_device(self, step: DeviceStep) -> None:
@@ -196,7 +217,8 @@ class ExpertLoadWindow:
             self._expire(now)
             if self.max_steps is not None and len(self._entries) == self.max_steps:
                 self._drop_oldest()
-            self._entries.append((now, step))
+            self._entries.append((now, step, self._recorded))
+            self._recorded += 1
             self._device_steps += 1
 
     def _drop_oldest(self) -> None:
@@ -221,18 +243,20 @@ class ExpertLoadWindow:
                 (a step with a negative count; past the range: each step that would take the sum, host steps
                 first, then device steps oldest first, past it), the others kept.
         """
-        with self._lock:
-            self._expire(self.clock())
-            base = self._total.copy()
-            steps = [e for _, e in self._entries if isinstance(e, DeviceStep)] if self._device_steps else []
-        if not steps:
-            return base
-        result = window_sum(steps, base)
+        with self._publish_lock:
+            with self._lock:
+                self._expire(self.clock())
+                base = self._total.copy()
+                if not self._device_steps:
+                    return base
+                device = [(e, n) for _, e, n in self._entries if isinstance(e, DeviceStep)]
+            steps = [e for e, _ in device]
+            result = window_sum(steps, [n for _, n in device], base, self._blocks)
         if result.total is not None:
             return result.total
         refused = {id(steps[i]) for i in result.bad}
         with self._lock:  # those of the refused steps still in the window (some may have expired meanwhile)
-            kept = [(t, e) for t, e in self._entries if id(e) not in refused]
+            kept = [entry for entry in self._entries if id(entry[1]) not in refused]
             self._device_steps -= len(self._entries) - len(kept)
             self._entries = collections.deque(kept)
         raise InputError(result.error)
@@ -244,10 +268,11 @@ class ExpertLoadWindow:
 
     def clear(self) -> None:
         """Empty the window (FastDeploy's ``clear_stat``)."""
-        with self._lock:
+        with self._publish_lock, self._lock:
             self._entries.clear()
             self._total[...] = 0
             self._device_steps = 0
+            self._blocks.clear()
 
 
 class LoadRecorder:
