@@ -211,7 +211,8 @@ class ExpertLoadWindow:
 
     def add_device(self, step: DeviceStep) -> None:
         """Add one step kept on its device (:class:`DeviceCounts`): no device work here, no read; its values are
-        checked when the window is read (:meth:`total`)."""
+        checked when the window is read (:meth:`total`). It counts toward the step limit from now: a step refused
+        later has pushed the oldest one out (the next step taken fills its place, no step is pushed out then)."""
         now = self.clock()
         with self._lock:
             self._expire(now)
