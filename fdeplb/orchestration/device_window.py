@@ -69,40 +69,44 @@ def count_dtype(t: Any) -> str:
 
 
 class StepCopies:
-    """The device copies a window's steps are kept in (the engine may reuse its own tensor next step): a copy
-    nothing else holds any more (its step left the window and no publication reads it) is written again instead
-    of allocating a new one, so a recorded step is one device copy into memory already there (an allocation among
-    a thousand live blocks costs the host more than the copy). Thread-safe.
+    """The device copies a window's steps of one kind (shape, dtype) are kept in (the engine may reuse its own
+    tensor next step), on the device of the kind's first step: a copy nothing else holds any more (its step left
+    the window and no publication reads it) is written again, so a recorded step is one device copy into memory
+    already there. The copies are reserved together, at the first step: the window's step limit plus one (an
+    allocation per step, among a thousand live ones, and its first touch cost the host several times the copy), or
+    blocks of :data:`BLOCK_STEPS` as a time-limited window needs them. Thread-safe.
 
     Args:
-        keep: copies remembered per kind (shape, dtype, place); past that, the oldest is only forgotten, not reused.
+        reserve: copies to reserve at once (the window's step limit; None: grow by blocks).
+        most: copies at most; past that a step is copied into a new tensor of its own (not kept here).
     """
 
-    def __init__(self, keep: int = 4096) -> None:
-        self.keep = keep
-        self._rings: dict[tuple, collections.deque] = {}
+    def __init__(self, reserve: int | None = None, most: int = 4096) -> None:
+        self.reserve = reserve
+        self.most = max(most, (reserve or 0) + 1)
+        self._ring: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
-    def copy(self, t: Any, kind: tuple) -> Any:
-        """A copy of ``t`` on its device (queued, not waited for); ``kind``: a key naming ``t``'s shape, dtype
-        and place (copies are reused within a kind only)."""
+    def copy(self, t: Any) -> Any:
+        """A copy of ``t`` on its device (queued, not waited for)."""
         with self._lock:
-            ring = self._rings.get(kind)
-            if ring is None:
-                ring = self._rings[kind] = collections.deque(maxlen=self.keep)
-            if ring and sys.getrefcount(ring[0]) == 2:  # held by the ring alone (and getrefcount's argument)
-                copy = ring[0]
-                ring.rotate(-1)
-                copy.copy_(t, False)
-                return copy
-            copy = t.clone()
-            ring.append(copy)
+            ring = self._ring
+            if not ring or sys.getrefcount(ring[0]) != 2:  # free: held by the ring alone (and getrefcount's argument)
+                grow = (self.reserve or 0) + 1 if not ring else BLOCK_STEPS
+                grow = min(max(grow, BLOCK_STEPS), self.most - len(ring))
+                if grow <= 0:
+                    return t.clone()
+                ring.extendleft(_reserve(t, grow))
+            copy = ring[0]
+            ring.rotate(-1)
+            copy.copy_(t, False)
             return copy
 
-    def clear(self) -> None:
-        """Forget every copy (those still in a window stay there)."""
-        with self._lock:
-            self._rings.clear()
+
+def _reserve(t: Any, n: int) -> list[Any]:
+    """``n`` tensors of ``t``'s shape and dtype on its place: views of one allocation, zeroed (touched) now."""
+    block = paddle().zeros_like(t).unsqueeze(0).tile([n] + [1] * len(t.shape))
+    return list(block.unbind(0))
 
 
 def _fold(x: Any, phy2log: np.ndarray | None, num_logical: int, index: dict[int, Any]) -> Any:

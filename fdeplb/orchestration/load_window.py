@@ -4,7 +4,7 @@ one path by which the window is published.
 Host counts (numpy arrays, lists): :func:`fold_counts` is the one check of a step's counts (integer dtype, shape,
 range) and the physical -> logical fold; :class:`ExpertLoadWindow` holds what it returns (int64 [L, E], every
 count in [0, int64 max]) and sums it exactly. Device counts (a paddle tensor, or a torch tensor through DLPack):
-:class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype, place) and keeps a copy
+:class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype) and keeps a copy
 of the step on its device; the window sums, folds and checks its device steps when it is published
 (:mod:`fdeplb.orchestration.device_window`), so ``record()`` reads nothing back from the device.
 
@@ -60,20 +60,23 @@ def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_
 
 
 class DeviceCounts:
-    """A worker's device tensors of counts, one step at a time: the dtype (an integer one), shape
-    (:func:`counts_physical`) and device (the window's steps are summed on one) are checked once per distinct
-    (shape, dtype, place, ``physical``) and remembered; a step of a known kind costs one device copy and no read.
+    """A worker's device tensors of counts, one step at a time: the dtype (an integer one) and shape
+    (:func:`counts_physical`) are checked once per distinct (shape, dtype, ``physical``) and remembered; a step of a
+    known kind costs one device copy and no read. The copies of a kind live on the device of its first step: a
+    tensor on another device is copied there (a cross-device copy, which may wait: keep the counts on one device).
     The values (negative counts, the int64 range) are checked when the window is published
-    (:func:`~fdeplb.orchestration.device_window.window_sum`)."""
+    (:func:`~fdeplb.orchestration.device_window.window_sum`). ``window_steps``: the window's step limit, the copies
+    reserved for a kind when it is first seen (:class:`~fdeplb.orchestration.device_window.StepCopies`)."""
 
     #: kinds remembered at most (a dtype object that is not a singleton would only cost re-checks)
     MAX_KINDS = 64
 
-    def __init__(self) -> None:
-        # (*shape, id(dtype), physical) -> (dtype, per-slot counts); the dtype kept alive keeps its id unique
-        self._known: dict[tuple, tuple[Any, bool]] = {}
-        self.place: Any = None  # of the first device step: every later one must be on it
-        self.copies = StepCopies()
+    def __init__(self, window_steps: int | None = None) -> None:
+        # (*shape, id(dtype), physical) -> (dtype, per-slot counts, the kind's copies); the dtype kept alive keeps
+        # its id unique
+        self._known: dict[tuple, tuple[Any, bool, StepCopies]] = {}
+        self.window_steps = window_steps
+        self._copies: dict[tuple, StepCopies] = {}
 
     def step(self, t: Any, live_phy2log: np.ndarray, num_logical: int, physical: bool | None) -> DeviceStep:
         """The :class:`~fdeplb.orchestration.device_window.DeviceStep` of ``t`` (a paddle tensor, [L, E] or
@@ -81,28 +84,27 @@ class DeviceCounts:
         step routed with; replaced, never changed in place, when the placement changes).
 
         Raises:
-            InputError: not an integer dtype (float, bool), wrong shape, or another device than earlier steps'.
+            InputError: not an integer dtype (float, bool), or a wrong shape.
         """
-        dtype = t.dtype
-        key = (*t.shape, id(dtype), physical)  # host metadata only: ~1 us, no device work
+        key = (*t.shape, id(t.dtype), physical)  # host metadata only: < 1 us, no device work
         known = self._known.get(key)
-        if known is None or not t.place._equals(self.place):
+        if known is None:
             known = self._check(t, key, live_phy2log, num_logical, physical)
-        return DeviceStep(self.copies.copy(t, key), live_phy2log if known[1] else None)
+        return DeviceStep(known[2].copy(t), live_phy2log if known[1] else None)
 
     def _check(self, t: Any, key: tuple, live_phy2log: np.ndarray, num_logical: int,
-               physical: bool | None) -> tuple[Any, bool]:
-        """The first step of a kind (or on another place): dtype, shape and place checked, the kind remembered."""
+               physical: bool | None) -> tuple[Any, bool, StepCopies]:
+        """The first step of a kind: dtype and shape checked, the kind remembered."""
         name = count_dtype(t)
         if name not in INT_DTYPES:
             raise InputError(f"expert counts must be an integer array, got dtype {name}")
         per_slot = counts_physical(tuple(t.shape), live_phy2log.shape, num_logical, physical)
-        if self.place is not None and not t.place._equals(self.place):
-            raise InputError(f"expert counts on {t.place}, the load window's steps are on {self.place}")
-        self.place = t.place
         if len(self._known) >= self.MAX_KINDS:
             self._known.clear()
-        known = self._known[key] = (t.dtype, per_slot)
+        copies = self._copies.get(key[:-1])  # of a shape and dtype, whatever ``physical`` says (<= 10 valid ones)
+        if copies is None:
+            copies = self._copies[key[:-1]] = StepCopies(self.window_steps)
+        known = self._known[key] = (t.dtype, per_slot, copies)
         return known
 
 
@@ -215,8 +217,9 @@ class ExpertLoadWindow:
         later has pushed the oldest one out (the next step taken fills its place, no step is pushed out then)."""
         now = self.clock()
         with self._lock:
-            self._expire(now)
-            if self.max_steps is not None and len(self._entries) == self.max_steps:
+            if self.seconds is not None:
+                self._expire(now)
+            if len(self._entries) == self.max_steps:
                 self._drop_oldest()
             self._entries.append((now, step, self._recorded))
             self._recorded += 1
@@ -300,7 +303,7 @@ class LoadRecorder:
         self.window: ExpertLoadWindow | None = None
         self.publish_interval_s = publish_interval_s
         self._live_phy2log = None
-        self._device_counts = DeviceCounts()
+        self._device_counts = DeviceCounts(window_steps)
         self._next_publish = 0.0
         self._published_round = -1  # the newest round this agent knows its window was published for
         self._load_failed_round = -1
@@ -325,16 +328,15 @@ class LoadRecorder:
         - A numpy array (or a nested list): checked and folded at once, on the host
           (:func:`~fdeplb.orchestration.load_window.fold_counts`).
         - A paddle tensor (or a torch tensor, taken through DLPack without a copy), on any device: kept on that
-          device, one device copy per step and nothing read back (no ``.numpy()``, no sync): dtype, shape and
-          device are checked the first time a (shape, dtype, place) is seen (:class:`DeviceCounts`), the values
-          (negative counts, the int64 range) when the window is published, where a bad step is refused with the
-          same message and dropped, and the window is not published (an alarm says why).
+          device, one device copy per step and nothing read back (no ``.numpy()``, no sync): dtype and shape are
+          checked the first time a (shape, dtype) is seen (:class:`DeviceCounts`), the values (negative counts,
+          the int64 range) when the window is published, where a bad step is refused with the same message and
+          dropped, and the window is not published (an alarm says why).
 
         Raises:
             InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a host step with a negative
-                count or a count past the int64 range (also once summed per logical expert or into the window), a
-                device tensor on another device than earlier ones, or the agent is not started. Nothing is
-                recorded then.
+                count or a count past the int64 range (also once summed per logical expert or into the window), or
+                the agent is not started. Nothing is recorded then.
         """
         if self.window is None or self._live_phy2log is None:
             raise InputError("record() before start(): the agent has no load window yet")

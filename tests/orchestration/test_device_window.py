@@ -236,3 +236,31 @@ def test_a_torch_tensor_is_taken_through_dlpack():
     rec = _started()
     rec.record(torch.ones((2, 6), dtype=torch.int32))
     assert rec.window.total().tolist() == [[2, 2, 1, 1]] * 2
+
+
+def test_record_benchmark_smoke(monkeypatch):
+    """benchmarks/record.py on a tiny shape: its JSON fields, the windows equal and no host read per step (what
+    the benchmark measures, not how fast: timings are the benchmark's to judge, never a test's)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "record.py"
+    spec = importlib.util.spec_from_file_location("record_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script trims sys.path as it loads
+    spec.loader.exec_module(bench)
+    result = bench.main(["--layers", "3", "--physical", "8", "--logical", "6", "--steps", "150", "--window", "70",
+                         "--device", "cpu"])
+    assert result["benchmark"] == "record" and result["steps"] == 150 and result["window_steps"] == 70
+    assert result["window_exact"] is True and result["host_reads_per_step"] == 0
+    assert result["record_us"] > 0 and result["add_us"] > 0 and result["record_us_numpy"] > 0
+    assert result["record_vs_add"] == pytest.approx(result["record_us"] / result["add_us"], rel=0.01)
+    assert result["publish_us"] > 0 and result["publish_again_us"] > 0
+    assert result["step_slowdown"] is None and result["step_slowdown_skipped"]  # a CPU run
+    assert set(result["targets"]) == {"record_vs_add<=", "host_reads_per_step==", "window_exact", "step_slowdown<="}
+    original = paddle.Tensor.numpy
+    with bench.counted_host_reads(paddle) as reads:  # the counter sees a read: the old path reads every step
+        rec = _started()
+        rec.window.add(bench.fold_counts(paddle.ones([2, 6], dtype="int32"), rec._live_phy2log, 4))
+    assert reads["n"] == 1 and paddle.Tensor.numpy is original  # and the methods are given back
