@@ -174,12 +174,16 @@ def step_slowdown(pd, args: argparse.Namespace, phy2log: np.ndarray, tokens: int
         if record:
             rec.record(counts)
 
+    def sync() -> None:  # a CPU build has nothing to wait for (and its synchronize() refuses "cpu")
+        if pd.is_compiled_with_cuda():
+            pd.device.synchronize()
+
     def timed(record: bool) -> float:
-        pd.device.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(max(1, args.steps // 4)):
             step(record)
-        pd.device.synchronize()
+        sync()
         return time.perf_counter() - t0
 
     timed(True), timed(False)  # warm up (kernels, the recorder's kind check, the allocator)

@@ -259,6 +259,10 @@ def test_record_benchmark_smoke(monkeypatch):
     assert result["publish_us"] > 0 and result["publish_again_us"] > 0
     assert result["step_slowdown"] is None and result["step_slowdown_skipped"]  # a CPU run
     assert set(result["targets"]) == {"record_vs_add<=", "host_reads_per_step==", "window_exact", "step_slowdown<="}
+    # the CUDA branch's step loop, run here on the CPU at a tiny size: it runs and gives a ratio (its figure is a GPU's)
+    small = bench.parser().parse_args(["--layers", "2", "--physical", "8", "--logical", "6", "--steps", "8"])
+    assert bench.step_slowdown(paddle, small, _started(P=8, E=6)._live_phy2log, tokens=16, hidden=32,
+                               repeats=1) > 0
     original = paddle.Tensor.numpy
     with bench.counted_host_reads(paddle) as reads:  # the counter sees a read: the old path reads every step
         rec = _started()
