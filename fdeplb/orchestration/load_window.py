@@ -101,9 +101,10 @@ class DeviceCounts:
         per_slot = counts_physical(tuple(t.shape), live_phy2log.shape, num_logical, physical)
         if len(self._known) >= self.MAX_KINDS:
             self._known.clear()
-        copies = self._copies.get(key[:-1])  # of a shape and dtype, whatever ``physical`` says (<= 10 valid ones)
+        kind = (tuple(t.shape), name)  # the copies of a shape and dtype, whatever ``physical`` says (<= 10 kinds)
+        copies = self._copies.get(kind)
         if copies is None:
-            copies = self._copies[key[:-1]] = StepCopies(self.window_steps)
+            copies = self._copies[kind] = StepCopies(self.window_steps)
         known = self._known[key] = (t.dtype, per_slot, copies)
         return known
 
