@@ -1,12 +1,17 @@
 """The rank's load recorder: where a worker's routed-token counts enter fdeplb, the window that sums them, and the
 one path by which the window is published.
 
-:func:`fold_counts` is the one check of a step's counts (integer dtype, shape, range) and the physical -> logical
-fold; :class:`ExpertLoadWindow` holds only what it returns (int64 [L, E], every count in [0, int64 max]) and sums
-it exactly. :class:`LoadRecorder` (mixed into the rank agent) is ``record()``, the ``clear_stat`` request and the
-publication: a round's collection and the periodic one both go through :meth:`LoadRecorder._defer_window`, where
-the store checks the window as it lays out the write (``Store.deferred_publish``: at most
-``fdeplb.placement.MAX_LOAD`` = 2**53 per count, whole numbers: a fractional window is refused, never truncated).
+Host counts (numpy arrays, lists): :func:`fold_counts` is the one check of a step's counts (integer dtype, shape,
+range) and the physical -> logical fold; :class:`ExpertLoadWindow` holds what it returns (int64 [L, E], every
+count in [0, int64 max]) and sums it exactly. Device counts (a paddle tensor, or a torch tensor through DLPack):
+:class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype) and keeps a copy
+of the step on its device; the window sums, folds and checks its device steps when it is published
+(:mod:`fdeplb.orchestration.device_window`), so ``record()`` reads nothing back from the device.
+
+:class:`LoadRecorder` (mixed into the rank agent) is ``record()``, the ``clear_stat`` request and the publication:
+a round's collection and the periodic one both go through :meth:`LoadRecorder._defer_window`, where the store
+checks the window as it lays out the write (``Store.deferred_publish``: at most ``fdeplb.placement.MAX_LOAD`` =
+2**53 per count, whole numbers: a fractional window is refused, never truncated).
 
 The two ceilings differ on purpose (a test pins the window's): the window accumulates exactly up to the int64
 range (so that it never wraps, however long it runs), the store publishes only what float64 holds exactly.
@@ -23,12 +28,85 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import ClusterState
+from fdeplb.orchestration.device_window import (INT_DTYPES, DeviceStep, StepCopies, count_dtype, device_tensor,
+                                                window_sum)
 from fdeplb.store import ClusterConfig, ClusterRecord
 
 #: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
 LoadSource = Callable[[int], np.ndarray]
 
 INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_logical: int,
+                    physical: bool | None) -> bool:
+    """The one shape rule of a step's counts: True for per-slot counts ([L, P]), False for logical ones ([L, E]).
+    ``physical`` None: by shape (when E == P a [L, E] array is taken as logical).
+
+    Raises:
+        InputError: neither shape (or not the one ``physical`` names).
+    """
+    num_layers, num_phy = phy2log_shape
+    wanted = f"{(num_layers, num_logical)} (logical) or {(num_layers, num_phy)} (physical)"
+    if physical is None:
+        physical = shape == (num_layers, num_phy) and num_phy != num_logical
+    else:
+        physical = bool(physical)
+        wanted = f"{(num_layers, num_phy) if physical else (num_layers, num_logical)} (physical={physical})"
+    expected = (num_layers, num_phy) if physical else (num_layers, num_logical)
+    if shape != expected:
+        raise InputError(f"expert counts have shape {shape}, expected {wanted}")
+    return physical
+
+
+class DeviceCounts:
+    """A worker's device tensors of counts, one step at a time: the dtype (an integer one) and shape
+    (:func:`counts_physical`) are checked once per distinct (shape, dtype, ``physical``) and remembered; a step of a
+    known kind costs one device copy and no read. The copies of a kind live on the device of its first step: a
+    tensor on another device is copied there (a cross-device copy, which may wait: keep the counts on one device).
+    The values (negative counts, the int64 range) are checked when the window is published
+    (:func:`~fdeplb.orchestration.device_window.window_sum`). ``window_steps``: the window's step limit, the copies
+    reserved for a kind when it is first seen (:class:`~fdeplb.orchestration.device_window.StepCopies`)."""
+
+    #: kinds remembered at most (a dtype object that is not a singleton would only cost re-checks)
+    MAX_KINDS = 64
+
+    def __init__(self, window_steps: int | None = None) -> None:
+        # (*shape, id(dtype), physical) -> (dtype, per-slot counts, the kind's copies); the dtype kept alive keeps
+        # its id unique
+        self._known: dict[tuple, tuple[Any, bool, StepCopies]] = {}
+        self.window_steps = window_steps
+        self._copies: dict[tuple, StepCopies] = {}
+
+    def step(self, t: Any, live_phy2log: np.ndarray, num_logical: int, physical: bool | None) -> DeviceStep:
+        """The :class:`~fdeplb.orchestration.device_window.DeviceStep` of ``t`` (a paddle tensor, [L, E] or
+        [L, P], any integer dtype, on one device), tagged with ``live_phy2log`` (int64 [L, P], the placement the
+        step routed with; replaced, never changed in place, when the placement changes).
+
+        Raises:
+            InputError: not an integer dtype (float, bool), or a wrong shape.
+        """
+        key = (*t.shape, id(t.dtype), physical)  # host metadata only: < 1 us, no device work
+        known = self._known.get(key)
+        if known is None:
+            known = self._check(t, key, live_phy2log, num_logical, physical)
+        return DeviceStep(known[2].copy(t), live_phy2log if known[1] else None)
+
+    def _check(self, t: Any, key: tuple, live_phy2log: np.ndarray, num_logical: int,
+               physical: bool | None) -> tuple[Any, bool, StepCopies]:
+        """The first step of a kind: dtype and shape checked, the kind remembered."""
+        name = count_dtype(t)
+        if name not in INT_DTYPES:
+            raise InputError(f"expert counts must be an integer array, got dtype {name}")
+        per_slot = counts_physical(tuple(t.shape), live_phy2log.shape, num_logical, physical)
+        if len(self._known) >= self.MAX_KINDS:
+            self._known.clear()
+        kind = (tuple(t.shape), name)  # the copies of a shape and dtype, whatever ``physical`` says (<= 10 kinds)
+        copies = self._copies.get(kind)
+        if copies is None:
+            copies = self._copies[kind] = StepCopies(self.window_steps)
+        known = self._known[key] = (t.dtype, per_slot, copies)
+        return known
 
 
 def fold_counts(counts: Any, live_phy2log: np.ndarray, num_logical: int, *, physical: bool | None = None) -> np.ndarray:
@@ -53,15 +131,7 @@ def fold_counts(counts: Any, live_phy2log: np.ndarray, num_logical: int, *, phys
         raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
     num_layers, num_phy = live_phy2log.shape
     num_log = int(num_logical)
-    wanted = f"{(num_layers, num_log)} (logical) or {(num_layers, num_phy)} (physical)"
-    if physical is None:
-        physical = arr.shape == (num_layers, num_phy) and num_phy != num_log
-    else:
-        physical = bool(physical)
-        wanted = f"{(num_layers, num_phy) if physical else (num_layers, num_log)} (physical={physical})"
-    expected = (num_layers, num_phy) if physical else (num_layers, num_log)
-    if arr.shape != expected:
-        raise InputError(f"expert counts have shape {arr.shape}, expected {wanted}")
+    physical = counts_physical(arr.shape, live_phy2log.shape, num_log, physical)
     if arr.size:
         if arr.dtype.kind == "i" and int(arr.min()) < 0:
             raise InputError(f"expert counts must be >= 0, found {int(arr.min())}")
@@ -84,6 +154,11 @@ class ExpertLoadWindow:
     and/or the steps of the last ``seconds`` seconds, summed in int64 (exact past 2**31, where FastDeploy's int32
     accumulator wraps). Thread-safe: the worker adds, the agent's background thread reads.
 
+    Host steps (:meth:`add`) are summed as they come; device steps (:meth:`add_device`) are one bucket each, kept on
+    their device and summed, folded and checked there by :meth:`total` (every step expires as today's host steps
+    do: by count and by age). A device step :meth:`total` refuses (a negative count, past the int64 range) is
+    dropped from the window then.
+
     Args:
         num_layers, num_logical_experts: the shape [L, E] of one step's load.
         steps: keep at most this many steps (None: no step limit; then ``seconds`` is needed).
@@ -104,9 +179,14 @@ class ExpertLoadWindow:
         self.max_steps = None if steps is None else int(steps)
         self.seconds = None if seconds is None else float(seconds)
         self.clock = clock
-        self._entries: collections.deque[tuple[float, np.ndarray]] = collections.deque()
-        self._total = np.zeros(self.shape, dtype=np.int64)
+        # (time, step, number): numbers count every step up; a device step's number places it in a block
+        self._entries: collections.deque[tuple[float, np.ndarray | DeviceStep, int]] = collections.deque()
+        self._recorded = 0
+        self._total = np.zeros(self.shape, dtype=np.int64)  # of the host steps
+        self._device_steps = 0
+        self._blocks: dict[int, Any] = {}  # whole blocks' device sums (window_sum's)
         self._lock = threading.Lock()
+        self._publish_lock = threading.Lock()  # one reader of the device steps at a time: they share the blocks
 
     def add(self, load: np.ndarray) -> None:
         """Add one step's load, int64 [L, E], each count >= 0 (what :func:`fold_counts` returns: not checked
@@ -120,26 +200,71 @@ class ExpertLoadWindow:
         with self._lock:
             self._expire(now)  # time-based: would drop on any read as well
             full = self.max_steps is not None and len(self._entries) == self.max_steps
-            kept = self._total - self._entries[0][1] if full else self._total  # >= 0: no wrap below
+            oldest = self._entries[0][1] if full else None
+            kept = self._total - oldest if isinstance(oldest, np.ndarray) else self._total  # >= 0: no wrap below
             # per serving step: the two maxima bound every sum; the elementwise test only when they could wrap
             if (load.size and int(load.max()) > INT64_MAX - int(np.max(kept))
                     and bool(np.any(load > INT64_MAX - kept))):
                 raise InputError("expert counts would take the load window's sum past the int64 range")
             if full:
-                self._total -= self._entries.popleft()[1]
-            self._entries.append((now, load))
+                self._drop_oldest()
+            self._entries.append((now, load, self._recorded))
+            self._recorded += 1
             self._total += load
+
+    def add_device(self, step: DeviceStep) -> None:
+        """Add one step kept on its device (:class:`DeviceCounts`): no device work here, no read; its values are
+        checked when the window is read (:meth:`total`). It counts toward the step limit from now: a step refused
+        later has pushed the oldest one out (the next step taken fills its place, no step is pushed out then)."""
+        now = self.clock()
+        with self._lock:
+            if self.seconds is not None:
+                self._expire(now)
+            if len(self._entries) == self.max_steps:
+                self._drop_oldest()
+            self._entries.append((now, step, self._recorded))
+            self._recorded += 1
+            self._device_steps += 1
+
+    def _drop_oldest(self) -> None:
+        load = self._entries.popleft()[1]
+        if isinstance(load, np.ndarray):
+            self._total -= load
+        else:
+            self._device_steps -= 1
 
     def _expire(self, now: float) -> None:
         if self.seconds is not None:
             while self._entries and self._entries[0][0] < now - self.seconds:
-                self._total -= self._entries.popleft()[1]
+                self._drop_oldest()
 
     def total(self) -> np.ndarray:
-        """The window's sum, int64 [L, E] (a copy)."""
-        with self._lock:
-            self._expire(self.clock())
-            return self._total.copy()
+        """The window's sum, int64 [L, E] (a copy). With device steps: summed on their device, one device-to-host
+        copy (:func:`~fdeplb.orchestration.device_window.window_sum`), outside the lock (the worker records on).
+
+        Raises:
+            InputError: a device step has a negative count, or the window's sum would pass the int64 range (the
+                message is the one ``record()`` gives a host step); the steps refused are dropped from the window
+                (a step with a negative count; past the range: each step that would take the sum, host steps
+                first, then device steps oldest first, past it), the others kept.
+        """
+        with self._publish_lock:
+            with self._lock:
+                self._expire(self.clock())
+                base = self._total.copy()
+                if not self._device_steps:
+                    return base
+                device = [(e, n) for _, e, n in self._entries if isinstance(e, DeviceStep)]
+            steps = [e for e, _ in device]
+            result = window_sum(steps, [n for _, n in device], base, self._blocks)
+        if result.total is not None:
+            return result.total
+        refused = {id(steps[i]) for i in result.bad}
+        with self._lock:  # those of the refused steps still in the window (some may have expired meanwhile)
+            kept = [entry for entry in self._entries if id(entry[1]) not in refused]
+            self._device_steps -= len(self._entries) - len(kept)
+            self._entries = collections.deque(kept)
+        raise InputError(result.error)
 
     def __len__(self) -> int:
         """Steps in the window."""
@@ -148,9 +273,11 @@ class ExpertLoadWindow:
 
     def clear(self) -> None:
         """Empty the window (FastDeploy's ``clear_stat``)."""
-        with self._lock:
+        with self._publish_lock, self._lock:
             self._entries.clear()
             self._total[...] = 0
+            self._device_steps = 0
+            self._blocks.clear()
 
 
 class LoadRecorder:
@@ -177,6 +304,7 @@ class LoadRecorder:
         self.window: ExpertLoadWindow | None = None
         self.publish_interval_s = publish_interval_s
         self._live_phy2log = None
+        self._device_counts = DeviceCounts(window_steps)
         self._next_publish = 0.0
         self._published_round = -1  # the newest round this agent knows its window was published for
         self._load_failed_round = -1
@@ -195,18 +323,30 @@ class LoadRecorder:
 
         ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
         physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
-        the one the step routed with); a numpy array or a paddle tensor of any integer dtype. ``physical`` says
-        which (None: by shape; when E == P a [L, E] array is taken as logical). Accumulated in int64
-        (:func:`~fdeplb.orchestration.load_window.fold_counts` checks and folds them, once).
+        the one the step routed with), of any integer dtype. ``physical`` says which (None: by shape; when E == P
+        a [L, E] array is taken as logical). Accumulated in int64, exactly.
+
+        - A numpy array (or a nested list): checked and folded at once, on the host
+          (:func:`~fdeplb.orchestration.load_window.fold_counts`).
+        - A paddle tensor (or a torch tensor, taken through DLPack without a copy), on any device: kept on that
+          device, one device copy per step and nothing read back (no ``.numpy()``, no sync): dtype and shape are
+          checked the first time a (shape, dtype) is seen (:class:`DeviceCounts`), the values (negative counts,
+          the int64 range) when the window is published, where a bad step is refused with the same message and
+          dropped, and the window is not published (an alarm says why).
 
         Raises:
-            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a negative count, a count
-                past the int64 range (also once summed per logical expert or into the window), or the agent is
-                not started. Nothing is recorded then.
+            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a host step with a negative
+                count or a count past the int64 range (also once summed per logical expert or into the window), or
+                the agent is not started. Nothing is recorded then.
         """
         if self.window is None or self._live_phy2log is None:
             raise InputError("record() before start(): the agent has no load window yet")
-        self.window.add(fold_counts(counts, self._live_phy2log, self.window.shape[1], physical=physical))
+        tensor = device_tensor(counts)
+        if tensor is None:
+            self.window.add(fold_counts(counts, self._live_phy2log, self.window.shape[1], physical=physical))
+        else:
+            self.window.add_device(self._device_counts.step(tensor, self._live_phy2log, self.window.shape[1],
+                                                            physical))
 
     def _load_step(self, cluster: ClusterRecord) -> None:
         """One reconcile step's load work: carry out a new ``clear_stat`` request, publish the window when the

@@ -149,6 +149,29 @@ def test_the_periodic_publication_refuses_a_fractional_window_as_a_round_does(re
         assert store.read_load(0).expert_load.tolist() == [[3] * 16] * 3
 
 
+def test_a_device_window_with_a_negative_step_is_not_published_and_the_next_one_is(redis_url, cluster_id, tmp_path):
+    """Counts recorded as paddle tensors are checked when the window is published: a negative count fails that
+    publication with record()'s message (an alarm, nothing in the store), the step is dropped, the next
+    publication carries the good steps' window."""
+    import paddle
+    import structlog.testing
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=3600)
+        agent.start()
+        store = tc.store()
+        agent.record(paddle.full([3, 16], 2, dtype="int32"))
+        agent.record(paddle.full([3, 16], -1, dtype="int32"))
+        with structlog.testing.capture_logs() as logs:
+            agent.step()
+        assert store.read_load(0) is None
+        assert [e for e in logs if e["event"] == "load source failed" and "must be >= 0, found -1" in e["error"]]
+        assert len(agent.window) == 1
+        agent._next_publish = 0.0  # the next interval is due
+        agent.step()
+        assert store.read_load(0).expert_load.tolist() == [[2] * 16] * 3
+
+
 def test_clear_stat_request_empties_every_window(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         agents = [EmbeddedAgent(tc.store(), r, backend_factory=NumpyWeights.factory()).start()
