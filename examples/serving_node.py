@@ -467,7 +467,7 @@ def changes(node: Node) -> tuple[dict, bool]:
 def lose_rank(node: Node, lost: int) -> tuple[dict, bool]:
     """The elastic scenario (``--lose-rank``, see the module doc)."""
     from fdeplb.machines.tables import MEMBERSHIP, MemberState
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     store, state = node.store, node.state
     survivors = [r for r in range(EP) if r != lost]

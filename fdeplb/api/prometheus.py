@@ -33,8 +33,8 @@ from prometheus_client.registry import Collector
 
 from fdeplb.errors import CorruptRecordError, FdeplbError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.gating import mean_balancedness
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import mean_balancedness
 from fdeplb.store import Store
 
 #: histogram bucket bounds in seconds

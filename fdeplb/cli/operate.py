@@ -211,7 +211,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
 
     from fdeplb.errors import DeadlineError
     from fdeplb.machines.tables import CLUSTER, ClusterState
-    from fdeplb.orchestration.reasons import RoundOutcome, detail_of, round_outcome
+    from fdeplb.rounds.reasons import RoundOutcome, detail_of, round_outcome
 
     end = time.monotonic() + timeout_s
     last = None
@@ -257,7 +257,7 @@ def start_blockers(store, rec=None) -> str:
     coordinator's refusal recorded in the cluster record (stale ranks), no coordinator holding the lease (nobody
     would start it), ranks whose weights are not NORMAL (cleared or being updated; the start's guard)."""
     from fdeplb.machines.tables import WEIGHTS, WeightState
-    from fdeplb.orchestration.reasons import REFUSED
+    from fdeplb.rounds.reasons import REFUSED
 
     rec = rec or store.read_cluster()
     why = []

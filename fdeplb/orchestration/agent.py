@@ -39,7 +39,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
     StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
-from fdeplb.orchestration.membership import Rejoin, participants
+from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
 from fdeplb.orchestration.reconcile import run_until_stopped
@@ -47,6 +47,7 @@ from fdeplb.orchestration.recovery import records_lost
 from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
+from fdeplb.rounds.members import participants
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.cluster_config import check_pause_budget
 from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of

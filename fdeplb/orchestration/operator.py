@@ -1,7 +1,7 @@
 """The operator's escape hatches on a cluster (``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb
 cluster delete`` and their HTTP routes): abort the round in flight before the commit point, cancel a pending round
 request, change the settings that may change, delete the cluster. Each is audited with who asked (``by``, the
-actor) and why (``reason``), as structured detail (:class:`~fdeplb.orchestration.reasons.Reason`); a command that
+actor) and why (``reason``), as structured detail (:class:`~fdeplb.rounds.reasons.Reason`); a command that
 cannot apply changes nothing and raises a typed error saying why. The membership commands on one rank are
 :func:`fdeplb.orchestration.membership.operator_fire`'s.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 from fdeplb.errors import GenerationError, IllegalTransitionError, StaleStateError, StateError
 from fdeplb.machines.tables import CLUSTER, ClusterState
-from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import Fired, RecordHandle
+from fdeplb.rounds import reasons
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.records import check_request_reason
 from fdeplb.store.redis_store import stale_of

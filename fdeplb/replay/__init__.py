@@ -16,7 +16,7 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every a
   (LOAD_SUCC / SWAPPING / DONE only with every rank LOADED / SWAPPED for that plan, a start only with every rank
   IDLE and every weight status NORMAL, no clear while a round is past FREE, a fail / abort only before the plan is
   committed, a ``load`` only with its plan in the recording);
-- what a record says besides its states (the texts of :mod:`fdeplb.orchestration.reasons`): the start that follows
+- what a record says besides its states (the texts of :mod:`fdeplb.rounds.reasons`): the start that follows
   a start refused for stale ranks shows each of them fresh again (heartbeat age within its TTL); a cordoned
   cluster's commit names its external request; a weight ``updated`` names the cluster's current placement (an
   update reloads the current placement, never the initial one);
@@ -51,7 +51,7 @@ Modules, one concern each:
   rank), :mod:`~fdeplb.replay.weight_requests` (the cancel transitions' ``withdrawn`` guard) and
   :mod:`~fdeplb.replay.start_state` (``state_at``, the exporter's start state, no checks);
 - :mod:`~fdeplb.replay.recompute`: :func:`check_plans`, :func:`check_gates`, :func:`whatif`, on top of
-  :mod:`fdeplb.orchestration.gating`;
+  :mod:`fdeplb.rounds.gating`;
 - :mod:`~fdeplb.replay.anchor`: ``check_head``, the recording's last chain against a live audit (``--redis-url``);
 - :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`;
 - :mod:`~fdeplb.replay.verify`: ``check_recording``, the whole self-contained check of one file (``fdeplb replay``

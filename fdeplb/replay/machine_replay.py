@@ -38,6 +38,7 @@ from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
 # StartState and state_at live in start_state (the exporter's fold); importable from here as they were
 from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at  # noqa: F401
 from fdeplb.replay.weight_requests import WeightRequests
+from fdeplb.store import ClusterConfig
 from fdeplb.store.streams import parse_stream_id
 
 if TYPE_CHECKING:
@@ -136,8 +137,6 @@ class _Replay(RecordSays):
         header: HeaderLine = line.value
         if self.report.header is not None or self.report.records:
             raise ReplayError(f"line {line.line}: a header must be the first line, and only one")
-        from fdeplb.store.records import ClusterConfig
-
         try:
             config = ClusterConfig.from_json(header.config)
         except InputError as exc:

@@ -1,4 +1,4 @@
-"""Recomputing what a recording claims, on top of :mod:`fdeplb.orchestration.gating` (the gate and planner the
+"""Recomputing what a recording claims, on top of :mod:`fdeplb.rounds.gating` (the gate and planner the
 coordinator uses): :func:`check_plans` re-derives every ``load`` plan from its snapshot, :func:`check_gates` every
 gated round's numbers, and :func:`whatif` replans every recorded round with another policy. :class:`Recorded` is
 what a recording holds, read like a :class:`~fdeplb.store.Store`.
@@ -16,7 +16,13 @@ import numpy as np
 
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import CorruptRecordError, InputError, ReplayError
+from fdeplb.placement import POLICIES, check_live_ranks, plan_digest
 from fdeplb.replay.report import ReplayReport
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import decide, default_planner, plan_round
+from fdeplb.rounds.members import replacement
+from fdeplb.rounds.reasons import RoundOutcome
+from fdeplb.store import ClusterConfig
 
 __all__ = ["Recorded", "check_gates", "check_plans", "whatif"]
 
@@ -30,8 +36,6 @@ class Recorded:
         if report.header is None:
             raise InputError("this export has no header (written before schema 1): its plans can only be checked "
                              "against the live cluster (--redis-url, --cluster)")
-        from fdeplb.store.records import ClusterConfig
-
         self.report = report
         self.config = ClusterConfig.from_json(report.header["config"])
         self.missing = set((report.header.get("missing") or {}).get("plans", []))
@@ -76,9 +80,6 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     coordinator's planner on that snapshot gives the stored ``new_phy2log``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
-    from fdeplb.orchestration.gating import decide
-    from fdeplb.placement import plan_digest
-
     config = source.read_config()
     new_of: dict[str, np.ndarray] = {}
     start = source.start_placement() if isinstance(source, Recorded) else None
@@ -149,14 +150,9 @@ def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, wh
     """What the coordinator plans for ``load`` from ``old``: the policy over every rank, or with ``live_ranks``
     (the round's members) the re-placement of the orphaned experts when there are any, else, for a ``reroute``
     (a round whose members only shrank), ``old`` itself (only the routing changes), else the policy over the
-    members' slots (:mod:`fdeplb.orchestration.membership`)."""
-    from fdeplb.orchestration.gating import default_planner
-    from fdeplb.placement import check_live_ranks
-
+    members' slots (:mod:`fdeplb.rounds.members`)."""
     if live_ranks is None:
         return default_planner(load, old, config)
-    from fdeplb.orchestration.membership import replacement
-
     try:
         live = check_live_ranks(live_ranks, config.ep_size)
     except InputError as exc:
@@ -191,17 +187,13 @@ def check_gates(report: ReplayReport) -> list[int]:
     """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
     from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
-    moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
+    moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.rounds.reasons.gated` derives
     it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
     recording lacks are left out. Returns the rounds checked (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
     through; :class:`InputError` for a recording without header.
     """
-    from fdeplb.orchestration import reasons
-    from fdeplb.orchestration.gating import plan_round
-    from fdeplb.orchestration.reasons import RoundOutcome
-
     source = Recorded(report)
     placements = _placements(report, source)
     for seen in report.rounds:
@@ -255,9 +247,6 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     before, of the recorded plan (the placement before when the round had none) and of the new policy's plan, and
     moved experts of both. :class:`InputError` for an unknown policy or a recording without header.
     """
-    from fdeplb.orchestration.gating import decide, plan_round
-    from fdeplb.placement import POLICIES
-
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     source = Recorded(report)

@@ -35,7 +35,7 @@ __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUI
            "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]
 
 #: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
-#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`)
+#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.rounds.reasons`)
 SCHEMA = 2
 #: oldest schema this fdeplb still reads (schema 1: the same lines, reasons in text only)
 OLDEST_SCHEMA = 1

@@ -285,8 +285,8 @@ def format_audit(a) -> str:
 
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
                final: dict) -> dict[str, Any]:
-    from fdeplb.orchestration.gating import mean_balancedness
-    from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
+    from fdeplb.rounds.gating import mean_balancedness
+    from fdeplb.rounds.reasons import RoundOutcome, round_outcome
 
     placement = store.current_placement()
     plan_id, current = placement.plan_id, placement.phy2log

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from fdeplb.orchestration.reasons import FAIL_CLOSED
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, RankState
+from fdeplb.rounds.reasons import FAIL_CLOSED
 from tests.helpers import wait_for
 from tests.orchestration.test_chunked_switch import kill_rank1_between_chunks
 from tests.orchestration.test_embedding import _round_done

@@ -495,7 +495,7 @@ def test_stale_rank_refuses_a_start_with_the_reason(redis_url, cluster_id, tmp_p
         assert rec.state is ClusterState.FREE and rec.round == 0 and "stale ranks 2" in rec.reason
         tc.start_agent(2, heartbeat_ttl_ms=2_000)  # the rank comes back: the round starts and completes
         wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
-        from fdeplb.orchestration import reasons
+        from fdeplb.rounds import reasons
 
         (start,) = [a for a in store.iter_audit() if a["trigger"] == "start"]
         assert start["detail"]  # structured: the replay reads the heartbeats from the detail, not the text

@@ -12,9 +12,9 @@ from fdeplb.api import service
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
-from fdeplb.orchestration import reasons
 from fdeplb.placement import live_maps, orphaned_experts
 from fdeplb.replay import check_plans, replay_file
+from fdeplb.rounds import reasons
 from fdeplb.store import Deadlines
 from tests.helpers import thread_cluster, wait_for
 
@@ -142,7 +142,7 @@ def test_a_round_aborts_at_once_when_a_participant_goes_suspect(redis_url, clust
         rec = wait_for(lambda: round_done(store, 1), 30, store, "the abort")
         abort = [a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"][-1]
         assert abort["from"] == "LOAD_SUCC" and "ranks [3]" in abort["reason"]
-        from fdeplb.orchestration import reasons
+        from fdeplb.rounds import reasons
 
         assert reasons.detail_of(abort) == {"ranks": [3]}
         assert "deadline" not in rec.reason and store.read(MEMBERSHIP, 3).state is M.SUSPECT

@@ -1,13 +1,13 @@
 """The periodic trigger's skip is the gate's decision in the gate's words (one rule: ``GateDecision.why_skipped``,
-through :func:`fdeplb.orchestration.reasons.skipped`), with the gate's figures as its detail."""
+through :func:`fdeplb.rounds.reasons.skipped`), with the gate's figures as its detail."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.gating import GateDecision
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import GateDecision
 from tests.helpers import thread_cluster, wait_for
 
 pytestmark = pytest.mark.slow  # a thread cluster

@@ -11,9 +11,9 @@ import pytest
 
 from fdeplb.errors import GuardError
 from fdeplb.machines.tables import WEIGHTS, ClusterState, RankState, WeightState
-from fdeplb.orchestration import reasons
 from fdeplb.orchestration.agent import EmbeddedAgent
 from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.rounds import reasons
 from fdeplb.store import Deadlines, Store
 from fdeplb.store.scripts import WEIGHTS_CANCEL_ARGV, WEIGHTS_CANCEL_KEYS, WEIGHTS_CANCEL_REPLIES, script_text
 from fdeplb.testing import NumpyWeights

@@ -61,7 +61,7 @@ def test_recordings_say_what_happened():
 
 
 def test_later_recordings_say_what_happened():
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     stale = replay_file(REPLAYS / "stale_rank.jsonl")
     refusal, start = stale.audit[0], stale.audit[1]
@@ -182,7 +182,7 @@ def move(lines, index: int, to: int, **changes):
 
 
 def _set_detail(rec: dict, reason) -> None:
-    """Write a forged :class:`~fdeplb.orchestration.reasons.Reason` into ``rec`` as the coordinator would (text and
+    """Write a forged :class:`~fdeplb.rounds.reasons.Reason` into ``rec`` as the coordinator would (text and
     detail together): a careful forger."""
     rec["reason"], rec["detail"] = reason.text, json.dumps(reason.detail, sort_keys=True, separators=(",", ":"))
 
@@ -195,7 +195,7 @@ def start_without_fresh_heartbeats(lines):
 
 
 def start_with_old_heartbeat(lines):
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     start = lines[_index(lines, key="cluster", trigger="start")]
     beats = reasons.heartbeats(start)
@@ -229,7 +229,7 @@ def refusal_mid_round(lines):
 
 
 def refusal_of_a_stray_rank(lines):
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     _set_detail(lines[_index(lines, trigger="start_refused")], reasons.refusal({7: 9000}))
     return rechain(lines)

@@ -192,7 +192,7 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
 def test_reasons_carry_their_facts_as_detail_and_derive_the_text():
     import json
 
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     stale = {3: 2412, 1: 5000}
     refused = reasons.refusal(stale)

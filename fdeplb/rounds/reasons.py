@@ -9,7 +9,7 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
 - the start that follows it: every registered rank's heartbeat, ``{"heartbeats": [{"ep_rank": 0, "age_ms": 12,
   "ttl_ms": 2000}, ...]}`` (ttl 0: none);
 - a gated round (trigger ``abort``): ``{"gate": {"balancedness_before", "balancedness_after", "gain", "min_gain",
-  "moved_experts"}}`` (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision);
+  "moved_experts"}}`` (:meth:`fdeplb.rounds.gating.GateDecision.detail`, full float precision);
 - the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
 - the load of a re-placement round (trigger ``load``): ``{"replacement": {"ranks": [3], "orphans": [[layer,
   log_id], ...]}}`` (the ranks that are not members, the experts that had no replica on a member);
@@ -36,16 +36,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from fdeplb.checks import check_int
 from fdeplb.errors import InputError
+from fdeplb.machines.tables import ClusterState
+from fdeplb.rounds.gating import GateDecision
 from fdeplb.store.redis_store import NOT_REGISTERED
-
-if TYPE_CHECKING:
-    from fdeplb.orchestration.gating import GateDecision
 
 #: reason of a ``start_refused`` note: ``start refused: stale ranks 2 (heartbeat 2412 ms ago), 3 (...)``
 REFUSED = "start refused: stale ranks "
@@ -127,9 +126,9 @@ def heartbeats(record: Mapping[str, Any]) -> dict[int, tuple[int, int]] | None:
 
 
 # ---- the gain gate ----------------------------------------------------------------------------------------------
-def skipped(decision: "GateDecision") -> Reason | None:
-    """Why the gate skips a plan (:class:`fdeplb.orchestration.gating.GateDecision`): ``skipped:`` and
-    :attr:`~fdeplb.orchestration.gating.GateDecision.why_skipped` with the numbers (4 decimals in the text, full
+def skipped(decision: GateDecision) -> Reason | None:
+    """Why the gate skips a plan (:class:`fdeplb.rounds.gating.GateDecision`): ``skipped:`` and
+    :attr:`~fdeplb.rounds.gating.GateDecision.why_skipped` with the numbers (4 decimals in the text, full
     precision in the detail); None when the round goes on. The periodic trigger's skip note says this."""
     why = decision.why_skipped
     if why is None:
@@ -139,7 +138,7 @@ def skipped(decision: "GateDecision") -> Reason | None:
     return Reason(text, {"gate": decision.detail()})
 
 
-def gated(decision: "GateDecision") -> Reason | None:
+def gated(decision: GateDecision) -> Reason | None:
     """The abort reason of a round the gate skips: :func:`skipped` after ``gated:``; None when it goes on."""
     skip = skipped(decision)
     return None if skip is None else Reason(f"gated: {skip.text}", skip.detail)
@@ -148,8 +147,6 @@ def gated(decision: "GateDecision") -> Reason | None:
 def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
     """The text of :func:`gated` for bare figures: mean balancedness ``before`` / ``after``, ``moved`` experts,
     ``min_gain``; None when the round goes on."""
-    from fdeplb.orchestration.gating import GateDecision
-
     reason = gated(GateDecision(np.empty((0, 0), dtype=np.int64), before, after, moved, min_gain))
     return None if reason is None else reason.text
 
@@ -270,8 +267,6 @@ def round_outcome(last: Mapping[str, Any] | None) -> tuple[RoundOutcome, str]:
     """The one rule for a round's outcome: (outcome, reason) from its last cluster audit record (a mapping with
     ``from``, ``to``, ``trigger``, ``reason``; None: nothing recorded, an abort). The reason of a skip is the gate's
     text without its ``gated: skipped:`` prefix."""
-    from fdeplb.machines.tables import ClusterState
-
     if last is None:
         return RoundOutcome.ABORTED, "no cluster transition recorded"
     if last["to"] != ClusterState.FREE:
