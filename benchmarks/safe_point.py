@@ -19,7 +19,8 @@ import numpy as np
 # benchmarks/transitions.py would shadow the `transitions` package: drop this folder from the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from fdeplb.orchestration.agent import ExpertLoadWindow, RankAgent
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.load_window import ExpertLoadWindow
 
 
 class _Backend:

@@ -20,7 +20,7 @@ from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
 from fdeplb.store import MemberRecord, Store
-from fdeplb.store.liveness import MemberView
+from fdeplb.store.liveness import MemberView, stale_of
 
 M = MemberState
 
@@ -50,11 +50,12 @@ class MembershipWatch:
         view = self.store.member_view()
         changed, due = False, None
         states = view.states()
+        stale_ranks = stale_of(view.heartbeats)  # without ep_size: a rank never registered is not suspected
         for r, rec in enumerate(view.members):
             if rec is None:  # a cluster made before membership: every rank counts, nothing to drive
                 continue
             age, ttl = view.heartbeats.get(r, (0, 0))
-            stale = 0 < ttl < age
+            stale = r in stale_ranks
             work = MEMBER_WORK[rec.state]
             step = work(self, r, rec, stale=stale, age=age, ttl=ttl, now=view.now_ms, exclude_ms=exclude_ms,
                         cluster_state=cluster_state, fence=fence)

@@ -16,6 +16,7 @@ from fdeplb.errors import InputError, ReplayError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, WEIGHTS, MachineTable, MemberState, TransitionSpec
 from fdeplb.replay.recording_format import AuditLine, field_int
 from fdeplb.rounds import reasons
+from fdeplb.store.liveness import stale_of
 
 __all__ = ["RecordSays", "read_detail"]
 
@@ -69,7 +70,7 @@ class RecordSays:
                 if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
                     continue  # the start ignores excluded ranks (issue 22)
                 age, ttl = beats.get(r, (None, 0))
-                if age is None or 0 < ttl < age:
+                if age is None or stale_of({r: (age, ttl)}):
                     shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
                     raise ReplayError(f"{where}: cluster start over stale rank {r} (start refused at "
                                       f"{refused_at}): the start shows {shown}")

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,8 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         server, url, redis_label = _open_redis(opts, workdir)
         store = Store(url, new_cluster_id())
         if server is None and not opts.keep:  # an external Redis keeps no keys of a demo, however it ends
-            Reaper.shared().watch_cluster(url, store.cluster)
+            Reaper.shared().watch_command([sys.executable, "-m", "fdeplb", "cluster", "delete", "--force",
+                                           "--redis-url", url, "--cluster", store.cluster])
         emit(f"trace        {trace_label} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
         emit(f"topology     {plural(opts.ranks, 'EP rank')} x {config.slots_per_rank} slots = "
              f"{config.num_physical_experts} physical experts ({redundant} redundant), "

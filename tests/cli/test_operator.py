@@ -202,7 +202,7 @@ def test_status_shows_swap_pending_while_ranks_wait_for_their_safe_point(redis_u
     """Past the commit point the placement is new but a rank's routing tables change only at its worker's safe
     point: until then status says "swap pending" (not MISMATCH) for it; once every rank swapped, "match"."""
     from fdeplb.status import cluster_status
-    from fdeplb.orchestration.agent import EmbeddedAgent
+    from fdeplb.orchestration.embedded_agent import EmbeddedAgent
     from tests.orchestration.test_embedding import _Instrumented, _Workers
 
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:

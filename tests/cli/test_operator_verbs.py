@@ -5,6 +5,7 @@ each against a real Redis, each audited with who and why, each refusal exit 3 wi
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -161,7 +162,8 @@ def test_the_reaper_deletes_a_clusters_keys_when_its_parent_goes(store):
     from fdeplb.reaper import Reaper
 
     reaper = Reaper()
-    reaper.watch_cluster(store.url, store.cluster)
+    reaper.watch_command([sys.executable, "-m", "fdeplb", "cluster", "delete", "--force", "--redis-url", store.url,
+                          "--cluster", store.cluster])
     assert store.key_count() > 0
     reaper.close()  # what the parent's death does to the pipe, SIGKILL included
     assert store.key_count() == 0

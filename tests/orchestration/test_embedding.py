@@ -10,7 +10,9 @@ import pytest
 
 from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import ClusterState, RankState, WeightState
-from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+from fdeplb.orchestration.load_window import ExpertLoadWindow
 from fdeplb.store import Deadlines
 from fdeplb.testing import NumpyWeights
 from tests.helpers import FailingReload, RawRedis, thread_cluster, wait_for

@@ -11,7 +11,7 @@ import pytest
 
 from fdeplb.errors import GuardError
 from fdeplb.machines.tables import WEIGHTS, ClusterState, RankState, WeightState
-from fdeplb.orchestration.agent import EmbeddedAgent
+from fdeplb.orchestration.embedded_agent import EmbeddedAgent
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
 from fdeplb.store import Deadlines, Store
