@@ -71,7 +71,7 @@ def main() -> None:
 
 def _armed_us() -> float:
     """One armed safe point's Redis call (waiting for the other ranks: the common armed case), us."""
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.placement import initial_placement
     from fdeplb.store import ClusterConfig, EmbeddedRedis, Store
 

@@ -264,7 +264,7 @@ class Node:
 
     def __init__(self, tmp: str, url: str, phy2log, deadlines, dist: np.ndarray, heartbeat_ttl_ms: int) -> None:
         from fdeplb.orchestration.coordinator import Coordinator
-        from fdeplb.orchestration.operations import init_cluster
+        from fdeplb.orchestration.cluster_setup import init_cluster
         from fdeplb.store import ClusterConfig, Store
         from fdeplb.weights import write_synthetic_checkpoint
 

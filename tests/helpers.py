@@ -17,7 +17,7 @@ import redis
 from fdeplb.errors import CheckpointError
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.keys import Keys
 from fdeplb.testing import NumpyWeights

@@ -103,7 +103,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
     from fdeplb.log import configure
-    from fdeplb.orchestration.coordinator import Coordinator, check_holder
+    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.orchestration.leadership import check_holder
 
     from fdeplb.errors import InputError
 
@@ -327,7 +328,7 @@ def layer_ids_of(text: str | None, first: int | None, num_layers: int) -> list[i
 
 def run_init(args: argparse.Namespace) -> int:
     from fdeplb.errors import InputError
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.placement import initial_placement, read_placement
     from fdeplb.store import Store
 

@@ -2,7 +2,7 @@
 
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.orchestration.handles import Fired, RecordHandle
 from fdeplb.rounds.gating import default_planner
 

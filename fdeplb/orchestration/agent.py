@@ -50,7 +50,7 @@ from fdeplb.placement import routing_digest
 from fdeplb.rounds.members import participants
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.cluster_config import check_pause_budget
-from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of
+from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 from fdeplb.weights.plan import PauseBudget, changed_layers
 from fdeplb.weights.reports import SwapReport
@@ -229,7 +229,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         typed :class:`FdeplbError` or a bug) raises an ``alarm`` event and is retried after 1 s: no value kills the
         loop. The worker's live experts keep serving either way.
 
-        One round trip per wake-up (issue #9): a step's last write (a load window, or a transition after which only
+        One round trip per wake-up: a step's last write (a load window, or a transition after which only
         a cluster change gives the rank work: ``staged``, ``swapped``, ``finish``) is not sent on its own but
         with the wait that follows it, and the wait reads the next step's view as it returns
         (:meth:`fdeplb.store.Store.wait_view`)."""

@@ -30,7 +30,7 @@ from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
 from fdeplb.orchestration import membership
 from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
-from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
+from fdeplb.orchestration.leadership import Leadership
 from fdeplb.orchestration.periodic import UnaskedRounds
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.placement import MAX_LOAD, orphaned_experts, plan_digest
@@ -38,7 +38,7 @@ from fdeplb.rounds import reasons
 from fdeplb.rounds.gating import Planner, decide, default_planner, plan_round
 from fdeplb.rounds.members import live_planner, lost_participants, participants, participants_text, replacement
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
-from fdeplb.store.redis_store import stale_of
+from fdeplb.store.liveness import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -51,9 +51,7 @@ ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
 RETRY_MS = 1_000
 
 
-#: importable from here as before (the operate command checks a holder before it builds a coordinator)
-__all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "Step", "check_holder",
-           "default_holder_id"]
+__all__ = ["ABORTABLE", "ENTRY_WORK", "RETRY_MS", "Coordinator", "Step"]
 
 
 class Coordinator(UnaskedRounds, Leadership):
@@ -75,7 +73,7 @@ class Coordinator(UnaskedRounds, Leadership):
     rank that has already passed it).
 
     Liveness: a round does not start while a rank is not registered or its heartbeat is stale (past its TTL,
-    :func:`~fdeplb.store.redis_store.stale_of` over every rank of ``ep_size``); the refusal is
+    :func:`~fdeplb.store.liveness.stale_of` over every rank of ``ep_size``); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
     that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
     (:mod:`fdeplb.rounds.reasons`), so a replay sees the refused ranks fresh again. A request still not
@@ -310,7 +308,7 @@ class Coordinator(UnaskedRounds, Leadership):
         except CorruptRecordError as err:
             self.store.drop_snapshot(round_)
             return self._abort(rec, f"load snapshot of round {round_} is corrupt: {err}")
-        # ---- HTTP API (issue 12): a load supplied by the operator (recv_expert_weight) replaces the windows
+        # ---- a supplied load replaces the windows (the operator's, over the HTTP API: recv_expert_weight)
         if not frozen:
             supplied = self.store.supplied_load(round_)
             if supplied is not None:
@@ -320,7 +318,7 @@ class Coordinator(UnaskedRounds, Leadership):
                                             f"expected {expected}")
                 self.store.save_snapshot(round_, supplied)
                 frozen = True
-        # ---- end issue 12
+        # ---- end of the supplied load
         if not frozen:
             # which windows are there: one field per rank (the windows themselves are read once, when all are);
             # an entry is a round (int), a LoadWindow, None (never published) or a CorruptRecordError

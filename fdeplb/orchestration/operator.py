@@ -16,7 +16,7 @@ from fdeplb.orchestration.handles import Fired, RecordHandle
 from fdeplb.rounds import reasons
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.records import check_request_reason
-from fdeplb.store.redis_store import stale_of
+from fdeplb.store.liveness import stale_of
 
 __all__ = ["OPERATOR_ABORT", "abort_round", "cancel_request", "change_settings", "delete_cluster"]
 
@@ -90,7 +90,7 @@ def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: s
 def delete_cluster(store: Store, *, force: bool = False) -> int:
     """Delete every key of the cluster (:meth:`fdeplb.store.Store.delete_cluster`: a SCAN of its key prefix).
     Refused with :class:`StateError` (nothing deleted) while an agent is alive (a registered rank whose heartbeat
-    is within its TTL, :func:`~fdeplb.store.redis_store.stale_of`) or a coordinator holds the lease, unless
+    is within its TTL, :func:`~fdeplb.store.liveness.stale_of`) or a coordinator holds the lease, unless
     ``force``. Returns how many keys were deleted."""
     if not force:
         beats = store.heartbeats()

@@ -8,9 +8,9 @@ new cluster has its topology and the placement it holds live, then re-registers 
 its records and heartbeats again; otherwise it refuses, saying why, and stays unregistered (no round starts and
 ``/health`` is 503 until the worker is restarted).
 
-Operator side (:func:`adopted_placement`, used by :func:`fdeplb.orchestration.operations.init_cluster`): the
+Operator side (:func:`adopted_placement`, used by :func:`fdeplb.orchestration.cluster_setup.init_cluster`): the
 placement the live ranks report, when they agree; :class:`~fdeplb.errors.StateError` naming the disagreement when
-they do not. Staleness is the store's one rule (:func:`fdeplb.store.redis_store.stale_of`).
+they do not. Staleness is the store's one rule (:func:`fdeplb.store.liveness.stale_of`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from fdeplb.errors import NotFoundError, StateError, TopologyError
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, Store
-from fdeplb.store.redis_store import LiveReport, stale_of
+from fdeplb.store.liveness import LiveReport, stale_of
 from fdeplb.weights.backend import WeightBackend
 
 __all__ = ["RecordsLostError", "Recovery", "adopted_placement"]

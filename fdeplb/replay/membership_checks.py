@@ -1,4 +1,4 @@
-"""The membership side of a replay (issue 22): the cluster's membership generation and the routing of every
+"""The membership side of a replay: the cluster's membership generation and the routing of every
 committed placement around EXCLUDED ranks, checked on a recording with no Redis.
 
 - **Generations.** ``commit.lua`` writes into every transition's audit record the cluster generation as the commit

@@ -68,7 +68,7 @@ class RecordSays:
             beats = self._detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
                 if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
-                    continue  # the start ignores excluded ranks (issue 22)
+                    continue  # the start ignores excluded ranks
                 age, ttl = beats.get(r, (None, 0))
                 if age is None or stale_of({r: (age, ttl)}):
                     shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"

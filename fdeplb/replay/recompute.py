@@ -120,7 +120,7 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         if digest != plan.plan_id:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
         topology = dict(stored.topology)
-        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member (issue 22)
+        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member
         reroute = bool(topology.pop("reroute", False))  # its members only shrank: the orphans move, nothing else
         if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "

@@ -29,7 +29,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
 
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import InputError, ReplayError
-from fdeplb.store.records import PlanEntry
+from fdeplb.store import PlanEntry
 
 __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
            "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]

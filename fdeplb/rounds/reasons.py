@@ -44,7 +44,7 @@ from fdeplb.checks import check_int
 from fdeplb.errors import InputError
 from fdeplb.machines.tables import ClusterState
 from fdeplb.rounds.gating import GateDecision
-from fdeplb.store.redis_store import NOT_REGISTERED
+from fdeplb.store.liveness import NOT_REGISTERED
 
 #: reason of a ``start_refused`` note: ``start refused: stale ranks 2 (heartbeat 2412 ms ago), 3 (...)``
 REFUSED = "start refused: stale ranks "
@@ -86,7 +86,7 @@ def detail_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
 # ---- a refused start and the start after it ------------------------------------------------------------------------
 def refusal(stale: Mapping[int, int]) -> Reason:
     """The ``start_refused`` reason for ``stale`` (ep_rank -> ms since its heartbeat, or
-    :data:`~fdeplb.store.redis_store.NOT_REGISTERED` for a rank with no registered agent), ranks in order."""
+    :data:`~fdeplb.store.liveness.NOT_REGISTERED` for a rank with no registered agent), ranks in order."""
     items = [{"ep_rank": int(r), "heartbeat_age_ms": int(age)} for r, age in sorted(stale.items())]
     text = REFUSED + ", ".join(f"{i['ep_rank']} (not registered)" if i["heartbeat_age_ms"] == NOT_REGISTERED
                                else f"{i['ep_rank']} (heartbeat {i['heartbeat_age_ms']} ms ago)" for i in items)

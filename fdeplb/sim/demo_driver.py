@@ -22,7 +22,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState
-from fdeplb.store import ClusterConfig, Deadlines, Store
+from fdeplb.store import ClusterConfig, Deadlines, EmbeddedRedis, Store
 
 #: the cluster machine's states in lifecycle order after FREE, for the phase timings.
 PHASES = CLUSTER.states[1:]
@@ -227,8 +227,6 @@ def _demo_config(opts: DemoOptions, trace) -> tuple[np.ndarray, ClusterConfig, i
 def _open_redis(opts: DemoOptions, workdir: Path):
     """(the embedded server or None, the Redis URL, how the report names it): ``opts.redis_url`` (pinged first:
     a clear RedisUnavailableError before anything is started), else an embedded redis-server in ``workdir``."""
-    from fdeplb.store.embedded import EmbeddedRedis
-
     if opts.redis_url:
         Store(opts.redis_url, "probe").ping()
         return None, opts.redis_url, opts.redis_url

@@ -12,7 +12,10 @@ from fdeplb.store.records import (
     RankRecord,
     WeightRecord,
 )
-from fdeplb.store.redis_store import AuditRecord, CommitResult, Cursor, PendingCall, Store
+from fdeplb.store.deferred import PendingCall
+from fdeplb.store.machine_io import CommitResult
+from fdeplb.store.redis_store import Store
+from fdeplb.store.streams import AuditRecord, Cursor
 
 __all__ = [
     "AuditRecord",

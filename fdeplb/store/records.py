@@ -7,7 +7,7 @@ have) raises :class:`~fdeplb.errors.CorruptRecordError` naming the key and the f
 
 Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdeplb.store.arrays`); a stored plan is
 written and read through :meth:`PlanEntry.to_fields` / :meth:`PlanEntry.from_fields`. The cluster's configuration
-lives in :mod:`fdeplb.store.cluster_config` (importable from here as before).
+lives in :mod:`fdeplb.store.cluster_config`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MachineTable, MemberState, \
     RankState, StateEnum, WeightState
 from fdeplb.store import arrays
-from fdeplb.store.cluster_config import ClusterConfig, Deadlines  # noqa: F401  (defined there; importable here too)
 
 
 # ---- machine records -----------------------------------------------------------------------------------------------

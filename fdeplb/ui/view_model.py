@@ -46,7 +46,7 @@ from fdeplb.errors import CorruptRecordError, DependencyError, InputError, NotFo
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS, ClusterState, MachineTable
 from fdeplb.placement.metrics import gpu_loads
 from fdeplb.recording import audit_dict
-from fdeplb.replay.machine_replay import NOT_TRANSITIONS
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.rounds.reasons import RoundOutcome, round_outcome
 from fdeplb.status import cluster_status
 

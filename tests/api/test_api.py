@@ -340,7 +340,7 @@ def test_health_reports_stale_heartbeats_503(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
         with served(_app(tc)) as url:
-            r = requests.get(f"{url}/health", auth=AUTH)  # no rank registered (issue 23: it said 200, "ranks": 0)
+            r = requests.get(f"{url}/health", auth=AUTH)  # no rank registered (it said 200, "ranks": 0)
             assert r.status_code == 503 and "rank 3 not registered" in r.json()["msg"], r.text
             for rank in range(tc.config.ep_size):
                 store.register_rank(rank, {"api_address": f"10.0.0.{rank}:8000"})

@@ -1,4 +1,4 @@
-"""``/health`` answers without credentials, as FastDeploy's and vLLM's do for probes (issue 21): 200 on a healthy
+"""``/health`` answers without credentials, as FastDeploy's and vLLM's do for probes: 200 on a healthy
 cluster, 503 with one phrase on an unhealthy one, and nothing else of the cluster; ``/metrics`` stays behind
 credentials unless ``metrics_public`` (``fdeplb serve --metrics-public``); every other route still 401."""
 

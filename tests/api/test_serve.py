@@ -16,7 +16,7 @@ import requests
 from fdeplb.cli import main
 from fdeplb.machines.tables import WEIGHTS
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.placement import initial_placement
 from fdeplb.store import ClusterConfig, Store
 from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, free_port, wait_http
@@ -220,7 +220,7 @@ def _basic() -> str:
 
 @pytest.mark.parametrize("public", [False, True])
 def test_serve_health_is_open_and_metrics_public_opens_only_metrics(redis_url, cluster_id, public):
-    """What a probe and Prometheus see of `fdeplb serve` without credentials (issue 21): /health 200 with no cluster
+    """What a probe and Prometheus see of `fdeplb serve` without credentials: /health 200 with no cluster
     data; /metrics 401 unless --metrics-public; every other GET route 401."""
     _cluster(redis_url, cluster_id)
     port = free_port()

@@ -1,4 +1,4 @@
-"""`fdeplb serve` as an operator runs it (issue 23): TLS with a self-signed certificate made at test time, the HTTP
+"""`fdeplb serve` as an operator runs it: TLS with a self-signed certificate made at test time, the HTTP
 clients verifying it (``--ca-cert`` / ``REQUESTS_CA_BUNDLE``) on an install without the server's extra; SIGTERM
 with an audit long-poll open ends the poll and the process long before the poll's own end; "serving" is logged
 only once the port is bound."""

@@ -1,4 +1,4 @@
-"""GET /clear_load_weight answers 409 naming the ranks that held a cancelled request back (issue 22)."""
+"""GET /clear_load_weight answers 409 naming the ranks that held a cancelled request back."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The operator's escape hatches (issue 23): ``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb cluster
+"""The operator's escape hatches: ``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb cluster
 delete``, ``init-cluster`` over an existing cluster, the request TTL and the reasons ``rearrange --wait`` prints;
 each against a real Redis, each audited with who and why, each refusal exit 3 with nothing written."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 

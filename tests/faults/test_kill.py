@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from fdeplb.replay import NOT_TRANSITIONS
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import real_traces_28x64, wait_for

@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from fdeplb.replay import NOT_TRANSITIONS
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import FAULTS_PROFILE, real_traces_28x64, wait_for

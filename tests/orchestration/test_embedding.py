@@ -1,5 +1,5 @@
 """The rank agent embedded in a serving worker: record(), safe points, switch steps, the weight-status machine,
-liveness and the periodic trigger (issue 11). Real Redis, real threads; waits are on events with deadlines."""
+liveness and the periodic trigger. Real Redis, real threads; waits are on events with deadlines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Recovery from lost records, the pieces without processes (issue 23, deliverable 2): the start guard and
+"""Recovery from lost records, the pieces without processes: the start guard and
 ``/health`` count every rank of ``ep_size``, registered or not; ``init-cluster`` over live ranks adopts the placement
 they report when they agree and refuses, naming them, when they do not; an agent whose records are gone reports
 its live placement and registers again once the cluster is created anew, or refuses a different placement."""

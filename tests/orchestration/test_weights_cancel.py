@@ -1,4 +1,4 @@
-"""Nothing waits forever on one rank (issue 22, deliverable 5): a weight clear / update whose switch step is not
+"""Nothing waits forever on one rank: a weight clear / update whose switch step is not
 fixed within ``deadlines.weights_ms`` is cancelled (every rank back to its previous weight state, audited, a late arm
 refused), and any exception while staging marks the rank LOAD_FAILED with its cause. Real Redis, thread clusters."""
 

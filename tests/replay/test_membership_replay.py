@@ -1,4 +1,4 @@
-"""The replay's membership checks (issue 22, deliverable 6) on real recordings (tests/replays/membership.jsonl and
+"""The replay's membership checks on real recordings (tests/replays/membership.jsonl and
 weights_cancel.jsonl, from tests/replays/generate.py): each membership change raises the generation by exactly
 one, every transition carries the generation in force, no committed placement routes to an EXCLUDED rank, and a
 weight cancel only follows a withdrawal of a request no rank applied, back to the state it came from. Each check

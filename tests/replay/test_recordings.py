@@ -421,7 +421,7 @@ def test_lua_headers_name_the_slots_scripts_py_lays_out(script, keys, argv):
 
 def test_live_chain_links_every_record(redis_url, cluster_id):
     from tests.replay.test_replay import fire_round
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np
 
@@ -443,7 +443,7 @@ def test_live_chain_links_every_record(redis_url, cluster_id):
 # ---- audit --follow ------------------------------------------------------------------------------------------------
 def test_audit_follow_prints_records_as_they_commit(redis_url, cluster_id, capsys):
     from tests.replay.test_replay import fire_round
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np
 

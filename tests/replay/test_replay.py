@@ -13,7 +13,7 @@ from fdeplb.cli import main
 from fdeplb.recording import audit_dict
 from fdeplb.errors import InputError, exit_code
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import ReplayError, check_plans, parse_lines, replay, replay_file
 from fdeplb.store import ClusterConfig, PlanEntry, Store

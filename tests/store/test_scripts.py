@@ -14,7 +14,7 @@ from fdeplb.recording import audit_dict
 from fdeplb.replay import chain_of
 from fdeplb.store import AuditRecord
 from fdeplb.store.keys import Keys
-from fdeplb.store.redis_store import AUDIT_FIELDS
+from fdeplb.store.machine_io import AUDIT_FIELDS
 from fdeplb.store.scripts import (
     AUDIT_ARGV,
     AUDIT_FILLED,

@@ -1,4 +1,4 @@
-"""QA4: attacks on the chunked swap's inputs (issue 24): the layers of LiveExperts.load_chunk / swap_layers
+"""attacks on the chunked swap's inputs: the layers of LiveExperts.load_chunk / swap_layers
 (``_chunk_of``) and the pause budget a backend stages with."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 24 (found by QA): a worker SIGKILLed between two chunks that stays down until the round has completed among the
+"""A worker SIGKILLed between two chunks that stays down until the round has completed among the
 other members and its re-placement failed closed (too few redundant slots), then comes back. The rejoined rank
 holds the committed placement; its rank record stayed SWAPPING forever (its agent retried a swap routed over the
 aborted membership round's members [0, 2, 3], which raised RedundancyError every ~3 s), so no later round could

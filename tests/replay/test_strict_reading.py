@@ -1,4 +1,4 @@
-"""Follow-ups of a QA pass over the replay: schema 2 facts are read from ``detail`` only (never the text alone), and
+"""The replay reads strictly: schema 2 facts are read from ``detail`` only (never the text alone), and
 strictly (:func:`fdeplb.checks.check_int`); ``--until`` reads a stream id with the store's one parser; ``--into`` is
 all-or-nothing."""
 
