@@ -19,7 +19,7 @@ from fdeplb.orchestration import init_cluster
 from fdeplb.placement import initial_placement, routing_digest
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.faults.test_kill import spawn_coordinator, stop_process, wait_event
+from tests.faults.helpers import spawn_coordinator, stop_process, wait_event
 from tests.helpers import real_traces_28x64, wait_for
 from tests.servers import RedisServer
 

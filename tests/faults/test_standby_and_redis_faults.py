@@ -25,7 +25,7 @@ from fdeplb.errors import RedisUnavailableError
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import FAULTS_PROFILE, real_traces_28x64, wait_for
 from tests.servers import RedisServer
-from tests.faults.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
+from tests.faults.helpers import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 
 pytestmark = pytest.mark.faults
 

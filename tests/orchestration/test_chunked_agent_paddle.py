@@ -18,7 +18,7 @@ from fdeplb.orchestration.embedded_agent import EmbeddedAgent  # noqa: E402
 from fdeplb.weights.live import LiveExperts  # noqa: E402
 from fdeplb.weights.plan import routing_tables  # noqa: E402
 from tests.helpers import thread_cluster, wait_for  # noqa: E402
-from tests.orchestration.test_embedding import _round_done, _Workers  # noqa: E402
+from tests.orchestration.helpers import Workers, round_done  # noqa: E402
 
 L = 4
 
@@ -58,7 +58,7 @@ def _round(tc, store, agents, n, reason):
     (:func:`_check_consistent`) and returns their records."""
     _new_load(tc, n, store)
     store.request_round(reason)
-    wait_for(lambda: _round_done(store, n), 90, store, f"round {n}")
+    wait_for(lambda: round_done(store, n), 90, store, f"round {n}")
     return _check_consistent(store, agents)
 
 
@@ -74,7 +74,7 @@ def _serving(redis_url, cluster_id, tmp_path, **agent_kw):
         tc.start_coordinator()
         store = tc.store()
         try:
-            with _Workers(agents, tc.loads):
+            with Workers(agents, tc.loads):
                 wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
                 yield tc, store, agents
         finally:

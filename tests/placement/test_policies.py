@@ -19,7 +19,7 @@ from fdeplb.placement import (
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.stops import choose_stops
-from tests.placement.test_placement import check_invariants, dumps, topologies
+from tests.placement.helpers import check_invariants, dumps, topologies
 
 
 def ratio(load, placement, num_gpus):

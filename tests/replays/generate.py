@@ -234,7 +234,7 @@ def membership(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 def weights_cancel(url: str, cluster: str, tmp: Path, out: Path) -> dict:
     from fdeplb.store import Deadlines
-    from tests.orchestration.test_weights_cancel import embedded
+    from tests.orchestration.helpers import embedded
 
     def done(request: int, state: WeightState):
         return lambda: all((w := store.read_weights(r)).request == request and w.state is state for r in range(2))

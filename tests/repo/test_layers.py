@@ -1,6 +1,7 @@
 """The import graph of fdeplb/: no import circle among its modules, and no import that climbs the floors written
 once, in docs/architecture.md's layer line (read from there, so the doc and this test cannot disagree). Every import
-counts, function-level and ``TYPE_CHECKING`` ones included (import-linter's ``layers`` contract, done with ast)."""
+counts, function-level and ``TYPE_CHECKING`` ones included (import-linter's ``layers`` contract, done with ast).
+And in tests/: no test module imports another (shared code lives in helpers modules, fixtures in conftest.py)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,14 @@ def test_the_walk_sees_the_imports_it_judges():
     assert "fdeplb.weights.live" in graph["fdeplb.weights.backend"]  # imported inside a method
     assert "fdeplb.weights._paddle" in graph["fdeplb.weights.live"]  # from fdeplb.weights import _paddle
     assert floors()["errors"] == 0 and floors()["__main__"] == max(floors().values())
+
+
+def test_no_test_module_imports_another():
+    tests = ROOT.parent / "tests"
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "tests" \
+                    and node.module.rpartition(".")[2].startswith("test_"):
+                offenders.append(f"{path.relative_to(tests)}:{node.lineno}: {node.module}")
+    assert offenders == []

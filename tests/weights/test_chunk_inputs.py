@@ -11,7 +11,7 @@ pytest.importorskip("paddle")
 from fdeplb.errors import InputError  # noqa: E402
 from fdeplb.weights import CheckpointBackend, CheckpointReader, LiveExperts, stage_experts  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, plan_transfer  # noqa: E402
-from tests.weights.test_weights import EP, NEW, OLD, ckpt  # noqa: E402,F401  (fixture)
+from tests.weights.helpers import EP, NEW, OLD  # noqa: E402
 
 
 def _round(ckpt):
