@@ -6,9 +6,9 @@ pid is never signalled) and directories it owns. When the pipe reaches end-of-fi
 was killed by any signal, SIGKILL included), the reaper sends SIGTERM to every registered process still alive, waits
 up to ``grace_s`` seconds, sends SIGKILL to what is left, runs every registered command (each within
 ``COMMAND_TIMEOUT_S``; ``fdeplb demo --redis-url`` registers ``fdeplb cluster delete``: an external Redis keeps
-nothing of a demo), removes every registered directory and exits. It runs in
-its own session and ignores SIGINT/SIGTERM/SIGHUP, so a Ctrl-C or ``timeout`` aimed at the parent does not stop it
-before it has cleaned up. A parent that cleans up itself just closes the pipe; the reaper then finds nothing to do.
+nothing of a demo), removes every registered directory and exits. It imports no other fdeplb module. It runs in its
+own session and ignores SIGINT/SIGTERM/SIGHUP, so a Ctrl-C or ``timeout`` aimed at the parent does not stop it before
+it has cleaned up. A parent that cleans up itself just closes the pipe; the reaper then finds nothing to do.
 
 Linux's ``PR_SET_PDEATHSIG`` was not used: it fires when the *thread* that started a child exits, not the process.
 """

@@ -81,7 +81,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     ``load_source`` defaults to the agent's own :class:`~fdeplb.orchestration.load_window.ExpertLoadWindow`
     (``window_steps`` / ``window_s``), fed by :meth:`record`. ``safe_points``: leave every change of the live
     experts to :meth:`at_safe_point` (an embedded agent, see
-    :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies them itself (the protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
+    :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies them itself (the
+    protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
     :class:`~fdeplb.orchestration.weight_status.WeightStatusDriver`).
     ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.

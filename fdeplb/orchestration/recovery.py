@@ -1,8 +1,9 @@
 """Recovery from lost records (Redis restarted without persistence, FLUSHALL, failover to an empty replica).
 
 Rank agent side (:class:`Recovery`, held by :class:`~fdeplb.orchestration.agent.RankAgent`, which asks it
-:meth:`Recovery.rejoin` when its records are gone or its registry entry is): while the cluster has no configuration, the agent reports the placement it
-holds live (:meth:`fdeplb.store.Store.report_live`: phy2log, plan_id, agent id) at most every quarter TTL; once
+:meth:`Recovery.rejoin` when its records are gone or its registry entry is): while the cluster has no
+configuration, the agent reports the placement it holds live (:meth:`fdeplb.store.Store.report_live`: phy2log,
+plan_id, agent id) at most every quarter TTL; once
 ``init-cluster`` created the cluster again (a configuration of another ``incarnation``), the agent checks that the
 new cluster has its topology and the placement it holds live, then re-registers (API address, agent id), creates
 its records and heartbeats again; otherwise it refuses, saying why, and stays unregistered (no round starts and

@@ -41,8 +41,8 @@ class StageReport:
 
 @dataclass(frozen=True)
 class SwapReport:
-    """What one swap did (:meth:`~fdeplb.weights.backend.WeightBackend.swap`). Bytes are device bytes written into live slots; seconds are
-    wall time.
+    """What one swap did (:meth:`~fdeplb.weights.backend.WeightBackend.swap`). Bytes are device bytes written into
+    live slots; seconds are wall time.
 
     ``keep`` / ``local`` / ``disk`` / ``disk_slots``: the transfer's counts (as :class:`StageReport`);
     ``slots_verified``: slots the swap wrote and verified; ``bytes_from_staging``: staged (disk) experts copied in,
@@ -75,8 +75,9 @@ class SwapReport:
 
 
 class SlotCheck(NamedTuple):
-    """A verification of a rank's live slots against the source of truth (:meth:`~fdeplb.weights.backend.WeightBackend.verify`,
-    :meth:`~fdeplb.weights.backend.WeightBackend.reload_in`); ``verified < total`` means corrupted slots."""
+    """A verification of a rank's live slots against the source of truth
+    (:meth:`~fdeplb.weights.backend.WeightBackend.verify`, :meth:`~fdeplb.weights.backend.WeightBackend.reload_in`);
+    ``verified < total`` means corrupted slots."""
 
     verified: int
     """Slots holding exactly their logical expert's weights."""

@@ -20,7 +20,8 @@ from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from tests.helpers import real_traces_28x64, wait_for
-from tests.faults.helpers import last_cluster_transition, settled, skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
+from tests.faults.helpers import (last_cluster_transition, settled, skip_round_that_would_be_gated, spawn_coordinator,
+                                  stop_process, wait_event)
 
 pytestmark = pytest.mark.slow
 

@@ -106,7 +106,8 @@ def kill_rank1_between_chunks(cluster, store, coordinator_thread: threading.Thre
 
 
 #: a short weights deadline, the others long (only the weight request may time out)
-CANCEL_DEADLINES = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000, weights_ms=300)
+CANCEL_DEADLINES = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
+                             weights_ms=300)
 
 
 @contextlib.contextmanager
