@@ -16,12 +16,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.machines.tables import CLUSTER
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.helpers import real_traces_28x64, wait_for
 from tests.faults.helpers import (last_cluster_transition, settled, skip_round_that_would_be_gated, spawn_coordinator,
                                   stop_process, wait_event)
+from tests.helpers import real_traces_28x64, wait_for
 
 pytestmark = pytest.mark.slow
 
