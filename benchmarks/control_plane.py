@@ -22,7 +22,7 @@ what fdeplb's own work costs on top of redis-py, the server and the scheduler.
 
 Prints two tables (times, CPU) and a last line of JSON (``ranks``, ``p50_ms``, ``p99_ms``,
 ``redis_commands_per_round``, ``floor_p50_ms``, ``p50_vs_floor``, ``cpu_ms_per_round``, ``floor_cpu_ms_per_round``
-(totals) and ``cpus`` of the last N, ``runs``: every N, CPU by part). Target (issue #9): p50 < 50 ms at 64 ranks.
+(totals) and ``cpus`` of the last N, ``runs``: every N, CPU by part). Target: p50 < 50 ms at 64 ranks.
 Exit status: 0, 1 when the target fails, 2 for bad arguments (a rank count below 2: one rank is always balanced, so
 every round would be a skip); a run that cannot go on (Redis unreachable or lost, a round that did not complete)
 stops its processes, prints one line on stderr and exits with fdeplb's code for the error (7: Redis unavailable).
@@ -58,7 +58,7 @@ from fdeplb.errors import FdeplbError, RedisUnavailableError, exit_code  # noqa:
 from fdeplb.machines.tables import ClusterState, RankState  # noqa: E402
 from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.orchestration.coordinator import Coordinator  # noqa: E402
-from fdeplb.orchestration.operations import init_cluster  # noqa: E402
+from fdeplb.orchestration.cluster_setup import init_cluster  # noqa: E402
 from fdeplb.placement import initial_placement  # noqa: E402
 from fdeplb.store import ClusterConfig, Deadlines, Store  # noqa: E402
 from fdeplb.store.embedded import EmbeddedRedis  # noqa: E402

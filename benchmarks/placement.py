@@ -184,7 +184,7 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
             "targets": targets(rows, drift, speed, ma_speed)}
 
 
-#: issue #9: move_aware's time as a multiple of balanced's, moves as a share of a fresh balanced plan's, and its
+#: move_aware's time as a multiple of balanced's, moves as a share of a fresh balanced plan's, and its
 #: mean max/mean excess over balanced
 MOVE_AWARE_TIME_RATIO, MOVE_AWARE_MOVED_SHARE, MOVE_AWARE_SLACK = 2.0, 0.20, 0.0005
 MOVE_AWARE_SPEED_PAIR = ("dsv3_sglang_ep_stats", "prefill_in1024", "decode_in1000out1000")

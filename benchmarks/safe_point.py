@@ -19,7 +19,8 @@ import numpy as np
 # benchmarks/transitions.py would shadow the `transitions` package: drop this folder from the import path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from fdeplb.orchestration.agent import ExpertLoadWindow, RankAgent
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.load_window import ExpertLoadWindow
 
 
 class _Backend:
@@ -70,7 +71,7 @@ def main() -> None:
 
 def _armed_us() -> float:
     """One armed safe point's Redis call (waiting for the other ranks: the common armed case), us."""
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.placement import initial_placement
     from fdeplb.store import ClusterConfig, EmbeddedRedis, Store
 

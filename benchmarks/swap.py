@@ -6,7 +6,7 @@ Expert tensors have DeepSeek-V3's shapes (hidden 7168, moe_intermediate 2048, ER
 up_gate_proj [hidden, 2*inter] + down_proj [inter, hidden]) divided by --scale to fit memory; the synthetic checkpoint
 holds only the experts the measured rank holds before or after.
 
-Pauses (issue 24): for the same rank and plan, in the same run, the worker's pause at each safe point with and
+Pauses: for the same rank and plan, in the same run, the worker's pause at each safe point with and
 without chunking: the swap applied at once as before (``LiveExperts.swap``: copies from host staging + CRC of every
 written slot), the new path at one safe point (every changed layer in one chunk), and the new path in chunks of
 layers within the default pause budget (``ClusterConfig.max_pause_bytes``, 64 MiB): each chunk's experts moved to
@@ -254,7 +254,7 @@ def pause_run(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new:
 
 def swap_at_once(live: LiveExperts, reader: CheckpointReader, old: np.ndarray, new: np.ndarray, device: str
                  ) -> float:
-    """The swap old -> new applied at once as before issue 24 (``LiveExperts.swap``: copies from host staging +
+    """The swap old -> new applied at once, without chunks (``LiveExperts.swap``: copies from host staging +
     CRC of every written slot), staged first: the pause in s."""
     plan = plan_transfer(old, new, live.ep_rank, live.ep_size)
     staged = stage_experts(plan, reader, device=device)
@@ -331,7 +331,7 @@ def pause_fields(m: "Measured") -> dict:
 
 
 def pause_targets(fields: dict) -> dict:
-    """The CPU targets of issue 24, each True when met."""
+    """The CPU targets of the chunked pause, each True when met."""
     return {
         "pause_vs_memcpy<=1.5": fields["pause_vs_memcpy"] <= 1.5,
         "max_chunked<=unchunked/8": fields["max_pause_ms_chunked"] <= fields["max_pause_ms_unchunked"] / 8,

@@ -6,7 +6,7 @@ baseline is one pinned-host-to-device copy (paddle ``Tensor.copy_``) of the byte
 measured in the same run; the target is a swap at >= 80% of it. The swap also does its device-to-device local copies
 inside the timed region, so the ratio is slightly pessimistic.
 
-Also the pauses of benchmarks/swap.py on the device (issue 24): the same plan at one safe point and in chunks
+Also the pauses of benchmarks/swap.py on the device: the same plan at one safe point and in chunks
 within the default pause budget, each chunk's experts moved to the device buffer before its step, so the pause is a
 device-to-device copy checked on the device; ``pause_vs_memcpy`` against a device-to-device copy of each pause's
 bytes.

@@ -50,10 +50,11 @@ sys.path.insert(0, str(REPO))
 from fdeplb.errors import FenceError, GuardError, StaleStateError  # noqa: E402
 from fdeplb.machines.tables import CLUSTER, WEIGHTS, GuardKind, MachineTable, TransitionSpec  # noqa: E402
 from fdeplb.orchestration.handles import RecordHandle  # noqa: E402
-from fdeplb.orchestration.operations import init_cluster  # noqa: E402
+from fdeplb.orchestration.cluster_setup import init_cluster  # noqa: E402
 from fdeplb.store import ClusterConfig, Store  # noqa: E402
 from fdeplb.store.keys import Keys  # noqa: E402
-from fdeplb.store.redis_store import AUDIT_FIELDS, connect  # noqa: E402
+from fdeplb.store.connection import connect  # noqa: E402
+from fdeplb.store.machine_io import AUDIT_FIELDS  # noqa: E402
 
 TARGET_P99_MS = 1.0
 
@@ -93,7 +94,7 @@ def redis_server(kind: str) -> Iterator[tuple[str, str]]:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    from fdeplb.store.redis_store import connect
+    from fdeplb.store.connection import connect
 
     client = connect(url)
     end = time.monotonic() + timeout_s

@@ -296,7 +296,7 @@ class Node:
     def __init__(self, tmp: str, url: str, phy2log, deadlines, dist: np.ndarray, heartbeat_ttl_ms: int,
                  with_probe: bool = False) -> None:
         from fdeplb.orchestration.coordinator import Coordinator
-        from fdeplb.orchestration.operations import init_cluster
+        from fdeplb.orchestration.cluster_setup import init_cluster
         from fdeplb.store import ClusterConfig, Store
         from fdeplb.weights import write_synthetic_checkpoint
 
@@ -508,7 +508,7 @@ def changes(node: Node) -> tuple[dict, bool]:
 def lose_rank(node: Node, lost: int) -> tuple[dict, bool]:
     """The elastic scenario (``--lose-rank``, see the module doc)."""
     from fdeplb.machines.tables import MEMBERSHIP, MemberState
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     store, state = node.store, node.state
     survivors = [r for r in range(EP) if r != lost]

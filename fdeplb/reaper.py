@@ -4,16 +4,18 @@ A :class:`Reaper` is a small helper process (``python -m fdeplb.reaper``) holdin
 end only its parent holds. The parent tells it, one line at a time, which processes (pid + start time, so a reused
 pid is never signalled) and directories it owns. When the pipe reaches end-of-file (the parent closed it, exited or
 was killed by any signal, SIGKILL included), the reaper sends SIGTERM to every registered process still alive, waits
-up to ``grace_s`` seconds, sends SIGKILL to what is left, removes every registered directory, deletes every key of
-each registered cluster (``fdeplb demo --redis-url``: an external Redis keeps nothing of a demo) and exits. It runs in
-its own session and ignores SIGINT/SIGTERM/SIGHUP, so a Ctrl-C or ``timeout`` aimed at the parent does not stop it
-before it has cleaned up. A parent that cleans up itself just closes the pipe; the reaper then finds nothing to do.
+up to ``grace_s`` seconds, sends SIGKILL to what is left, runs every registered command (each within
+``COMMAND_TIMEOUT_S``; ``fdeplb demo --redis-url`` registers ``fdeplb cluster delete``: an external Redis keeps
+nothing of a demo), removes every registered directory and exits. It imports no other fdeplb module. It runs in its
+own session and ignores SIGINT/SIGTERM/SIGHUP, so a Ctrl-C or ``timeout`` aimed at the parent does not stop it before
+it has cleaned up. A parent that cleans up itself just closes the pipe; the reaper then finds nothing to do.
 
 Linux's ``PR_SET_PDEATHSIG`` was not used: it fires when the *thread* that started a child exits, not the process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -22,6 +24,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+__all__ = ["COMMAND_TIMEOUT_S", "Reaper"]
+
+#: seconds a registered command may run before the reaper kills it and carries on
+COMMAND_TIMEOUT_S = 30.0
 
 
 class Reaper:
@@ -66,10 +73,13 @@ class Reaper:
         """Remove directory ``path`` once this process is gone."""
         self._send(f"dir {os.fspath(path)}")
 
-    def watch_cluster(self, redis_url: str, cluster: str) -> None:
-        """Delete every key of ``cluster`` at ``redis_url`` once this process is gone (after its processes are
-        stopped, so none writes a key again)."""
-        self._send(f"cluster {cluster} {redis_url}")
+    def watch_command(self, argv: list[str]) -> None:
+        """Run ``argv`` (no shell; output discarded; killed after :data:`COMMAND_TIMEOUT_S`) once this process is
+        gone, after its processes are stopped (so none undoes what the command does). :class:`ValueError` for an
+        empty ``argv`` or one that is not all strings."""
+        if not argv or not all(isinstance(a, str) for a in argv):
+            raise ValueError(f"watch_command needs a non-empty list of strings, got {argv!r}")
+        self._send(f"cmd {json.dumps(list(argv))}")
 
     def close(self) -> None:
         """Close the pipe now: the reaper cleans up whatever is left and exits."""
@@ -91,7 +101,7 @@ def _reap(grace_s: float) -> None:
         signal.signal(sig, signal.SIG_IGN)
     procs: list = []
     dirs: list[str] = []
-    clusters: list[tuple[str, str]] = []
+    commands: list[list[str]] = []
     for raw in sys.stdin.buffer:  # until EOF: the parent closed the pipe or died
         kind, _, arg = raw.decode(errors="replace").strip().partition(" ")
         if kind == "pid":
@@ -101,9 +111,11 @@ def _reap(grace_s: float) -> None:
                 pass
         elif kind == "dir" and arg:
             dirs.append(arg)
-        elif kind == "cluster" and " " in arg:
-            cluster, _, url = arg.partition(" ")
-            clusters.append((cluster, url))
+        elif kind == "cmd":
+            try:
+                commands.append([str(a) for a in json.loads(arg)])
+            except (ValueError, TypeError):
+                pass
     alive = [p for p in procs if p.is_running()]
     for p in alive:
         try:
@@ -117,12 +129,11 @@ def _reap(grace_s: float) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(left, timeout=5)
-    for cluster, url in clusters:
+    for argv in commands:
         try:
-            from fdeplb.store import Store
-
-            Store(url, cluster).delete_cluster()
-        except Exception:  # noqa: BLE001 - Redis gone or the URL wrong: nothing left to clean up there
+            subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=COMMAND_TIMEOUT_S, check=False)
+        except (OSError, subprocess.SubprocessError):  # not runnable, or past its deadline: nothing more to do
             pass
     deadline = time.monotonic() + 5
     for d in dirs:

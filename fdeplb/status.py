@@ -4,7 +4,7 @@ One reader for every view of "now": ``fdeplb status`` (over Redis), ``GET /v1/st
 prints) and ``GET /health``. It sits below the API and the command line, which both import it; it reads
 through :class:`~fdeplb.store.Store` only and writes nothing.
 
-Staleness has one rule, the coordinator's (:func:`fdeplb.store.redis_store.stale_of`): a registered rank is stale
+Staleness has one rule, the coordinator's (:func:`fdeplb.store.liveness.stale_of`): a registered rank is stale
 once its heartbeat is older than the TTL its agent wrote with it (``RankRecord.heartbeat_ttl_ms``; no TTL written:
 never stale); ``/health`` and the start guard also count every member rank that is not registered. Ages and TTLs
 are milliseconds of the Redis server's clock.
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 from fdeplb.errors import CorruptRecordError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MemberState, RankState
 from fdeplb.store import RankRecord
-from fdeplb.store.redis_store import NOT_REGISTERED, stale_of
+from fdeplb.store.liveness import NOT_REGISTERED, stale_of
 
 __all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "unhealthy_ranks"]
 

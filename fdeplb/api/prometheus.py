@@ -12,7 +12,7 @@ Gauges come from the records as they are now.
 - ``fdeplb_rounds_aborted_total{reason}``, ``fdeplb_rounds_skipped_total{reason}`` (gated rounds are skips);
   ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values)
 - ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot, each over the members
-  the placement is routed over (:func:`~fdeplb.orchestration.gating.mean_balancedness`), ``fdeplb_moved_experts``
+  the placement is routed over (:func:`~fdeplb.rounds.gating.mean_balancedness`), ``fdeplb_moved_experts``
   of the latest plan
 - ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
   ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging),
@@ -36,8 +36,8 @@ from prometheus_client.registry import Collector
 
 from fdeplb.errors import CorruptRecordError, FdeplbError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.gating import mean_balancedness
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import mean_balancedness
 from fdeplb.store import Store
 
 #: histogram bucket bounds in seconds

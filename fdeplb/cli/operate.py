@@ -105,7 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_coordinator(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
     from fdeplb.log import configure
-    from fdeplb.orchestration.coordinator import Coordinator, check_holder
+    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.orchestration.leadership import check_holder
 
     from fdeplb.errors import InputError
 
@@ -219,7 +220,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     from fdeplb.backoff import ride_out
     from fdeplb.errors import DeadlineError, RedisUnavailableError
     from fdeplb.machines.tables import CLUSTER, ClusterState
-    from fdeplb.orchestration.reasons import RoundOutcome, detail_of, round_outcome
+    from fdeplb.rounds.reasons import RoundOutcome, detail_of, round_outcome
 
     end = time.monotonic() + timeout_s
     status_hint = f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}"
@@ -275,7 +276,7 @@ def start_blockers(store, rec=None) -> str:
     coordinator's refusal recorded in the cluster record (stale ranks), no coordinator holding the lease (nobody
     would start it), ranks whose weights are not NORMAL (cleared or being updated; the start's guard)."""
     from fdeplb.machines.tables import WEIGHTS, WeightState
-    from fdeplb.orchestration.reasons import REFUSED
+    from fdeplb.rounds.reasons import REFUSED
 
     rec = rec or store.read_cluster()
     why = []
@@ -345,7 +346,7 @@ def layer_ids_of(text: str | None, first: int | None, num_layers: int) -> list[i
 
 def run_init(args: argparse.Namespace) -> int:
     from fdeplb.errors import InputError
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.placement import initial_placement, read_placement
     from fdeplb.store import Store
 

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
-    from fdeplb.orchestration.gating import GateDecision  # the one gain rule, as a cluster's round applies it
+    from fdeplb.rounds.gating import GateDecision  # the one gain rule, as a cluster's round applies it
 
     gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
                         float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0)

@@ -127,7 +127,7 @@ class TransitionSpec:
     #: the commit also appends to the cluster's signal stream, waking every rank agent: set on the cluster
     #: transitions into a state where a rank has work (publish its load, stage, swap, drop a staging, finish the
     #: round once it is released, carry out a weight request waiting for FREE); "plan", "loaded" and "swapped"
-    #: wake no rank (a SWAPPED rank finishes at "release": one wake-up per rank per round less, issue #9)
+    #: wake no rank (a SWAPPED rank finishes at "release": one wake-up per rank per round less)
     wakes_ranks: bool = False
     #: fired by an operator's command (``fdeplb round abort``, the API's ``/v1/round/abort``), unfenced: it needs no
     #: coordinator, and the record's expected state and version (checked in the commit step) order it against the

@@ -39,25 +39,26 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
     StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
-from fdeplb.orchestration.membership import Rejoin, participants
+from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.orchestration.load_window import ExpertLoadWindow, LoadRecorder, LoadSource
+from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
 from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
-from fdeplb.orchestration.recovery import records_lost
+from fdeplb.orchestration.recovery import Recovery
 from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
+from fdeplb.rounds.members import participants
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.cluster_config import check_pause_budget
-from fdeplb.store.redis_store import SWITCH_MARGIN_STEPS, stale_of
-from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, SwapReport, WeightBackend
+from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
+from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 from fdeplb.weights.plan import PauseBudget, changed_layers
+from fdeplb.weights.reports import SwapReport
 
 log = structlog.get_logger("fdeplb.agent")
 
-#: ExpertLoadWindow and LoadSource are importable from here as before (tests, benchmarks); EmbeddedAgent too (below)
-__all__ = ["ENTRY_WORK", "ExpertLoadWindow", "LoadSource", "RankAgent"]
+__all__ = ["ENTRY_WORK", "RankAgent"]
 
 
 class _Staging(NamedTuple):
@@ -78,10 +79,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
     ``verify_all``: after each swap, compare *every* slot of the rank with the checkpoint (re-reads the rank's
     whole share from disk; the demo and tests do it). Otherwise only the slots the swap wrote are verified, by the
     backend's swap itself.
-    ``load_source`` defaults to the agent's own :class:`ExpertLoadWindow` (``window_steps`` / ``window_s``), fed
-    by :meth:`record`. ``safe_points``: leave every change of the live experts to :meth:`at_safe_point` (an
-    embedded agent, see :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies
-    them itself (the protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
+    ``load_source`` defaults to the agent's own :class:`~fdeplb.orchestration.load_window.ExpertLoadWindow`
+    (``window_steps`` / ``window_s``), fed by :meth:`record`. ``safe_points``: leave every change of the live
+    experts to :meth:`at_safe_point` (an embedded agent, see
+    :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies them itself (the
+    protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
     :class:`~fdeplb.orchestration.weight_status.WeightStatusDriver`).
     ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
@@ -142,7 +144,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
         self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
-        self._reported_live = 0.0  # monotonic time of the last live report while the records are gone (recovery)
+        self.recovery: Recovery | None = None  # made once the backend is (start)
         self._init_probe()
 
     # ---- start-up -------------------------------------------------------------------------------------------------
@@ -166,6 +168,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self.backend = self.backend_factory(self.config.checkpoint, placement.phy2log, self.ep_rank,
                                             self.config.ep_size)
         self._live_phy2log = self.backend.phy2log
+        self.recovery = Recovery(self.store, self.ep_rank, self.backend, agent_id=self.agent_id,
+                                 heartbeat_ttl_ms=self.heartbeat_ttl_ms)
         self.live_plan_id = placement.plan_id
         self._rejoin = Rejoin(self.store, self.ep_rank, self.actor, self.log)
         self._rejoin.begin(placement.plan_id)  # an excluded rank comes back: REJOINING, admitted when FREE
@@ -201,10 +205,12 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self._heartbeat(force=True, live_plan_id=plan_id, clear_stat=self._clear_stat_seen,
                         routing_digest=routing_digest(self.backend.phy2log))
 
-    def rejoined_records(self, plan_id: str) -> None:
-        """The cluster was created again over this live agent (:mod:`~fdeplb.orchestration.recovery`), with the
-        placement ``plan_id`` it holds: forget the old cluster's round state (staging, published round, clear_stat
-        requests seen), create the rank's records and register again."""
+    def _records_lost(self, err: Exception | None) -> None:
+        """The rank's records or registry entry are gone: once the cluster was created again over this live agent
+        with the placement it holds (:meth:`Recovery.rejoin`, which raises otherwise), forget the old cluster's
+        round state (staging, published round, clear_stat requests seen), create the rank's records and register
+        again."""
+        self.config, plan_id = self.recovery.rejoin(err, self.config, self.live_plan_id)
         self._drop_staging()
         self._plan_read = ("", None)
         self._published_round = -1
@@ -215,6 +221,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self.live_ranks = self.store.current_placement().live_ranks(self.config.ep_size)  # as start() routes
         self.backend.set_live_ranks(self.live_ranks)
         self._register(plan_id)
+        self.log.warning("registered again", incarnation=self.config.incarnation, plan_id=plan_id,
+                         agent_id=self.agent_id)
+        self.store.emit_event("rank_registered_again", rank=self.ep_rank, plan_id=plan_id)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:
@@ -223,7 +232,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         typed :class:`FdeplbError` or a bug) raises an ``alarm`` event and is retried after 1 s: no value kills the
         loop. The worker's live experts keep serving either way.
 
-        One round trip per wake-up (issue #9): a step's last write (a load window, or a transition after which only
+        One round trip per wake-up: a step's last write (a load window, or a transition after which only
         a cluster change gives the rank work: ``staged``, ``swapped``, ``finish``) is not sent on its own but
         with the wait that follows it, and the wait reads the next step's view as it returns
         (:meth:`fdeplb.store.Store.wait_view`)."""
@@ -243,7 +252,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
                 self.log.info("retry", error=str(err))
                 progressed = True
             except NotFoundError as err:  # records gone (Redis lost its data?): report, then register again
-                records_lost(self, err)
+                self._records_lost(err)
                 progressed = True
             if until is not None and until():
                 return True
@@ -368,7 +377,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         the newest agent drives the rank's records (until then both commit under the records' version checks)."""
         owner = self.store.rank_agent(self.ep_rank)
         if owner is None and not self.stop_event.is_set():  # the registry lost this rank: Redis lost its data?
-            records_lost(self, None)
+            self._records_lost(None)
             return
         if owner is None or owner == self.agent_id or self.stop_event.is_set():
             return
@@ -630,12 +639,3 @@ ENTRY_WORK = entry_work(RANK, {
     RankState.SWAPPED: RankAgent._on_swapped,
 })
 
-
-def __getattr__(name: str) -> Any:
-    """``EmbeddedAgent`` is importable from here as before (README's path until it moved): it lives in
-    :mod:`fdeplb.orchestration.embedded_agent`, which imports this module, so it is looked up on first use."""
-    if name == "EmbeddedAgent":
-        from fdeplb.orchestration.embedded_agent import EmbeddedAgent
-
-        return EmbeddedAgent
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ something changes or a deadline or the lease renewal is due. A replacement coord
 work of whatever state it finds, which is how a kill at any point converges.
 
 This module owns the loop and the round's entry work per cluster state (with the periodic trigger, gated by
-:mod:`~fdeplb.orchestration.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, the rounds nobody asked for (re-placement, periodic)
+:mod:`~fdeplb.rounds.gating`); the lease is :mod:`~fdeplb.orchestration.leadership`'s, the rounds nobody asked for (re-placement, periodic)
 :mod:`~fdeplb.orchestration.periodic`'s, membership :mod:`~fdeplb.orchestration.membership`'s, retention and the
 weights watchdog are :mod:`~fdeplb.orchestration.housekeeping`'s.
 """
@@ -28,15 +28,17 @@ from fdeplb.errors import CorruptRecordError, FdeplbError, FenceError, GuardErro
     NotFoundError, RedisUnavailableError, StaleStateError, StateError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, MemberState, RankState, entry_work
-from fdeplb.orchestration import membership, reasons, rollback
-from fdeplb.orchestration.gating import Planner, decide, default_planner, plan_round
+from fdeplb.orchestration import membership, rollback
 from fdeplb.orchestration.housekeeping import WeightsWatchdog, prune_after_round
-from fdeplb.orchestration.leadership import MAX_HOLDER, Leadership, check_holder, default_holder_id
+from fdeplb.orchestration.leadership import Leadership
 from fdeplb.orchestration.periodic import UnaskedRounds
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.placement import MAX_LOAD, orphaned_experts, plan_digest
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import Planner, decide, default_planner, plan_round
+from fdeplb.rounds.members import live_planner, lost_participants, participants, participants_text, replacement
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, Store
-from fdeplb.store.redis_store import stale_of
+from fdeplb.store.liveness import stale_of
 
 log = structlog.get_logger("fdeplb.coordinator")
 
@@ -49,9 +51,7 @@ ABORTABLE = frozenset(CLUSTER.spec(ClusterState.COLLECTING, "abort").sources)
 RETRY_MS = 1_000
 
 
-#: importable from here as before (the operate command checks a holder before it builds a coordinator)
-__all__ = ["ABORTABLE", "ENTRY_WORK", "MAX_HOLDER", "RETRY_MS", "Coordinator", "Step", "check_holder",
-           "default_holder_id"]
+__all__ = ["ABORTABLE", "ENTRY_WORK", "RETRY_MS", "Coordinator", "Step"]
 
 
 class Coordinator(UnaskedRounds, Leadership):
@@ -73,12 +73,12 @@ class Coordinator(UnaskedRounds, Leadership):
     rank that has already passed it).
 
     Liveness: a round does not start while a rank is not registered or its heartbeat is stale (past its TTL,
-    :func:`~fdeplb.store.redis_store.stale_of` over every rank of ``ep_size``); the refusal is
+    :func:`~fdeplb.store.liveness.stale_of` over every rank of ``ep_size``); the refusal is
     audited once (trigger ``start_refused``, with the ranks and their heartbeat ages) and the start waits. The start
     that follows a refusal names every registered rank's heartbeat age and TTL in its audit reason
-    (:mod:`fdeplb.orchestration.reasons`), so a replay sees the refused ranks fresh again. A request still not
+    (:mod:`fdeplb.rounds.reasons`), so a replay sees the refused ranks fresh again. A request still not
     started ``deadlines.request_ttl_ms`` after it was made expires: withdrawn with a fenced ``request_expired`` note
-    naming its age and what it waited on (:func:`fdeplb.orchestration.reasons.request_expired`).
+    naming its age and what it waited on (:func:`fdeplb.rounds.reasons.request_expired`).
 
     Settings: the configuration is read again at every FREE step (``fdeplb config set`` bumps its version), so a
     change applies from the next round; a round in flight keeps the settings it started with. ``audit_dir``: the
@@ -187,7 +187,7 @@ class Coordinator(UnaskedRounds, Leadership):
                                                         rec.state)
             if changed:  # the generation moved: decide under the new one
                 rec, self._now_ms = self.store.read_cluster_at()
-            lost = membership.lost_participants(rec.members, self._members.view, self.config.ep_size) \
+            lost = lost_participants(rec.members, self._members.view, self.config.ep_size) \
                 if rec.state in ABORTABLE else []
             if lost:
                 return self._abort(rec, reasons.Reason(
@@ -232,7 +232,7 @@ class Coordinator(UnaskedRounds, Leadership):
         return left <= 0, max(left, 0)
 
     def _abort(self, rec: ClusterRecord, reason: str | reasons.Reason) -> Step:
-        """Fire ``abort`` with ``reason`` (audited; a :class:`~fdeplb.orchestration.reasons.Reason` also writes its
+        """Fire ``abort`` with ``reason`` (audited; a :class:`~fdeplb.rounds.reasons.Reason` also writes its
         detail). A gated skip (its detail has the gate's figures) is logged as an info "skip": not a failure."""
         why = reason if isinstance(reason, reasons.Reason) else reasons.Reason(reason)
         text = why.text[:2000]
@@ -285,7 +285,7 @@ class Coordinator(UnaskedRounds, Leadership):
         round_ = rec.round + 1
         try:
             active = list(range(self.config.ep_size)) if view is None else view.active()
-            members = membership.participants_text(active, self.config.ep_size)
+            members = participants_text(active, self.config.ep_size)
             self._fire(rec, "start", plan_id="", round_=round_, reason=why.text, detail=why.detail,
                        changes={"round": round_, "plan_id": "", "reason": "", "deadline_ms": deadline, "alarm": "",
                                 "members": members})
@@ -311,7 +311,7 @@ class Coordinator(UnaskedRounds, Leadership):
         except CorruptRecordError as err:
             self.store.drop_snapshot(round_)
             return self._abort(rec, f"load snapshot of round {round_} is corrupt: {err}")
-        # ---- HTTP API (issue 12): a load supplied by the operator (recv_expert_weight) replaces the windows
+        # ---- a supplied load replaces the windows (the operator's, over the HTTP API: recv_expert_weight)
         if not frozen:
             supplied = self.store.supplied_load(round_)
             if supplied is not None:
@@ -321,11 +321,11 @@ class Coordinator(UnaskedRounds, Leadership):
                                             f"expected {expected}")
                 self.store.save_snapshot(round_, supplied)
                 frozen = True
-        # ---- end issue 12
+        # ---- end of the supplied load
         if not frozen:
             # which windows are there: one field per rank (the windows themselves are read once, when all are);
             # an entry is a round (int), a LoadWindow, None (never published) or a CorruptRecordError
-            part = set(membership.participants(rec.members, self.config.ep_size))  # only members' windows count
+            part = set(participants(rec.members, self.config.ep_size))  # only members' windows count
             found: list = self.store.load_rounds()
             if all(isinstance(at, int) and at >= round_ for r, at in enumerate(found) if r in part):
                 found = self.store.read_loads()
@@ -371,7 +371,7 @@ class Coordinator(UnaskedRounds, Leadership):
         current = self.store.current_placement()
         old = current.phy2log
         live = np.zeros(cfg.ep_size, dtype=bool)
-        live[membership.participants(rec.members, cfg.ep_size)] = True
+        live[participants(rec.members, cfg.ep_size)] = True
         # the members are part of what a plan is computed from (with every rank a member: the topology alone)
         # a round whose members differ from those the placement is routed over is a membership round: never gated
         # (it switches the routing to the members even when nothing moves). One whose members only shrank is a
@@ -391,7 +391,7 @@ class Coordinator(UnaskedRounds, Leadership):
         except CorruptRecordError as err:  # computed again next round
             self.store.drop_plan(plan_id)
             return self._abort(rec, f"stored plan {plan_id} is corrupt: {err}")
-        replaced, closed = (None, None) if live.all() else membership.replacement(
+        replaced, closed = (None, None) if live.all() else replacement(
             old, cfg.num_logical_experts, cfg.ep_size, live, snapshot)
         if replaced is None and closed is None and reroute:  # nothing orphaned: only the routing changes
             replaced = old.copy()
@@ -406,7 +406,7 @@ class Coordinator(UnaskedRounds, Leadership):
                 decision = decide(snapshot, old, replaced if new is None else new, cfg, live)
             elif new is None:  # figures over the members (gating.mean_balancedness), as is the plan
                 decision = plan_round(snapshot, old, cfg, self.planner if live.all() else
-                                      membership.live_planner(self.planner, live), live)
+                                      live_planner(self.planner, live), live)
             else:  # content-addressed: a retried round reuses the stored plan
                 decision = decide(snapshot, old, new, cfg, live)
         except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
@@ -465,10 +465,10 @@ class Coordinator(UnaskedRounds, Leadership):
     @staticmethod
     def _not_in(states: list[tuple[RankState, str]], state: RankState, plan_id: str, members: str = "",
                 view=None) -> list[int]:
-        """The round's participants (``members``, :func:`~fdeplb.orchestration.membership.participants`) not in
+        """The round's participants (``members``, :func:`~fdeplb.rounds.members.participants`) not in
         ``state`` for ``plan_id``; with ``view`` (past the commit point), only those still ACTIVE members: the
         round completes among the members."""
-        part = set(membership.participants(members, len(states)))
+        part = set(participants(members, len(states)))
         if view is not None:
             part &= set(view.active())
         return [r for r, (st, pid) in enumerate(states) if r in part and not (st is state and pid == plan_id)]

@@ -9,7 +9,7 @@ counts on the device and read them only when they publish. So does fdeplb: a rec
 the step's tensor on its device (:class:`DeviceStep`, one device op, nothing read back), and :func:`window_sum`
 folds and sums the window's device steps on that device, with one device-to-host copy per publication.
 
-Paddle is reached only through :func:`fdeplb.weights._paddle.paddle` (the one module that imports it, lazily); a
+Paddle is reached only through :func:`fdeplb.weights.import_paddle` (the one module that imports it, lazily); a
 torch tensor is taken through DLPack (zero-copy). torch is not a dependency.
 """
 
@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from fdeplb.weights._paddle import dtype_name, paddle
+from fdeplb.weights import dtype_name
+from fdeplb.weights import import_paddle as paddle
 
 #: paddle's integer dtypes a count may have (bool is not a count; paddle has no unsigned type wider than 8 bits)
 INT_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8"})

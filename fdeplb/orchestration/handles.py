@@ -65,7 +65,7 @@ class RecordHandle:
 
         ``plan_id`` defaults to the record's plan_id; ``changes`` are other record fields written in the same
         atomic step; ``detail`` the facts behind ``reason`` (the audit record's JSON ``detail`` field, see
-        :mod:`fdeplb.orchestration.reasons`). Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
+        :mod:`fdeplb.rounds.reasons`). Raises IllegalTransitionError, StaleStateError, FenceError or GuardError (all
         :class:`~fdeplb.errors.StateError`); nothing is written then.
 
         ``defer``: the machine checks the trigger is legal now, but the commit is appended to ``defer`` as a

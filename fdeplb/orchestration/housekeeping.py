@@ -14,8 +14,8 @@ from typing import Any
 
 from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHT_CANCELS, WEIGHTS, WeightState
-from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.rounds import reasons
 from fdeplb.store import ClusterConfig, ClusterRecord, RankRecord, Store, WeightRecord
 
 
@@ -75,7 +75,7 @@ class WeightsWatchdog:
     ``deadlines.weights_ms`` after this coordinator first saw it pending is **cancelled**
     (:meth:`fdeplb.store.Store.cancel_weights`, refused atomically if the switch step got fixed meanwhile), with an
     audited reason naming the ranks whose workers never armed for it at a safe point (a worker that stopped calling
-    ``at_safe_point``, or never calls it; :func:`~fdeplb.orchestration.reasons.weights_cancelled`). No rank has
+    ``at_safe_point``, or never calls it; :func:`~fdeplb.rounds.reasons.weights_cancelled`). No rank has
     applied it, so every rank returns to the weight state it came from through the WEIGHTS table's ``cancel``
     transitions: the rank agents fire theirs when they see the withdrawal, and this fires those left (a rank whose
     agent is gone), so a new request can be made at once.

@@ -1,7 +1,7 @@
 """The operator's escape hatches on a cluster (``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb
 cluster delete`` and their HTTP routes): abort the round in flight before the commit point, cancel a pending round
 request, change the settings that may change, delete the cluster. Each is audited with who asked (``by``, the
-actor) and why (``reason``), as structured detail (:class:`~fdeplb.orchestration.reasons.Reason`); a command that
+actor) and why (``reason``), as structured detail (:class:`~fdeplb.rounds.reasons.Reason`); a command that
 cannot apply changes nothing and raises a typed error saying why. The membership commands on one rank are
 :func:`fdeplb.orchestration.membership.operator_fire`'s.
 """
@@ -12,12 +12,12 @@ from typing import Any
 
 from fdeplb.errors import GenerationError, IllegalTransitionError, StaleStateError, StateError
 from fdeplb.machines.tables import CLUSTER, ClusterState
-from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import Fired, RecordHandle
+from fdeplb.rounds import reasons
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.audit_export import check_export_path
 from fdeplb.store.records import check_request_reason
-from fdeplb.store.redis_store import stale_of
+from fdeplb.store.liveness import stale_of
 
 __all__ = ["OPERATOR_ABORT", "abort_round", "cancel_request", "change_settings", "delete_cluster"]
 
@@ -92,7 +92,7 @@ def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: s
 def delete_cluster(store: Store, *, force: bool = False) -> int:
     """Delete every key of the cluster (:meth:`fdeplb.store.Store.delete_cluster`: a SCAN of its key prefix).
     Refused with :class:`StateError` (nothing deleted) while an agent is alive (a registered rank whose heartbeat
-    is within its TTL, :func:`~fdeplb.store.redis_store.stale_of`) or a coordinator holds the lease, unless
+    is within its TTL, :func:`~fdeplb.store.liveness.stale_of`) or a coordinator holds the lease, unless
     ``force``. Returns how many keys were deleted."""
     if not force:
         beats = store.heartbeats()

@@ -15,8 +15,10 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError
 from fdeplb.machines.tables import CLUSTER
-from fdeplb.orchestration import membership, reasons, rollback
-from fdeplb.orchestration.gating import mean_balancedness, plan_round
+from fdeplb.orchestration import rollback
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import mean_balancedness, plan_round
+from fdeplb.rounds.members import live_mask, live_planner, routed_members
 from fdeplb.store import ClusterRecord
 
 #: (progressed, ms until the next deadline or None), as the coordinator's entry work returns
@@ -31,12 +33,12 @@ class UnaskedRounds:
         ranks than the ACTIVE members (a rank left: its orphaned experts are re-placed and its slots leave the
         routes; a rank rejoined: the round plans with it and routes to it), once per set of members it failed
         closed for; else the periodic trigger."""
-        live = membership.live_mask(self._members.view, self.config.ep_size)
+        live = live_mask(self._members.view, self.config.ep_size)
         active = tuple(np.flatnonzero(live).tolist())
         key = ",".join(map(str, active))
         if key != self._failed_closed:
             routed = self.store.current_placement().live_ranks(self.config.ep_size)
-            target = membership.routed_members(routed, self._members.view, self.config.ep_size)
+            target = routed_members(routed, self._members.view, self.config.ep_size)
             if routed != target:  # an EXCLUDED rank is still routed to, or an admitted one is not yet
                 lost, back = sorted(set(routed) - set(target)), sorted(set(target) - set(routed))
                 why = [f"ranks {lost} are not members" if lost else "", f"ranks {back} rejoined" if back else ""]
@@ -73,7 +75,7 @@ class UnaskedRounds:
             return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
         try:
             decision = plan_round(load, old, cfg, self.planner if live.all() else
-                                  membership.live_planner(self.planner, live), live)
+                                  live_planner(self.planner, live), live)
         except FdeplbError as err:
             return self._skip(rec, f"skipped: planning failed: {err}")
         skip = reasons.skipped(decision)  # the gate's one rule and words (GateDecision.why_skipped)

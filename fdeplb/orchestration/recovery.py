@@ -1,34 +1,32 @@
 """Recovery from lost records (Redis restarted without persistence, FLUSHALL, failover to an empty replica).
 
-Rank agent side (:func:`records_lost`, called by :class:`~fdeplb.orchestration.agent.RankAgent` when its records
-are gone or its registry entry is): while the cluster has no configuration, the agent reports the placement it
-holds live (:meth:`fdeplb.store.Store.report_live`: phy2log, plan_id, agent id) at most every quarter TTL; once
+Rank agent side (:class:`Recovery`, held by :class:`~fdeplb.orchestration.agent.RankAgent`, which asks it
+:meth:`Recovery.rejoin` when its records are gone or its registry entry is): while the cluster has no
+configuration, the agent reports the placement it holds live (:meth:`fdeplb.store.Store.report_live`: phy2log,
+plan_id, agent id) at most every quarter TTL; once
 ``init-cluster`` created the cluster again (a configuration of another ``incarnation``), the agent checks that the
 new cluster has its topology and the placement it holds live, then re-registers (API address, agent id), creates
 its records and heartbeats again; otherwise it refuses, saying why, and stays unregistered (no round starts and
 ``/health`` is 503 until the worker is restarted).
 
-Operator side (:func:`adopted_placement`, used by :func:`fdeplb.orchestration.operations.init_cluster`): the
+Operator side (:func:`adopted_placement`, used by :func:`fdeplb.orchestration.cluster_setup.init_cluster`): the
 placement the live ranks report, when they agree; :class:`~fdeplb.errors.StateError` naming the disagreement when
-they do not. Staleness is the store's one rule (:func:`fdeplb.store.redis_store.stale_of`).
+they do not. Staleness is the store's one rule (:func:`fdeplb.store.liveness.stale_of`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fdeplb.errors import NotFoundError, StateError, TopologyError
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, Store
-from fdeplb.store.redis_store import LiveReport, stale_of
+from fdeplb.store.liveness import LiveReport, stale_of
+from fdeplb.weights.backend import WeightBackend
 
-if TYPE_CHECKING:
-    from fdeplb.orchestration.agent import RankAgent
-
-__all__ = ["RecordsLostError", "adopted_placement", "records_lost"]
+__all__ = ["RecordsLostError", "Recovery", "adopted_placement"]
 
 
 class RecordsLostError(NotFoundError):
@@ -36,54 +34,60 @@ class RecordsLostError(NotFoundError):
     placement and waits for ``init-cluster``)."""
 
 
-def records_lost(agent: "RankAgent", err: Exception | None) -> None:
-    """Handle ``agent``'s records or registry entry being gone (``err``: the :class:`NotFoundError` a step raised,
-    None when the heartbeat found the registry without the agent). Returns once the agent re-registered (or there
-    was nothing to do); raises :class:`RecordsLostError` while there is no cluster (after reporting the live
-    placement), :class:`TopologyError` / :class:`StateError` when the cluster created again does not match what
-    the agent serves (it then stays unregistered), ``err`` itself when the cluster is the same incarnation (some
-    other record is missing)."""
-    store = agent.store
-    try:
-        config = store.read_config(fresh=True)
-    except NotFoundError:
-        _report(agent)
-        raise RecordsLostError(
-            f"rank {agent.ep_rank}: the cluster's records are gone (did Redis lose its data?); reported the "
-            f"placement held live (plan {agent.live_plan_id or 'initial'}) for init-cluster to adopt") from None
-    old = agent.config
-    if old is not None and config.incarnation == old.incarnation and err is not None:
-        raise err  # the same cluster: a record of another kind is missing (its reader says which)
-    _readopt(agent, config)
+class Recovery:
+    """The rank side of recovery, held by one rank agent: given the store, the rank's ``ep_rank``, its live
+    ``backend`` (whose ``phy2log`` is the placement it serves), its ``agent_id`` and ``heartbeat_ttl_ms`` (the live
+    report expires after 3 TTLs and is sent at most every quarter TTL)."""
 
+    def __init__(self, store: Store, ep_rank: int, backend: WeightBackend, *, agent_id: str,
+                 heartbeat_ttl_ms: int) -> None:
+        self.store, self.ep_rank, self.backend = store, int(ep_rank), backend
+        self.agent_id, self.heartbeat_ttl_ms = agent_id, int(heartbeat_ttl_ms)
+        self._reported_at = 0.0  # monotonic time of the last live report while the records are gone
 
-def _report(agent: "RankAgent") -> None:
-    now = time.monotonic()
-    if now - agent._reported_live < agent.heartbeat_ttl_ms / 4000:
-        return
-    agent.store.report_live(agent.ep_rank, agent.backend.phy2log, agent.live_plan_id or "",
-                            agent_id=agent.agent_id, ttl_ms=agent.heartbeat_ttl_ms)
-    agent._reported_live = now
+    def rejoin(self, err: Exception | None, old: ClusterConfig | None, live_plan_id: str | None
+               ) -> tuple[ClusterConfig, str]:
+        """The rank's records or registry entry are gone (``err``: the :class:`NotFoundError` a step raised, None
+        when the heartbeat found the registry without the agent; ``old``: the configuration the agent runs with;
+        ``live_plan_id``: the plan it holds live). Returns (the configuration, the placement's plan_id) the agent
+        registers again under. Raises :class:`RecordsLostError` while there is no cluster (after reporting the live
+        placement), :class:`TopologyError` / :class:`StateError` when the cluster created again does not match
+        what the rank serves (it then stays unregistered), ``err`` itself when the cluster is the same
+        incarnation (some other record is missing)."""
+        try:
+            config = self.store.read_config(fresh=True)
+        except NotFoundError:
+            self._report(live_plan_id)
+            raise RecordsLostError(
+                f"rank {self.ep_rank}: the cluster's records are gone (did Redis lose its data?); reported the "
+                f"placement held live (plan {live_plan_id or 'initial'}) for init-cluster to adopt") from None
+        if old is not None and config.incarnation == old.incarnation and err is not None:
+            raise err  # the same cluster: a record of another kind is missing (its reader says which)
+        return config, self._readopt(config, old, live_plan_id)
 
+    def _report(self, live_plan_id: str | None) -> None:
+        now = time.monotonic()
+        if now - self._reported_at < self.heartbeat_ttl_ms / 4000:
+            return
+        self.store.report_live(self.ep_rank, self.backend.phy2log, live_plan_id or "", agent_id=self.agent_id,
+                               ttl_ms=self.heartbeat_ttl_ms)
+        self._reported_at = now
 
-def _readopt(agent: "RankAgent", config: ClusterConfig) -> None:
-    """Join the cluster as created again: same topology and placement as held live, else refuse."""
-    store, old = agent.store, agent.config
-    if old is not None and config.topology() != old.topology():
-        raise TopologyError(f"rank {agent.ep_rank}: cluster {store.cluster!r} was created again with topology "
-                            f"{config.topology()}; this worker serves {old.topology()}: restart it")
-    placement = store.current_placement()
-    live = agent.backend.phy2log
-    if not np.array_equal(placement.phy2log, live):
-        raise StateError(f"rank {agent.ep_rank}: cluster {store.cluster!r} was created again with placement "
-                         f"{placement.plan_id or 'initial'} ({routing_digest(placement.phy2log)}) but this rank "
-                         f"holds plan {agent.live_plan_id or 'initial'} ({routing_digest(live)}) live; not "
-                         f"registering: restart this worker to load the cluster's placement")
-    agent.config = config
-    agent.rejoined_records(placement.plan_id)
-    agent.log.warning("registered again", incarnation=config.incarnation, plan_id=placement.plan_id,
-                      agent_id=agent.agent_id)
-    store.emit_event("rank_registered_again", rank=agent.ep_rank, plan_id=placement.plan_id)
+    def _readopt(self, config: ClusterConfig, old: ClusterConfig | None, live_plan_id: str | None) -> str:
+        """The plan_id of the cluster as created again when it has the same topology and placement as held live;
+        else refuse."""
+        store = self.store
+        if old is not None and config.topology() != old.topology():
+            raise TopologyError(f"rank {self.ep_rank}: cluster {store.cluster!r} was created again with topology "
+                                f"{config.topology()}; this worker serves {old.topology()}: restart it")
+        placement = store.current_placement()
+        live = self.backend.phy2log
+        if not np.array_equal(placement.phy2log, live):
+            raise StateError(f"rank {self.ep_rank}: cluster {store.cluster!r} was created again with placement "
+                             f"{placement.plan_id or 'initial'} ({routing_digest(placement.phy2log)}) but this rank "
+                             f"holds plan {live_plan_id or 'initial'} ({routing_digest(live)}) live; not "
+                             f"registering: restart this worker to load the cluster's placement")
+        return placement.plan_id
 
 
 def adopted_placement(store: Store, config: ClusterConfig) -> tuple[np.ndarray, str, list[int]] | None:

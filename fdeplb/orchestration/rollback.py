@@ -3,7 +3,7 @@
 A *supplied* round goes to a placement given to it (stored with :meth:`fdeplb.store.Store.supply_placement`)
 instead of one its policy computes: the coordinator's next round plans it with no gain gate, its plan's topology
 and its ``load`` record carry the facts (``supplied``: kind, the round it undoes, the placement it goes to;
-:func:`fdeplb.orchestration.reasons.supplied_round`), and the round that commits it drops it. The one kind today is
+:func:`fdeplb.rounds.reasons.supplied_round`), and the round that commits it drops it. The one kind today is
 the **rollback**:
 
 1. every rank reports its swap's probe in its rank record (:mod:`fdeplb.orchestration.probe`); when every rank has
@@ -31,7 +31,7 @@ import numpy as np
 
 from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import RANK
-from fdeplb.orchestration import reasons
+from fdeplb.rounds import reasons
 from fdeplb.orchestration.probe import ProbeOutcome
 from fdeplb.placement import orphaned_experts
 from fdeplb.store import ClusterRecord
@@ -42,7 +42,7 @@ _FAILED = (ProbeOutcome.MISMATCH.value, ProbeOutcome.FAILED.value)
 
 
 def probe_outcome(store: Any, plan_id: str) -> reasons.Reason:
-    """The reason of the ``swapped`` of plan ``plan_id``'s round: :func:`~fdeplb.orchestration.reasons.
+    """The reason of the ``swapped`` of plan ``plan_id``'s round: :func:`~fdeplb.rounds.reasons.
     probe_mismatch` naming every rank whose record reports a failed probe for that plan, or an empty reason when
     none does. Reads every rank's whole record (one round trip; :class:`CorruptRecordError` for one that does not
     parse)."""
@@ -98,7 +98,7 @@ def request_supplied(store: Any) -> bool:
 def supplied_for_planning(store: Any, num_logical_experts: int, live: np.ndarray) -> \
         tuple[np.ndarray, dict[str, Any]] | None:
     """PLANNING: the supplied placement (int64 [L, P]) and its checked facts
-    (:func:`~fdeplb.orchestration.reasons.supplied_of`), or None. ``live``: bool [ep_size], the round's members.
+    (:func:`~fdeplb.rounds.reasons.supplied_of`), or None. ``live``: bool [ep_size], the round's members.
     A stored value that does not parse raises :class:`CorruptRecordError`, one that leaves a logical expert
     without a replica on a member :class:`InputError` naming them; either way it is dropped (never retried) and
     the round aborts with the error."""

@@ -11,8 +11,8 @@ from typing import Any
 
 from fdeplb.errors import VerificationError
 from fdeplb.machines.tables import WEIGHT_CANCELS, WEIGHTS, ClusterState, WeightState
-from fdeplb.orchestration import reasons
 from fdeplb.orchestration.safe_points import Arm, SafePoints
+from fdeplb.rounds import reasons
 from fdeplb.store import ClusterRecord, WeightRecord
 
 

@@ -16,13 +16,13 @@ live commit builds it, see :mod:`fdeplb.machines.model`) and checks, for every a
   (LOAD_SUCC / SWAPPING / DONE only with every rank LOADED / SWAPPED for that plan, a start only with every rank
   IDLE and every weight status NORMAL, no clear while a round is past FREE, a fail / abort only before the plan is
   committed, a ``load`` only with its plan in the recording);
-- what a record says besides its states (the texts of :mod:`fdeplb.orchestration.reasons`): the start that follows
+- what a record says besides its states (the texts of :mod:`fdeplb.rounds.reasons`): the start that follows
   a start refused for stale ranks shows each of them fresh again (heartbeat age within its TTL); a cordoned
   cluster's commit names its external request; a weight ``updated`` names the cluster's current placement (an
   update reloads the current placement, never the initial one);
 - an alarm, skip or start refusal (not transitions) names the cluster record in its replayed state and version;
   a skip or refusal only in FREE, a refusal only ranks of the cluster;
-- membership (issue 22): each membership transition raises the generation by exactly one and every transition
+- membership: each membership transition raises the generation by exactly one and every transition
   carries the generation in force (an older one fails); a committed placement routes no expert only to EXCLUDED
   ranks (log2phy / logcnt over the members name no slot of an excluded rank); a weight cancel follows the
   withdrawal of a request no rank applied and returns to the state its clear / update came from;
@@ -51,7 +51,7 @@ Modules, one concern each:
   rank), :mod:`~fdeplb.replay.weight_requests` (the cancel transitions' ``withdrawn`` guard) and
   :mod:`~fdeplb.replay.start_state` (``state_at``, the exporter's start state, no checks);
 - :mod:`~fdeplb.replay.recompute`: :func:`check_plans`, :func:`check_gates`, :func:`whatif`, on top of
-  :mod:`fdeplb.orchestration.gating`;
+  :mod:`fdeplb.rounds.gating`;
 - :mod:`~fdeplb.replay.anchor`: ``check_head``, the recording's last chain against a live audit (``--redis-url``);
 - :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`;
 - :mod:`~fdeplb.replay.verify`: ``check_recording``, the whole self-contained check of one file (``fdeplb replay``
@@ -59,14 +59,11 @@ Modules, one concern each:
 """
 
 from fdeplb.errors import ReplayError
-# besides __all__, these stay importable from here as they were before the split (the CLI imports Recorded)
-from fdeplb.replay.machine_replay import CHAIN_EXCLUDED, NOT_TRANSITIONS, chain_of, replay, replay_file  # noqa: F401
-from fdeplb.replay.start_state import StartState, state_at  # noqa: F401
+from fdeplb.replay.machine_replay import chain_of, replay, replay_file
 from fdeplb.replay.rebuild import rebuild
-from fdeplb.replay.recompute import Recorded, check_gates, check_plans, whatif  # noqa: F401
-from fdeplb.replay.recording_format import (  # noqa: F401
-    LINE_TYPES, MAX_LINE_BYTES, REQUIRED, SCHEMA, AuditLine, parse_lines, read_export)
-from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen  # noqa: F401
+from fdeplb.replay.recompute import check_gates, check_plans, whatif
+from fdeplb.replay.recording_format import parse_lines, read_export
+from fdeplb.replay.report import ReplayReport
 
 __all__ = ["ReplayError", "chain_of", "parse_lines", "read_export", "replay", "replay_file", "check_plans",
            "check_gates", "whatif", "rebuild", "ReplayReport"]

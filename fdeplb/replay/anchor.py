@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.replay.report import ReplayReport
+from fdeplb.store.streams import parse_stream_id
 
 __all__ = ["check_head"]
 
 
 def _sid(text: str) -> tuple[int, int]:
-    from fdeplb.store.streams import parse_stream_id
-
     return parse_stream_id(text)
 
 

@@ -35,15 +35,15 @@ from fdeplb.replay.reason_checks import RecordSays
 from fdeplb.replay.recording_format import (AuditLine, HeaderLine, SnapshotLine, decimal_text, field_int,
                                             read_export)
 from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
-# StartState and state_at live in start_state (the exporter's fold); importable from here as they were
-from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at  # noqa: F401
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.replay.weight_requests import WeightRequests
+from fdeplb.store import ClusterConfig
 from fdeplb.store.streams import parse_stream_id
 
 if TYPE_CHECKING:
-    from fdeplb.store.records import PlanEntry
+    from fdeplb.store import PlanEntry
 
-__all__ = ["CHAIN_EXCLUDED", "NOT_TRANSITIONS", "chain_of", "replay", "replay_file"]
+__all__ = ["CHAIN_EXCLUDED", "chain_of", "replay", "replay_file"]
 #: fields of an exported audit line that the chain does not cover (the line type, the stream id, the chain itself)
 CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 
@@ -136,8 +136,6 @@ class _Replay(RecordSays):
         header: HeaderLine = line.value
         if self.report.header is not None or self.report.records:
             raise ReplayError(f"line {line.line}: a header must be the first line, and only one")
-        from fdeplb.store.records import ClusterConfig
-
         try:
             config = ClusterConfig.from_json(header.config)
         except InputError as exc:

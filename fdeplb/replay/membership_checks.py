@@ -1,4 +1,4 @@
-"""The membership side of a replay (issue 22): the cluster's membership generation and the routing of every
+"""The membership side of a replay: the cluster's membership generation and the routing of every
 committed placement around EXCLUDED ranks, checked on a recording with no Redis.
 
 - **Generations.** ``commit.lua`` writes into every transition's audit record the cluster generation as the commit
@@ -25,6 +25,7 @@ import numpy as np
 
 from fdeplb.errors import RedundancyError, ReplayError
 from fdeplb.machines.tables import MEMBERSHIP, Effect, MachineTable, MemberState, TransitionSpec
+from fdeplb.placement import live_maps
 
 if TYPE_CHECKING:
     from fdeplb.replay.recording_format import AuditLine
@@ -106,8 +107,6 @@ class Generations:
         """The checks that need the plans: every committed plan routes around its excluded ranks; every plan line
         that names its generation (``plan_generations``: plan_id -> (generation, line)) was planned between its
         round's start and load. A plan the recording does not hold (pruned) is not checked."""
-        from fdeplb.placement import live_maps
-
         for commit in self.commits:
             plan = stored_plans.get(commit.plan_id)
             if not commit.excluded or plan is None:

@@ -1,5 +1,5 @@
 """What a record says besides its states, checked against the records as replayed (the reasons and facts of
-:mod:`fdeplb.orchestration.reasons`): the notes (an alarm, skip, start refusal or weight withdrawal names the
+:mod:`fdeplb.rounds.reasons`): the notes (an alarm, skip, start refusal or weight withdrawal names the
 cluster in its replayed state and version; skips and refusals only in FREE; a refusal names ranks of the cluster
 and stays in force until a start), the start after a refusal shows every refused rank fresh again, a cordoned
 cluster's commit names its external request, a weight ``updated`` names the current placement, a ``swapped``'s
@@ -16,6 +16,8 @@ from __future__ import annotations
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, WEIGHTS, MachineTable, MemberState, TransitionSpec
 from fdeplb.replay.recording_format import AuditLine, field_int
+from fdeplb.rounds import reasons
+from fdeplb.store.liveness import stale_of
 
 __all__ = ["RecordSays", "read_detail"]
 
@@ -37,8 +39,6 @@ class RecordSays:
             raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
                               f"{CLUSTER.initial.value} only")
         if trigger == "start_refused":
-            from fdeplb.orchestration import reasons
-
             stale = self._detail(line, reasons.stale_ranks, lambda v: reasons.refusal(v).text)
             if stale is None:
                 raise ReplayError(f"{line.where}: start_refused without its stale ranks: "
@@ -51,8 +51,6 @@ class RecordSays:
         elif trigger == "weights_cancelled":
             self.weight_requests.cancelled(line)
         elif trigger == "config_changed":  # the settings as changed from here on (``fdeplb config set``)
-            from fdeplb.orchestration import reasons
-
             try:
                 changes = (reasons.detail_of(rec) or {}).get("changes", {})
             except ValueError as exc:
@@ -65,17 +63,15 @@ class RecordSays:
         """What a transition's record says besides its states, checked against the replayed records: the start
         after a refusal shows every refused rank fresh again; a cordoned cluster commits on an external request
         only; a weight update reloads the cluster's current placement."""
-        from fdeplb.orchestration import reasons
-
         reason, where = line.record.get("reason", ""), line.where
         if table is CLUSTER and spec.trigger == "start" and self.refused is not None:
             refused_at, stale = self.refused
             beats = self._detail(line, reasons.heartbeats, lambda v: reasons.fresh(v).text) or {}
             for r in sorted(stale):
                 if self._state_of(f"{MEMBERSHIP.key_label}:{r}", MEMBERSHIP)[0] == MemberState.EXCLUDED.value:
-                    continue  # the start ignores excluded ranks (issue 22)
+                    continue  # the start ignores excluded ranks
                 age, ttl = beats.get(r, (None, 0))
-                if age is None or 0 < ttl < age:
+                if age is None or stale_of({r: (age, ttl)}):
                     shown = "no heartbeat of it" if age is None else f"its heartbeat {age} ms old (ttl {ttl} ms)"
                     raise ReplayError(f"{where}: cluster start over stale rank {r} (start refused at "
                                       f"{refused_at}): the start shows {shown}")
@@ -101,8 +97,6 @@ class RecordSays:
                               f"update reloads the current placement)")
 
     def _request_of(self, line: AuditLine) -> int | None:
-        from fdeplb.orchestration import reasons
-
         return self._detail(line, reasons.request_of)
 
     def _detail(self, line: AuditLine, read, derive=None):
@@ -114,7 +108,7 @@ class RecordSays:
 
 
 def read_detail(line: AuditLine, read, derive=None):
-    """``read(record)`` (a :mod:`fdeplb.orchestration.reasons` reader of the record's structured ``detail``, or of
+    """``read(record)`` (a :mod:`fdeplb.rounds.reasons` reader of the record's structured ``detail``, or of
     its text in a schema 1 recording). With ``derive`` (value -> the reason text it gives) and a ``detail`` field,
     the record's ``reason`` must be that text: the text is derived from the facts, never a second source. A
     ``detail`` that is not a JSON object of the right shape, or a text that does not match it, is a

@@ -1,4 +1,4 @@
-"""Recomputing what a recording claims, on top of :mod:`fdeplb.orchestration.gating` (the gate and planner the
+"""Recomputing what a recording claims, on top of :mod:`fdeplb.rounds.gating` (the gate and planner the
 coordinator uses): :func:`check_plans` re-derives every ``load`` plan from its snapshot, :func:`check_gates` every
 gated round's numbers, and :func:`whatif` replans every recorded round with another policy. :class:`Recorded` is
 what a recording holds, read like a :class:`~fdeplb.store.Store`.
@@ -16,7 +16,13 @@ import numpy as np
 
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import CorruptRecordError, InputError, ReplayError
+from fdeplb.placement import POLICIES, check_live_ranks, plan_digest
 from fdeplb.replay.report import ReplayReport
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import decide, default_planner, plan_round
+from fdeplb.rounds.members import live_planner, replacement
+from fdeplb.rounds.reasons import RoundOutcome
+from fdeplb.store import ClusterConfig
 
 __all__ = ["Recorded", "check_gates", "check_plans", "whatif"]
 
@@ -30,8 +36,6 @@ class Recorded:
         if report.header is None:
             raise InputError("this export has no header (written before schema 1): its plans can only be checked "
                              "against the live cluster (--redis-url, --cluster)")
-        from fdeplb.store.records import ClusterConfig
-
         self.report = report
         self.config = ClusterConfig.from_json(report.header["config"])
         self.missing = set((report.header.get("missing") or {}).get("plans", []))
@@ -78,9 +82,6 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     recording holds that one.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
-    from fdeplb.orchestration.gating import decide
-    from fdeplb.placement import plan_digest
-
     config = source.read_config()
     new_of: dict[str, np.ndarray] = {}
     start = source.start_placement() if isinstance(source, Recorded) else None
@@ -122,7 +123,7 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
         topology = dict(stored.topology)
         supplied = _supplied(topology.pop("supplied", None), where)  # a round to a given placement: not planned
-        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member (issue 22)
+        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member
         reroute = bool(topology.pop("reroute", False))  # its members only shrank: the orphans move, nothing else
         if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
@@ -148,12 +149,10 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
 
 
 def _supplied(facts: Any, where: str) -> dict[str, Any] | None:
-    """The ``supplied`` facts of a stored plan's topology, checked (:func:`fdeplb.orchestration.reasons.
+    """The ``supplied`` facts of a stored plan's topology, checked (:func:`fdeplb.rounds.reasons.
     supplied_of`); None for a planned round."""
     if facts is None:
         return None
-    from fdeplb.orchestration import reasons
-
     try:
         return reasons.supplied_of({"supplied": facts})
     except (ValueError, KeyError, TypeError, InputError) as exc:
@@ -165,14 +164,9 @@ def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, wh
     """What the coordinator plans for ``load`` from ``old``: the policy over every rank, or with ``live_ranks``
     (the round's members) the re-placement of the orphaned experts when there are any, else, for a ``reroute``
     (a round whose members only shrank), ``old`` itself (only the routing changes), else the policy over the
-    members' slots (:mod:`fdeplb.orchestration.membership`)."""
-    from fdeplb.orchestration.gating import default_planner
-    from fdeplb.placement import check_live_ranks
-
+    members' slots (:mod:`fdeplb.rounds.members`)."""
     if live_ranks is None:
         return default_planner(load, old, config)
-    from fdeplb.orchestration.membership import replacement
-
     try:
         live = check_live_ranks(live_ranks, config.ep_size)
     except InputError as exc:
@@ -218,11 +212,8 @@ def _check_figures(where: str, stored: Any, decisions: list[Any]) -> None:
 
 def _round_planner(members: tuple[int, ...] | None, ep_size: int) -> tuple[Any, np.ndarray | None]:
     """(planner, live mask) of a round with ``members`` (its ACTIVE members at its start, as replayed): the
-    coordinator's planner over them (:func:`fdeplb.orchestration.membership.live_planner`) and the mask its
+    coordinator's planner over them (:func:`fdeplb.rounds.members.live_planner`) and the mask its
     figures are over; (default planner, None) with every rank a member."""
-    from fdeplb.orchestration.gating import default_planner
-    from fdeplb.orchestration.membership import live_planner
-
     if members is None or len(members) == ep_size:
         return default_planner, None
     live = np.isin(np.arange(ep_size), members)
@@ -240,22 +231,18 @@ def check_gates(report: ReplayReport) -> list[int]:
     """Recompute every gated round of ``report`` (an abort whose reason starts ``gated:``): replan its snapshot
     from the placement it started from with the cluster's policy and check that the gate skips it with exactly the
     recorded numbers: the abort's structured ``detail.gate`` figures (mean balancedness before and after, gain,
-    moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.orchestration.reasons.gated` derives
+    moved experts, min_gain) compared exactly, and its text as :func:`fdeplb.rounds.reasons.gated` derives
     it (a schema 1 recording has the text only; from schema 2 on a gated abort without ``detail.gate`` fails). Rounds whose snapshot or starting placement the
     recording lacks are left out. The plan is made over the round's members (its ACTIVE members at its start, as
     replayed) and the figures are over them when the detail names them (``live_ranks``, schema 3), else over every
     rank (an older record). From schema 3 on a round the gate let through carries the figures in its ``load``
     record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and compared
-    exactly too, with the text of :func:`fdeplb.orchestration.reasons.gate_passed`. Returns the rounds checked
+    exactly too, with the text of :func:`fdeplb.rounds.reasons.gate_passed`. Returns the rounds checked
     (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
     through; :class:`InputError` for a recording without header.
     """
-    from fdeplb.orchestration import reasons
-    from fdeplb.orchestration.gating import plan_round
-    from fdeplb.orchestration.reasons import RoundOutcome
-
     source = Recorded(report)
     placements = _placements(report, source)
     for seen in report.rounds:
@@ -294,8 +281,6 @@ def check_gates(report: ReplayReport) -> list[int]:
 def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
     """The gate's figures a ``load`` record carries (a round the gate let through), recomputed from its stored plan
     over the plan's members (see :func:`check_gates`); a plan the recording lacks (pruned) is left out."""
-    from fdeplb.orchestration import reasons
-    from fdeplb.orchestration.gating import decide
 
     for loaded in report.plans:
         try:
@@ -340,9 +325,6 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
     the new policy's plan, and moved experts of both. :class:`InputError` for an unknown policy or a recording
     without header.
     """
-    from fdeplb.orchestration.gating import decide, plan_round
-    from fdeplb.placement import POLICIES
-
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     source = Recorded(report)

@@ -29,13 +29,13 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
 
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import InputError, ReplayError
-from fdeplb.store.records import PlanEntry
+from fdeplb.store import PlanEntry
 
 __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
            "HeaderLine", "SnapshotLine", "decimal_text", "field_int", "parse_lines", "read_export"]
 
 #: version of the recording format written by this fdeplb (bumped on any incompatible change). Schema 2: audit
-#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.orchestration.reasons`).
+#: records may carry ``detail``, the JSON facts behind their reason (:mod:`fdeplb.rounds.reasons`).
 #: Schema 3: every balancedness figure (a plan's, a gate's) is over the round's members, which a gate's detail
 #: names (``live_ranks``) when some rank is not one (before: over every rank); a gated ``load`` carries the gate's
 #: figures (``detail.gate``). A recording of an older schema replays with its figures over every rank

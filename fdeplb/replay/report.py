@@ -1,18 +1,17 @@
 """What a replay found: the report :func:`fdeplb.replay.replay` returns and the checks that follow fill in (the
 final state of every record key, the plans and rounds seen, what the recording held), as plain dataclasses.
 
-No I/O. A round's outcome is :func:`fdeplb.orchestration.reasons.round_outcome` of its last cluster transition.
+No I/O. A round's outcome is :func:`fdeplb.rounds.reasons.round_outcome` of its last cluster transition.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-if TYPE_CHECKING:  # imported where used: fdeplb.orchestration's package imports the coordinator and the agent
-    from fdeplb.orchestration.reasons import RoundOutcome
+from fdeplb.rounds.reasons import RoundOutcome, round_outcome
 
 __all__ = ["KeyState", "LoadedPlan", "ReplayReport", "RoundSeen"]
 
@@ -58,9 +57,7 @@ class RoundSeen:
 
     @property
     def end(self) -> RoundOutcome:
-        """:func:`~fdeplb.orchestration.reasons.round_outcome` of the round as far as the replay got."""
-        from fdeplb.orchestration.reasons import round_outcome
-
+        """:func:`~fdeplb.rounds.reasons.round_outcome` of the round as far as the replay got."""
         return round_outcome(self.last)[0]
 
     @property
@@ -69,8 +66,6 @@ class RoundSeen:
         aborted; a round still running whose plan was committed (the recording, or ``--until``, stops between the
         commit and the release) is committed too: past the commit point it cannot abort, its placement is in
         force."""
-        from fdeplb.orchestration.reasons import RoundOutcome
-
         end = self.end
         if end is RoundOutcome.REARRANGED or (end is RoundOutcome.RUNNING and self.committed):
             return "committed"

@@ -5,7 +5,7 @@ withdrawn, and the ``withdrawn`` guard of the WEIGHTS table's cancel transitions
 ``detail.request`` names it) only while no rank applied it; a rank's ``cancel`` / ``cancel_to_cleared`` then
 returns it to the state its clear / update came from (``commit.lua``'s ``withdrawn`` guard: the record's request was
 withdrawn and its ``prior`` is the guard's state). The replay holds, per weight-status key, the state its last
-clear / update came from and the request it names (``detail.request``, :func:`fdeplb.orchestration.reasons.
+clear / update came from and the request it names (``detail.request``, :func:`fdeplb.rounds.reasons.
 request_of`; None in a recording written before it was recorded), and checks:
 
 - a ``weights_cancelled`` note names a request no rank applied (no ``cleared`` / ``updated`` / ``update_failed`` of a
@@ -46,7 +46,7 @@ class _Carried:
 
 class WeightRequests:
     """Per weight-status key, the request it carries out; the requests withdrawn. ``request_of(line)`` reads a
-    record's request (a :meth:`_Replay._detail` over :func:`~fdeplb.orchestration.reasons.request_of`)."""
+    record's request (a :meth:`_Replay._detail` over :func:`~fdeplb.rounds.reasons.request_of`)."""
 
     def __init__(self, request_of: Callable[["AuditLine"], int | None]) -> None:
         self.request_of = request_of

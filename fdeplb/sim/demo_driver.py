@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ import numpy as np
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState
-from fdeplb.store import ClusterConfig, Deadlines, Store
+from fdeplb.store import ClusterConfig, Deadlines, EmbeddedRedis, Store
 
 #: the cluster machine's states in lifecycle order after FREE, for the phase timings.
 PHASES = CLUSTER.states[1:]
@@ -117,7 +118,8 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         server, url, redis_label = _open_redis(opts, workdir)
         store = Store(url, new_cluster_id())
         if server is None and not opts.keep:  # an external Redis keeps no keys of a demo, however it ends
-            Reaper.shared().watch_cluster(url, store.cluster)
+            Reaper.shared().watch_command([sys.executable, "-m", "fdeplb", "cluster", "delete", "--force",
+                                           "--redis-url", url, "--cluster", store.cluster])
         emit(f"trace        {trace_label} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
         emit(f"topology     {plural(opts.ranks, 'EP rank')} x {config.slots_per_rank} slots = "
              f"{config.num_physical_experts} physical experts ({redundant} redundant), "
@@ -225,8 +227,6 @@ def _demo_config(opts: DemoOptions, trace) -> tuple[np.ndarray, ClusterConfig, i
 def _open_redis(opts: DemoOptions, workdir: Path):
     """(the embedded server or None, the Redis URL, how the report names it): ``opts.redis_url`` (pinged first:
     a clear RedisUnavailableError before anything is started), else an embedded redis-server in ``workdir``."""
-    from fdeplb.store.embedded import EmbeddedRedis
-
     if opts.redis_url:
         Store(opts.redis_url, "probe").ping()
         return None, opts.redis_url, opts.redis_url
@@ -285,8 +285,8 @@ def format_audit(a) -> str:
 
 def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: np.ndarray, audit: list,
                final: dict) -> dict[str, Any]:
-    from fdeplb.orchestration.gating import mean_balancedness
-    from fdeplb.orchestration.reasons import RoundOutcome, round_outcome
+    from fdeplb.rounds.gating import mean_balancedness
+    from fdeplb.rounds.reasons import RoundOutcome, round_outcome
 
     placement = store.current_placement()
     plan_id, current = placement.plan_id, placement.phy2log

@@ -25,7 +25,7 @@ from fdeplb.errors import DeadlineError, FdeplbError
 from fdeplb.reaper import Reaper
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState
 from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import AuditRecord, ClusterConfig, Cursor, Store
 
 

@@ -7,12 +7,15 @@ from fdeplb.store.records import (
     LeaseInfo,
     LoadWindow,
     PlacementEntry,
-    PlanEntry,
     MemberRecord,
     RankRecord,
     WeightRecord,
 )
-from fdeplb.store.redis_store import AuditRecord, CommitResult, Cursor, PendingCall, Store
+from fdeplb.store.deferred import PendingCall
+from fdeplb.store.plan_entry import PlanEntry
+from fdeplb.store.machine_io import CommitResult
+from fdeplb.store.redis_store import Store
+from fdeplb.store.streams import AuditRecord, Cursor
 
 __all__ = [
     "AuditRecord",

@@ -19,7 +19,7 @@ from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig
-from fdeplb.store.records import PlanEntry
+from fdeplb.store.plan_entry import PlanEntry
 from fdeplb.store.streams import parse_stream_id
 from fdeplb.store.windows import snapshot_fields
 
@@ -30,7 +30,7 @@ class Bootstrap:
     def create_cluster(self, config: ClusterConfig, phy2log: np.ndarray, plan_id: str = "") -> bool:
         """Write a new cluster in one MULTI/EXEC: its configuration (with a fresh ``incarnation`` unless it names
         one), the initial placement (``plan_id``: "" for an initial placement, or the plan live ranks reported
-        holding, see :func:`fdeplb.orchestration.operations.init_cluster`) and one record per machine at version 0
+        holding, see :func:`fdeplb.orchestration.cluster_setup.init_cluster`) and one record per machine at version 0
         in its initial state; the ranks' live reports (:meth:`Store.live_reports`) are deleted with it. Returns
         False, writing nothing, if the cluster's configuration exists already (WATCHed, so two creators cannot
         both win)."""

@@ -21,7 +21,8 @@ from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import MEMBERSHIP, RANK, MemberState, StateEnum
 from fdeplb.store import arrays
 from fdeplb.store.connection import as_str as _s, hgetall as _hgetall, typed as _typed
-from fdeplb.store.records import ClusterRecord, MemberRecord, json_text
+from fdeplb.store.plan_entry import json_text
+from fdeplb.store.records import ClusterRecord, MemberRecord
 from fdeplb.store.scripts import switch_call
 
 #: default margin of a switch step (:meth:`Store.arm_switch`): steps past the largest armed step (>= 1 is safe)
@@ -65,7 +66,10 @@ def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None)
     """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
     whose TTL is set (> 0) and has passed. With ``ep_size``, every rank of ``range(ep_size)`` that ``heartbeats``
     does not hold (not registered: e.g. after Redis lost its data) is stale too, with age :data:`NOT_REGISTERED`
-    (the start guard and ``/health`` count every rank, registered or not)."""
+    (the start guard and ``/health`` count every rank, registered or not). Without it a rank that is not
+    registered is never stale: the membership watch suspects only a rank it saw heartbeat and lapse
+    (:class:`~fdeplb.orchestration.membership.MembershipWatch`), and :meth:`Liveness.stale_ranks` names only
+    registered ranks. The one staleness rule of fdeplb; nothing else compares an age with a TTL."""
     stale = {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
     if ep_size is not None:
         stale.update({r: NOT_REGISTERED for r in range(int(ep_size)) if r not in heartbeats})

@@ -21,7 +21,8 @@ from fdeplb.placement import routing_digest
 from fdeplb.store.connection import as_str as _s, hgetall as _hgetall
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store import arrays
-from fdeplb.store.records import PlacementEntry, PlanEntry, json_text
+from fdeplb.store.plan_entry import PlanEntry, json_text
+from fdeplb.store.records import PlacementEntry
 
 
 class Placements:
@@ -94,7 +95,7 @@ class Placements:
     def supply_placement(self, phy2log: np.ndarray, facts: dict[str, Any]) -> None:
         """Store ``phy2log`` (int64 [L, P], checked against the configuration: :class:`InputError` otherwise,
         nothing written) as the placement the next round goes to instead of planning one, with its ``facts``
-        (JSON-able: what :func:`fdeplb.orchestration.reasons.supplied_round` takes). Replaces an earlier one; kept
+        (JSON-able: what :func:`fdeplb.rounds.reasons.supplied_round` takes). Replaces an earlier one; kept
         until :meth:`drop_supplied_placement` (the round that commits it), never pruned by retention."""
         arr = np.asarray(phy2log)
         try:

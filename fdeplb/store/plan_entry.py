@@ -1,7 +1,7 @@
 """A stored plan, :class:`PlanEntry`: its fields, its Redis hash (:meth:`PlanEntry.to_fields` /
 :meth:`PlanEntry.from_fields`, the arrays as dtype + shape + raw bytes through :mod:`fdeplb.store.arrays`) and its
 JSON form in a recording (:meth:`PlanEntry.to_json` / :meth:`PlanEntry.from_json`); and :func:`json_text`, the
-canonical JSON of a stored document. Importable from :mod:`fdeplb.store.records` as before.
+canonical JSON of a stored document.
 """
 
 from __future__ import annotations

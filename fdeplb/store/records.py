@@ -7,7 +7,7 @@ have) raises :class:`~fdeplb.errors.CorruptRecordError` naming the key and the f
 
 Arrays (expert_load, phy2log) are kept as dtype + shape + raw bytes (:mod:`fdeplb.store.arrays`). A stored plan
 (:class:`PlanEntry`) lives in :mod:`fdeplb.store.plan_entry` and the cluster's configuration in
-:mod:`fdeplb.store.cluster_config` (both importable from here as before).
+:mod:`fdeplb.store.cluster_config`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import numpy as np
 from fdeplb.errors import CorruptRecordError, InputError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MachineTable, MemberState, \
     RankState, StateEnum, WeightState
-from fdeplb.store.cluster_config import ClusterConfig, Deadlines  # noqa: F401  (defined there; importable here too)
-from fdeplb.store.plan_entry import PlanEntry, json_text  # noqa: F401  (defined there; importable here too)
 
 
 # ---- machine records -----------------------------------------------------------------------------------------------
@@ -125,7 +123,7 @@ class ClusterRecord(RecordHeader):
     rank. Before the commit point the round aborts when they are no longer exactly the ACTIVE members."""
     probe_mismatch: str = ""
     """The audited ``probe_mismatch`` still in force (its reason text,
-    :func:`fdeplb.orchestration.reasons.probe_mismatch`): a committed swap whose output probe failed on some rank;
+    :func:`fdeplb.rounds.reasons.probe_mismatch`): a committed swap whose output probe failed on some rank;
     "" = none. Written by every round's ``swapped``: set when a rank's probe failed, cleared by a later round's
     with no probe failing (the rollback round's). ``/health`` is 503 while it is set."""
     pruned: str = ""

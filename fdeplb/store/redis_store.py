@@ -29,31 +29,24 @@ pattern of httpx's ``map_httpcore_exceptions``):
 Clients are created without retries and with a socket timeout longer than any ``XREAD BLOCK`` we issue: a commit
 whose reply was lost is *not* re-sent (the caller re-reads the record and sees what happened), and blocking reads are
 not cut short by redis-py's 5 s default.
-
-The names other modules import from here (``connect``, ``stale_of``, ``AUDIT_FIELDS``, ``SWITCH_MARGIN_STEPS``, the
-types) are re-exported from the parts that define them.
 """
 
 from __future__ import annotations
 
 from fdeplb.store.base import StoreBase
 from fdeplb.store.bootstrap import Bootstrap
-from fdeplb.store.connection import MAX_BLOCK_MS, SOCKET_TIMEOUT_S, connect, map_public_methods
-from fdeplb.store.deferred import DeferredCalls, PendingCall
+from fdeplb.store.connection import map_public_methods
+from fdeplb.store.deferred import DeferredCalls
 from fdeplb.store.intents import Intents
 from fdeplb.store.lease import Lease
-from fdeplb.store.liveness import NOT_REGISTERED, SWITCH_MARGIN_STEPS, LiveReport, Liveness, MemberView, stale_of
-from fdeplb.store.machine_io import AUDIT_FIELDS, CommitResult, MachineIO
+from fdeplb.store.liveness import Liveness
+from fdeplb.store.machine_io import MachineIO
 from fdeplb.store.placements import Placements
 from fdeplb.store.retention import Retention
-from fdeplb.store.streams import EVENTS_MAXLEN, AuditRecord, Cursor, Streams, parse_stream_id
+from fdeplb.store.streams import Streams
 from fdeplb.store.windows import Windows
 
-__all__ = [
-    "AUDIT_FIELDS", "EVENTS_MAXLEN", "MAX_BLOCK_MS", "SOCKET_TIMEOUT_S", "SWITCH_MARGIN_STEPS", "AuditRecord",
-    "CommitResult", "Cursor", "LiveReport", "MemberView", "NOT_REGISTERED", "PendingCall", "Store", "connect",
-    "parse_stream_id", "stale_of",
-]
+__all__ = ["Store"]
 
 
 @map_public_methods

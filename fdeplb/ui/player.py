@@ -20,7 +20,7 @@ from fdeplb.errors import InputError, ReplayError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS
 from fdeplb.recording import audit_dict
 from fdeplb.replay import check_gates, check_plans, replay
-from fdeplb.replay.machine_replay import NOT_TRANSITIONS, StartState, state_at
+from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at
 from fdeplb.replay.recompute import Recorded
 from fdeplb.replay.recording_format import read_export
 from fdeplb.store import AuditRecord, ClusterConfig

@@ -46,10 +46,10 @@ import numpy as np
 
 from fdeplb.errors import CorruptRecordError, DependencyError, InputError, NotFoundError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS, ClusterState, MachineTable
-from fdeplb.orchestration.reasons import PROBE_MISMATCH, RoundOutcome, round_outcome
 from fdeplb.placement.metrics import gpu_loads
 from fdeplb.recording import audit_dict
-from fdeplb.replay.machine_replay import NOT_TRANSITIONS
+from fdeplb.replay.start_state import NOT_TRANSITIONS
+from fdeplb.rounds.reasons import PROBE_MISMATCH, RoundOutcome, round_outcome
 from fdeplb.status import cluster_status
 
 __all__ = ["AUDIT_FILTERS", "LiveReadModel", "annotated_diagrams", "audit_rows", "build_view", "deadline_of",
@@ -207,7 +207,7 @@ def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: 
 
 def _mark_kind(record: Mapping[str, Any]) -> str:
     """A timeline mark's kind: its trigger, and ``skip`` for a gated round's abort (a normal outcome, not a failure:
-    :func:`~fdeplb.orchestration.reasons.round_outcome`)."""
+    :func:`~fdeplb.rounds.reasons.round_outcome`)."""
     if record.get("trigger") == "abort" and str(record.get("to")) == CLUSTER.initial.value:
         return "skip" if round_outcome(record)[0] is RoundOutcome.SKIPPED else "abort"
     return "probe_mismatch" if _probe_failed(record) else str(record.get("trigger"))

@@ -4,7 +4,8 @@ A rank agent needs these things of the weights it serves: which placement its li
 a new placement needs, to swap them in (whole, or in chunks of layers, one per safe point: :meth:`WeightBackend.prepare`
 before a chunk's switch step, :meth:`WeightBackend.swap_layers` at it), to verify the slots, to reload them, and to clear them and reload them in a
 given placement (the dynamic weight clear / update). :class:`WeightBackend` names those, with the typed records they
-return (:class:`StageReport`, :class:`SwapReport`, :class:`SlotCheck`);
+return (:class:`~fdeplb.weights.reports.StageReport`, :class:`~fdeplb.weights.reports.SwapReport`,
+:class:`~fdeplb.weights.reports.SlotCheck`, in :mod:`fdeplb.weights.reports`);
 :class:`CheckpointBackend` implements them with paddle tensors read from a safetensors checkpoint
 (:class:`~fdeplb.weights.LiveExperts`), and :class:`fdeplb.testing.NumpyWeights` with numpy arrays, so that the
 coordinator, the agent, gating, replay and the kill tests run without paddle.
@@ -12,84 +13,14 @@ coordinator, the agent, gating, replay and the kill tests run without paddle.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
 from fdeplb.errors import CheckpointError
 from fdeplb.weights.plan import PauseBudget, TransferPlan, changed_layers, chunk_layers, chunk_starts, plan_transfer
-
-
-@dataclass(frozen=True)
-class StageReport:
-    """What staging a plan costs one rank (the counts its rank record reports)."""
-
-    keep: int
-    """Slots whose expert stays in place."""
-    local: int
-    """Slots filled by copying an expert the rank already holds."""
-    disk: int
-    """Experts read from the checkpoint (each once)."""
-    disk_slots: int
-    """Slots filled from those experts."""
-    disk_bytes: int
-    """Bytes read from the checkpoint."""
-    local_bytes: int
-    """Bytes copied between slots of the rank."""
-
-    @classmethod
-    def of(cls, transfer: TransferPlan, expert_nbytes: int) -> "StageReport":
-        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each."""
-        nbytes = transfer.nbytes(expert_nbytes)
-        counts = transfer.counts
-        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"], disk_slots=transfer.disk_slots,
-                   disk_bytes=nbytes["disk"], local_bytes=nbytes["local"])
-
-
-@dataclass(frozen=True)
-class SwapReport:
-    """What one swap did (:meth:`WeightBackend.swap`). Bytes are device bytes written into live slots; seconds are
-    wall time.
-
-    ``keep`` / ``local`` / ``disk`` / ``disk_slots``: the transfer's counts (as :class:`StageReport`);
-    ``slots_verified``: slots the swap wrote and verified; ``bytes_from_staging``: staged (disk) experts copied in,
-    one per disk slot; ``bytes_local``: slot-to-slot copies; ``bytes_snapshot``: slots copied aside to break copy
-    cycles; ``copy_seconds``: the writes including the final device synchronisation; ``verify_seconds``:
-    checksumming every changed slot; ``routing_seconds``: switching the routing tables.
-    """
-
-    ep_rank: int
-    plan_key: str
-    keep: int
-    local: int
-    disk: int
-    disk_slots: int
-    snapshots: int
-    slots_verified: int
-    bytes_from_staging: int
-    bytes_local: int
-    bytes_snapshot: int
-    copy_seconds: float
-    verify_seconds: float
-    routing_seconds: float
-
-    @property
-    def seconds(self) -> float:
-        return self.copy_seconds + self.verify_seconds + self.routing_seconds
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "seconds": self.seconds}
-
-
-class SlotCheck(NamedTuple):
-    """A verification of a rank's live slots against the source of truth (:meth:`WeightBackend.verify`,
-    :meth:`WeightBackend.reload_in`); ``verified < total`` means corrupted slots."""
-
-    verified: int
-    """Slots holding exactly their logical expert's weights."""
-    total: int
-    """Slots of the rank (num_layers x slots per rank)."""
+from fdeplb.weights.reports import SlotCheck, StageReport, SwapReport
 
 
 class Staged(Protocol):

@@ -23,9 +23,9 @@ import numpy as np
 from fdeplb.checks import check_int
 from fdeplb.errors import InputError, VerificationError, WeightError
 from fdeplb.weights import _paddle
-from fdeplb.weights.backend import SwapReport
 from fdeplb.weights.checkpoint import CheckpointReader
 from fdeplb.weights.plan import KEEP, LOCAL, TransferPlan, rank_slots, routing_tables
+from fdeplb.weights.reports import SwapReport
 from fdeplb.weights.staging import (DeviceBuffer, ExpertChecksum, LoadedChunk, StagedExperts, check_staged_for,
                                     expert_checksum)
 

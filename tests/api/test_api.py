@@ -15,14 +15,10 @@ from fdeplb.api import ApiSettings, Credentials, create_app
 from fdeplb.machines.tables import WEIGHTS, ClusterState, WeightState
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import Store
-from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, served
+from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, app_of, served
 from tests.helpers import RawRedis, thread_cluster, wait_for
 
 pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in every test
-
-
-def _app(tc, **settings):
-    return create_app(tc.store(), Credentials(USER, PASSWORD), ApiSettings(**settings))
 
 
 def _register(tc):
@@ -42,7 +38,7 @@ def test_every_route_answers_in_fastdeploy_shape(redis_url, cluster_id, tmp_path
         tc.start()
         ips = _register(tc)
         store = tc.store()
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips})
             assert r.status_code == 200 and r.json()["code"] == 0, r.text
             assert r.json()["round"] == 1
@@ -113,7 +109,7 @@ def test_wrong_or_missing_credentials_401_and_nothing_changes(redis_url, cluster
         _register(tc)
         raw = RawRedis(redis_url, cluster_id)
         before = raw.snapshot()
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             attempts = ([{}, {"user": USER}, {"user": USER, "passwd": PASSWORD + "x"}, {"user": 1, "passwd": [2]},
                          {"user": USER.upper(), "passwd": PASSWORD}] if method == "POST" else
                         [None, (USER, "wrong"), ("", ""), (USER, PASSWORD[:-1])])
@@ -141,7 +137,7 @@ def test_unregistered_ips_are_refused_and_never_contacted(redis_url, cluster_id,
             ips = _register(tc)
             raw = RawRedis(redis_url, cluster_id)
             before = raw.snapshot()
-            with served(_app(tc)) as url:
+            with served(app_of(tc)) as url:
                 r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": [ips[0], trap, "evil:1"]})
                 assert r.status_code == 400 and r.json()["code"] == 1
                 assert trap in r.json()["msg"] and "evil:1" in r.json()["msg"] and ips[0] not in r.json()["msg"]
@@ -159,7 +155,7 @@ def test_busy_start_is_refused_in_fastdeploy_shape(redis_url, cluster_id, tmp_pa
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         ips = _register(tc)
         raw = RawRedis(redis_url, cluster_id)
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             assert requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips}).status_code == 200
             before = raw.snapshot()
             r = requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips})
@@ -184,7 +180,7 @@ def test_cordoned_round_commits_with_update_weight_from_tensor(redis_url, cluste
         tc.start()
         ips = _register(tc)
         store = tc.store()
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             assert requests.post(f"{url}/rearrange_experts", json={**CREDS, "ips": ips}).status_code == 200
             wait_for(lambda: store.read_cluster().state is ClusterState.LOAD_SUCC, 60, store, "LOAD_SUCC")
             r = requests.post(f"{url}/check_redundant", json={**CREDS})
@@ -208,7 +204,7 @@ def test_supplied_load_is_the_next_rounds_snapshot(redis_url, cluster_id, tmp_pa
         L, E = tc.config.num_layers, tc.config.num_logical_experts
         supplied = (np.arange(L * E).reshape(L, E) % 7 + 1) * 1000
         supplied[:, 0] = 2**40
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             r = requests.post(f"{url}/rearrange_experts",
                               json={**CREDS, "action": "recv_expert_weight", "data": supplied.tolist()})
             assert r.status_code == 200 and r.json() == {"code": 0, "msg": "ok", "round": 1}
@@ -307,7 +303,7 @@ def test_clear_then_update_over_http(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         ips = _register(tc)
         store = tc.store()
-        with served(_app(tc, weights_timeout_s=60)) as url:
+        with served(app_of(tc, weights_timeout_s=60)) as url:
             r = requests.get(f"{url}/update_model_weight", auth=AUTH)
             assert r.status_code == 200 and r.json()["msg"] == "model weight is updated"  # nothing to do
             stop = threading.Event()
@@ -330,7 +326,7 @@ def test_clear_then_update_over_http(redis_url, cluster_id, tmp_path):
 def test_weight_request_times_out_with_404_when_no_rank_carries_it_out(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        with served(_app(tc, weights_timeout_s=0.5)) as url:
+        with served(app_of(tc, weights_timeout_s=0.5)) as url:
             r = requests.get(f"{url}/clear_load_weight", auth=AUTH)
             assert r.status_code == 404 and r.json()["code"] == 1 and "timeout" in r.json()["msg"]
             assert store.read_cluster().weights_request == 1 and store.read_cluster().weights_action == "clear"
@@ -339,8 +335,8 @@ def test_weight_request_times_out_with_404_when_no_rank_carries_it_out(redis_url
 def test_health_reports_stale_heartbeats_503(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        with served(_app(tc)) as url:
-            r = requests.get(f"{url}/health", auth=AUTH)  # no rank registered (issue 23: it said 200, "ranks": 0)
+        with served(app_of(tc)) as url:
+            r = requests.get(f"{url}/health", auth=AUTH)  # no rank registered (it said 200, "ranks": 0)
             assert r.status_code == 503 and "rank 3 not registered" in r.json()["msg"], r.text
             for rank in range(tc.config.ep_size):
                 store.register_rank(rank, {"api_address": f"10.0.0.{rank}:8000"})
@@ -371,7 +367,7 @@ def test_long_polls_have_their_own_threads_and_leave_health_answering(redis_url,
         return {"records": []}
 
     monkeypatch.setattr(service, "audit", pending_audit)
-    with thread_cluster(redis_url, cluster_id, tmp_path) as tc, served(_app(tc, max_waiting=4)) as url:
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc, served(app_of(tc, max_waiting=4)) as url:
         answers: list[int] = []
         polls = [threading.Thread(target=lambda: answers.append(requests.get(
             f"{url}/v1/audit", params={"wait_ms": "30000"}, auth=AUTH, timeout=180).status_code)) for _ in range(50)]

@@ -1,4 +1,4 @@
-"""``/health`` answers without credentials, as FastDeploy's and vLLM's do for probes (issue 21): 200 on a healthy
+"""``/health`` answers without credentials, as FastDeploy's and vLLM's do for probes: 200 on a healthy
 cluster, 503 with one phrase on an unhealthy one, and nothing else of the cluster; ``/metrics`` stays behind
 credentials unless ``metrics_public`` (``fdeplb serve --metrics-public``); every other route still 401."""
 
@@ -7,18 +7,14 @@ from __future__ import annotations
 import pytest
 import requests
 
-from fdeplb.api import ApiSettings, Credentials, create_app
+from fdeplb.api import Credentials, create_app
 from fdeplb.api.service import HEALTH_PHRASES
 from fdeplb.store import Store
-from tests.api_helpers import AUTH, PASSWORD, USER, served
+from tests.api_helpers import AUTH, PASSWORD, USER, app_of, served
 from tests.helpers import RawRedis, thread_cluster, wait_for
 
 OTHER_GETS = ("/update_model_weight", "/clear_load_weight", "/v1/state", "/v1/audit", "/v1/placement",
               "/v1/statecharts/cluster.svg")
-
-
-def _app(tc, **settings):
-    return create_app(tc.store(), Credentials(USER, PASSWORD), ApiSettings(**settings))
 
 
 def test_health_is_open_200_then_503_with_one_phrase_when_a_rank_goes_stale(redis_url, cluster_id, tmp_path):
@@ -27,7 +23,7 @@ def test_health_is_open_200_then_503_with_one_phrase_when_a_rank_goes_stale(redi
         tc.start_agents(heartbeat_ttl_ms=1_000)
         wait_for(lambda: not store.stale_ranks() and len(store.rank_info()) == tc.config.ep_size, 30, store,
                  "every rank registered and beating")
-        with served(_app(tc)) as url:
+        with served(app_of(tc)) as url:
             for auth in (None, (USER, "wrong")):  # a probe: no credentials, or stale ones
                 r = requests.get(f"{url}/health", auth=auth)
                 assert r.status_code == 200, r.text
@@ -56,7 +52,7 @@ def test_metrics_needs_credentials_unless_public_and_every_other_route_still_401
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         raw = RawRedis(redis_url, cluster_id)
         before = raw.snapshot()
-        with served(_app(tc, metrics_public=public)) as url:
+        with served(app_of(tc, metrics_public=public)) as url:
             r = requests.get(f"{url}/metrics")
             if public:
                 assert r.status_code == 200 and "fdeplb_up 1.0" in r.text

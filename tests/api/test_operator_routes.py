@@ -13,7 +13,7 @@ import requests
 
 from fdeplb.api import ApiSettings, Credentials, create_app
 from fdeplb.machines.tables import ClusterState
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Store
 from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, served
 from tests.helpers import RawRedis

@@ -3,47 +3,20 @@ clients, and a schemathesis run over the OpenAPI schema."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import requests
 
 from fdeplb.cli import main
 from fdeplb.machines.tables import WEIGHTS
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.orchestration.operations import init_cluster
-from fdeplb.placement import initial_placement
-from fdeplb.store import ClusterConfig, Store
-from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, free_port, wait_http
+from fdeplb.store import Store
+from tests.api_helpers import AUTH, CREDS, PASSWORD, USER, free_port, registered_cluster, serve_process, wait_http
 from tests.helpers import RawRedis
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cluster(redis_url, cluster_id, ep_size=2):
-    store = Store(redis_url, cluster_id)
-    cfg = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=10, ep_size=ep_size)
-    init_cluster(store, cfg, initial_placement(2, 8, 10).phy2log)
-    for r in range(ep_size):
-        store.register_rank(r, {"api_address": f"10.1.0.{r}:8000"})
-        store.heartbeat(r)
-    return store, [f"10.1.0.{r}:8000" for r in range(ep_size)]
-
-
-def _serve(redis_url, cluster_id, port, *extra, env_creds=True):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("FDEPLB_API_USER", None)
-    env.pop("FDEPLB_API_PASSWORD", None)
-    if env_creds:
-        env.update(FDEPLB_API_USER=USER, FDEPLB_API_PASSWORD=PASSWORD)
-    return subprocess.Popen([sys.executable, "-m", "fdeplb", "serve", "--redis-url", redis_url, "--cluster",
-                             cluster_id, "--port", str(port), "--log-level", "DEBUG", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _stop(procs):
@@ -58,9 +31,9 @@ def _stop(procs):
 
 @pytest.mark.slow
 def test_100_concurrent_starts_through_3_servers_start_one_round_and_never_log_the_password(redis_url, cluster_id):
-    store, ips = _cluster(redis_url, cluster_id)
+    store, ips = registered_cluster(redis_url, cluster_id)
     ports = [free_port() for _ in range(3)]
-    procs = [_serve(redis_url, cluster_id, port) for port in ports]
+    procs = [serve_process(redis_url, cluster_id, port) for port in ports]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for url, proc in zip(urls, procs):
@@ -89,7 +62,7 @@ def test_100_concurrent_starts_through_3_servers_start_one_round_and_never_log_t
 
 
 def test_serve_refuses_to_start_without_credentials(redis_url, cluster_id, capsys, monkeypatch, tmp_path):
-    _cluster(redis_url, cluster_id)
+    registered_cluster(redis_url, cluster_id)
     monkeypatch.delenv("FDEPLB_API_USER", raising=False)
     monkeypatch.delenv("FDEPLB_API_PASSWORD", raising=False)
     assert main(["serve", "--redis-url", redis_url, "--cluster", cluster_id]) == 2
@@ -103,9 +76,9 @@ def test_serve_refuses_to_start_without_credentials(redis_url, cluster_id, capsy
 
 @pytest.mark.slow
 def test_insecure_no_auth_warns_on_start(redis_url, cluster_id):
-    _cluster(redis_url, cluster_id)
+    registered_cluster(redis_url, cluster_id)
     port = free_port()
-    proc = _serve(redis_url, cluster_id, port, "--insecure-no-auth", env_creds=False)
+    proc = serve_process(redis_url, cluster_id, port, "--insecure-no-auth", env_creds=False)
     try:
         wait_http(f"http://127.0.0.1:{port}", proc=proc)
         assert requests.get(f"http://127.0.0.1:{port}/v1/state").status_code == 200
@@ -116,12 +89,12 @@ def test_insecure_no_auth_warns_on_start(redis_url, cluster_id):
 
 @pytest.mark.slow
 def test_http_cli_clients_print_what_the_redis_commands_print(redis_url, cluster_id, capsys, monkeypatch, tmp_path):
-    store, ips = _cluster(redis_url, cluster_id)
+    store, ips = registered_cluster(redis_url, cluster_id)
     creds = tmp_path / "creds"
     creds.write_text(f"{USER}:{PASSWORD}\n")
     creds.chmod(0o600)
     port = free_port()
-    proc = _serve(redis_url, cluster_id, port, "--credentials-file", str(creds), env_creds=False)
+    proc = serve_process(redis_url, cluster_id, port, "--credentials-file", str(creds), env_creds=False)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url, proc=proc)
@@ -181,7 +154,7 @@ def test_openapi_fuzz_finds_no_5xx_and_refused_calls_change_nothing(redis_url, c
     from fdeplb.api import ApiSettings, Credentials, create_app
     from tests.api_helpers import served
 
-    _cluster(redis_url, cluster_id)
+    registered_cluster(redis_url, cluster_id)
     raw = RawRedis(redis_url, cluster_id)
     app = create_app(Store(redis_url, cluster_id), Credentials(USER, PASSWORD),
                      ApiSettings(weights_timeout_s=0.2))
@@ -220,11 +193,11 @@ def _basic() -> str:
 
 @pytest.mark.parametrize("public", [False, True])
 def test_serve_health_is_open_and_metrics_public_opens_only_metrics(redis_url, cluster_id, public):
-    """What a probe and Prometheus see of `fdeplb serve` without credentials (issue 21): /health 200 with no cluster
+    """What a probe and Prometheus see of `fdeplb serve` without credentials: /health 200 with no cluster
     data; /metrics 401 unless --metrics-public; every other GET route 401."""
-    _cluster(redis_url, cluster_id)
+    registered_cluster(redis_url, cluster_id)
     port = free_port()
-    proc = _serve(redis_url, cluster_id, port, *(["--metrics-public"] if public else []))
+    proc = serve_process(redis_url, cluster_id, port, *(["--metrics-public"] if public else []))
     try:
         url = f"http://127.0.0.1:{port}"
         wait_http(url, proc=proc)

@@ -1,4 +1,4 @@
-"""`fdeplb serve` as an operator runs it (issue 23): TLS with a self-signed certificate made at test time, the HTTP
+"""`fdeplb serve` as an operator runs it: TLS with a self-signed certificate made at test time, the HTTP
 clients verifying it (``--ca-cert`` / ``REQUESTS_CA_BUNDLE``) on an install without the server's extra; SIGTERM
 with an audit long-poll open ends the poll and the process long before the poll's own end; "serving" is logged
 only once the port is bound."""
@@ -18,8 +18,7 @@ import pytest
 import redis
 import requests
 
-from tests.api.test_serve import _cluster, _serve
-from tests.api_helpers import AUTH, PASSWORD, USER, free_port, wait_http
+from tests.api_helpers import AUTH, PASSWORD, USER, free_port, registered_cluster, serve_process, wait_http
 from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,10 +47,10 @@ def _client(*args, env=None):
 
 
 def test_status_over_tls_with_credentials_without_the_api_extra(redis_url, cluster_id, tmp_path):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     cert, key = _self_signed(tmp_path)
     port = free_port()
-    proc = _serve(redis_url, cluster_id, port, "--ssl-certfile", cert, "--ssl-keyfile", key)
+    proc = serve_process(redis_url, cluster_id, port, "--ssl-certfile", cert, "--ssl-keyfile", key)
     url = f"https://127.0.0.1:{port}"
     try:
         wait_for(lambda: _answers(url, cert) or proc.poll() is not None, 60, None, "serve over TLS")
@@ -80,15 +79,15 @@ def _answers(url, cert) -> bool:
 
 def test_serve_refuses_half_a_tls_setting(redis_url, cluster_id, tmp_path):
     cert, _ = _self_signed(tmp_path)
-    proc = _serve(redis_url, cluster_id, free_port(), "--ssl-certfile", cert)
+    proc = serve_process(redis_url, cluster_id, free_port(), "--ssl-certfile", cert)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "--ssl-certfile and --ssl-keyfile go together" in err
 
 
 def test_sigterm_with_an_open_long_poll_ends_it_and_exits_before_the_poll_would(redis_url, cluster_id):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     port = free_port()
-    proc = _serve(redis_url, cluster_id, port)
+    proc = serve_process(redis_url, cluster_id, port)
     url = f"http://127.0.0.1:{port}"
     raw = redis.Redis.from_url(redis_url)
     answer: dict = {}
@@ -114,12 +113,12 @@ def test_sigterm_with_an_open_long_poll_ends_it_and_exits_before_the_poll_would(
 
 
 def test_serving_is_logged_only_once_bound(redis_url, cluster_id):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        proc = _serve(redis_url, cluster_id, port)
+        proc = serve_process(redis_url, cluster_id, port)
         out, err = proc.communicate(timeout=60)
     try:
         assert proc.returncode != 0

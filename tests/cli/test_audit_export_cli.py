@@ -10,9 +10,9 @@ import os
 import numpy as np
 import pytest
 
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Store
-from tests.cli.test_operator_verbs import cli, init_args
+from tests.cli.helpers import cli, init_args
 from tests.helpers import RawRedis, run_cli
 
 

@@ -1,4 +1,4 @@
-"""A cluster's placement exports keep the model's layers (issue 23, deliverable 6): with ``init-cluster
+"""A cluster's placement exports keep the model's layers: with ``init-cluster
 --first-moe-layer`` / ``--layer-ids`` stored in the config, ``/v1/placement?format=``, ``status --placement-out`` and a
 ``rebalance --old`` of that export agree with ``rebalance --format sglang`` on the DeepSeek-V3 dump (61 rows, dense
 layers included; TensorRT-LLM keys 3..60), read back with each format's own conventions."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.placement import initial_placement, read_expert_load, read_placement, rebalance_experts
 from fdeplb.store import ClusterConfig, Store
 from tests.helpers import run_cli

@@ -13,7 +13,14 @@ from fdeplb.api import Credentials, create_app
 from fdeplb.store import Store
 from tests.api_helpers import AUTH, PASSWORD, USER, served
 from tests.helpers import RawRedis, run_cli
-from tests.cli.test_status_and_audit import EP, store  # noqa: F401 - store is a fixture (a cluster of EP = 2 ranks)
+
+EP = 2  # the ranks of conftest's two_rank_store
+
+
+@pytest.fixture
+def store(two_rank_store):
+    return two_rank_store
+
 
 RANK_STATE = "field 'state' holds 'BOGUS', not a valid RankState (RankRecord)"
 WEIGHTS_VERSION = "field 'version' holds 'v7', not a valid int (WeightRecord)"

@@ -202,12 +202,12 @@ def test_status_shows_swap_pending_while_ranks_wait_for_their_safe_point(redis_u
     """Past the commit point the placement is new but a rank's routing tables change only at its worker's safe
     point: until then status says "swap pending" (not MISMATCH) for it; once every rank swapped, "match"."""
     from fdeplb.status import cluster_status
-    from fdeplb.orchestration.agent import EmbeddedAgent
-    from tests.orchestration.test_embedding import _Instrumented, _Workers
+    from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+    from tests.orchestration.helpers import Instrumented, Workers
 
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         store = tc.store()
-        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), publish_interval_s=None,
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=Instrumented.factory(), publish_interval_s=None,
                                 load_source=lambda _round, r=r: tc.loads[r]).start() for r in range(4)]
         try:
             tc.start_coordinator()
@@ -218,7 +218,7 @@ def test_status_shows_swap_pending_while_ranks_wait_for_their_safe_point(redis_u
             assert [r["routing"] for r in got["ranks"]] == ["swap_pending"] * 4 and got["routing_mismatches"] == []
             code, text, _ = run(capsys, "status", "--redis-url", redis_url, "--cluster", cluster_id)
             assert code == 0 and "swap pending" in text and "MISMATCH" not in text
-            with _Workers(agents, tc.loads):
+            with Workers(agents, tc.loads):
                 wait_for(lambda: store.read_cluster().state == "FREE" and store.read_cluster().round == 1 and all(
                     store.read_rank(r).state == "IDLE" for r in range(4)), 60, store, "round 1 over")
             got = cluster_status(store)

@@ -1,25 +1,24 @@
-"""The operator's escape hatches (issue 23): ``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb cluster
+"""The operator's escape hatches: ``fdeplb round abort|cancel``, ``fdeplb config set``, ``fdeplb cluster
 delete``, ``init-cluster`` over an existing cluster, the request TTL and the reasons ``rearrange --wait`` prints;
 each against a real Redis, each audited with who and why, each refusal exit 3 with nothing written."""
 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
-from fdeplb.store import Deadlines, Store
+from fdeplb.orchestration.cluster_setup import init_cluster
+from fdeplb.store import ClusterConfig, Deadlines, Store
+from tests.cli.helpers import cli, init_args
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
 
 @pytest.fixture
 def store(small_store):
     return small_store
-
-
-def cli(capsys, store: Store, *argv: str):
-    return run_cli(capsys, *argv[:2], "--redis-url", store.url, "--cluster", store.cluster, *argv[2:])
 
 
 # ---- round abort -----------------------------------------------------------------------------------------------
@@ -106,17 +105,6 @@ def test_config_set_refuses_a_bad_value_and_writes_nothing(capsys, store, redis_
     assert raw.snapshot() == before
 
 
-def init_args(store: Store, tmp_path, *extra: str) -> list[str]:
-    from fdeplb.weights import write_synthetic_checkpoint
-
-    ckpt = tmp_path / "ckpt"
-    if not ckpt.exists():
-        write_synthetic_checkpoint(ckpt, 1, 4, hidden=4, intermediate=4)
-    return ["init-cluster", "--redis-url", store.url, "--cluster", store.cluster, "--num-layers", "1",
-            "--num-logical-experts", "4", "--num-redundant-experts", "2", "--ep-size", "3", "--checkpoint",
-            str(ckpt), *extra]
-
-
 def test_init_cluster_with_other_settings_is_refused_pointing_at_config_set(capsys, redis_url, cluster_id,
                                                                              tmp_path):
     pytest.importorskip("safetensors")
@@ -148,7 +136,8 @@ def test_the_reaper_deletes_a_clusters_keys_when_its_parent_goes(store):
     from fdeplb.reaper import Reaper
 
     reaper = Reaper()
-    reaper.watch_cluster(store.url, store.cluster)
+    reaper.watch_command([sys.executable, "-m", "fdeplb", "cluster", "delete", "--force", "--redis-url", store.url,
+                          "--cluster", store.cluster])
     assert store.key_count() > 0
     reaper.close()  # what the parent's death does to the pipe, SIGKILL included
     assert store.key_count() == 0

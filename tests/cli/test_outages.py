@@ -23,7 +23,7 @@ from fdeplb.errors import RedisUnavailableError
 from fdeplb.machines.tables import WEIGHTS, ClusterState
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import Deadlines
-from tests.api.test_serve import _cluster, _serve
+from tests.api_helpers import registered_cluster, serve_process
 from tests.api_helpers import PASSWORD, USER, free_port, wait_http
 from tests.helpers import run_cli, thread_cluster, wait_for
 from tests.servers import RedisServer
@@ -201,10 +201,10 @@ def test_rearrange_wait_exits_7_when_redis_is_still_away_as_its_timeout_passes(t
 
 @pytest.mark.slow
 def test_audit_follow_over_http_rides_out_a_serve_restart(redis_url, cluster_id):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = _serve(redis_url, cluster_id, port)
+    serve = serve_process(redis_url, cluster_id, port)
     clis: list[Lines] = []
     try:
         wait_http(url, proc=serve)
@@ -218,7 +218,7 @@ def test_audit_follow_over_http_rides_out_a_serve_restart(redis_url, cluster_id)
         serve.send_signal(signal.SIGTERM)  # a restart: the open long poll is answered, the next finds no server
         serve.communicate(timeout=30)
         cli.wait(f"note: the API at {url} {UNAVAILABLE} 300 s", 60)
-        serve = _serve(redis_url, cluster_id, port)
+        serve = serve_process(redis_url, cluster_id, port)
         wait_http(url, proc=serve)
         handle = RecordHandle(store, WEIGHTS, 0, actor="test")
         for trigger in ("clear", "cleared"):  # two new audit records: the follower prints them and stops (--limit)

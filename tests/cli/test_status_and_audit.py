@@ -4,29 +4,21 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from fdeplb.cli import main
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.machines.tables import RANK
-from fdeplb.orchestration.operations import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.placement import routing_digest
 from fdeplb.replay import replay_file
-from fdeplb.store import ClusterConfig, Store
-from tests.replay.test_replay import PLAN, fired  # noqa: F401 - fired is a fixture
-
-EP = 2
+from fdeplb.store import Store
+from tests.replay.helpers import PLAN
 
 
 @pytest.fixture
-def store(redis_url, cluster_id):
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=EP),
-                 np.arange(4, dtype=np.int64).reshape(1, 4))
-    yield store
-    store.delete_cluster()
+def store(two_rank_store):
+    return two_rank_store
 
 
 def cli(capsys, *args: str) -> tuple[int, str, str]:

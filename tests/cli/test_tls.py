@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.test_serve import _cluster, _serve
+from tests.api_helpers import registered_cluster, serve_process
 from tests.api_helpers import PASSWORD, USER, free_port, wait_http
 from tests.helpers import run_cli, wait_for
 
@@ -90,10 +90,10 @@ def test_serve_refuses_a_bad_pair_in_one_line_naming_the_files(redis_url, cluste
 
 
 def test_a_real_serve_with_a_mismatched_pair_exits_2_before_it_binds(redis_url, cluster_id, certs):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     port = free_port()
     try:
-        proc = _serve(redis_url, cluster_id, port, "--ssl-certfile", certs["cert"], "--ssl-keyfile",
+        proc = serve_process(redis_url, cluster_id, port, "--ssl-certfile", certs["cert"], "--ssl-keyfile",
                       certs["other_key"])
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, err
@@ -106,12 +106,12 @@ def test_a_real_serve_with_a_mismatched_pair_exits_2_before_it_binds(redis_url, 
 
 
 def test_status_over_https_names_what_failed_in_the_handshake(redis_url, cluster_id, certs, monkeypatch, capsys):
-    store, _ = _cluster(redis_url, cluster_id)
+    store, _ = registered_cluster(redis_url, cluster_id)
     ports = {name: free_port() for name in ("plain", "tls", "expired")}
-    procs = [_serve(redis_url, cluster_id, ports["plain"]),
-             _serve(redis_url, cluster_id, ports["tls"], "--ssl-certfile", certs["cert"], "--ssl-keyfile",
+    procs = [serve_process(redis_url, cluster_id, ports["plain"]),
+             serve_process(redis_url, cluster_id, ports["tls"], "--ssl-certfile", certs["cert"], "--ssl-keyfile",
                     certs["key"]),
-             _serve(redis_url, cluster_id, ports["expired"], "--ssl-certfile", certs["expired_cert"],
+             serve_process(redis_url, cluster_id, ports["expired"], "--ssl-certfile", certs["expired_cert"],
                     "--ssl-keyfile", certs["expired_key"])]
     monkeypatch.setenv("FDEPLB_API_USER", USER)
     monkeypatch.setenv("FDEPLB_API_PASSWORD", PASSWORD)

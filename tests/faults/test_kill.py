@@ -11,16 +11,16 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from contextlib import contextmanager
 
 import pytest
 
-from fdeplb.replay import NOT_TRANSITIONS
 from fdeplb.machines.tables import CLUSTER
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.store import ClusterConfig, Deadlines, Store
+from tests.faults.helpers import (last_cluster_transition, settled, skip_round_that_would_be_gated, spawn_coordinator,
+                                  stop_process, wait_event)
 from tests.helpers import real_traces_28x64, wait_for
 
 pytestmark = pytest.mark.slow
@@ -58,41 +58,6 @@ def proc_cluster(redis_url, real_data, tmp_path_factory):
     store.delete_cluster()
 
 
-def spawn_coordinator(cluster, holder: str, failpoints: str = "", lease_ms: int = 1_000) -> subprocess.Popen:
-    log = open(cluster.workdir / f"{holder}.log", "ab")
-    env = dict(os.environ, FDEPLB_FAILPOINTS=failpoints, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fdeplb", "coordinator", "--redis-url", cluster.redis_url, "--cluster",
-         cluster.store.cluster, "--holder", holder, "--lease-ms", str(lease_ms), "--log-level", "INFO"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
-    return proc
-
-
-def stop_process(proc: subprocess.Popen, sig=signal.SIGTERM) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-    proc.wait(timeout=30)
-
-
-def wait_event(store: Store, cursor: dict, timeout_s: float = 60.0, **match) -> dict:
-    """Wait for an events-stream entry whose fields include ``match``; returns its fields."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        for entry in store.wait(cursor, 500):
-            if entry["kind"] and all(entry[k] == str(v) for k, v in match.items()):
-                return entry.fields
-    raise AssertionError(f"no event {match} within {timeout_s}s")
-
-
-def settled(store: Store, round_: int):
-    def check():
-        rec = store.read_cluster()
-        ranks = [store.read_rank(r) for r in range(EP)]
-        return rec.state == "FREE" and rec.round >= round_ and all(r.state == "IDLE" for r in ranks)
-    return check
-
-
 def check_converged(store: Store) -> None:
     """Every rank holds the cluster's current placement, verified; audit versions per record have no gaps."""
     plan_id = store.current_placement().plan_id
@@ -107,25 +72,6 @@ def check_converged(store: Store) -> None:
             versions.setdefault(a["key"], []).append(int(a["version"]))
     for key, v in versions.items():
         assert v == list(range(1, len(v) + 1)), (key, v)
-
-
-def skip_round_that_would_be_gated(store: Store) -> None:
-    """The workers alternate between two traces by round parity: if the next round would replay the trace of
-    the current placement's round (a plan that moves nothing, gated), run that gated round first. Needs a
-    coordinator running."""
-    plan_id = store.current_placement().plan_id
-    rec = store.read_cluster()
-    if not plan_id:
-        return
-    planned_round = store.read_plan(plan_id).round
-    if (rec.round + 1 - planned_round) % 2 == 0:
-        store.request_round(reason="skip a gated round")
-        wait_for(settled(store, rec.round + 1), 60, store, "the gated round")
-        assert "gated" in last_cluster_transition(store)["reason"]
-
-
-def last_cluster_transition(store: Store):
-    return [a for a in store.iter_audit() if a["machine"] == "cluster" and a["trigger"] != "alarm"][-1]
 
 
 @pytest.mark.parametrize("state", CLUSTER.states)

@@ -20,12 +20,12 @@ import time
 import psutil
 import pytest
 
-from fdeplb.replay import NOT_TRANSITIONS
 from fdeplb.errors import RedisUnavailableError
+from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.store import ClusterConfig, Deadlines, Store
+from tests.faults.helpers import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 from tests.helpers import FAULTS_PROFILE, real_traces_28x64, wait_for
 from tests.servers import RedisServer
-from tests.faults.test_kill import skip_round_that_would_be_gated, spawn_coordinator, stop_process, wait_event
 
 pytestmark = pytest.mark.faults
 

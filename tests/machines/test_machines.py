@@ -10,7 +10,7 @@ import pytest
 from fdeplb.errors import FenceError, GuardError, IllegalTransitionError, StaleStateError, StateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHT_CANCELS, WEIGHTS
 from fdeplb.machines.tables import Effect
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.store import ClusterConfig, PlanEntry, Store
 from tests.helpers import RawRedis, wait_for

@@ -12,7 +12,7 @@ import pytest
 from fdeplb.errors import GenerationError, GuardError, IllegalTransitionError, StaleStateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, MemberState
 from fdeplb.orchestration.handles import RecordHandle
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.recording import audit_dict
 from fdeplb.replay import parse_lines, replay
 from fdeplb.store import ClusterConfig, Store

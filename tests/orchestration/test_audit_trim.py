@@ -12,7 +12,7 @@ import pytest
 import structlog
 
 from fdeplb.orchestration.housekeeping import prune_after_round
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Store
 
 KEEP = 3

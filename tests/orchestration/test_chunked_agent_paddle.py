@@ -4,7 +4,6 @@ the pause (the retry still switches one chunk per safe point), and budgets init-
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
@@ -14,24 +13,12 @@ pytest.importorskip("paddle")
 
 from fdeplb.errors import VerificationError  # noqa: E402
 from fdeplb.machines.tables import RankState  # noqa: E402
-from fdeplb.orchestration.embedded_agent import EmbeddedAgent  # noqa: E402
 from fdeplb.weights.live import LiveExperts  # noqa: E402
 from fdeplb.weights.plan import routing_tables  # noqa: E402
-from tests.helpers import thread_cluster, wait_for  # noqa: E402
-from tests.orchestration.test_embedding import _round_done, _Workers  # noqa: E402
+from tests.helpers import wait_for  # noqa: E402
+from tests.orchestration.helpers import new_load, paddle_serving, round_done  # noqa: E402
 
 L = 4
-
-
-def _new_load(tc, n, store=None):
-    """Round n's load: the experts' loads rolled by 5 * n (in place: the workers record tc.loads), so every round
-    plans a placement that gains over the last one; with ``store``, returns once every rank stepped 5 more times
-    with it (recorded, as the round's window will be)."""
-    tc.loads[...] = np.roll(tc.base_loads, 5 * n, axis=-1)
-    if store is not None:
-        steps = [store.read_rank(r).step for r in range(tc.config.ep_size)]
-        wait_for(lambda: all(store.read_rank(r).step >= s + 5 for r, s in enumerate(steps)), 30, store,
-                 "five steps with the new load")
 
 
 def _check_consistent(store, agents):
@@ -56,37 +43,14 @@ def _check_consistent(store, agents):
 def _round(tc, store, agents, n, reason):
     """Round ``n`` with round n's load (:func:`_new_load`) recorded first; waits for it, checks every rank
     (:func:`_check_consistent`) and returns their records."""
-    _new_load(tc, n, store)
+    new_load(tc, n, store)
     store.request_round(reason)
-    wait_for(lambda: _round_done(store, n), 90, store, f"round {n}")
+    wait_for(lambda: round_done(store, n), 90, store, f"round {n}")
     return _check_consistent(store, agents)
 
 
-@contextlib.contextmanager
-def _serving(redis_url, cluster_id, tmp_path, setup=None, **agent_kw):
-    """A paddle-backed thread cluster of L layers, one EmbeddedAgent per rank (``agent_kw``; default one changed
-    layer per safe point, every slot verified after a swap), ``setup(agents)`` called before the coordinator
-    starts, a coordinator and the workers stepping: yields ``(tc, store, agents)``."""
-    agent_kw = {"max_pause_bytes": 1, "verify_all": True, **agent_kw}
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, backend="paddle") as tc:
-        agents = [EmbeddedAgent(tc.store(), r, device="cpu", block_ms=50, publish_interval_s=None,
-                                **agent_kw).start() for r in range(tc.config.ep_size)]
-        if setup is not None:
-            setup(agents)
-        tc.base_loads = tc.loads.copy()
-        tc.start_coordinator()
-        store = tc.store()
-        try:
-            with _Workers(agents, tc.loads):
-                wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
-                yield tc, store, agents
-        finally:
-            for a in agents:
-                a.close()
-
-
 def test_chunked_rounds_on_paddle_tensors_converge_with_one_chunk_per_layer(redis_url, cluster_id, tmp_path):
-    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
+    with paddle_serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
         for n in (1, 2):
             ranks = _round(tc, store, agents, n, f"test {n}")
             assert [x.chunks for x in ranks] == [L] * 4, [x.chunks for x in ranks]
@@ -111,7 +75,7 @@ def test_a_verification_error_in_load_chunk_on_one_rank_still_converges(redis_ur
         return real(self, plan, staged, new, layers)
 
     monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
-    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
+    with paddle_serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
         cursor = store.cursor()
         ranks = _round(tc, store, agents, 1, "test fault")
         alarms = [e.fields for e in store.wait(cursor, 100) if e["kind"] == "alarm"]
@@ -152,7 +116,7 @@ def test_the_retry_after_a_failed_chunk_keeps_one_chunk_per_safe_point(redis_url
 
     monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
     monkeypatch.setattr(SafePointOp, "apply", apply)
-    with _serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
+    with paddle_serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
         _round(tc, store, agents, 1, "test retry")
         assert calls["n"] == 2
         assert max(n for n, _ in per_safe_point) == 1, (
@@ -166,7 +130,7 @@ def test_the_largest_agent_budget_swaps_whole_and_reports_it(redis_url, cluster_
 
     from fdeplb.api.prometheus import ClusterCollector
 
-    with _serving(redis_url, cluster_id, tmp_path, **kw) as (tc, store, agents):
+    with paddle_serving(redis_url, cluster_id, tmp_path, **kw) as (tc, store, agents):
         ranks = _round(tc, store, agents, 1, "test budget")
         assert [x.chunks for x in ranks] == [1] * 4
         registry = CollectorRegistry()

@@ -4,11 +4,9 @@ reports its pauses; a real worker process SIGKILLed between two chunks restarts 
 
 from __future__ import annotations
 
-import signal
 import threading
 
 import numpy as np
-import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from fdeplb.api.prometheus import ClusterCollector
@@ -19,7 +17,7 @@ from fdeplb.store.liveness import parse_chunks
 from fdeplb.testing import NumpyWeights
 from fdeplb.weights.plan import changed_layers, chunk_layers
 from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.test_embedding import _round_done, _Workers
+from tests.orchestration.helpers import Workers, kill_rank1_between_chunks, round_done
 
 
 def test_every_rank_switches_each_chunk_at_the_same_step_in_the_union_of_their_layouts(
@@ -36,10 +34,10 @@ def test_every_rank_switches_each_chunk_at_the_same_step_in_the_union_of_their_l
         store = tc.store()
         before = store.current_placement().phy2log
         try:
-            with _Workers(agents, tc.loads, slow=3) as workers:
+            with Workers(agents, tc.loads, slow=3) as workers:
                 wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
                 store.request_round("test")
-                rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+                rec = wait_for(lambda: round_done(store, 1), 60, store, "round 1")
             after = store.current_placement().phy2log
             changed = changed_layers(before, after)
             assert changed.size >= 2, "the round must change several layers for this test"
@@ -70,25 +68,6 @@ def test_every_rank_switches_each_chunk_at_the_same_step_in_the_union_of_their_l
         finally:
             for a in agents:
                 a.close()
-
-
-@pytest.mark.slow
-@pytest.mark.faults
-def kill_rank1_between_chunks(cluster, store, coordinator_thread: threading.Thread, args: tuple[str, ...],
-                              reason: str) -> dict:
-    """Start the 4 workers of ``cluster`` (rank 1 hangs at its second chunk: failpoint ``rank.chunk.hang=2``), then
-    the coordinator, request a round and SIGKILL rank 1's worker once it hangs there: the failpoint's event."""
-    from tests.faults.test_kill import wait_event
-
-    for r in range(4):
-        cluster.start_rank(r, *args, env={"FDEPLB_FAILPOINTS": "rank.chunk.hang=2"} if r == 1 else None)
-    cluster.wait_ready(timeout_s=120)
-    coordinator_thread.start()
-    cursor = store.cursor()
-    store.request_round(reason)
-    hit = wait_event(store, cursor, kind="failpoint", name="rank.chunk.hang", rank=1)
-    cluster.kill_rank(1, signal.SIGKILL)
-    return hit
 
 
 def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_placement(redis_url, real_data,
@@ -123,7 +102,7 @@ def test_a_worker_sigkilled_between_two_chunks_restarts_into_the_committed_place
         cursor = store.cursor()
         cluster.start_rank(1, *step)
         cluster.wait_ready([1], timeout_s=120, after=cursor)
-        wait_for(lambda: _round_done(store, 1), 90, store, "the round completes after the restart")
+        wait_for(lambda: round_done(store, 1), 90, store, "the round completes after the restart")
         placement = store.current_placement()
         ranks = [store.read_rank(r) for r in range(4)]
         assert {x.routing_digest for x in ranks} == {ranks[0].routing_digest} and ranks[0].routing_digest

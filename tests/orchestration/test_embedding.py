@@ -1,5 +1,5 @@
 """The rank agent embedded in a serving worker: record(), safe points, switch steps, the weight-status machine,
-liveness and the periodic trigger (issue 11). Real Redis, real threads; waits are on events with deadlines."""
+liveness and the periodic trigger. Real Redis, real threads; waits are on events with deadlines."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import pytest
 
 from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import ClusterState, RankState, WeightState
-from fdeplb.orchestration.agent import EmbeddedAgent, ExpertLoadWindow, RankAgent
+from fdeplb.orchestration.agent import RankAgent
+from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+from fdeplb.orchestration.load_window import ExpertLoadWindow
 from fdeplb.store import Deadlines
 from fdeplb.testing import NumpyWeights
-from tests.helpers import FailingReload, RawRedis, thread_cluster, wait_for
+from tests.helpers import FailingReload, RawRedis, header_slots, thread_cluster, wait_for
+from tests.orchestration.helpers import Instrumented, Workers, round_done
 
 pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
-
-
-def _round_done(store, n):
-    rec = store.read_cluster()
-    return rec.state is ClusterState.FREE and rec.round >= n and rec
 
 
 # ---- record() ---------------------------------------------------------------------------------------------------
@@ -188,89 +186,19 @@ def test_clear_stat_request_empties_every_window(redis_url, cluster_id, tmp_path
                 a.close()
 
 
-# ---- safe points and switch steps ------------------------------------------------------------------------------
-class _Instrumented(NumpyWeights):
-    """Records, for every change of the live slots, whether it ran inside at_safe_point and in which thread."""
-
-    agent: RankAgent | None = None
-
-    def __init__(self, *args, **kwargs):
-        self.changes: list[tuple[str, bool, str]] = []
-        super().__init__(*args, **kwargs)
-
-    def _note(self, what):
-        if self.agent is not None:
-            self.changes.append((what, self.agent._in_safe_point, threading.current_thread().name))
-
-    def swap(self, staged, new, live_ranks=None):
-        self._note("swap")
-        return super().swap(staged, new, live_ranks)
-
-    def swap_layers(self, staged, new, layers):  # a chunk of a swap (embedded agents)
-        self._note("swap")
-        return super().swap_layers(staged, new, layers)
-
-    def clear(self):
-        self._note("clear")
-        return super().clear()
-
-    def reload_in(self, phy2log):
-        self._note("reload_in")
-        return super().reload_in(phy2log)
-
-
-class _Workers:
-    """One thread per rank, in lockstep (a barrier per step: the all-to-all), each calling record() and
-    at_safe_point(); rank ``slow`` takes longer per step and its agent looks at Redis less often."""
-
-    def __init__(self, agents, loads, slow=None):
-        self.agents, self.loads, self.slow = agents, loads, slow
-        self.stop = threading.Event()
-        self.barrier = threading.Barrier(len(agents))
-        self.placements: list[list[bytes]] = [[] for _ in agents]  # per rank, per step: live phy2log bytes
-        self.threads = [threading.Thread(target=self.work, args=(r,), name=f"worker{r}", daemon=True)
-                        for r in range(len(agents))]
-
-    def work(self, r):
-        agent = self.agents[r]
-        agent.backend.agent = agent
-        while not self.stop.is_set():
-            try:
-                self.barrier.wait(timeout=30)
-            except threading.BrokenBarrierError:
-                return
-            if agent.serving:
-                agent.record(self.loads[r])
-            if r == self.slow:
-                self.stop.wait(0.01)
-            agent.at_safe_point()
-            self.placements[r].append(agent.backend.phy2log.tobytes() if agent.serving else b"cleared")
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.barrier.abort()
-        for t in self.threads:
-            t.join(10)
-
-
 def test_every_rank_switches_at_the_same_step_and_only_at_safe_points(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         agents = []
         for r in range(tc.config.ep_size):
-            agents.append(EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), verify_all=True,
+            agents.append(EmbeddedAgent(tc.store(), r, backend_factory=Instrumented.factory(), verify_all=True,
                                         block_ms=500 if r == 3 else 50, publish_interval_s=None).start())
         tc.start_coordinator()
         store = tc.store()
         try:
-            with _Workers(agents, tc.loads, slow=3) as workers:
+            with Workers(agents, tc.loads, slow=3) as workers:
                 wait_for(lambda: all(store.read_rank(r).step > 0 for r in range(4)), 30, store, "step reports")
                 store.request_round("test")
-                rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+                rec = wait_for(lambda: round_done(store, 1), 60, store, "round 1")
                 assert rec.reason == "" and rec.switch_step > 0
                 ranks = [store.read_rank(r) for r in range(4)]
                 assert [x.applied_step for x in ranks] == [rec.switch_step] * 4, ranks
@@ -328,9 +256,9 @@ def test_a_rank_that_learns_late_switches_at_the_same_step_as_the_others(redis_u
     worker is the slow one. The switch step is fixed only once rank 3 is armed, from the current step counters,
     so every rank still switches at one step, with no late switch and no step where the placements disagree."""
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
-        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), verify_all=True,
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=Instrumented.factory(), verify_all=True,
                                 publish_interval_s=None).start() for r in range(3)]
-        late = _LateAgent(tc.store(), 3, backend_factory=_Instrumented.factory(), verify_all=True,
+        late = _LateAgent(tc.store(), 3, backend_factory=Instrumented.factory(), verify_all=True,
                           publish_interval_s=None).start()
         agents.append(late)
         tc.start_coordinator()
@@ -355,13 +283,13 @@ def test_a_rank_that_learns_late_switches_at_the_same_step_as_the_others(redis_u
             assert [x.late_steps for x in ranks] == [0] * 4, (what, ranks)
 
         try:
-            with _Workers(agents, tc.loads, slow=3) as workers:
+            with Workers(agents, tc.loads, slow=3) as workers:
                 wait_for(lambda: all(a.steps > 0 for a in agents), 30, None, "workers stepping")
                 store.request_round("test")
                 rec = wait_for(lambda: store.read_cluster().state is ClusterState.SWAPPING and
                                store.read_cluster(), 60, store, "commit")
                 released = held_while_others_armed(f"swap:1:{rec.plan_id}")
-                rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+                rec = wait_for(lambda: round_done(store, 1), 60, store, "round 1")
                 switched_together("swap", rec.switch_step, released)
                 for action, state in (("clear", WeightState.CLEARED), ("update", WeightState.NORMAL)):
                     late.gate.clear()
@@ -385,11 +313,11 @@ def test_a_rank_past_the_switch_step_applies_at_once_and_raises_the_alarm(redis_
     step already in the past, as a rank that could not reach Redis at its armed safe points would find it): it
     applies at its next safe point, records late_steps and raises an audited alarm."""
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
-        agents = [EmbeddedAgent(tc.store(), r, backend_factory=_Instrumented.factory(), publish_interval_s=None)
+        agents = [EmbeddedAgent(tc.store(), r, backend_factory=Instrumented.factory(), publish_interval_s=None)
                   .start() for r in range(4)]
         store = tc.store()
         try:
-            with _Workers(agents, tc.loads):
+            with Workers(agents, tc.loads):
                 wait_for(lambda: all(a.steps >= 10 for a in agents), 30, None, "10 steps")
                 RawRedis(redis_url, cluster_id).r.hset(RawRedis(redis_url, cluster_id).keys.rearrange, mapping={
                     "weights_request": 1, "weights_action": "clear", "weights_switch_step": 3})
@@ -440,7 +368,6 @@ def test_arm_switch_fixes_the_step_once_every_rank_is_armed(redis_url, cluster_i
 
 def test_switch_lua_header_matches_its_python_slots():
     from fdeplb.store.scripts import SWITCH_ARGV, SWITCH_KEYS, SWITCH_STATUSES, script_text
-    from tests.store.test_scripts import header_slots
 
     assert header_slots("switch", "KEYS") == list(SWITCH_KEYS)
     assert header_slots("switch", "ARGV") == list(SWITCH_ARGV)
@@ -458,7 +385,7 @@ def test_vllm_55228_update_after_rebalance_reloads_the_current_placement(redis_u
         tc.start_coordinator(planner=lambda load, old, cfg: np.array([[0, 2, 1, 3]]))
         store = tc.store()
         store.request_round("test")
-        wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        wait_for(lambda: round_done(store, 1), 60, store, "round 1")
         assert store.current_placement().phy2log.tolist() == [[0, 2, 1, 3]]
         store.request_weights("clear", "test")
         wait_for(lambda: all(store.read_weights(r).state is WeightState.CLEARED for r in range(2)), 60, store,
@@ -517,8 +444,8 @@ def test_stale_rank_refuses_a_start_with_the_reason(redis_url, cluster_id, tmp_p
         rec = store.read_cluster()
         assert rec.state is ClusterState.FREE and rec.round == 0 and "stale ranks 2" in rec.reason
         tc.start_agent(2, heartbeat_ttl_ms=2_000)  # the rank comes back: the round starts and completes
-        wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
-        from fdeplb.orchestration import reasons
+        wait_for(lambda: round_done(store, 1), 60, store, "round 1")
+        from fdeplb.rounds import reasons
 
         (start,) = [a for a in store.iter_audit() if a["trigger"] == "start"]
         assert start["detail"]  # structured: the replay reads the heartbeats from the detail, not the text
@@ -538,7 +465,7 @@ def test_periodic_trigger_skips_a_balanced_load_and_rearranges_a_skewed_one(redi
         assert skip["reason"].startswith("skipped: balancedness 1.0000 >= threshold 0.95")
         assert store.read_cluster().round == 0 and store.read_cluster().reason.startswith("skipped:")
         tc.loads[...] = skewed
-        rec = wait_for(lambda: _round_done(store, 1), 60, store, "a periodic round")
+        rec = wait_for(lambda: round_done(store, 1), 60, store, "a periodic round")
         assert rec.requested_reason.startswith("interval")
         assert store.current_placement().plan_id == rec.plan_id != ""
 

@@ -12,9 +12,9 @@ from fdeplb.api import service
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
-from fdeplb.orchestration import reasons
 from fdeplb.placement import live_maps, orphaned_experts
 from fdeplb.replay import ReplayError, check_plans, replay_file
+from fdeplb.rounds import reasons
 from fdeplb.store import Deadlines
 from tests.helpers import run_cli, thread_cluster, wait_for
 
@@ -105,7 +105,7 @@ def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, c
 
 def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, cluster_id, tmp_path, capsys):
     # issue 34 A: the gate, /metrics and /ui counted the excluded rank's slots, so every later round was skipped
-    from fdeplb.orchestration.gating import decide, mean_balancedness
+    from fdeplb.rounds.gating import decide, mean_balancedness
     from fdeplb.replay import check_gates
     from fdeplb.ui.view_model import plan_view
 
@@ -153,7 +153,7 @@ def test_after_a_rank_is_lost_rounds_rearrange_over_the_members(redis_url, clust
         # a forger who edits the load's figures (and recomputes the chain) is caught by the recomputation
         import json
 
-        from tests.replay.test_recordings import rechain
+        from tests.replay.helpers import rechain
 
         lines = [json.loads(x) for x in path.read_text().splitlines()]
         at = next(i for i, x in enumerate(lines) if x.get("trigger") == "load" and x.get("round") == 2)
@@ -205,7 +205,7 @@ def test_a_round_aborts_at_once_when_a_participant_goes_suspect(redis_url, clust
         rec = wait_for(lambda: round_done(store, 1), 30, store, "the abort")
         abort = [a for a in store.iter_audit() if a["trigger"] == "abort" and a["key"] == "cluster"][-1]
         assert abort["from"] == "LOAD_SUCC" and "ranks [3]" in abort["reason"]
-        from fdeplb.orchestration import reasons
+        from fdeplb.rounds import reasons
 
         assert reasons.detail_of(abort) == {"ranks": [3]}
         assert "deadline" not in rec.reason and store.read(MEMBERSHIP, 3).state is M.SUSPECT

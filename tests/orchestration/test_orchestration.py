@@ -100,7 +100,7 @@ class _RoundTrips:
 
 
 def test_a_rank_agent_makes_six_round_trips_per_round(redis_url, cluster_id, tmp_path):
-    """Issue #9: a rank agent's round costs one round trip per wake-up (start, load, commit, release: each wait also
+    """A rank agent's round costs one round trip per wake-up (start, load, commit, release: each wait also
     carries the previous step's last write and reads the next view; "swapped" wakes no rank, a SWAPPED rank
     finishes at the release) plus the stage commit sent with the plan read and the swap commit: 6, counted on the
     agent's own client from the request to the round's end."""
@@ -422,7 +422,7 @@ def test_a_second_agent_for_a_rank_supersedes_the_first(redis_url, cluster_id, t
 @pytest.mark.parametrize("lost", ["request", "reply"])
 def test_a_wait_that_loses_its_deferred_writes_redoes_them_and_the_round_completes(redis_url, cluster_id, tmp_path,
                                                                                     lost):
-    """Issue #9: a step's last write rides on the next wait. When that round trip fails (Redis away), the writes'
+    """A step's last write rides on the next wait. When that round trip fails (Redis away), the writes'
     fate is unknown: lost with the request, or done and only the reply lost. Either way the agent's next steps
     redo them (the window is published again, the transition fired again on the record as read) and the round
     ends normally, not at a deadline (600 s here). Rank 1 loses each of its four deferred writes (load window,

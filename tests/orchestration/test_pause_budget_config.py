@@ -1,4 +1,4 @@
-"""QA4: the pause budget of a cluster (issue 24) when init-cluster meets an existing cluster."""
+"""the pause budget of a cluster when init-cluster meets an existing cluster."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fdeplb.errors import StateError
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Store
 from tests.helpers import run_cli
 

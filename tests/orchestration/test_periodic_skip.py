@@ -1,13 +1,13 @@
 """The periodic trigger's skip is the gate's decision in the gate's words (one rule: ``GateDecision.why_skipped``,
-through :func:`fdeplb.orchestration.reasons.skipped`), with the gate's figures as its detail."""
+through :func:`fdeplb.rounds.reasons.skipped`), with the gate's figures as its detail."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.gating import GateDecision
+from fdeplb.rounds import reasons
+from fdeplb.rounds.gating import GateDecision
 from tests.helpers import thread_cluster, wait_for
 
 pytestmark = pytest.mark.slow  # a thread cluster
@@ -33,7 +33,7 @@ def test_a_periodic_skip_says_why_the_gate_skipped(redis_url, cluster_id, tmp_pa
 def test_the_periodic_trigger_judges_the_members_only(redis_url, cluster_id, tmp_path):
     # issue 34 A: rank 3 drained (16 experts in 32 slots, each on two ranks: nothing orphaned); the periodic
     # trigger sums the members' windows and gates over the members the placement is routed over
-    from fdeplb.orchestration.gating import mean_balancedness
+    from fdeplb.rounds.gating import mean_balancedness
     from fdeplb.orchestration.membership import operator_fire
 
     with thread_cluster(redis_url, cluster_id, tmp_path, num_redundant=16, min_gain=1.0) as tc:

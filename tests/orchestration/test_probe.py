@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from fdeplb.errors import InputError
-from fdeplb.orchestration import reasons
+from fdeplb.rounds import reasons
 from fdeplb.orchestration.probe import Probe, ProbeOutcome, ProbeRun, compare, outputs_of
 from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.test_embedding import _round_done
+from tests.orchestration.helpers import round_done
 
 
 def _run(before, after, reference=None, **tol):
@@ -132,7 +132,7 @@ def test_a_probe_that_raises_after_the_swap_is_rolled_back_and_the_loop_goes_on(
         store = tc.store()
         before = store.current_placement()
         store.request_round("test raising probe")
-        wait_for(lambda: _round_done(store, 2), 60, store, "round 1 and its rollback")
+        wait_for(lambda: round_done(store, 2), 60, store, "round 1 and its rollback")
         audit = [a.fields for a in store.audit() if a["machine"] == "cluster"]
         swapped = [a for a in audit if a["trigger"] == "swapped"]
         assert [a["round"] for a in swapped] == ["1", "2"]
@@ -160,7 +160,7 @@ def test_a_supplied_placement_that_drops_an_expert_aborts_its_round_and_is_dropp
         with pytest.raises(InputError, match="supplied placement"):
             store.supply_placement(bad[:, :-1], {"kind": "rollback", "undoes": 1})  # a wrong shape: refused
         store.request_round("test supplied")
-        rec = wait_for(lambda: _round_done(store, 1), 60, store, "round 1")
+        rec = wait_for(lambda: round_done(store, 1), 60, store, "round 1")
         assert "without a replica on a member" in rec.reason and "(0, 3)" in rec.reason, rec.reason
         assert store.supplied_placement() is None  # dropped: never retried
         assert np.array_equal(store.current_placement().phy2log, before.phy2log)

@@ -25,8 +25,7 @@ from fdeplb.ui.view_model import timeline  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.live import LiveExperts  # noqa: E402
 from tests.helpers import wait_for  # noqa: E402
-from tests.orchestration.test_chunked_agent_paddle import _new_load, _serving  # noqa: E402
-from tests.orchestration.test_embedding import _round_done  # noqa: E402
+from tests.orchestration.helpers import new_load, paddle_serving, round_done  # noqa: E402
 
 L, TOKENS, UP, DOWN = 4, 8, "up_gate_proj.weight", "down_proj.weight"
 
@@ -76,7 +75,7 @@ class ClusterProbe:
 
 
 def _with_probe(box):
-    """A ``setup`` for :func:`_serving`: every agent gets the cluster probe (kept in ``box``)."""
+    """A ``setup`` for :func:`paddle_serving`: every agent gets the cluster probe (kept in ``box``)."""
     def setup(agents):
         box["probe"] = ClusterProbe(agents)
         for r, a in enumerate(agents):
@@ -134,10 +133,10 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
     # the rollback is requested at once; held here until the test has seen /health 503 between the two rounds
     monkeypatch.setattr(rollback, "request_supplied", lambda store: gate.is_set() and real_request(store))
     box: dict = {}  # only the written slots verified after a swap: the checksums a wrong layout passes
-    with _serving(redis_url, cluster_id, tmp_path, _with_probe(box), verify_all=False) as (tc, store, agents):
+    with paddle_serving(redis_url, cluster_id, tmp_path, _with_probe(box), verify_all=False) as (tc, store, agents):
         probe = box["probe"]
         before = store.current_placement()
-        _new_load(tc, 1, store)
+        new_load(tc, 1, store)
         store.request_round("test probe")
         swapped = wait_for(lambda: _swapped(store, 1), 90, store, "round 1 swapped")
         assert scrambled, "round 1 changed no two slots of rank 1 in one layer: nothing was exchanged"
@@ -146,7 +145,7 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         assert swapped["reason"].startswith("probe_mismatch: "), swapped
         assert 1 in [i["ep_rank"] for i in detail], detail
         assert all(i["layers"] == [layer] and i["outcome"] == "mismatch" for i in detail), detail
-        wait_for(lambda: _round_done(store, 1) and store.supplied_placement() is not None, 30, store,
+        wait_for(lambda: round_done(store, 1) and store.supplied_placement() is not None, 30, store,
                  "round 1 released with its rollback supplied")
         rank1 = store.read_rank(1)
         assert (rank1.probe, rank1.probe_layers) == ("mismatch", str(layer)), rank1
@@ -165,7 +164,7 @@ def test_a_wrong_layout_behind_the_checksums_is_caught_by_the_probe_and_rolled_b
         assert np.array_equal(round1.old_phy2log, before.phy2log)
 
         gate.set()  # the rollback round: back to the placement round 1 replaced, checked by the probe again
-        wait_for(lambda: _round_done(store, 2), 90, store, "the rollback round")
+        wait_for(lambda: round_done(store, 2), 90, store, "the rollback round")
         load = next(a.fields for a in store.audit() if a["trigger"] == "load" and a["round"] == "2")
         assert json.loads(load["detail"])["supplied"] == {"kind": "rollback", "undoes": 1,
                                                           "plan_id": before.plan_id, "why": "probe_mismatch"}

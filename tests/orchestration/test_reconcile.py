@@ -1,4 +1,4 @@
-"""The reconcile loops' error shell: back-off while Redis is away, one log line per change of health (issue 23)."""
+"""The reconcile loops' error shell: back-off while Redis is away, one log line per change of health."""
 
 from __future__ import annotations
 

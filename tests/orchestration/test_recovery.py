@@ -1,4 +1,4 @@
-"""Recovery from lost records, the pieces without processes (issue 23, deliverable 2): the start guard and
+"""Recovery from lost records, the pieces without processes: the start guard and
 ``/health`` count every rank of ``ep_size``, registered or not; ``init-cluster`` over live ranks adopts the placement
 they report when they agree and refuses, naming them, when they do not; an agent whose records are gone reports
 its live placement and registers again once the cluster is created anew, or refuses a different placement."""
@@ -9,14 +9,19 @@ import dataclasses
 
 import numpy as np
 import pytest
+import structlog
 
 from fdeplb.errors import NotFoundError, StateError
+from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration import Coordinator, RankAgent, init_cluster
-from fdeplb.orchestration.recovery import RecordsLostError, records_lost
+from fdeplb.orchestration.membership import MembershipWatch
+from fdeplb.orchestration.recovery import RecordsLostError
 from fdeplb.placement import initial_placement
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Store
+from fdeplb.store.liveness import NOT_REGISTERED, stale_of
 from fdeplb.testing import NumpyWeights
+from tests.helpers import wait_for
 
 CFG = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=3)
 
@@ -42,6 +47,27 @@ def test_the_start_guard_refuses_unregistered_ranks_and_health_is_503(redis_url,
         assert unhealthy_ranks(store) == (1, {0: "not registered", 2: "not registered"})
         notes = [a for a in store.iter_audit() if a["trigger"] == "start_refused"]
         assert len(notes) == 1 and '"heartbeat_age_ms":-1' in notes[0]["detail"]
+    finally:
+        store.delete_cluster()
+
+
+def test_an_unregistered_rank_is_stale_to_the_start_guard_but_never_suspected(redis_url, cluster_id):
+    """One staleness rule (``stale_of``), two questions: the start guard counts every rank of ``ep_size`` (an
+    unregistered one is stale, age NOT_REGISTERED); the membership watch suspects only a registered rank whose
+    heartbeat lapsed, never one that is not registered."""
+    store = _store(redis_url, cluster_id)
+    try:
+        store.register_rank(1, {"agent_id": "a1"})
+        store.heartbeat(1, heartbeat_ttl_ms=100)
+        wait_for(lambda: 1 in store.stale_ranks(), 10, what="rank 1's 100 ms heartbeat to lapse")
+        view = store.member_view()
+        assert stale_of(view.heartbeats, CFG.ep_size) == {0: NOT_REGISTERED, 1: view.heartbeats[1][0],
+                                                          2: NOT_REGISTERED}
+        assert stale_of(view.heartbeats) == {1: view.heartbeats[1][0]}
+        watch = MembershipWatch(store, "co", structlog.get_logger("test"))
+        assert watch.observe(fence="", exclude_ms=60_000, cluster_state=ClusterState.FREE)[0]
+        assert [store.read(MEMBERSHIP, r).state for r in range(3)] == [MemberState.ACTIVE, MemberState.SUSPECT,
+                                                                      MemberState.ACTIVE]
     finally:
         store.delete_cluster()
 
@@ -94,7 +120,7 @@ def test_an_agent_reports_while_the_records_are_gone_then_registers_again(redis_
         with pytest.raises(NotFoundError) as gone:
             agent.step()
         with pytest.raises(RecordsLostError, match="records are gone"):
-            records_lost(agent, gone.value)  # what the agent's loop does with it
+            agent._records_lost(gone.value)  # what the agent's loop does with it
         assert sorted(store.live_reports(3)) == [0]
         assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log)
         assert store.read_config(fresh=True).incarnation != old
@@ -115,7 +141,7 @@ def test_an_agent_refuses_a_cluster_created_again_with_another_placement(redis_u
         other = dataclasses.replace(CFG)
         assert init_cluster(store, other, initial_placement(2, 8, 12).phy2log[:, ::-1].copy())
         with pytest.raises(StateError, match="holds plan initial .* live; not registering"):
-            records_lost(agent, None)
+            agent._records_lost(None)
         assert 0 not in store.rank_info()
     finally:
         store.delete_cluster()

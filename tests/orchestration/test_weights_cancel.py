@@ -1,60 +1,24 @@
-"""Nothing waits forever on one rank (issue 22, deliverable 5): a weight clear / update whose switch step is not
+"""Nothing waits forever on one rank: a weight clear / update whose switch step is not
 fixed within ``deadlines.weights_ms`` is cancelled (every rank back to its previous weight state, audited, a late arm
 refused), and any exception while staging marks the rank LOAD_FAILED with its cause. Real Redis, thread clusters."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import pytest
 
 from fdeplb.errors import GuardError
 from fdeplb.machines.tables import WEIGHTS, ClusterState, RankState, WeightState
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.agent import EmbeddedAgent
 from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.rounds import reasons
 from fdeplb.store import Deadlines, Store
 from fdeplb.store.scripts import WEIGHTS_CANCEL_ARGV, WEIGHTS_CANCEL_KEYS, WEIGHTS_CANCEL_REPLIES, script_text
 from fdeplb.testing import NumpyWeights
-from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.helpers import RawRedis, header_slots, thread_cluster, wait_for
+from tests.orchestration.helpers import CANCEL_DEADLINES, embedded
 
 pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
-
-#: a short weights deadline, the others long (only the weight request may time out)
-DEADLINES = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000, weights_ms=300)
-
-
-@contextlib.contextmanager
-def embedded(tc, serving):
-    """Embedded agents for every rank (they arm and switch at safe points); the workers of ``serving`` ranks run a
-    serving loop (one safe point per step), the others never reach a safe point. Yields (agents, start(rank)): the
-    latter starts a stopped worker's loop later."""
-    agents = [EmbeddedAgent(tc.store(), r, backend_factory=NumpyWeights.factory(), publish_interval_s=None,
-                            block_ms=50).start() for r in range(tc.config.ep_size)]
-    stop = threading.Event()
-    threads = []
-
-    def worker(agent):
-        while not stop.is_set():
-            agent.at_safe_point()
-            stop.wait(0.01)
-
-    def start(r):
-        t = threading.Thread(target=worker, args=(agents[r],), daemon=True)
-        t.start()
-        threads.append(t)
-
-    try:
-        for r in serving:
-            start(r)
-        yield agents, start
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
-        for a in agents:
-            a.close()
 
 
 def _cancelled(store, n):
@@ -69,7 +33,7 @@ def _notes(store, n):
 
 def test_a_clear_rank_3_never_arms_for_is_cancelled_every_rank_back_to_normal_and_a_second_request_works(
         redis_url, cluster_id, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=DEADLINES) as tc:
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=CANCEL_DEADLINES) as tc:
         with embedded(tc, serving=[0, 1, 2]) as (agents, start):
             tc.start_coordinator()
             store = tc.store()
@@ -101,7 +65,7 @@ def test_a_clear_rank_3_never_arms_for_is_cancelled_every_rank_back_to_normal_an
 def test_an_update_from_cleared_that_is_cancelled_goes_back_to_cleared(redis_url, cluster_id, tmp_path):
     """The cancel returns to the state the update came from: CLEARED (cancel_to_cleared), never NORMAL with the
     weights not loaded."""
-    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=DEADLINES) as tc:
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=CANCEL_DEADLINES) as tc:
         with embedded(tc, serving=[0, 1, 2, 3]) as (agents, _start):
             tc.start_coordinator()
             store = tc.store()
@@ -213,8 +177,6 @@ def test_the_cancel_transitions_are_refused_unless_the_request_was_withdrawn_fro
 
 
 def test_weights_cancel_lua_header_matches_its_python_slots():
-    from tests.store.test_scripts import header_slots
-
     assert header_slots("weights_cancel", "KEYS") == list(WEIGHTS_CANCEL_KEYS)
     assert header_slots("weights_cancel", "ARGV") == list(WEIGHTS_CANCEL_ARGV)
     assert all(f"'{reply}'" in script_text("weights_cancel") for reply in WEIGHTS_CANCEL_REPLIES)

@@ -2,7 +2,7 @@
 
 tests/placement/golden/deepseek_eplb.npz holds what ``eplb.rebalance_experts`` returned under torch 2.13 CPU (made by
 golden/make_deepseek_golden.py beside it, which says how): the 16 real dumps at four topologies (loads read from
-../shared/real_data, skipped without it), the two small cases of issue 9 and 300 random cases with many ties.
+../shared/real_data, skipped without it), the two small hand-made cases and 300 random cases with many ties.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from fdeplb.placement import (
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.stops import choose_stops
-from tests.placement.test_placement import check_invariants, dumps, topologies
+from tests.placement.helpers import check_invariants, dumps, topologies
 
 
 def ratio(load, placement, num_gpus):
@@ -133,7 +133,7 @@ DRIFT_PAIRS = [
     pytest.param(f, a, b, ep, id=b, marks=pytest.mark.real_data(f"{f}/{a}.json", f"{f}/{b}.json"))
     for f, a, b, ep in DRIFT_PAIRS])
 def test_move_aware_moves_and_slack_on_the_drift_pairs(real_data, folder, a, b, ep):
-    """Issue 9's targets: at most 20% of the experts a fresh "balanced" plan moves, mean max/mean at most 0.0005
+    """The move-aware targets: at most 20% of the experts a fresh "balanced" plan moves, mean max/mean at most 0.0005
     (the default tolerance) above it, and no layer more than twice that."""
     load_a = read_expert_load(real_data / folder / f"{a}.json").expert_load
     load_b = read_expert_load(real_data / folder / f"{b}.json").expert_load

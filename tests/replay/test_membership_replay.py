@@ -1,4 +1,4 @@
-"""The replay's membership checks (issue 22, deliverable 6) on real recordings (tests/replays/membership.jsonl and
+"""The replay's membership checks on real recordings (tests/replays/membership.jsonl and
 weights_cancel.jsonl, from tests/replays/generate.py): each membership change raises the generation by exactly
 one, every transition carries the generation in force, no committed placement routes to an EXCLUDED rank, and a
 weight cancel only follows a withdrawal of a request no rank applied, back to the state it came from. Each check
@@ -15,7 +15,7 @@ import pytest
 
 from fdeplb.cli import main
 from fdeplb.replay import replay_file
-from tests.replay.test_recordings import REPLAYS, _index, _lines, rechain, renumber
+from tests.replay.helpers import REPLAYS, index_of, lines_of, rechain, renumber
 
 MEMBERSHIP = REPLAYS / "membership.jsonl"
 
@@ -41,11 +41,11 @@ def forge_header(lines):
 
 
 def _member_line(lines, trigger):
-    return _index(lines, key="member:2", trigger=trigger)
+    return index_of(lines, key="member:2", trigger=trigger)
 
 
 def bump_generation(lines):
-    plan = lines[_index(lines, key="cluster", trigger="plan")]
+    plan = lines[index_of(lines, key="cluster", trigger="plan")]
     plan["generation"] = str(int(plan["generation"]) + 1)
     return rechain(lines)
 
@@ -74,8 +74,8 @@ def membership_without_generation(lines):
 
 def route_to_the_excluded_rank(lines):
     """The re-placement plan's new_phy2log put back to its old one: experts 6 and 7 routed to rank 2 only."""
-    replaced = lines[_index(lines, key="cluster", trigger="commit")]["plan_id"]
-    plan = lines[_index(lines, type="plan", plan_id=replaced)]
+    replaced = lines[index_of(lines, key="cluster", trigger="commit")]["plan_id"]
+    plan = lines[index_of(lines, type="plan", plan_id=replaced)]
     plan["new_phy2log"] = plan["old_phy2log"]
     return lines
 
@@ -84,7 +84,7 @@ def exclude_a_second_rank_mid_round(lines):
     """A forged exclusion of rank 1 (operator: suspect + exclude, unfenced) between LOAD_SUCC and the commit, every
     later generation renumbered and the chain recomputed: each record then follows from the ones before it, but
     the committed plan still routes rank 1's experts to rank 1."""
-    at = _index(lines, key="cluster", trigger="commit")
+    at = index_of(lines, key="cluster", trigger="commit")
     forged = [dict(lines[_member_line(lines, "exclude")], key="member:1", version=v, trigger=t, generation=str(g),
                    **{"from": f, "to": to}) for v, t, f, to, g in
               ((1, "suspect", "ACTIVE", "SUSPECT", 3), (2, "exclude", "SUSPECT", "EXCLUDED", 4))]
@@ -100,7 +100,7 @@ def _weights_line(lines, key, trigger, nth=0):
 
 
 def cancel_without_withdrawal(lines):
-    del lines[_index(lines, trigger="weights_cancelled")]
+    del lines[index_of(lines, trigger="weights_cancelled")]
     return forge_header(rechain(lines))
 
 
@@ -110,7 +110,7 @@ def cancel_of_an_applied_request(lines):
     applied = dict(lines.pop(i), trigger="updated", to="NORMAL")
     applied.pop("detail", None)
     applied["reason"] = ""
-    lines.insert(_index(lines, trigger="weights_cancelled"), applied)
+    lines.insert(index_of(lines, trigger="weights_cancelled"), applied)
     lines[_weights_line(lines, "weights:0", "update", 1)]["from"] = "NORMAL"  # an update from NORMAL is legal
     return forge_header(renumber(lines))
 
@@ -159,7 +159,7 @@ def test_mutated_recording_fails_with_its_reason(name, tmp_path, capsys):
     mutate, reason = MUTATIONS[name]
     recording, _, _ = name.partition(": ")
     path = tmp_path / "mutated.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in mutate(_lines(recording))) + "\n")
+    path.write_text("\n".join(json.dumps(x) for x in mutate(lines_of(recording))) + "\n")
     assert main(["replay", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert re.search(reason, err), err

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fdeplb.orchestration import reasons
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.rounds import reasons
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.recording import export_recording
 from fdeplb.replay import ReplayError, replay_file
 from fdeplb.store import ClusterConfig, Store
-from tests.replay.test_replay import fire_round
+from tests.replay.helpers import fire_round
 
 MISMATCH = reasons.probe_mismatch([{"ep_rank": 0, "outcome": "mismatch", "layers": [0], "message": "layer 0: x"}])
 

@@ -1,4 +1,4 @@
-"""A recording of a cluster that pruned and re-planned replays both ways (issue 21): retain 1 round, the DeepSeek
+"""A recording of a cluster that pruned and re-planned replays both ways: retain 1 round, the DeepSeek
 policy, two loads alternating over 12 rounds, so plans are pruned and the same (load, placement) recurs, storing a
 plan again under a later round. Self-contained and against the live store; and the live audit head anchors the
 recording's chain there (a forged round with a recomputed chain fails)."""

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from tests.replay.test_recordings import HAPPY, REPLAYS, _index, _lines
+from tests.replay.helpers import HAPPY, REPLAYS, index_of, lines_of
 
 pytest_plugins = ["pytester"]
 
@@ -33,8 +33,8 @@ def test_a_good_recording_passes(pytester):
 
 
 def test_a_mutated_recording_fails_naming_its_record_and_reason(pytester):
-    lines = _lines()
-    load = _index(lines, key="cluster", trigger="load")  # line 4 of the file
+    lines = lines_of()
+    load = index_of(lines, key="cluster", trigger="load")  # line 4 of the file
     lines[load]["reason"] = "nothing to see"
     _recordings(pytester, happy=HAPPY, mutated=lines)
     result = pytester.runpytest("-p", "no:cacheprovider", "--fdeplb-recordings", "recs")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -16,12 +15,11 @@ from fdeplb.recording import audit_dict
 from fdeplb.replay import chain_of, replay_file
 from fdeplb.store import Store
 from fdeplb.store import scripts
+from tests.replay.helpers import HAPPY, REPLAYS, fire_round, index_of, lines_of, rechain, renumber
 
-REPLAYS = Path(__file__).parents[1] / "replays"
 RECORDINGS = sorted(REPLAYS.glob("*.jsonl"))
 #: the same scenarios as recorded before audit records carried a ``detail`` (schema 1): they must still replay
 SCHEMA1 = sorted((REPLAYS / "schema1").glob("*.jsonl"))
-HAPPY = REPLAYS / "happy.jsonl"
 
 
 def test_every_scenario_has_a_recording():
@@ -61,7 +59,7 @@ def test_recordings_say_what_happened():
 
 
 def test_later_recordings_say_what_happened():
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     stale = replay_file(REPLAYS / "stale_rank.jsonl")
     refusal, start = stale.audit[0], stale.audit[1]
@@ -87,24 +85,6 @@ def test_gated_round_numbers_are_recomputed(capsys):
     assert "1 gated rounds recomputed and identical" in capsys.readouterr().out
 
 
-# ---- mutations -----------------------------------------------------------------------------------------------------
-def _lines(name: str = "happy") -> list[dict]:
-    return [json.loads(x) for x in (REPLAYS / f"{name}.jsonl").read_text().splitlines()]
-
-
-def _index(lines, **match) -> int:
-    return next(i for i, rec in enumerate(lines) if all(rec.get(k) == v for k, v in match.items()))
-
-
-def rechain(lines: list[dict]) -> list[dict]:
-    """Recompute every chain, as a careful forger would: what is left to catch it are the records' own checks."""
-    chain = lines[0]["start"]["chain"]
-    for rec in lines:
-        if rec.get("type") == "audit":
-            rec["chain"] = chain = chain_of(chain, rec)
-    return lines
-
-
 def drop_record(lines):
     """Drop a rank's ``staged`` record that another rank's record follows (so that only the chain can tell; which
     rank that is depends on the recorded run's interleaving)."""
@@ -126,20 +106,20 @@ def swap_records(lines):
 
 
 def edit_plan(lines):
-    plan = lines[_index(lines, type="plan")]
+    plan = lines[index_of(lines, type="plan")]
     data = plan["new_phy2log"]["data"]
     data[0], data[1] = data[1], data[0]
     return lines
 
 
 def forge_fence(lines):
-    lines[_index(lines, key="cluster", trigger="commit")]["fence"] = "0:" + lines[1]["actor"]
+    lines[index_of(lines, key="cluster", trigger="commit")]["fence"] = "0:" + lines[1]["actor"]
     return rechain(lines)
 
 
 def forge_load_succ(lines):
     """The cluster's LOAD_SUCC moved before the last rank's staged record (ids kept in order, chain recomputed)."""
-    loaded = _index(lines, key="cluster", trigger="loaded")
+    loaded = index_of(lines, key="cluster", trigger="loaded")
     last_staged = max(i for i, rec in enumerate(lines) if rec.get("trigger") == "staged")
     ids = [lines[i]["id"] for i in range(last_staged, loaded + 1)]
     moved = [lines[loaded]] + lines[last_staged:loaded]
@@ -151,28 +131,20 @@ def forge_load_succ(lines):
 
 def edit_field(name, value):
     def edit(lines):
-        lines[_index(lines, key="cluster", trigger="load")][name] = value
+        lines[index_of(lines, key="cluster", trigger="load")][name] = value
         return lines
     return edit
 
 
 def forge_rank(lines):
-    rec = dict(lines[_index(lines, key="rank:0", trigger="stage")], key="rank:99", version=1)
-    lines.insert(_index(lines, key="rank:0", trigger="stage"), rec)
+    rec = dict(lines[index_of(lines, key="rank:0", trigger="stage")], key="rank:99", version=1)
+    lines.insert(index_of(lines, key="rank:0", trigger="stage"), rec)
     return rechain(lines)
 
 
 def drop_plan_line(lines):
-    del lines[_index(lines, type="plan")]
+    del lines[index_of(lines, type="plan")]
     return lines
-
-
-def renumber(lines):
-    """Give the audit records increasing stream ids in file order and recompute the chain: a forger's finish."""
-    base = lines[1]["id"].partition("-")[0]
-    for seq, rec in enumerate(r for r in lines if r.get("type") == "audit"):
-        rec["id"] = f"{base}-{seq}"
-    return rechain(lines)
 
 
 def move(lines, index: int, to: int, **changes):
@@ -182,22 +154,22 @@ def move(lines, index: int, to: int, **changes):
 
 
 def _set_detail(rec: dict, reason) -> None:
-    """Write a forged :class:`~fdeplb.orchestration.reasons.Reason` into ``rec`` as the coordinator would (text and
+    """Write a forged :class:`~fdeplb.rounds.reasons.Reason` into ``rec`` as the coordinator would (text and
     detail together): a careful forger."""
     rec["reason"], rec["detail"] = reason.text, json.dumps(reason.detail, sort_keys=True, separators=(",", ":"))
 
 
 def start_without_fresh_heartbeats(lines):
-    start = lines[_index(lines, key="cluster", trigger="start")]
+    start = lines[index_of(lines, key="cluster", trigger="start")]
     start["reason"] = ""
     start.pop("detail", None)
     return rechain(lines)
 
 
 def start_with_old_heartbeat(lines):
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
-    start = lines[_index(lines, key="cluster", trigger="start")]
+    start = lines[index_of(lines, key="cluster", trigger="start")]
     beats = reasons.heartbeats(start)
     beats[1] = (5000, beats[1][1])
     _set_detail(start, reasons.fresh(beats))
@@ -205,42 +177,42 @@ def start_with_old_heartbeat(lines):
 
 
 def start_with_old_heartbeat_in_text(lines):  # schema 1: the text is all there is
-    start = lines[_index(lines, key="cluster", trigger="start")]
+    start = lines[index_of(lines, key="cluster", trigger="start")]
     start["reason"] = re.sub(r"(heartbeats |, )1 \d+ ms ago", r"\g<1>1 5000 ms ago", start["reason"])
     return rechain(lines)
 
 
 def start_text_not_its_detail(lines):
-    start = lines[_index(lines, key="cluster", trigger="start")]
+    start = lines[index_of(lines, key="cluster", trigger="start")]
     start["reason"] = start["reason"].replace("ms ago", "ms  ago", 1)
     return rechain(lines)
 
 
 def refusal_detail_not_json(lines):
-    lines[_index(lines, trigger="start_refused")]["detail"] = "{not json"
+    lines[index_of(lines, trigger="start_refused")]["detail"] = "{not json"
     return rechain(lines)
 
 
 def refusal_mid_round(lines):
-    refusal = lines.pop(_index(lines, trigger="start_refused"))
-    lines.insert(_index(lines, key="cluster", trigger="load"), refusal)  # between plan and load
-    lines[_index(lines, trigger="start_refused")].update({"from": "PLANNING", "to": "PLANNING", "version": 2})
+    refusal = lines.pop(index_of(lines, trigger="start_refused"))
+    lines.insert(index_of(lines, key="cluster", trigger="load"), refusal)  # between plan and load
+    lines[index_of(lines, trigger="start_refused")].update({"from": "PLANNING", "to": "PLANNING", "version": 2})
     return renumber(lines)
 
 
 def refusal_of_a_stray_rank(lines):
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
-    _set_detail(lines[_index(lines, trigger="start_refused")], reasons.refusal({7: 9000}))
+    _set_detail(lines[index_of(lines, trigger="start_refused")], reasons.refusal({7: 9000}))
     return rechain(lines)
 
 
 def clear_mid_round(lines):
-    return move(lines, _index(lines, key="weights:0", trigger="clear"), _index(lines, key="cluster", trigger="plan"))
+    return move(lines, index_of(lines, key="weights:0", trigger="clear"), index_of(lines, key="cluster", trigger="plan"))
 
 
 def normal_after_failed_update(lines):
-    failed = _index(lines, key="weights:1", trigger="update_failed")
+    failed = index_of(lines, key="weights:1", trigger="update_failed")
     forged = dict(lines[failed], trigger="updated", **{"from": "CLEARED", "to": "NORMAL"}, reason="")
     forged["version"] += 1
     lines.insert(failed + 1, forged)
@@ -248,9 +220,9 @@ def normal_after_failed_update(lines):
 
 
 def failed_update_as_updated(lines):
-    failed = lines[_index(lines, key="weights:1", trigger="update_failed")]
+    failed = lines[index_of(lines, key="weights:1", trigger="update_failed")]
     failed.update(trigger="updated", to="NORMAL", reason="")
-    lines[_index(lines, key="weights:1", trigger="update", version=5)]["from"] = "NORMAL"
+    lines[index_of(lines, key="weights:1", trigger="update", version=5)]["from"] = "NORMAL"
     return rechain(lines)
 
 
@@ -261,31 +233,31 @@ def update_into_initial_placement(lines):
 
 
 def drop_commit(lines):
-    del lines[_index(lines, key="cluster", trigger="commit")]
+    del lines[index_of(lines, key="cluster", trigger="commit")]
     return lines
 
 
 def commit_without_request(lines):
-    commit = lines[_index(lines, key="cluster", trigger="commit")]
+    commit = lines[index_of(lines, key="cluster", trigger="commit")]
     commit["reason"] = ""
     commit.pop("detail", None)
     return rechain(lines)
 
 
 def commit_request_only_in_text(lines):  # the text claims a request the detail does not carry
-    commit = lines[_index(lines, key="cluster", trigger="commit")]
+    commit = lines[index_of(lines, key="cluster", trigger="commit")]
     commit["detail"] = "{}"
     return rechain(lines)
 
 
 def gate_numbers_edited(lines):
-    gated = lines[_index(lines, key="cluster", trigger="abort")]
+    gated = lines[index_of(lines, key="cluster", trigger="abort")]
     gated["reason"] = re.sub(r"-> (\d\.\d{4})", lambda m: f"-> {float(m[1]) + 0.01:.4f}", gated["reason"])
     return rechain(lines)
 
 
 def gate_figures_edited(lines):
-    gated = lines[_index(lines, key="cluster", trigger="abort")]
+    gated = lines[index_of(lines, key="cluster", trigger="abort")]
     detail = json.loads(gated["detail"])
     detail["gate"]["balancedness_after"] += 1e-9  # invisible in the 4-decimal text
     gated["detail"] = json.dumps(detail, sort_keys=True, separators=(",", ":"))
@@ -362,7 +334,7 @@ def test_mutated_recording_fails_with_its_reason(name, tmp_path, capsys):
     mutate, reason = MUTATIONS[name]
     recording, sep, _ = name.partition(": ")
     path = tmp_path / "mutated.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in mutate(_lines(recording if sep else "happy"))) + "\n")
+    path.write_text("\n".join(json.dumps(x) for x in mutate(lines_of(recording if sep else "happy"))) + "\n")
     assert main(["replay", str(path)]) == 1
     err = capsys.readouterr().err
     assert re.search(reason, err), err
@@ -371,7 +343,7 @@ def test_mutated_recording_fails_with_its_reason(name, tmp_path, capsys):
 def test_rechained_copy_of_a_good_recording_still_replays(tmp_path):
     """The forgeries above are caught by the records' checks, not only because their chain broke."""
     path = tmp_path / "same.jsonl"
-    path.write_text("\n".join(json.dumps(x) for x in rechain(_lines())) + "\n")
+    path.write_text("\n".join(json.dumps(x) for x in rechain(lines_of())) + "\n")
     assert replay_file(path).transitions == replay_file(HAPPY).transitions
 
 
@@ -380,7 +352,7 @@ def test_until_prints_the_state_at_that_record(capsys):
     assert main(["replay", str(HAPPY), "--until", "3"]) == 0
     out = capsys.readouterr().out
     assert "state after 3:" in out and "cluster      LOADING [1]  v3" in out
-    loaded_id = next(x["id"] for x in _lines() if x.get("trigger") == "loaded")
+    loaded_id = next(x["id"] for x in lines_of() if x.get("trigger") == "loaded")
     assert main(["replay", str(HAPPY), "--until", loaded_id]) == 0
     out = capsys.readouterr().out
     assert "cluster      LOAD_SUCC [2]  v4" in out and "rank:0       LOADED [1]  v2" in out
@@ -420,8 +392,7 @@ def test_lua_headers_name_the_slots_scripts_py_lays_out(script, keys, argv):
 
 
 def test_live_chain_links_every_record(redis_url, cluster_id):
-    from tests.replay.test_replay import fire_round
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np
 
@@ -442,8 +413,7 @@ def test_live_chain_links_every_record(redis_url, cluster_id):
 
 # ---- audit --follow ------------------------------------------------------------------------------------------------
 def test_audit_follow_prints_records_as_they_commit(redis_url, cluster_id, capsys):
-    from tests.replay.test_replay import fire_round
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.store import ClusterConfig
     import numpy as np
 

@@ -6,60 +6,14 @@ from __future__ import annotations
 import json
 import uuid
 
-import numpy as np
 import pytest
 
 from fdeplb.cli import main
 from fdeplb.recording import audit_dict
 from fdeplb.errors import InputError, exit_code
-from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS
-from fdeplb.orchestration.operations import init_cluster
-from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.replay import ReplayError, check_plans, parse_lines, replay, replay_file
-from fdeplb.store import ClusterConfig, PlanEntry, Store
 from tests.helpers import RawRedis, thread_cluster, wait_for
-
-PLAN = "p0000000000000001"
-
-
-def fire_round(store: Store, swapped: dict | None = None) -> None:
-    """One full round on a one-rank cluster, committed through the real commit script (no agents, no paddle):
-    every machine moves, with a stored plan whose content is made up; ``swapped``: what the cluster's ``swapped``
-    says (reason, detail)."""
-    lease = store.acquire_lease("test", 60_000)
-    cluster = RecordHandle(store, CLUSTER, actor="test", fence=lease)
-    rank = RecordHandle(store, RANK, 0, actor="test")
-    weights = RecordHandle(store, WEIGHTS, 0, actor="test")
-    store.save_plan(PlanEntry(plan_id=PLAN, round=1, policy="deepseek", old_plan_id="", topology={"bogus": 1},
-                              expert_load=np.ones((1, 4), np.int64),
-                              old_phy2log=np.arange(4, dtype=np.int64).reshape(1, 4),
-                              new_phy2log=np.array([[3, 2, 1, 0]], np.int64), balancedness_before=0.5,
-                              balancedness_after=1.0, moved_experts=4))
-    cluster.fire("start", round_=1, changes={"round": 1})
-    cluster.fire("plan")
-    cluster.fire("load", plan_id=PLAN, changes={"plan_id": PLAN})
-    rank.fire("stage", plan_id=PLAN, changes={"plan_id": PLAN})
-    rank.fire("staged")
-    cluster.fire("loaded")
-    cluster.fire("commit")
-    rank.fire("swap")
-    rank.fire("swapped")
-    cluster.fire("swapped", **(swapped or {}))
-    cluster.fire("release")
-    rank.fire("finish")
-    weights.fire("update")
-    weights.fire("updated", plan_id=PLAN, changes={"plan_id": PLAN})  # an update reloads the current placement
-
-
-@pytest.fixture
-def fired(redis_url, cluster_id):
-    """A one-rank cluster after one full round fired through the commit script (see :func:`fire_round`)."""
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=1),
-                 np.arange(4, dtype=np.int64).reshape(1, 4))
-    fire_round(store)
-    yield store
-    store.delete_cluster()
+from tests.replay.helpers import PLAN
 
 
 @pytest.fixture
@@ -193,7 +147,7 @@ def test_real_round_exports_replays_and_reproduces_its_plan(redis_url, tmp_path,
 def test_reasons_carry_their_facts_as_detail_and_derive_the_text():
     import json
 
-    from fdeplb.orchestration import reasons
+    from fdeplb.rounds import reasons
 
     stale = {3: 2412, 1: 5000}
     refused = reasons.refusal(stale)

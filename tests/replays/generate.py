@@ -21,7 +21,7 @@ Scenarios (file = <name>.jsonl):
 - cordoned_http: a cordoned cluster driven over HTTP by an ``fdeplb serve`` process on loopback (credentials in
   the body, as FastDeploy's clients send them): start, LOAD_SUCC, then the commit requested with
   ``update_weight_from_tensor``;
-- membership (issue 22): rank 2's worker dies (4 ranks, 2 layers, 8 experts in 12 slots: experts 6 and 7 only on
+- membership: rank 2's worker dies (4 ranks, 2 layers, 8 experts in 12 slots: experts 6 and 7 only on
   rank 2); the coordinator suspects it, the operator excludes it (``fdeplb rank exclude``), the re-placement round
   commits a placement that routes nothing to it; a new worker for rank 2 rejoins and is admitted; a second round
   runs with every rank (each membership change raises the generation by one);
@@ -234,7 +234,7 @@ def membership(url: str, cluster: str, tmp: Path, out: Path) -> dict:
 
 def weights_cancel(url: str, cluster: str, tmp: Path, out: Path) -> dict:
     from fdeplb.store import Deadlines
-    from tests.orchestration.test_weights_cancel import embedded
+    from tests.orchestration.helpers import embedded
 
     def done(request: int, state: WeightState):
         return lambda: all((w := store.read_weights(r)).request == request and w.state is state for r in range(2))

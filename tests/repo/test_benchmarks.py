@@ -1,5 +1,5 @@
 """benchmarks/control_plane.py runs end to end on a tiny cluster (2 ranks, 2 rounds): the script a reader runs to
-check issue #9's control-plane figures must not break silently. Its numbers are not asserted (speed is the
+check the control-plane figures must not break silently. Its numbers are not asserted (speed is the
 script's own business); its JSON line's shape and the accounting that backs its conclusions are."""
 
 from __future__ import annotations

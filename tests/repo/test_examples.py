@@ -71,7 +71,7 @@ def test_cluster_by_hand_fails_loudly_when_the_round_does_not_end_in_time(tmp_pa
 
 @pytest.mark.slow
 def test_cluster_by_hand_interrupted_by_timeout_5_leaves_nothing_within_5_s(tmp_path):
-    """Acceptance of issue 23: ``timeout 5 bash examples/cluster_by_hand.sh`` (SIGTERM to the script and its process
+    """``timeout 5 bash examples/cluster_by_hand.sh`` (SIGTERM to the script and its process
     group in its first seconds, while the workers import paddle); 5 s later none of the processes it started runs
     (Redis in its own session included) and its temp dir is gone."""
     work = tmp_path / "tmp"

@@ -28,6 +28,8 @@ PUBLIC = {
     "fdeplb.orchestration": ["Coordinator", "Fired", "RankAgent", "RecordHandle", "default_planner", "init_cluster"],
     "fdeplb.replay": ["ReplayError", "ReplayReport", "check_gates", "check_plans", "chain_of", "parse_lines",
                       "read_export", "rebuild", "replay", "replay_file", "whatif"],
+    "fdeplb.rounds": ["GateDecision", "Planner", "Reason", "RoundOutcome", "decide", "default_planner", "live_mask",
+                      "mean_balancedness", "plan_round", "replacement", "round_outcome"],
     "fdeplb.sim": ["LocalCluster", "integral_load", "new_cluster_id", "rank_share", "temp_workdir"],
     "fdeplb.store": [
         "AuditRecord", "ClusterConfig", "ClusterRecord", "CommitResult", "Cursor", "Deadlines", "EmbeddedRedis",

@@ -1,6 +1,6 @@
 """The simulated worker: its parent watch (a worker whose parent is gone stops, and its log says why); argument
 errors as one line and an exit code; a wrong trace or a live agent refused before registering; signals while paddle
-is imported (issue 23)."""
+is imported."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_a_worker_whose_parent_is_gone_stops_and_logs_why():
     assert [(e["log_level"], e["parent_pid"]) for e in warnings] == [("warning", gone.pid)], logs
 
 
-# ---- issue 23: argument errors, a wrong trace, a live agent, signals during the paddle import ---------------------
+# ---- argument errors, a wrong trace, a live agent, signals during the paddle import ---------------------
 def _worker(redis_url, cluster, *args, env=None, backend="numpy", trace=None):
     cmd = [sys.executable, "-m", "fdeplb.sim.worker", "--redis-url", redis_url, "--cluster", cluster,
            "--backend", backend, "--redis-wait-s", "0.2", "--log-level", "WARNING", *args]

@@ -4,7 +4,6 @@ nothing written, and the key strings pinned (rq's tests/test_scripts.py and test
 from __future__ import annotations
 
 import json
-import re
 
 import pytest
 import redis
@@ -14,7 +13,7 @@ from fdeplb.recording import audit_dict
 from fdeplb.replay import chain_of
 from fdeplb.store import AuditRecord
 from fdeplb.store.keys import Keys
-from fdeplb.store.redis_store import AUDIT_FIELDS
+from fdeplb.store.machine_io import AUDIT_FIELDS
 from fdeplb.store.scripts import (
     AUDIT_ARGV,
     AUDIT_FILLED,
@@ -34,14 +33,7 @@ from fdeplb.store.scripts import (
     lua_file,
     script_text,
 )
-from tests.helpers import RawRedis
-
-
-def header_slots(script: str, kind: str) -> list[str]:
-    """The slot names a script's header documents, in order: ``-- KEYS[3]  name: ...``."""
-    found = re.findall(rf"^-- {kind}\[(\d+)\]\s+(\w+):", script_text(script), flags=re.M)
-    assert [int(i) for i, _ in found] == list(range(1, len(found) + 1)), found
-    return [name for _, name in found]
+from tests.helpers import RawRedis, header_slots
 
 
 def test_python_slot_names_match_the_lua_headers():

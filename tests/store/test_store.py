@@ -10,7 +10,7 @@ import pytest
 
 from fdeplb.errors import CorruptRecordError, InputError, NotFoundError, RedisUnavailableError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState, WeightState
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, ClusterRecord, PlanEntry, RankRecord, Store, WeightRecord
 from fdeplb.store.records import encode_changes, parse_record
 from tests.helpers import RawRedis
@@ -153,7 +153,7 @@ def test_weight_requests_count_and_refuse_unknown_actions(store):
     assert WEIGHTS.name == "weights"
 
 
-# ---- calls sent later, in one pipeline (issue #9: one round trip per rank-agent wake-up) ------------------------
+# ---- calls sent later, in one pipeline (one round trip per rank-agent wake-up) ------------------------
 def test_publish_lua_header_names_the_slots_scripts_py_lays_out():
     import re
 

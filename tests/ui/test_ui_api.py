@@ -15,7 +15,7 @@ from fdeplb.api.auth import Credentials
 from fdeplb.api.routes import create_player_app
 from fdeplb.api.ui_routes import _svg_of
 from fdeplb.machines.tables import TABLES, ClusterState, RankState
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.placement import initial_placement
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.ui import PlayerModel, annotated_diagrams

@@ -20,7 +20,7 @@ from fdeplb.orchestration.agent import RankAgent  # noqa: E402
 from fdeplb.weights import CheckpointBackend  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers  # noqa: E402
-from tests.weights.test_weights import EP, NEW, OLD, ckpt, snapshot_bytes  # noqa: E402,F401  (fixture)
+from tests.weights.helpers import EP, NEW, OLD, snapshot_bytes  # noqa: E402
 
 L = OLD.shape[0]
 R = _paddle.RowCopy

@@ -1,4 +1,4 @@
-"""QA4: attacks on the chunked swap's inputs (issue 24): the layers of LiveExperts.load_chunk / swap_layers
+"""attacks on the chunked swap's inputs: the layers of LiveExperts.load_chunk / swap_layers
 (``_chunk_of``) and the pause budget a backend stages with."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ pytest.importorskip("paddle")
 from fdeplb.errors import InputError  # noqa: E402
 from fdeplb.weights import CheckpointBackend, CheckpointReader, LiveExperts, stage_experts  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, plan_transfer  # noqa: E402
-from tests.weights.test_weights import EP, NEW, OLD, ckpt  # noqa: E402,F401  (fixture)
+from tests.weights.helpers import EP, NEW, OLD  # noqa: E402
 
 
 def _round(ckpt):

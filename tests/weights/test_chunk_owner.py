@@ -10,7 +10,7 @@ pytest.importorskip("paddle")
 from fdeplb.errors import InputError, WeightError  # noqa: E402
 from fdeplb.weights import CheckpointReader, LiveExperts, routing_tables, stage_experts  # noqa: E402
 from fdeplb.weights.plan import plan_transfer  # noqa: E402
-from tests.weights.test_weights import EP, NEW, OLD, ckpt  # noqa: E402,F401  (fixture)
+from tests.weights.helpers import EP, NEW, OLD  # noqa: E402
 
 
 def test_chunk_loaded_on_one_live_experts_is_refused_by_another_at_the_same_epoch(ckpt):

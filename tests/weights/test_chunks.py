@@ -14,7 +14,7 @@ from fdeplb.errors import StagingBudgetError, VerificationError  # noqa: E402
 from fdeplb.weights import CheckpointBackend, CheckpointReader, LiveExperts, routing_tables  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers, chunk_starts, plan_transfer  # noqa: E402
-from tests.weights.test_weights import EP, NEW, OLD, ckpt, snapshot_bytes  # noqa: E402,F401  (fixture)
+from tests.weights.helpers import EP, NEW, OLD, snapshot_bytes  # noqa: E402
 
 L = OLD.shape[0]
 

@@ -23,21 +23,7 @@ from fdeplb.weights import (  # noqa: E402
     stage_experts,
     write_synthetic_checkpoint,
 )
-
-L, E, EP = 3, 8, 2  # 3 MoE layers, 8 logical experts, 2 ranks of 6 slots (4 redundant)
-OLD = np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]] * L)
-NEW = np.array(
-    [
-        [1, 0, 2, 7, 7, 5, 6, 4, 0, 3, 2, 1],  # rank 0: slots 0/1 exchange experts, 7 is new in two slots
-        [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3],  # unchanged
-        [5, 5, 5, 5, 5, 7, 0, 1, 2, 3, 4, 6],  # rank 0: 5 copied into five slots before its slot loads 7
-    ]
-)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ernie"), L, E, experts_per_shard=5, seed=3)
+from tests.weights.helpers import EP, NEW, OLD, E, L, snapshot_bytes  # noqa: E402
 
 
 def staged_round(ckpt, device: str = "cpu"):
@@ -46,10 +32,6 @@ def staged_round(ckpt, device: str = "cpu"):
     live = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device=device)
     plan = plan_transfer(OLD, NEW, 0, EP)
     return reader, live, plan, stage_experts(plan, reader, device=device)
-
-
-def snapshot_bytes(live: LiveExperts) -> dict[str, list[bytes]]:
-    return {s: [t.numpy().tobytes() for t in layers] for s, layers in live.tensors.items()}
 
 
 def pointers(live: LiveExperts) -> list[int]:

@@ -1,4 +1,4 @@
--- switch.lua: one safe point of an armed rank (issue 11): publish the rank's step counter, then read, or fix, the
+-- switch.lua: one safe point of an armed rank: publish the rank's step counter, then read, or fix, the
 -- switch step of the change the rank is armed for (a committed swap, a weight clear / update).
 -- The call is laid out by fdeplb/store/scripts.py (switch_call), whose SWITCH_KEYS / SWITCH_ARGV name these slots.
 --

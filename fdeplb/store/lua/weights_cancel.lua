@@ -1,4 +1,4 @@
--- weights_cancel.lua: withdraw a weight clear / update whose switch step was not fixed in time (issue 22), together
+-- weights_cancel.lua: withdraw a weight clear / update whose switch step was not fixed in time, together
 -- with its audit record: no rank has applied it, so every rank returns to the state it came from (the WEIGHTS
 -- table's cancel transitions, guarded by "withdrawn"), and a late arm for it is refused (switch.lua's withdrawn).
 -- The call is laid out by fdeplb/store/scripts.py (weights_cancel_call), whose WEIGHTS_CANCEL_KEYS /

@@ -17,7 +17,7 @@ Cases (all written to one compressed ``.npz``; its ``meta`` entry is a JSON list
   ``(E+32, 8, 1, 32)``, ``(E+32, 1 group, 2 nodes, 32 GPUs)`` (global policy) and ``(E+16, 8, 2, 16)``. For
   DeepSeek-V3 that is 288/8/4/32, 288/8/1/32, 288/1/2/32 and 272/8/2/16; 8 groups divide every model's experts.
   Only the outputs and the dump's path relative to the real-data folder are stored, not the loads.
-- ``small``: the two cases of issue 9, loads stored.
+- ``small``: the two small hand-made cases, loads stored.
 - ``random``: ``--random`` cases from a fixed seed, loads stored: small integer loads (many ties), 1-3 layers,
   hierarchical and global topologies (global both with one group and with ``num_groups % num_nodes != 0``), most
   with more than 16 slots per node (rows longer than 16 in the GPU packing step, where torch's sort is not stable).
@@ -40,7 +40,7 @@ REAL_TOPOLOGIES = [  # (extra slots, num_groups, num_nodes, num_gpus)
     (32, 1, 2, 32),
     (16, 8, 2, 16),
 ]
-SMALL_CASES = [  # (load, num_replicas, num_groups, num_nodes, num_gpus), from issue 9
+SMALL_CASES = [  # (load, num_replicas, num_groups, num_nodes, num_gpus)
     ([[1, 7, 4, 1, 28, 10]], 64, 2, 4, 16),
     ([[8, 195, 1, 3, 1, 2, 1710, 2], [1, 8, 1, 3, 63, 33, 1, 1]], 24, 2, 4, 12),
 ]

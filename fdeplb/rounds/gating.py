@@ -115,7 +115,7 @@ def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.nda
 def plan_round(expert_load: np.ndarray, old_phy2log: np.ndarray, cfg: ClusterConfig,
                planner: Planner = default_planner, live_ranks: object = None) -> GateDecision:
     """Plan ``expert_load`` (int64 [L, E]) from ``old_phy2log`` (int64 [L, P]) with ``planner`` and gate the plan
-    over ``live_ranks`` (:func:`decide`; the planner must plan over them: ``membership.live_planner``).
+    over ``live_ranks`` (:func:`decide`; the planner must plan over them: ``fdeplb.rounds.members.live_planner``).
 
     The planner's output is checked (:func:`fdeplb.placement.check_phy2log`: shape [L, P], every logical expert
     present): a planner bug is an :class:`~fdeplb.errors.InputError`, never a committed malformed placement.

@@ -1,4 +1,4 @@
-"""Follow-ups of a QA pass over the replay: schema 2 facts are read from ``detail`` only (never the text alone), and
+"""The replay reads strictly: schema 2 facts are read from ``detail`` only (never the text alone), and
 strictly (:func:`fdeplb.checks.check_int`); ``--until`` reads a stream id with the store's one parser; ``--into`` is
 all-or-nothing."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from fdeplb.cli import main
 from fdeplb.store import Store
-from tests.replay.test_recordings import HAPPY, _index, _lines, rechain
+from tests.replay.helpers import HAPPY, index_of, lines_of, rechain
 
 
 def _write(tmp_path, lines, name="mutated.jsonl"):
@@ -29,8 +29,8 @@ def _fails(path, pattern, capsys):
 # ---- schema 2: the facts are the detail's -------------------------------------------------------------------------
 @pytest.mark.parametrize("detail", [None, "{}"], ids=["no detail", "empty detail"])
 def test_a_schema2_gated_abort_without_its_figures_fails(detail, tmp_path, capsys):
-    lines = _lines("gated_skip")
-    abort = lines[_index(lines, key="cluster", trigger="abort")]
+    lines = lines_of("gated_skip")
+    abort = lines[index_of(lines, key="cluster", trigger="abort")]
     if detail is None:
         abort.pop("detail")
     else:
@@ -40,15 +40,15 @@ def test_a_schema2_gated_abort_without_its_figures_fails(detail, tmp_path, capsy
 
 
 def test_a_schema2_refusal_with_its_ranks_in_the_text_only_fails(tmp_path, capsys):
-    lines = _lines("stale_rank")
-    lines[_index(lines, trigger="start_refused")].pop("detail")
+    lines = lines_of("stale_rank")
+    lines[index_of(lines, trigger="start_refused")].pop("detail")
     _fails(_write(tmp_path, rechain(lines)), r"line 2 .*start_refused without its stale ranks", capsys)
 
 
 @pytest.mark.parametrize("value", ["12", 12.0, True], ids=["text", "float", "bool"])
 def test_heartbeat_detail_integers_are_checked_strictly(value, tmp_path, capsys):
-    lines = _lines("stale_rank")
-    start = lines[_index(lines, key="cluster", trigger="start")]
+    lines = lines_of("stale_rank")
+    start = lines[index_of(lines, key="cluster", trigger="start")]
     detail = json.loads(start["detail"])
     detail["heartbeats"][0]["age_ms"] = value
     start["detail"] = json.dumps(detail, sort_keys=True, separators=(",", ":"))
@@ -58,7 +58,7 @@ def test_heartbeat_detail_integers_are_checked_strictly(value, tmp_path, capsys)
 
 # ---- --until -------------------------------------------------------------------------------------------------------
 def test_until_reads_a_stream_id_as_the_store_does(capsys):
-    loaded_id = next(x["id"] for x in _lines() if x.get("trigger") == "loaded")
+    loaded_id = next(x["id"] for x in lines_of() if x.get("trigger") == "loaded")
     ms, seq = loaded_id.split("-")
     assert main(["replay", str(HAPPY), "--until", f"{ms}-0{seq}"]) == 0  # the same id, as Redis reads it
     assert "cluster      LOAD_SUCC [2]  v4" in capsys.readouterr().out
@@ -75,7 +75,7 @@ def _cluster_keys(store: Store) -> list[bytes]:
 
 def test_into_of_a_recording_with_a_bad_audit_id_writes_nothing_and_can_be_rerun(redis_url, cluster_id, tmp_path,
                                                                                 capsys):
-    lines = _lines()
+    lines = lines_of()
     lines[1]["id"] = "0-0"  # not in the chain: only the id is wrong
     bad = _write(tmp_path, lines)
     store = Store(redis_url, cluster_id)

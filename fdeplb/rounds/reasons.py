@@ -10,7 +10,7 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
   "ttl_ms": 2000}, ...]}`` (ttl 0: none);
 - a gated round (trigger ``abort`` when skipped, ``load`` when it goes on): ``{"gate": {"balancedness_before",
   "balancedness_after", "gain", "min_gain", "moved_experts"}}`` and ``live_ranks`` when some rank is not a member
-  (:meth:`fdeplb.orchestration.gating.GateDecision.detail`, full float precision, over the round's members);
+  (:meth:`fdeplb.rounds.gating.GateDecision.detail`, full float precision, over the round's members);
 - the commit of a cordoned cluster (trigger ``commit``): ``{"requested_by": "http"}``;
 - the load of a re-placement round (trigger ``load``): ``{"replacement": {"ranks": [3], "orphans": [[layer,
   log_id], ...]}}`` (the ranks that are not members, the experts that had no replica on a member);
@@ -42,16 +42,15 @@ import json
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
 from fdeplb.checks import check_int
 from fdeplb.errors import InputError
-from fdeplb.store.redis_store import NOT_REGISTERED
-
-if TYPE_CHECKING:
-    from fdeplb.orchestration.gating import GateDecision
+from fdeplb.machines.tables import ClusterState
+from fdeplb.rounds.gating import GateDecision
+from fdeplb.store.liveness import NOT_REGISTERED
 
 #: reason of a ``start_refused`` note: ``start refused: stale ranks 2 (heartbeat 2412 ms ago), 3 (...)``
 REFUSED = "start refused: stale ranks "
@@ -93,7 +92,7 @@ def detail_of(record: Mapping[str, Any]) -> dict[str, Any] | None:
 # ---- a refused start and the start after it ------------------------------------------------------------------------
 def refusal(stale: Mapping[int, int]) -> Reason:
     """The ``start_refused`` reason for ``stale`` (ep_rank -> ms since its heartbeat, or
-    :data:`~fdeplb.store.redis_store.NOT_REGISTERED` for a rank with no registered agent), ranks in order."""
+    :data:`~fdeplb.store.liveness.NOT_REGISTERED` for a rank with no registered agent), ranks in order."""
     items = [{"ep_rank": int(r), "heartbeat_age_ms": int(age)} for r, age in sorted(stale.items())]
     text = REFUSED + ", ".join(f"{i['ep_rank']} (not registered)" if i["heartbeat_age_ms"] == NOT_REGISTERED
                                else f"{i['ep_rank']} (heartbeat {i['heartbeat_age_ms']} ms ago)" for i in items)
@@ -133,9 +132,9 @@ def heartbeats(record: Mapping[str, Any]) -> dict[int, tuple[int, int]] | None:
 
 
 # ---- the gain gate ----------------------------------------------------------------------------------------------
-def skipped(decision: "GateDecision") -> Reason | None:
-    """Why the gate skips a plan (:class:`fdeplb.orchestration.gating.GateDecision`): ``skipped:`` and
-    :attr:`~fdeplb.orchestration.gating.GateDecision.why_skipped` with the numbers (4 decimals in the text, full
+def skipped(decision: GateDecision) -> Reason | None:
+    """Why the gate skips a plan (:class:`fdeplb.rounds.gating.GateDecision`): ``skipped:`` and
+    :attr:`~fdeplb.rounds.gating.GateDecision.why_skipped` with the numbers (4 decimals in the text, full
     precision in the detail); None when the round goes on. The periodic trigger's skip note says this."""
     why = decision.why_skipped
     if why is None:
@@ -158,7 +157,7 @@ def gate_passed(decision: "GateDecision") -> Reason:
     return Reason(text, {"gate": decision.detail()})
 
 
-def gated(decision: "GateDecision") -> Reason | None:
+def gated(decision: GateDecision) -> Reason | None:
     """The abort reason of a round the gate skips: :func:`skipped` after ``gated:``; None when it goes on."""
     skip = skipped(decision)
     return None if skip is None else Reason(f"gated: {skip.text}", skip.detail)
@@ -167,8 +166,6 @@ def gated(decision: "GateDecision") -> Reason | None:
 def gate(before: float, after: float, moved: int, min_gain: float) -> str | None:
     """The text of :func:`gated` for bare figures: mean balancedness ``before`` / ``after``, ``moved`` experts,
     ``min_gain``; None when the round goes on."""
-    from fdeplb.orchestration.gating import GateDecision
-
     reason = gated(GateDecision(np.empty((0, 0), dtype=np.int64), before, after, moved, min_gain))
     return None if reason is None else reason.text
 
@@ -348,8 +345,6 @@ def round_outcome(last: Mapping[str, Any] | None) -> tuple[RoundOutcome, str]:
     """The one rule for a round's outcome: (outcome, reason) from its last cluster audit record (a mapping with
     ``from``, ``to``, ``trigger``, ``reason``; None: nothing recorded, an abort). The reason of a skip is the gate's
     text without its ``gated: skipped:`` prefix."""
-    from fdeplb.machines.tables import ClusterState
-
     if last is None:
         return RoundOutcome.ABORTED, "no cluster transition recorded"
     if last["to"] != ClusterState.FREE:

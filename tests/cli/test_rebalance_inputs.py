@@ -1,4 +1,4 @@
-"""``fdeplb rebalance`` findings of issue 23: an image path that is no image, an option the policy ignores, and loads
+"""``fdeplb rebalance``'s input checks: an image path that is no image, an option the policy ignores, and loads
 too small to balance (1e-300: DeepSeek's float32 arithmetic flushes them to zero), each refused or judged before any
 work is wasted or any expert moves for no gain."""
 

@@ -1,4 +1,4 @@
-"""Issue 24 (found by QA): a worker SIGKILLed between two chunks that stays down until the round has completed among the
+"""A worker SIGKILLed between two chunks that stays down until the round has completed among the
 other members and its re-placement failed closed (too few redundant slots), then comes back. The rejoined rank
 holds the committed placement; its rank record stayed SWAPPING forever (its agent retried a swap routed over the
 aborted membership round's members [0, 2, 3], which raised RedundancyError every ~3 s), so no later round could
@@ -11,11 +11,10 @@ import threading
 
 import pytest
 
-from fdeplb.orchestration.reasons import FAIL_CLOSED
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, RankState
+from fdeplb.rounds.reasons import FAIL_CLOSED
 from tests.helpers import wait_for
-from tests.orchestration.test_chunked_switch import kill_rank1_between_chunks
-from tests.orchestration.test_embedding import _round_done
+from tests.orchestration.helpers import kill_rank1_between_chunks, round_done
 
 
 @pytest.mark.slow
@@ -48,7 +47,7 @@ def test_a_rank_killed_between_chunks_that_rejoins_after_a_fail_closed_replaceme
         kill_rank1_between_chunks(cluster, store, thread, args, "kill between chunks, stay down")
         # the round completes among the members once rank 1 is suspected; rank 1 is excluded, its orphans cannot
         # be re-placed on 8 redundant slots: the membership round fails closed
-        wait_for(lambda: _round_done(store, 1), 90, store, "round 1 completes without rank 1")
+        wait_for(lambda: round_done(store, 1), 90, store, "round 1 completes without rank 1")
         wait_for(lambda: store.read(MEMBERSHIP, 1).state is MemberState.EXCLUDED, 60, store, "rank 1 excluded")
         assert store.read_rank(1).state is RankState.SWAPPING
         wait_for(lambda: any(a["trigger"] == "abort" and a["reason"].startswith(FAIL_CLOSED)
