@@ -13,12 +13,15 @@ Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem",
    keeps exactly S slots. Every row cycles through three moves, each the best of its kind:
    a. 1-1: a replica of the heaviest GPU trades places with one of another GPU of the node, if that lowers the
       larger of the two loads;
-   b. once (a) is stuck, 1-1 raising the lightest GPU instead (frees new swaps for the heaviest one);
-   c. once both are stuck, 2-2: two replicas of the heaviest GPU trade places with two of another GPU (the best
-      partner pair per GPU found by binary search over the sorted pair sums).
-   A row ends when (c) is stuck too, or, once at (c), when its heaviest GPU is within :data:`_GOOD_ENOUGH` of the
-   mean. Every accepted move strictly lowers the sum of squared GPU loads and never raises the maximum, so the
-   search ends and the result is never worse than "deepseek" on any layer.
+   b. once (a) is stuck, 1-1 raising the lightest GPU instead (frees new swaps for the heaviest one); back to (a)
+      when it helps;
+   c. once both are stuck, 2-2: two replicas of the heaviest GPU trade places with two of one of its
+      :data:`_PARTNERS` lightest GPUs (the best partner pair per GPU found by binary search over its sorted pair
+      sums); back to (a) when it helps.
+   A row ends when (c) is stuck too, or as soon as its heaviest GPU is within :data:`_GOOD_ENOUGH` of its mean.
+   Every accepted move strictly lowers the sum of squared GPU loads and never raises the maximum, so the search
+   ends and the result is never worse than "deepseek" on any layer. Without (c) and the early stop
+   (``pairs=False``) it is the search "balanced" ran before issue 33, kept as "move_aware"'s reference.
 
 All rows are searched at once; each iteration evaluates the chosen move of every active row in one numpy expression
 ([rows, slots_per_gpu, slots_per_node] for 1-1; [rows, gpus, S(S-1)/2] searches for 2-2). Deterministic: ties take
@@ -36,8 +39,8 @@ from fdeplb.placement.metrics import raw_gpu_loads
 _RTOL = 1e-12
 #: hard cap on iterations (each moves one swap per active row); real dumps converge in < 300
 _MAX_ITER = 10_000
-#: a row that reached the 2-2 stage stops once its heaviest GPU is within this share above the mean GPU load
-#: (a 2-2 iteration costs more than a 1-1 one; the real dumps' bar is 3e-4 on the mean over layers)
+#: a row stops once its heaviest GPU is within this share above its mean GPU load (each 2-2 iteration costs about
+#: as much as the whole 1-1 search of a row; the bar of issue 33 is 3e-4 on the mean over layers)
 _GOOD_ENOUGH = 1e-5
 #: 2-2 swaps of the heaviest GPU are searched with this many of the lightest GPUs of the row
 _PARTNERS = 4
@@ -122,14 +125,11 @@ def _swap(item_load, origin, gpu_load, r, ga, sa, gb, sb) -> None:
     gpu_load[r, gb] += x - y
 
 
-def improve_by_swaps(item_load: np.ndarray, floor: np.ndarray | None = None, *, pairs: bool = True) -> np.ndarray:
+def improve_by_swaps(item_load: np.ndarray, *, pairs: bool = True) -> np.ndarray:
     """Exchange local search (see the module docstring) on ``item_load`` float64 [R, G, S] (R rows, G packs of S
     items); modified in place.
 
     Args:
-        floor: float64 [R] (default: every row's mean pack load): a row stops once its heaviest pack is within
-            :data:`_GOOD_ENOUGH` of it (hierarchical mode passes the mean GPU load of the layer's heaviest node,
-            which no row of the layer can beat there).
         pairs: False: 1-1 swaps only, every row to the end (no 2-2 stage, no early stop): the search "balanced"
             ran before 2-2 swaps, kept as the reference of "move_aware" (see :func:`balanced_plan`).
 
@@ -142,7 +142,7 @@ def improve_by_swaps(item_load: np.ndarray, floor: np.ndarray | None = None, *, 
         return origin
     gpu_load = item_load.sum(axis=-1)
     if pairs:
-        good = (gpu_load.mean(axis=1) if floor is None else floor) * (1 + _GOOD_ENOUGH)
+        good = gpu_load.mean(axis=1) * (1 + _GOOD_ENOUGH)
     else:
         good = np.full(R, -np.inf)
     first, second = np.triu_indices(S, 1)
@@ -209,9 +209,7 @@ def balanced_plan(
     S = P // num_gpus
     per_replica = load / logcnt
     item_load = np.take_along_axis(per_replica, start, axis=1).reshape(L * num_nodes, gpus_per_node, S)
-    node_mean = item_load.sum(axis=(1, 2)).reshape(L, num_nodes) / gpus_per_node
-    floor = np.repeat(node_mean.max(axis=1), num_nodes)  # no GPU of the layer can be lighter than this at the peak
-    origin = improve_by_swaps(item_load, floor, pairs=pairs).reshape(L * num_nodes, -1)
+    origin = improve_by_swaps(item_load, pairs=pairs).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)
