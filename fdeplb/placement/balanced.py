@@ -148,6 +148,7 @@ def improve_by_swaps(item_load: np.ndarray, *, pairs: bool = True) -> np.ndarray
     first, second = np.triu_indices(S, 1)
     active = np.arange(R)
     move = np.full(R, _MAX_1, dtype=np.int64)
+    paired = np.zeros(R, dtype=bool)  # a 2-2 swap helped since the row last entered the 2-2 stage
     for _ in range(_MAX_ITER):
         if active.size == 0:
             break
@@ -173,12 +174,16 @@ def improve_by_swaps(item_load: np.ndarray, *, pairs: bool = True) -> np.ndarray
             else:
                 _swap(item_load, origin, gpu_load, r, ga, sa[ok], gb, sb[ok])
             failed = rows[~ok]
-            if kind == _MAX_2:  # a 2-2 succeeded: back to 1-1 on the new heaviest GPU; a failed 2-2 ends the row
-                move[r] = _MAX_1
-                still.append(r)
+            if kind == _MAX_2:  # 2-2 again while it helps; stuck: back to 1-1 if some 2-2 helped, else the end
+                paired[r] = True
+                back = failed[paired[failed]]
+                move[back] = _MAX_1
+                still += [r, back]
             else:  # 1-1 on the heaviest GPU stuck: raise the lightest; that helped: back; stuck too: 2-2
                 move[r] = _MAX_1
                 move[failed] = _MIN_1 if kind == _MAX_1 else _MAX_2
+                if kind == _MIN_1:
+                    paired[failed] = False
                 still += [r, failed]
         active = np.unique(np.concatenate(still)) if still else active[:0]
     return origin

@@ -189,8 +189,9 @@ def rebalance_experts(
         E, num_replicas, num_groups, num_nodes, num_gpus
     )
     if source is not None and source.shape[1] != num_gpus:
-        raise InputError(f"expert_load per source rank has {source.shape[1]} source ranks, expected num_gpus "
-                         f"({num_gpus})")
+        raise InputError(f"expert_load must be 2-D [num_layers, num_logical_experts] or, per source rank, 3-D "
+                         f"[num_layers, num_gpus, num_logical_experts]: got {source.shape[1]} source ranks for "
+                         f"num_gpus {num_gpus}")
     fn = POLICIES.get(policy) if isinstance(policy, str) else None
     if fn is None:
         raise InputError(f"unknown placement policy {policy!r}; choose one of {sorted(POLICIES)}")
