@@ -155,8 +155,9 @@ def rebalance_experts(
         tolerance: "move_aware": allowed excess of max/mean GPU load over its reference (>= 0, default 0.0005):
             of the mean over layers, each layer at most twice it; with ``max_moved_experts``, the per-layer aim.
             "topology_aware": the balance slack every layer may spend on keeping tokens on their node.
-        max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
-            repaired first and the plan may stay above the tolerance once the cap is reached. Always
+        max_moved_experts: "move_aware" only: cap on moved experts (sum over layers): the best balance the cap
+            buys (global mode: a larger cap never gives a worse mean max/mean); the plan may stay above the
+            tolerance once the cap is reached. Always
             ``moved_experts(old_phy2log, result) <= max_moved_experts``; 0 returns the old placement (one that
             spreads a group over nodes in hierarchical mode needs moves: see Raises). In
             hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) moving groups to another node is

@@ -20,7 +20,7 @@ from fdeplb.placement import (
 from fdeplb.placement.move_aware import reference_phy2log
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.slots import align_slots
-from fdeplb.placement.stops import choose_stops
+from fdeplb.placement.stops import choose_stops, choose_stops_within
 from tests.placement.test_placement import check_invariants, dumps, topologies
 
 
@@ -189,6 +189,18 @@ def test_choose_stops_spends_the_tolerance_where_moves_are_dearest():
     assert stops.tolist() == [2, 2] and excess == pytest.approx([0.0])
 
 
+def test_choose_stops_within_spends_a_move_budget_where_it_lowers_excess_most():
+    """The trajectories above; least mean excess within 0, 3 and 6 moved experts, None below the first points."""
+    rows = np.array([0, 1])
+    points = [(rows, np.array([0, 0]), np.array([1.10, 1.05])),
+              (rows, np.array([2, 1]), np.array([1.002, 1.0006])),
+              (rows, np.array([5, 10]), np.array([1.0, 1.0]))]
+    for budget, expected in ((0, [0, 0]), (3, [1, 1]), (6, [2, 1]), (100, [2, 2])):
+        stops, _ = choose_stops_within(points, np.ones(2), np.ones(2), budget)
+        assert stops.tolist() == expected, budget
+    assert choose_stops_within([(rows, np.array([1, 0]), np.array([1.0, 1.0]))], np.ones(2), np.ones(2), 0) is None
+
+
 @QWEN2_DRIFT
 def test_move_aware_knobs(qwen2_drift):
     a, load, old = qwen2_drift
@@ -206,6 +218,23 @@ def test_move_aware_knobs(qwen2_drift):
         rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, tolerance=-1)
     with pytest.raises(InputError, match="max_moved_experts"):
         rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, max_moved_experts=-3)
+
+
+@QWEN2_DRIFT
+def test_move_aware_move_budget_is_a_pareto_option(qwen2_drift):
+    """--max-moved-experts: the best balance the budget buys, never worse for a larger budget; the budgeted stops
+    of the repair's trajectories beat spending the budget worst layer first (1.054 at 100 moves before issue 33)."""
+    _, load, old = qwen2_drift
+    previous = np.inf
+    for cap in (0, 20, 100, 300, 1000):
+        plan = rebalance_experts(load, 72, 1, 1, 8, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
+        check_invariants(plan, 64, 72)
+        assert moved_experts(old, plan, 8) <= cap
+        level = ratio(load, plan, 8).mean()
+        assert level <= previous + 1e-12, cap
+        previous = level
+        if cap == 100:
+            assert level < 1.02
 
 
 @pytest.mark.real_data("dsv3_sglang_ep_stats/decode_in2000out100.json")
