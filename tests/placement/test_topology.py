@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fdeplb.errors import InputError
 from fdeplb.placement import cross_node_fraction, imbalance, rebalance_experts
@@ -69,3 +71,32 @@ def test_bad_source_load_is_refused(source, topo, message):
     if source.ndim == 3:
         with pytest.raises(InputError):
             cross_node_fraction(source, np.zeros((2, 12), dtype=np.int64) + np.arange(12) % 8, 4, 2)
+
+
+@st.composite
+def source_problems(draw):
+    num_nodes = draw(st.sampled_from([1, 2, 4]))
+    G = num_nodes * draw(st.integers(1, 3))
+    E = draw(st.integers(2, 12))
+    P = G * draw(st.integers(-(-E // G), -(-E // G) + 2))
+    L = draw(st.integers(1, 2))
+    values = st.lists(st.integers(0, 30), min_size=L * G * E, max_size=L * G * E)
+    return np.array(draw(values)).reshape(L, G, E), (P, 1, num_nodes, G), draw(st.sampled_from([0.0, 0.001, 0.05]))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(source_problems())
+def test_topology_aware_properties(problem):
+    """Valid, deterministic, every layer within the slack of "balanced" on the summed load, and never more
+    cross-node traffic than it (layers with load; a layer without load keeps the trivial placement)."""
+    source, topo, tol = problem
+    P, _, N, G = topo
+    load = source.sum(axis=1)
+    plan = rebalance_experts(source, *topo, policy="topology_aware", tolerance=tol)
+    check_invariants(plan, load.shape[1], P)
+    assert plan == rebalance_experts(source, *topo, policy="topology_aware", tolerance=tol)
+    balanced = rebalance_experts(load, *topo, policy="balanced")
+    assert (imbalance(load, plan, G) <= imbalance(load, balanced, G) + tol + 1e-9).all()
+    busy = load.max(axis=1) > 0
+    assert (cross_node_fraction(source, plan, G, N)[busy] <= cross_node_fraction(source, balanced, G, N)[busy]
+            + 1e-12).all()
