@@ -11,10 +11,18 @@ every DeepSeek-V3 dump): against DeepSeek's own ``eplb.py`` when ``--eplb-ref DI
 checks that both give the same phy2log, log2phy and logcnt; always against the plain-loop port
 (fdeplb.placement.reference). The table says which baseline each ratio used.
 
-Prints tables, the targets of issues #3 and #9 with PASS/FAIL, and a last line of JSON. ``--write-results FILE``
+Previous figures, same run: ``--previous REV`` (default ``main``; ``none`` skips it) extracts fdeplb as of that git
+revision (``git archive``) into a temporary folder and runs this script's balanced / drift / move_aware timing in a
+subprocess on that code; every balance, moves and time figure is printed beside DeepSeek's and the previous one.
+
+Topology-aware: no real dump records load per source rank, so each DeepSeek-V3 dump listed in
+``TOPOLOGY_DUMPS`` is split over the 32 source ranks by a fixed-seed Dirichlet(0.5) share per (layer, expert, node);
+the table gives the cross-node token fraction of "balanced" and "topology_aware" at two slacks, and their max/mean.
+
+Prints tables, the targets of issues #3, #9 and #33 with PASS/FAIL, and a last line of JSON. ``--write-results FILE``
 also writes the tables as Markdown (benchmarks/results/placement.md is such a file).
 
-    python benchmarks/placement.py [--real-data DIR] [--eplb-ref DIR [--eplb-python PY]]
+    python benchmarks/placement.py [--real-data DIR] [--eplb-ref DIR [--eplb-python PY]] [--previous REV]
                                    [--write-results benchmarks/results/placement.md]
 """
 
@@ -33,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fdeplb.placement import balancedness, imbalance, moved_experts, read_expert_load, rebalance_experts
+from fdeplb.placement import balancedness, gpu_loads, imbalance, moved_experts, read_expert_load, rebalance_experts
 from fdeplb.placement.reference import deepseek_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,8 +146,32 @@ def configs(model: str, groups: int | None, num_experts: int):
             yield "hierarchical", ep, slots, groups, ep // GPUS_PER_NODE
 
 
-def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.executable) -> dict:
-    """Run everything; returns the results (rows, drift, speed-up, targets)."""
+def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.executable,
+        previous: str | None = "main") -> dict:
+    """Run everything; returns the results (rows, drift, speed-up, previous figures, topology, targets)."""
+    prev = previous_figures(real_data, previous) if previous else None
+    rows, drift = balance_rows(real_data, POLICIES), drift_pairs(real_data, reference=True)
+    speed = deepseek_speedup(real_data, eplb_ref, eplb_python)
+    ma_speed = move_aware_speed(real_data)
+    topo, pareto = topology_rows(real_data), pareto_rows(real_data)
+    return {"rows": rows, "drift": drift, "speedup": speed, "move_aware_speed": ma_speed, "previous": prev,
+            "topology": topo, "pareto": pareto, "targets": targets(rows, drift, speed, ma_speed, topo, pareto)}
+
+
+def lower_bound(load: np.ndarray, slots: int, ep: int) -> np.ndarray:
+    """Per-layer max/mean no plan can beat: the larger of 1 and DeepSeek's replica counts' largest per-replica load
+    over the mean GPU load (those counts minimise the largest per-replica load; a GPU holds at least one replica)."""
+    from fdeplb.placement.deepseek import replicate_experts
+
+    load = load.astype(np.float64)
+    _, _, cnt = replicate_experts(load, slots)
+    mean = load.sum(axis=1) / ep
+    return np.maximum(1.0, (load / cnt).max(axis=1) / np.where(mean > 0, mean, 1.0))
+
+
+def balance_rows(real_data: Path, policies: tuple, python_loop: bool = True) -> list[dict]:
+    """Balance and time of ``policies`` (and the plain-loop DeepSeek, and the lower bound) on every dump and
+    config."""
     rebalance_experts(np.ones((2, 16)), 20, 4, 2, 4, policy="balanced")  # warm-up (imports, caches)
     cells: dict[tuple, dict] = {}
     for folder, (model, groups) in MODELS.items():
@@ -147,8 +179,9 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
             load = read_expert_load(path).expert_load
             for mode, ep, slots, g, n in configs(model, groups, load.shape[1]):
                 runs = {p: timed(lambda p=p: rebalance_experts(load, slots, g, n, ep, policy=p), REPEATS[p])
-                        for p in POLICIES}
-                runs["python-loop deepseek"] = timed(lambda: deepseek_reference(load, slots, g, n, ep), 1)
+                        for p in policies}
+                if python_loop:
+                    runs["python-loop deepseek"] = timed(lambda: deepseek_reference(load, slots, g, n, ep), 1)
                 for policy, (plan, times) in runs.items():
                     cell = cells.setdefault((model, mode, ep, slots, policy), {"ms": [], "bal": [], "ratio": [],
                                                                               "per_dump_ratio": {}})
@@ -157,19 +190,38 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
                     r = ratio(load, plan, ep).mean()
                     cell["ratio"].append(r)
                     cell["per_dump_ratio"][path.stem] = r
-    rows = [
+                    if n > 1:  # worst node of every layer: heaviest GPU over the node's mean GPU load
+                        gpu = gpu_loads(load, plan, ep).reshape(load.shape[0], n, -1)
+                        inside = float((gpu.max(axis=2) / gpu.mean(axis=2)).max(axis=1).mean())
+                        cell["inside"] = max(cell.get("inside", 0.0), inside)
+                if policies == POLICIES:
+                    lb = cells.setdefault((model, mode, ep, slots, "lower bound"), {"ms": [0.0], "bal": [], "ratio": [],
+                                                                                    "per_dump_ratio": {}})
+                    lb["ratio"].append(float(lower_bound(load, slots, ep).mean()))
+                    lb["bal"].append(float((1 / lower_bound(load, slots, ep)).mean()))
+    return [
         {"model": k[0], "mode": k[1], "ep": k[2], "slots": k[3], "policy": k[4],
          "median_ms": statistics.median(v["ms"]), "balancedness": float(np.mean(v["bal"])),
          "max_over_mean": float(np.mean(v["ratio"])), "worst_dump_max_over_mean": float(np.max(v["ratio"])),
-         "dumps": len(v["ratio"])}
+         "worst_inside_node": v.get("inside"), "dumps": len(v["ratio"])}
         for k, v in cells.items()
     ]
+
+
+def drift_inputs(real_data: Path, folder: str, a: str, b: str, ep: int) -> tuple[np.ndarray, int, object]:
+    """A drift pair's (load B, slots, old placement = global "balanced" on load A)."""
+    load_a = read_expert_load(real_data / folder / f"{a}.json").expert_load
+    slots = load_a.shape[1] + ep
+    return (read_expert_load(real_data / folder / f"{b}.json").expert_load, slots,
+            rebalance_experts(load_a, slots, 1, 1, ep, policy="balanced"))
+
+
+def drift_pairs(real_data: Path, reference: bool = False) -> list[dict]:
+    """The drift pairs: old = "balanced" on A; every policy's moves and max/mean on B (and, ``reference``: the
+    max/mean of move_aware's reference plan, :func:`fdeplb.placement.move_aware.reference_phy2log`)."""
     drift = []
     for folder, a, b, ep in DRIFT_PAIRS:
-        load_a = read_expert_load(real_data / folder / f"{a}.json").expert_load
-        load_b = read_expert_load(real_data / folder / f"{b}.json").expert_load
-        slots = load_a.shape[1] + ep
-        old = rebalance_experts(load_a, slots, 1, 1, ep, policy="balanced")
+        load_b, slots, old = drift_inputs(real_data, folder, a, b, ep)
         entry = {"pair": f"{a} -> {b}", "model": MODELS[folder][0], "ep": ep, "slots": slots,
                  "old_max_over_mean": float(ratio(load_b, old, ep).mean())}
         for policy in (*POLICIES, "move_aware"):
@@ -177,16 +229,96 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
                                                                   old_phy2log=old), 1)
             entry[policy] = {"moved": moved_experts(old, plan, ep), "max_over_mean": float(ratio(load_b, plan, ep).mean()),
                              "ms": times[0]}
+        if reference:
+            from fdeplb.placement.move_aware import reference_phy2log
+
+            entry["reference_max_over_mean"] = float(ratio(load_b, reference_phy2log(load_b, slots, 1, 1, ep),
+                                                           ep).mean())
         drift.append(entry)
-    speed = deepseek_speedup(real_data, eplb_ref, eplb_python)
-    ma_speed = move_aware_speed(real_data)
-    return {"rows": rows, "drift": drift, "speedup": speed, "move_aware_speed": ma_speed,
-            "targets": targets(rows, drift, speed, ma_speed)}
+    return drift
+
+
+#: move budgets of the Pareto table, as shares of the moves of a fresh "balanced" plan
+PARETO_SHARES = (0.05, 0.10, 0.20)
+
+
+def pareto_rows(real_data: Path) -> list[dict]:
+    """move_aware with ``max_moved_experts`` at :data:`PARETO_SHARES` of a fresh plan's moves on the first and last
+    drift pairs: moved experts and mean max/mean."""
+    out = []
+    for folder, a, b, ep in (DRIFT_PAIRS[0], DRIFT_PAIRS[-1]):
+        load_b, slots, old = drift_inputs(real_data, folder, a, b, ep)
+        fresh = moved_experts(old, rebalance_experts(load_b, slots, 1, 1, ep, policy="balanced", old_phy2log=old), ep)
+        for share in PARETO_SHARES:
+            cap = int(share * fresh)
+            plan, ms = timed(lambda c=cap: rebalance_experts(load_b, slots, 1, 1, ep, policy="move_aware",
+                                                             old_phy2log=old, max_moved_experts=c), 1)
+            out.append({"pair": f"{MODELS[folder][0]} {a} -> {b}", "share": share, "cap": cap,
+                        "moved": moved_experts(old, plan, ep), "max_over_mean": float(ratio(load_b, plan, ep).mean()),
+                        "ms": ms[0]})
+    return out
+
+
+#: the previous code's figures: run by ``--as-previous`` in a subprocess whose ``fdeplb`` is the previous revision's
+def as_previous(real_data: Path) -> dict:
+    return {"rows": balance_rows(real_data, ("balanced",), python_loop=False), "drift": drift_pairs(real_data),
+            "move_aware_speed": move_aware_speed(real_data), "pareto": pareto_rows(real_data)}
+
+
+def previous_figures(real_data: Path, rev: str) -> dict | None:
+    """:func:`as_previous` on fdeplb as of git revision ``rev`` (``git archive``), in a subprocess; None (and a
+    note on stderr) when git or the revision is not available."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "fdeplb"], capture_output=True,
+                                     check=True).stdout
+            subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+            env = {**os.environ, "PYTHONPATH": tmp}
+            out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--as-previous", "--real-data",
+                                  str(real_data)], capture_output=True, text=True, check=True, env=env)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            print(f"previous figures ({rev}) not measured: {exc}", file=sys.stderr)
+            return None
+    prev = json.loads(out.stdout.strip().splitlines()[-1])
+    prev["rev"] = rev
+    return prev
+
+
+#: DeepSeek-V3 dumps split per source rank for the topology-aware table, and the slacks it is run at
+TOPOLOGY_DUMPS = ("decode_in1000out1000", "prefill_in1024")
+TOPOLOGY_SLACKS = (0.0005, 0.002)
+
+
+def topology_rows(real_data: Path) -> list[dict]:
+    """Cross-node token fraction and max/mean of "balanced" and "topology_aware" (DeepSeek-V3, 288 slots, 32 GPUs,
+    4 nodes) on the synthetic per-source-rank split of every dump of :data:`TOPOLOGY_DUMPS`."""
+    from fdeplb.placement import cross_node_fraction
+
+    P, G, N = 288, 32, 4
+    out = []
+    for name in TOPOLOGY_DUMPS:
+        load = read_expert_load(real_data / "dsv3_sglang_ep_stats" / f"{name}.json").expert_load.astype(np.float64)
+        L, E = load.shape
+        share = np.random.default_rng(33).dirichlet(np.full(N, 0.5), size=(L, E))  # [L, E, node]
+        source = np.repeat((load[:, :, None] * share).transpose(0, 2, 1)[:, :, None, :] / (G // N), G // N,
+                           axis=2).reshape(L, G, E)
+        summed = source.sum(axis=1)
+        plans = {"balanced": timed(lambda: rebalance_experts(summed, P, 1, N, G, policy="balanced"), 1)}
+        for tol in TOPOLOGY_SLACKS:
+            plans[f"topology_aware, slack {tol}"] = timed(
+                lambda t=tol: rebalance_experts(source, P, 1, N, G, policy="topology_aware", tolerance=t), 1)
+        for policy, (plan, ms) in plans.items():
+            out.append({"dump": name, "policy": policy, "ms": ms[0],
+                        "cross_node": float(cross_node_fraction(source, plan, G, N).mean()),
+                        "max_over_mean": float(ratio(summed, plan, G).mean())})
+    return out
 
 
 #: move_aware's time as a multiple of balanced's, moves as a share of a fresh balanced plan's, and its
-#: mean max/mean excess over balanced
+#: mean max/mean excess over balanced (over its reference, reference_phy2log)
 MOVE_AWARE_TIME_RATIO, MOVE_AWARE_MOVED_SHARE, MOVE_AWARE_SLACK = 2.0, 0.20, 0.0005
+#: the targets: balanced's worst dump at the bar topologies, move_aware's moved share and time ratio
+BALANCE_BAR, MOVED_SHARE_33, TIME_RATIO_33 = 1.0003, 0.10, 1.2
 MOVE_AWARE_SPEED_PAIR = ("dsv3_sglang_ep_stats", "prefill_in1024", "decode_in1000out1000")
 
 
@@ -211,8 +343,8 @@ def move_aware_speed(real_data: Path, repeats: int = 11) -> list[dict]:
 
 
 def targets(rows: list[dict], drift: list[dict], speed: dict | None = None,
-            ma_speed: list[dict] = ()) -> list[dict]:
-    """The targets of issues #3 and #9, measured (the eplb.py ones only when eplb.py ran)."""
+            ma_speed: list[dict] = (), topology: list[dict] = (), pareto: list[dict] = ()) -> list[dict]:
+    """The targets of issues #3, #9 and #33, measured (the eplb.py ones only when eplb.py ran)."""
     def row(**kw):
         return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
 
@@ -237,44 +369,103 @@ def targets(rows: list[dict], drift: list[dict], speed: dict | None = None,
         out.append({"target": "deepseek vs eplb.py: DeepSeek-V3 dumps with identical phy2log, log2phy, logcnt",
                     "value": speed["exact_dumps"], "limit": speed["dumps"],
                     "ok": speed["exact_dumps"] == speed["dumps"]})
+    bars = [row(model="DeepSeek-V3", mode="global", ep=32, policy="balanced"),
+            *[row(model=m, mode="global", ep=16, policy="balanced") for m in ("Qwen3-235B", "Qwen3-30B")],
+            row(model="Qwen2-57B", mode="global", ep=8, policy="balanced")]
+    worst = max(r["worst_dump_max_over_mean"] for r in bars)
+    inside = row(model="DeepSeek-V3", mode="hierarchical", ep=32, policy="balanced")["worst_inside_node"]
+    beaten = [r for r in rows if r["policy"] == "balanced" and r["worst_dump_max_over_mean"] > row(
+        model=r["model"], mode=r["mode"], ep=r["ep"], policy="deepseek")["worst_dump_max_over_mean"] + 1e-12]
+    def limit(name: str, value: float, bound: float, digits: int = 6) -> dict:  # value <= bound
+        return {"target": name, "value": round(value, digits), "limit": bound, "ok": value <= bound}
+
+    out += [limit("#33 balanced: worst dump max/mean, global (DeepSeek-V3 EP32, Qwen3 EP16, Qwen2 EP8)", worst,
+                  BALANCE_BAR),
+            limit("#33 balanced: worst dump, worst node's max/mean inside the node (DeepSeek-V3 EP32, 4 nodes)",
+                  inside, BALANCE_BAR),
+            limit("#33 balanced: cases (model, mode, EP) where its worst dump is worse than deepseek's", len(beaten), 0)]
     for d in drift:
         share = d["move_aware"]["moved"] / max(d["balanced"]["moved"], 1)
-        excess = d["move_aware"]["max_over_mean"] - d["balanced"]["max_over_mean"]
-        out.append({"target": f"move_aware {d['pair']}: moved / fresh balanced moved", "value": round(share, 4),
-                    "limit": MOVE_AWARE_MOVED_SHARE, "ok": share <= MOVE_AWARE_MOVED_SHARE})
-        out.append({"target": f"move_aware {d['pair']}: max/mean - fresh balanced", "value": round(excess, 6),
-                    "limit": MOVE_AWARE_SLACK, "ok": excess <= MOVE_AWARE_SLACK})
+        ma = d["move_aware"]["max_over_mean"]
+        out += [limit(f"move_aware {d['pair']}: moved / fresh balanced moved (#9)", share, MOVE_AWARE_MOVED_SHARE, 4),
+                limit(f"#33 move_aware {d['pair']}: moved / fresh balanced moved", share, MOVED_SHARE_33, 4),
+                limit(f"move_aware {d['pair']}: max/mean - its reference (#9's contract)",
+                      ma - d["reference_max_over_mean"], MOVE_AWARE_SLACK),
+                limit(f"#33 move_aware {d['pair']}: max/mean - fresh balanced", ma - d["balanced"]["max_over_mean"],
+                      MOVE_AWARE_SLACK)]
     for sp in ma_speed:
-        out.append({"target": f"move_aware / balanced time, DeepSeek-V3 {MOVE_AWARE_SPEED_PAIR[1]} -> "
-                              f"{MOVE_AWARE_SPEED_PAIR[2]}, 288 slots, 8 groups, {sp['nodes']} node(s), 32 GPUs",
-                    "value": round(sp["ratio"], 2), "limit": MOVE_AWARE_TIME_RATIO,
-                    "ok": sp["ratio"] <= MOVE_AWARE_TIME_RATIO})
+        name = (f"move_aware / balanced time, DeepSeek-V3 {MOVE_AWARE_SPEED_PAIR[1]} -> {MOVE_AWARE_SPEED_PAIR[2]}, "
+                f"288 slots, 8 groups, {sp['nodes']} node(s), 32 GPUs")
+        out += [limit(name, sp["ratio"], MOVE_AWARE_TIME_RATIO, 2), limit("#33 " + name, sp["ratio"], TIME_RATIO_33, 2)]
+    for pair in dict.fromkeys(p["pair"] for p in pareto):
+        levels = [p["max_over_mean"] for p in pareto if p["pair"] == pair]
+        out.append(limit(f"#33 move_aware move budget, {pair}: budgets where a larger one balances worse",
+                         sum(y > x + 1e-12 for x, y in zip(levels, levels[1:])), 0))
+    for t in topology:
+        if t["policy"].startswith("topology_aware"):
+            base = next(b for b in topology if b["dump"] == t["dump"] and b["policy"] == "balanced")
+            out.append({"target": f"#33 {t['policy']}, {t['dump']}: cross-node fraction below balanced's "
+                                  f"({base['cross_node']:.4f})", "value": round(t["cross_node"], 4),
+                        "limit": round(base["cross_node"], 4), "ok": t["cross_node"] < base["cross_node"]})
     return out
 
 
 def tables(result: dict) -> list[str]:
     """Markdown tables (also printed)."""
-    lines = ["| model | mode | EP | slots | policy | median ms | balancedness | max/mean | worst dump |",
-             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
-    order = {p: i for i, p in enumerate((*POLICIES, "python-loop deepseek"))}
-    for r in sorted(result["rows"], key=lambda r: (list(MODELS.values()).index(next(v for v in MODELS.values()
-                                                                                    if v[0] == r["model"])),
-                                                   r["mode"], r["ep"], order[r["policy"]])):
+    prev = result.get("previous")
+    tag = f"balanced ({prev['rev']})" if prev else None
+    rows = list(result["rows"])
+    if prev:  # the previous code's balanced rows, next to today's
+        rows += [{**r, "policy": tag} for r in prev["rows"]]
+    lines = ["| model | mode | EP | slots | policy | median ms | balancedness | max/mean | worst dump | worst node inside |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    order = {p: i for i, p in enumerate((*POLICIES, tag, "lower bound", "python-loop deepseek"))}
+    for r in sorted(rows, key=lambda r: (list(MODELS.values()).index(next(v for v in MODELS.values()
+                                                                          if v[0] == r["model"])),
+                                         r["mode"], r["ep"], order[r["policy"]])):
+        inside = "" if r.get("worst_inside_node") is None else f"{r['worst_inside_node']:.5f}"
+        ms = "" if r["policy"] == "lower bound" else f"{r['median_ms']:.1f}"
         lines.append(f"| {r['model']} | {r['mode']} | {r['ep']} | {r['slots']} | {r['policy']} | "
-                     f"{r['median_ms']:.1f} | {r['balancedness']:.4f} | {r['max_over_mean']:.5f} | "
-                     f"{r['worst_dump_max_over_mean']:.5f} |")
-    lines += ["", "Drift pairs: old = \"balanced\" on A; moved experts and mean max/mean on B (global).", "",
+                     f"{ms} | {r['balancedness']:.4f} | {r['max_over_mean']:.5f} | "
+                     f"{r['worst_dump_max_over_mean']:.5f} | {inside} |")
+    lines += ["", "Lower bound: max(1, largest per-replica load of DeepSeek's replica counts / mean GPU load) per layer;"
+              " worst node inside: the worst dump's mean over layers of the worst node's heaviest GPU over that node's"
+              " mean GPU load (hierarchical only).", "",
+              "Drift pairs: old = \"balanced\" on A; moved experts and mean max/mean on B (global); \"reference\" is "
+              "move_aware's (reference_phy2log: balanced with 1-1 swaps only).", "",
               "| pair | EP | slots | old max/mean | policy | moved experts | max/mean | ms |",
               "|---|---:|---:|---:|---|---:|---:|---:|"]
-    for d in result["drift"]:
-        for policy in (*POLICIES, "move_aware"):
-            e = d[policy]
+    for k, d in enumerate(result["drift"]):
+        entries = [(p, d[p]) for p in (*POLICIES, "move_aware")]
+        if prev:
+            entries += [(f"{p} ({prev['rev']})", prev["drift"][k][p]) for p in ("balanced", "move_aware")]
+        for policy, e in entries:
             lines.append(f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
                          f"{policy} | {e['moved']:,} | {e['max_over_mean']:.5f} | {e['ms']:.0f} |")
+        lines.append(f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
+                     f"reference | | {d['reference_max_over_mean']:.5f} | |")
     lines += ["", "move_aware vs balanced, same input, interleaved runs (median ms):", "",
-              "| nodes | balanced ms | move_aware ms | ratio |", "|---:|---:|---:|---:|"]
-    for sp in result["move_aware_speed"]:
-        lines.append(f"| {sp['nodes']} | {sp['balanced_ms']:.1f} | {sp['move_aware_ms']:.1f} | {sp['ratio']:.2f} |")
+              "| code | nodes | balanced ms | move_aware ms | ratio |", "|---|---:|---:|---:|---:|"]
+    for code, speeds in (("this", result["move_aware_speed"]), *([(prev["rev"], prev["move_aware_speed"])]
+                                                                 if prev else [])):
+        for sp in speeds:
+            lines.append(f"| {code} | {sp['nodes']} | {sp['balanced_ms']:.1f} | {sp['move_aware_ms']:.1f} | "
+                         f"{sp['ratio']:.2f} |")
+    lines += ["", "Move budget (Pareto option): move_aware with max_moved_experts = a share of a fresh balanced plan's "
+              "moves (old = balanced on A, global).", "",
+              "| pair | code | budget share | cap | moved | max/mean | ms |", "|---|---|---:|---:|---:|---:|---:|"]
+    for code, rows_ in (("this", result["pareto"]), *([(prev["rev"], prev["pareto"])] if prev else [])):
+        for p in rows_:
+            lines.append(f"| {p['pair']} | {code} | {p['share']:.2f} | {p['cap']:,} | {p['moved']:,} | "
+                         f"{p['max_over_mean']:.5f} | {p['ms']:.0f} |")
+    if result.get("topology"):
+        lines += ["", "Topology-aware: DeepSeek-V3, 288 slots, 32 GPUs, 4 nodes; synthetic per-source-rank split "
+                  "(Dirichlet(0.5) node shares, seed 33); cross-node = share of tokens whose replica is on another "
+                  "node than their source rank (even split over replicas).", "",
+                  "| dump | policy | cross-node fraction | max/mean | ms |", "|---|---|---:|---:|---:|"]
+        for t in result["topology"]:
+            lines.append(f"| {t['dump']} | {t['policy']} | {t['cross_node']:.4f} | {t['max_over_mean']:.5f} | "
+                         f"{t['ms']:.0f} |")
     sp = result.get("speedup")
     if sp:
         lines += ["", "Speed-up of \"deepseek\" on the DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, "
@@ -304,7 +495,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder holding DeepSeek's eplb.py: time it (and compare outputs) against 'deepseek'")
     parser.add_argument("--eplb-python", default=sys.executable, metavar="PY",
                         help="Python with torch that runs eplb.py (default: this one)")
+    parser.add_argument("--previous", default="main", metavar="REV",
+                        help="git revision whose figures are measured in the same run (default main; 'none': skip)")
+    parser.add_argument("--as-previous", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.as_previous:  # run by previous_figures() with the previous revision's fdeplb on PYTHONPATH
+        print(json.dumps(as_previous(args.real_data)))
+        return 0
     if args.eplb_ref is not None and not (args.eplb_ref / "eplb.py").is_file():
         print(f"no eplb.py in {args.eplb_ref}", file=sys.stderr)
         return 2
@@ -312,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"real data not found at {args.real_data}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    result = run(args.real_data, args.eplb_ref, args.eplb_python)
+    result = run(args.real_data, args.eplb_ref, args.eplb_python,
+                 None if args.previous.lower() == "none" else args.previous)
     total = time.perf_counter() - start
     lines = tables(result)
     print("\n".join(lines))
@@ -335,10 +533,14 @@ def main(argv: list[str] | None = None) -> int:
             "time_ratio_vs_balanced": {f"{sp['nodes']}_nodes": round(sp["ratio"], 3) for sp in result["move_aware_speed"]},
             "moved_share_vs_fresh_balanced": {d["pair"]: round(d["move_aware"]["moved"] / max(d["balanced"]["moved"], 1), 4)
                                               for d in result["drift"]},
-            "slack_vs_balanced": {d["pair"]: round(d["move_aware"]["max_over_mean"] - d["balanced"]["max_over_mean"], 6)
-                                  for d in result["drift"]},
+            "slack_vs_fresh_balanced": {d["pair"]: round(d["move_aware"]["max_over_mean"] - d["balanced"]["max_over_mean"], 6)
+                                        for d in result["drift"]},
+            "slack_vs_reference": {d["pair"]: round(d["move_aware"]["max_over_mean"] - d["reference_max_over_mean"], 6)
+                                   for d in result["drift"]},
             "ok": all(t["ok"] for t in result["targets"] if t["target"].startswith("move_aware")),
         },
+        "previous": None if result["previous"] is None else result["previous"]["rev"],
+        "topology_cross_node": {f"{t['dump']}: {t['policy']}": round(t["cross_node"], 4) for t in result["topology"]},
     }
     print(json.dumps(summary, separators=(",", ":")))
     return 0 if summary["all_targets_ok"] else 1

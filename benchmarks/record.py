@@ -1,4 +1,4 @@
-"""Host cost of ``record()`` with the counts on the device (issue 31): DeepSeek-V3's shape, 58 MoE layers x 288
+"""Host cost of ``record()`` with the counts on the device: DeepSeek-V3's shape, 58 MoE layers x 288
 physical slots (256 logical experts + 32 redundant), per-slot int32 counts as paddle tensors (what an engine's router
 produces), --steps forward steps into a window of --window steps.
 

@@ -11,7 +11,8 @@ from fdeplb.placement.digest import plan_digest, routing_digest
 from fdeplb.placement.files import FORMATS, PlacementFile, read_placement, write_placement
 from fdeplb.placement.live_ranks import check_live_ranks, live_maps, orphaned_experts, replace_orphans
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
-from fdeplb.placement.metrics import balancedness, gpu_loads, imbalance, moved_bytes, moved_experts
+from fdeplb.placement.metrics import balancedness, cross_node_fraction, gpu_loads, imbalance, moved_bytes, \
+    moved_experts
 from fdeplb.placement.rebalance import POLICIES, rebalance_experts
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "check_live_ranks",
     "check_phy2log",
     "check_topology",
+    "cross_node_fraction",
     "gpu_loads",
     "imbalance",
     "initial_placement",

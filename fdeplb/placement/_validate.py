@@ -55,6 +55,25 @@ def check_expert_load(expert_load: object, name: str = "expert_load") -> np.ndar
     return arr
 
 
+def check_source_load(source_load: object) -> np.ndarray:
+    """``source_load`` [num_layers, source_ranks, num_logical_experts] (tokens every source EP rank routed to every
+    expert) as a numeric array, every value as :func:`check_expert_load` requires, and so its sum over source ranks.
+
+    Raises:
+        InputError: not 3-D, or a value or a sum over source ranks :func:`check_expert_load` refuses.
+    """
+    try:
+        arr = np.asarray(source_load)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"source_load is not a rectangular array: {exc}") from None
+    if arr.ndim != 3 or 0 in arr.shape:
+        raise InputError(f"source_load must be 3-D [num_layers, source_ranks, num_logical_experts] and non-empty, "
+                         f"got shape {arr.shape}")
+    check_expert_load(arr.reshape(-1, arr.shape[2]), name="source_load (rows: layer x source rank)")
+    check_expert_load(arr.sum(axis=1), name="source_load summed over source ranks")
+    return arr
+
+
 def check_counts(expert_load: object, name: str = "expert_load") -> np.ndarray:
     """``expert_load`` (see :func:`check_expert_load`) as int64 token counts, never truncated.
 

@@ -1,13 +1,31 @@
-"""The "balanced" policy: DeepSeek's plan improved by pairwise-swap local search.
+"""The "balanced" policy: DeepSeek's plan improved by an exchange local search inside nodes.
 
-Starts from DeepSeek's placement (hierarchical or global, same rule), keeps its replica counts and, in hierarchical
-mode, its group-to-node packing, and swaps replicas between GPUs of the same node while that lowers the heaviest
-GPU (or, once the heaviest GPU is stuck, raises the lightest one, which frees new swaps for the heaviest). A swap
-keeps every GPU at exactly P / num_gpus slots. Every accepted swap strictly lowers the sum of squared GPU loads and
-never raises the maximum, so the search ends and the result is never worse than "deepseek" on any layer.
+The problem per (layer, node) row is cardinality-constrained multiprocessor scheduling (P||Cmax with exactly
+``S = P / num_gpus`` items per GPU; "k-partitioning", Babel, Kellerer & Kotov, Math. Methods of OR 47, 1998;
+Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem", J. Scheduling 4, 2001).
 
-The search runs on all (layer, node) rows at once; each iteration evaluates every swap of the chosen GPU with every
-other slot of the node in one numpy expression ([rows, slots_per_gpu, slots_per_node]).
+1. Start: DeepSeek's plan (github.com/deepseek-ai/EPLB). Its replica counts (each redundant slot to the expert of
+   largest load per replica, which minimises the largest per-replica load) and, in hierarchical mode, its
+   group-to-node packing are kept; its greedy packing of replicas onto GPUs (heaviest first onto the lightest GPU
+   with room) is the starting point.
+2. Exchange local search, the pairwise-interchange neighbourhood of P||Cmax local search (Finn & Horowitz, "A linear
+   time approximation algorithm for multiprocessor scheduling", BIT 19, 1979), restricted to swaps so that every GPU
+   keeps exactly S slots. Every row cycles through three moves, each the best of its kind:
+   a. 1-1: a replica of the heaviest GPU trades places with one of another GPU of the node, if that lowers the
+      larger of the two loads;
+   b. once (a) is stuck, 1-1 raising the lightest GPU instead (frees new swaps for the heaviest one); back to (a)
+      when it helps;
+   c. once both are stuck, 2-2: two replicas of the heaviest GPU trade places with two of one of its
+      :data:`_PARTNERS` lightest GPUs (the best partner pair per GPU found by binary search over its sorted pair
+      sums); back to (a) when it helps.
+   A row ends when (c) is stuck too, or as soon as its heaviest GPU is within :data:`_GOOD_ENOUGH` of its mean.
+   Every accepted move strictly lowers the sum of squared GPU loads and never raises the maximum, so the search
+   ends and the result is never worse than "deepseek" on any layer. Without (c) and the early stop
+   (``pairs=False``) it is the search "balanced" ran before its 2-2 stage, kept as "move_aware"'s reference.
+
+All rows are searched at once; each iteration evaluates the chosen move of every active row in one numpy expression
+([rows, slots_per_gpu, slots_per_node] for 1-1; [rows, gpus, S(S-1)/2] searches for 2-2). Deterministic: ties take
+the lowest index.
 """
 
 from __future__ import annotations
@@ -19,8 +37,15 @@ from fdeplb.placement.metrics import raw_gpu_loads
 
 #: relative gain below which a swap is not worth it (float64 noise on loads of ~1e8 tokens)
 _RTOL = 1e-12
-#: hard cap on iterations (each moves one swap per active row); real dumps converge in < 100
+#: hard cap on iterations (each moves one swap per active row); real dumps converge in < 300
 _MAX_ITER = 10_000
+#: a row stops once its heaviest GPU is within this share above its mean GPU load (each 2-2 iteration costs about
+#: as much as the whole 1-1 search of a row; the balance bar is 3e-4 on the mean over layers)
+_GOOD_ENOUGH = 1e-5
+#: 2-2 swaps of the heaviest GPU are searched with this many of the lightest GPUs of the row
+_PARTNERS = 4
+#: the three moves of a row's cycle
+_MAX_1, _MIN_1, _MAX_2 = 0, 1, 2
 
 
 def _best_swaps(item_load: np.ndarray, gpu_load: np.ndarray, rows: np.ndarray):
@@ -48,8 +73,65 @@ def _best_swaps(item_load: np.ndarray, gpu_load: np.ndarray, rows: np.ndarray):
     return ga, sa, gb, sb, gain, np.abs(peak)
 
 
-def improve_by_swaps(item_load: np.ndarray) -> np.ndarray:
-    """Swap local search on ``item_load`` float64 [R, G, S] (R rows, G packs of S items); modified in place.
+def _best_pair_swaps(item_load: np.ndarray, gpu_load: np.ndarray, rows: np.ndarray):
+    """For every row, the swap of two slots of its heaviest GPU with two slots of one of its :data:`_PARTNERS`
+    lightest GPUs (a swap with GPU b gains at most half the gap between the heaviest GPU and b) that minimises the
+    larger of the two new loads (same cost as :func:`_best_swaps`, items replaced by pair sums). For every pair of
+    the heaviest GPU and every partner, the partner's pair is found by binary search in its sorted pair sums (the
+    two neighbours of the ideal sum are scored exactly). Returns (gpu_a, pair_a, gpu_b, pair_b, gain, peak) per
+    row; a pair is an index into ``np.triu_indices(S, 1)``."""
+    _, G, S = item_load.shape
+    K = min(G - 1, _PARTNERS)
+    n = rows.size
+    r = np.arange(n)[:, None]
+    first, second = np.triu_indices(S, 1)
+    Q = first.size
+    load = gpu_load[rows]
+    by_load = np.argsort(load, axis=1, kind="stable")
+    ga, gb = by_load[:, -1], by_load[:, :K]  # heaviest, K lightest
+    peak = load[r[:, 0], ga]
+    other = np.take_along_axis(load, gb, axis=1)  # [n, K]
+    half = 0.5 * (peak[:, None] - other)
+    w = item_load[rows[:, None], np.concatenate([ga[:, None], gb], axis=1)]  # [n, 1 + K, S]
+    pair = w[:, :, first] + w[:, :, second]  # [n, 1 + K, Q]
+    order = np.argsort(pair, axis=2, kind="stable")
+    sorted_pair = np.take_along_axis(pair, order, axis=2)
+    mine, theirs = sorted_pair[:, 0], sorted_pair[:, 1:]  # ascending: the searches below come in order (faster)
+    ideal = mine[:, None, :] - half[:, :, None]  # [n, K, Q] partner pair sum that evens the two GPUs
+    # one flat sorted array of all (row, partner) blocks: block b's keys are offset by b * span > every key range
+    span = 4.0 * (np.abs(pair).max(initial=0.0) + np.abs(ideal).max(initial=0.0)) + 1.0
+    offset = (np.arange(n * K, dtype=np.float64) * span).reshape(n, K, 1)
+    at = np.searchsorted((theirs + offset).ravel(), (ideal + offset).ravel()).reshape(n, K, Q)
+    at -= (np.arange(n * K, dtype=np.int64) * Q).reshape(n, K, 1)
+    below, above = np.clip(at - 1, 0, Q - 1), np.clip(at, 0, Q - 1)
+    cost_below = np.abs(ideal - np.take_along_axis(theirs, below, axis=2))
+    cost_above = np.abs(ideal - np.take_along_axis(theirs, above, axis=2))
+    best_at = np.where(cost_above < cost_below, above, below)
+    cost = np.minimum(cost_below, cost_above) + 0.5 * (peak[:, None] + other)[:, :, None]
+    flat = cost.reshape(n, -1)
+    best = flat.argmin(axis=1)
+    gain = peak - flat[r[:, 0], best]
+    k, qa = np.divmod(best, Q)
+    qb = order[r[:, 0], 1 + k, best_at[r[:, 0], k, qa]]
+    return ga, order[r[:, 0], 0, qa], gb[r[:, 0], k], qb, gain, np.abs(peak)
+
+
+def _swap(item_load, origin, gpu_load, r, ga, sa, gb, sb) -> None:
+    """Apply the 1-1 swaps (row r: slot (ga, sa) <-> slot (gb, sb)) in place."""
+    x, y = item_load[r, ga, sa], item_load[r, gb, sb]
+    item_load[r, ga, sa], item_load[r, gb, sb] = y, x
+    origin[r, ga, sa], origin[r, gb, sb] = origin[r, gb, sb], origin[r, ga, sa]
+    gpu_load[r, ga] += y - x
+    gpu_load[r, gb] += x - y
+
+
+def improve_by_swaps(item_load: np.ndarray, *, pairs: bool = True) -> np.ndarray:
+    """Exchange local search (see the module docstring) on ``item_load`` float64 [R, G, S] (R rows, G packs of S
+    items); modified in place.
+
+    Args:
+        pairs: False: 1-1 swaps only, every row to the end (no 2-2 stage, no early stop): the search "balanced"
+            ran before 2-2 swaps, kept as the reference of "move_aware" (see :func:`balanced_plan`).
 
     Returns:
         int64 [R, G, S]: for every final position, the flat index ``g * S + s`` of the item's starting position.
@@ -59,57 +141,72 @@ def improve_by_swaps(item_load: np.ndarray) -> np.ndarray:
     if G < 2:
         return origin
     gpu_load = item_load.sum(axis=-1)
+    if pairs:
+        good = gpu_load.mean(axis=1) * (1 + _GOOD_ENOUGH)
+    else:
+        good = np.full(R, -np.inf)
+    first, second = np.triu_indices(S, 1)
     active = np.arange(R)
-    on_min = np.zeros(R, dtype=bool)  # row works on its lightest GPU (its heaviest one is stuck)
-    max_stuck = np.zeros(R, dtype=bool)
+    move = np.full(R, _MAX_1, dtype=np.int64)
+    paired = np.zeros(R, dtype=bool)  # a 2-2 swap helped since the row last entered the 2-2 stage
     for _ in range(_MAX_ITER):
         if active.size == 0:
             break
         still = []
-        for lightest in (False, True):
-            rows = active[on_min[active] == lightest]
+        active = active[gpu_load[active].max(axis=1) > good[active]]
+        for kind in (_MAX_1, _MIN_1, _MAX_2):
+            rows = active[move[active] == kind]
+            if kind == _MAX_2 and (S < 2 or not pairs):
+                rows = rows[:0]
             if rows.size == 0:
                 continue
-            if lightest:  # raising the lightest GPU = lowering the heaviest of the negated problem
+            if kind == _MIN_1:  # raising the lightest GPU = lowering the heaviest of the negated problem
                 ga, sa, gb, sb, gain, scale = _best_swaps(-item_load, -gpu_load, rows)
-            else:
+            elif kind == _MAX_1:
                 ga, sa, gb, sb, gain, scale = _best_swaps(item_load, gpu_load, rows)
+            else:
+                ga, qa, gb, qb, gain, scale = _best_pair_swaps(item_load, gpu_load, rows)
             ok = gain > scale * _RTOL
-            r, ga, sa, gb, sb = rows[ok], ga[ok], sa[ok], gb[ok], sb[ok]
-            x, y = item_load[r, ga, sa], item_load[r, gb, sb]
-            item_load[r, ga, sa], item_load[r, gb, sb] = y, x
-            origin[r, ga, sa], origin[r, gb, sb] = origin[r, gb, sb], origin[r, ga, sa]
-            gpu_load[r, ga] += y - x
-            gpu_load[r, gb] += x - y
+            r, ga, gb = rows[ok], ga[ok], gb[ok]
+            if kind == _MAX_2:
+                _swap(item_load, origin, gpu_load, r, ga, first[qa[ok]], gb, first[qb[ok]])
+                _swap(item_load, origin, gpu_load, r, ga, second[qa[ok]], gb, second[qb[ok]])
+            else:
+                _swap(item_load, origin, gpu_load, r, ga, sa[ok], gb, sb[ok])
             failed = rows[~ok]
-            if lightest:  # a raise succeeded: back to the heaviest GPU; a failed raise ends the row
-                on_min[r] = False
-                still.append(r)
-            else:  # the heaviest GPU stuck: try raising the lightest, unless that already failed to help
-                done = failed[max_stuck[failed]]
-                max_stuck[failed] = True
-                max_stuck[r] = False
-                on_min[failed] = True
-                still.append(np.setdiff1d(rows, done))
-        active = np.sort(np.concatenate(still)) if still else active[:0]
+            if kind == _MAX_2:  # 2-2 again while it helps; stuck: back to 1-1 if some 2-2 helped, else the end
+                paired[r] = True
+                back = failed[paired[failed]]
+                move[back] = _MAX_1
+                still += [r, back]
+            else:  # 1-1 on the heaviest GPU stuck: raise the lightest; that helped: back; stuck too: 2-2
+                move[r] = _MAX_1
+                move[failed] = _MIN_1 if kind == _MAX_1 else _MAX_2
+                if kind == _MIN_1:
+                    paired[failed] = False
+                still += [r, failed]
+        active = np.unique(np.concatenate(still)) if still else active[:0]
     return origin
 
 
 def balanced_phy2log(
     expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
 ) -> np.ndarray:
-    """DeepSeek's plan (``num_groups``/``num_nodes`` as given: pass 1/1 for global) improved by swaps within nodes.
-
-    Returns phy2log int64 [L, P]. Inputs must already be checked.
-    """
+    """DeepSeek's plan (``num_groups``/``num_nodes`` as given: pass 1/1 for global) improved by the exchange local
+    search within nodes. Returns phy2log int64 [L, P]. Inputs must already be checked."""
     return balanced_plan(expert_load, num_replicas, num_groups, num_nodes, num_gpus)[0]
 
 
 def balanced_plan(
-    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+    expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int, *,
+    pairs: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`balanced_phy2log` and the load of its heaviest GPU per layer: (phy2log int64 [L, P], float64 [L]
-    tokens), the peak computed once here for callers that need it ("move_aware")."""
+    tokens), the peak computed once here for callers that need it.
+
+    ``pairs=False`` runs the 1-1 swaps alone (no 2-2 stage): the plan "balanced" gave before the 2-2 stage, which
+    "move_aware" keeps as its reference (its tolerance and moves are measured against it, and its output stays
+    what it was)."""
     start, logcnt = deepseek_phy2log(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
     load = np.asarray(expert_load, dtype=np.float64)
     L, P = start.shape
@@ -117,7 +214,7 @@ def balanced_plan(
     S = P // num_gpus
     per_replica = load / logcnt
     item_load = np.take_along_axis(per_replica, start, axis=1).reshape(L * num_nodes, gpus_per_node, S)
-    origin = improve_by_swaps(item_load).reshape(L * num_nodes, -1)
+    origin = improve_by_swaps(item_load, pairs=pairs).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)

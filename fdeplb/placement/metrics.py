@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log
+from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_source_load
 from fdeplb.placement.core import Placement
 from fdeplb.placement.live_ranks import check_live_ranks, live_slots
 
@@ -152,3 +152,42 @@ def moved_bytes(old_phy2log: object, new_phy2log: object, num_gpus: int, expert_
     """Bytes of expert weights to transfer: :func:`moved_experts` x ``expert_nbytes`` (one expert's size, bytes)."""
     nbytes = check_int(expert_nbytes, "expert_nbytes", minimum=0)
     return int(moved_experts(old_phy2log, new_phy2log, num_gpus)) * nbytes
+
+
+def node_local_load(source_load: np.ndarray, num_nodes: int) -> np.ndarray:
+    """float64 [L, num_nodes, E]: tokens the source ranks of every node route to every expert, from a checked
+    ``source_load`` [L, R, E] (R a multiple of ``num_nodes``; EP ranks contiguous by node)."""
+    L, R, E = source_load.shape
+    return np.asarray(source_load, dtype=np.float64).reshape(L, num_nodes, R // num_nodes, E).sum(axis=2)
+
+
+def cross_node_fraction(source_load: object, phy2log: object, num_gpus: int, num_nodes: int) -> np.ndarray:
+    """Per-layer share of tokens that leave their source rank's node: float64 [L] in [0, 1] (0.0 without load).
+
+    Model: an expert's tokens from every source rank are split evenly over its replicas (as in :func:`gpu_loads`);
+    a token crosses nodes when the replica it reaches is on another node than the EP rank that sent it.
+
+    Args:
+        source_load: [L, num_gpus, E] tokens every source EP rank routed to every expert.
+        phy2log: int [L, P] placement (or a :class:`Placement`); P a multiple of ``num_gpus``.
+        num_gpus: EP size (= source ranks); a multiple of ``num_nodes``.
+        num_nodes: nodes; EP ranks (and slots) are contiguous by node.
+
+    Raises:
+        InputError: bad shapes or values, source ranks != ``num_gpus``, or ``num_gpus`` not a multiple of
+            ``num_nodes``.
+    """
+    source = check_source_load(source_load)
+    load, p2l, G = _checked(source.sum(axis=1), phy2log, num_gpus)
+    N = check_int(num_nodes, "num_nodes")
+    if source.shape[1] != G or G % N:
+        raise InputError(f"source_load has {source.shape[1]} source ranks; expected num_gpus ({G}), a multiple of "
+                         f"num_nodes ({N})")
+    L, P = p2l.shape
+    logcnt = np.zeros(load.shape, dtype=np.int64)
+    np.add.at(logcnt, (np.arange(L)[:, None], p2l), 1)
+    local = node_local_load(source, N) / np.maximum(logcnt, 1)[:, None, :]
+    node = np.arange(P) // (P // N)
+    kept = local[np.arange(L)[:, None], node[None, :], p2l].sum(axis=1)
+    total = load.sum(axis=1, dtype=np.float64)
+    return np.divide(total - kept, total, out=np.zeros(L), where=total > 0).clip(0.0, 1.0)

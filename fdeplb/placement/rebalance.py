@@ -7,7 +7,8 @@ from typing import Callable
 import numpy as np
 
 from fdeplb.errors import InputError, RedundancyError
-from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
+from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_source_load, \
+    check_topology
 from fdeplb.placement.core import Placement, derive_maps, replica_rank
 from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_placement
@@ -15,6 +16,7 @@ from fdeplb.placement.greedy import greedy_phy2log
 from fdeplb.placement.live_ranks import check_live_ranks, live_slots, replace_orphans
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
+from fdeplb.placement.topology import topology_aware_phy2log
 
 
 #: the largest per-layer load that is no load: float32's smallest normal (2**-126). DeepSeek's EPLB computes in
@@ -70,6 +72,14 @@ def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchica
                               max_moved_experts=max_moved_experts)
 
 
+def _topology_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.0005,
+                    source=None):
+    if source is None or num_nodes == 1:  # nothing to keep on a node: "balanced"'s plan
+        return _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old)
+    phy2log = topology_aware_phy2log(source, num_replicas, num_nodes, num_gpus, tolerance)
+    return phy2log if old is None else align_slots(old, phy2log, num_gpus)
+
+
 #: policy name -> function(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
 #: returning phy2log int64 [L, P], or ``(phy2log, replica_rank)`` when the policy orders each expert's slots itself
 #: in log2phy (see :meth:`Placement.from_phy2log`).
@@ -78,10 +88,19 @@ POLICIES: dict[str, Callable[..., np.ndarray]] = {
     "greedy": _greedy,
     "balanced": _balanced,
     "move_aware": _move_aware,
+    "topology_aware": _topology_aware,
 }
 #: policies that reproduce another project's output exactly (DeepSeek's eplb.py, TensorRT-LLM's greedy), layers
 #: without load included: :func:`keep_unloaded` does not apply to them (the gain gate judges their plans)
 REFERENCE_POLICIES = frozenset({"deepseek", "greedy"})
+
+
+def _ndim(value: object) -> int:
+    """Dimensions of an array-like; 2 when it is not rectangular (check_expert_load then says what is wrong)."""
+    try:
+        return int(np.ndim(value))
+    except (TypeError, ValueError):
+        return 2
 
 
 def rebalance_experts(
@@ -101,7 +120,9 @@ def rebalance_experts(
 
     Args:
         expert_load: [num_layers, num_logical_experts] int or float, non-negative, finite: tokens routed to every
-            logical expert (token x top-k assignments) over the recording window.
+            logical expert (token x top-k assignments) over the recording window. Or per source rank,
+            [num_layers, num_gpus, num_logical_experts]: the tokens every EP rank routed to every expert; every
+            policy plans on its sum over source ranks, "topology_aware" also uses the split.
         num_replicas: P, slots per layer (= num_physical_experts), a multiple of ``num_gpus`` and >= E.
         num_groups: expert groups (contiguous logical experts; DeepSeek-V3: 8). The hierarchical policy (groups
             packed onto nodes, replicas kept inside their group's node) applies when ``num_groups % num_nodes == 0``;
@@ -113,22 +134,30 @@ def rebalance_experts(
             logcnt identical to ``eplb.py`` on torch CPU, ties included;
             "greedy": TensorRT-LLM's flat replication + placement (groups and nodes ignored by the plan, though the
             topology is still checked as for "deepseek");
-            "balanced": "deepseek" improved by swap local search inside nodes, never worse on any layer;
+            "balanced": "deepseek" improved by an exchange local search (1-1, then 2-2 swaps) inside nodes,
+            never worse on any layer (see :mod:`fdeplb.placement.balanced`);
             "move_aware": needs ``old_phy2log``; moves as few experts as it can while the mean over layers of
-            its max/mean GPU load stays within ``tolerance`` of "balanced"'s, and no layer exceeds it by more
+            its max/mean GPU load stays within ``tolerance`` of its reference's ("balanced" with 1-1 swaps only,
+            :func:`fdeplb.placement.move_aware.reference_phy2log`), and no layer exceeds it by more
             than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
             already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first
             put its groups on whole nodes. See :mod:`fdeplb.placement.move_aware`.
-            "balanced" and "move_aware" keep the old placement (the trivial one without ``old_phy2log``) of a
+            "topology_aware": with a per-source-rank ``expert_load`` and ``num_nodes`` > 1, "balanced"'s global plan
+            with replicas swapped across nodes so that fewer tokens leave their source rank's node, every layer
+            within ``tolerance`` of "balanced"'s max/mean (groups ignored; see :mod:`fdeplb.placement.topology`);
+            otherwise "balanced"'s plan. With ``live_ranks`` it plans on the summed load.
+            "balanced", "move_aware" and "topology_aware" keep the old placement (the trivial one without ``old_phy2log``) of a
             layer without load (:func:`keep_unloaded`): nothing moves for no gain; "deepseek" and "greedy"
             (:data:`REFERENCE_POLICIES`) give their reference's output there (DeepSeek's float32 arithmetic plans
             loads below 2**-126 as all-zero, in tie order), which the gain gate then judges.
         old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
-        tolerance: "move_aware" only: allowed excess of max/mean GPU load over "balanced" (>= 0, default 0.0005):
+        tolerance: "move_aware": allowed excess of max/mean GPU load over its reference (>= 0, default 0.0005):
             of the mean over layers, each layer at most twice it; with ``max_moved_experts``, the per-layer aim.
-        max_moved_experts: "move_aware" only: cap on moved experts (sum over layers); the worst layers are
-            repaired first and the plan may stay above the tolerance once the cap is reached. Always
+            "topology_aware": the balance slack every layer may spend on keeping tokens on their node.
+        max_moved_experts: "move_aware" only: cap on moved experts (sum over layers): the best balance the cap
+            buys (global mode: a larger cap never gives a worse mean max/mean); the plan may stay above the
+            tolerance once the cap is reached. Always
             ``moved_experts(old_phy2log, result) <= max_moved_experts``; 0 returns the old placement (one that
             spreads a group over nodes in hierarchical mode needs moves: see Raises). In
             hierarchical mode (num_nodes > 1 and num_groups % num_nodes == 0) moving groups to another node is
@@ -146,18 +175,24 @@ def rebalance_experts(
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
 
     Raises:
-        InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative), bad ``old_phy2log``, unknown policy,
+        InputError: bad ``expert_load`` (ndim, dtype, NaN/inf, negative; per source rank: not num_gpus source
+            ranks), bad ``old_phy2log``, unknown policy,
             "move_aware" without ``old_phy2log``, negative ``tolerance`` or ``max_moved_experts``, or (hierarchical)
             a ``max_moved_experts`` below the moves needed to put every group on one node when ``old_phy2log``
             spreads a group over several nodes.
         TopologyError: a topology that cannot hold the placement (see :func:`check_topology`).
         RedundancyError: (a TopologyError) with ``live_ranks``, some logical expert cannot get a live slot.
     """
-    load = check_expert_load(expert_load)
+    source = check_source_load(expert_load) if _ndim(expert_load) == 3 else None
+    load = check_expert_load(expert_load if source is None else source.sum(axis=1))
     L, E = load.shape
     num_replicas, num_groups, num_nodes, num_gpus, hierarchical = check_topology(
         E, num_replicas, num_groups, num_nodes, num_gpus
     )
+    if source is not None and source.shape[1] != num_gpus:
+        raise InputError(f"expert_load must be 2-D [num_layers, num_logical_experts] or, per source rank, 3-D "
+                         f"[num_layers, num_gpus, num_logical_experts]: got {source.shape[1]} source ranks for "
+                         f"num_gpus {num_gpus}")
     fn = POLICIES.get(policy) if isinstance(policy, str) else None
     if fn is None:
         raise InputError(f"unknown placement policy {policy!r}; choose one of {sorted(POLICIES)}")
@@ -166,18 +201,22 @@ def rebalance_experts(
         raw = old_phy2log.phy2log if isinstance(old_phy2log, Placement) else old_phy2log
         old = check_phy2log(raw, E, name="old_phy2log", shape=(L, num_replicas))
     options = {}
-    if policy == "move_aware":
+    if policy in ("move_aware", "topology_aware"):
         tol = float(tolerance) if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) else -1.0
         if not tol >= 0 or not np.isfinite(tol):
             raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
+        options = {"tolerance": tol}
+    if policy == "move_aware":
         cap = None if max_moved_experts is None else check_int(max_moved_experts, "max_moved_experts", minimum=0)
-        options = {"tolerance": tol, "max_moved_experts": cap}
+        options["max_moved_experts"] = cap
     live = check_live_ranks(live_ranks, num_gpus)
     if not live.all():
         phy2log = _plan_live(fn, load, num_replicas, num_groups, num_nodes, num_gpus, old, live, options,
                              keep=policy not in REFERENCE_POLICIES)
         return Placement.from_phy2log(phy2log, E, policy=policy, num_groups=num_groups, num_nodes=num_nodes,
                                       num_gpus=num_gpus)
+    if policy == "topology_aware":
+        options["source"] = source
     phy2log = fn(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, **options)
     rank = None
     if isinstance(phy2log, tuple):

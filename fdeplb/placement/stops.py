@@ -3,7 +3,9 @@
 :func:`fdeplb.placement.repair.repair_rows` records every row's trajectory (moved experts, heaviest GPU after each
 of its actions) and a log of the actions it applied. :func:`choose_stops` picks one point per row so that the
 total moved experts is least under the tolerance bounds of the uncapped "move_aware" policy (a Lagrangian
-relaxation over all points), and :func:`replay_stops` replays the log up to those points.
+relaxation over all points); :func:`choose_stops_within` picks them so that the mean excess is least under a
+budget of moved experts (the capped policy's Pareto option), and :func:`replay_stops` replays the log up to those
+points.
 """
 
 from __future__ import annotations
@@ -104,3 +106,47 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     pick_pt = np.lexsort((it, mv, ~pt_ok, rows))
     first = pick_pt[np.searchsorted(rows[pick_pt], np.arange(R))]
     return it[first], level
+
+
+def choose_stops_within(points: list, fresh_peak: np.ndarray, mean: np.ndarray,
+                        budget: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where to stop every row (one row per layer) so that the mean excess over layers is least with at most
+    ``budget`` moved experts in all: the dual of :func:`choose_stops`, by the same Lagrangian relaxation (bisection
+    on the price of one moved expert in excess units). Only points on the lower convex hull of every row's
+    (moved, excess) trajectory can be chosen, so a larger budget never gives a larger mean excess.
+
+    Args:
+        points: :func:`fdeplb.placement.repair.repair_rows`'s trajectories (row r = layer r).
+        fresh_peak, mean: float64 [L] the reference plan's heaviest GPU and the mean GPU load of every layer.
+        budget: moved experts allowed, >= 0.
+
+    Returns:
+        (stops int64 [L], excess float64 [L]), or None when even the rows' first points exceed ``budget``.
+    """
+    L = fresh_peak.size
+    rows = np.concatenate([p[0] for p in points])
+    it = np.concatenate([np.full(p[0].size, t, dtype=np.int64) for t, p in enumerate(points)])
+    mv = np.concatenate([p[1] for p in points]).astype(np.float64)
+    exc = (np.concatenate([p[2] for p in points]) - fresh_peak[rows]) / mean[rows]
+
+    def pick(price: float) -> np.ndarray:  # every row's point of least excess + price x moves (ties: fewer moves)
+        order = np.lexsort((it, mv, exc + price * mv, rows))
+        return order[np.searchsorted(rows[order], np.arange(L))]
+
+    hi = float(np.abs(exc).max(initial=0.0)) * 4 + 1.0  # above any excess a single move can remove
+    best = pick(hi)
+    if mv[best].sum() > budget:
+        return None
+    lo = 0.0
+    chosen = pick(lo)
+    if mv[chosen].sum() <= budget:
+        best = chosen
+    else:
+        for _ in range(48):
+            mid = 0.5 * (lo + hi)
+            c = pick(mid)
+            if mv[c].sum() <= budget:
+                hi, best = mid, c
+            else:
+                lo = mid
+    return it[best], exc[best]
