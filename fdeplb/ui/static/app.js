@@ -87,8 +87,9 @@ function drawSelection() {
 // ---- summary -------------------------------------------------------------------------------------------------------
 function drawSummary(view) {
   const s = view.summary;
-  $("#s-state").textContent = s.state;
-  $("#s-state").dataset.state = s.state;
+  $("#s-state").textContent = s.state ?? "no records";
+  $("#s-state").dataset.state = s.state ?? "none";
+  $("#s-cordoned").hidden = !s.cordoned;
   $("#s-round").textContent = s.round ?? "–";
   $("#s-plan").textContent = short(s.plan_id);
   $("#s-plan").title = s.plan_id || "";
@@ -100,6 +101,38 @@ function drawSummary(view) {
   $("#s-reason").textContent = [s.alarm ? `alarm: ${s.alarm}` : "", s.reason || ""].filter(Boolean).join(" · ") || "–";
   $("#cluster-id").textContent = `cluster ${view.cluster}` + (s.lease_holder ? ` · coordinator ${s.lease_holder}` : "")
     + (s.generation !== null && s.generation !== undefined ? ` · generation ${s.generation}` : "");
+}
+
+// ---- notices: what an operator must know or do, said in words --------------------------------------------------------
+function notice(kind, title, ...body) {
+  const box = el("div", { class: `notice notice-${kind}`, "data-notice": kind, role: kind === "gone" ? "alert" : "status" });
+  box.appendChild(el("b", {}, title));
+  for (const part of body) if (part) box.appendChild(part);
+  return box;
+}
+
+function drawNotices(view) {
+  const box = $("#notices");
+  box.textContent = "";
+  if (view.gone) box.appendChild(notice("gone", "No records of this cluster in Redis", el("p", {}, view.gone.text)));
+  if (view.recreated) box.appendChild(notice("recreated", "Records lost, cluster created anew",
+    el("p", {}, view.recreated.text)));
+  const w = view.waiting;
+  if (w) {
+    const figs = w.moved_experts === null ? "" : ` (balancedness ${w.balancedness_before.toFixed(4)} → ` +
+      `${w.balancedness_after.toFixed(4)}, ${w.moved_experts} experts move)`;
+    const left = w.deadline_left_ms === null || w.deadline_left_ms === undefined ? "" :
+      w.deadline_left_ms >= 0 ? ` Not committed within ${fmtMs(w.deadline_left_ms)}, the round aborts.` :
+      ` Its commit deadline passed ${fmtMs(-w.deadline_left_ms)} ago.`;
+    const cmd = el("div", { class: "command" });
+    cmd.appendChild(el("code", { id: "commit-command" }, w.command));
+    box.appendChild(notice("commit", `Waiting for an operator's commit: round ${w.round}, plan ${w.plan_id}`,
+      el("p", {}, `The cluster is cordoned: every rank has staged the plan${figs} and nothing is swapped until ` +
+        `an operator commits it.${left} Commit it with:`), cmd,
+      el("p", { class: "small" }, "or POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} on this " +
+        "server; `fdeplb round abort` drops it.")));
+  }
+  document.body.dataset.gone = String(Boolean(view.gone));
 }
 
 // ---- ranks ---------------------------------------------------------------------------------------------------------
@@ -195,7 +228,7 @@ function drawTimeline(view) {
   const width = Math.max(600, box.clientWidth || 1200);
   const left = 96, right = 16, plotW = width - left - right;
   const n = view.ranks.length;
-  const laneH = Math.max(2, Math.min(10, Math.floor(220 / Math.max(1, n))));
+  const laneH = Math.max(2, Math.min(14, Math.floor(220 / Math.max(1, n))));
   const svg = el("svg:svg", { "data-timeline": "" });
   let y = 4;
   for (const round of rounds.slice().reverse()) {  // the newest first
@@ -239,8 +272,14 @@ function drawTimeline(view) {
       g.appendChild(tri);
     }
     ly += 30;
-    g.appendChild(el("svg:text", { x: 0, y: ly + 10, class: "lane-label" }, `ranks (${lanes.length})`));
     const ranksTop = ly;
+    // every rank lane labelled where the lanes are tall enough, else every k-th (with the rank count)
+    const every = laneH >= 9 ? 1 : Math.ceil(9 / laneH);
+    if (every > 1) g.appendChild(el("svg:text", { x: 0, y: ranksTop - 2, class: "lane-label" }, `ranks (${n})`));
+    for (let r = 0; r < n; r += every) {
+      g.appendChild(el("svg:text", { x: left - 6, y: ranksTop + r * laneH + Math.min(laneH, 9) - 1,
+        class: "rank-label", "text-anchor": "end", "data-lane-rank": r }, every > 1 ? String(r) : `rank ${r}`));
+    }
     for (const [rank, segs] of lanes) {
       const ry = ranksTop + Number(rank) * laneH;
       for (const s of segs) {
@@ -398,12 +437,13 @@ function setupAudit() {
 // ---- render --------------------------------------------------------------------------------------------------------
 function render(view) {
   ui.view = view;
+  drawNotices(view);
   drawSummary(view);
   drawDiagrams(view);
   drawRanks(view);
   drawTimeline(view);
   drawPlan(view);
-  document.body.dataset.clusterState = view.summary.state;
+  document.body.dataset.clusterState = view.summary.state ?? "none";
   if (view.mode === "player") drawPlayer(view.player);
   if (view.mode === "live" && view.last_audit_id !== ui.lastAuditId) {
     ui.lastAuditId = view.last_audit_id;
