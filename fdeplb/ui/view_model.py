@@ -393,9 +393,9 @@ class LiveReadModel:
                 "at_ms": view["now_ms"]}
             if self._lost is not None and summary.get("round") == 0:
                 view["recreated"] = {"last_seen": self._lost, "text": (
-                    f"Cluster {self.store.cluster} was created anew: Redis lost its records (last seen "
-                    f"{_seen(self._lost)}) and `fdeplb init-cluster` made it again. Its rounds and audit before "
-                    f"are gone; rounds start again from 1.")}
+                    f"Cluster {self.store.cluster} was created anew: its records were lost or deleted (last seen "
+                    f"{_seen(self._lost)}) and it was initialised again. Its rounds and audit before are gone; "
+                    f"rounds count from 1 again.")}
             elif summary.get("round"):
                 self._lost = None
         return view
@@ -413,7 +413,7 @@ class LiveReadModel:
             f"they were lost (Redis restarted empty or was flushed) or the cluster was deleted; last seen "
             f"{_seen(last)}. " if last else
             "it was never initialised on this Redis, or its records were lost or deleted. ") +
-            "The ranks keep serving the placement they hold. Run `fdeplb init-cluster` with the cluster's "
+            "Running ranks keep serving the placement they hold. Run `fdeplb init-cluster` with the cluster's "
             "arguments to create it again (it adopts the placement the live ranks report).")
         summary = dict.fromkeys(("state", "round", "plan_id", "deadline_left_ms", "reason", "alarm", "version",
                                  "generation", "lease_holder", "placement_plan_id"))

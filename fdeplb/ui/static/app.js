@@ -129,8 +129,8 @@ function drawNotices(view) {
     box.appendChild(notice("commit", `Waiting for an operator's commit: round ${w.round}, plan ${w.plan_id}`,
       el("p", {}, `The cluster is cordoned: every rank has staged the plan${figs} and nothing is swapped until ` +
         `an operator commits it.${left} Commit it with:`), cmd,
-      el("p", { class: "small" }, "or POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} on this " +
-        "server; `fdeplb round abort` drops it.")));
+      el("p", { class: "small" }, "or over HTTP: POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} " +
+        "to `fdeplb serve`. `fdeplb round abort` drops the round instead.")));
   }
   document.body.dataset.gone = String(Boolean(view.gone));
 }
@@ -275,7 +275,7 @@ function drawTimeline(view) {
     const ranksTop = ly;
     // every rank lane labelled where the lanes are tall enough, else every k-th (with the rank count)
     const every = laneH >= 9 ? 1 : Math.ceil(9 / laneH);
-    if (every > 1) g.appendChild(el("svg:text", { x: 0, y: ranksTop - 2, class: "lane-label" }, `ranks (${n})`));
+    g.appendChild(el("svg:text", { x: 0, y: ranksTop + 10, class: "lane-label" }, `ranks (${n})`));
     for (let r = 0; r < n; r += every) {
       g.appendChild(el("svg:text", { x: left - 6, y: ranksTop + r * laneH + Math.min(laneH, 9) - 1,
         class: "rank-label", "text-anchor": "end", "data-lane-rank": r }, every > 1 ? String(r) : `rank ${r}`));
