@@ -27,7 +27,7 @@ def _write(tmp_path, lines, name="edited.jsonl"):
 
 
 def _replay_fails(capsys, path, reason: str) -> str:
-    assert main(["replay", str(path)]) == 1
+    assert main(["replay", *([str(path)] if not isinstance(path, list) else path)]) == 1
     err = capsys.readouterr().err
     assert re.search(reason, err), err
     return err
@@ -133,3 +133,19 @@ def test_a_corrupt_config_note_names_its_line(changed, tmp_path):
     lines[1]["detail"] = json.dumps({"changes": {"min_gain": 0.05}, "version": 1})
     with pytest.raises(ReplayError, match=r"line 2 .*config_changed detail is not what the note carries"):
         replay_file(_write(tmp_path, lines))
+
+
+def test_a_header_setting_no_record_shows_is_caught_against_the_live_cluster(changed, tmp_path, capsys):
+    store, path = changed
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    lines[0]["config"]["retain_rounds"] = 99  # no record attests it: the self-contained replay cannot see it
+    edited = _write(tmp_path, lines)
+    assert main(["replay", str(edited)]) == 0
+    live = ["--redis-url", store.url, "--cluster", store.cluster]
+    _replay_fails(capsys, [str(edited), *live],
+                  r"error: line 1: the header's configuration differs from the live cluster's at the recording's "
+                  r"end: retain_rounds 99 \(live 3\)")
+    store.change_config({"min_gain": 0.3}, actor="test")  # the cluster goes on after the export
+    assert main(["replay", str(path), *live]) == 0  # the genuine recording: the live notes after it undone
+    capsys.readouterr()
+    _replay_fails(capsys, [str(edited), *live], r"retain_rounds 99 \(live 3\)")
