@@ -14,11 +14,12 @@ View dict (JSON-ready)::
      "summary": {"state" (None: no records), "round", "plan_id", "deadline_left_ms" (ms | None), "reason",
                  "alarm", "generation", "version", "cordoned" (bool)},
      "waiting": None | {"plan_id", "round", "command", "deadline_left_ms", "balancedness_before",
-                        "balancedness_after", "moved_experts" (None: the plan is not at hand)},
+                        "balancedness_after", "moved_experts" (None: the plan is not at hand), "title", "text",
+                        "also"},
                 # a cordoned cluster's round staged in LOAD_SUCC, waiting for an operator's commit (``command``)
-     "gone": None | {"text", "last_seen": None | {"state", "round", "version", "plan_id", "at_ms"}},
+     "gone": None | {"title", "text", "last_seen": None | {"state", "round", "version", "plan_id", "at_ms"}},
                 # Redis holds no records of the cluster (live only; everything else is then empty)
-     "recreated": None | {"text", "last_seen": {...}},
+     "recreated": None | {"title", "text", "last_seen": {...}},
                 # the cluster was created anew (another incarnation) since this server last saw it: the rounds
                 # and audit before are gone (live only; said until the new cluster's first round)
      "states": {machine: [its states, in table order]},
@@ -298,10 +299,24 @@ def waiting_view(summary: Mapping[str, Any], cluster: str, redis_url: str, plan=
     if not (summary.get("cordoned") and summary.get("state") == ClusterState.LOAD_SUCC.value and plan_id):
         return None
     mine = plan is not None and plan.plan_id == plan_id
-    return {"plan_id": plan_id, "round": summary.get("round"), "deadline_left_ms": summary.get("deadline_left_ms"),
-            "command": commit_command(redis_url, cluster, plan_id),
-            **{k: getattr(plan, k) if mine else None
-               for k in ("balancedness_before", "balancedness_after", "moved_experts")}}
+    figures = {k: getattr(plan, k) if mine else None for k in ("balancedness_before", "balancedness_after",
+                                                               "moved_experts")}
+    left = summary.get("deadline_left_ms")
+    text = ("The cluster is cordoned: every rank has staged the plan" + (
+        f" (balancedness {figures['balancedness_before']:.4f} -> {figures['balancedness_after']:.4f}, "
+        f"{figures['moved_experts']} experts move)" if mine else "") +
+        " and nothing is swapped until an operator commits it." + (
+        "" if left is None else f" Not committed within {_seconds(left)}, the round aborts." if left >= 0 else
+        f" Its commit deadline passed {_seconds(-left)} ago.") + " Commit it with:")
+    return {"plan_id": plan_id, "round": summary.get("round"), "deadline_left_ms": left, **figures,
+            "title": f"Waiting for an operator's commit: round {summary.get('round')}, plan {plan_id}",
+            "text": text, "command": commit_command(redis_url, cluster, plan_id),
+            "also": "or over HTTP: POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} to "
+                    "`fdeplb serve`. `fdeplb round abort` drops the round instead."}
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms / 1000:.0f} s" if ms >= 10_000 else f"{ms / 1000:.1f} s"
 
 
 def build_view(*, mode: str, cluster: str, summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]],
@@ -392,7 +407,8 @@ class LiveReadModel:
             self._last_seen = {k: summary.get(k) for k in ("state", "round", "version", "plan_id")} | {
                 "at_ms": view["now_ms"]}
             if self._lost is not None and summary.get("round") == 0:
-                view["recreated"] = {"last_seen": self._lost, "text": (
+                view["recreated"] = {"last_seen": self._lost, "title": "Records lost, cluster created anew",
+                                     "text": (
                     f"Cluster {self.store.cluster} was created anew: its records were lost or deleted (last seen "
                     f"{_seen(self._lost)}) and it was initialised again. Its rounds and audit before are gone; "
                     f"rounds count from 1 again.")}
@@ -419,7 +435,7 @@ class LiveReadModel:
                                  "generation", "lease_holder", "placement_plan_id"))
         view = build_view(mode="live", cluster=cluster, summary={**summary, "cordoned": False}, ranks=[],
                           records=[], config=None, now_ms=now)
-        view["gone"] = {"text": text, "last_seen": last}
+        view["gone"] = {"title": "No records of this cluster in Redis", "text": text, "last_seen": last}
         return view
 
     def _view(self, status: dict[str, Any]) -> dict[str, Any]:

@@ -150,7 +150,7 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
                                timeout=DEADLINE_MS)
         assert page.text_content("#s-round") == "1"
         # cordoned: the page says the round waits for an operator's commit, and the command that gives it
-        page.wait_for_selector('#notices [data-notice="commit"]', timeout=DEADLINE_MS)
+        page.wait_for_selector('#notices [data-notice="waiting"]', timeout=DEADLINE_MS)
         plan_id = store.read_cluster().plan_id
         assert page.text_content("#commit-command") == commit_command(store.url, store.cluster, plan_id)
         assert page.is_visible("#s-cordoned") and f"plan {plan_id}" in page.text_content("#notices")
@@ -166,7 +166,7 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
         assert "LOAD_SUCC" in seen and seen[-1] == "FREE" and len(seen) >= 3, seen
         assert _current(page, "cluster") == ["FREE"]
         page.wait_for_selector('#timeline [data-round="1"]', timeout=DEADLINE_MS)
-        assert page.query_selector('#notices [data-notice="commit"]') is None  # committed: nothing waits
+        assert page.query_selector('#notices [data-notice="waiting"]') is None  # committed: nothing waits
         lanes = page.eval_on_selector_all('#timeline [data-round="1"] text[data-lane-rank]',
                                           "els => els.map(e => e.textContent)")
         assert lanes[:2] == ["0", "2"] and len(lanes) == EP_SIZE // 2  # 32 lanes: every second one labelled
@@ -329,14 +329,14 @@ def test_the_player_shows_a_cordoned_round_waiting_and_labels_each_rank_lane(bro
         page.goto(url)
         page.wait_for_selector("#player:not([hidden]) #slider", timeout=DEADLINE_MS)
         page.fill("#slider", str(step))
-        page.wait_for_selector('#notices [data-notice="commit"]', timeout=DEADLINE_MS)
+        page.wait_for_selector('#notices [data-notice="waiting"]', timeout=DEADLINE_MS)
         assert page.text_content("#commit-command") == expected.view(str(step))["waiting"]["command"]
         assert page.is_visible("#s-cordoned")
         lanes = page.eval_on_selector_all('#timeline text[data-lane-rank]', "els => els.map(e => e.textContent)")
         assert lanes == ["rank 0", "rank 1"]
         _screenshot(page, tmp_path, "ui-player-waiting.png")
         page.click("#next")  # the commit: nothing waits any more
-        page.wait_for_function("!document.querySelector('#notices [data-notice=\"commit\"]')", timeout=DEADLINE_MS)
+        page.wait_for_function("!document.querySelector('#notices [data-notice=\"waiting\"]')", timeout=DEADLINE_MS)
     finally:
         page.close()
         proc.terminate()

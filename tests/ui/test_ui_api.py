@@ -241,6 +241,11 @@ def test_a_cordoned_round_in_load_succ_says_it_waits_for_a_commit_with_the_comma
                                   f"--commit {plan.plan_id}")
     assert (waiting["round"], waiting["moved_experts"]) == (1, plan.moved_experts)
     assert waiting["balancedness_after"] == plan.balancedness_after and waiting["deadline_left_ms"] > 0
+    assert waiting["title"] == f"Waiting for an operator's commit: round 1, plan {plan.plan_id}"
+    assert waiting["text"].startswith(f"The cluster is cordoned: every rank has staged the plan (balancedness "
+                                      f"{plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f}, "
+                                      f"{plan.moved_experts} experts move)")
+    assert f"Not committed within {waiting['deadline_left_ms'] / 1000:.0f} s, the round aborts." in waiting["text"]
     assert PlayerModel(REPLAYS / "happy.jsonl").view("4")["waiting"] is None  # LOAD_SUCC, not cordoned
 
 

@@ -103,34 +103,17 @@ function drawSummary(view) {
     + (s.generation !== null && s.generation !== undefined ? ` · generation ${s.generation}` : "");
 }
 
-// ---- notices: what an operator must know or do, said in words --------------------------------------------------------
-function notice(kind, title, ...body) {
-  const box = el("div", { class: `notice notice-${kind}`, "data-notice": kind, role: kind === "gone" ? "alert" : "status" });
-  box.appendChild(el("b", {}, title));
-  for (const part of body) if (part) box.appendChild(part);
-  return box;
-}
-
+// ---- notices: what an operator must know or do, in the read model's words -------------------------------------------
 function drawNotices(view) {
   const box = $("#notices");
   box.textContent = "";
-  if (view.gone) box.appendChild(notice("gone", "No records of this cluster in Redis", el("p", {}, view.gone.text)));
-  if (view.recreated) box.appendChild(notice("recreated", "Records lost, cluster created anew",
-    el("p", {}, view.recreated.text)));
-  const w = view.waiting;
-  if (w) {
-    const figs = w.moved_experts === null ? "" : ` (balancedness ${w.balancedness_before.toFixed(4)} → ` +
-      `${w.balancedness_after.toFixed(4)}, ${w.moved_experts} experts move)`;
-    const left = w.deadline_left_ms === null || w.deadline_left_ms === undefined ? "" :
-      w.deadline_left_ms >= 0 ? ` Not committed within ${fmtMs(w.deadline_left_ms)}, the round aborts.` :
-      ` Its commit deadline passed ${fmtMs(-w.deadline_left_ms)} ago.`;
-    const cmd = el("div", { class: "command" });
-    cmd.appendChild(el("code", { id: "commit-command" }, w.command));
-    box.appendChild(notice("commit", `Waiting for an operator's commit: round ${w.round}, plan ${w.plan_id}`,
-      el("p", {}, `The cluster is cordoned: every rank has staged the plan${figs} and nothing is swapped until ` +
-        `an operator commits it.${left} Commit it with:`), cmd,
-      el("p", { class: "small" }, "or over HTTP: POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} " +
-        "to `fdeplb serve`. `fdeplb round abort` drops the round instead.")));
+  for (const kind of ["gone", "recreated", "waiting"]) {  // each {title, text}; waiting also {command, also}
+    const n = view[kind];
+    if (!n) continue;
+    const div = el("div", { class: `notice notice-${kind}`, "data-notice": kind, role: kind === "gone" ? "alert" : "status" });
+    div.append(el("b", {}, n.title), el("p", {}, n.text));
+    if (n.command) div.append(el("code", { id: "commit-command" }, n.command), el("p", { class: "small" }, n.also));
+    box.appendChild(div);
   }
   document.body.dataset.gone = String(Boolean(view.gone));
 }
