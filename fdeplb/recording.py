@@ -119,10 +119,14 @@ def config_before(config, later: list) -> Any:
 
     for entry in reversed(later):
         if entry["trigger"] == "config_changed":
-            detail = detail_of(entry) or {}
-            version = int(detail.get("version", 0))
-            config = with_flat(config, {k: v[0] for k, v in detail.get("changes", {}).items()},
-                               max(version - 1, 0) if version else config.version)
+            try:
+                detail = detail_of(entry) or {}
+                version = int(detail.get("version", 0))
+                config = with_flat(config, {k: v[0] for k, v in detail.get("changes", {}).items()},
+                                   max(version - 1, 0) if version else config.version)
+            except (ValueError, TypeError, IndexError, InputError) as exc:
+                raise InputError(f"audit record {entry.id}: a config_changed note that cannot be undone ({exc}); "
+                                 f"export the whole audit instead") from None
     return config
 
 

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from fdeplb.cli import main
-from fdeplb.errors import ReplayError
+from fdeplb.errors import InputError, ReplayError
 from fdeplb.orchestration.operations import init_cluster
 from fdeplb.placement import initial_placement
 from fdeplb.recording import config_before, export_recording
@@ -149,3 +149,31 @@ def test_a_header_setting_no_record_shows_is_caught_against_the_live_cluster(cha
     assert main(["replay", str(path), *live]) == 0  # the genuine recording: the live notes after it undone
     capsys.readouterr()
     _replay_fails(capsys, [str(edited), *live], r"retain_rounds 99 \(live 3\)")
+
+
+def test_an_export_racing_a_config_change_reads_both_again(changed, tmp_path, monkeypatch):
+    store, _ = changed
+    reads = []
+    real = store.iter_audit
+
+    def audit_then_change():
+        reads.append(1)
+        if len(reads) == 1:  # a `config set` lands between the configuration and the audit read
+            store.change_config({"min_gain": 0.4}, actor="race")
+        return real()
+
+    monkeypatch.setattr(store, "iter_audit", audit_then_change)
+    path = tmp_path / "raced.jsonl"
+    export_recording(store, path)
+    header = json.loads(path.read_text().splitlines()[0])
+    assert len(reads) == 2 and header["config"]["min_gain"] == 0.4 and header["config"]["version"] == 3
+    replay_file(path)  # the header is the last note's configuration: it replays
+
+    def always_changing():  # a change between every pair of reads: the export gives up, writing nothing
+        store.change_config({"retain_rounds": store.read_config(fresh=True).retain_rounds + 1}, actor="race")
+        return real()
+
+    monkeypatch.setattr(store, "iter_audit", always_changing)
+    with pytest.raises(InputError, match="its configuration changed during each of 3 exports"):
+        export_recording(store, tmp_path / "never.jsonl")
+    assert not (tmp_path / "never.jsonl").exists()
