@@ -3,8 +3,10 @@
 A recording (schema :data:`SCHEMA`, documented in ``docs/recordings.md``) is one JSON object a line, each with a
 ``type``:
 
-- ``header`` (first line): schema version, fdeplb version, cluster id, cluster configuration, topology, policy, the
-  exported range, and the ``start`` of that range: the audit chain before its first record, the current placement
+- ``header`` (first line): schema version, fdeplb version, cluster id, cluster configuration (as it was at the end
+  of the exported range: the ``config_changed`` notes after it undone; the replay checks it against the range's
+  notes and records, :mod:`fdeplb.replay.header_checks`), topology, policy, the exported range, and the ``start``
+  of that range: the audit chain before its first record, the current placement
   and every machine record's (state, version, plan_id) then; ``contents`` lists the snapshots and plans that follow
   and ``missing`` those the records refer to that Redis no longer held (pruned) when the export ran;
 - ``audit``: one audit record, in stream order (``id`` and every field of the stream entry; version, round and
@@ -28,6 +30,7 @@ from typing import Any, Iterable
 from fdeplb.array_json import array_json
 from fdeplb.errors import InputError
 from fdeplb.machines.tables import CLUSTER
+from fdeplb.replay.header_checks import config_before
 from fdeplb.replay.start_state import state_at
 from fdeplb.replay.recording_format import INT_FIELDS, SCHEMA
 
@@ -53,8 +56,7 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
     """
     from fdeplb import __version__
 
-    config = store.read_config()
-    entries = list(store.iter_audit())
+    config, entries = _config_and_audit(store)
     if round_ is not None:
         picked = [i for i, e in enumerate(entries) if e["round"] == str(round_)]
         if not picked:
@@ -65,6 +67,7 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
     begin = state_at(entries[:first], config.ep_size)  # every record where the exported range starts
     placement_plan = begin.placement_plan
     picked = entries[first:last]
+    config = config_before(config, entries[last:])  # at the range's end: the header is checked against its notes
 
     rounds = sorted({int(e["round"]) for e in picked if e["round"].isdigit() and int(e["round"]) > 0})
     plan_ids = list(dict.fromkeys(e["plan_id"] for e in picked
@@ -94,6 +97,19 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
     _write_lines(Path(path), lines)
     return {"records": len(picked), "snapshots": len(snapshots), "plans": len(plans),
             "missing": len(header["missing"]["snapshots"]) + len(header["missing"]["plans"])}
+
+
+def _config_and_audit(store, tries: int = 3) -> tuple[Any, list]:
+    """The cluster's configuration and its whole audit, read so that they agree: the configuration read before
+    and after the audit has the same version (a ``config set`` in between is retried, ``tries`` times at most;
+    then :class:`InputError`)."""
+    for _ in range(tries):
+        config = store.read_config(fresh=True)
+        entries = list(store.iter_audit())
+        if store.read_config(fresh=True).version == config.version:
+            return config, entries
+    raise InputError(f"cluster {store.cluster!r}: its configuration changed during each of {tries} exports; "
+                     f"export again")
 
 
 def _start_placement(store, rest: list, placement_plan: str, plans: dict) -> dict[str, Any] | None:

@@ -52,6 +52,8 @@ Modules, one concern each:
   :mod:`~fdeplb.replay.start_state` (``state_at``, the exporter's start state, no checks);
 - :mod:`~fdeplb.replay.recompute`: :func:`check_plans`, :func:`check_gates`, :func:`whatif`, on top of
   :mod:`fdeplb.rounds.gating`;
+- :mod:`~fdeplb.replay.header_checks`: the header's configuration against the notes and records that attest it
+  (a mismatch fails at line 1), and the configuration each round ran with;
 - :mod:`~fdeplb.replay.anchor`: ``check_head``, the recording's last chain against a live audit (``--redis-url``);
 - :mod:`~fdeplb.replay.rebuild`: :func:`rebuild`;
 - :mod:`~fdeplb.replay.verify`: ``check_recording``, the whole self-contained check of one file (``fdeplb replay``

@@ -4,13 +4,17 @@ the live audit head (``Store.audit_head()``), the value ``commit.lua`` / ``audit
 
 A recording's chain only proves its records follow from each other: a forger who edits a record and recomputes
 every chain after it passes the self-contained replay. The live store holds the trusted end of the chain, so
-``fdeplb replay FILE --redis-url URL --cluster ID`` fails such a recording here. Reads only.
+``fdeplb replay FILE --redis-url URL --cluster ID`` fails such a recording here. The header's configuration is
+anchored the same way: where the chain matches, it must be the live configuration as it was at the recording's end
+(every setting, also those no record shows). Reads only.
 """
 
 from __future__ import annotations
 
 from fdeplb.errors import InputError, ReplayError
+from fdeplb.replay.header_checks import config_before
 from fdeplb.replay.report import ReplayReport
+from fdeplb.store import ClusterConfig
 from fdeplb.store.streams import parse_stream_id
 
 __all__ = ["check_head"]
@@ -65,4 +69,23 @@ def check_head(store, report: ReplayReport) -> str:
         report.head = "matches"
     else:
         report.head = "matches record"
+    _check_config(store, report)
     return report.head
+
+
+def _check_config(store, report: ReplayReport) -> None:
+    """The header's configuration against the live one at the recording's end (the live configuration with the
+    ``config_changed`` notes after the recording undone, :func:`fdeplb.replay.header_checks.config_before`). Left out for a
+    round's export (an older round's export holds the configuration at the export, not at its end) and with
+    ``--until``. :class:`ReplayError` ``line 1:`` naming each setting that differs."""
+    header = report.header
+    if header is None or report.until is not None or (header.get("range") or {}).get("round") is not None:
+        return
+    last = str(report.audit[-1].get("id", "")) if report.audit else ""
+    later = store.audit(f"({last}", "+") if last and report.head == "matches record" else []
+    live = config_before(store.read_config(fresh=True), later).to_json()
+    mine = ClusterConfig.from_json(header["config"]).to_json()
+    differ = [f"{name} {mine[name]!r} (live {live[name]!r})" for name in live if mine.get(name) != live[name]]
+    if differ:
+        raise ReplayError(f"line 1: the header's configuration differs from the live cluster's at the recording's "
+                          f"end: {', '.join(differ)}")

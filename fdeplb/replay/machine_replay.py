@@ -30,6 +30,7 @@ from fdeplb.machines.tables import (
     MachineTable,
     TransitionSpec,
 )
+from fdeplb.replay.header_checks import check_settings
 from fdeplb.replay.membership_checks import Generations
 from fdeplb.replay.reason_checks import RecordSays
 from fdeplb.replay.recording_format import (AuditLine, HeaderLine, SnapshotLine, decimal_text, field_int,
@@ -400,6 +401,7 @@ class _Replay(RecordSays):
                 raise ReplayError(f"{where}: guard plan_stored did not hold: plan {plan_id or '-'} is neither in "
                                   f"the recording nor listed as pruned")
         self.generations.finish(report.stored_plans, self.plan_generations, self.num_logical_experts, self.ep_size)
+        check_settings(report)  # the header's settings against the records, now verified (line 1 if not)
 
 
 def _until(until: str) -> int | tuple[int, int]:
@@ -429,6 +431,8 @@ def replay(lines: Iterable[AuditLine], until: str | None = None) -> ReplayReport
             state.plan(line)
         elif not state.stopped:
             state.audit(line)
+        elif line.record.get("trigger") == "config_changed":
+            state.config_note(line)
     if until is not None and not state.stopped:
         raise InputError(f"--until {until}: no such record in the recording")
     state.finish()

@@ -16,6 +16,7 @@ from __future__ import annotations
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, WEIGHTS, MachineTable, MemberState, TransitionSpec
 from fdeplb.replay.recording_format import AuditLine, field_int
+from fdeplb.replay.report import ConfigNote
 from fdeplb.rounds import reasons
 from fdeplb.store.liveness import stale_of
 
@@ -51,13 +52,24 @@ class RecordSays:
         elif trigger == "weights_cancelled":
             self.weight_requests.cancelled(line)
         elif trigger == "config_changed":  # the settings as changed from here on (``fdeplb config set``)
-            try:
-                changes = (reasons.detail_of(rec) or {}).get("changes", {})
-            except ValueError as exc:
-                raise ReplayError(f"{line.where}: config_changed detail is not JSON: {exc}") from None
-            if "cordoned" in changes:
-                self.cordoned = bool(changes["cordoned"][1])
-            self.report.config_changes.append((field_int(line, "round"), changes))
+            note = self.config_note(line)
+            if "cordoned" in note.changes:
+                self.cordoned = bool(note.changes["cordoned"][1])
+
+    def config_note(self, line: AuditLine) -> ConfigNote:
+        """A ``config_changed`` note's :class:`~fdeplb.replay.report.ConfigNote`, appended to the report's
+        ``config_changes`` (also for a note past ``--until``: the header's configuration is the range's end, and
+        the notes lead back from it to where the range starts)."""
+        try:
+            detail = reasons.detail_of(line.record) or {}
+            changes, version = dict(detail.get("changes", {})), int(detail.get("version", 0))
+            if not all(isinstance(v, list) and len(v) == 2 for v in changes.values()):
+                raise ValueError("changes are not {name: [old, new]}")
+        except (ValueError, TypeError) as exc:
+            raise ReplayError(f"{line.where}: config_changed detail is not what the note carries: {exc}") from None
+        note = ConfigNote(field_int(line, "round"), changes, line.where, version)
+        self.report.config_changes.append(note)
+        return note
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start

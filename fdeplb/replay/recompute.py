@@ -17,6 +17,7 @@ import numpy as np
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import CorruptRecordError, InputError, ReplayError
 from fdeplb.placement import POLICIES, check_live_ranks, plan_digest
+from fdeplb.replay.header_checks import check_passed_gates, configs
 from fdeplb.replay.report import ReplayReport
 from fdeplb.rounds import reasons
 from fdeplb.rounds.gating import decide, default_planner, plan_round
@@ -39,21 +40,17 @@ class Recorded:
         self.report = report
         self.config = ClusterConfig.from_json(report.header["config"])
         self.missing = set((report.header.get("missing") or {}).get("plans", []))
+        self._timeline = None
 
     def read_config(self):
         return self.config
 
     def config_at(self, round_: int):
-        """The configuration round ``round_`` ran with: the header's, changed by every ``config_changed`` note made
-        before it started (:attr:`ReplayReport.config_changes`; a change applies from the next round)."""
-        cfg = self.config
-        for at, changes in self.report.config_changes:
-            if at < round_:
-                flat = {k: v[1] for k, v in changes.items() if not k.startswith("deadlines.")}
-                deadlines = {k.removeprefix("deadlines."): v[1] for k, v in changes.items()
-                             if k.startswith("deadlines.")}
-                cfg = cfg.with_settings({**flat, **({"deadlines": deadlines} if deadlines else {})})
-        return cfg
+        """The configuration round ``round_`` ran with (:meth:`fdeplb.replay.header_checks.ConfigTimeline.at`:
+        the configuration where the recording starts, changed by every ``config_changed`` note made before it)."""
+        if self._timeline is None:
+            self._timeline = configs(self.report)
+        return self._timeline.at(round_)
 
     def read_plan(self, plan_id: str):
         return self.report.stored_plans.get(plan_id)
@@ -244,6 +241,7 @@ def check_gates(report: ReplayReport) -> list[int]:
     through; :class:`InputError` for a recording without header.
     """
     source = Recorded(report)
+    check_passed_gates(report, configs(report))  # the header's min_gain first: a round it skips went on
     placements = _placements(report, source)
     for seen in report.rounds:
         if seen.end is not RoundOutcome.SKIPPED:  # an abort whose reason is the gate's

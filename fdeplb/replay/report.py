@@ -7,13 +7,13 @@ No I/O. A round's outcome is :func:`fdeplb.rounds.reasons.round_outcome` of its 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import numpy as np
 
 from fdeplb.rounds.reasons import RoundOutcome, round_outcome
 
-__all__ = ["KeyState", "LoadedPlan", "ReplayReport", "RoundSeen"]
+__all__ = ["ConfigNote", "KeyState", "LoadedPlan", "ReplayReport", "RoundSeen"]
 
 
 @dataclass
@@ -77,6 +77,17 @@ class RoundSeen:
         return str(self.last.get("reason", "")) if self.outcome == "aborted" and self.last is not None else ""
 
 
+class ConfigNote(NamedTuple):
+    """A ``config_changed`` note as replayed: the cluster's round when it was made (the change applies from the
+    next round), its ``detail.changes`` (``{name: [old, new]}``, deadlines as ``deadlines.<name>``), its line
+    (``where``) and the configuration version it made (``detail.version``; 0 when it names none)."""
+
+    round: int
+    changes: dict[str, Any]
+    where: str = ""
+    version: int = 0
+
+
 @dataclass
 class ReplayReport:
     """Outcome of a replay: counts, the final state of every key, the plans to check and what the recording held."""
@@ -84,9 +95,8 @@ class ReplayReport:
     records: int = 0
     transitions: int = 0
     skipped: int = 0
-    config_changes: list = field(default_factory=list)
-    """``(round, changes)`` of every ``config_changed`` note, in order: the cluster's round when it was made (the
-    change applies from the next round) and its ``detail.changes`` (``{name: [old, new]}``)."""
+    config_changes: list[ConfigNote] = field(default_factory=list)
+    """Every ``config_changed`` note, in order."""
     final: dict[str, KeyState] = field(default_factory=dict)
     plans: list[LoadedPlan] = field(default_factory=list)
     plans_checked: list[str] = field(default_factory=list)

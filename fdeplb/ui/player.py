@@ -23,6 +23,7 @@ from fdeplb.replay import check_gates, check_plans, replay
 from fdeplb.replay.start_state import NOT_TRANSITIONS, StartState, state_at
 from fdeplb.replay.recompute import Recorded
 from fdeplb.replay.recording_format import read_export
+from fdeplb.rounds.reasons import detail_of
 from fdeplb.store import AuditRecord, ClusterConfig
 from fdeplb.ui.view_model import audit_rows, build_view, deadline_of
 
@@ -121,7 +122,7 @@ class PlayerModel:
                    "reason": last_cluster.get("reason", "") if last_cluster else "",
                    "alarm": last_cluster.get("reason", "") if last_cluster and last_cluster.get("trigger") == "alarm"
                    else "", "generation": None, "lease_holder": last_cluster.get("actor") if last_cluster else None,
-                   "placement_plan_id": fold.placement_plan}
+                   "placement_plan_id": fold.placement_plan, "cordoned": self._cordoned_at(step)}
         ranks = []
         for r in range(self.config.ep_size):
             def state(table, r=r):
@@ -139,6 +140,21 @@ class PlayerModel:
         out["player"] = {"file": self.path.name, "step": step, "steps": len(self.records), "record": record,
                          "checks": self.checks, "failed_steps": failed}
         return out
+
+    def _cordoned_at(self, step: int) -> bool:
+        """Whether the cluster was cordoned after record ``step``: the header's setting (the range's end) with
+        every ``config_changed`` note of ``cordoned`` after the step undone."""
+
+        cordoned = self.config.cordoned
+        for rec in reversed(self.records[step:]):
+            if rec.get("trigger") == "config_changed":
+                try:
+                    change = (detail_of(rec) or {}).get("changes", {}).get("cordoned")
+                except ValueError:  # the replay's checks name it
+                    change = None
+                if isinstance(change, list) and len(change) == 2:
+                    cordoned = bool(change[0])
+        return cordoned
 
     def audit(self, **filters: str | None) -> list[dict[str, Any]]:
         """Every record of the recording as an audit-table row (``step`` and its check added), filtered by

@@ -11,8 +11,17 @@ and the recording player (:class:`fdeplb.ui.player.PlayerModel`); both build it 
 View dict (JSON-ready)::
 
     {"mode": "live" | "player", "cluster": id, "redis": "ok", "now_ms": int,
-     "summary": {"state", "round", "plan_id", "deadline_left_ms" (ms | None), "reason", "alarm", "generation",
-                 "version"},
+     "summary": {"state" (None: no records), "round", "plan_id", "deadline_left_ms" (ms | None), "reason",
+                 "alarm", "generation", "version", "cordoned" (bool)},
+     "waiting": None | {"plan_id", "round", "command", "deadline_left_ms", "balancedness_before",
+                        "balancedness_after", "moved_experts" (None: the plan is not at hand), "title", "text",
+                        "also"},
+                # a cordoned cluster's round staged in LOAD_SUCC, waiting for an operator's commit (``command``)
+     "gone": None | {"title", "text", "last_seen": None | {"state", "round", "version", "plan_id", "at_ms"}},
+                # Redis holds no records of the cluster (live only; everything else is then empty)
+     "recreated": None | {"title", "text", "last_seen": {...}},
+                # the cluster was created anew (another incarnation) since this server last saw it: the rounds
+                # and audit before are gone (live only; said until the new cluster's first round)
      "states": {machine: [its states, in table order]},
      "current": {machine: {state: number of records in it}},   # every machine of TABLES
      "last": {machine: {"id", "from", "to", "trigger", "key"} | None},   # the transition last taken
@@ -50,7 +59,7 @@ from fdeplb.placement.metrics import gpu_loads
 from fdeplb.recording import audit_dict
 from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.rounds.reasons import PROBE_MISMATCH, RoundOutcome, round_outcome
-from fdeplb.status import cluster_status
+from fdeplb.status import cluster_status, commit_command
 
 __all__ = ["AUDIT_FILTERS", "LiveReadModel", "annotated_diagrams", "audit_rows", "build_view", "deadline_of",
            "plan_view", "timeline"]
@@ -287,25 +296,59 @@ def _last_transitions(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return last
 
 
+def waiting_view(summary: Mapping[str, Any], cluster: str, redis_url: str, plan=None) -> dict[str, Any] | None:
+    """What a cordoned cluster's LOAD_SUCC round waits for (the ``waiting`` part of the view dict): its plan, the
+    command that commits it (:func:`fdeplb.status.commit_command` with ``redis_url``), how long until its
+    ``commit_ms`` deadline aborts it, and the plan's figures when ``plan`` (a :class:`~fdeplb.store.PlanEntry`) is
+    that plan. None unless ``summary`` is cordoned and in LOAD_SUCC with a plan."""
+    plan_id = summary.get("plan_id")
+    if not (summary.get("cordoned") and summary.get("state") == ClusterState.LOAD_SUCC.value and plan_id):
+        return None
+    mine = plan is not None and plan.plan_id == plan_id
+    figures = {k: getattr(plan, k) if mine else None for k in ("balancedness_before", "balancedness_after",
+                                                               "moved_experts")}
+    left = summary.get("deadline_left_ms")
+    text = ("The cluster is cordoned: every rank has staged the plan" + (
+        f" (balancedness {figures['balancedness_before']:.4f} -> {figures['balancedness_after']:.4f}, "
+        f"{figures['moved_experts']} experts move)" if mine else "") +
+        " and nothing is swapped until an operator commits it." + (
+        "" if left is None else f" Not committed within {_seconds(left)}, the round aborts." if left >= 0 else
+        f" Its commit deadline passed {_seconds(-left)} ago.") + " Commit it with:")
+    return {"plan_id": plan_id, "round": summary.get("round"), "deadline_left_ms": left, **figures,
+            "title": f"Waiting for an operator's commit: round {summary.get('round')}, plan {plan_id}",
+            "text": text, "command": commit_command(redis_url, cluster, plan_id),
+            "also": "or over HTTP: POST /rearrange_experts {\"action\": \"update_weight_from_tensor\"} to "
+                    "`fdeplb serve`. `fdeplb round abort` drops the round instead."}
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms / 1000:.0f} s" if ms >= 10_000 else f"{ms / 1000:.1f} s"
+
+
 def build_view(*, mode: str, cluster: str, summary: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]],
-               records: Sequence[Mapping[str, Any]], config, now_ms: int, plan=None) -> dict[str, Any]:
-    """The view dict (module doc) from its parts: ``summary`` the cluster's fields, ``ranks`` one row per rank
-    (``state``, ``weights``, ``membership``, ``stale`` ...), ``records`` the audit dicts known (oldest first),
-    ``plan`` the last :class:`~fdeplb.store.PlanEntry` or None."""
+               records: Sequence[Mapping[str, Any]], config, now_ms: int, plan=None, redis_url: str = "URL"
+               ) -> dict[str, Any]:
+    """The view dict (module doc) from its parts: ``summary`` the cluster's fields (``state`` None: Redis holds no
+    records of it), ``ranks`` one row per rank (``state``, ``weights``, ``membership``, ``stale`` ...),
+    ``records`` the audit dicts known (oldest first), ``plan`` the last :class:`~fdeplb.store.PlanEntry` or None,
+    ``redis_url`` as the commit command names it (no password)."""
     counts = {RANK.name: Counter(str(r["state"]) for r in ranks),
               WEIGHTS.name: Counter(str(r["weights"]) for r in ranks),
               MEMBERSHIP.name: Counter(str(r["membership"]) for r in ranks)}
-    current = {CLUSTER.name: {str(summary["state"]): 1}, **{k: dict(v) for k, v in counts.items()}}
+    held = {} if summary["state"] is None else {str(summary["state"]): 1}
+    current = {CLUSTER.name: held, **{k: dict(v) for k, v in counts.items()}}
     return {
         "mode": mode, "cluster": cluster, "redis": "ok", "now_ms": now_ms,
         "summary": dict(summary),
+        "waiting": waiting_view(summary, cluster, redis_url, plan),
+        "gone": None, "recreated": None,
         "states": {name: [s.value for s in table.states] for name, table in TABLES.items()},
         "current": current,
         "last": _last_transitions(records),
         "ranks": [dict(r) for r in ranks],
         "counts": {**{k: dict(v) for k, v in counts.items()}, "stale": sum(1 for r in ranks if r.get("stale"))},
         "timeline": timeline(records, config, now_ms),
-        "plan": plan_view(plan, config.ep_size),
+        "plan": plan_view(plan, config.ep_size) if plan is not None else None,
         "last_audit_id": str(records[-1].get("id", "")) if records else "",
     }
 
@@ -325,6 +368,9 @@ class LiveReadModel:
         self._records: deque[dict[str, Any]] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._plan: tuple[str, Any] = ("", None)
+        self._incarnation = ""  # of the cluster last seen
+        self._last_seen: dict[str, Any] | None = None  # its summary then (state, round, version, plan_id, at_ms)
+        self._lost: dict[str, Any] | None = None  # the last seen summary of the records that were lost
 
     def _refresh(self) -> list[dict[str, Any]]:
         """The kept audit records, after reading those appended since the last call (all kept ones again when the
@@ -350,9 +396,55 @@ class LiveReadModel:
             return self._refresh()
 
     def view(self) -> dict[str, Any]:
-        """The view dict of the cluster now (module doc). Store errors as the store raises them (Redis
+        """The view dict of the cluster now (module doc); with ``gone`` when Redis holds no records of it, and
+        ``recreated`` when it was created anew since last seen. Store errors as the store raises them (Redis
         unavailable: :class:`~fdeplb.errors.RedisUnavailableError`)."""
-        status = cluster_status(self.store)
+        try:
+            status = cluster_status(self.store)
+        except NotFoundError:
+            return self._gone_view()
+        view = self._view(status)
+        incarnation = self.store.read_config().incarnation  # as cluster_status read it, fresh
+        summary = view["summary"]
+        with self._lock:
+            if self._incarnation and incarnation and incarnation != self._incarnation:
+                self._lost = self._last_seen  # its records were lost (and maybe seen gone) in between
+            self._incarnation = incarnation or self._incarnation
+            self._last_seen = {k: summary.get(k) for k in ("state", "round", "version", "plan_id")} | {
+                "at_ms": view["now_ms"]}
+            if self._lost is not None and summary.get("round") == 0:
+                view["recreated"] = {"last_seen": self._lost, "title": "Records lost, cluster created anew",
+                                     "text": (
+                    f"Cluster {self.store.cluster} was created anew: its records were lost or deleted (last seen "
+                    f"{_seen(self._lost)}) and it was initialised again. Its rounds and audit before are gone; "
+                    f"rounds count from 1 again.")}
+            elif summary.get("round"):
+                self._lost = None
+        return view
+
+    def _gone_view(self) -> dict[str, Any]:
+        """The view when Redis holds no records of the cluster (no configuration): ``gone`` says so plainly, with
+        what was last seen of it and what to run; every other part is empty."""
+        now = self.store.now_ms()
+        with self._lock:
+            self._records.clear()
+            self._lost = last = self._lost or self._last_seen
+            self._plan = ("", None)
+        cluster = self.store.cluster
+        text = (f"Redis holds no records of cluster {cluster}: " + (
+            f"they were lost (Redis restarted empty or was flushed) or the cluster was deleted; last seen "
+            f"{_seen(last)}. " if last else
+            "it was never initialised on this Redis, or its records were lost or deleted. ") +
+            "Running ranks keep serving the placement they hold. Run `fdeplb init-cluster` with the cluster's "
+            "arguments to create it again (it adopts the placement the live ranks report).")
+        summary = dict.fromkeys(("state", "round", "plan_id", "deadline_left_ms", "reason", "alarm", "version",
+                                 "generation", "lease_holder", "placement_plan_id"))
+        view = build_view(mode="live", cluster=cluster, summary={**summary, "cordoned": False}, ranks=[],
+                          records=[], config=None, now_ms=now)
+        view["gone"] = {"title": "No records of this cluster in Redis", "text": text, "last_seen": last}
+        return view
+
+    def _view(self, status: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             records = self._refresh()
             rearrange = status["rearrange"]
@@ -364,7 +456,7 @@ class LiveReadModel:
         summary = {k: _text(rearrange.get(k)) for k in ("state", "round", "plan_id", "deadline_left_ms", "reason",
                                                         "alarm", "version")}
         summary.update(generation=status["generation"], lease_holder=rearrange.get("lease_holder"),
-                       placement_plan_id=status["placement"].get("plan_id"))
+                       placement_plan_id=status["placement"].get("plan_id"), cordoned=status["config"]["cordoned"])
         ranks = [{"ep_rank": r["ep_rank"], "state": _text(r["state"]), "weights": _text(r["weights"]),
                   "membership": _text(r["membership"]), "stale": bool(r["stale"]),
                   "registered": r["registered"], "heartbeat_age_ms": r["heartbeat_age_ms"],
@@ -372,8 +464,19 @@ class LiveReadModel:
                   "staged_bytes": r.get("staged_bytes"), "reason": r["reason"], "routing": r["routing"]}
                  for r in status["ranks"]]
         return build_view(mode="live", cluster=status["cluster"], summary=summary, ranks=ranks, records=records,
-                          config=self.store.read_config(), now_ms=status["now_ms"], plan=plan)
+                          config=self.store.read_config(), now_ms=status["now_ms"], plan=plan,
+                          redis_url=_without_password(self.store.url))
 
     def audit(self, **filters: str | None) -> list[dict[str, Any]]:
         """:func:`audit_rows` over the kept records (``machine``, ``rank``, ``round_``, ``limit``)."""
         return audit_rows(self.records(), **filters)
+
+
+def _seen(last: Mapping[str, Any]) -> str:
+    """What was last seen of a cluster, in words."""
+    return f"in round {last.get('round')}, {last.get('state')} v{last.get('version')}"
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its user part left out (the page shows it in the commit command)."""
+    return re.sub(r"//([^/@:]*):[^/@]*@", lambda m: f"//{m[1]}@" if m[1] else "//", url)

@@ -46,6 +46,16 @@ def test_a_mutated_recording_fails_naming_its_record_and_reason(pytester):
     assert "Traceback" not in result.stdout.str()  # the record and the reason, not a stack
 
 
+def test_an_edited_header_fails_at_line_1(pytester):
+    lines = _lines()
+    lines[0]["config"]["min_gain"] = 0.9  # its committed round 1 gained 0.56: that min_gain would have skipped it
+    _recordings(pytester, edited=lines)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--fdeplb-recordings", "recs")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["recording *recs/edited.jsonl: *line 1: the header's configuration has min_gain 0.9 "
+                                 "for round 1, but the round went on*which that min_gain skips*"])
+
+
 def test_an_unreadable_recording_fails_saying_so(pytester):
     _recordings(pytester, empty=[])
     result = pytester.runpytest("-p", "no:cacheprovider", "--fdeplb-recordings", "recs")

@@ -265,7 +265,7 @@ def gate_figures_edited(lines):
 
 
 def min_gain_lowered(lines):
-    lines[0]["config"]["min_gain"] = 0.0  # the header is outside the chain: only the recomputed gate sees this
+    lines[0]["config"]["min_gain"] = 0.0  # the header is outside the chain: checked against the gate's record
     return lines
 
 
@@ -324,8 +324,8 @@ MUTATIONS = {
                                                                 r"'deepseek' plan gives 'gated: skipped: "),
     "gated_skip: numbers edited": (gate_numbers_edited, r"line 4 .*gated round 1 says .*; recomputing its 'deepseek' "
                                                         r"plan gives 'gated: skipped: "),
-    "gated_skip: min_gain lowered": (min_gain_lowered, r"line 4 .*round 1 was gated, but its 'deepseek' plan goes "
-                                                       r"from balancedness .* a gain above min_gain 0.0"),
+    "gated_skip: min_gain lowered": (min_gain_lowered, r"line 1: the header's configuration has min_gain 0.0 for "
+                                                       r"round 1, but its gate \(at line 4 .*\) judged with min_gain 1.0"),
 }
 
 

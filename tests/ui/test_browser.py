@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from fdeplb.machines.tables import RANK
+from fdeplb.status import commit_command
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -148,6 +149,11 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
         page.wait_for_selector('g.edge[data-machine="cluster"][data-trigger="loaded"][data-last="true"]',
                                timeout=DEADLINE_MS)
         assert page.text_content("#s-round") == "1"
+        # cordoned: the page says the round waits for an operator's commit, and the command that gives it
+        page.wait_for_selector('#notices [data-notice="waiting"]', timeout=DEADLINE_MS)
+        plan_id = store.read_cluster().plan_id
+        assert page.text_content("#commit-command") == commit_command(store.url, store.cluster, plan_id)
+        assert page.is_visible("#s-cordoned") and f"plan {plan_id}" in page.text_content("#notices")
         _screenshot(page, tmp_path, "ui-live.png")
         reply = requests.post(f"{url}/rearrange_experts", json={**CREDS, "action": "update_weight_from_tensor"},
                               timeout=30)
@@ -160,6 +166,10 @@ def test_live_view_follows_a_round_marks_a_stale_rank_and_links_the_audit_to_the
         assert "LOAD_SUCC" in seen and seen[-1] == "FREE" and len(seen) >= 3, seen
         assert _current(page, "cluster") == ["FREE"]
         page.wait_for_selector('#timeline [data-round="1"]', timeout=DEADLINE_MS)
+        assert page.query_selector('#notices [data-notice="waiting"]') is None  # committed: nothing waits
+        lanes = page.eval_on_selector_all('#timeline [data-round="1"] text[data-lane-rank]',
+                                          "els => els.map(e => e.textContent)")
+        assert lanes[:2] == ["0", "2"] and len(lanes) == EP_SIZE // 2  # 32 lanes: every second one labelled
 
         # a rank's worker killed: its cell shows stale within its heartbeat TTL (1.5 s)
         sim.kill_rank(0)
@@ -255,3 +265,79 @@ def test_player_steps_through_every_recording_to_its_final_state_and_marks_a_fai
                 proc.wait(timeout=30)
     finally:
         page.close()
+
+
+def test_the_page_says_when_the_records_are_gone_and_when_the_cluster_was_made_anew(browser, redis_url, cluster_id,
+                                                                                    tmp_path):
+    """A real `fdeplb serve` over a cluster whose records are then deleted (as Redis restarted empty) and created
+    again (`init-cluster`): the page says each plainly instead of drawing the old or a fresh FREE round 0."""
+    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.placement import initial_placement
+    from fdeplb.store import ClusterConfig, Store
+    from tests.api_helpers import PASSWORD, USER, free_port, wait_http
+
+    store = Store(redis_url, cluster_id)
+    cfg = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=4)
+    init_cluster(store, cfg, initial_placement(2, 8, 12).phy2log)
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FDEPLB_API_USER": USER, "FDEPLB_API_PASSWORD": PASSWORD}
+    serve = subprocess.Popen([sys.executable, "-m", "fdeplb", "serve", "--redis-url", redis_url, "--cluster",
+                              cluster_id, "--port", str(port), "--log-level", "WARNING"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    page = browser.new_page(bypass_csp=True, http_credentials={"username": USER, "password": PASSWORD},
+                            viewport={"width": 1600, "height": 1000})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url, proc=serve)
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{url}/ui")
+        page.wait_for_selector('g[data-machine="cluster"][data-state="FREE"][aria-current="true"]',
+                               timeout=DEADLINE_MS)
+        assert page.query_selector("#notices [data-notice]") is None
+        store.delete_cluster()
+        page.wait_for_selector('#notices [data-notice="gone"]', timeout=DEADLINE_MS)
+        text = page.text_content("#notices")
+        assert f"Redis holds no records of cluster {cluster_id}" in text and "last seen in round 0, FREE v0" in text
+        assert page.text_content("#s-state") == "no records" and _current(page, "cluster") == []
+        assert page.eval_on_selector_all(".cell[data-rank]", "els => els.length") == 0
+        _screenshot(page, tmp_path, "ui-gone.png")
+        init_cluster(store, cfg, initial_placement(2, 8, 12).phy2log)
+        page.wait_for_selector('#notices [data-notice="recreated"]', timeout=DEADLINE_MS)
+        assert page.query_selector('#notices [data-notice="gone"]') is None
+        assert "was created anew" in page.text_content("#notices")
+        page.wait_for_selector('g[data-machine="cluster"][data-state="FREE"][aria-current="true"]',
+                               timeout=DEADLINE_MS)
+        _screenshot(page, tmp_path, "ui-recreated.png")
+        assert not errors, errors
+    finally:
+        page.close()
+        serve.terminate()
+        serve.wait(timeout=30)
+        store.delete_cluster()
+
+
+def test_the_player_shows_a_cordoned_round_waiting_and_labels_each_rank_lane(browser, tmp_path):
+    from fdeplb.ui import PlayerModel
+
+    path = REPLAYS / "cordoned_http.jsonl"
+    expected = PlayerModel(path)
+    step = next(s for s in range(len(expected.records) + 1) if expected.view(str(s))["waiting"])
+    proc, url = _player(path)
+    page = browser.new_page(bypass_csp=True, viewport={"width": 1600, "height": 1000})
+    try:
+        page.goto(url)
+        page.wait_for_selector("#player:not([hidden]) #slider", timeout=DEADLINE_MS)
+        page.fill("#slider", str(step))
+        page.wait_for_selector('#notices [data-notice="waiting"]', timeout=DEADLINE_MS)
+        assert page.text_content("#commit-command") == expected.view(str(step))["waiting"]["command"]
+        assert page.is_visible("#s-cordoned")
+        lanes = page.eval_on_selector_all('#timeline text[data-lane-rank]', "els => els.map(e => e.textContent)")
+        assert lanes == ["rank 0", "rank 1"]
+        _screenshot(page, tmp_path, "ui-player-waiting.png")
+        page.click("#next")  # the commit: nothing waits any more
+        page.wait_for_function("!document.querySelector('#notices [data-notice=\"waiting\"]')", timeout=DEADLINE_MS)
+    finally:
+        page.close()
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -223,3 +223,77 @@ def test_a_gated_round_is_shown_skipped_not_aborted():
     assert "skipped" in outcomes.values() and "aborted" not in outcomes.values(), outcomes
     kinds = [m["kind"] for r in last["timeline"]["rounds"] for m in r["marks"]]
     assert "skip" in kinds and "abort" not in kinds, kinds
+
+
+# ---- what an operator must know or do (issue 34 item 10) -----------------------------------------------------------
+def test_a_cordoned_round_in_load_succ_says_it_waits_for_a_commit_with_the_command():
+    player = PlayerModel(REPLAYS / "cordoned_http.jsonl")
+    waits = {}
+    for step in range(len(player.records) + 1):
+        view = player.view(str(step))
+        assert view["summary"]["cordoned"] is True
+        if view["waiting"] is not None:
+            waits[step] = view["waiting"]
+        assert (view["waiting"] is not None) == (view["summary"]["state"] == ClusterState.LOAD_SUCC.value)
+    (step, waiting), = waits.items()  # the one LOAD_SUCC step: then the commit over HTTP
+    plan = player.plans[waiting["plan_id"]]
+    assert waiting["command"] == (f"fdeplb rearrange --redis-url URL --cluster {player.header['cluster']} "
+                                  f"--commit {plan.plan_id}")
+    assert (waiting["round"], waiting["moved_experts"]) == (1, plan.moved_experts)
+    assert waiting["balancedness_after"] == plan.balancedness_after and waiting["deadline_left_ms"] > 0
+    assert waiting["title"] == f"Waiting for an operator's commit: round 1, plan {plan.plan_id}"
+    assert waiting["text"].startswith(f"The cluster is cordoned: every rank has staged the plan (balancedness "
+                                      f"{plan.balancedness_before:.4f} -> {plan.balancedness_after:.4f}, "
+                                      f"{plan.moved_experts} experts move)")
+    assert f"Not committed within {waiting['deadline_left_ms'] / 1000:.0f} s, the round aborts." in waiting["text"]
+    assert PlayerModel(REPLAYS / "happy.jsonl").view("4")["waiting"] is None  # LOAD_SUCC, not cordoned
+
+
+def test_the_live_view_says_when_the_records_are_gone_and_when_the_cluster_was_made_anew(redis_url, cluster_id):
+    store = Store(redis_url, cluster_id)
+    cfg = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=10, ep_size=2, cordoned=True)
+    init_cluster(store, cfg, initial_placement(2, 8, 10).phy2log)
+    app = create_app(store, Credentials(USER, PASSWORD), ApiSettings())
+    try:
+        with TestClient(app) as c:
+            first = c.get("/v1/ui/view", auth=AUTH).json()
+            assert first["gone"] is None and first["recreated"] is None and first["summary"]["cordoned"] is True
+            assert first["waiting"] is None  # cordoned, but no round staged
+            store.delete_cluster()  # as Redis restarted empty: no configuration, no records
+            r = c.get("/v1/ui/view", auth=AUTH)
+            assert r.status_code == 200
+            gone = r.json()
+            assert gone["summary"]["state"] is None and gone["ranks"] == [] and gone["current"]["cluster"] == {}
+            assert gone["gone"]["last_seen"]["round"] == 0 and gone["gone"]["last_seen"]["state"] == "FREE"
+            assert gone["gone"]["text"].startswith(f"Redis holds no records of cluster {cluster_id}: they were lost")
+            assert "last seen in round 0, FREE v0" in gone["gone"]["text"] and "fdeplb init-cluster" in gone["gone"]["text"]
+            with c.stream("GET", "/v1/ui/events", auth=AUTH) as s:  # the stream says it too, and goes on
+                line = next(ln for ln in s.iter_lines() if ln.startswith("data: "))
+            assert json.loads(line[6:])["gone"]["last_seen"]["state"] == "FREE"
+            init_cluster(store, cfg, initial_placement(2, 8, 10).phy2log)
+            again = c.get("/v1/ui/view", auth=AUTH).json()
+            assert again["gone"] is None and again["summary"]["state"] == ClusterState.FREE.value
+            assert again["recreated"]["last_seen"]["state"] == "FREE"
+            assert again["recreated"]["text"].startswith(f"Cluster {cluster_id} was created anew")
+    finally:
+        store.delete_cluster()
+
+
+def test_a_never_initialised_cluster_is_said_so():
+    from fdeplb.store.embedded import EmbeddedRedis
+
+    with EmbeddedRedis() as server:
+        store = Store(server.url, "never")
+        app = create_app(store, Credentials(USER, PASSWORD), ApiSettings())
+        with TestClient(app) as c:
+            view = c.get("/v1/ui/view", auth=AUTH).json()
+    assert view["gone"]["last_seen"] is None and "it was never initialised on this Redis" in view["gone"]["text"]
+
+
+def test_the_commit_command_names_no_password():
+    from fdeplb.ui.view_model import _without_password
+
+    assert _without_password("redis://:s3cret@host:6379/0") == "redis://host:6379/0"
+    assert _without_password("redis://user:s3cret@host:6379/0") == "redis://user@host:6379/0"
+    assert _without_password("redis://host:6379/0") == "redis://host:6379/0"
+    assert _without_password("unix:///run/redis.sock") == "unix:///run/redis.sock"

@@ -87,8 +87,9 @@ function drawSelection() {
 // ---- summary -------------------------------------------------------------------------------------------------------
 function drawSummary(view) {
   const s = view.summary;
-  $("#s-state").textContent = s.state;
-  $("#s-state").dataset.state = s.state;
+  $("#s-state").textContent = s.state ?? "no records";
+  $("#s-state").dataset.state = s.state ?? "none";
+  $("#s-cordoned").hidden = !s.cordoned;
   $("#s-round").textContent = s.round ?? "–";
   $("#s-plan").textContent = short(s.plan_id);
   $("#s-plan").title = s.plan_id || "";
@@ -100,6 +101,21 @@ function drawSummary(view) {
   $("#s-reason").textContent = [s.alarm ? `alarm: ${s.alarm}` : "", s.reason || ""].filter(Boolean).join(" · ") || "–";
   $("#cluster-id").textContent = `cluster ${view.cluster}` + (s.lease_holder ? ` · coordinator ${s.lease_holder}` : "")
     + (s.generation !== null && s.generation !== undefined ? ` · generation ${s.generation}` : "");
+}
+
+// ---- notices: what an operator must know or do, in the read model's words -------------------------------------------
+function drawNotices(view) {
+  const box = $("#notices");
+  box.textContent = "";
+  for (const kind of ["gone", "recreated", "waiting"]) {  // each {title, text}; waiting also {command, also}
+    const n = view[kind];
+    if (!n) continue;
+    const div = el("div", { class: `notice notice-${kind}`, "data-notice": kind, role: kind === "gone" ? "alert" : "status" });
+    div.append(el("b", {}, n.title), el("p", {}, n.text));
+    if (n.command) div.append(el("code", { id: "commit-command" }, n.command), el("p", { class: "small" }, n.also));
+    box.appendChild(div);
+  }
+  document.body.dataset.gone = String(Boolean(view.gone));
 }
 
 // ---- ranks ---------------------------------------------------------------------------------------------------------
@@ -195,7 +211,7 @@ function drawTimeline(view) {
   const width = Math.max(600, box.clientWidth || 1200);
   const left = 96, right = 16, plotW = width - left - right;
   const n = view.ranks.length;
-  const laneH = Math.max(2, Math.min(10, Math.floor(220 / Math.max(1, n))));
+  const laneH = Math.max(2, Math.min(14, Math.floor(220 / Math.max(1, n))));
   const svg = el("svg:svg", { "data-timeline": "" });
   let y = 4;
   for (const round of rounds.slice().reverse()) {  // the newest first
@@ -239,8 +255,14 @@ function drawTimeline(view) {
       g.appendChild(tri);
     }
     ly += 30;
-    g.appendChild(el("svg:text", { x: 0, y: ly + 10, class: "lane-label" }, `ranks (${lanes.length})`));
     const ranksTop = ly;
+    // every rank lane labelled where the lanes are tall enough, else every k-th (with the rank count)
+    const every = laneH >= 9 ? 1 : Math.ceil(9 / laneH);
+    g.appendChild(el("svg:text", { x: 0, y: ranksTop + 10, class: "lane-label" }, `ranks (${n})`));
+    for (let r = 0; r < n; r += every) {
+      g.appendChild(el("svg:text", { x: left - 6, y: ranksTop + r * laneH + Math.min(laneH, 9) - 1,
+        class: "rank-label", "text-anchor": "end", "data-lane-rank": r }, every > 1 ? String(r) : `rank ${r}`));
+    }
     for (const [rank, segs] of lanes) {
       const ry = ranksTop + Number(rank) * laneH;
       for (const s of segs) {
@@ -398,12 +420,13 @@ function setupAudit() {
 // ---- render --------------------------------------------------------------------------------------------------------
 function render(view) {
   ui.view = view;
+  drawNotices(view);
   drawSummary(view);
   drawDiagrams(view);
   drawRanks(view);
   drawTimeline(view);
   drawPlan(view);
-  document.body.dataset.clusterState = view.summary.state;
+  document.body.dataset.clusterState = view.summary.state ?? "none";
   if (view.mode === "player") drawPlayer(view.player);
   if (view.mode === "live" && view.last_audit_id !== ui.lastAuditId) {
     ui.lastAuditId = view.last_audit_id;
