@@ -18,6 +18,9 @@ REPLAYS = Path(__file__).parents[1] / "replays"
 
 
 HAPPY = REPLAYS / "happy.jsonl"
+RECORDINGS = sorted(REPLAYS.glob("*.jsonl"))
+#: the same scenarios as recorded before audit records carried a ``detail`` (schema 1): they must still replay
+SCHEMA1 = sorted((REPLAYS / "schema1").glob("*.jsonl"))
 
 
 def lines_of(name: str = "happy") -> list[dict]:

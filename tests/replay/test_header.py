@@ -11,13 +11,13 @@ import pytest
 
 from fdeplb.cli import main
 from fdeplb.errors import InputError, ReplayError
-from fdeplb.orchestration.operations import init_cluster
+from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.placement import initial_placement
-from fdeplb.recording import config_before, export_recording
+from fdeplb.recording import export_recording
+from fdeplb.replay.header_checks import config_before
 from fdeplb.replay import check_gates, replay_file
-from fdeplb.store import Store
-from fdeplb.store.records import ClusterConfig
-from tests.replay.test_recordings import RECORDINGS, SCHEMA1, _lines
+from fdeplb.store import ClusterConfig, Store
+from tests.replay.helpers import RECORDINGS, SCHEMA1, lines_of
 
 
 def _write(tmp_path, lines, name="edited.jsonl"):
@@ -34,7 +34,7 @@ def _replay_fails(capsys, path, reason: str) -> str:
 
 
 def test_min_gain_raised_over_a_committed_round_fails_at_the_header(tmp_path, capsys):
-    lines = _lines("happy")
+    lines = lines_of("happy")
     lines[0]["config"]["min_gain"] = 0.9  # its round 1 went on with a gain of 0.56
     _replay_fails(capsys, _write(tmp_path, lines),
                   r"^error: line 1: the header's configuration has min_gain 0.9 for round 1, but the round went on "
@@ -56,7 +56,7 @@ def test_min_gain_raised_over_a_committed_round_fails_at_the_header(tmp_path, ca
                                                      r"requested by http"),
 ])
 def test_an_edited_header_setting_fails_at_line_1(recording, edit, reason, tmp_path, capsys):
-    lines = _lines(recording)
+    lines = lines_of(recording)
     part, name, value = edit
     lines[0][part][name] = value
     _replay_fails(capsys, _write(tmp_path, lines), r"error: line 1: the header's .*" + reason)

@@ -47,7 +47,7 @@ def test_a_mutated_recording_fails_naming_its_record_and_reason(pytester):
 
 
 def test_an_edited_header_fails_at_line_1(pytester):
-    lines = _lines()
+    lines = lines_of()
     lines[0]["config"]["min_gain"] = 0.9  # its committed round 1 gained 0.56: that min_gain would have skipped it
     _recordings(pytester, edited=lines)
     result = pytester.runpytest("-p", "no:cacheprovider", "--fdeplb-recordings", "recs")

@@ -15,11 +15,8 @@ from fdeplb.recording import audit_dict
 from fdeplb.replay import chain_of, replay_file
 from fdeplb.store import Store
 from fdeplb.store import scripts
-from tests.replay.helpers import HAPPY, REPLAYS, fire_round, index_of, lines_of, rechain, renumber
-
-RECORDINGS = sorted(REPLAYS.glob("*.jsonl"))
-#: the same scenarios as recorded before audit records carried a ``detail`` (schema 1): they must still replay
-SCHEMA1 = sorted((REPLAYS / "schema1").glob("*.jsonl"))
+from tests.replay.helpers import HAPPY, RECORDINGS, REPLAYS, SCHEMA1, fire_round, index_of, lines_of, rechain, \
+    renumber
 
 
 def test_every_scenario_has_a_recording():

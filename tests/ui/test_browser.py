@@ -271,7 +271,7 @@ def test_the_page_says_when_the_records_are_gone_and_when_the_cluster_was_made_a
                                                                                     tmp_path):
     """A real `fdeplb serve` over a cluster whose records are then deleted (as Redis restarted empty) and created
     again (`init-cluster`): the page says each plainly instead of drawing the old or a fresh FREE round 0."""
-    from fdeplb.orchestration.operations import init_cluster
+    from fdeplb.orchestration.cluster_setup import init_cluster
     from fdeplb.placement import initial_placement
     from fdeplb.store import ClusterConfig, Store
     from tests.api_helpers import PASSWORD, USER, free_port, wait_http
