@@ -15,6 +15,7 @@ from __future__ import annotations
 from fdeplb.errors import InputError, ReplayError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, WEIGHTS, MachineTable, MemberState, TransitionSpec
 from fdeplb.replay.recording_format import AuditLine, field_int
+from fdeplb.replay.start_state import NOTES_ON_RANKS
 
 __all__ = ["RecordSays", "read_detail"]
 
@@ -24,14 +25,15 @@ class RecordSays:
 
     def _note(self, line: AuditLine, table: MachineTable, state: str, version: int) -> None:
         """An alarm, skip, start refusal or weight withdrawal, on the record the replay holds in ``state`` at
-        ``version``: on the cluster as replayed; skips and refusals only in FREE (the coordinator's FREE entry
+        ``version``: on the cluster as replayed (a takeover or a repair, :data:`NOTES_ON_RANKS`, on the rank's
+        record as replayed: a repaired record holds what its audited transitions left); skips and refusals only in FREE (the coordinator's FREE entry
         work writes them); a refusal names ranks of the cluster and stays in force until a start."""
         rec, trigger = line.record, line.record["trigger"]
-        if table is not CLUSTER:
+        if table is not CLUSTER and trigger not in NOTES_ON_RANKS:
             raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
         if rec["from"] != state or rec["to"] != state or field_int(line, "version") != version:
-            raise ReplayError(f"{line.where}: {trigger} for cluster {rec['from']} v{rec['version']}, but the cluster "
-                              f"is {state} v{version} in the replay")
+            raise ReplayError(f"{line.where}: {trigger} for {rec['key']} {rec['from']} v{rec['version']}, but "
+                              f"{'the cluster' if table is CLUSTER else rec['key']} is {state} v{version} in the replay")
         if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
             raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
                               f"{CLUSTER.initial.value} only")

@@ -13,8 +13,12 @@ from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, Effect
 __all__ = ["NOT_TRANSITIONS", "StartState", "state_at"]
 
 #: triggers that are audited but are not transitions
+#: notes on a rank's record (any machine), not the cluster's: a new agent took the rank over from a dead process
+#: (``takeover_dead_pid``), a corrupt record was rewritten as its last audited transition left it
+#: (``record_repaired``); the note's from / to / version are what the record holds after it
+NOTES_ON_RANKS = frozenset({"takeover_dead_pid", "record_repaired"})
 NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled", "request_cancelled",
-                             "request_expired", "config_changed"})
+                             "request_expired", "config_changed", *NOTES_ON_RANKS})
 
 
 @dataclass(frozen=True)
