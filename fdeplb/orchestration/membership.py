@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import GuardError, IllegalTransitionError, NotFoundError, RedundancyError, StaleStateError
+from fdeplb.errors import CorruptRecordError, GuardError, IllegalTransitionError, NotFoundError, RedundancyError, \
+    StaleStateError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
 from fdeplb.orchestration import reasons
 from fdeplb.orchestration.handles import RecordHandle
@@ -51,7 +52,7 @@ class MembershipWatch:
         """Read heartbeats and members (one round trip) and commit what they call for, fenced with ``fence``.
         Returns (changed, ms until the next exclusion deadline or None); :attr:`view` is the view as read (with
         the states this pass committed)."""
-        view = self.store.member_view()
+        view = self._read_view(fence)
         changed, due = False, None
         states = view.states()
         for r, rec in enumerate(view.members):
@@ -72,6 +73,25 @@ class MembershipWatch:
         self.view = MemberView(view.now_ms, view.heartbeats, [
             m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)])
         return changed, due
+
+    def _read_view(self, fence: str) -> MemberView:
+        """:meth:`Store.member_view`, with every member record that does not parse repaired first from the audit
+        (:meth:`Store.repair_member`, audited ``record_repaired``, fenced with ``fence``): a corrupt record never
+        blocks the rounds. Another corrupt value (the registry) raises its :class:`CorruptRecordError`."""
+        for _ in range(self.store.ep_size() + 1):
+            try:
+                return self.store.member_view()
+            except CorruptRecordError as err:
+                r = self.store.member_of(err.key)
+                if r is None:
+                    raise
+                fixed = self.store.repair_member(r, fence=fence, actor=self.holder)
+                if fixed is not None:
+                    self.log.warning("member record repaired", ep_rank=r, state=fixed.record.state,
+                                     version=fixed.record.version, source=fixed.source or "initial")
+                    self.store.emit_event("membership", ep_rank=r, trigger="record_repaired",
+                                          state=fixed.record.state)
+        return self.store.member_view()
 
     def _fire(self, r: int, rec: MemberRecord, trigger: str, fence: str, reason: reasons.Reason,
               changes: dict[str, Any]) -> MemberState | None:

@@ -12,6 +12,7 @@ each part owns one structure or one concern, in its own module, and they call ea
 - :mod:`~fdeplb.store.streams`: the audit, events and signal streams;
 - :mod:`~fdeplb.store.liveness`: the rank registry, heartbeats and switch arming;
 - :mod:`~fdeplb.store.retention`: pruning, audit trimming, key counts;
+- :mod:`~fdeplb.store.repair`: a corrupt member record rewritten from the audit;
 - :mod:`~fdeplb.store.bootstrap`: creating, rebuilding and deleting a cluster;
 - :mod:`~fdeplb.store.deferred`: calls sent later in one pipeline.
 
@@ -45,20 +46,21 @@ from fdeplb.store.lease import Lease
 from fdeplb.store.liveness import NOT_REGISTERED, SWITCH_MARGIN_STEPS, LiveReport, Liveness, MemberView, stale_of
 from fdeplb.store.machine_io import AUDIT_FIELDS, CommitResult, MachineIO
 from fdeplb.store.placements import Placements
+from fdeplb.store.repair import MemberRepair, Repair
 from fdeplb.store.retention import Retention
 from fdeplb.store.streams import EVENTS_MAXLEN, AuditRecord, Cursor, Streams, parse_stream_id
 from fdeplb.store.windows import Windows
 
 __all__ = [
     "AUDIT_FIELDS", "EVENTS_MAXLEN", "MAX_BLOCK_MS", "SOCKET_TIMEOUT_S", "SWITCH_MARGIN_STEPS", "AuditRecord",
-    "CommitResult", "Cursor", "LiveReport", "MemberView", "NOT_REGISTERED", "PendingCall", "Store", "connect",
-    "parse_stream_id", "stale_of",
+    "CommitResult", "Cursor", "LiveReport", "MemberRepair", "MemberView", "NOT_REGISTERED", "PendingCall", "Store",
+    "connect", "parse_stream_id", "stale_of",
 ]
 
 
 @map_public_methods
-class Store(MachineIO, Intents, Windows, Placements, Lease, Streams, Liveness, Retention, Bootstrap, DeferredCalls,
-            StoreBase):
+class Store(MachineIO, Intents, Windows, Placements, Lease, Streams, Liveness, Retention, Repair, Bootstrap,
+            DeferredCalls, StoreBase):
     """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is.
 
     Args:

@@ -52,6 +52,18 @@ def detail_field(detail: Mapping[str, Any] | None) -> dict[str, str]:
     return {"detail": detail_text(detail)} if detail else {}
 
 
+def note_fields(table: MachineTable, ep_rank: int | None, *, state: str, version: int | str, trigger: str,
+                actor: str, round_: int | str, plan_id: str, reason: str,
+                detail: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The fields of an audit note (a record that is not a transition) on the cluster record (``table`` CLUSTER) or
+    on rank ``ep_rank``'s record of ``table``: ``from`` = ``to`` = ``state``, the record's ``version``; fence,
+    ts_ms and chain are added by ``lua/audit.lua``."""
+    label = table.name if table is CLUSTER else f"{table.key_label}:{int(ep_rank)}"
+    return {"machine": table.name, "key": label, "from": state, "to": state, "trigger": trigger, "actor": actor,
+            "round": str(round_), "plan_id": plan_id, "reason": reason, "version": str(version),
+            **detail_field(detail)}
+
+
 def parse_stream_id(text: str) -> tuple[int, int]:
     """A stream id ``<ms>-<seq>`` (e.g. ``1700000000000-0``) as (ms, seq): ASCII digits, both parts, each at most
     2**64 - 1 (the whole text must be the id). :class:`InputError` for anything else (a str that is not one, or
@@ -98,14 +110,12 @@ class Streams:
         ``detail``: the facts behind ``reason`` as the record's ``detail`` field (:func:`detail_text`).
         ``table`` / ``ep_rank``: a note on a rank's record of that machine instead (``record``: that record; e.g.
         ``takeover_dead_pid`` on a rank record). Returns the stream id."""
-        label = table.name if table is CLUSTER else f"{table.key_label}:{int(ep_rank)}"
-        fields = {"machine": table.name, "key": label, "from": record.state.value,
-                  "to": record.state.value, "trigger": trigger, "actor": actor, "round": str(record.round),
-                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version), **detail_field(detail)}
+        fields = note_fields(table, ep_rank, state=record.state.value, version=record.version, trigger=trigger,
+                             actor=actor, round_=record.round, plan_id=record.plan_id, reason=reason, detail=detail)
         call = audit_call(self._keys, fence=fence, audit=fields)
         reply = self._append(keys=call.keys, args=call.args)
         if _s(reply[0]) != "OK":
-            raise FenceError(f"{trigger} on {label}: {_s(reply[1])}")
+            raise FenceError(f"{trigger} on {fields['key']}: {_s(reply[1])}")
         return _s(reply[1])
 
     def emit_event(self, kind: str, **fields: Any) -> str:
