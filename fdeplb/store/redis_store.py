@@ -12,7 +12,7 @@ each part owns one structure or one concern, in its own module, and they call ea
 - :mod:`~fdeplb.store.streams`: the audit, events and signal streams;
 - :mod:`~fdeplb.store.liveness`: the rank registry, heartbeats and switch arming;
 - :mod:`~fdeplb.store.retention`: pruning, audit trimming, key counts;
-- :mod:`~fdeplb.store.repair`: a corrupt member record rewritten from the audit;
+- :mod:`~fdeplb.store.member_repair`: a corrupt member record rewritten from the audit;
 - :mod:`~fdeplb.store.bootstrap`: creating, rebuilding and deleting a cluster;
 - :mod:`~fdeplb.store.deferred`: calls sent later in one pipeline.
 
@@ -46,7 +46,7 @@ from fdeplb.store.lease import Lease
 from fdeplb.store.liveness import NOT_REGISTERED, SWITCH_MARGIN_STEPS, LiveReport, Liveness, MemberView, stale_of
 from fdeplb.store.machine_io import AUDIT_FIELDS, CommitResult, MachineIO
 from fdeplb.store.placements import Placements
-from fdeplb.store.repair import MemberRepair, Repair
+from fdeplb.store.member_repair import MemberRepair, Repair
 from fdeplb.store.retention import Retention
 from fdeplb.store.streams import EVENTS_MAXLEN, AuditRecord, Cursor, Streams, parse_stream_id
 from fdeplb.store.windows import Windows
