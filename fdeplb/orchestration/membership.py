@@ -88,7 +88,7 @@ class MembershipWatch:
                 fixed = self.store.repair_member(r, fence=fence, actor=self.holder)
                 if fixed is not None:
                     self.log.warning("member record repaired", ep_rank=r, state=fixed.record.state,
-                                     version=fixed.record.version, source=fixed.source or "initial")
+                                     version=fixed.record.version, source=fixed.source)
                     self.store.emit_event("membership", ep_rank=r, trigger="record_repaired",
                                           state=fixed.record.state)
         return self.store.member_view()

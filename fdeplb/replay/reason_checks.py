@@ -6,8 +6,8 @@ cluster's commit names its external request, a weight ``updated`` names the curr
 the facts are read from the record's ``detail`` only, and its ``reason`` must be the text they give.
 
 :class:`RecordSays` is mixed into the machine replay (``fdeplb.replay.machine_replay._Replay``); of its host it
-uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests`` and
-``_state_of``.
+uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests``,
+``_state_of`` and ``_restart``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class RecordSays:
         record as replayed: a repaired record holds what its audited transitions left); skips and refusals only in FREE (the coordinator's FREE entry
         work writes them); a refusal names ranks of the cluster and stays in force until a start."""
         rec, trigger = line.record, line.record["trigger"]
+        if trigger == "record_repaired" and self._repair_excludes(line, table):
+            state, version = rec["to"], field_int(line, "version")
+            self._restart(line, table, rec["key"], state, version)
         if table is not CLUSTER and trigger not in NOTES_ON_RANKS:
             raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
         if rec["from"] != state or rec["to"] != state or field_int(line, "version") != version:
@@ -61,6 +64,20 @@ class RecordSays:
             if "cordoned" in changes:
                 self.cordoned = bool(changes["cordoned"][1])
             self.report.config_changes.append((field_int(line, "round"), changes))
+
+    def _repair_excludes(self, line: AuditLine, table: MachineTable) -> bool:
+        """Whether a ``record_repaired`` note is a member record's exclusion (detail ``source`` ``excluded``: the
+        audit did not hold its truth, :mod:`fdeplb.store.member_repair`); :class:`ReplayError` for one that says so
+        on another machine or into another state. Any other repair restores what the replay holds."""
+        from fdeplb.orchestration import reasons
+
+        source = self._detail(line, lambda rec: (reasons.detail_of(rec) or {}).get("source"))
+        if source != "excluded":
+            return False
+        if table is not MEMBERSHIP or line.record["to"] != MemberState.EXCLUDED.value:
+            raise ReplayError(f"{line.where}: record_repaired excluding {line.record['key']} into "
+                              f"{line.record['to']}; only a member record is excluded by a repair")
+        return True
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start

@@ -1,6 +1,9 @@
 """Repairing a corrupt membership record from the audit (issue 34): the record's truth is what the last audited
 record of that rank's membership left (a transition's ``to`` and ``version``, or an earlier repair's), or the
-machine's initial state at version 0 when nothing of it was ever audited. The rewrite and its audit note
+machine's initial state at version 0 when nothing of it was audited and the record says it never transitioned
+(its ``version`` is 0 or missing). When the audit does not tell (no record of it, but a version that is not 0 or
+does not parse: the audit was trimmed), the rank is excluded instead (EXCLUDED at that version; it comes back as
+an excluded rank does: a new agent rejoins, or ``rank readmit``). The rewrite and its audit note
 (``record_repaired``, on the member record, from = to = the restored state at the restored version, the corrupt
 fields in its ``detail``) commit in one ``MULTI`` / ``EXEC``, WATCHing the record and the coordinator lease: a
 record fixed or changed meanwhile, or a lease lost, writes nothing.
@@ -18,7 +21,7 @@ from typing import Any
 import redis
 
 from fdeplb.errors import CorruptRecordError, FenceError
-from fdeplb.machines.tables import MEMBERSHIP
+from fdeplb.machines.tables import MEMBERSHIP, MemberState
 from fdeplb.store.connection import as_str as _s, as_text as _text
 from fdeplb.store.records import MemberRecord, parse_record
 from fdeplb.store.scripts import audit_call
@@ -34,7 +37,8 @@ _BATCH = 500
 @dataclass(frozen=True)
 class MemberRepair:
     """A repaired member record: the record as restored, where its truth came from (``source``: the audit id of
-    the record it restores, "" for the initial state) and the audit id of the ``record_repaired`` note."""
+    the record it restores, ``initial`` or ``excluded``, see the module doc) and the audit id of the
+    ``record_repaired`` note."""
 
     record: MemberRecord
     source: str
@@ -74,10 +78,7 @@ class Repair:
         self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
         def txn(pipe: Any) -> None:
-            try:
-                raw = _text(pipe.hgetall(key))
-            except redis.ResponseError:  # WRONGTYPE: another program wrote a string or a list there
-                raw = {"type": _s(pipe.type(key))}
+            raw = _text(pipe.hgetall(key))
             if not raw:
                 pipe.unwatch()
                 return
@@ -90,12 +91,12 @@ class Repair:
             if fence and _s(pipe.get(self._keys.lease)) != fence:
                 pipe.unwatch()
                 raise FenceError(f"{REPAIRED} on {key}: the lease is not held by {fence}")
-            restored = _restored(key, raw, found)
-            source = found[0] if found else ""
+            source, restored = _restored(key, raw, found)
             detail = {"ep_rank": r, "source": source, "found": {k: v[:80] for k, v in sorted(raw.items())}}
-            text = (f"member record of rank {r} was corrupt ({_corrupt_of(key, raw)}); restored as "
-                    f"{restored['state']} v{restored['version']} from " +
-                    (f"audit record {source}" if source else "the initial state (no membership record audited)"))
+            text = (f"member record of rank {r} was corrupt ({_corrupt_of(key, raw)}); " + {
+                "initial": "restored as the initial state (it never transitioned, none audited)",
+                "excluded": "excluded: the audit holds no membership record of it (trimmed?) to restore",
+            }.get(source, f"restored as {restored['state']} v{restored['version']} from audit record {source}"))
             call = audit_call(self._keys, fence=fence, audit=note_fields(
                 MEMBERSHIP, r, state=restored["state"], version=restored["version"], trigger=REPAIRED, actor=actor,
                 round_=restored.get("round", "0"), plan_id="", reason=text, detail=detail))
@@ -126,20 +127,26 @@ def _corrupt_of(key: str, raw: dict[str, str]) -> str:
     return "parses"
 
 
-def _restored(key: str, raw: dict[str, str], found: tuple[str, dict[str, str]] | None) -> dict[str, str]:
-    """The record fields to write: the state, version, generation, round, actor and update time of the audit
-    record ``found`` (the initial state at version 0 without one); ``deadline_ms`` kept when it parses (a
-    SUSPECT rank's exclusion deadline; 0 otherwise: a still stale rank is then excluded at once)."""
-    out = {"state": MEMBERSHIP.initial.value, "version": "0"}
+def _restored(key: str, raw: dict[str, str], found: tuple[str, dict[str, str]] | None) -> tuple[str, dict[str, str]]:
+    """(source, the record fields to write): the state, version, generation, round, actor and update time of the
+    audit record ``found`` (source: its id); without one the initial state at version 0 (``initial``) when the
+    corrupt record's version is 0 or missing, else EXCLUDED at that version (``excluded``, 0 when it does not
+    parse). ``generation`` and ``deadline_ms`` (a SUSPECT rank's exclusion deadline; 0 otherwise: a still stale
+    rank is then excluded at once) are kept where the audit does not give them and they parse."""
+    version = raw.get("version", "0")
     if found is not None:
-        _, audit = found
+        source, audit = found
         out = {"state": audit["to"], "version": audit.get("version", "0"), "round": audit.get("round", "0"),
                "actor": audit.get("actor", ""), "updated_ms": audit.get("ts_ms", "0")}
         if audit.get("generation", "").isdigit():
             out["generation"] = audit["generation"]
-        elif raw.get("generation", "").isdigit():
-            out["generation"] = raw["generation"]
-    if raw.get("deadline_ms", "").isdigit():
-        out["deadline_ms"] = raw["deadline_ms"]
+    elif version == "0":
+        source, out = "initial", {"state": MEMBERSHIP.initial.value, "version": "0"}
+    else:
+        source = "excluded"
+        out = {"state": MemberState.EXCLUDED.value, "version": version if version.isdigit() else "0"}
+    for name in ("generation", "deadline_ms"):
+        if name not in out and raw.get(name, "").isdigit():
+            out[name] = raw[name]
     parse_record(MemberRecord, key, out)  # a forged audit record that does not give a record: CorruptRecordError
-    return out
+    return source, out

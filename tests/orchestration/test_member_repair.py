@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from fdeplb.cli import main
+from fdeplb.errors import FenceError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.replay import ReplayError, replay_file
 from tests.helpers import thread_cluster, wait_for
@@ -42,7 +43,7 @@ def test_a_corrupt_member_record_is_repaired_from_the_audit_and_rounds_go_on(red
         (two,) = wait_for(lambda: _repairs(store, 2), 30, store, "member:2 repaired")
         (three,) = wait_for(lambda: _repairs(store, 3), 30, store, "member:3 repaired")
         assert (two["from"], two["to"], two["version"]) == ("ACTIVE", "ACTIVE", "0")
-        assert json.loads(two["detail"])["source"] == "" and "BOGUS" in two["reason"]
+        assert json.loads(two["detail"])["source"] == "initial" and "BOGUS" in two["reason"]
         assert (three["to"], three["version"]) == ("EXCLUDED", exclude["version"]) == ("EXCLUDED", "2")
         assert json.loads(three["detail"])["source"] == exclude.id
         assert json.loads(three["detail"])["found"]["state"] == "BOGUS"
@@ -69,3 +70,53 @@ def test_a_corrupt_member_record_is_repaired_from_the_audit_and_rounds_go_on(red
         with pytest.raises(ReplayError, match="record_repaired for member:3 ACTIVE v2, but member:3 is EXCLUDED v2"):
             replay_file(forged)
         assert store.read_cluster().state is ClusterState.FREE
+
+
+def _store(redis_url, cluster_id):
+    from tests.sim.test_worker import _cluster  # 2 ranks, initialised, nothing running
+
+    return _cluster(redis_url, cluster_id)
+
+
+def test_repair_writes_nothing_for_a_sound_record_or_a_lost_lease(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    raw = redis.Redis.from_url(redis_url)
+    key = f"fdeplb:{{{cluster_id}}}:member:1"
+    try:
+        fence = store.acquire_lease("coord-a", 60_000)
+        assert store.repair_member(1, fence=fence, actor="coord-a") is None  # it parses: nothing to repair
+        raw.hset(key, "state", "BOGUS")
+        before, length = raw.hgetall(key), store.audit_length()
+        with pytest.raises(FenceError, match="lease is not held"):
+            store.repair_member(1, fence="someone-else", actor="coord-b")  # a deposed coordinator
+        assert raw.hgetall(key) == before and store.audit_length() == length
+        assert store.member_of(key) == 1 and store.member_of(key + "0") is None and store.member_of(None) is None
+        fixed = store.repair_member(1, fence=fence, actor="coord-a")
+        assert (fixed.record.state, fixed.record.version, fixed.source) == (MemberState.ACTIVE, 0, "initial")
+        assert store.read(MEMBERSHIP, 1).state is M.ACTIVE and store.audit_length() == length + 1
+        assert store.audit()[-1].id == fixed.audit_id and store.audit()[-1]["fence"] == fence
+    finally:
+        store.delete_cluster()
+
+
+def test_with_no_audited_record_a_member_that_transitioned_is_excluded(redis_url, cluster_id, tmp_path):
+    store = _store(redis_url, cluster_id)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        # version 3 but nothing in the audit (trimmed): the truth is unknown, so the rank is excluded
+        raw.hset(f"fdeplb:{{{cluster_id}}}:member:0", mapping={"state": "BOGUS", "version": "3", "generation": "2"})
+        fixed = store.repair_member(0, fence="", actor="test")
+        assert (fixed.record.state, fixed.record.version, fixed.record.generation) == (M.EXCLUDED, 3, 2)
+        assert fixed.source == "excluded" and "excluded: the audit holds no membership record" in \
+            store.audit()[-1]["reason"]
+        assert [m.state for m in store.member_view().members] == [M.EXCLUDED, M.ACTIVE]
+        # the replay holds the rank excluded from the note on; a note that "excludes" into another state is refused
+        path = tmp_path / "excluded.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        assert replay_file(path).final["member:0"].state == "EXCLUDED"
+        forged = tmp_path / "forged.jsonl"
+        forged.write_text(path.read_text().replace('"to":"EXCLUDED"', '"to":"ACTIVE"'))
+        with pytest.raises(ReplayError, match="record_repaired excluding member:0 into ACTIVE"):
+            replay_file(forged)
+    finally:
+        store.delete_cluster()
