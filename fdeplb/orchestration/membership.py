@@ -188,14 +188,22 @@ class Rejoin:
         self.handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=actor)
         self.store, self.ep_rank, self.actor, self.log = store, ep_rank, actor, log
         self.pending = False
+        self._unread: str | None = None  # the plan_id of a begin() that found the member record corrupt
 
     def begin(self, plan_id: str) -> None:
         """After the agent loaded placement ``plan_id``: an EXCLUDED rank fires ``rejoin``; one left REJOINING by
-        an earlier agent carries on."""
+        an earlier agent carries on. A member record that does not parse is left to the leading coordinator, which
+        repairs it (:meth:`MembershipWatch._read_view`): :meth:`step` asks again until it parses."""
         try:
             rec = self.handle.read()
         except NotFoundError:  # a cluster made before membership
             return
+        except CorruptRecordError as err:
+            if self._unread is None:
+                self.log.warning("member record corrupt: the coordinator repairs it", error=str(err))
+            self._unread = plan_id
+            return
+        self._unread = None
         if rec.state is M.EXCLUDED:
             why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} registered again and loaded placement "
                                  f"{plan_id or 'initial'} for its slots", {"ranks": [self.ep_rank]})
@@ -209,6 +217,8 @@ class Rejoin:
 
     def step(self, cluster_state: ClusterState) -> bool:
         """Admit the rank if it is rejoining and the cluster is FREE; True when it was admitted now."""
+        if self._unread is not None:
+            self.begin(self._unread)
         if not self.pending or cluster_state is not ClusterState.FREE:
             return False
         why = reasons.Reason(f"rank {self.ep_rank} admitted", {"ranks": [self.ep_rank]})
