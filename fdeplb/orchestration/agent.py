@@ -94,8 +94,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
     that changes the members is applied at one safe point (its routing names other ranks).
     ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL, that did not
     stop: :meth:`run` notes its end in the registry, and whose process is not provably dead on this host:
-    :mod:`~fdeplb.orchestration.takeover`); without it :meth:`start` refuses with :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take
-    a healthy rank over).
+    :mod:`~fdeplb.orchestration.takeover`); without it :meth:`start` refuses with
+    :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take a healthy rank over).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,

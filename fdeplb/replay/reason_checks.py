@@ -26,8 +26,9 @@ class RecordSays:
     def _note(self, line: AuditLine, table: MachineTable, state: str, version: int) -> None:
         """An alarm, skip, start refusal or weight withdrawal, on the record the replay holds in ``state`` at
         ``version``: on the cluster as replayed (a takeover or a repair, :data:`NOTES_ON_RANKS`, on the rank's
-        record as replayed: a repaired record holds what its audited transitions left); skips and refusals only in FREE (the coordinator's FREE entry
-        work writes them); a refusal names ranks of the cluster and stays in force until a start."""
+        record as replayed: a repaired record holds what its audited transitions left, or is excluded from there
+        on); skips and refusals only in FREE (the coordinator's FREE entry work writes them); a refusal names ranks
+        of the cluster and stays in force until a start."""
         rec, trigger = line.record, line.record["trigger"]
         if trigger == "record_repaired" and self._repair_excludes(line, table):
             state, version = rec["to"], field_int(line, "version")
@@ -35,8 +36,9 @@ class RecordSays:
         if table is not CLUSTER and trigger not in NOTES_ON_RANKS:
             raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
         if rec["from"] != state or rec["to"] != state or field_int(line, "version") != version:
+            held = "the cluster" if table is CLUSTER else rec["key"]
             raise ReplayError(f"{line.where}: {trigger} for {rec['key']} {rec['from']} v{rec['version']}, but "
-                              f"{'the cluster' if table is CLUSTER else rec['key']} is {state} v{version} in the replay")
+                              f"{held} is {state} v{version} in the replay")
         if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
             raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
                               f"{CLUSTER.initial.value} only")

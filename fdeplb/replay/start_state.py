@@ -39,10 +39,9 @@ def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = No
     from ``start``, e.g. a recording header's start state), in order, each read by field name as text
     (:class:`~fdeplb.store.AuditRecord` or an exported line's dict: a missing field reads ""). A plain
     fold, no checks: a transition's key takes its ``to``, version and plan_id, and its ``generation`` (when it is
-    a decimal) is the cluster's; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are, but for a ``record_repaired`` one (the record
-as the note says); a key that is
-    not a record of the cluster is passed over; a cluster transition whose effect sets the placement (the commit)
-    makes its plan the placement."""
+    a decimal) is the cluster's; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are, but for a
+    ``record_repaired`` one (the record as the note says); a key that is not a record of the cluster is passed
+    over; a cluster transition whose effect sets the placement (the commit) makes its plan the placement."""
     records = {CLUSTER.name: {"state": CLUSTER.initial.value, "version": 0, "plan_id": ""}}
     for r in range(ep_size):
         for table in (RANK, WEIGHTS, MEMBERSHIP):
