@@ -102,3 +102,19 @@ def test_a_sigkilled_worker_restarted_at_once_serves_again_without_replace(redis
                 p.terminate()
                 p.communicate(timeout=60)
         store.delete_cluster()
+
+
+def test_a_takeover_note_does_not_cut_the_ranks_lane_in_the_timeline():
+    from fdeplb.store import ClusterConfig
+    from fdeplb.ui.view_model import timeline
+
+    def rec(ts, machine, key, frm, to, trigger):
+        return {"machine": machine, "key": key, "from": frm, "to": to, "trigger": trigger, "round": "1",
+                "ts_ms": str(ts), "reason": "", "id": f"{ts}-0"}
+
+    records = [rec(10, "cluster", "cluster", "FREE", "COLLECTING", "start"),
+               rec(20, "rank", "rank:1", "IDLE", "LOADING", "stage"),
+               rec(30, "rank", "rank:1", "LOADING", "LOADING", takeover.TAKEOVER)]
+    config = ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=2)
+    (lane,) = timeline(records, config, now_ms=40)["rounds"][0]["ranks"].values()
+    assert lane == [{"state": "LOADING", "start_ms": 20, "end_ms": None}]
