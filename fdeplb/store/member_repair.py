@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from fdeplb.errors import CorruptRecordError, FenceError
 from fdeplb.machines.tables import MEMBERSHIP, MemberState
 from fdeplb.store.connection import as_str as _s, as_text as _text
@@ -71,13 +69,15 @@ class Repair:
     def repair_member(self, ep_rank: int, *, fence: str, actor: str) -> MemberRepair | None:
         """Rewrite ``ep_rank``'s member record if it does not parse, as its last audited record left it (see the
         module doc), with the ``record_repaired`` note, atomically; ``fence`` ("" = unfenced): the caller's lease.
-        Returns the repair, or None when the record parses (or is missing, or changed meanwhile: nothing written).
+        Returns the repair, or None when the record parses or is missing (nothing written; a record changed
+        between the read and the write is read again).
         :class:`FenceError` (nothing written) when ``fence`` does not hold the lease."""
         r, key = int(ep_rank), self._keys.member(ep_rank)
         found = self.last_member_audit(r)
         self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
-        def txn(pipe: Any) -> None:
+        def txn(pipe: Any) -> None:  # run again by redis-py when a WATCHed key changed before EXEC
+            done.clear()
             raw = _text(pipe.hgetall(key))
             if not raw:
                 pipe.unwatch()
@@ -107,10 +107,7 @@ class Repair:
             done.append((parse_record(MemberRecord, key, restored), source))
 
         done: list[tuple[MemberRecord, str]] = []
-        try:
-            replies = self._client.transaction(txn, key, self._keys.lease)
-        except redis.WatchError:
-            return None
+        replies = self._client.transaction(txn, key, self._keys.lease)
         if not done:
             return None
         reply = replies[-1]

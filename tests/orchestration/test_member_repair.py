@@ -120,3 +120,26 @@ def test_with_no_audited_record_a_member_that_transitioned_is_excluded(redis_url
             replay_file(forged)
     finally:
         store.delete_cluster()
+
+
+def test_a_record_rewritten_between_the_read_and_the_write_is_read_again(redis_url, cluster_id, monkeypatch):
+    from fdeplb.store import member_repair
+
+    store = _store(redis_url, cluster_id)
+    raw = redis.Redis.from_url(redis_url)
+    key = f"fdeplb:{{{cluster_id}}}:member:1"
+    real, calls = member_repair._restored, []
+
+    def operator_fixes_it_meanwhile(*args):
+        calls.append(args)
+        raw.hset(key, "state", "ACTIVE")  # after the WATCHed read, before EXEC: the EXEC is refused, read again
+        return real(*args)
+
+    monkeypatch.setattr(member_repair, "_restored", operator_fixes_it_meanwhile)
+    try:
+        raw.hset(key, "state", "BOGUS")
+        length = store.audit_length()
+        assert store.repair_member(1, fence="", actor="test") is None  # the second read finds it sound
+        assert len(calls) == 1 and store.audit_length() == length and store.read(MEMBERSHIP, 1).state is M.ACTIVE
+    finally:
+        store.delete_cluster()
