@@ -44,6 +44,7 @@ from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
 from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration import takeover
 from fdeplb.orchestration.recovery import Recovery
 from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
@@ -94,10 +95,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
     (``ClusterConfig``). With safe points a committed swap is applied in chunks of whole layers within every rank's
     budget, one chunk per safe point (:class:`~fdeplb.orchestration.safe_points.Chunked`); a re-placement round
     that changes the members is applied at one safe point (its routing names other ranks).
-    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL and that did not
-    stop: :meth:`run` notes its end in the registry); without it
-    :meth:`start` refuses with :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take
-    a healthy rank over).
+    ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL, that did not
+    stop: :meth:`run` notes its end in the registry, and whose process is not provably dead on this host:
+    :mod:`~fdeplb.orchestration.takeover`); without it :meth:`start` refuses with
+    :class:`~fdeplb.errors.StateError` (a second worker started by mistake must not take a healthy rank over).
     """
 
     def __init__(self, store: Store, ep_rank: int, *, load_source: LoadSource | None = None,
@@ -193,7 +194,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         if who.get("stopped_ms"):  # it stopped (run's end): not a live agent
             return
         age, ttl = self.store.heartbeats().get(self.ep_rank, (0, 0))
-        if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}):
+        if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}) \
+                and not takeover.audit_if_dead(self.store, self.ep_rank, who, by=self.actor, age_ms=age, ttl_ms=ttl):
             raise StateError(f"rank {self.ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
                              f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
                              f"supersede it, or stop it first")
@@ -201,7 +203,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
     def _register(self, plan_id: str) -> None:
         """Register the rank (pid, actor, agent id and :attr:`_info`) and heartbeat the plan it holds live."""
         self.store.register_rank(self.ep_rank, {"pid": os.getpid(), "actor": self.actor, "agent_id": self.agent_id,
-                                                **self._info})
+                                                **takeover.host_identity(), **self._info})
         self._heartbeat(force=True, live_plan_id=plan_id, clear_stat=self._clear_stat_seen,
                         routing_digest=routing_digest(self.backend.phy2log))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fdeplb.errors import GuardError, IllegalTransitionError, NotFoundError, StaleStateError
+from fdeplb.errors import CorruptRecordError, GuardError, IllegalTransitionError, NotFoundError, StaleStateError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
@@ -47,7 +47,7 @@ class MembershipWatch:
         """Read heartbeats and members (one round trip) and commit what they call for, fenced with ``fence``.
         Returns (changed, ms until the next exclusion deadline or None); :attr:`view` is the view as read (with
         the states this pass committed)."""
-        view = self.store.member_view()
+        view = self._read_view(fence)
         changed, due = False, None
         states = view.states()
         stale_ranks = stale_of(view.heartbeats)  # without ep_size: a rank never registered is not suspected
@@ -69,6 +69,25 @@ class MembershipWatch:
         self.view = MemberView(view.now_ms, view.heartbeats, [
             m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)])
         return changed, due
+
+    def _read_view(self, fence: str) -> MemberView:
+        """:meth:`Store.member_view`, with every member record that does not parse repaired first from the audit
+        (:meth:`Store.repair_member`, audited ``record_repaired``, fenced with ``fence``): a corrupt record never
+        blocks the rounds. Another corrupt value (the registry) raises its :class:`CorruptRecordError`."""
+        for _ in range(self.store.ep_size() + 1):
+            try:
+                return self.store.member_view()
+            except CorruptRecordError as err:
+                r = self.store.member_of(err.key)
+                if r is None:
+                    raise
+                fixed = self.store.repair_member(r, fence=fence, actor=self.holder)
+                if fixed is not None:
+                    self.log.warning("member record repaired", ep_rank=r, state=fixed.record.state,
+                                     version=fixed.record.version, source=fixed.source)
+                    self.store.emit_event("membership", ep_rank=r, trigger="record_repaired",
+                                          state=fixed.record.state)
+        return self.store.member_view()
 
     def _fire(self, r: int, rec: MemberRecord, trigger: str, fence: str, reason: reasons.Reason,
               changes: dict[str, Any]) -> MemberState | None:
@@ -165,14 +184,22 @@ class Rejoin:
         self.handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=actor)
         self.store, self.ep_rank, self.actor, self.log = store, ep_rank, actor, log
         self.pending = False
+        self._unread: str | None = None  # the plan_id of a begin() that found the member record corrupt
 
     def begin(self, plan_id: str) -> None:
         """After the agent loaded placement ``plan_id``: an EXCLUDED rank fires ``rejoin``; one left REJOINING by
-        an earlier agent carries on."""
+        an earlier agent carries on. A member record that does not parse is left to the leading coordinator, which
+        repairs it (:meth:`MembershipWatch._read_view`): :meth:`step` asks again until it parses."""
         try:
             rec = self.handle.read()
         except NotFoundError:  # a cluster made before membership
             return
+        except CorruptRecordError as err:
+            if self._unread is None:
+                self.log.warning("member record corrupt: the coordinator repairs it", error=str(err))
+            self._unread = plan_id
+            return
+        self._unread = None
         if rec.state is M.EXCLUDED:
             why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} registered again and loaded placement "
                                  f"{plan_id or 'initial'} for its slots", {"ranks": [self.ep_rank]})
@@ -186,6 +213,8 @@ class Rejoin:
 
     def step(self, cluster_state: ClusterState) -> bool:
         """Admit the rank if it is rejoining and the cluster is FREE; True when it was admitted now."""
+        if self._unread is not None:
+            self.begin(self._unread)
         if not self.pending or cluster_state is not ClusterState.FREE:
             return False
         why = reasons.Reason(f"rank {self.ep_rank} admitted", {"ranks": [self.ep_rank]})

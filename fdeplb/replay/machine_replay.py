@@ -159,6 +159,14 @@ class _Replay(RecordSays):
         self.placement_known = placement is not None
         self.report.header = line.record
 
+    def _restart(self, line: AuditLine, table: MachineTable, key: str, state: str, version: int) -> None:
+        """Hold ``key`` in ``state`` at ``version`` from ``line`` on (a member record an audited repair excluded:
+        :meth:`RecordSays._note`), as a record of the report's final states too."""
+        self.machines[key] = _Replayed(table, key, state, version)
+        final = self.report.final.get(key) or KeyState(table.name, key, state, 0, 0)
+        self.report.final[key] = replace(final, state=state, code=table.to_code(table.state(state)), version=version,
+                                         last_trigger=line.record["trigger"], last_id=line.record.get("id", ""))
+
     def _table_of(self, line: AuditLine, key: str, machine: str | None = None) -> MachineTable:
         name, sep, idx = key.partition(":")
         table = TABLES.get(machine) if machine is not None else TABLE_OF_LABEL.get(name)

@@ -7,8 +7,8 @@ cluster's commit names its external request, a weight ``updated`` names the curr
 schema 2 on the facts are read from the record's ``detail`` only, and its ``reason`` must be the text they give.
 
 :class:`RecordSays` is mixed into the machine replay (``fdeplb.replay.machine_replay._Replay``); of its host it
-uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests`` and
-``_state_of``.
+uses ``report``, ``ep_size``, ``schema``, ``cordoned``, ``placement_known``, ``refused``, ``weight_requests``,
+``_state_of`` and ``_restart``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from fdeplb.replay.recording_format import AuditLine, field_int
 from fdeplb.replay.report import ConfigNote
 from fdeplb.rounds import reasons
 from fdeplb.store.liveness import stale_of
+from fdeplb.replay.start_state import NOTES_ON_RANKS
 
 __all__ = ["RecordSays", "read_detail"]
 
@@ -28,14 +29,20 @@ class RecordSays:
 
     def _note(self, line: AuditLine, table: MachineTable, state: str, version: int) -> None:
         """An alarm, skip, start refusal or weight withdrawal, on the record the replay holds in ``state`` at
-        ``version``: on the cluster as replayed; skips and refusals only in FREE (the coordinator's FREE entry
-        work writes them); a refusal names ranks of the cluster and stays in force until a start."""
+        ``version``: on the cluster as replayed (a takeover or a repair, :data:`NOTES_ON_RANKS`, on the rank's
+        record as replayed: a repaired record holds what its audited transitions left, or is excluded from there
+        on); skips and refusals only in FREE (the coordinator's FREE entry work writes them); a refusal names ranks
+        of the cluster and stays in force until a start."""
         rec, trigger = line.record, line.record["trigger"]
-        if table is not CLUSTER:
+        if trigger == "record_repaired" and self._repair_excludes(line, table):
+            state, version = rec["to"], field_int(line, "version")
+            self._restart(line, table, rec["key"], state, version)
+        if table is not CLUSTER and trigger not in NOTES_ON_RANKS:
             raise ReplayError(f"{line.where}: {trigger} on {rec['key']}; it is raised on the cluster record")
         if rec["from"] != state or rec["to"] != state or field_int(line, "version") != version:
-            raise ReplayError(f"{line.where}: {trigger} for cluster {rec['from']} v{rec['version']}, but the cluster "
-                              f"is {state} v{version} in the replay")
+            held = "the cluster" if table is CLUSTER else rec["key"]
+            raise ReplayError(f"{line.where}: {trigger} for {rec['key']} {rec['from']} v{rec['version']}, but "
+                              f"{held} is {state} v{version} in the replay")
         if trigger in ("skip", "start_refused") and state != CLUSTER.initial:
             raise ReplayError(f"{line.where}: {trigger} while the cluster is {state}; starts are decided in "
                               f"{CLUSTER.initial.value} only")
@@ -70,6 +77,18 @@ class RecordSays:
         note = ConfigNote(field_int(line, "round"), changes, line.where, version)
         self.report.config_changes.append(note)
         return note
+
+    def _repair_excludes(self, line: AuditLine, table: MachineTable) -> bool:
+        """Whether a ``record_repaired`` note is a member record's exclusion (detail ``source`` ``excluded``: the
+        audit did not hold its truth, :mod:`fdeplb.store.member_repair`); :class:`ReplayError` for one that says so
+        on another machine or into another state. Any other repair restores what the replay holds."""
+        source = self._detail(line, lambda rec: (reasons.detail_of(rec) or {}).get("source"))
+        if source != "excluded":
+            return False
+        if table is not MEMBERSHIP or line.record["to"] != MemberState.EXCLUDED.value:
+            raise ReplayError(f"{line.where}: record_repaired excluding {line.record['key']} into "
+                              f"{line.record['to']}; only a member record is excluded by a repair")
+        return True
 
     def _check_reason(self, line: AuditLine, table: MachineTable, spec: TransitionSpec, plan_id: str) -> None:
         """What a transition's record says besides its states, checked against the replayed records: the start

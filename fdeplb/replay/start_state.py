@@ -13,8 +13,12 @@ from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, Effect
 __all__ = ["NOT_TRANSITIONS", "StartState", "state_at"]
 
 #: triggers that are audited but are not transitions
+#: notes on a rank's record (any machine), not the cluster's: a new agent took the rank over from a dead process
+#: (``takeover_dead_pid``), a corrupt record was rewritten as its last audited transition left it
+#: (``record_repaired``); the note's from / to / version are what the record holds after it
+NOTES_ON_RANKS = frozenset({"takeover_dead_pid", "record_repaired"})
 NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled", "request_cancelled",
-                             "request_expired", "config_changed"})
+                             "request_expired", "config_changed", *NOTES_ON_RANKS})
 
 
 @dataclass(frozen=True)
@@ -35,9 +39,9 @@ def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = No
     from ``start``, e.g. a recording header's start state), in order, each read by field name as text
     (:class:`~fdeplb.store.AuditRecord` or an exported line's dict: a missing field reads ""). A plain
     fold, no checks: a transition's key takes its ``to``, version and plan_id, and its ``generation`` (when it is
-    a decimal) is the cluster's; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are; a key that is
-    not a record of the cluster is passed over; a cluster transition whose effect sets the placement (the commit)
-    makes its plan the placement."""
+    a decimal) is the cluster's; a note (:data:`NOT_TRANSITIONS`) leaves the records as they are, but for a
+    ``record_repaired`` one (the record as the note says); a key that is not a record of the cluster is passed
+    over; a cluster transition whose effect sets the placement (the commit) makes its plan the placement."""
     records = {CLUSTER.name: {"state": CLUSTER.initial.value, "version": 0, "plan_id": ""}}
     for r in range(ep_size):
         for table in (RANK, WEIGHTS, MEMBERSHIP):
@@ -48,8 +52,8 @@ def state_at(entries: Iterable[Any], ep_size: int, start: StartState | None = No
         chain, placement_plan, generation = start.chain, start.placement_plan, start.generation
     for e in entries:
         chain = e["chain"]
-        if e["trigger"] in NOT_TRANSITIONS or e["key"] not in records:
-            continue
+        if (e["trigger"] in NOT_TRANSITIONS and e["trigger"] != "record_repaired") or e["key"] not in records:
+            continue  # a repair leaves the record as its note says (what the audit left, or excluded)
         records[e["key"]] = {"state": e["to"], "version": int(e["version"]), "plan_id": e["plan_id"]}
         made = str(_field(e, "generation"))
         if made.isascii() and made.isdigit():

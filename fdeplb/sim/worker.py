@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parent-pid", type=int, default=None,
                    help="stop when this process is gone (opt-in; default: no parent watch)")
     p.add_argument("--replace", action="store_true",
-                   help="supersede a live agent of the same rank (default: refuse, exit 3)")
+                   help="supersede a live agent of the same rank (default: refuse, exit 3; an agent whose pid is "
+                        "gone on this host is taken over without it)")
     p.add_argument("--redis-wait-s", type=float, default=300.0, help="wait this long for Redis at start-up")
     p.add_argument("--heartbeat-ttl-ms", type=int, default=10_000,
                    help="the heartbeat's time to live: the rank is stale this long after its last beat")

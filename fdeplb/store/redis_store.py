@@ -12,6 +12,7 @@ each part owns one structure or one concern, in its own module, and they call ea
 - :mod:`~fdeplb.store.streams`: the audit, events and signal streams;
 - :mod:`~fdeplb.store.liveness`: the rank registry, heartbeats and switch arming;
 - :mod:`~fdeplb.store.retention`: pruning, audit trimming, key counts;
+- :mod:`~fdeplb.store.member_repair`: a corrupt member record rewritten from the audit;
 - :mod:`~fdeplb.store.bootstrap`: creating, rebuilding and deleting a cluster;
 - :mod:`~fdeplb.store.deferred`: calls sent later in one pipeline.
 
@@ -42,6 +43,7 @@ from fdeplb.store.lease import Lease
 from fdeplb.store.liveness import Liveness
 from fdeplb.store.machine_io import MachineIO
 from fdeplb.store.placements import Placements
+from fdeplb.store.member_repair import MemberRepair, Repair
 from fdeplb.store.retention import Retention
 from fdeplb.store.streams import Streams
 from fdeplb.store.windows import Windows
@@ -50,8 +52,8 @@ __all__ = ["Store"]
 
 
 @map_public_methods
-class Store(MachineIO, Intents, Windows, Placements, Lease, Streams, Liveness, Retention, Bootstrap, DeferredCalls,
-            StoreBase):
+class Store(MachineIO, Intents, Windows, Placements, Lease, Streams, Liveness, Retention, Repair, Bootstrap,
+            DeferredCalls, StoreBase):
     """All Redis access of one cluster. Thread-safe as far as redis-py's connection pool is.
 
     Args:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
 from fdeplb.errors import FenceError, InputError
-from fdeplb.machines.tables import CLUSTER
+from fdeplb.machines.tables import CLUSTER, MachineTable
 from fdeplb.store.connection import MAX_BLOCK_MS, as_str as _s, as_text as _text, typed as _typed
-from fdeplb.store.records import ClusterRecord
+from fdeplb.store.records import ClusterRecord, RecordHeader
 from fdeplb.store.scripts import SIGNAL_MAXLEN, audit_call
 
 #: events kept in the capped wake-up stream
@@ -50,6 +50,18 @@ def detail_text(detail: Mapping[str, Any]) -> str:
 def detail_field(detail: Mapping[str, Any] | None) -> dict[str, str]:
     """``{"detail": detail_text(detail)}``, or {} for no detail (a record without facts has no such field)."""
     return {"detail": detail_text(detail)} if detail else {}
+
+
+def note_fields(table: MachineTable, ep_rank: int | None, *, state: str, version: int | str, trigger: str,
+                actor: str, round_: int | str, plan_id: str, reason: str,
+                detail: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The fields of an audit note (a record that is not a transition) on the cluster record (``table`` CLUSTER) or
+    on rank ``ep_rank``'s record of ``table``: ``from`` = ``to`` = ``state``, the record's ``version``; fence,
+    ts_ms and chain are added by ``lua/audit.lua``."""
+    label = table.name if table is CLUSTER else f"{table.key_label}:{int(ep_rank)}"
+    return {"machine": table.name, "key": label, "from": state, "to": state, "trigger": trigger, "actor": actor,
+            "round": str(round_), "plan_id": plan_id, "reason": reason, "version": str(version),
+            **detail_field(detail)}
 
 
 def parse_stream_id(text: str) -> tuple[int, int]:
@@ -88,21 +100,22 @@ class Streams:
         refused (:class:`FenceError`) unless that lease is held. Returns the audit id."""
         return self.append_note(record, trigger="alarm", actor=actor, reason=reason, fence=fence, detail=detail)
 
-    def append_note(self, record: ClusterRecord, *, trigger: str, actor: str, reason: str, fence: str = "",
-                    detail: Mapping[str, Any] | None = None) -> str:
+    def append_note(self, record: RecordHeader, *, trigger: str, actor: str, reason: str, fence: str = "",
+                    detail: Mapping[str, Any] | None = None, table: MachineTable = CLUSTER,
+                    ep_rank: int | None = None) -> str:
         """Append a cluster outcome that is not a transition (``alarm``, ``skip``, ``start_refused``) to the audit
         stream: ``from`` = ``to`` = the record's state, its current ``version``; the record is unchanged and
         replays skip it (:data:`fdeplb.replay.NOT_TRANSITIONS`). Appended by ``lua/audit.lua``, so it joins the
         audit chain like a transition; with ``fence``, refused (:class:`FenceError`) unless that lease is held.
         ``detail``: the facts behind ``reason`` as the record's ``detail`` field (:func:`detail_text`).
-        Returns the stream id."""
-        fields = {"machine": CLUSTER.name, "key": CLUSTER.name, "from": record.state.value,
-                  "to": record.state.value, "trigger": trigger, "actor": actor, "round": str(record.round),
-                  "plan_id": record.plan_id, "reason": reason, "version": str(record.version), **detail_field(detail)}
+        ``table`` / ``ep_rank``: a note on a rank's record of that machine instead (``record``: that record; e.g.
+        ``takeover_dead_pid`` on a rank record). Returns the stream id."""
+        fields = note_fields(table, ep_rank, state=record.state.value, version=record.version, trigger=trigger,
+                             actor=actor, round_=record.round, plan_id=record.plan_id, reason=reason, detail=detail)
         call = audit_call(self._keys, fence=fence, audit=fields)
         reply = self._append(keys=call.keys, args=call.args)
         if _s(reply[0]) != "OK":
-            raise FenceError(f"{trigger} on {CLUSTER.name}: {_s(reply[1])}")
+            raise FenceError(f"{trigger} on {fields['key']}: {_s(reply[1])}")
         return _s(reply[1])
 
     def emit_event(self, kind: str, **fields: Any) -> str:

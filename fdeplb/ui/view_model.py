@@ -194,7 +194,7 @@ def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: 
                              "deadline_ms": _int(rec.get("ts_ms")) + limit if limit else None})
         lanes: dict[int, list[dict[str, Any]]] = {}
         for rec in recs:
-            if rec.get("machine") != RANK.name:
+            if rec.get("machine") != RANK.name or rec.get("trigger") in NOT_TRANSITIONS:  # a takeover note
                 continue
             r = _int(str(rec.get("key", "")).partition(":")[2], -1)
             lane = lanes.setdefault(r, [])

@@ -46,6 +46,7 @@ def test_every_public_method_of_every_part_is_wrapped_in_the_error_mapping():
 CALLS = [
     ("now_ms", ()), ("read_cluster", ()), ("request_clear_stat", ()), ("load_round", (0,)), ("has_plan", ("p",)),
     ("lease_info", ()), ("audit_length", ()), ("rank_agent", (0,)), ("key_count", ()), ("delete_cluster", ()),
+    ("last_member_audit", (0,)),
     ("send", ([PendingCall("a read", lambda pipe: pipe.get("k"), lambda reply: reply)],)),
 ]
 
