@@ -7,7 +7,7 @@ No I/O. A round's outcome is :func:`fdeplb.rounds.reasons.round_outcome` of its 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import redis
 
 from fdeplb.errors import CorruptRecordError, FenceError, GenerationError, GuardError, StaleStateError
-from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, MachineTable, RankState, TransitionSpec
+from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, MachineTable, RankState, TransitionSpec
 from fdeplb.store.connection import MAX_BLOCK_MS, as_str as _s, hgetall as _hgetall, typed as _typed
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store.records import ClusterRecord, RankRecord, WeightRecord, encode_changes, record_type

@@ -43,7 +43,7 @@ from fdeplb.store.lease import Lease
 from fdeplb.store.liveness import Liveness
 from fdeplb.store.machine_io import MachineIO
 from fdeplb.store.placements import Placements
-from fdeplb.store.member_repair import MemberRepair, Repair
+from fdeplb.store.member_repair import Repair
 from fdeplb.store.retention import Retention
 from fdeplb.store.streams import Streams
 from fdeplb.store.windows import Windows

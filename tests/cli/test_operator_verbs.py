@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
-from fdeplb.orchestration.cluster_setup import init_cluster
-from fdeplb.store import ClusterConfig, Deadlines, Store
+from fdeplb.store import Deadlines, Store
 from tests.cli.helpers import cli, init_args
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import signal
-import time
 from contextlib import contextmanager
 
 import pytest

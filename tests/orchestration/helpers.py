@@ -178,3 +178,20 @@ def paddle_serving(redis_url, cluster_id, tmp_path, setup=None, num_layers=4, **
         finally:
             for a in agents:
                 a.close()
+
+
+#: the membership tests' heartbeat TTL (heartbeats every 0.1 s)
+TTL = 400
+
+
+def deadlines(**kw) -> Deadlines:
+    """The membership tests' deadlines: 20 s per phase, a lost rank excluded after 1 s (``kw`` overrides)."""
+    return Deadlines(**{"collecting_ms": 20_000, "loading_ms": 20_000, "commit_ms": 20_000, "swapping_ms": 20_000,
+                        "exclude_ms": 1_000, **kw})
+
+
+def kill(tc, r: int) -> None:
+    """Stop rank ``r``'s agent thread of thread cluster ``tc`` (as if its worker died) and wait for it."""
+    tc.agents[r].stop_event.set()
+    tc.threads[r].join(10)
+    assert not tc.threads[r].is_alive()

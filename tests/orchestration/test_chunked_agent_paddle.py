@@ -77,7 +77,7 @@ def test_a_verification_error_in_load_chunk_on_one_rank_still_converges(redis_ur
     monkeypatch.setattr(LiveExperts, "load_chunk", flaky)
     with paddle_serving(redis_url, cluster_id, tmp_path) as (tc, store, agents):
         cursor = store.cursor()
-        ranks = _round(tc, store, agents, 1, "test fault")
+        _round(tc, store, agents, 1, "test fault")
         alarms = [e.fields for e in store.wait(cursor, 100) if e["kind"] == "alarm"]
         assert calls["n"] == failures
         if failures == 2:  # the chunk failed in its pause: the rank alarmed (and retried)

@@ -15,7 +15,7 @@ from fdeplb.errors import FenceError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.replay import ReplayError, replay_file
 from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.test_membership_rounds import TTL, deadlines, kill, round_done
+from tests.orchestration.helpers import TTL, deadlines, kill, round_done
 
 pytestmark = pytest.mark.slow  # thread clusters
 
@@ -73,9 +73,9 @@ def test_a_corrupt_member_record_is_repaired_from_the_audit_and_rounds_go_on(red
 
 
 def _store(redis_url, cluster_id):
-    from tests.sim.test_worker import _cluster  # 2 ranks, initialised, nothing running
+    from tests.sim.helpers import two_rank_cluster  # 2 ranks, initialised, nothing running
 
-    return _cluster(redis_url, cluster_id)
+    return two_rank_cluster(redis_url, cluster_id)
 
 
 def test_repair_writes_nothing_for_a_sound_record_or_a_lost_lease(redis_url, cluster_id):

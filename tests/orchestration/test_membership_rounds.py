@@ -15,33 +15,16 @@ from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.placement import live_maps, orphaned_experts
 from fdeplb.replay import ReplayError, check_plans, replay_file
 from fdeplb.rounds import reasons
-from fdeplb.store import Deadlines
 from tests.helpers import run_cli, thread_cluster, wait_for
+from tests.orchestration.helpers import TTL, deadlines, kill, round_done
 
 pytestmark = pytest.mark.slow  # thread clusters
 
 M = MemberState
-TTL = 400  # heartbeats every 0.1 s
-
-
-def deadlines(**kw) -> Deadlines:
-    return Deadlines(**{"collecting_ms": 20_000, "loading_ms": 20_000, "commit_ms": 20_000, "swapping_ms": 20_000,
-                        "exclude_ms": 1_000, **kw})
-
-
-def kill(tc, r: int) -> None:
-    tc.agents[r].stop_event.set()
-    tc.threads[r].join(10)
-    assert not tc.threads[r].is_alive()
 
 
 def member_trail(store, r: int) -> list[tuple[str, str, str]]:
     return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["key"] == f"member:{r}"]
-
-
-def round_done(store, n: int):
-    rec = store.read_cluster()
-    return rec.state is ClusterState.FREE and rec.round >= n and rec
 
 
 def test_a_lost_rank_is_suspected_excluded_and_its_experts_replaced(redis_url, cluster_id, tmp_path):

@@ -15,7 +15,7 @@ from fdeplb.orchestration import takeover
 from fdeplb.orchestration.takeover import DeadOwner, dead_owner
 from fdeplb.replay import ReplayError, replay_file
 from tests.helpers import wait_for
-from tests.sim.test_worker import _cluster, _one_line_error, _trace, _worker
+from tests.sim.helpers import one_line_error, two_rank_cluster, worker_process, write_trace
 
 HERE = {"host": "node-a", "boot_id": "b-1", "pid_ns": "pid:[1]", "pid_start": 500}
 
@@ -61,10 +61,10 @@ def test_a_sigkilled_worker_restarted_at_once_serves_again_without_replace(redis
     """The heartbeat TTL is 10 minutes: without the takeover the restart would be refused (exit 3) until it lapsed."""
     if not takeover.host_identity():
         pytest.skip("no /proc boot id or pid namespace here")
-    store = _cluster(redis_url, cluster_id)
-    trace = _trace(tmp_path, 2, 8)
+    store = two_rank_cluster(redis_url, cluster_id)
+    trace = write_trace(tmp_path, 2, 8)
     args = ("--rank", "1", "--heartbeat-ttl-ms", "600000")
-    first = _worker(redis_url, cluster_id, *args, trace=trace)
+    first = worker_process(redis_url, cluster_id, *args, trace=trace)
     second = None
     try:
         wait_for(lambda: store.rank_agent(1) is not None or first.poll() is not None, 120, store, "rank 1 registered")
@@ -73,7 +73,7 @@ def test_a_sigkilled_worker_restarted_at_once_serves_again_without_replace(redis
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
         assert store.rank_info()[1]["agent_id"] == old and not store.rank_info()[1].get("stopped_ms")
-        second = _worker(redis_url, cluster_id, *args, trace=trace)  # at once, no --replace
+        second = worker_process(redis_url, cluster_id, *args, trace=trace)  # at once, no --replace
         wait_for(lambda: _takeovers(store) and store.rank_agent(1) != old or second.poll() is not None, 60, store,
                  "the restarted worker took rank 1 over")
         assert second.poll() is None, second.communicate()
@@ -81,7 +81,7 @@ def test_a_sigkilled_worker_restarted_at_once_serves_again_without_replace(redis
         assert note["key"] == "rank:1" and note["actor"] == f"rank1@{second.pid}"
         assert f"pid {first.pid} is gone" in note["reason"] and store.rank_info()[1]["pid"] == second.pid
         # a second live agent for the same rank is still refused, and takes nothing over
-        err = _one_line_error(_worker(redis_url, cluster_id, *args, trace=trace), 3)
+        err = one_line_error(worker_process(redis_url, cluster_id, *args, trace=trace), 3)
         assert "driven by a live agent" in err and "--replace" in err
         assert store.rank_info()[1]["pid"] == second.pid and len(_takeovers(store)) == 1
         second.terminate()

@@ -14,6 +14,7 @@ import structlog.testing
 
 from fdeplb.sim import worker
 from tests.helpers import wait_for
+from tests.sim.helpers import one_line_error, two_rank_cluster, worker_process, write_trace
 
 
 def test_a_worker_whose_parent_is_gone_stops_and_logs_why():
@@ -34,56 +35,18 @@ def test_a_worker_whose_parent_is_gone_stops_and_logs_why():
 
 
 # ---- argument errors, a wrong trace, a live agent, signals during the paddle import ---------------------
-def _worker(redis_url, cluster, *args, env=None, backend="numpy", trace=None):
-    cmd = [sys.executable, "-m", "fdeplb.sim.worker", "--redis-url", redis_url, "--cluster", cluster,
-           "--backend", backend, "--redis-wait-s", "0.2", "--log-level", "WARNING", *args]
-    if trace is not None:
-        cmd += ["--trace", str(trace)]
-    import os
-
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-
-
-def _trace(tmp_path, layers, experts):
-    import json
-
-    path = tmp_path / f"trace_{layers}x{experts}.json"
-    path.write_text(json.dumps({"counts": [[1 + (i + j) % 5 for j in range(experts)] for i in range(layers)]}))
-    return path
-
-
-def _cluster(redis_url, cluster_id):
-    from fdeplb.orchestration import init_cluster
-    from fdeplb.placement import initial_placement
-    from fdeplb.store import ClusterConfig, Store
-
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=2),
-                 initial_placement(2, 8, 12).phy2log)
-    return store
-
-
-def _one_line_error(proc, code):
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == code, (proc.returncode, out, err)
-    errors = [ln for ln in err.splitlines() if not ln.startswith("{")]  # besides JSON log lines: one line
-    assert len(errors) == 1 and errors[0].startswith("error: ") and "Traceback" not in err, err
-    return errors[0]
-
-
 def test_worker_argument_errors_are_one_line_and_their_exit_code(redis_url, cluster_id, tmp_path):
-    store = _cluster(redis_url, cluster_id)
-    trace = _trace(tmp_path, 2, 8)
+    store = two_rank_cluster(redis_url, cluster_id)
+    trace = write_trace(tmp_path, 2, 8)
     try:
-        err = _one_line_error(_worker(redis_url, cluster_id, "--rank", "99", trace=trace), 2)
+        err = one_line_error(worker_process(redis_url, cluster_id, "--rank", "99", trace=trace), 2)
         assert "--rank 99 is outside" in err and "0..1" in err
-        assert "not initialised" in _one_line_error(_worker(redis_url, "no-such-cluster", "--rank", "0",
+        assert "not initialised" in one_line_error(worker_process(redis_url, "no-such-cluster", "--rank", "0",
                                                             trace=trace), 2)
-        assert "did not answer within 0.2 s" in _one_line_error(_worker("redis://127.0.0.1:1/0", cluster_id,
+        assert "did not answer within 0.2 s" in one_line_error(worker_process("redis://127.0.0.1:1/0", cluster_id,
                                                                         "--rank", "0", trace=trace), 7)
         # a trace of another model: refused before the worker registers (a 4 x 16 trace against a 2 x 8 cluster)
-        err = _one_line_error(_worker(redis_url, cluster_id, "--rank", "0", trace=_trace(tmp_path, 4, 16)), 2)
+        err = one_line_error(worker_process(redis_url, cluster_id, "--rank", "0", trace=write_trace(tmp_path, 4, 16)), 2)
         assert "4 layers x 16 experts" in err and "2 x 8" in err
         assert store.rank_info() == {}
     finally:
@@ -91,15 +54,15 @@ def test_worker_argument_errors_are_one_line_and_their_exit_code(redis_url, clus
 
 
 def test_a_live_agent_is_superseded_only_with_replace(redis_url, cluster_id, tmp_path):
-    store = _cluster(redis_url, cluster_id)
+    store = two_rank_cluster(redis_url, cluster_id)
     store.register_rank(0, {"agent_id": "healthy", "actor": "rank0@1"})
     store.heartbeat(0, heartbeat_ttl_ms=600_000)
-    trace = _trace(tmp_path, 2, 8)
+    trace = write_trace(tmp_path, 2, 8)
     try:
-        err = _one_line_error(_worker(redis_url, cluster_id, "--rank", "0", trace=trace), 3)
+        err = one_line_error(worker_process(redis_url, cluster_id, "--rank", "0", trace=trace), 3)
         assert "driven by a live agent (rank0@1, agent healthy" in err and "--replace" in err
         assert store.rank_agent(0) == "healthy"
-        proc = _worker(redis_url, cluster_id, "--rank", "0", "--replace", trace=trace)
+        proc = worker_process(redis_url, cluster_id, "--rank", "0", "--replace", trace=trace)
         try:
             wait_for(lambda: store.rank_agent(0) not in (None, "healthy") or proc.poll() is not None, 120, store,
                      "the --replace worker registered")
@@ -119,8 +82,8 @@ def test_sigterm_while_paddle_is_imported_stops_the_worker_cleanly(redis_url, cl
     import psutil
 
     pytest.importorskip("paddle")
-    store = _cluster(redis_url, cluster_id)
-    proc = _worker(redis_url, cluster_id, "--rank", "0", backend="paddle", trace=_trace(tmp_path, 2, 8),
+    store = two_rank_cluster(redis_url, cluster_id)
+    proc = worker_process(redis_url, cluster_id, "--rank", "0", backend="paddle", trace=write_trace(tmp_path, 2, 8),
                    env={"FDEPLB_FAILPOINTS": "worker.stop=imported"})
     try:
         ps = psutil.Process(proc.pid)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("paddle")
 
 from fdeplb.errors import StagingBudgetError, VerificationError  # noqa: E402
-from fdeplb.weights import CheckpointBackend, CheckpointReader, LiveExperts, routing_tables  # noqa: E402
+from fdeplb.weights import CheckpointBackend, routing_tables  # noqa: E402
 from fdeplb.weights import _paddle  # noqa: E402
 from fdeplb.weights.plan import PauseBudget, changed_layers, chunk_layers, chunk_starts, plan_transfer  # noqa: E402
 from tests.weights.helpers import EP, NEW, OLD, snapshot_bytes  # noqa: E402
