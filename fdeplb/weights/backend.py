@@ -12,12 +12,15 @@ coordinator, the agent, gating, replay and the kill tests run without paddle.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-from fdeplb.errors import CheckpointError
+from fdeplb.errors import CheckpointError, PeerTransferError
+from fdeplb.placement.digest import routing_digest
+from fdeplb.weights.peer_staging import PeerFetch
 from fdeplb.weights.plan import PauseBudget, TransferPlan, changed_layers, chunk_layers, chunk_starts, plan_transfer
 
 
@@ -37,14 +40,20 @@ class StageReport:
     """Bytes read from the checkpoint."""
     local_bytes: int
     """Bytes copied between slots of the rank."""
+    peer: int = 0
+    """Experts taken from a peer rank's live slot (each once, verified); ``disk`` counts the rest."""
+    peer_bytes: int = 0
+    """Bytes taken from peers' live slots instead of the checkpoint (``disk_bytes`` counts the rest)."""
 
     @classmethod
-    def of(cls, transfer: TransferPlan, expert_nbytes: int) -> "StageReport":
-        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each."""
+    def of(cls, transfer: TransferPlan, expert_nbytes: int, peer: int = 0) -> "StageReport":
+        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each, ``peer`` of its new experts
+        taken from peers."""
         nbytes = transfer.nbytes(expert_nbytes)
         counts = transfer.counts
-        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"], disk_slots=transfer.disk_slots,
-                   disk_bytes=nbytes["disk"], local_bytes=nbytes["local"])
+        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"] - peer,
+                   disk_slots=transfer.disk_slots, disk_bytes=nbytes["disk"] - peer * int(expert_nbytes),
+                   local_bytes=nbytes["local"], peer=peer, peer_bytes=peer * int(expert_nbytes))
 
 
 @dataclass(frozen=True)
@@ -96,6 +105,9 @@ class Staged(Protocol):
     """A staged plan held by a backend until it is swapped in or released."""
 
     report: StageReport
+    fallbacks: list
+    """Experts a peer did not deliver, read from the checkpoint instead
+    (:class:`~fdeplb.weights.peer_staging.Fallback`; the agent audits them)."""
     starts: tuple[int, ...]
     """This rank's chunk layout of the swap within the pause budget it was staged for (the first layer of each
     chunk, :func:`~fdeplb.weights.plan.chunk_starts`); () when staged for a swap at once."""
@@ -120,11 +132,13 @@ class WeightBackend(Protocol):
     def slots_total(self) -> int:
         """Slots of the rank: num_layers x slots per rank."""
 
-    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None, pause: PauseBudget | None = None) -> Staged:
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None, pause: PauseBudget | None = None,
+              peers: PeerFetch | None = None) -> Staged:
         """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
         read, when it needs more than ``budget_bytes``). With ``pause``, the swap is applied in chunks of layers
         within it (``Staged.starts``) and a device buffer for the largest chunk is allocated too, counted in the
-        same budget."""
+        same budget. With ``peers``, experts a peer holds live are taken from it (``Staged.fallbacks``: those
+        read from the checkpoint instead)."""
 
     def swap(self, staged: Staged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
@@ -164,6 +178,22 @@ class WeightBackend(Protocol):
         slot; returns the verification (:class:`SlotCheck`). Raises WeightError subclasses when it cannot."""
 
 
+def served_slot(phy2log: np.ndarray, rank_phy2log: np.ndarray, layer: int, expert: int, placement: str,
+               ep_rank: int) -> int:
+    """The first rank-local slot holding ``expert`` in ``layer`` of the live placement ``phy2log`` (int64 [L, P];
+    ``rank_phy2log`` its [L, S] columns of this rank), which must have routing digest ``placement``; the refusals
+    of :meth:`fdeplb.weights.peer.ExpertSource.serve_expert` (PeerTransferError) otherwise."""
+    live_digest = routing_digest(phy2log)
+    if live_digest != placement:
+        raise PeerTransferError(f"rank {ep_rank} holds placement {live_digest} live, the request names {placement}")
+    if not 0 <= int(layer) < rank_phy2log.shape[0]:
+        raise PeerTransferError(f"rank {ep_rank}: layer {layer} outside [0, {rank_phy2log.shape[0]})")
+    held = np.flatnonzero(rank_phy2log[int(layer)] == int(expert))
+    if not held.size:
+        raise PeerTransferError(f"rank {ep_rank} holds no live slot of expert {expert} in layer {layer}")
+    return int(held[0])
+
+
 #: builds a rank's backend: (checkpoint {"path", "preset"}, placement int64 [L, P], ep_rank, ep_size) -> backend
 BackendFactory = Callable[[dict, np.ndarray, int, int], WeightBackend]
 
@@ -182,6 +212,10 @@ class _CheckpointStaged:
     experts: Any  # StagedExperts
     report: StageReport
     starts: tuple[int, ...] = ()
+
+    @property
+    def fallbacks(self) -> list:
+        return self.experts.fallbacks
 
     def release(self) -> None:
         self.experts.release()
@@ -248,7 +282,7 @@ class CheckpointBackend:
         return self.live.slots_per_rank * self.live.num_layers
 
     def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None,
-              pause: PauseBudget | None = None) -> _CheckpointStaged:
+              pause: PauseBudget | None = None, peers: PeerFetch | None = None) -> _CheckpointStaged:
         from fdeplb.weights.staging import stage_experts
 
         old = self.live.phy2log
@@ -257,9 +291,33 @@ class CheckpointBackend:
         if pause is not None:
             starts, chunks = layout_of(transfer, old, new_phy2log, self.reader.expert_nbytes, pause)
             buffer_experts = max((sum(1 for layer, _ in transfer.disk if layer in set(c)) for c in chunks), default=0)
+        if peers is not None:
+            peers = dataclasses.replace(peers, known={**peers.known, **{
+                key: c for key in transfer.disk if (c := self.live.checksum(*key)) is not None}})
         experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device,
-                                buffer_experts=buffer_experts)
-        return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes), starts)
+                                buffer_experts=buffer_experts, peers=peers)
+        report = StageReport.of(transfer, self.reader.expert_nbytes, experts.from_peers)
+        return _CheckpointStaged(transfer, experts, report, starts)
+
+    def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
+        """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the live slots: a host copy of the first
+        slot of this rank holding ``expert`` in ``layer``, taken at one epoch of the live experts, with its
+        checkpoint checksum. PeerTransferError when the live placement is not ``placement`` (routing digest), the
+        rank holds no slot of that expert, its checksum is not known, or the slots changed during the copy."""
+        from fdeplb.weights import _paddle
+
+        live = self.live
+        epoch = live.epoch
+        slot = served_slot(live.phy2log, live.rank_phy2log, layer, expert, placement, live.ep_rank)
+        checksum = live.checksum(layer, expert)
+        if checksum is None:
+            raise PeerTransferError(f"rank {live.ep_rank}: no checkpoint checksum of expert {expert} of layer "
+                                    f"{layer} (slots not verified)")
+        parts = [(suffix, _paddle.host_bytes(t)) for suffix, t in live.slot(layer, slot).items()]
+        if live.epoch != epoch:
+            raise PeerTransferError(f"rank {live.ep_rank}: live slots changed while serving expert {expert} of "
+                                    f"layer {layer}")
+        return parts, checksum
 
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:

@@ -1,0 +1,280 @@
+"""Peer-to-peer expert transfer between the processes of one machine: the :class:`PeerTransport` seam, the server a
+rank agent runs over its live slots (:class:`PeerServer`) and the client that fetches from it (:class:`SocketTransport`).
+
+Wire: TCP on the loopback (or a host the operator gives), framed and authenticated by the standard library's
+:mod:`multiprocessing.connection` (length-prefixed messages; an HMAC challenge in both directions with a key every
+rank derives from one secret, :func:`peer_authkey`; a connection without the key is refused before any byte of an
+expert moves). One request names ``(layer, expert, placement)``: ``placement`` is the
+:func:`~fdeplb.placement.digest.routing_digest` of the placement the receiver expects the peer to hold live; the
+peer refuses a request naming another (its slots may be about to change) or an expert it does not hold live. The
+answer is a JSON header (``sizes`` per tensor suffix, the expert's checkpoint ``checksum`` as the peer verified it)
+followed by one message per suffix, which the receiver reads straight into its staging tensors
+(``Connection.recv_bytes_into``). Every wait has a deadline: a socket that stalls is shut down when it passes.
+
+The GPU transport (NCCL send/recv through ``paddle.distributed`` between the ranks' devices) fits the same seam:
+:meth:`PeerTransport.fetch` fills ``into`` (there: device tensors) and returns the peer's checksum; it is not
+written yet because it can only be checked on GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import threading
+from contextlib import contextmanager
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any, Iterator, NamedTuple, Protocol, runtime_checkable
+
+import structlog
+
+from fdeplb.errors import InputError, PeerTransferError
+
+log = structlog.get_logger("fdeplb.peer")
+
+#: most bytes of one request or answer header
+MAX_HEADER = 4096
+#: default deadline of one connect, handshake or expert transfer (seconds)
+DEFAULT_TIMEOUT_S = 30.0
+#: an idle served connection is closed after this long (seconds)
+IDLE_S = 120.0
+
+
+def peer_authkey(secret: str, cluster: str) -> bytes:
+    """The key peers of ``cluster`` authenticate with: HMAC-SHA256(``secret``, ``"fdeplb-peer:" + cluster``), 32
+    bytes. ``secret`` is the operator's (``FDEPLB_PEER_SECRET``, else the API password: see
+    :func:`fdeplb.orchestration.peer_agent.peer_secret`); InputError when it is empty (never unauthenticated)."""
+    if not secret:
+        raise InputError("peer transfer needs a non-empty secret (FDEPLB_PEER_SECRET or FDEPLB_API_PASSWORD)")
+    return hmac.new(secret.encode(), f"fdeplb-peer:{cluster}".encode(), hashlib.sha256).digest()
+
+
+class PeerRequest(NamedTuple):
+    """One expert asked of a peer: MoE layer index, logical expert id, and the routing digest of the placement the
+    peer must hold live to serve it."""
+
+    layer: int
+    expert: int
+    placement: str
+
+
+@runtime_checkable
+class ExpertSource(Protocol):
+    """What a :class:`PeerServer` serves from: a rank's live slots (a weight backend)."""
+
+    def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
+        """``([(suffix, bytes-like copy of the live slot's tensor)], checkpoint checksum)`` of one live expert, copied
+        at one consistent epoch of the live slots. PeerTransferError (a refusal) when the live placement's digest is
+        not ``placement`` or no live slot holds ``expert`` in ``layer``."""
+
+
+@runtime_checkable
+class PeerTransport(Protocol):
+    """Moves one expert from a peer rank's live slot into the caller's staging tensors."""
+
+    def fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        """Fill ``into`` (``suffix -> writable buffer`` of exactly the expert's bytes, in the order the peer sends
+        them) from ``peer`` and return the checksum the peer gives for the expert (the caller checks the bytes
+        against it). Raises PeerTransferError (refused, dead, past its deadline, unauthenticated, truncated);
+        ``into`` may then hold part of the bytes: the caller reads the expert from the checkpoint instead."""
+
+    def close(self) -> None:
+        """Close every connection (idempotent)."""
+
+
+@contextmanager
+def _deadline(sock: socket.socket, seconds: float) -> Iterator[None]:
+    """Shut ``sock`` down if the block runs past ``seconds``: a blocked read then returns end-of-file."""
+    timer = threading.Timer(seconds, lambda: _shutdown(sock))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Link:
+    """One authenticated connection: the framed :class:`Connection` and a duplicate of its socket to shut down."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.guard = sock.dup()
+        self.conn = Connection(sock.detach())
+
+    def close(self) -> None:
+        _shutdown(self.guard)
+        self.guard.close()
+        self.conn.close()
+
+
+def _json(conn: Connection) -> dict:
+    data = json.loads(conn.recv_bytes(MAX_HEADER))
+    if not isinstance(data, dict):
+        raise ValueError("a header must be a JSON object")
+    return data
+
+
+class PeerServer:
+    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons).
+
+    Args:
+        source: the live slots (:class:`ExpertSource`).
+        authkey: :func:`peer_authkey` (bytes, >= 16).
+        host: the interface to listen on (default the loopback); the port is chosen by the system.
+        timeout_s: deadline of a connection's handshake and of sending one expert.
+
+    Attributes:
+        address: ``"host:port"`` to register with the rank (:meth:`fdeplb.store.Store.register_rank`).
+        served, refused: experts sent, requests refused (counters).
+    """
+
+    def __init__(self, source: ExpertSource, authkey: bytes, *, host: str = "127.0.0.1",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if len(authkey) < 16:
+            raise InputError("a peer authkey needs at least 16 bytes (peer_authkey)")
+        self.source, self._key, self.timeout_s = source, bytes(authkey), float(timeout_s)
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.5)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self.served = self.refused = 0
+        self._thread = threading.Thread(target=self._accept, name="fdeplb-peer-accept", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting (idempotent); connections in flight end with their peer or their deadline."""
+        self._stop.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock,), name="fdeplb-peer-serve", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        link = _Link(sock)
+        try:
+            with _deadline(link.guard, self.timeout_s):
+                deliver_challenge(link.conn, self._key)
+                answer_challenge(link.conn, self._key)
+            while not self._stop.is_set() and link.conn.poll(IDLE_S):
+                self._answer(link)
+        except (AuthenticationError, EOFError, OSError, ValueError) as err:
+            log.info("peer connection closed", reason=f"{type(err).__name__}: {err}")
+        finally:
+            link.close()
+
+    def _answer(self, link: _Link) -> None:
+        req = _json(link.conn)
+        try:
+            request = PeerRequest(int(req["layer"]), int(req["expert"]), str(req["placement"]))
+            parts, checksum = self.source.serve_expert(*request)
+        except (KeyError, TypeError, ValueError, PeerTransferError) as err:
+            self.refused += 1
+            link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
+            return
+        from fdeplb.failpoints import failpoint
+
+        with _deadline(link.guard, self.timeout_s):
+            link.conn.send_bytes(json.dumps({"ok": True, "checksum": list(checksum),
+                                             "sizes": [[s, memoryview(b).nbytes] for s, b in parts]}).encode())
+            for k, (_, data) in enumerate(parts):
+                if k == 1:
+                    failpoint("peer.hang", "sending")  # tests: a peer killed mid-transfer
+                link.conn.send_bytes(data)
+        self.served += 1
+
+
+class SocketTransport:
+    """:class:`PeerTransport` over :class:`PeerServer` connections (one cached connection per peer, thread-safe per
+    peer: fetch from several peers in parallel).
+
+    Args:
+        addresses: ``peer rank -> "host:port"``, only registered addresses (the rank registry's ``peer_address``).
+        authkey: :func:`peer_authkey`.
+        timeout_s: deadline of a connect + handshake, and of one expert's transfer.
+    """
+
+    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.addresses = {int(r): str(a) for r, a in addresses.items()}
+        self._key, self.timeout_s = bytes(authkey), float(timeout_s)
+        self._links: dict[int, _Link] = {}
+        self._locks: dict[int, threading.Lock] = {r: threading.Lock() for r in self.addresses}
+
+    def _link(self, peer: int) -> _Link:
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        host, _, port = self.addresses[peer].rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        link = _Link(sock)
+        try:
+            with _deadline(link.guard, self.timeout_s):
+                answer_challenge(link.conn, self._key)
+                deliver_challenge(link.conn, self._key)
+        except BaseException:
+            link.close()
+            raise
+        self._links[peer] = link
+        return link
+
+    def fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        if peer not in self.addresses:
+            raise PeerTransferError(f"rank {peer} has no registered peer address")
+        with self._locks[peer]:
+            try:
+                return self._fetch(peer, request, into)
+            except PeerTransferError:
+                raise
+            except (AuthenticationError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
+                self._drop(peer)
+                raise PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
+                                        f"{request.expert} of layer {request.layer}: {type(err).__name__}: {err}"
+                                        ) from err
+
+    def _fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        link = self._link(peer)
+        with _deadline(link.guard, self.timeout_s):
+            link.conn.send_bytes(json.dumps(request._asdict()).encode())
+            head = _json(link.conn)
+            if not head.get("ok"):
+                raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "
+                                        f"{head.get('error', '')}")
+            sizes = [(str(s), int(n)) for s, n in head["sizes"]]
+            want = [(s, memoryview(b).nbytes) for s, b in into.items()]
+            if sizes != want:
+                self._drop(peer)  # the payload that follows is not read: the connection is out of step
+                raise PeerTransferError(f"rank {peer} sends {sizes} for expert {request.expert} of layer "
+                                        f"{request.layer}, staging expects {want}")
+            for suffix, buf in into.items():
+                got = link.conn.recv_bytes_into(buf)
+                if got != memoryview(buf).nbytes:
+                    self._drop(peer)
+                    raise PeerTransferError(f"rank {peer} sent a truncated frame for {suffix!r} of expert "
+                                            f"{request.expert} of layer {request.layer}: {got} of "
+                                            f"{memoryview(buf).nbytes} bytes")
+            return tuple(int(c) for c in head["checksum"])
+
+    def _drop(self, peer: int) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for peer in list(self._links):
+            self._drop(peer)
