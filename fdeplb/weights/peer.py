@@ -24,7 +24,7 @@ import json
 import socket
 import threading
 from contextlib import contextmanager
-from multiprocessing import AuthenticationError
+from multiprocessing import ProcessError  # AuthenticationError, BufferTooShort
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Iterator, NamedTuple, Protocol, runtime_checkable
 
@@ -174,7 +174,7 @@ class PeerServer:
                 answer_challenge(link.conn, self._key)
             while not self._stop.is_set() and link.conn.poll(IDLE_S):
                 self._answer(link)
-        except (AuthenticationError, EOFError, OSError, ValueError) as err:
+        except (ProcessError, EOFError, OSError, ValueError) as err:
             log.info("peer connection closed", reason=f"{type(err).__name__}: {err}")
         finally:
             link.close()
@@ -194,8 +194,8 @@ class PeerServer:
             link.conn.send_bytes(json.dumps({"ok": True, "checksum": list(checksum),
                                              "sizes": [[s, memoryview(b).nbytes] for s, b in parts]}).encode())
             for k, (_, data) in enumerate(parts):
-                if k == 1:
-                    failpoint("peer.hang", "sending")  # tests: a peer killed mid-transfer
+                if k == len(parts) - 1:  # tests: a peer killed mid-transfer (its header sent, not all its bytes)
+                    failpoint("peer.hang", "sending", lambda: log.warning("failpoint hit", failpoint="peer.hang"))
                 link.conn.send_bytes(data)
         self.served += 1
 
@@ -241,7 +241,7 @@ class SocketTransport:
                 return self._fetch(peer, request, into)
             except PeerTransferError:
                 raise
-            except (AuthenticationError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
+            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
                 self._drop(peer)
                 raise PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
                                         f"{request.expert} of layer {request.layer}: {type(err).__name__}: {err}"
