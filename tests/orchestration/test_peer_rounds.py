@@ -1,0 +1,64 @@
+"""Rounds whose moved experts come from peers' live slots: rank agents with a peer secret (thread clusters)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from fdeplb.status import cluster_status
+from fdeplb.testing import NumpyWeights
+from tests.helpers import thread_cluster, wait_for
+from tests.orchestration.test_orchestration import round_over, transitions_of
+from tests.weights.peer_proc import WrongBytes
+
+SECRET = "round-peer-secret"
+
+
+def _staged_records(store):
+    return [a for a in store.iter_audit() if a["machine"] == "rank" and a["trigger"] == "staged"]
+
+
+def test_a_round_moves_experts_from_peers_and_reports_peer_bytes(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start(peer_secret=SECRET)
+        assert all(store.rank_info()[r]["peer_address"].startswith("127.0.0.1:") for r in range(4))
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        records = [store.read_rank(r) for r in range(4)]
+        assert sum(r.peer for r in records) > 0
+        for rec in records:  # every expert new to a rank is live on another member
+            assert rec.disk == 0 and rec.disk_bytes == 0
+            assert rec.peer_bytes == rec.peer * tc.agents[0].backend.expert_nbytes
+        assert all(not a["detail"] for a in _staged_records(store))
+        after = store.current_placement().phy2log
+        for agent in tc.agents:
+            assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+        rows = cluster_status(store)["ranks"]
+        assert [row["peer_bytes"] for row in rows] == [r.peer_bytes for r in records]
+        assert [row["staged_bytes"] for row in rows] == [r.peer_bytes + r.local_bytes for r in records]
+
+
+def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        liar = lambda _c, phy2log, r, size: WrongBytes(phy2log, r, size)  # noqa: E731
+        tc.start_agents([0], peer_secret=SECRET, backend_factory=liar)
+        tc.start_agents([1, 2, 3], peer_secret=SECRET, backend_factory=NumpyWeights.factory())
+        tc.start_coordinator()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        fallbacks = [json.loads(a["detail"]) for a in _staged_records(store) if a["detail"]]
+        assert fallbacks, "some rank asked rank 0 for an expert"
+        for detail in fallbacks:
+            assert {f["peer"] for f in detail["fallback"]} == {0}
+            assert "wrong bytes" in detail["fallback"][0]["error"]
+        audited = {int(a["key"].rsplit(":", 1)[1]) for a in _staged_records(store) if a["detail"]}
+        for r in audited:  # those experts came from disk: counted there, verified in the swap
+            assert store.read_rank(r).disk > 0
+        after = store.current_placement().phy2log
+        for agent in tc.agents:
+            assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
