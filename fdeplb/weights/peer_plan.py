@@ -23,7 +23,7 @@ from typing import Iterable
 import numpy as np
 
 from fdeplb.errors import InputError
-from fdeplb.weights.plan import _as_placement, rank_slots
+from fdeplb.weights.plan import changed_layers, rank_slots
 
 #: the source of an expert no member holds live: read from the checkpoint
 CHECKPOINT = -1
@@ -58,10 +58,8 @@ def peer_sources(old_phy2log: np.ndarray, new_phy2log: np.ndarray, ep_rank: int,
         InputError: placements of different shapes or non-integer dtypes, a member outside ``[0, ep_size)``.
         TopologyError: P not a multiple of ``ep_size``, ``ep_rank`` out of range.
     """
-    old = _as_placement("old_phy2log", old_phy2log)
-    new = _as_placement("new_phy2log", new_phy2log)
-    if old.shape != new.shape:
-        raise InputError(f"old_phy2log {old.shape} and new_phy2log {new.shape} differ in shape")
+    changed_layers(old_phy2log, new_phy2log)  # InputError: not two integer placements of one shape
+    old, new = np.asarray(old_phy2log, dtype=np.int64), np.asarray(new_phy2log, dtype=np.int64)
     rank_slots(old.shape[1], ep_rank, ep_size)  # TopologyError for a rank outside the cluster
     servers = sorted({int(r) for r in members})
     if any(not 0 <= r < ep_size for r in servers):
