@@ -80,6 +80,12 @@ class PeerTransport(Protocol):
         against it). Raises PeerTransferError (refused, dead, past its deadline, unauthenticated, truncated);
         ``into`` may then hold part of the bytes: the caller reads the expert from the checkpoint instead."""
 
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]]
+                   ) -> list[tuple[int, ...] | PeerTransferError]:
+        """:meth:`fetch` for several experts of one peer at once (requests pipelined, answers in order): per item
+        the peer's checksum, or the PeerTransferError that item met (after a broken connection, every later item
+        has it too)."""
+
     def close(self) -> None:
         """Close every connection (idempotent)."""
 
@@ -234,23 +240,42 @@ class SocketTransport:
         return link
 
     def fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        result = self.fetch_many(peer, [(request, into)])[0]
+        if isinstance(result, PeerTransferError):
+            raise result
+        return result
+
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]]
+                   ) -> list[tuple[int, ...] | PeerTransferError]:
         if peer not in self.addresses:
-            raise PeerTransferError(f"rank {peer} has no registered peer address")
+            err = PeerTransferError(f"rank {peer} has no registered peer address")
+            return [err] * len(items)
+        out: list[tuple[int, ...] | PeerTransferError] = []
         with self._locks[peer]:
             try:
-                return self._fetch(peer, request, into)
-            except PeerTransferError:
-                raise
+                link = self._link(peer)
+                with _deadline(link.guard, self.timeout_s):
+                    for request, _ in items:  # a few hundred bytes each: they fit the socket's buffers
+                        link.conn.send_bytes(json.dumps(request._asdict()).encode())
+                for request, into in items:
+                    try:
+                        out.append(self._receive(peer, link, request, into))
+                    except PeerTransferError as err:  # a refusal: the connection is still in step
+                        out.append(err)
+                        if peer not in self._links:
+                            break
             except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
                 self._drop(peer)
-                raise PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
-                                        f"{request.expert} of layer {request.layer}: {type(err).__name__}: {err}"
-                                        ) from err
+                request = items[len(out)][0]
+                out.append(PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
+                                             f"{request.expert} of layer {request.layer}: {type(err).__name__}: "
+                                             f"{err}"))
+        while len(out) < len(items):
+            out.append(PeerTransferError(f"rank {peer} failed earlier: {out[-1]}"))
+        return out
 
-    def _fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
-        link = self._link(peer)
+    def _receive(self, peer: int, link: _Link, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
         with _deadline(link.guard, self.timeout_s):
-            link.conn.send_bytes(json.dumps(request._asdict()).encode())
             head = _json(link.conn)
             if not head.get("ok"):
                 raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "

@@ -2,12 +2,12 @@
 (:func:`~fdeplb.weights.peer_plan.peer_sources`), each checked against its checkpoint checksum on arrival, and
 read from the checkpoint instead when no peer holds it or its peer fails.
 
-One thread per serving peer fetches that peer's share in plan order, straight into freshly allocated staging
-tensors. An expert is taken from the peer only if the CRC-32C of the bytes that arrived equals the checksum the
+One thread per serving peer fetches that peer's share in plan order (requests pipelined on one connection),
+straight into freshly allocated staging tensors. An expert is taken from the peer only if the CRC-32C of the bytes that arrived equals the checksum the
 peer gives for it (recorded when the peer read it from the checkpoint) and, where the receiver knows the
 checkpoint's checksum of that expert itself, that one too. Anything else (a refusal, a dead peer, a deadline, a
-truncated frame, wrong bytes) is a :class:`Fallback`: that expert, and every later one of the same peer, is read
-from the checkpoint, and the caller audits the fallbacks (``detail.fallback`` of the rank's ``staged``
+truncated frame, wrong bytes) is a :class:`Fallback`: that expert (and, after a broken connection, every later
+one of the same peer) is read from the checkpoint, and the caller audits the fallbacks (``detail.fallback`` of the rank's ``staged``
 transition). Nothing half-received is kept: a failed expert's tensors are dropped before the disk read.
 """
 
@@ -21,6 +21,8 @@ from fdeplb.errors import PeerTransferError
 from fdeplb.weights.peer import PeerRequest, PeerTransport
 from fdeplb.weights.peer_plan import CHECKPOINT
 
+#: most peers fetched from at once (one thread each; an EP group rarely has more ranks)
+MAX_PEER_THREADS = 64
 #: ``(layer, expert) -> suffix -> empty staging tensor`` (host memory)
 Allocate = Callable[[int, int], dict[str, Any]]
 
@@ -90,30 +92,26 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
         return result
 
     def run(peer: int) -> PeerResult:
-        out, failed = PeerResult(), ""
-        for index in by_peer[peer]:
-            layer, expert = (int(v) for v in disk[index])
-            if failed:
-                out.fallbacks.append(Fallback(layer, expert, peer, f"rank {peer} failed earlier: {failed}"))
-                continue
-            tensors = allocate(layer, expert)
-            try:
-                claimed = fetch.transport.fetch(peer, PeerRequest(layer, expert, fetch.placement),
-                                                {s: view(t) for s, t in tensors.items()})
-                got = checksum(tensors)
+        out = PeerResult()
+        keys = [tuple(int(v) for v in disk[index]) for index in by_peer[peer]]
+        tensors = [allocate(layer, expert) for layer, expert in keys]
+        answers = fetch.transport.fetch_many(peer, [
+            (PeerRequest(layer, expert, fetch.placement), {s: view(t) for s, t in ts.items()})
+            for (layer, expert), ts in zip(keys, tensors)])
+        for index, (layer, expert), ts, claimed in zip(by_peer[peer], keys, tensors, answers):
+            if not isinstance(claimed, PeerTransferError):
+                got = checksum(ts)
                 want = fetch.known.get((layer, expert), claimed)
-                if got != claimed or got != want:
-                    raise PeerTransferError(f"rank {peer} sent wrong bytes for expert {expert} of layer {layer}: "
+                if got == claimed == want:
+                    out.got[index] = (ts, got)
+                    out.peer_bytes += sum(memoryview(view(t)).nbytes for t in ts.values())
+                    continue
+                claimed = PeerTransferError(f"rank {peer} sent wrong bytes for expert {expert} of layer {layer}: "
                                             f"checksum {list(got)}, the checkpoint's {list(want)}")
-            except PeerTransferError as err:
-                failed = str(err)
-                out.fallbacks.append(Fallback(layer, expert, peer, failed))
-                continue
-            out.got[index] = (tensors, got)
-            out.peer_bytes += sum(memoryview(view(t)).nbytes for t in tensors.values())
+            out.fallbacks.append(Fallback(layer, expert, peer, str(claimed)))
         return out
 
-    with ThreadPoolExecutor(max_workers=min(8, len(by_peer)), thread_name_prefix="fdeplb-peer-fetch") as pool:
+    with ThreadPoolExecutor(max_workers=min(MAX_PEER_THREADS, len(by_peer)), thread_name_prefix="fdeplb-peer-fetch") as pool:
         for part in pool.map(run, sorted(by_peer)):
             result.got.update(part.got)
             result.fallbacks.extend(part.fallbacks)

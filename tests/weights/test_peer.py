@@ -218,8 +218,8 @@ def test_staging_takes_every_new_expert_from_a_live_peer(peer):
 def test_a_peer_sending_wrong_bytes_falls_back_to_the_checkpoint(peer):
     receiver, staged = _stage({1: peer("wrong").address})
     assert staged.report.peer == 0 and staged.report.disk == 8
-    assert len(staged.fallbacks) == 8 and "wrong bytes" in staged.fallbacks[0].error
-    assert all("failed earlier" in f.error for f in staged.fallbacks[1:])
+    assert len(staged.fallbacks) == 8
+    assert all("wrong bytes" in f.error for f in staged.fallbacks)  # each checked on its own
     _swapped_and_verified(receiver, staged)  # nothing half-staged: every slot holds its expert
 
 
