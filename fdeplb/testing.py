@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
+from fdeplb.placement.digest import routing_digest
 from fdeplb.weights.backend import BackendFactory, SlotCheck, StageReport, SwapReport, served_slot, layout_of
 from fdeplb.weights.peer_staging import PeerFetch, PeerResult, fetch_from_peers
 from fdeplb.weights.plan import PauseBudget, TransferPlan, plan_transfer, rank_slots
@@ -164,7 +165,8 @@ class NumpyWeights:
     def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, bytes]], tuple[int]]:
         """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the numpy slots (suffix ``"w"``; checksum:
         CRC-32 of :func:`expert_tensor`'s bytes)."""
-        slot = served_slot(self._phy2log, self._phy2log[:, self._slice], layer, expert, placement, self.ep_rank)
+        slot = served_slot(routing_digest(self._phy2log), self._phy2log[:, self._slice], layer, expert, placement,
+                           self.ep_rank)
         return [("w", self.slots[int(layer), slot].tobytes())], _crc(expert_tensor(layer, expert, self.expert_size))
 
     def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:

@@ -152,12 +152,14 @@ def checksum(t: Any) -> int:
     return int(_crc32c()(np.frombuffer(host_buffer(t), dtype=np.uint8)))
 
 
-def host_bytes(t: Any) -> bytes:
-    """A copy of the raw bytes of ``t`` in host memory (device or strided tensors go through a host copy first)."""
+def host_view(t: Any) -> memoryview:
+    """The raw bytes of ``t`` in host memory: a view of a dense host tensor's own memory (no copy: valid while
+    ``t`` lives and changes with it), else of a host copy (device or strided tensors)."""
     place = t.place
     if not (place.is_cpu_place() or place.is_cuda_pinned_place()) or not t.is_contiguous():
         t = t.cpu().contiguous()
-    return bytes(host_buffer(t))
+        return memoryview(bytes(host_buffer(t)))
+    return host_buffer(t)
 
 
 #: block of a checked host copy: copied, then compared while both halves are still in L2

@@ -178,12 +178,12 @@ class WeightBackend(Protocol):
         slot; returns the verification (:class:`SlotCheck`). Raises WeightError subclasses when it cannot."""
 
 
-def served_slot(phy2log: np.ndarray, rank_phy2log: np.ndarray, layer: int, expert: int, placement: str,
-               ep_rank: int) -> int:
-    """The first rank-local slot holding ``expert`` in ``layer`` of the live placement ``phy2log`` (int64 [L, P];
-    ``rank_phy2log`` its [L, S] columns of this rank), which must have routing digest ``placement``; the refusals
-    of :meth:`fdeplb.weights.peer.ExpertSource.serve_expert` (PeerTransferError) otherwise."""
-    live_digest = routing_digest(phy2log)
+def served_slot(live_digest: str, rank_phy2log: np.ndarray, layer: int, expert: int, placement: str,
+                ep_rank: int) -> int:
+    """The first rank-local slot holding ``expert`` in ``layer`` of the live placement (``live_digest``: its
+    :func:`~fdeplb.placement.digest.routing_digest`; ``rank_phy2log``: int64 [L, S], its columns of this rank),
+    which must be the one named ``placement``; the refusals of
+    :meth:`fdeplb.weights.peer.ExpertSource.serve_expert` (PeerTransferError) otherwise."""
     if live_digest != placement:
         raise PeerTransferError(f"rank {ep_rank} holds placement {live_digest} live, the request names {placement}")
     if not 0 <= int(layer) < rank_phy2log.shape[0]:
@@ -233,6 +233,7 @@ class CheckpointBackend:
         self.live = live
         self.reader = reader
         self.device = device
+        self._served: tuple[int, str, Any] = (-1, "", None)  # (epoch, its placement's digest, its rank columns)
 
     @classmethod
     def open(cls, checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int, *,
@@ -300,20 +301,25 @@ class CheckpointBackend:
         return _CheckpointStaged(transfer, experts, report, starts)
 
     def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
-        """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the live slots: a host copy of the first
-        slot of this rank holding ``expert`` in ``layer``, taken at one epoch of the live experts, with its
-        checkpoint checksum. PeerTransferError when the live placement is not ``placement`` (routing digest), the
-        rank holds no slot of that expert, its checksum is not known, or the slots changed during the copy."""
+        """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the live slots: the first slot of this rank
+        holding ``expert`` in ``layer``, with its checkpoint checksum. Host slots are sent from their memory
+        without a copy, device slots through a host copy; the epoch of the live experts must not move meanwhile
+        (it does not in LOADING: slots change only at a committed swap), and the receiver checks the bytes against
+        the checkpoint's checksum whatever happens. PeerTransferError when the live placement is not
+        ``placement`` (routing digest), the rank holds no slot of that expert, its checksum is not known, or the
+        slots changed while it was being read."""
         from fdeplb.weights import _paddle
 
         live = self.live
         epoch = live.epoch
-        slot = served_slot(live.phy2log, live.rank_phy2log, layer, expert, placement, live.ep_rank)
+        if self._served[0] != epoch:  # the live placement's digest, once per epoch
+            self._served = (epoch, routing_digest(live.phy2log), live.rank_phy2log)
+        slot = served_slot(self._served[1], self._served[2], layer, expert, placement, live.ep_rank)
         checksum = live.checksum(layer, expert)
         if checksum is None:
             raise PeerTransferError(f"rank {live.ep_rank}: no checkpoint checksum of expert {expert} of layer "
                                     f"{layer} (slots not verified)")
-        parts = [(suffix, _paddle.host_bytes(t)) for suffix, t in live.slot(layer, slot).items()]
+        parts = [(suffix, _paddle.host_view(t)) for suffix, t in live.slot(layer, slot).items()]
         if live.epoch != epoch:
             raise PeerTransferError(f"rank {live.ep_rank}: live slots changed while serving expert {expert} of "
                                     f"layer {layer}")
