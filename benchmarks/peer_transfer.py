@@ -15,8 +15,8 @@ the one that moves most experts (``--rank`` to choose).
   received into fresh staging tensors, CRC-32C of each checked against the peer's and the receiver's checkpoint
   checksum), best of ``--repeats``;
 - ``raw_s``: the same transport (``multiprocessing.connection``, authenticated) moving the same bytes in the same
-  frames between the same processes, one thread per peer as staging, with no request per expert, no allocation and
-  no check, best of ``--repeats``, interleaved with ``peer_s`` run by run; ``peer_vs_raw = peer_s / raw_s``
+  frames between the same processes, one thread per peer as staging, into pre-faulted buffers holding all of them
+  (as staging holds them), with no request per expert, no allocation and no check, best of ``--repeats``, interleaved with ``peer_s`` run by run; ``peer_vs_raw = peer_s / raw_s``
   (target <= 1.25);
 - ``disk_bytes``: bytes staging still read from the checkpoint (0 when every moved expert has a live holder);
 - ``verified``: every staged expert's checksum equals the checkpoint's (read from disk after the timing);
@@ -172,9 +172,10 @@ def raw_transfer(frames: list[tuple[str, list[int]]], buffers: list[bytearray]) 
         host, _, port = address.rpartition(":")
         with Client((host, int(port)), authkey=KEY) as conn:
             conn.send_bytes(json.dumps(sizes).encode())
-            view = memoryview(buf)
+            view, at = memoryview(buf), 0
             for n in sizes:
-                conn.recv_bytes_into(view[:n])
+                conn.recv_bytes_into(view[at:at + n])
+                at += n
 
     threads = [threading.Thread(target=one, args=(a, s, b)) for (a, s), b in zip(frames, buffers)]
     t0 = time.perf_counter()
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if sources[key] != CHECKPOINT:
                     frames.setdefault(sources[key], []).extend(sizes)
             raw_frames = [(workers.raw[p], f) for p, f in sorted(frames.items())]
-            buffers = [bytearray(max(f)) for _, f in raw_frames]
+            buffers = [bytearray(sum(f)) for _, f in raw_frames]  # the bytes kept, as staging keeps them
             peer_runs, raw_runs, staged_report, ok = [], [], None, True
             for i in range(args.repeats):
                 seconds, staged = stage_from_peers(backend, new, sources, workers.peer)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if i == 0:
                     staged_report, fallbacks = staged.report, list(staged.fallbacks)
                     ok = verified(reader, plan.disk, staged)
-                staged.release()
+                staged.experts.release(keep_buffers=True)  # as after a swap: the next staging reuses its buffers
                 raw_runs.append(raw_transfer(raw_frames, buffers))
             fallback = fallback_run(tmp, backend, reader, new, sources, plan, workers)
         finally:

@@ -26,7 +26,7 @@ import threading
 from contextlib import contextmanager
 from multiprocessing import ProcessError  # AuthenticationError, BufferTooShort
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
-from typing import Any, Iterator, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import structlog
 
@@ -80,11 +80,12 @@ class PeerTransport(Protocol):
         against it). Raises PeerTransferError (refused, dead, past its deadline, unauthenticated, truncated);
         ``into`` may then hold part of the bytes: the caller reads the expert from the checkpoint instead."""
 
-    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]]
-                   ) -> list[tuple[int, ...] | PeerTransferError]:
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]],
+                   on_arrival: Callable[[int], None] | None = None) -> list[tuple[int, ...] | PeerTransferError]:
         """:meth:`fetch` for several experts of one peer at once (requests pipelined, answers in order): per item
         the peer's checksum, or the PeerTransferError that item met (after a broken connection, every later item
-        has it too)."""
+        has it too). ``on_arrival(k)`` is called as item k's bytes have arrived (e.g. to checksum them while the
+        next ones are on their way)."""
 
     def close(self) -> None:
         """Close every connection (idempotent)."""
@@ -245,8 +246,8 @@ class SocketTransport:
             raise result
         return result
 
-    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]]
-                   ) -> list[tuple[int, ...] | PeerTransferError]:
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]],
+                   on_arrival: Callable[[int], None] | None = None) -> list[tuple[int, ...] | PeerTransferError]:
         if peer not in self.addresses:
             err = PeerTransferError(f"rank {peer} has no registered peer address")
             return [err] * len(items)
@@ -260,6 +261,8 @@ class SocketTransport:
                 for request, into in items:
                     try:
                         out.append(self._receive(peer, link, request, into))
+                        if on_arrival is not None:
+                            on_arrival(len(out) - 1)
                     except PeerTransferError as err:  # a refusal: the connection is still in step
                         out.append(err)
                         if peer not in self._links:

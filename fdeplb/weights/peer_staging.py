@@ -95,12 +95,13 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
         out = PeerResult()
         keys = [tuple(int(v) for v in disk[index]) for index in by_peer[peer]]
         tensors = [allocate(layer, expert) for layer, expert in keys]
+        sums: dict[int, tuple[int, ...]] = {}  # checksummed as each arrives, while the next ones travel
         answers = fetch.transport.fetch_many(peer, [
             (PeerRequest(layer, expert, fetch.placement), {s: view(t) for s, t in ts.items()})
-            for (layer, expert), ts in zip(keys, tensors)])
-        for index, (layer, expert), ts, claimed in zip(by_peer[peer], keys, tensors, answers):
+            for (layer, expert), ts in zip(keys, tensors)], lambda k: sums.__setitem__(k, checksum(tensors[k])))
+        for k, (index, (layer, expert), ts, claimed) in enumerate(zip(by_peer[peer], keys, tensors, answers)):
             if not isinstance(claimed, PeerTransferError):
-                got = checksum(ts)
+                got = sums[k] if k in sums else checksum(ts)
                 want = fetch.known.get((layer, expert), claimed)
                 if got == claimed == want:
                     out.got[index] = (ts, got)
