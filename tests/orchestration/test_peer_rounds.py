@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from fdeplb.status import cluster_status
 from fdeplb.testing import NumpyWeights
@@ -62,3 +63,18 @@ def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, 
         after = store.current_placement().phy2log
         for agent in tc.agents:
             assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+
+
+def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id, tmp_path):
+    pytest.importorskip("paddle")
+    with thread_cluster(redis_url, cluster_id, tmp_path, backend="paddle") as tc:
+        store = tc.store()
+        tc.start(peer_secret=SECRET)
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        records = [store.read_rank(r) for r in range(4)]
+        assert sum(r.peer_bytes for r in records) > 0 and sum(r.disk_bytes for r in records) == 0
+        assert all(not a["detail"] for a in _staged_records(store))
+        for agent in tc.agents:  # every slot, peer-staged ones included, holds its checkpoint expert
+            assert agent.backend.verify() == (15, 15)
