@@ -273,8 +273,9 @@ class SocketTransport:
                 out.append(PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
                                              f"{request.expert} of layer {request.layer}: {type(err).__name__}: "
                                              f"{err}"))
-        while len(out) < len(items):
-            out.append(PeerTransferError(f"rank {peer} failed earlier: {out[-1]}"))
+        cause = out[-1] if out else None
+        while len(out) < len(items):  # the connection broke: what broke it, for every later item
+            out.append(PeerTransferError(f"rank {peer} failed earlier: {cause}"))
         return out
 
     def _receive(self, peer: int, link: _Link, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
