@@ -45,11 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-# this folder holds benchmarks/transitions.py, which would shadow the `transitions` library: import from the root
-sys.path[:] = [str(REPO)] + [p for p in sys.path if Path(p or ".").resolve() != REPO / "benchmarks"]
+import swap as cpu_bench  # benchmarks/swap.py (same folder): drift pair, table; puts the repo on sys.path
 
-from fdeplb.placement import read_expert_load, rebalance_experts  # noqa: E402
 from fdeplb.placement.digest import routing_digest  # noqa: E402
 from fdeplb.weights import CheckpointBackend, CheckpointReader, expert_checksum, plan_transfer  # noqa: E402
 from fdeplb.weights import write_synthetic_checkpoint  # noqa: E402
@@ -58,8 +55,7 @@ from fdeplb.weights.peer import PeerServer, SocketTransport, peer_authkey  # noq
 from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources  # noqa: E402
 from fdeplb.weights.peer_staging import PeerFetch  # noqa: E402
 
-REAL_DATA = Path(os.environ.get("FDEPLB_REAL_DATA", REPO.parent / "shared" / "real_data")) / "dsv3_sglang_ep_stats"
-DSV3 = {"hidden": 7168, "intermediate": 2048, "num_replicas": 288, "num_groups": 8, "num_nodes": 4, "num_gpus": 32}
+REPO, REAL_DATA, DSV3 = cpu_bench.REPO, cpu_bench.REAL_DATA, cpu_bench.DSV3
 EP_SIZE = DSV3["num_gpus"]
 SECRET = "peer-transfer-benchmark"
 CLUSTER = "bench"
@@ -67,13 +63,10 @@ KEY = peer_authkey(SECRET, CLUSTER)
 
 
 def placements(old_file: str, new_file: str, layers: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(old phy2log, new phy2log, num_logical_experts) of the drift pair, first ``layers`` MoE layers."""
-    topo = {k: DSV3[k] for k in ("num_replicas", "num_groups", "num_nodes", "num_gpus")}
-    old_load = read_expert_load(REAL_DATA / old_file)
-    new_load = read_expert_load(REAL_DATA / new_file)
-    old = np.asarray(rebalance_experts(old_load.expert_load[:layers], **topo).phy2log)
-    new = np.asarray(rebalance_experts(new_load.expert_load[:layers], **topo).phy2log)
-    return old, new, old_load.num_logical_experts
+    """(old phy2log, new phy2log, num_logical_experts) of the drift pair (:func:`swap.placements`), first
+    ``layers`` MoE layers (DeepSeek's EPLB places each layer on its own)."""
+    old, new, num_experts = cpu_bench.placements(old_file, new_file)
+    return old[:layers], new[:layers], num_experts
 
 
 # ---- the worker processes -----------------------------------------------------------------------------------------
@@ -266,7 +259,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fallbacks_without_faults": len(fallbacks), "verified": bool(ok and not fallbacks),
         "fallback_ok": fallback["ok"], "fallback": fallback, "workers_start_s": round(start_s, 2),
     }
-    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    mib = cpu_bench.mib
     rows = [
         ("drift", result["drift"]),
         ("topology", f"32 GPUs, 4 nodes, 288 slots; first {args.layers} of 58 MoE layers"),
@@ -279,12 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("verified", str(result["verified"])),
         ("peer SIGKILLed mid-transfer", f"{fallback['fallbacks']} experts from disk, verified: {fallback['ok']}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    print(f"{'metric':<{width}}  value")
-    print(f"{'-' * width}  {'-' * 40}")
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    print(json.dumps(result, sort_keys=True))
+    cpu_bench.print_table(rows, result)
     return result
 
 

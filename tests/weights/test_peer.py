@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from multiprocessing.connection import Listener
 from pathlib import Path
 
@@ -143,31 +144,10 @@ def test_a_wrong_authkey_is_refused_before_any_byte_moves(peer):
         peer_authkey("", CLUSTER)
 
 
-def test_a_truncated_frame_is_an_error():
-    listener = Listener(("127.0.0.1", 0), authkey=KEY)
-
-    def serve():
-        conn = listener.accept()
-        conn.recv_bytes()
-        conn.send_bytes(b'{"ok": true, "checksum": [1], "sizes": [["w", 256]]}')
-        conn.send_bytes(b"x" * 100)
-        with pytest.raises(EOFError):
-            conn.recv_bytes()  # until the client hangs up
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    host, port = listener.address
-    transport = SocketTransport({1: f"{host}:{port}"}, KEY, timeout_s=10)
-    try:
-        with pytest.raises(PeerTransferError, match="truncated frame"):
-            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
-    finally:
-        transport.close()
-        t.join(10)
-        listener.close()
-
-
-def test_a_stalled_peer_is_cut_at_its_deadline():
+@contextmanager
+def fake_peer(then, timeout_s: float = 10):
+    """A peer speaking the protocol by hand (the stdlib Listener, same key): it reads one request, answers a
+    header for a 256-byte expert, then ``then(conn)``; yields a transport to it."""
     listener = Listener(("127.0.0.1", 0), authkey=KEY)
     done = threading.Event()
 
@@ -175,18 +155,36 @@ def test_a_stalled_peer_is_cut_at_its_deadline():
         conn = listener.accept()
         conn.recv_bytes()
         conn.send_bytes(b'{"ok": true, "checksum": [1], "sizes": [["w", 256]]}')
-        done.wait(30)  # never sends the bytes
+        then(conn, done)
 
-    threading.Thread(target=serve, daemon=True).start()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
     host, port = listener.address
-    transport = SocketTransport({1: f"{host}:{port}"}, KEY, timeout_s=0.5)
+    transport = SocketTransport({1: f"{host}:{port}"}, KEY, timeout_s=timeout_s)
     try:
-        with pytest.raises(PeerTransferError, match="did not deliver"):
-            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+        yield transport
     finally:
         done.set()
         transport.close()
+        t.join(10)
         listener.close()
+
+
+def test_a_truncated_frame_is_an_error():
+    def short(conn, _done):
+        conn.send_bytes(b"x" * 100)
+        with pytest.raises(EOFError):
+            conn.recv_bytes()  # until the client hangs up
+
+    with fake_peer(short) as transport:
+        with pytest.raises(PeerTransferError, match="truncated frame"):
+            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+
+
+def test_a_stalled_peer_is_cut_at_its_deadline():
+    with fake_peer(lambda _conn, done: done.wait(30), timeout_s=0.5) as transport:  # never sends the bytes
+        with pytest.raises(PeerTransferError, match="did not deliver"):
+            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
 
 
 # ---- staging with fallbacks ---------------------------------------------------------------------------------------
