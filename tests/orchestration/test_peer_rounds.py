@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
 import pytest
 
+from fdeplb.api.prometheus import ClusterCollector
+from fdeplb.cli.status_view import print_status
 from fdeplb.status import cluster_status
 from fdeplb.testing import NumpyWeights
 from tests.helpers import thread_cluster, wait_for
@@ -37,9 +40,18 @@ def test_a_round_moves_experts_from_peers_and_reports_peer_bytes(redis_url, clus
         after = store.current_placement().phy2log
         for agent in tc.agents:
             assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
-        rows = cluster_status(store)["ranks"]
+        status = cluster_status(store)
+        rows = status["ranks"]
         assert [row["peer_bytes"] for row in rows] == [r.peer_bytes for r in records]
         assert [row["staged_bytes"] for row in rows] == [r.peer_bytes + r.local_bytes for r in records]
+        text = io.StringIO()
+        print_status(status, text)
+        rank_rows = [line for line in text.getvalue().splitlines() if "from peers" in line]
+        assert len(rank_rows) == sum(1 for r in records if r.peer_bytes)
+        metrics = {(s.labels["ep_rank"], s.labels["source"]): s.value for family in ClusterCollector(store).collect()
+                   if family.name == "fdeplb_staging_source_bytes" for s in family.samples}
+        for r, rec in enumerate(records):
+            assert metrics[(str(r), "peer")] == rec.peer_bytes and metrics[(str(r), "disk")] == 0
 
 
 def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, cluster_id, tmp_path):
