@@ -140,6 +140,12 @@ def host_buffer(t: Any) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
 
 
+def crc32c(buf: Any) -> int:
+    """CRC-32C of a byte buffer (bytes, bytearray, a memoryview, e.g. :func:`host_buffer`): the value
+    :func:`checksum` gives the tensor whose memory it is."""
+    return int(_crc32c()(np.frombuffer(buf, dtype=np.uint8))) if memoryview(buf).nbytes else 0
+
+
 def checksum(t: Any) -> int:
     """CRC-32C (Castagnoli) of the raw bytes of ``t``: google-crc32c, hardware-accelerated (SSE4.2 / ARMv8 CRC,
     several GB/s per core). Device or strided tensors are copied to a contiguous host tensor first."""

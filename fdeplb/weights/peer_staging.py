@@ -77,7 +77,8 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
         fetch: the transport, the sources and the placement (:class:`PeerFetch`).
         allocate: new staging tensors for one expert (``suffix -> tensor``).
         view: a writable byte buffer over one staging tensor's memory.
-        checksum: the expert checksum of staging tensors (the one the live slots are verified with).
+        checksum: the expert checksum of the received bytes (``suffix -> buffer`` from ``view``), as the live
+            slots are verified with (one value per suffix, in order).
 
     Returns:
         :class:`PeerResult`; never raises for a peer's failure (it is a :class:`Fallback`).
@@ -95,17 +96,18 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
         out = PeerResult()
         keys = [tuple(int(v) for v in disk[index]) for index in by_peer[peer]]
         tensors = [allocate(layer, expert) for layer, expert in keys]
+        views = [{s: view(t) for s, t in ts.items()} for ts in tensors]
         sums: dict[int, tuple[int, ...]] = {}  # checksummed as each arrives, while the next ones travel
         answers = fetch.transport.fetch_many(peer, [
-            (PeerRequest(layer, expert, fetch.placement), {s: view(t) for s, t in ts.items()})
-            for (layer, expert), ts in zip(keys, tensors)], lambda k: sums.__setitem__(k, checksum(tensors[k])))
+            (PeerRequest(layer, expert, fetch.placement), v) for (layer, expert), v in zip(keys, views)],
+            lambda k: sums.__setitem__(k, checksum(views[k])))
         for k, (index, (layer, expert), ts, claimed) in enumerate(zip(by_peer[peer], keys, tensors, answers)):
             if not isinstance(claimed, PeerTransferError):
-                got = sums[k] if k in sums else checksum(ts)
+                got = sums[k] if k in sums else checksum(views[k])
                 want = fetch.known.get((layer, expert), claimed)
                 if got == claimed == want:
                     out.got[index] = (ts, got)
-                    out.peer_bytes += sum(memoryview(view(t)).nbytes for t in ts.values())
+                    out.peer_bytes += sum(memoryview(v).nbytes for v in views[k].values())
                     continue
                 claimed = PeerTransferError(f"rank {peer} sent wrong bytes for expert {expert} of layer {layer}: "
                                             f"checksum {list(got)}, the checkpoint's {list(want)}")
