@@ -11,13 +11,14 @@ running the :class:`~fdeplb.weights.peer.PeerServer` of several ranks over their
 the one that moves most experts (``--rank`` to choose).
 
 - ``peer_s``: the production staging path (``CheckpointBackend.stage(new, peers=...)``: sources from
-  :func:`~fdeplb.weights.peer_plan.peer_sources`, connect + HMAC handshake per peer, one request per expert, bytes
-  received into fresh staging tensors, CRC-32C of each checked against the peer's and the receiver's checkpoint
-  checksum), best of ``--repeats``;
+  :func:`~fdeplb.weights.peer_plan.peer_sources`, connect + HMAC handshake per peer, one request per expert
+  (pipelined on the peer's connection), bytes received into staging tensors (the reader's recycled buffers, as
+  after a swap), CRC-32C of each checked as it arrives against the peer's and the receiver's checkpoint checksum),
+  best of ``--repeats``;
 - ``raw_s``: the same transport (``multiprocessing.connection``, authenticated) moving the same bytes in the same
   frames between the same processes, one thread per peer as staging, into pre-faulted buffers holding all of them
-  (as staging holds them), with no request per expert, no allocation and no check, best of ``--repeats``, interleaved with ``peer_s`` run by run; ``peer_vs_raw = peer_s / raw_s``
-  (target <= 1.25);
+  (as staging holds them), with no request per expert, no allocation and no check, best of ``--repeats``,
+  interleaved with ``peer_s`` run by run; ``peer_vs_raw = peer_s / raw_s`` (target <= 1.25);
 - ``disk_bytes``: bytes staging still read from the checkpoint (0 when every moved expert has a live holder);
 - ``verified``: every staged expert's checksum equals the checkpoint's (read from disk after the timing);
 - ``fallback_ok``: one more staging with the busiest peer's process started with the failpoint ``peer.hang=sending``
@@ -213,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     per_rank = old.shape[1] // EP_SIZE
     needed = {(layer, int(e)) for r in [*peers, rank] for layer in range(old.shape[0])
               for e in old[layer, r * per_rank:(r + 1) * per_rank]}
-    needed |= {(layer, int(e)) for layer in range(new.shape[0]) for e in new[layer, rank * per_rank:(rank + 1) * per_rank]}
+    needed |= {(layer, int(e)) for layer in range(new.shape[0])
+               for e in new[layer, rank * per_rank:(rank + 1) * per_rank]}
     hidden, inter = DSV3["hidden"] // args.scale, DSV3["intermediate"] // args.scale
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         write_synthetic_checkpoint(tmp, old.shape[0], num_experts, hidden=hidden, intermediate=inter,

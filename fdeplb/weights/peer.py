@@ -1,5 +1,6 @@
 """Peer-to-peer expert transfer between the processes of one machine: the :class:`PeerTransport` seam, the server a
-rank agent runs over its live slots (:class:`PeerServer`) and the client that fetches from it (:class:`SocketTransport`).
+rank agent runs over its live slots (:class:`PeerServer`) and the client that fetches from it
+(:class:`SocketTransport`).
 
 Wire: TCP on the loopback (or a host the operator gives), framed and authenticated by the standard library's
 :mod:`multiprocessing.connection` (length-prefixed messages; an HMAC challenge in both directions with a key every

@@ -2,13 +2,14 @@
 (:func:`~fdeplb.weights.peer_plan.peer_sources`), each checked against its checkpoint checksum on arrival, and
 read from the checkpoint instead when no peer holds it or its peer fails.
 
-One thread per serving peer fetches that peer's share in plan order (requests pipelined on one connection),
-straight into freshly allocated staging tensors. An expert is taken from the peer only if the CRC-32C of the bytes that arrived equals the checksum the
-peer gives for it (recorded when the peer read it from the checkpoint) and, where the receiver knows the
-checkpoint's checksum of that expert itself, that one too. Anything else (a refusal, a dead peer, a deadline, a
-truncated frame, wrong bytes) is a :class:`Fallback`: that expert (and, after a broken connection, every later
-one of the same peer) is read from the checkpoint, and the caller audits the fallbacks (``detail.fallback`` of the rank's ``staged``
-transition). Nothing half-received is kept: a failed expert's tensors are dropped before the disk read.
+One thread per serving peer fetches that peer's share in plan order (requests pipelined on one connection), straight
+into freshly allocated staging tensors. An expert is taken from the peer only if the CRC-32C of the bytes that
+arrived equals the checksum the peer gives for it (recorded when the peer read it from the checkpoint) and, where
+the receiver knows the checkpoint's checksum of that expert itself, that one too. Anything else (a refusal, a dead
+peer, a deadline, a truncated frame, wrong bytes) is a :class:`Fallback`: that expert (and, after a broken
+connection, every later one of the same peer) is read from the checkpoint, and the caller audits the fallbacks
+(``detail.fallback`` of the rank's ``staged`` transition). Nothing half-received is kept: a failed expert's tensors
+are dropped before the disk read.
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
             out.fallbacks.append(Fallback(layer, expert, peer, str(claimed)))
         return out
 
-    with ThreadPoolExecutor(max_workers=min(MAX_PEER_THREADS, len(by_peer)), thread_name_prefix="fdeplb-peer-fetch") as pool:
+    threads = min(MAX_PEER_THREADS, len(by_peer))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fdeplb-peer-fetch") as pool:
         for part in pool.map(run, sorted(by_peer)):
             result.got.update(part.got)
             result.fallbacks.extend(part.fallbacks)

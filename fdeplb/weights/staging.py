@@ -232,7 +232,8 @@ def _read(plan: TransferPlan, reader: CheckpointReader, pinned: bool, workers: i
         return reader.read_experts(plan.disk, pinned=pinned, workers=workers, on_read=expert_checksum)
     spec = reader.spec
     got = fetch_from_peers(plan.disk, peers,
-                           lambda _l, _e: {s: reader.buffer(shape, dtype, pinned) for s, (shape, dtype) in spec.items()},
+                           lambda _l, _e: {s: reader.buffer(shape, dtype, pinned)
+                                           for s, (shape, dtype) in spec.items()},
                            _paddle.host_buffer, lambda views: tuple(_paddle.crc32c(v) for v in views.values()))
     rest = [i for i in range(len(plan.disk)) if i not in got.got]
     merged = dict(got.got)

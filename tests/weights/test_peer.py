@@ -33,8 +33,10 @@ KEY = peer_authkey(SECRET, CLUSTER)
 # ---- sources ------------------------------------------------------------------------------------------------------
 def _random_pair(seed: int, layers=4, experts=16, slots=24):
     rng = np.random.default_rng(seed)
-    make = lambda: np.stack([np.concatenate([rng.permutation(experts), rng.integers(0, experts, slots - experts)])  # noqa: E731
-                             for _ in range(layers)])
+    def make():
+        return np.stack([np.concatenate([rng.permutation(experts), rng.integers(0, experts, slots - experts)])
+                         for _ in range(layers)])
+
     return make(), make()
 
 
