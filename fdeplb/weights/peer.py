@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checka
 import structlog
 
 from fdeplb.errors import InputError, PeerTransferError
+from fdeplb.failpoints import failpoint
 
 log = structlog.get_logger("fdeplb.peer")
 
@@ -196,8 +197,6 @@ class PeerServer:
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
             return
-        from fdeplb.failpoints import failpoint
-
         with _deadline(link.guard, self.timeout_s):
             link.conn.send_bytes(json.dumps({"ok": True, "checksum": list(checksum),
                                              "sizes": [[s, memoryview(b).nbytes] for s, b in parts]}).encode())
