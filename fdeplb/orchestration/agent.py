@@ -179,7 +179,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
         self._open_window(self.config)
         self._info = dict(info or {})
         if self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource):
-            self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster)
+            self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
+                                                self.config.ep_size)
         if self.peers is not None:
             self.peers.server.source = self.backend
             self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
@@ -422,12 +423,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver):
             if self.peers is None:
                 staged = self.backend.stage(*args)
             else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
-                peers = self.peers.fetch_for(self.backend.phy2log, new, self.ep_rank, self.config.ep_size,
-                                             self.live_ranks, self.store.rank_info())
-                try:
-                    staged = self.backend.stage(new, self.staging_budget_bytes, pause, peers=peers)
-                finally:
-                    peers.transport.close()
+                staged = self.peers.stage(self.backend, new, self.staging_budget_bytes, pause, self.live_ranks,
+                                          self.store)
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}

@@ -16,9 +16,13 @@ from typing import Any
 import numpy as np
 
 from fdeplb.placement.digest import routing_digest
+from fdeplb.store import Store
+from fdeplb.store.redis_store import stale_of
+from fdeplb.weights.backend import Staged, WeightBackend
 from fdeplb.weights.peer import DEFAULT_TIMEOUT_S, ExpertSource, PeerServer, SocketTransport, peer_authkey
 from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources
 from fdeplb.weights.peer_staging import Fallback, PeerFetch
+from fdeplb.weights.plan import PauseBudget
 
 #: the environment variable holding the operator's peer-transfer secret
 ENV_PEER_SECRET = "FDEPLB_PEER_SECRET"
@@ -42,9 +46,10 @@ class PeerService:
         timeout_s: the deadline of one connection's handshake and of one expert's transfer.
     """
 
-    def __init__(self, source: ExpertSource, secret: str, cluster: str, *, host: str = "127.0.0.1",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
+                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self._key = peer_authkey(secret, cluster)
+        self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
         self.timeout_s = float(timeout_s)
         self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
 
@@ -52,12 +57,26 @@ class PeerService:
     def address(self) -> str:
         return self.server.address
 
-    def fetch_for(self, old_phy2log: np.ndarray, new_phy2log: np.ndarray, ep_rank: int, ep_size: int,
-                  members: tuple[int, ...], registry: dict[int, dict[str, Any]]) -> PeerFetch:
-        """What staging ``new_phy2log`` on ``ep_rank`` needs to take experts from peers: the sources over
-        ``members`` (the ranks routed to in ``old_phy2log``), a transport to their registered addresses (a chosen
-        peer without one: that expert comes from the checkpoint). Close ``.transport`` after staging."""
-        sources = peer_sources(old_phy2log, new_phy2log, ep_rank, ep_size, members)
+    def stage(self, backend: WeightBackend, new_phy2log: np.ndarray, budget_bytes: int | None,
+              pause: PauseBudget | None, members: tuple[int, ...], store: Store) -> Staged:
+        """``backend.stage`` of ``new_phy2log`` with the experts new to the rank taken from the peers that hold
+        them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after."""
+        fetch = self.fetch_for(backend.phy2log, new_phy2log, members, store)
+        try:
+            return backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
+        finally:
+            fetch.transport.close()
+
+    def fetch_for(self, old_phy2log: np.ndarray, new_phy2log: np.ndarray, members: tuple[int, ...],
+                  store: Store) -> PeerFetch:
+        """What staging ``new_phy2log`` on this rank needs to take experts from peers: the sources over
+        ``members`` (the ranks routed to in ``old_phy2log``) whose heartbeat is within its TTL, a transport to
+        their registered addresses (a chosen peer without one: that expert comes from the checkpoint). Close
+        ``.transport`` after staging."""
+        stale = stale_of(store.heartbeats())  # a hung member would cost a deadline: ask only live ones
+        registry = store.rank_info()
+        sources = peer_sources(old_phy2log, new_phy2log, self.ep_rank, self.ep_size,
+                               [r for r in members if r not in stale])
         addresses = {r: str(registry[r][ADDRESS_FIELD]) for r in set(sources.values()) - {CHECKPOINT}
                      if isinstance(registry.get(r, {}).get(ADDRESS_FIELD), str)}
         sources = {k: (r if r in addresses else CHECKPOINT) for k, r in sources.items()}

@@ -38,8 +38,9 @@ log = structlog.get_logger("fdeplb.peer")
 
 #: most bytes of one request or answer header
 MAX_HEADER = 4096
-#: default deadline of one connect, handshake or expert transfer (seconds)
-DEFAULT_TIMEOUT_S = 30.0
+#: default deadline of one connect, handshake or expert transfer (seconds; a 42 MiB expert crosses the loopback in
+#: tens of milliseconds)
+DEFAULT_TIMEOUT_S = 10.0
 #: an idle served connection is closed after this long (seconds)
 IDLE_S = 120.0
 
