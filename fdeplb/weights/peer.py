@@ -24,6 +24,7 @@ import hmac
 import json
 import socket
 import threading
+import time
 from contextlib import contextmanager
 from multiprocessing import ProcessError  # AuthenticationError, BufferTooShort
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
@@ -94,16 +95,53 @@ class PeerTransport(Protocol):
         """Close every connection (idempotent)."""
 
 
+class _Watchdog:
+    """One thread per process that shuts sockets down when their deadline passes (arming one costs a lock, not a
+    thread: a deadline is armed around every expert sent or received)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, socket.socket]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, sock: socket.socket, seconds: float) -> int:
+        with self._cond:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + seconds, sock)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fdeplb-peer-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (when, sock) in list(self._armed.items()):
+                    if when <= now:
+                        del self._armed[token]
+                        _shutdown(sock)
+                soonest = min((when for when, _ in self._armed.values()), default=now + 60.0)
+                self._cond.wait(max(soonest - now, 0.001))
+
+
+_WATCHDOG = _Watchdog()
+
+
 @contextmanager
 def _deadline(sock: socket.socket, seconds: float) -> Iterator[None]:
     """Shut ``sock`` down if the block runs past ``seconds``: a blocked read then returns end-of-file."""
-    timer = threading.Timer(seconds, lambda: _shutdown(sock))
-    timer.daemon = True
-    timer.start()
+    token = _WATCHDOG.arm(sock, seconds)
     try:
         yield
     finally:
-        timer.cancel()
+        _WATCHDOG.disarm(token)
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -194,7 +232,9 @@ class PeerServer:
         try:
             request = PeerRequest(int(req["layer"]), int(req["expert"]), str(req["placement"]))
             parts, checksum = self.source.serve_expert(*request)
-        except (KeyError, TypeError, ValueError, PeerTransferError) as err:
+        except Exception as err:  # noqa: BLE001 - a bad request or any failure to read the slot is a refusal
+            if not isinstance(err, (KeyError, TypeError, ValueError, PeerTransferError)):
+                log.warning("peer request failed", error=f"{type(err).__name__}: {err}")
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
             return
