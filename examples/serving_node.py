@@ -23,7 +23,9 @@ no-EPLB reference between chunks. The last line is JSON (``switches``: each chan
 step every rank applied its last chunk at, and for a swap its longest safe-point pause; ``chunks_per_swap`` and
 ``max_pause_ms``: the rounds' most chunks and longest swap pause; ``safe_point_pause_ms``: every safe point that
 applied something, weight clears and updates included; ``loadavg_1m``: the host's load at the start and the end);
-the exit status is 0 only when every check held.
+``peer_bytes`` / ``disk_bytes``: what the rounds' staging took from peers' live slots / read from the checkpoint
+(the workers share a peer secret); the exit status is 0 only when every check held, moved experts taken from peers
+included.
 
 ``--lose-rank R`` runs the elastic scenario instead (README "Membership: losing a rank"): after the warm-up rank R's
 worker is SIGKILLed and not restarted. The survivors keep serving: their dispatcher sends to the members the
@@ -40,6 +42,7 @@ The last line is JSON with ``lost_rank``, ``excluded_after_s``, ``replaced_exper
 from __future__ import annotations
 
 import argparse
+import secrets
 import json
 import multiprocessing as mp
 import os
@@ -429,6 +432,9 @@ def changes(node: Node) -> tuple[dict, bool]:
                          # the rank record times a swap's safe points; a weight clear or update is one safe
                          # point, timed with every other in safe_point_pause_ms (None here, not a 0 it never was)
                          "max_pause_ms": max(x.pause_max_ms for x in ranks) if what.startswith("round") else None,
+                         # a swap's staging: bytes taken from peers' live slots and read from the checkpoint
+                         "peer_bytes": sum(x.peer_bytes for x in ranks) if what.startswith("round") else 0,
+                         "disk_bytes": sum(x.disk_bytes for x in ranks) if what.startswith("round") else 0,
                          # a swap's output probe on every rank (before the switch, after the last chunk)
                          **({"probe": [x.probe for x in ranks], "probe_ms": max(x.probe_before_ms + x.probe_after_ms
                                                                                for x in ranks)}
@@ -488,6 +494,7 @@ def changes(node: Node) -> tuple[dict, bool]:
         "chunks_per_swap": max((s["chunks"] for s in switches if s["what"].startswith("round")), default=0),
         "max_pause_ms": round(max((s["max_pause_ms"] for s in switches if s["max_pause_ms"] is not None),
                                   default=0.0), 3),
+        "peer_bytes": sum(s["peer_bytes"] for s in switches), "disk_bytes": sum(s["disk_bytes"] for s in switches),
     }
     together = len(switches) == 4 and all(s["switch_step"] > 0 and s["applied_steps"] == [s["last_step"]] * EP
                                           for s in switches)
@@ -495,7 +502,7 @@ def changes(node: Node) -> tuple[dict, bool]:
         not any(a["trigger"] == "swapped" and a["reason"] for a in audit)
     ok = ok and not summary["errors"] and rounds >= 2 and during > 0 and summary["max_rel_diff"] <= TOL \
         and summary["weight_updates"] >= 1 and summary["weight_clears"] >= 1 and late == 0 and together \
-        and summary["probe_agrees"]
+        and summary["probe_agrees"] and summary["peer_bytes"] > 0
     if failure:
         summary["failure"] = failure
     print(f"rounds {rounds}, steps {len(rank0)} ({during} during rounds), max_rel_diff "
@@ -590,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     load_start = round(os.getloadavg()[0], 2)  # the host's 1-minute load average, at the start and at the end
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # 4 worker processes on few cores: one compute thread each
+    # the workers' agents serve their live slots to each other and take moved experts from them (README "Moving
+    # experts from peers"); the secret authenticates them, and every worker inherits it
+    os.environ.setdefault("FDEPLB_PEER_SECRET", secrets.token_hex(16))
     dist, source = expert_distribution()
     # --lose-rank: a lost rank is suspected 5 s after its last heartbeat and excluded 5 s later (a worker starting
     # paddle beside 4 others on 2 cores can hold the rest 2 s and more: shorter TTLs suspect healthy ranks)

@@ -139,6 +139,14 @@ class VerificationError(WeightError):
     code = "verification_failed"
 
 
+class PeerTransferError(WeightError):
+    """A peer rank did not deliver an expert from its live slot: it refused (another live placement, an expert it
+    does not hold), died, ran past its deadline, failed authentication or sent a truncated frame or wrong bytes.
+    Staging reads that expert from the checkpoint instead (:mod:`fdeplb.weights.peer_staging`)."""
+
+    code = "peer_transfer"
+
+
 class DependencyError(FdeplbError):
     """An optional dependency (an extra) is not installed; the message names the extra."""
 

@@ -261,7 +261,10 @@ def _rank_status(r: int, rank, weights, registered: bool | None, now: int, stale
         "heartbeat_age_ms": now - heartbeat if heartbeat else None,
         "heartbeat_ttl_ms": (rank.heartbeat_ttl_ms or None) if has_rank else None,
         "step": rank.step if has_rank else None,  # the worker's safe-point counter at its last heartbeat
-        "staged_bytes": rank.disk_bytes + rank.local_bytes if has_rank else None,  # its last staging, read + copied
+        # its last staging: read from the checkpoint + taken from peers' live slots + copied between its own slots
+        "staged_bytes": rank.disk_bytes + rank.peer_bytes + rank.local_bytes if has_rank else None,
+        "disk_bytes": rank.disk_bytes if has_rank else None,
+        "peer_bytes": rank.peer_bytes if has_rank else None,
         "stale": stale,
         "weights": weights.state if has_weights else weights,
         "weights_code": WEIGHTS.to_code(weights.state) if has_weights else None,

@@ -12,14 +12,18 @@ Use ``NumpyWeights.factory()`` as a rank agent's ``backend_factory``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fdeplb.errors import StagingBudgetError, VerificationError, WeightError
-from fdeplb.weights.backend import BackendFactory, layout_of
+from fdeplb.placement.digest import routing_digest
+from fdeplb.weights.backend import BackendFactory, layout_of, served_slot
+from fdeplb.weights.peer_staging import PeerFetch, PeerResult, fetch_from_peers
 from fdeplb.weights.plan import PauseBudget, TransferPlan, plan_transfer, rank_slots
 from fdeplb.weights.reports import SlotCheck, StageReport, SwapReport
 
@@ -39,6 +43,11 @@ def expert_tensor(layer: int, expert: int, size: int = EXPERT_SIZE) -> np.ndarra
     return out
 
 
+def _crc(arr: np.ndarray) -> tuple[int]:
+    """The numpy backend's expert checksum: (CRC-32 of the array's bytes,)."""
+    return (zlib.crc32(np.ascontiguousarray(arr).tobytes()),)
+
+
 @dataclass
 class _NumpyStaged:
     transfer: TransferPlan
@@ -48,6 +57,8 @@ class _NumpyStaged:
     starts: tuple[int, ...] = ()
     #: the chunk :meth:`NumpyWeights.prepare` moved to the "device" (layers, its staged experts)
     buffer: tuple[tuple[int, ...], dict[tuple[int, int], np.ndarray]] | None = None
+    #: experts a peer did not deliver, read from the "checkpoint" (:func:`expert_tensor`) instead
+    fallbacks: list = field(default_factory=list)
 
     def release(self) -> None:
         self.experts.clear()
@@ -131,7 +142,7 @@ class NumpyWeights:
         return self.verify()
 
     def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None,
-              pause: PauseBudget | None = None) -> _NumpyStaged:
+              pause: PauseBudget | None = None, peers: PeerFetch | None = None) -> _NumpyStaged:
         transfer = plan_transfer(self._phy2log, new_phy2log, self.ep_rank, self.ep_size)
         starts, buffer_experts = (), 0
         if pause is not None:
@@ -142,8 +153,22 @@ class NumpyWeights:
             raise StagingBudgetError(f"rank {self.ep_rank}: staging {len(transfer.disk)} experts (and a device "
                                      f"buffer of {buffer_experts}) needs {need} bytes, over the budget of "
                                      f"{int(budget_bytes)} bytes; nothing was read")
-        experts = {(layer, e): expert_tensor(layer, e, self.expert_size) for layer, e in transfer.disk}
-        return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes), starts=starts)
+        got = PeerResult() if peers is None else fetch_from_peers(
+            transfer.disk, dataclasses.replace(peers, known={key: _crc(expert_tensor(*key, self.expert_size))
+                                                             for key in transfer.disk}),
+            lambda _l, _e: {"w": np.empty(self.expert_size, np.float32)}, lambda a: memoryview(a).cast("B"),
+            lambda views: (zlib.crc32(views["w"]),))
+        experts = {key: got.got[k][0]["w"] if k in got.got else expert_tensor(*key, self.expert_size)
+                   for k, key in enumerate(transfer.disk)}
+        return _NumpyStaged(transfer, experts, StageReport.of(transfer, self.expert_nbytes, len(got.got)),
+                            starts=starts, fallbacks=got.fallbacks)
+
+    def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, bytes]], tuple[int]]:
+        """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the numpy slots (suffix ``"w"``; checksum:
+        CRC-32 of :func:`expert_tensor`'s bytes)."""
+        slot = served_slot(routing_digest(self._phy2log), self._phy2log[:, self._slice], layer, expert, placement,
+                           self.ep_rank)
+        return [("w", self.slots[int(layer), slot].tobytes())], _crc(expert_tensor(layer, expert, self.expert_size))
 
     def set_live_ranks(self, live_ranks: tuple[int, ...]) -> None:
         """Record the ranks routed to (:attr:`live_ranks`; a numpy backend has no routing tables)."""

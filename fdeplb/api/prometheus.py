@@ -210,6 +210,9 @@ class ClusterCollector(Collector):
                                 labels=["ep_rank"])
         staging = GaugeMetricFamily("fdeplb_staging_bytes", "Bytes read and copied by each rank's last staging",
                                     labels=["ep_rank"])
+        by_source = GaugeMetricFamily("fdeplb_staging_source_bytes", "Bytes of each rank's last staging by source: "
+                                      "disk (the checkpoint), peer (peers' live slots), local (its own slots)",
+                                      labels=["ep_rank", "source"])
         pause_max = GaugeMetricFamily("fdeplb_swap_pause_max_seconds", "Longest safe-point pause of each rank's "
                                       "last swap (one chunk of layers)", labels=["ep_rank"])
         pause_sum = GaugeMetricFamily("fdeplb_swap_pause_sum_seconds", "Safe-point pauses of each rank's last swap "
@@ -228,7 +231,9 @@ class ClusterCollector(Collector):
                 continue
             if rank.heartbeat_ms:
                 age.add_metric([str(r)], max(now - rank.heartbeat_ms, 0) / 1000)
-            staging.add_metric([str(r)], rank.disk_bytes + rank.local_bytes)
+            staging.add_metric([str(r)], rank.disk_bytes + rank.peer_bytes + rank.local_bytes)
+            for source, nbytes in (("disk", rank.disk_bytes), ("peer", rank.peer_bytes), ("local", rank.local_bytes)):
+                by_source.add_metric([str(r), source], nbytes)
             if rank.chunks:
                 pause_max.add_metric([str(r)], rank.pause_max_ms / 1000)
                 pause_sum.add_metric([str(r)], rank.pause_sum_ms / 1000)
@@ -240,6 +245,7 @@ class ClusterCollector(Collector):
         corrupt.update(w.key or str(w) for w in store.read_each(WEIGHTS) if isinstance(w, CorruptRecordError))
         yield age
         yield staging
+        yield by_source
         yield pause_max
         yield pause_sum
         yield chunks

@@ -141,11 +141,13 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
            if r.get("routing") == "mismatch" else "")
     stale = f"  STALE (> {_ms(r.get('heartbeat_ttl_ms'))})" if r.get("stale") else ""  # older than its TTL
     bad += f"  PROBE {r['probe'].upper()}" if r.get("probe") in ("mismatch", "failed") else ""  # its last swap's
+    peers = (f"  staged {r['peer_bytes']} B from peers, {r['disk_bytes']} B from disk"
+             if r.get("peer_bytes") else "")  # its last staging took experts from peers' live slots
     return (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
             f"{_opt(r['weights_code']):<6}{r.get('membership') or '-':<11}{r['plan_id'] or '-':<18}{live:<18}"
             f"{routing:<14}"
             f"{_ms(r['heartbeat_age_ms'], ' ago'):<12}"
-            f"{'not registered' if r['registered'] is False else ''}{stale}{bad}")
+            f"{'not registered' if r['registered'] is False else ''}{stale}{bad}{peers}")
 
 
 #: the routing column of ``status``'s text (see :func:`cluster_status` for the values)

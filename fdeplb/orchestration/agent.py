@@ -39,6 +39,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
     StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
+from fdeplb.orchestration import peer_agent
 from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
@@ -54,6 +55,7 @@ from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, 
 from fdeplb.store.cluster_config import check_pause_budget
 from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
+from fdeplb.weights.peer import ExpertSource
 from fdeplb.weights.plan import PauseBudget, changed_layers
 from fdeplb.weights.reports import SwapReport
 
@@ -107,7 +109,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
                  safe_points: bool = False, window_steps: int | None = 1000, window_s: float | None = None,
                  publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
                  switch_margin_steps: int = SWITCH_MARGIN_STEPS, max_pause_bytes: int | None = None,
-                 layers_per_safe_point: int | None = None, replace: bool = False) -> None:
+                 layers_per_safe_point: int | None = None, replace: bool = False,
+                 peer_secret: str | None = None) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
         own = check_pause_budget(0 if max_pause_bytes is None else max_pause_bytes,  # the cluster's rule
@@ -147,6 +150,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
         self.recovery: Recovery | None = None  # made once the backend is (start)
         self._init_probe()
+        self._peer_secret = peer_agent.peer_secret(peer_secret)  # None: every moved expert from the checkpoint
+        self.peers: peer_agent.PeerService | None = None  # serves the live slots to peers (peer_agent)
 
     # ---- start-up -------------------------------------------------------------------------------------------------
     def start(self, info: dict[str, Any] | None = None) -> None:
@@ -180,6 +185,12 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self.backend.set_live_ranks(self.live_ranks)
         self._open_window(self.config)
         self._info = dict(info or {})
+        if self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource):
+            self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
+                                                self.config.ep_size)
+        if self.peers is not None:
+            self.peers.server.source = self.backend
+            self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
         self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
@@ -275,6 +286,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
                               announce=lambda err: self.store.emit_event("alarm", rank=self.ep_rank,
                                                                          message=f"agent step failed: {err}"))
         finally:
+            if self.peers is not None:  # its registered address now refuses: peers read from the checkpoint
+                self.peers.close()
+                self.peers = None
             try:
                 self._send()
                 self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
@@ -417,10 +431,13 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
             self._drop_staging()
             t0 = time.perf_counter()
             new = self._new_phy2log(plan_id)
-            if self.safe_points:
-                staged = self.backend.stage(new, self.staging_budget_bytes, self.pause_budget)
-            else:
-                staged = self.backend.stage(new, self.staging_budget_bytes)
+            pause = self.pause_budget if self.safe_points else None
+            args = (new, self.staging_budget_bytes) if pause is None else (new, self.staging_budget_bytes, pause)
+            if self.peers is None:
+                staged = self.backend.stage(*args)
+            else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
+                staged = self.peers.stage(self.backend, new, self.staging_budget_bytes, pause, self.live_ranks,
+                                          self.store)
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}
@@ -456,7 +473,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
             raise  # a lost race or a lost connection: the loop retries, staging did not fail
         except Exception as err:  # noqa: BLE001 - any staging error (out of memory, a bug) fails this rank's load
             return self._staging_failed(me, plan_id, err)
-        self.rank.fire("staged", record=me, changes=info, defer=self._outbox)  # next work: the cluster's commit
+        reason, detail = peer_agent.fallback_reason(getattr(self.staged.staged, "fallbacks", []))
+        self.rank.fire("staged", record=me, changes=info, defer=self._outbox,  # next work: the cluster's commit
+                       reason=reason, detail=detail)
         return False
 
     def _staging_failed(self, me: RankRecord, plan_id: str, err: Exception) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -136,7 +137,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
 
         initial = initial_placement(num_layers, num_experts, config.num_physical_experts).phy2log
         cluster = LocalCluster(store=store, redis_url=url, config=config, trace=str(trace.path), workdir=workdir,
-                               seed=opts.seed)
+                               seed=opts.seed, peer_secret=secrets.token_hex(16))  # moved experts from peers
         cluster.init(initial)
         t0 = time.perf_counter()
         emit(f"ranks        starting {plural(opts.ranks, 'worker process', 'worker processes')}")
@@ -248,10 +249,12 @@ def _report(summary: dict[str, Any], audit: list, verbose: bool, emit: Callable[
          f"{summary['balancedness_after']:.4f} (live now)")
     if outcome == "rearranged":
         emit(f"moved        {plural(summary['moved_experts'], 'expert')}; the {summary['slots_total']} slots of "
-             f"all ranks: {summary['slots_from_disk']} written from disk + {summary['experts_copied_locally']} "
+             f"all ranks: {summary['slots_from_disk']} written from staging + {summary['experts_copied_locally']} "
              f"copied locally + {summary['experts_kept']} kept = "
              f"{summary['slots_from_disk'] + summary['experts_copied_locally'] + summary['experts_kept']} "
-             f"({summary['experts_loaded_from_disk']} distinct experts read from disk)")
+             f"(distinct experts staged: {summary['experts_from_peers']} from peers' live slots, "
+             f"{summary['peer_bytes'] / 2**20:.2f} MiB; {summary['experts_loaded_from_disk']} read from disk, "
+             f"{summary['disk_bytes'] / 2**20:.2f} MiB)")
     emit("")
     emit(f"audit        {plural(len(audit), 'record')}"
          + ("" if verbose or len(audit) <= 2 else " (first and last; all of them with --verbose)"))
@@ -320,6 +323,9 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
         "balancedness_after": mean_balancedness(load, current, config.ep_size, placement.live_ranks(config.ep_size)),
         "moved_experts": plan.moved_experts if plan and outcome is RoundOutcome.REARRANGED else 0,
         "experts_loaded_from_disk": sum(r.disk for r in ranks),
+        "experts_from_peers": sum(r.peer for r in ranks),
+        "disk_bytes": sum(r.disk_bytes for r in ranks),
+        "peer_bytes": sum(r.peer_bytes for r in ranks),
         "experts_copied_locally": sum(r.local for r in ranks),
         "experts_kept": sum(r.keep for r in ranks),
         "slots_from_disk": sum(r.disk_slots for r in ranks),

@@ -26,6 +26,7 @@ from fdeplb.reaper import Reaper
 from fdeplb.machines.tables import CLUSTER, RANK, ClusterState, RankState
 from fdeplb.orchestration.coordinator import Coordinator
 from fdeplb.orchestration.cluster_setup import init_cluster
+from fdeplb.orchestration.peer_agent import ENV_PEER_SECRET
 from fdeplb.store import AuditRecord, ClusterConfig, Cursor, Store
 
 
@@ -43,6 +44,9 @@ class LocalCluster:
     workdir: Path
     seed: int = 0
     backend: str = "paddle"  # the workers' live experts: "paddle" tensors or "numpy" (fdeplb.testing)
+    #: the workers' peer-transfer secret (FDEPLB_PEER_SECRET): they take moved experts from each other's live slots;
+    #: None = as the environment says (unset: every moved expert from the checkpoint)
+    peer_secret: str | None = None
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
 
     def init(self, initial_phy2log: np.ndarray) -> None:
@@ -59,7 +63,8 @@ class LocalCluster:
                *[x for t in traces for x in ("--trace", t)], *extra]
         if ep_rank in self.procs:  # a restart: supersede the agent it replaces (whose heartbeat may be fresh yet)
             cmd.append("--replace")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+        peers = {ENV_PEER_SECRET: self.peer_secret} if self.peer_secret else {}
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **peers, **(env or {}))
         proc = subprocess.Popen(cmd + ["--parent-pid", str(os.getpid())], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         log.close()

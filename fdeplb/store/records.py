@@ -159,6 +159,10 @@ class RankRecord(RecordHeader):
     """Last staging: bytes read from the checkpoint."""
     local_bytes: int = 0
     """Last staging: bytes copied between slots of the rank."""
+    peer: int = 0
+    """Last staging: experts taken from a peer rank's live slot (each once, verified on arrival)."""
+    peer_bytes: int = 0
+    """Last staging: bytes taken from peers' live slots instead of the checkpoint."""
     stage_ms: float = 0.0
     """Last staging: wall time in ms."""
     swap_ms: float = 0.0

@@ -140,6 +140,12 @@ def host_buffer(t: Any) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
 
 
+def crc32c(buf: Any) -> int:
+    """CRC-32C of a byte buffer (bytes, bytearray, a memoryview, e.g. :func:`host_buffer`): the value
+    :func:`checksum` gives the tensor whose memory it is."""
+    return int(_crc32c()(np.frombuffer(buf, dtype=np.uint8))) if memoryview(buf).nbytes else 0
+
+
 def checksum(t: Any) -> int:
     """CRC-32C (Castagnoli) of the raw bytes of ``t``: google-crc32c, hardware-accelerated (SSE4.2 / ARMv8 CRC,
     several GB/s per core). Device or strided tensors are copied to a contiguous host tensor first."""
@@ -150,6 +156,16 @@ def checksum(t: Any) -> int:
         return 0
     # google-crc32c takes buffers that need no release (bytes, numpy arrays), not memoryviews: wrap without copying
     return int(_crc32c()(np.frombuffer(host_buffer(t), dtype=np.uint8)))
+
+
+def host_view(t: Any) -> memoryview:
+    """The raw bytes of ``t`` in host memory: a view of a dense host tensor's own memory (no copy: valid while
+    ``t`` lives and changes with it), else of a host copy (device or strided tensors)."""
+    place = t.place
+    if not (place.is_cpu_place() or place.is_cuda_pinned_place()) or not t.is_contiguous():
+        t = t.cpu().contiguous()
+        return memoryview(bytes(host_buffer(t)))
+    return host_buffer(t)
 
 
 #: block of a checked host copy: copied, then compared while both halves are still in L2

@@ -13,12 +13,15 @@ coordinator, the agent, gating, replay and the kill tests run without paddle.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from fdeplb.errors import CheckpointError
+from fdeplb.errors import CheckpointError, PeerTransferError
+from fdeplb.placement.digest import routing_digest
+from fdeplb.weights.peer_staging import PeerFetch
 from fdeplb.weights.plan import PauseBudget, TransferPlan, changed_layers, chunk_layers, chunk_starts, plan_transfer
 from fdeplb.weights.reports import SlotCheck, StageReport, SwapReport
 
@@ -27,6 +30,9 @@ class Staged(Protocol):
     """A staged plan held by a backend until it is swapped in or released."""
 
     report: StageReport
+    fallbacks: list
+    """Experts a peer did not deliver, read from the checkpoint instead
+    (:class:`~fdeplb.weights.peer_staging.Fallback`; the agent audits them)."""
     starts: tuple[int, ...]
     """This rank's chunk layout of the swap within the pause budget it was staged for (the first layer of each
     chunk, :func:`~fdeplb.weights.plan.chunk_starts`); () when staged for a swap at once."""
@@ -51,11 +57,13 @@ class WeightBackend(Protocol):
     def slots_total(self) -> int:
         """Slots of the rank: num_layers x slots per rank."""
 
-    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None, pause: PauseBudget | None = None) -> Staged:
+    def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None, pause: PauseBudget | None = None,
+              peers: PeerFetch | None = None) -> Staged:
         """Read what ``new_phy2log`` needs on this rank into staging memory (StagingBudgetError, checked before any
         read, when it needs more than ``budget_bytes``). With ``pause``, the swap is applied in chunks of layers
         within it (``Staged.starts``) and a device buffer for the largest chunk is allocated too, counted in the
-        same budget."""
+        same budget. With ``peers``, experts a peer holds live are taken from it (``Staged.fallbacks``: those
+        read from the checkpoint instead)."""
 
     def swap(self, staged: Staged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
@@ -95,6 +103,22 @@ class WeightBackend(Protocol):
         slot; returns the verification (:class:`SlotCheck`). Raises WeightError subclasses when it cannot."""
 
 
+def served_slot(live_digest: str, rank_phy2log: np.ndarray, layer: int, expert: int, placement: str,
+                ep_rank: int) -> int:
+    """The first rank-local slot holding ``expert`` in ``layer`` of the live placement (``live_digest``: its
+    :func:`~fdeplb.placement.digest.routing_digest`; ``rank_phy2log``: int64 [L, S], its columns of this rank),
+    which must be the one named ``placement``; the refusals of
+    :meth:`fdeplb.weights.peer.ExpertSource.serve_expert` (PeerTransferError) otherwise."""
+    if live_digest != placement:
+        raise PeerTransferError(f"rank {ep_rank} holds placement {live_digest} live, the request names {placement}")
+    if not 0 <= int(layer) < rank_phy2log.shape[0]:
+        raise PeerTransferError(f"rank {ep_rank}: layer {layer} outside [0, {rank_phy2log.shape[0]})")
+    held = np.flatnonzero(rank_phy2log[int(layer)] == int(expert))
+    if not held.size:
+        raise PeerTransferError(f"rank {ep_rank} holds no live slot of expert {expert} in layer {layer}")
+    return int(held[0])
+
+
 #: builds a rank's backend: (checkpoint {"path", "preset"}, placement int64 [L, P], ep_rank, ep_size) -> backend
 BackendFactory = Callable[[dict, np.ndarray, int, int], WeightBackend]
 
@@ -114,6 +138,10 @@ class _CheckpointStaged:
     report: StageReport
     starts: tuple[int, ...] = ()
 
+    @property
+    def fallbacks(self) -> list:
+        return self.experts.fallbacks
+
     def release(self) -> None:
         self.experts.release()
 
@@ -130,6 +158,7 @@ class CheckpointBackend:
         self.live = live
         self.reader = reader
         self.device = device
+        self._served: tuple[int, str, Any] = (-1, "", None)  # (epoch, its placement's digest, its rank columns)
 
     @classmethod
     def open(cls, checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int, *,
@@ -179,7 +208,7 @@ class CheckpointBackend:
         return self.live.slots_per_rank * self.live.num_layers
 
     def stage(self, new_phy2log: np.ndarray, budget_bytes: int | None,
-              pause: PauseBudget | None = None) -> _CheckpointStaged:
+              pause: PauseBudget | None = None, peers: PeerFetch | None = None) -> _CheckpointStaged:
         from fdeplb.weights.staging import stage_experts
 
         old = self.live.phy2log
@@ -188,9 +217,38 @@ class CheckpointBackend:
         if pause is not None:
             starts, chunks = layout_of(transfer, old, new_phy2log, self.reader.expert_nbytes, pause)
             buffer_experts = max((sum(1 for layer, _ in transfer.disk if layer in set(c)) for c in chunks), default=0)
+        if peers is not None:
+            peers = dataclasses.replace(peers, known={**peers.known, **{
+                key: c for key in transfer.disk if (c := self.live.checksum(*key)) is not None}})
         experts = stage_experts(transfer, self.reader, budget_bytes=budget_bytes, device=self.device,
-                                buffer_experts=buffer_experts)
-        return _CheckpointStaged(transfer, experts, StageReport.of(transfer, self.reader.expert_nbytes), starts)
+                                buffer_experts=buffer_experts, peers=peers)
+        report = StageReport.of(transfer, self.reader.expert_nbytes, experts.from_peers)
+        return _CheckpointStaged(transfer, experts, report, starts)
+
+    def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
+        """:meth:`fdeplb.weights.peer.ExpertSource.serve_expert` over the live slots: the first slot of this rank
+        holding ``expert`` in ``layer``, with its checkpoint checksum. Host slots are sent from their memory
+        without a copy, device slots through a host copy; the epoch of the live experts must not move meanwhile
+        (it does not in LOADING: slots change only at a committed swap), and the receiver checks the bytes against
+        the checkpoint's checksum whatever happens. PeerTransferError when the live placement is not
+        ``placement`` (routing digest), the rank holds no slot of that expert, its checksum is not known, or the
+        slots changed while it was being read."""
+        from fdeplb.weights import _paddle
+
+        live = self.live
+        epoch = live.epoch
+        if self._served[0] != epoch:  # the live placement's digest, once per epoch
+            self._served = (epoch, routing_digest(live.phy2log), live.rank_phy2log)
+        slot = served_slot(self._served[1], self._served[2], layer, expert, placement, live.ep_rank)
+        checksum = live.checksum(layer, expert)
+        if checksum is None:
+            raise PeerTransferError(f"rank {live.ep_rank}: no checkpoint checksum of expert {expert} of layer "
+                                    f"{layer} (slots not verified)")
+        parts = [(suffix, _paddle.host_view(t)) for suffix, t in live.slot(layer, slot).items()]
+        if live.epoch != epoch:
+            raise PeerTransferError(f"rank {live.ep_rank}: live slots changed while serving expert {expert} of "
+                                    f"layer {layer}")
+        return parts, checksum
 
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:

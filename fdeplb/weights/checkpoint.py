@@ -241,6 +241,11 @@ class CheckpointReader:
         self.bytes_read += sum(size for job in jobs for _, _, _, size, _ in job)
         return results
 
+    def buffer(self, shape: tuple[int, ...], dtype: str, pinned: bool = False) -> Any:
+        """A host tensor to receive one expert tensor into (a recycled one of that shape, dtype and pinning, see
+        :meth:`recycle`, else a new one): what staging from peers fills."""
+        return self._buffer(tuple(shape), dtype, pinned)
+
     def _buffer(self, shape: tuple[int, ...], dtype: str, pinned: bool) -> Any:
         """A host tensor to read into: a recycled one of that shape, dtype and pinning, else a new one."""
         with self._free_lock:

@@ -199,6 +199,10 @@ class LiveExperts:
         """``suffix -> view`` of one rank-local slot (writes through to the live tensors)."""
         return dict(self._views[layer][slot])
 
+    def checksum(self, layer: int, expert: int) -> ExpertChecksum | None:
+        """The checkpoint checksum of ``(layer, expert)`` these slots were verified with (None: not known)."""
+        return self._checksums.get((int(layer), int(expert)))
+
     def _device_int64(self, arr: np.ndarray) -> Any:
         return _paddle.paddle().to_tensor(np.ascontiguousarray(arr, dtype=np.int64), place=_paddle.place_of(self.device))
 

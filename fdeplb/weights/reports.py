@@ -29,14 +29,20 @@ class StageReport:
     """Bytes read from the checkpoint."""
     local_bytes: int
     """Bytes copied between slots of the rank."""
+    peer: int = 0
+    """Experts taken from a peer rank's live slot (each once, verified); ``disk`` counts the rest."""
+    peer_bytes: int = 0
+    """Bytes taken from peers' live slots instead of the checkpoint (``disk_bytes`` counts the rest)."""
 
     @classmethod
-    def of(cls, transfer: TransferPlan, expert_nbytes: int) -> "StageReport":
-        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each."""
+    def of(cls, transfer: TransferPlan, expert_nbytes: int, peer: int = 0) -> "StageReport":
+        """The report of ``transfer`` for experts of ``expert_nbytes`` bytes each, ``peer`` of its new experts
+        taken from peers."""
         nbytes = transfer.nbytes(expert_nbytes)
         counts = transfer.counts
-        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"], disk_slots=transfer.disk_slots,
-                   disk_bytes=nbytes["disk"], local_bytes=nbytes["local"])
+        return cls(keep=counts["keep"], local=counts["local"], disk=counts["disk"] - peer,
+                   disk_slots=transfer.disk_slots, disk_bytes=nbytes["disk"] - peer * int(expert_nbytes),
+                   local_bytes=nbytes["local"], peer=peer, peer_bytes=peer * int(expert_nbytes))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any
 from fdeplb.errors import StagingBudgetError, WeightError
 from fdeplb.weights import _paddle
 from fdeplb.weights.checkpoint import CheckpointReader
+from fdeplb.weights.peer_staging import PeerFetch, fetch_from_peers
 from fdeplb.weights.plan import TransferPlan
 
 #: checksum of one expert: CRC-32C of each suffix's raw bytes, in template order
@@ -134,6 +135,11 @@ class StagedExperts:
     #: where released tensors go for reuse (the reader's buffer pool), or None to drop them
     recycle: Any = field(default=None, repr=False)
     buffer: DeviceBuffer | None = field(default=None, repr=False)
+    #: bytes taken from peers' live slots (:mod:`fdeplb.weights.peer_staging`) instead of the checkpoint
+    peer_bytes: int = 0
+    #: experts of ``plan.disk`` that arrived from peers (each verified), and those their peer did not deliver
+    from_peers: int = 0
+    fallbacks: list[Any] = field(default_factory=list)
 
     def release(self, keep_buffers: bool = False) -> None:
         """Drop every staged tensor (abort, or after the swap); the live tensors are not touched. Idempotent.
@@ -160,6 +166,7 @@ def stage_experts(
     *,
     workers: int | None = None,
     buffer_experts: int = 0,
+    peers: PeerFetch | None = None,
 ) -> StagedExperts:
     """Read the experts ``plan`` loads from disk (``plan.disk``, each once) into host memory.
 
@@ -175,6 +182,9 @@ def stage_experts(
         workers: reading threads (default :meth:`CheckpointReader.read_experts`'s); 1 reads serially.
         buffer_experts: experts a :class:`DeviceBuffer` on ``device`` must hold (a chunked swap's largest chunk;
             0 = none); its bytes count against ``budget_bytes`` too.
+        peers: take the experts whose source is a peer from its live slots, verified on arrival
+            (:func:`fdeplb.weights.peer_staging.fetch_from_peers`); one a peer does not deliver is read from the
+            checkpoint (``StagedExperts.fallbacks``). None: every expert from the checkpoint.
 
     Returns:
         :class:`StagedExperts` with ``nbytes == plan.counts["disk"] * reader.expert_nbytes`` (and ``buffer``).
@@ -200,7 +210,7 @@ def stage_experts(
                            recycle=lambda tensors: reader.recycle(tensors, pinned=pinned))
     start = time.perf_counter()
     try:
-        read = reader.read_experts(plan.disk, pinned=pinned, workers=workers, on_read=expert_checksum)
+        read = _read(plan, reader, pinned, workers, peers, staged)
         for tensors, checksum in read:
             staged.checksums.append(checksum)
             staged.experts.append(tensors)
@@ -212,6 +222,25 @@ def stage_experts(
         raise
     staged.read_seconds = time.perf_counter() - start
     return staged
+
+
+def _read(plan: TransferPlan, reader: CheckpointReader, pinned: bool, workers: int | None, peers: PeerFetch | None,
+          staged: StagedExperts) -> list[tuple[dict[str, Any], ExpertChecksum]]:
+    """``plan.disk``'s experts with their checksums, in order: from peers where ``peers`` names one that delivers,
+    the rest from the checkpoint; records the peers' share and fallbacks on ``staged``."""
+    if peers is None:
+        return reader.read_experts(plan.disk, pinned=pinned, workers=workers, on_read=expert_checksum)
+    spec = reader.spec
+    got = fetch_from_peers(plan.disk, peers,
+                           lambda _l, _e: {s: reader.buffer(shape, dtype, pinned)
+                                           for s, (shape, dtype) in spec.items()},
+                           _paddle.host_buffer, lambda views: tuple(_paddle.crc32c(v) for v in views.values()))
+    rest = [i for i in range(len(plan.disk)) if i not in got.got]
+    merged = dict(got.got)
+    merged.update(zip(rest, reader.read_experts([plan.disk[i] for i in rest], pinned=pinned, workers=workers,
+                                                on_read=expert_checksum)))
+    staged.peer_bytes, staged.from_peers, staged.fallbacks = got.peer_bytes, len(got.got), got.fallbacks
+    return [merged[i] for i in range(len(plan.disk))]
 
 
 def check_staged_for(plan: TransferPlan, staged: StagedExperts) -> None:

@@ -195,3 +195,17 @@ def kill(tc, r: int) -> None:
     tc.agents[r].stop_event.set()
     tc.threads[r].join(10)
     assert not tc.threads[r].is_alive()
+
+
+def round_over(store, n):
+    """A predicate: round ``n`` is over (the cluster FREE at round >= n, every rank IDLE)."""
+    def check():
+        rec = store.read_cluster()
+        return rec.state is ClusterState.FREE and rec.round >= n and all(
+            store.read_rank(r).state == "IDLE" for r in range(store.ep_size()))
+    return check
+
+
+def transitions_of(store, machine="cluster"):
+    """(from, to, trigger) of every audited transition of ``machine``."""
+    return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["machine"] == machine]

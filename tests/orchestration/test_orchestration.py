@@ -18,6 +18,7 @@ from fdeplb.placement import balancedness
 from fdeplb.store import Deadlines
 from fdeplb.testing import NumpyWeights
 from tests.helpers import RawRedis, thread_cluster, wait_for
+from tests.orchestration.helpers import round_over, transitions_of
 from tests.servers import RedisServer
 
 pytestmark = pytest.mark.slow  # a thread cluster (coordinator + agents in threads) in most tests
@@ -27,20 +28,8 @@ def cluster_state(store):
     return store.read_cluster()
 
 
-def round_over(store, n):
-    def check():
-        rec = cluster_state(store)
-        return rec.state == "FREE" and rec.round >= n and all(
-            store.read_rank(r).state == "IDLE" for r in range(store.ep_size()))
-    return check
-
-
 def last_cluster_transition(store):
     return [a for a in store.iter_audit() if a["machine"] == "cluster"][-1]
-
-
-def transitions_of(store, machine="cluster"):
-    return [(a["from"], a["to"], a["trigger"]) for a in store.iter_audit() if a["machine"] == machine]
 
 
 def test_full_round_swaps_every_rank(redis_url, cluster_id, tmp_path):

@@ -37,13 +37,15 @@ def test_demo_cli_four_ranks_on_real_dump(real_data, redis_url, tmp_path):
     # every slot is kept, copied locally or written from staging (an expert read once may fill two slots)
     assert (summary["experts_kept"] + summary["experts_copied_locally"] + summary["slots_from_disk"]
             == summary["slots_total"])
-    assert summary["experts_loaded_from_disk"] <= summary["slots_from_disk"]
+    assert summary["experts_loaded_from_disk"] + summary["experts_from_peers"] <= summary["slots_from_disk"]
+    # every moved expert is live on another rank: taken from peers, none read from disk
+    assert summary["peer_bytes"] > 0 and summary["experts_from_peers"] > 0 and summary["disk_bytes"] == 0
     # 7 cluster transitions + 5 per rank
     assert summary["audit_records"] == 7 + 5 * 4
     assert "DONE -> FREE" in proc.stdout and "verified     16704/16704" in proc.stdout
     assert summary["outcome"] == "rearranged" and summary["reason"] == ""
     # the moved line adds up, with the JSON's numbers
-    assert (f"{summary['slots_from_disk']} written from disk + {summary['experts_copied_locally']} copied locally + "
+    assert (f"{summary['slots_from_disk']} written from staging + {summary['experts_copied_locally']} copied locally + "
             f"{summary['experts_kept']} kept = {summary['slots_total']}") in proc.stdout
     # the demo's recording replays with no Redis (the demo's own cluster is deleted by now); tampering is exit 1
     replay = [sys.executable, "-m", "fdeplb", "replay", str(recording)]

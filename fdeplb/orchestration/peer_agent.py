@@ -1,0 +1,97 @@
+"""A rank agent's part in peer-to-peer expert transfer: it serves its live slots to its peers and takes the experts
+its new slots need from theirs (:mod:`fdeplb.weights.peer`, :mod:`fdeplb.weights.peer_plan`).
+
+Enabled when the agent has a secret (``RankAgent(peer_secret=...)`` or the ``FDEPLB_PEER_SECRET`` environment
+variable): every rank derives the same authentication key from it and the cluster id (:func:`peer_authkey`); with
+none, nothing listens and every moved expert is read from the checkpoint, as before. The server's address goes into
+the rank registry (``peer_address`` of :meth:`fdeplb.store.Store.register_rank`); a receiver connects only to
+addresses registered there, of members of the placement the round starts from, other than itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from fdeplb.placement.digest import routing_digest
+from fdeplb.store import Store
+from fdeplb.store.liveness import stale_of
+from fdeplb.weights.backend import Staged, WeightBackend
+from fdeplb.weights.peer import DEFAULT_TIMEOUT_S, ExpertSource, PeerServer, SocketTransport, peer_authkey
+from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources
+from fdeplb.weights.peer_staging import Fallback, PeerFetch
+from fdeplb.weights.plan import PauseBudget
+
+#: the environment variable holding the operator's peer-transfer secret
+ENV_PEER_SECRET = "FDEPLB_PEER_SECRET"
+#: the registry field holding a rank's peer-transfer address
+ADDRESS_FIELD = "peer_address"
+
+
+def peer_secret(explicit: str | None = None) -> str | None:
+    """The secret peers authenticate with: ``explicit``, else ``FDEPLB_PEER_SECRET``, else None (peer transfer
+    off)."""
+    return explicit or os.environ.get(ENV_PEER_SECRET) or None
+
+
+class PeerService:
+    """One rank's peer server and the transfers its staging makes.
+
+    Args:
+        source: the rank's weight backend (an :class:`~fdeplb.weights.peer.ExpertSource`).
+        secret, cluster: give the authentication key (:func:`peer_authkey`).
+        host: the interface the server listens on (loopback by default).
+        timeout_s: the deadline of one connection's handshake and of one expert's transfer.
+    """
+
+    def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
+                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self._key = peer_authkey(secret, cluster)
+        self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
+        self.timeout_s = float(timeout_s)
+        self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def stage(self, backend: WeightBackend, new_phy2log: np.ndarray, budget_bytes: int | None,
+              pause: PauseBudget | None, members: tuple[int, ...], store: Store) -> Staged:
+        """``backend.stage`` of ``new_phy2log`` with the experts new to the rank taken from the peers that hold
+        them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after."""
+        fetch = self.fetch_for(backend.phy2log, new_phy2log, members, store)
+        try:
+            return backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
+        finally:
+            fetch.transport.close()
+
+    def fetch_for(self, old_phy2log: np.ndarray, new_phy2log: np.ndarray, members: tuple[int, ...],
+                  store: Store) -> PeerFetch:
+        """What staging ``new_phy2log`` on this rank needs to take experts from peers: the sources over
+        ``members`` (the ranks routed to in ``old_phy2log``) whose heartbeat is within its TTL, a transport to
+        their registered addresses (a chosen peer without one: that expert comes from the checkpoint). Close
+        ``.transport`` after staging."""
+        stale = stale_of(store.heartbeats())  # a hung member would cost a deadline: ask only live ones
+        registry = store.rank_info()
+        sources = peer_sources(old_phy2log, new_phy2log, self.ep_rank, self.ep_size,
+                               [r for r in members if r not in stale])
+        addresses = {r: str(registry[r][ADDRESS_FIELD]) for r in set(sources.values()) - {CHECKPOINT}
+                     if isinstance(registry.get(r, {}).get(ADDRESS_FIELD), str)}
+        sources = {k: (r if r in addresses else CHECKPOINT) for k, r in sources.items()}
+        transport = SocketTransport(addresses, self._key, timeout_s=self.timeout_s)
+        return PeerFetch(transport, sources, routing_digest(old_phy2log))
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def fallback_reason(fallbacks: list[Fallback]) -> tuple[str, dict[str, Any] | None]:
+    """The reason and audit detail of a staging's fallbacks: ``{"fallback": [{"layer", "expert", "peer",
+    "error"}, ...], "fallbacks": n}`` (at most 32 listed), or ``("", None)`` when every peer delivered."""
+    if not fallbacks:
+        return "", None
+    peers = sorted({f.peer for f in fallbacks})
+    return (f"{len(fallbacks)} experts read from the checkpoint: peer ranks {peers} did not deliver them",
+            {"fallback": [f.to_detail() for f in fallbacks[:32]], "fallbacks": len(fallbacks)})

@@ -1,0 +1,350 @@
+"""Peer-to-peer expert transfer between the processes of one machine: the :class:`PeerTransport` seam, the server a
+rank agent runs over its live slots (:class:`PeerServer`) and the client that fetches from it
+(:class:`SocketTransport`).
+
+Wire: TCP on the loopback (or a host the operator gives), framed and authenticated by the standard library's
+:mod:`multiprocessing.connection` (length-prefixed messages; an HMAC challenge in both directions with a key every
+rank derives from one secret, :func:`peer_authkey`; a connection without the key is refused before any byte of an
+expert moves). One request names ``(layer, expert, placement)``: ``placement`` is the
+:func:`~fdeplb.placement.digest.routing_digest` of the placement the receiver expects the peer to hold live; the
+peer refuses a request naming another (its slots may be about to change) or an expert it does not hold live. The
+answer is a JSON header (``sizes`` per tensor suffix, the expert's checkpoint ``checksum`` as the peer verified it)
+followed by one message per suffix, which the receiver reads straight into its staging tensors
+(``Connection.recv_bytes_into``). Every wait has a deadline: a socket that stalls is shut down when it passes.
+
+The GPU transport (NCCL send/recv through ``paddle.distributed`` between the ranks' devices) fits the same seam:
+:meth:`PeerTransport.fetch` fills ``into`` (there: device tensors) and returns the peer's checksum; it is not
+written yet because it can only be checked on GPUs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from multiprocessing import ProcessError  # AuthenticationError, BufferTooShort
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
+
+import structlog
+
+from fdeplb.errors import InputError, PeerTransferError
+from fdeplb.failpoints import failpoint
+
+log = structlog.get_logger("fdeplb.peer")
+
+#: most bytes of one request or answer header
+MAX_HEADER = 4096
+#: default deadline of one connect, handshake or expert transfer (seconds; a 42 MiB expert crosses the loopback in
+#: tens of milliseconds)
+DEFAULT_TIMEOUT_S = 10.0
+#: an idle served connection is closed after this long (seconds)
+IDLE_S = 120.0
+
+
+def peer_authkey(secret: str, cluster: str) -> bytes:
+    """The key peers of ``cluster`` authenticate with: HMAC-SHA256(``secret``, ``"fdeplb-peer:" + cluster``), 32
+    bytes. ``secret`` is the operator's (``FDEPLB_PEER_SECRET``, else the API password: see
+    :func:`fdeplb.orchestration.peer_agent.peer_secret`); InputError when it is empty (never unauthenticated)."""
+    if not secret:
+        raise InputError("peer transfer needs a non-empty secret (FDEPLB_PEER_SECRET or FDEPLB_API_PASSWORD)")
+    return hmac.new(secret.encode(), f"fdeplb-peer:{cluster}".encode(), hashlib.sha256).digest()
+
+
+class PeerRequest(NamedTuple):
+    """One expert asked of a peer: MoE layer index, logical expert id, and the routing digest of the placement the
+    peer must hold live to serve it."""
+
+    layer: int
+    expert: int
+    placement: str
+
+
+@runtime_checkable
+class ExpertSource(Protocol):
+    """What a :class:`PeerServer` serves from: a rank's live slots (a weight backend)."""
+
+    def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
+        """``([(suffix, bytes-like copy of the live slot's tensor)], checkpoint checksum)`` of one live expert, copied
+        at one consistent epoch of the live slots. PeerTransferError (a refusal) when the live placement's digest is
+        not ``placement`` or no live slot holds ``expert`` in ``layer``."""
+
+
+@runtime_checkable
+class PeerTransport(Protocol):
+    """Moves one expert from a peer rank's live slot into the caller's staging tensors."""
+
+    def fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        """Fill ``into`` (``suffix -> writable buffer`` of exactly the expert's bytes, in the order the peer sends
+        them) from ``peer`` and return the checksum the peer gives for the expert (the caller checks the bytes
+        against it). Raises PeerTransferError (refused, dead, past its deadline, unauthenticated, truncated);
+        ``into`` may then hold part of the bytes: the caller reads the expert from the checkpoint instead."""
+
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]],
+                   on_arrival: Callable[[int], None] | None = None) -> list[tuple[int, ...] | PeerTransferError]:
+        """:meth:`fetch` for several experts of one peer at once (requests pipelined, answers in order): per item
+        the peer's checksum, or the PeerTransferError that item met (after a broken connection, every later item
+        has it too). ``on_arrival(k)`` is called as item k's bytes have arrived (e.g. to checksum them while the
+        next ones are on their way)."""
+
+    def close(self) -> None:
+        """Close every connection (idempotent)."""
+
+
+class _Watchdog:
+    """One thread per process that shuts sockets down when their deadline passes (arming one costs a lock, not a
+    thread: a deadline is armed around every expert sent or received)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: dict[int, tuple[float, socket.socket]] = {}
+        self._next = 0
+        self._thread: threading.Thread | None = None
+
+    def arm(self, sock: socket.socket, seconds: float) -> int:
+        with self._cond:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + seconds, sock)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="fdeplb-peer-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return self._next
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._armed.pop(token, None)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                for token, (when, sock) in list(self._armed.items()):
+                    if when <= now:
+                        del self._armed[token]
+                        _shutdown(sock)
+                soonest = min((when for when, _ in self._armed.values()), default=now + 60.0)
+                self._cond.wait(max(soonest - now, 0.001))
+
+
+_WATCHDOG = _Watchdog()
+
+
+@contextmanager
+def _deadline(sock: socket.socket, seconds: float) -> Iterator[None]:
+    """Shut ``sock`` down if the block runs past ``seconds``: a blocked read then returns end-of-file."""
+    token = _WATCHDOG.arm(sock, seconds)
+    try:
+        yield
+    finally:
+        _WATCHDOG.disarm(token)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class _Link:
+    """One authenticated connection: the framed :class:`Connection` and a duplicate of its socket to shut down."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.guard = sock.dup()
+        self.conn = Connection(sock.detach())
+
+    def close(self) -> None:
+        _shutdown(self.guard)
+        self.guard.close()
+        self.conn.close()
+
+
+def _json(conn: Connection) -> dict:
+    data = json.loads(conn.recv_bytes(MAX_HEADER))
+    if not isinstance(data, dict):
+        raise ValueError("a header must be a JSON object")
+    return data
+
+
+class PeerServer:
+    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons).
+
+    Args:
+        source: the live slots (:class:`ExpertSource`).
+        authkey: :func:`peer_authkey` (bytes, >= 16).
+        host: the interface to listen on (default the loopback); the port is chosen by the system.
+        timeout_s: deadline of a connection's handshake and of sending one expert.
+
+    Attributes:
+        address: ``"host:port"`` to register with the rank (:meth:`fdeplb.store.Store.register_rank`).
+        served, refused: experts sent, requests refused (counters).
+    """
+
+    def __init__(self, source: ExpertSource, authkey: bytes, *, host: str = "127.0.0.1",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if len(authkey) < 16:
+            raise InputError("a peer authkey needs at least 16 bytes (peer_authkey)")
+        self.source, self._key, self.timeout_s = source, bytes(authkey), float(timeout_s)
+        self._sock = socket.create_server((host, 0))
+        self._sock.settimeout(0.5)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._stop = threading.Event()
+        self.served = self.refused = 0
+        self._thread = threading.Thread(target=self._accept, name="fdeplb-peer-accept", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting (idempotent); connections in flight end with their peer or their deadline."""
+        self._stop.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock,), name="fdeplb-peer-serve", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        link = _Link(sock)
+        try:
+            with _deadline(link.guard, self.timeout_s):
+                deliver_challenge(link.conn, self._key)
+                answer_challenge(link.conn, self._key)
+            while not self._stop.is_set() and link.conn.poll(IDLE_S):
+                self._answer(link)
+        except (ProcessError, EOFError, OSError, ValueError) as err:
+            log.info("peer connection closed", reason=f"{type(err).__name__}: {err}")
+        finally:
+            link.close()
+
+    def _answer(self, link: _Link) -> None:
+        req = _json(link.conn)
+        try:
+            request = PeerRequest(int(req["layer"]), int(req["expert"]), str(req["placement"]))
+            parts, checksum = self.source.serve_expert(*request)
+        except Exception as err:  # noqa: BLE001 - a bad request or any failure to read the slot is a refusal
+            if not isinstance(err, (KeyError, TypeError, ValueError, PeerTransferError)):
+                log.warning("peer request failed", error=f"{type(err).__name__}: {err}")
+            self.refused += 1
+            link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
+            return
+        with _deadline(link.guard, self.timeout_s):
+            link.conn.send_bytes(json.dumps({"ok": True, "checksum": list(checksum),
+                                             "sizes": [[s, memoryview(b).nbytes] for s, b in parts]}).encode())
+            for k, (_, data) in enumerate(parts):
+                if k == len(parts) - 1:  # tests: a peer killed mid-transfer (its header sent, not all its bytes)
+                    failpoint("peer.hang", "sending", lambda: log.warning("failpoint hit", failpoint="peer.hang"))
+                link.conn.send_bytes(data)
+        self.served += 1
+
+
+class SocketTransport:
+    """:class:`PeerTransport` over :class:`PeerServer` connections (one cached connection per peer, thread-safe per
+    peer: fetch from several peers in parallel).
+
+    Args:
+        addresses: ``peer rank -> "host:port"``, only registered addresses (the rank registry's ``peer_address``).
+        authkey: :func:`peer_authkey`.
+        timeout_s: deadline of a connect + handshake, and of one expert's transfer.
+    """
+
+    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.addresses = {int(r): str(a) for r, a in addresses.items()}
+        self._key, self.timeout_s = bytes(authkey), float(timeout_s)
+        self._links: dict[int, _Link] = {}
+        self._locks: dict[int, threading.Lock] = {r: threading.Lock() for r in self.addresses}
+
+    def _link(self, peer: int) -> _Link:
+        link = self._links.get(peer)
+        if link is not None:
+            return link
+        host, _, port = self.addresses[peer].rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        link = _Link(sock)
+        try:
+            with _deadline(link.guard, self.timeout_s):
+                answer_challenge(link.conn, self._key)
+                deliver_challenge(link.conn, self._key)
+        except BaseException:
+            link.close()
+            raise
+        self._links[peer] = link
+        return link
+
+    def fetch(self, peer: int, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        result = self.fetch_many(peer, [(request, into)])[0]
+        if isinstance(result, PeerTransferError):
+            raise result
+        return result
+
+    def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]],
+                   on_arrival: Callable[[int], None] | None = None) -> list[tuple[int, ...] | PeerTransferError]:
+        if peer not in self.addresses:
+            err = PeerTransferError(f"rank {peer} has no registered peer address")
+            return [err] * len(items)
+        out: list[tuple[int, ...] | PeerTransferError] = []
+        with self._locks[peer]:
+            try:
+                link = self._link(peer)
+                with _deadline(link.guard, self.timeout_s):
+                    for request, _ in items:  # a few hundred bytes each: they fit the socket's buffers
+                        link.conn.send_bytes(json.dumps(request._asdict()).encode())
+                for request, into in items:
+                    try:
+                        out.append(self._receive(peer, link, request, into))
+                        if on_arrival is not None:
+                            on_arrival(len(out) - 1)
+                    except PeerTransferError as err:  # a refusal: the connection is still in step
+                        out.append(err)
+                        if peer not in self._links:
+                            break
+            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
+                self._drop(peer)
+                request = items[len(out)][0]
+                out.append(PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
+                                             f"{request.expert} of layer {request.layer}: {type(err).__name__}: "
+                                             f"{err}"))
+        cause = out[-1] if out else None
+        while len(out) < len(items):  # the connection broke: what broke it, for every later item
+            out.append(PeerTransferError(f"rank {peer} failed earlier: {cause}"))
+        return out
+
+    def _receive(self, peer: int, link: _Link, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+        with _deadline(link.guard, self.timeout_s):
+            head = _json(link.conn)
+            if not head.get("ok"):
+                raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "
+                                        f"{head.get('error', '')}")
+            sizes = [(str(s), int(n)) for s, n in head["sizes"]]
+            want = [(s, memoryview(b).nbytes) for s, b in into.items()]
+            if sizes != want:
+                self._drop(peer)  # the payload that follows is not read: the connection is out of step
+                raise PeerTransferError(f"rank {peer} sends {sizes} for expert {request.expert} of layer "
+                                        f"{request.layer}, staging expects {want}")
+            for suffix, buf in into.items():
+                got = link.conn.recv_bytes_into(buf)
+                if got != memoryview(buf).nbytes:
+                    self._drop(peer)
+                    raise PeerTransferError(f"rank {peer} sent a truncated frame for {suffix!r} of expert "
+                                            f"{request.expert} of layer {request.layer}: {got} of "
+                                            f"{memoryview(buf).nbytes} bytes")
+            return tuple(int(c) for c in head["checksum"])
+
+    def _drop(self, peer: int) -> None:
+        link = self._links.pop(peer, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for peer in list(self._links):
+            self._drop(peer)

@@ -1,0 +1,92 @@
+"""Rounds whose moved experts come from peers' live slots: rank agents with a peer secret (thread clusters)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from fdeplb.api.prometheus import ClusterCollector
+from fdeplb.cli.status_view import print_status
+from fdeplb.status import cluster_status
+from fdeplb.testing import NumpyWeights
+from tests.helpers import thread_cluster, wait_for
+from tests.orchestration.helpers import round_over, transitions_of
+from tests.weights.peer_proc import WrongBytes
+
+SECRET = "round-peer-secret"
+
+
+def _staged_records(store):
+    return [a for a in store.iter_audit() if a["machine"] == "rank" and a["trigger"] == "staged"]
+
+
+def test_a_round_moves_experts_from_peers_and_reports_peer_bytes(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start(peer_secret=SECRET)
+        assert all(store.rank_info()[r]["peer_address"].startswith("127.0.0.1:") for r in range(4))
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        records = [store.read_rank(r) for r in range(4)]
+        assert sum(r.peer for r in records) > 0
+        for rec in records:  # every expert new to a rank is live on another member
+            assert rec.disk == 0 and rec.disk_bytes == 0
+            assert rec.peer_bytes == rec.peer * tc.agents[0].backend.expert_nbytes
+        assert all(not a["detail"] for a in _staged_records(store))
+        after = store.current_placement().phy2log
+        for agent in tc.agents:
+            assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+        status = cluster_status(store)
+        rows = status["ranks"]
+        assert [row["peer_bytes"] for row in rows] == [r.peer_bytes for r in records]
+        assert [row["staged_bytes"] for row in rows] == [r.peer_bytes + r.local_bytes for r in records]
+        text = io.StringIO()
+        print_status(status, text)
+        rank_rows = [line for line in text.getvalue().splitlines() if "from peers" in line]
+        assert len(rank_rows) == sum(1 for r in records if r.peer_bytes)
+        metrics = {(s.labels["ep_rank"], s.labels["source"]): s.value for family in ClusterCollector(store).collect()
+                   if family.name == "fdeplb_staging_source_bytes" for s in family.samples}
+        for r, rec in enumerate(records):
+            assert metrics[(str(r), "peer")] == rec.peer_bytes and metrics[(str(r), "disk")] == 0
+
+
+def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        liar = lambda _c, phy2log, r, size: WrongBytes(phy2log, r, size)  # noqa: E731
+        tc.start_agents([0], peer_secret=SECRET, backend_factory=liar)
+        tc.start_agents([1, 2, 3], peer_secret=SECRET, backend_factory=NumpyWeights.factory())
+        tc.start_coordinator()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        fallbacks = [json.loads(a["detail"]) for a in _staged_records(store) if a["detail"]]
+        assert fallbacks, "some rank asked rank 0 for an expert"
+        for detail in fallbacks:
+            assert {f["peer"] for f in detail["fallback"]} == {0}
+            assert "wrong bytes" in detail["fallback"][0]["error"]
+        audited = {int(a["key"].rsplit(":", 1)[1]) for a in _staged_records(store) if a["detail"]}
+        for r in audited:  # those experts came from disk: counted there, verified in the swap
+            assert store.read_rank(r).disk > 0
+        after = store.current_placement().phy2log
+        for agent in tc.agents:
+            assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+
+
+def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id, tmp_path):
+    pytest.importorskip("paddle")
+    with thread_cluster(redis_url, cluster_id, tmp_path, backend="paddle") as tc:
+        store = tc.store()
+        tc.start(peer_secret=SECRET)
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        records = [store.read_rank(r) for r in range(4)]
+        assert sum(r.peer_bytes for r in records) > 0 and sum(r.disk_bytes for r in records) == 0
+        assert all(not a["detail"] for a in _staged_records(store))
+        for agent in tc.agents:  # every slot, peer-staged ones included, holds its checkpoint expert
+            assert agent.backend.verify() == (15, 15)
