@@ -136,14 +136,15 @@ def check_settings(report: ReplayReport) -> ConfigTimeline:
 
 def _check_plans_made_with(report: ReplayReport, timeline: ConfigTimeline) -> None:
     """Every loaded plan whose content hash is its plan_id (chained in its ``load``): made with the header's
-    topology and the policy in force for its round."""
+    topology (besides the round's own facts in it: its members, a re-route, a supplied placement) and the policy in
+    force for its round."""
     for loaded in report.plans:
         plan = report.stored_plans.get(loaded.plan_id)
         if plan is None or not plan.policy or \
                 plan_digest(plan.expert_load, plan.old_phy2log, plan.policy, plan.topology) != plan.plan_id:
             continue  # not stored, or not its own plan: check_plans names it at its load
         cfg = timeline.at(loaded.round)
-        shape = {k: v for k, v in plan.topology.items() if k not in ("live_ranks", "reroute")}
+        shape = {k: v for k, v in plan.topology.items() if k not in ("live_ranks", "reroute", "supplied")}
         if shape != cfg.topology():
             raise ReplayError(f"line 1: the header's topology {cfg.topology()}, but round {loaded.round}'s plan "
                               f"{plan.plan_id} (loaded at {loaded.where}) was made for {shape}")
