@@ -1,7 +1,8 @@
 """Recovery from lost records, the pieces without processes: the start guard and
 ``/health`` count every rank of ``ep_size``, registered or not; ``init-cluster`` over live ranks adopts the placement
 they report when they agree and refuses, naming them, when they do not; an agent whose records are gone reports
-its live placement and registers again once the cluster is created anew, or refuses a different placement."""
+its live placement and registers again once the cluster is created anew, loading the cluster's placement when it
+holds another one and refusing only another topology (``/health`` names it)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import numpy as np
 import pytest
 import structlog
 
-from fdeplb.errors import NotFoundError, StateError
+from fdeplb.errors import NotFoundError, StateError, TopologyError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration import Coordinator, RankAgent, init_cluster
 from fdeplb.orchestration.membership import MembershipWatch
-from fdeplb.orchestration.recovery import RecordsLostError
-from fdeplb.placement import initial_placement
+from fdeplb.orchestration.recovery import LOADED, RecordsLostError
+from fdeplb.placement import initial_placement, routing_digest
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.liveness import NOT_REGISTERED, stale_of
@@ -133,23 +134,88 @@ def test_an_agent_reports_while_the_records_are_gone_then_registers_again(redis_
         store.delete_cluster()
 
 
-def test_an_agent_refuses_a_cluster_created_again_with_another_placement(redis_url, cluster_id):
+def _notes(store, trigger):
+    return [a for a in store.iter_audit() if a["trigger"] == trigger]
+
+
+def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_one(redis_url, cluster_id):
+    """Same topology, another placement: the agent reloads the cluster's from the checkpoint (verified, audited
+    ``placement_loaded``) and registers; it no longer refuses until its worker is restarted."""
     store = _store(redis_url, cluster_id)
     agent = _agent(Store(redis_url, cluster_id))
+    other = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
     try:
         store.delete_cluster()
-        other = dataclasses.replace(CFG)
-        assert init_cluster(store, other, initial_placement(2, 8, 12).phy2log[:, ::-1].copy())
-        with pytest.raises(StateError, match="holds plan initial .* live; not registering"):
+        assert init_cluster(store, dataclasses.replace(CFG), other)
+        agent._records_lost(None)
+        assert np.array_equal(agent.backend.phy2log, other) and agent.backend.verify() == (12 // 3 * 2, 12 // 3 * 2)
+        assert store.rank_info()[0]["agent_id"] == agent.agent_id
+        notes = _notes(store, LOADED)
+        assert len(notes) == 1 and notes[0]["key"].endswith("rank:0") and "verified" in notes[0]["reason"]
+        assert store.read_rank(0).routing_digest == routing_digest(other)
+    finally:
+        store.delete_cluster()
+
+
+def test_an_agent_refuses_another_topology_and_health_names_it(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    agent = _agent(Store(redis_url, cluster_id))
+    bigger = dataclasses.replace(CFG, num_physical_experts=15)
+    try:
+        store.delete_cluster()
+        assert init_cluster(store, bigger, initial_placement(2, 8, 15).phy2log)
+        with pytest.raises(TopologyError, match="created again with topology"):
             agent._records_lost(None)
         assert 0 not in store.rank_info()
+        registered, why = unhealthy_ranks(store)
+        assert registered == 0 and why[0].startswith("not registered: rank 0: cluster") and "topology" in why[0]
+        assert why[1] == "not registered"
+    finally:
+        store.delete_cluster()
+
+
+def test_the_disagreement_message_is_followed_by_doing_what_it_says(redis_url, cluster_id):
+    """init-cluster refuses live ranks that disagree and says to run it again with --adopt-wait-ms 0 (no
+    adoption): done, the initial placement is written and a live agent holding another one loads it and
+    registers, no restart."""
+    store = _store(redis_url, cluster_id)
+    agent = _agent(Store(redis_url, cluster_id))
+    first = initial_placement(2, 8, 12).phy2log
+    try:
+        store.delete_cluster()
+        _report(store, 1, first[:, ::-1].copy(), "p2")
+        with pytest.raises(RecordsLostError):
+            agent._records_lost(None)  # rank 0 reports the initial placement, rank 1 another
+        with pytest.raises(StateError, match="disagree.*run init-cluster again with --adopt-wait-ms 0") as said:
+            init_cluster(store, CFG, first)
+        assert "restart" not in str(said.value).split("nothing written")[1].replace("no restart", "")
+        agent.backend.reload_in(first[:, ::-1].copy())  # rank 0 now holds another placement than the initial one
+        assert init_cluster(store, CFG, first, adopt=False)
+        assert np.array_equal(store.current_placement().phy2log, first)
+        agent._records_lost(None)
+        assert np.array_equal(agent.backend.phy2log, first) and len(_notes(store, LOADED)) == 1
+        assert store.rank_info()[0]["agent_id"] == agent.agent_id
+    finally:
+        store.delete_cluster()
+
+
+def test_init_cluster_waits_for_the_live_reports_and_says_who_did_not(redis_url, cluster_id):
+    """With ``adopt_wait_ms`` a cluster without records waits for reports once some rank reported (a Redis up
+    for long: no wait without one), then adopts and says which ranks did not report."""
+    store = Store(redis_url, cluster_id)
+    live = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
+    said = []
+    try:
+        for r in (0, 2):
+            _report(store, r, live, "abc123")
+        assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log, adopt_wait_ms=300, say=said.append)
+        assert store.current_placement().plan_id == "abc123"
+        assert len(said) == 1 and "2 of 3 ranks reported" in said[0] and "ranks [1] did not" in said[0], said
     finally:
         store.delete_cluster()
 
 
 def test_init_cluster_refuses_fewer_ranks_than_report_a_live_placement(redis_url, cluster_id):
-    from fdeplb.errors import TopologyError
-
     store = Store(redis_url, cluster_id)
     live = initial_placement(2, 8, 12).phy2log
     try:
