@@ -227,3 +227,13 @@ def test_init_cluster_refuses_fewer_ranks_than_report_a_live_placement(redis_url
             store.read_config()  # nothing written
     finally:
         store.delete_cluster()
+
+
+def test_a_negative_adopt_wait_is_exit_2_and_writes_nothing(redis_url, cluster_id, tmp_path, capsys):
+    from tests.cli.helpers import init_args
+    from tests.helpers import run_cli
+
+    store = Store(redis_url, cluster_id)
+    code, _, err = run_cli(capsys, *init_args(store, tmp_path, "--adopt-wait-ms", "-1"))
+    assert code == 2 and "--adopt-wait-ms must be >= 0, got -1" in err
+    assert store.key_count() == 0
