@@ -138,9 +138,12 @@ def _notes(store, trigger):
     return [a for a in store.iter_audit() if a["trigger"] == trigger]
 
 
-def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_one(redis_url, cluster_id):
+def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_one(redis_url, cluster_id, tmp_path):
     """Same topology, another placement: the agent reloads the cluster's from the checkpoint (verified, audited
-    ``placement_loaded``) and registers; it no longer refuses until its worker is restarted."""
+    ``placement_loaded``) and registers; it no longer refuses until its worker is restarted. The note replays."""
+    from fdeplb.cli import main
+    from fdeplb.replay import replay_file
+
     store = _store(redis_url, cluster_id)
     agent = _agent(Store(redis_url, cluster_id))
     other = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
@@ -153,6 +156,9 @@ def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_on
         notes = _notes(store, LOADED)
         assert len(notes) == 1 and notes[0]["key"].endswith("rank:0") and "verified" in notes[0]["reason"]
         assert store.read_rank(0).routing_digest == routing_digest(other)
+        path = tmp_path / "loaded.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        assert replay_file(path).skipped == 1
     finally:
         store.delete_cluster()
 
