@@ -68,11 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="the MoE layers are model layers K..K+num_layers-1 (DeepSeek-V3: 3)")
     i.add_argument("--num-model-layers", type=int, default=0, metavar="N",
                    help="model layers, dense ones included (default: the largest layer id + 1)")
-    i.add_argument("--adopt-wait-ms", type=int, default=ADOPT_WAIT_MS, metavar="MS",
-                   help="a cluster with no records (Redis lost its data): wait up to MS after Redis started for the "
-                        "live ranks to report the placement they hold, and adopt it when they agree (default "
-                        "%(default)s: the agents' default heartbeat TTL + TTL/4); 0: no wait and no adoption, the "
-                        "initial placement is written and every live rank loads it")
+    i.add_argument("--adopt-wait-ms", type=int, default=None, metavar="MS",
+                   help="a cluster with no records (Redis lost its data): wait up to MS for the live ranks to "
+                        f"report the placement they hold, and adopt it when they agree (default: {ADOPT_WAIT_MS}, "
+                        "the agents' default heartbeat TTL + TTL/4, counted from Redis' start: a Redis up for longer "
+                        "is waited on only once a rank reported; given: MS from now, e.g. after a FLUSHALL or a "
+                        "failover); 0: no wait and no adoption, the initial placement is written and every live "
+                        "rank loads it")
     i.set_defaults(handler=run_init)
 
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
@@ -362,7 +364,7 @@ def run_init(args: argparse.Namespace) -> int:
 
     if args.num_redundant_experts < 0:
         raise InputError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
-    if args.adopt_wait_ms < 0:
+    if args.adopt_wait_ms is not None and args.adopt_wait_ms < 0:
         raise InputError(f"--adopt-wait-ms must be >= 0, got {args.adopt_wait_ms}")
     for name in _DEADLINE_DEFAULTS:
         if getattr(args, name) < 1:
@@ -394,8 +396,9 @@ def run_init(args: argparse.Namespace) -> int:
     check_checkpoint(args.checkpoint, args.preset, args.num_layers, args.num_logical_experts)
     store = Store(args.redis_url, args.cluster)
     store.ping()
-    created = init_cluster(store, config, phy2log, adopt=args.adopt_wait_ms > 0, adopt_wait_ms=args.adopt_wait_ms,
-                           say=print)
+    wait_ms = ADOPT_WAIT_MS if args.adopt_wait_ms is None else args.adopt_wait_ms
+    created = init_cluster(store, config, phy2log, adopt=wait_ms > 0, adopt_wait_ms=wait_ms,
+                           since_start=args.adopt_wait_ms is None, say=print)
     print(f"cluster {args.cluster}: {'created' if created else 'exists already, left as it is'} "
           f"({config.ep_size} ranks x {config.slots_per_rank} slots, {config.num_layers} MoE layers)")
     adopted = store.current_placement().plan_id if created else ""

@@ -161,23 +161,24 @@ class Rejoining:
         return True
 
 
-def await_live_reports(store: Store, ep_size: int, wait_ms: int) -> tuple[list[int], float]:
+def await_live_reports(store: Store, ep_size: int, wait_ms: int, *, since_start: bool = False
+                       ) -> tuple[list[int], float]:
     """Wait until ranks ``0..ep_size-1`` all have a live report (:meth:`Store.live_report_ranks`) or ``wait_ms``
-    has passed since the Redis server started (agents report as soon as they notice their records are gone, within
-    a quarter heartbeat TTL of Redis coming back: ``wait_ms`` of the agents' TTL + TTL/4 covers them). A server up
-    longer than that (a cluster created for the first time) is not waited on unless some rank has reported; then
-    the others get the full ``wait_ms`` from now. Returns (the ranks that reported, seconds waited). Polls every
-    50 ms; Redis errors as the store raises them."""
+    has passed: from now, or with ``since_start`` from the Redis server's start (agents report as soon as they
+    notice their records are gone: the moment Redis answers again after a restart, else within a quarter heartbeat
+    TTL, so the agents' TTL + TTL/4 covers them). With ``since_start`` a server up longer than that (a cluster
+    created for the first time) is not waited on unless some rank has reported; then the others get the full
+    ``wait_ms`` from now. Returns (the ranks that reported, seconds waited). Polls every 50 ms; Redis errors as
+    the store raises them."""
     t0 = time.monotonic()
-    deadline = t0 + max(0, wait_ms - store.uptime_ms()) / 1000
+    deadline = t0 + max(0, wait_ms - (store.uptime_ms() if since_start else 0)) / 1000
     wanted = set(range(int(ep_size)))
-    extended = False
     while True:
         ranks = store.live_report_ranks()
         if wanted <= set(ranks):
             break
-        if ranks and not extended:  # live agents exist: the others may still be noticing
-            deadline, extended = max(deadline, t0 + wait_ms / 1000), True
+        if ranks:  # live agents exist: the others may still be noticing
+            deadline = max(deadline, t0 + wait_ms / 1000)
         if time.monotonic() >= deadline:
             break
         _pause.wait(0.05)
