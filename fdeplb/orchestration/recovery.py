@@ -121,7 +121,9 @@ class Rejoining:
         cluster's round state (staging, published round, clear_stat requests seen), create the rank's records and
         register again."""
         self.config, placement = self.recovery.rejoin(err, self.config, self.live_plan_id)
-        if not np.array_equal(self.backend.phy2log, placement.phy2log) and not self._load_placement(placement):
+        loading = self._op is not None and self._op.key[0] == "load_placement"  # applied at a safe point since
+        if (loading or not np.array_equal(self.backend.phy2log, placement.phy2log)) \
+                and not self._load_placement(placement):
             return  # the worker's next safe point loads it; the heartbeat after it registers
         plan_id = placement.plan_id
         self._drop_staging()

@@ -163,6 +163,27 @@ def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_on
         store.delete_cluster()
 
 
+def test_an_embedded_agent_loads_the_cluster_placement_at_its_safe_point_then_registers(redis_url, cluster_id):
+    """With safe points the live experts change only between the worker's forward steps: the load waits for
+    ``at_safe_point``, and the agent registers after it, not before."""
+    store = _store(redis_url, cluster_id)
+    agent = RankAgent(Store(redis_url, cluster_id), 0, load_source=lambda _round: np.zeros((2, 8), np.int64),
+                      backend_factory=NumpyWeights.factory(), heartbeat_ttl_ms=60_000, safe_points=True)
+    agent.start()
+    other = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
+    try:
+        store.delete_cluster()
+        assert init_cluster(store, CFG, other)
+        agent._records_lost(None)
+        assert 0 not in store.rank_info() and not np.array_equal(agent.backend.phy2log, other)  # waits for it
+        assert agent.at_safe_point()
+        assert np.array_equal(agent.backend.phy2log, other)
+        agent._records_lost(None)
+        assert store.rank_info()[0]["agent_id"] == agent.agent_id and len(_notes(store, LOADED)) == 1
+    finally:
+        store.delete_cluster()
+
+
 def test_an_agent_refuses_another_topology_and_health_names_it(redis_url, cluster_id):
     store = _store(redis_url, cluster_id)
     agent = _agent(Store(redis_url, cluster_id))
