@@ -197,6 +197,19 @@ def test_an_agent_refuses_another_topology_and_health_names_it(redis_url, cluste
         registered, why = unhealthy_ranks(store)
         assert registered == 0 and why[0].startswith("not registered: rank 0: cluster") and "topology" in why[0]
         assert why[1] == "not registered"
+        # what it says, done: "create the cluster with the worker's" topology: the same agent registers
+        store.delete_cluster()
+        assert init_cluster(store, CFG, initial_placement(2, 8, 12).phy2log)
+        agent._records_lost(None)
+        assert store.rank_info()[0]["agent_id"] == agent.agent_id
+        # or "restart it with the cluster's topology": a worker started on the bigger cluster serves it
+        store.delete_cluster()
+        assert init_cluster(store, bigger, initial_placement(2, 8, 15).phy2log)
+        with pytest.raises(TopologyError):
+            agent._records_lost(None)
+        agent.stop_event.set()
+        fresh = _agent(Store(redis_url, cluster_id))
+        assert store.rank_info()[0]["agent_id"] == fresh.agent_id and unhealthy_ranks(store)[0] == 1
     finally:
         store.delete_cluster()
 
