@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
@@ -54,6 +53,8 @@ class Recovery:
         self.store, self.ep_rank, self.backend = store, int(ep_rank), backend
         self.agent_id, self.heartbeat_ttl_ms = agent_id, int(heartbeat_ttl_ms)
         self._reported_at = 0.0  # monotonic time of the last live report while the records are gone
+        #: the last load of the cluster's placement failed its verification: load it again before registering
+        self.load_failed = False
 
     def rejoin(self, err: Exception | None, old: ClusterConfig | None, live_plan_id: str | None
                ) -> tuple[ClusterConfig, PlacementEntry]:
@@ -96,7 +97,8 @@ class Recovery:
         :class:`VerificationError` (nothing audited; the agent stays unregistered and retries) when a slot does
         not match the checkpoint."""
         verified, total = check
-        if verified != total:
+        self.load_failed = verified != total
+        if self.load_failed:
             raise VerificationError(f"rank {self.ep_rank}: loaded the cluster's placement "
                                     f"{placement.plan_id or 'initial'} but {total - verified} of {total} slots do not "
                                     f"match the checkpoint; not registering")
@@ -122,7 +124,7 @@ class Rejoining:
         register again."""
         self.config, placement = self.recovery.rejoin(err, self.config, self.live_plan_id)
         loading = self._op is not None and self._op.key[0] == "load_placement"  # applied at a safe point since
-        if (loading or not np.array_equal(self.backend.phy2log, placement.phy2log)) \
+        if (loading or self.recovery.load_failed or not np.array_equal(self.backend.phy2log, placement.phy2log)) \
                 and not self._load_placement(placement):
             return  # the worker's next safe point loads it; the heartbeat after it registers
         plan_id = placement.plan_id
@@ -140,7 +142,7 @@ class Rejoining:
                          agent_id=self.agent_id)
         self.store.emit_event("rank_registered_again", rank=self.ep_rank, plan_id=plan_id)
 
-    def _load_placement(self, placement: Any) -> bool:
+    def _load_placement(self, placement: PlacementEntry) -> bool:
         """Reload every live slot for the cluster's ``placement`` from the checkpoint at a safe point (at once in a
         threaded agent), routed over its members; True once loaded, verified and audited
         (:meth:`Recovery.loaded`), False while it waits for the worker's safe point."""

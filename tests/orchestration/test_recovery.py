@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import structlog
 
-from fdeplb.errors import NotFoundError, StateError, TopologyError
+from fdeplb.errors import NotFoundError, StateError, TopologyError, VerificationError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration import Coordinator, RankAgent, init_cluster
 from fdeplb.orchestration.membership import MembershipWatch
@@ -22,6 +22,7 @@ from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.liveness import NOT_REGISTERED, stale_of
 from fdeplb.testing import NumpyWeights
+from fdeplb.weights.reports import SlotCheck
 from tests.helpers import wait_for
 
 CFG = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=3)
@@ -180,6 +181,36 @@ def test_an_embedded_agent_loads_the_cluster_placement_at_its_safe_point_then_re
         assert np.array_equal(agent.backend.phy2log, other)
         agent._records_lost(None)
         assert store.rank_info()[0]["agent_id"] == agent.agent_id and len(_notes(store, LOADED)) == 1
+    finally:
+        store.delete_cluster()
+
+
+class _CorruptFirstLoad(NumpyWeights):
+    """A rank whose first reload reads a slot wrong (verification fails), the next one right."""
+
+    loads = 0
+
+    def reload_in(self, phy2log):
+        check = super().reload_in(phy2log)
+        type(self).loads += 1
+        return SlotCheck(check.verified - 1, check.total) if type(self).loads == 1 else check
+
+
+def test_a_load_that_fails_its_verification_is_loaded_again_before_the_agent_registers(redis_url, cluster_id):
+    store = _store(redis_url, cluster_id)
+    agent = RankAgent(Store(redis_url, cluster_id), 0, load_source=lambda _round: np.zeros((2, 8), np.int64),
+                      backend_factory=_CorruptFirstLoad.factory(), heartbeat_ttl_ms=60_000)
+    agent.start()
+    other = initial_placement(2, 8, 12).phy2log[:, ::-1].copy()
+    try:
+        store.delete_cluster()
+        assert init_cluster(store, CFG, other)
+        with pytest.raises(VerificationError, match="1 of 8 slots do not match the checkpoint; not registering"):
+            agent._records_lost(None)
+        assert 0 not in store.rank_info() and _notes(store, LOADED) == []
+        agent._records_lost(None)  # the loop's retry: loaded again (the slots' placement already matches)
+        assert _CorruptFirstLoad.loads == 2 and store.rank_info()[0]["agent_id"] == agent.agent_id
+        assert len(_notes(store, LOADED)) == 1
     finally:
         store.delete_cluster()
 
