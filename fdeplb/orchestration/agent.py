@@ -10,8 +10,9 @@ and carries on from what the records say.
 
 This module owns the loop, its start-up, heartbeat and rank-state entry work; the pieces it is built from live
 beside it: the load recorder (:mod:`~fdeplb.orchestration.load_window`), the safe-point switch protocol
-(:mod:`~fdeplb.orchestration.safe_points`), the weight-status driver (:mod:`~fdeplb.orchestration.weight_status`)
-and the embedding in a serving worker (:mod:`~fdeplb.orchestration.embedded_agent`). Two ways to run it:
+(:mod:`~fdeplb.orchestration.safe_points`), the weight-status driver (:mod:`~fdeplb.orchestration.weight_status`),
+the rejoining of a cluster created again over the live rank (:mod:`~fdeplb.orchestration.recovery`) and the
+embedding in a serving worker (:mod:`~fdeplb.orchestration.embedded_agent`). Two ways to run it:
 
 - **threaded** (:meth:`RankAgent.run`, the simulated cluster): the loop applies swaps and weight clear / update in
   its own thread as soon as it reaches them;
