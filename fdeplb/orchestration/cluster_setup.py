@@ -30,8 +30,9 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     disagree, :class:`~fdeplb.errors.StateError` names them and nothing is written. ``adopt_wait_ms``: how long to
     wait for the live ranks' reports first, from now or with ``since_start`` from the Redis server's start
     (:func:`~fdeplb.orchestration.recovery.await_live_reports`; ``init-cluster``'s ``--adopt-wait-ms``, by default
-    the agents' heartbeat TTL + TTL/4 since Redis started); ``adopt`` False writes ``initial_phy2log`` whatever the live ranks hold (every
-    live rank then loads it and registers). ``say``: told how many ranks reported and which did not.
+    the agents' heartbeat TTL + TTL/4 since Redis started); ``adopt`` False writes ``initial_phy2log`` whatever
+    the live ranks hold (every live rank then loads it and registers). ``say``: told how many ranks reported and
+    which did not.
     """
     phy2log = check_phy2log(initial_phy2log, config.num_logical_experts, name="initial phy2log",
                             shape=(config.num_layers, config.num_physical_experts))

@@ -99,7 +99,8 @@ def test_init_cluster_at_once_after_redis_lost_its_data_recovers_without_a_resta
         _lose_redis(server)
         again = _fdeplb(*init)
         assert again.returncode == 0, again.stdout + again.stderr
-        assert f"{EP} of {EP} ranks reported" in again.stdout, (again.stdout, [cluster.log_tail(r, 5) for r in range(EP)])
+        assert f"{EP} of {EP} ranks reported" in again.stdout, (again.stdout,
+                                                                 [cluster.log_tail(r, 5) for r in range(EP)])
         _registered_again(store)
         coordinator = spawn_coordinator(cluster, "co1", lease_ms=1_000)
         _round_and_routing(store, server.url)
