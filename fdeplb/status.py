@@ -63,11 +63,12 @@ def heartbeats_of(records: Sequence[Any], now_ms: int, registered=None) -> dict[
 
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     """(number of registered ranks, ``{ep_rank: why}`` for every member rank (all of ``ep_size`` but EXCLUDED ones)
-    without a live heartbeat): not registered (e.g. Redis lost its data and the agent has not registered again),
-    never beat (or no rank record), or stale by the TTL rule. Four round trips whatever the number of ranks
-    (registry, server time, every rank record in one pipeline, membership). :class:`CorruptRecordError` for a
-    registered rank's record, a registry or a member record that does not parse; :class:`NotFoundError` without a
-    cluster; Redis errors as the store raises them."""
+    without a live heartbeat): not registered (e.g. Redis lost its data and the agent has not registered again;
+    with the agent's reason when it refuses the cluster created again: a topology it does not serve), never beat
+    (or no rank record), or stale by the TTL rule. Four round trips whatever the number of ranks (registry, server
+    time, every rank record in one pipeline, membership), a fifth when a rank is not registered (live reports).
+    :class:`CorruptRecordError` for a registered rank's record, a registry, a member record or a live report that
+    does not parse; :class:`NotFoundError` without a cluster; Redis errors as the store raises them."""
     ep_size = store.ep_size()
     registered = store.rank_info()
     now = store.now_ms()
@@ -85,6 +86,10 @@ def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
             out[r] = "not registered"
         elif age != NOT_REGISTERED:
             out[r] = f"last beat {age / 1000:.1f} s ago, past its {beats[r][1] / 1000:g} s TTL"
+    if "not registered" in out.values():  # an agent refusing the cluster created again says why in its live report
+        for r, rep in store.live_reports(ep_size).items():
+            if rep.refused and out.get(r) == "not registered":
+                out[r] = f"not registered: {rep.refused}"
     return len(registered), dict(sorted(out.items()))
 
 

@@ -19,6 +19,11 @@ _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ClusterConfig)
 _DEADLINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Deadlines)}
 
 
+#: init-cluster's default --adopt-wait-ms: an agent's default heartbeat TTL (10 s) + a quarter of it (the agents
+#: report within a quarter TTL of noticing their records are gone)
+ADOPT_WAIT_MS = 12_500
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     i = sub.add_parser("init-cluster", help="create a cluster's configuration, placement and machine records",
                        description="Create a cluster in Redis: its topology and settings, the initial placement "
@@ -63,6 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="the MoE layers are model layers K..K+num_layers-1 (DeepSeek-V3: 3)")
     i.add_argument("--num-model-layers", type=int, default=0, metavar="N",
                    help="model layers, dense ones included (default: the largest layer id + 1)")
+    i.add_argument("--adopt-wait-ms", type=int, default=None, metavar="MS",
+                   help="a cluster with no records (Redis lost its data): wait up to MS for the live ranks to "
+                        f"report the placement they hold, and adopt it when they agree (default: {ADOPT_WAIT_MS}, "
+                        "the agents' default heartbeat TTL + TTL/4, counted from Redis' start: a Redis up for longer "
+                        "is waited on only once a rank reported; given: MS from now, e.g. after a FLUSHALL or a "
+                        "failover); 0: no wait and no adoption, the initial placement is written and every live "
+                        "rank loads it")
     i.set_defaults(handler=run_init)
 
     p = sub.add_parser("coordinator", help="run a coordinator for a cluster (one leads, others stand by)",
@@ -352,6 +364,8 @@ def run_init(args: argparse.Namespace) -> int:
 
     if args.num_redundant_experts < 0:
         raise InputError(f"--num-redundant-experts must be >= 0, got {args.num_redundant_experts}")
+    if args.adopt_wait_ms is not None and args.adopt_wait_ms < 0:
+        raise InputError(f"--adopt-wait-ms must be >= 0, got {args.adopt_wait_ms}")
     for name in _DEADLINE_DEFAULTS:
         if getattr(args, name) < 1:
             raise InputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -382,7 +396,9 @@ def run_init(args: argparse.Namespace) -> int:
     check_checkpoint(args.checkpoint, args.preset, args.num_layers, args.num_logical_experts)
     store = Store(args.redis_url, args.cluster)
     store.ping()
-    created = init_cluster(store, config, phy2log)
+    wait_ms = ADOPT_WAIT_MS if args.adopt_wait_ms is None else args.adopt_wait_ms
+    created = init_cluster(store, config, phy2log, adopt=wait_ms > 0, adopt_wait_ms=wait_ms,
+                           since_start=args.adopt_wait_ms is None, say=print)
     print(f"cluster {args.cluster}: {'created' if created else 'exists already, left as it is'} "
           f"({config.ep_size} ranks x {config.slots_per_rank} slots, {config.num_layers} MoE layers)")
     adopted = store.current_placement().plan_id if created else ""

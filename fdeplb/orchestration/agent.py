@@ -10,8 +10,9 @@ and carries on from what the records say.
 
 This module owns the loop, its start-up, heartbeat and rank-state entry work; the pieces it is built from live
 beside it: the load recorder (:mod:`~fdeplb.orchestration.load_window`), the safe-point switch protocol
-(:mod:`~fdeplb.orchestration.safe_points`), the weight-status driver (:mod:`~fdeplb.orchestration.weight_status`)
-and the embedding in a serving worker (:mod:`~fdeplb.orchestration.embedded_agent`). Two ways to run it:
+(:mod:`~fdeplb.orchestration.safe_points`), the weight-status driver (:mod:`~fdeplb.orchestration.weight_status`),
+the rejoining of a cluster created again over the live rank (:mod:`~fdeplb.orchestration.recovery`) and the
+embedding in a serving worker (:mod:`~fdeplb.orchestration.embedded_agent`). Two ways to run it:
 
 - **threaded** (:meth:`RankAgent.run`, the simulated cluster): the loop applies swaps and weight clear / update in
   its own thread as soon as it reaches them;
@@ -46,7 +47,7 @@ from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
 from fdeplb.orchestration.probe import ProbeResult, Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.orchestration import takeover
-from fdeplb.orchestration.recovery import Recovery
+from fdeplb.orchestration.recovery import Recovery, Rejoining
 from fdeplb.orchestration.safe_points import Arm, Chunked
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
@@ -71,7 +72,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
+class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -217,26 +218,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
                                                 **takeover.host_identity(), **self._info})
         self._heartbeat(force=True, live_plan_id=plan_id, clear_stat=self._clear_stat_seen,
                         routing_digest=routing_digest(self.backend.phy2log))
-
-    def _records_lost(self, err: Exception | None) -> None:
-        """The rank's records or registry entry are gone: once the cluster was created again over this live agent
-        with the placement it holds (:meth:`Recovery.rejoin`, which raises otherwise), forget the old cluster's
-        round state (staging, published round, clear_stat requests seen), create the rank's records and register
-        again."""
-        self.config, plan_id = self.recovery.rejoin(err, self.config, self.live_plan_id)
-        self._drop_staging()
-        self._plan_read = ("", None)
-        self._published_round = -1
-        self.rank.ensure()
-        self.weights.ensure()
-        self._clear_stat_seen = self.store.read_cluster().clear_stat_request
-        self.live_plan_id = plan_id
-        self.live_ranks = self.store.current_placement().live_ranks(self.config.ep_size)  # as start() routes
-        self.backend.set_live_ranks(self.live_ranks)
-        self._register(plan_id)
-        self.log.warning("registered again", incarnation=self.config.incarnation, plan_id=plan_id,
-                         agent_id=self.agent_id)
-        self.store.emit_event("rank_registered_again", rank=self.ep_rank, plan_id=plan_id)
 
     # ---- loop ---------------------------------------------------------------------------------------------------
     def run(self, until: Callable[[], bool] | None = None, block_ms: int = 1_000) -> None:

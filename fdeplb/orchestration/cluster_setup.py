@@ -3,15 +3,18 @@ over ranks that kept running when Redis lost its data (the placement they hold l
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 from fdeplb.errors import NotFoundError, StateError, TopologyError
-from fdeplb.orchestration.recovery import adopted_placement
+from fdeplb.orchestration.recovery import adopted_placement, await_live_reports
 from fdeplb.placement import check_phy2log
 from fdeplb.store import ClusterConfig, Store
 
 
-def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarray) -> bool:
+def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarray, *, adopt: bool = True,
+                 adopt_wait_ms: int = 0, since_start: bool = False, say: Callable[[str], Any] | None = None) -> bool:
     """Create a cluster: its configuration, initial placement, and a record per machine (cluster FREE, every
     rank IDLE, every weight status NORMAL), all at version 0, in one MULTI/EXEC (a crash leaves all or nothing).
 
@@ -24,7 +27,12 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
     Over live ranks (a cluster whose records Redis lost while its agents kept serving): when the ranks that
     reported their live placement (:func:`~fdeplb.orchestration.recovery.adopted_placement`) agree, that placement
     and its plan_id are written instead of ``initial_phy2log`` (the placement record then names that plan); when they
-    disagree, :class:`~fdeplb.errors.StateError` names them and nothing is written.
+    disagree, :class:`~fdeplb.errors.StateError` names them and nothing is written. ``adopt_wait_ms``: how long to
+    wait for the live ranks' reports first, from now or with ``since_start`` from the Redis server's start
+    (:func:`~fdeplb.orchestration.recovery.await_live_reports`; ``init-cluster``'s ``--adopt-wait-ms``, by default
+    the agents' heartbeat TTL + TTL/4 since Redis started); ``adopt`` False writes ``initial_phy2log`` whatever
+    the live ranks hold (every live rank then loads it and registers). ``say``: told how many ranks reported and
+    which did not.
     """
     phy2log = check_phy2log(initial_phy2log, config.num_logical_experts, name="initial phy2log",
                             shape=(config.num_layers, config.num_physical_experts))
@@ -33,7 +41,7 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
         store.read_config(fresh=True)
         adopted = None  # it exists: left as it is (below)
     except NotFoundError:
-        adopted = adopted_placement(store, config)
+        adopted = _adopted(store, config, adopt_wait_ms, since_start, say or (lambda _text: None)) if adopt else None
     if adopted is not None:
         live, plan_id, _ = adopted
         phy2log = check_phy2log(live, config.num_logical_experts, name="live ranks' phy2log",
@@ -50,6 +58,22 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
                          f"changed. Change settings with `fdeplb config set --redis-url URL --cluster "
                          f"{store.cluster} ...` (checkpoint, layer ids and the pause budget are fixed at creation)")
     return False
+
+
+def _adopted(store: Store, config: ClusterConfig, wait_ms: int, since_start: bool, say: Callable[[str], Any]
+             ) -> tuple[np.ndarray, str, list[int]] | None:
+    """The live ranks' placement to adopt (:func:`adopted_placement`), after waiting up to ``wait_ms`` for their
+    reports; ``say`` tells who reported."""
+    if wait_ms > 0:
+        reported, waited_s = await_live_reports(store, config.ep_size, wait_ms, since_start=since_start)
+        missing = sorted(set(range(config.ep_size)) - set(reported))
+        if reported:
+            said = f"; ranks {missing} did not (they load the cluster's placement when they do)" if missing else ""
+            say(f"cluster {store.cluster}: {len(reported)} of {config.ep_size} ranks reported the placement they hold "
+                f"live (waited {waited_s:.1f} s){said}")
+        elif waited_s >= 0.05:
+            say(f"cluster {store.cluster}: no live rank reported a placement within {waited_s:.1f} s of waiting")
+    return adopted_placement(store, config)
 
 
 def _compared(config: ClusterConfig) -> dict:

@@ -15,8 +15,9 @@ __all__ = ["NOT_TRANSITIONS", "StartState", "state_at"]
 #: triggers that are audited but are not transitions
 #: notes on a rank's record (any machine), not the cluster's: a new agent took the rank over from a dead process
 #: (``takeover_dead_pid``), a corrupt record was rewritten as its last audited transition left it
-#: (``record_repaired``); the note's from / to / version are what the record holds after it
-NOTES_ON_RANKS = frozenset({"takeover_dead_pid", "record_repaired"})
+#: (``record_repaired``), a rank loaded the placement of its cluster created again over it (``placement_loaded``);
+#: the note's from / to / version are what the record holds after it
+NOTES_ON_RANKS = frozenset({"takeover_dead_pid", "record_repaired", "placement_loaded"})
 NOT_TRANSITIONS = frozenset({"alarm", "skip", "start_refused", "weights_cancelled", "request_cancelled",
                              "request_expired", "config_changed", *NOTES_ON_RANKS})
 

@@ -85,6 +85,15 @@ class StoreBase:
         sec, usec = self._client.time()
         return int(sec) * 1000 + int(usec) // 1000
 
+    def uptime_ms(self) -> int:
+        """How long the Redis server has run (ms, whole seconds: ``INFO server``'s ``uptime_in_seconds``); on
+        Redis Cluster, the node the client asks. ``init-cluster`` waits for live reports only within its window
+        after a (re)start (:func:`fdeplb.orchestration.recovery.await_live_reports`)."""
+        info = self._client.info("server")
+        if "uptime_in_seconds" not in info:  # Redis Cluster: one dict per node
+            info = next(iter(info.values()))
+        return int(info["uptime_in_seconds"]) * 1000
+
     def read_config(self, fresh: bool = False) -> ClusterConfig:
         """The cluster configuration; :class:`NotFoundError` if the cluster was never initialised,
         :class:`CorruptRecordError` if it does not parse. Cached: only its settings change (``fdeplb config set``,

@@ -79,8 +79,9 @@ def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None)
 @dataclass(frozen=True)
 class LiveReport:
     """What a rank agent reported holding live after the cluster's records were lost (:meth:`Liveness.report_live`):
-    its phy2log (int64 [L, P]), the plan_id it serves ("" the initial placement), its ``agent_id``, and the
-    report's age and TTL (ms, server clock; stale by :func:`stale_of`)."""
+    its phy2log (int64 [L, P]), the plan_id it serves ("" the initial placement), its ``agent_id``, the
+    report's age and TTL (ms, server clock; stale by :func:`stale_of`), and ``refused``: why the agent does not
+    register with the cluster created again ("" while it waits for one; a topology it does not serve)."""
 
     ep_rank: int
     plan_id: str
@@ -88,6 +89,7 @@ class LiveReport:
     agent_id: str
     age_ms: int
     ttl_ms: int
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,14 +118,17 @@ class Liveness:
         """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
         self._client.hset(self._keys.ranks, str(int(ep_rank)), json_text(info))
 
-    def report_live(self, ep_rank: int, phy2log: np.ndarray, plan_id: str, *, agent_id: str, ttl_ms: int) -> None:
+    def report_live(self, ep_rank: int, phy2log: np.ndarray, plan_id: str, *, agent_id: str, ttl_ms: int,
+                    refused: str = "") -> None:
         """Report the placement ``ep_rank``'s agent holds live (int [L, P], the plan_id it serves), stamped with
-        the server's clock and ``ttl_ms``; the key expires after 3 TTLs (a report nobody renews goes away)."""
+        the server's clock and ``ttl_ms``; the key expires after 3 TTLs (a report nobody renews goes away).
+        ``refused``: why the agent refuses the cluster created again (``/health`` names it), "" while it waits."""
         key = self._keys.live(ep_rank)
         now = self.now_ms()
         pipe = self._client.pipeline(transaction=True)
         pipe.hset(key, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)), "plan_id": str(plan_id),
-                                "agent_id": str(agent_id), "reported_ms": str(now), "ttl_ms": str(int(ttl_ms))})
+                                "agent_id": str(agent_id), "reported_ms": str(now), "ttl_ms": str(int(ttl_ms)),
+                                "refused": str(refused)})
         pipe.pexpire(key, 3 * int(ttl_ms))
         pipe.execute()
 
@@ -172,7 +177,7 @@ class Liveness:
                     raise InputError("no phy2log")
                 out[r] = LiveReport(r, _s(fields.get("plan_id", b"")), phy2log, _s(fields.get("agent_id", b"")),
                                     max(0, now - int(_s(fields.get("reported_ms", b"0")))),
-                                    int(_s(fields.get("ttl_ms", b"0"))))
+                                    int(_s(fields.get("ttl_ms", b"0"))), _s(fields.get("refused", b"")))
             except (InputError, ValueError) as exc:
                 raise CorruptRecordError(f"{key}: not a live report: {exc}", key=key) from None
         return out
