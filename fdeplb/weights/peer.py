@@ -97,22 +97,28 @@ class PeerTransport(Protocol):
 
 class _Watchdog:
     """One thread per process that shuts sockets down when their deadline passes (arming one costs a lock, not a
-    thread: a deadline is armed around every expert sent or received)."""
+    thread: a deadline is armed around every expert sent or received). The thread is woken only by a deadline
+    sooner than the one it sleeps until (one armed on an idle watchdog), not by every arm: a wake-up per expert
+    cost a thread switch and a GIL hand-off on both sides of every transfer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._armed: dict[int, tuple[float, socket.socket]] = {}
         self._next = 0
+        self._wake_at = 0.0  # when the thread wakes up next on its own (it checks every deadline then)
         self._thread: threading.Thread | None = None
 
     def arm(self, sock: socket.socket, seconds: float) -> int:
+        when = time.monotonic() + seconds
         with self._cond:
             self._next += 1
-            self._armed[self._next] = (time.monotonic() + seconds, sock)
+            self._armed[self._next] = (when, sock)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fdeplb-peer-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if when < self._wake_at:
+                self._wake_at = when
+                self._cond.notify()
             return self._next
 
     def disarm(self, token: int) -> None:
@@ -127,8 +133,8 @@ class _Watchdog:
                     if when <= now:
                         del self._armed[token]
                         _shutdown(sock)
-                soonest = min((when for when, _ in self._armed.values()), default=now + 60.0)
-                self._cond.wait(max(soonest - now, 0.001))
+                self._wake_at = min((when for when, _ in self._armed.values()), default=now + 60.0)
+                self._cond.wait(max(self._wake_at - now, 0.001))
 
 
 _WATCHDOG = _Watchdog()
