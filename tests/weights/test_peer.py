@@ -156,7 +156,7 @@ def fake_peer(then, timeout_s: float = 10):
     def serve():
         conn = listener.accept()
         conn.recv_bytes()
-        conn.send_bytes(b'{"ok": true, "checksum": [1], "sizes": [["w", 256]]}')
+        conn.send_bytes(b'{"answers": [{"ok": true, "checksum": [1], "sizes": [["w", 256]]}]}')
         then(conn, done)
 
     t = threading.Thread(target=serve, daemon=True)
