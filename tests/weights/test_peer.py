@@ -3,6 +3,7 @@ fallback to the checkpoint when a peer refuses, lies, stalls or dies mid-transfe
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -130,6 +131,42 @@ def test_round_trip_between_two_processes(peer):
         assert np.array_equal(buf, expert_tensor(0, 5))
     finally:
         transport.close()
+
+
+def test_one_batch_serves_some_experts_and_refuses_others_in_request_order(peer):
+    p = peer("ok")
+    transport = SocketTransport({1: p.address}, KEY, timeout_s=10)
+    wanted = [(0, 4), (0, 0), (1, 3), (0, 5)]  # rank 1 holds no live slot of expert 0 in layer 0
+    bufs, items = [], []
+    for layer, expert in wanted:
+        buf, into = _into()
+        bufs.append(buf)
+        items.append((PeerRequest(layer, expert, routing_digest(OLD)), into))
+    arrived: list[int] = []
+    try:
+        got = transport.fetch_many(1, items, arrived.append)
+        assert isinstance(got[1], PeerTransferError) and "no live slot of expert 0 in layer 0" in str(got[1])
+        assert arrived == [0, 2, 3]
+        for k in (0, 2, 3):
+            assert np.array_equal(bufs[k], expert_tensor(*wanted[k]))
+        buf, into = _into()  # the connection is still in step after the batch
+        transport.fetch(1, PeerRequest(1, 2, routing_digest(OLD)), into)
+        assert np.array_equal(buf, expert_tensor(1, 2))
+    finally:
+        transport.close()
+
+
+def test_a_request_of_too_many_experts_is_refused_whole(peer):
+    from multiprocessing.connection import Client
+
+    from fdeplb.weights.peer import BATCH_EXPERTS
+
+    host, _, port = peer("ok").address.rpartition(":")
+    with Client((host, int(port)), authkey=KEY) as conn:
+        conn.send_bytes(json.dumps({"placement": routing_digest(OLD), "experts": [[0, 4]] * (BATCH_EXPERTS + 1)}
+                                   ).encode())
+        head = json.loads(conn.recv_bytes())
+    assert head["ok"] is False and "bad request" in head["error"] and "answers" not in head
 
 
 def test_a_wrong_authkey_is_refused_before_any_byte_moves(peer):
