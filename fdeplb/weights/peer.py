@@ -5,16 +5,17 @@ rank agent runs over its live slots (:class:`PeerServer`) and the client that fe
 Wire: TCP on the loopback (or a host the operator gives), framed and authenticated by the standard library's
 :mod:`multiprocessing.connection` (length-prefixed messages; an HMAC challenge in both directions with a key every
 rank derives from one secret, :func:`peer_authkey`; a connection without the key is refused before any byte of an
-expert moves). One request names up to :data:`BATCH_EXPERTS` experts of one peer, ``{"placement", "experts":
-[[layer, expert], ...]}``: ``placement`` is the :func:`~fdeplb.placement.digest.routing_digest` of the placement
-the receiver expects the peer to hold live; the peer refuses an expert if the request names another placement (its
-slots may be about to change) or it does not hold the expert live. The answer is one JSON header, ``{"answers":
-[...]}`` with per expert of the request either ``{"ok": true, "sizes": [[suffix, bytes], ...], "checksum"}`` (the
-expert's checkpoint checksum as the peer verified it) or ``{"ok": false, "error"}``, followed by one message per
-suffix of each served expert in request order, which the receiver reads straight into its staging tensors
-(``Connection.recv_bytes_into``) and checks expert by expert. One header per batch, not per expert: the per-expert
-request, header and their thread wake-ups were most of what the transfer cost beyond its bytes. Every wait has a
-deadline (the header's, then each expert's bytes): a socket that stalls is shut down when it passes.
+expert moves). One request names up to :data:`BATCH_EXPERTS` experts of one peer (and :data:`BATCH_BYTES`),
+``{"placement", "experts": [[layer, expert], ...]}``: ``placement`` is the
+:func:`~fdeplb.placement.digest.routing_digest` of the placement the receiver expects the peer to hold live; the
+peer refuses an expert if the request names another placement (its slots may be about to change) or it does not hold
+the expert live. The answer is one JSON header, ``{"answers": [...]}`` with per expert of the request either
+``{"ok": true, "sizes": [[suffix, bytes], ...], "checksum"}`` (the expert's checkpoint checksum as the peer verified
+it) or ``{"ok": false, "error"}``, followed by one message per suffix of each served expert in request order, which
+the receiver reads straight into its staging tensors (``Connection.recv_bytes_into``) and checks expert by expert.
+One header per batch, not per expert: the per-expert request, header and their thread wake-ups were most of what the
+transfer cost beyond its bytes. Every wait has a deadline (the header's, then each expert's bytes): a socket that
+stalls is shut down when it passes.
 
 The GPU transport (NCCL send/recv through ``paddle.distributed`` between the ranks' devices) fits the same seam:
 :meth:`PeerTransport.fetch` fills ``into`` (there: device tensors) and returns the peer's checksum; it is not
@@ -43,6 +44,9 @@ log = structlog.get_logger("fdeplb.peer")
 
 #: most experts one request names (a rank's share of a peer is split into requests of at most this many)
 BATCH_EXPERTS = 64
+#: most bytes of experts one request asks for, unless it names one expert only: a peer holds the copies of a
+#: batch's device slots in host memory until they are sent (host slots are sent from their memory, no copy)
+BATCH_BYTES = 64 * 1024 * 1024
 #: most bytes of one request or answer header (a header of BATCH_EXPERTS answers is a few KiB)
 MAX_HEADER = 64 * 1024
 #: default deadline of one connect, handshake or expert transfer (seconds; a 42 MiB expert crosses the loopback in
@@ -273,13 +277,18 @@ class PeerServer:
             self.served += 1
 
 
-def _batches(requests: list[PeerRequest]) -> list[tuple[str, list[PeerRequest]]]:
-    """``requests`` in order, cut into runs of one placement and at most :data:`BATCH_EXPERTS` experts."""
+def _batches(requests: list[tuple[PeerRequest, int]]) -> list[tuple[str, list[PeerRequest]]]:
+    """``(request, expert bytes)`` in order, cut into runs of one placement, at most :data:`BATCH_EXPERTS` experts
+    and :data:`BATCH_BYTES` bytes (a larger expert alone)."""
     out: list[tuple[str, list[PeerRequest]]] = []
-    for r in requests:
-        if not out or out[-1][0] != r.placement or len(out[-1][1]) == BATCH_EXPERTS:
+    size = 0
+    for r, nbytes in requests:
+        if (not out or out[-1][0] != r.placement or len(out[-1][1]) == BATCH_EXPERTS
+                or size + nbytes > BATCH_BYTES):
             out.append((r.placement, []))
+            size = 0
         out[-1][1].append(r)
+        size += nbytes
     return out
 
 
@@ -328,7 +337,8 @@ class SocketTransport:
             err = PeerTransferError(f"rank {peer} has no registered peer address")
             return [err] * len(items)
         out: list[tuple[int, ...] | PeerTransferError] = []
-        batches = _batches([request for request, _ in items])
+        batches = _batches([(request, sum(memoryview(b).nbytes for b in into.values()))
+                            for request, into in items])
         with self._locks[peer]:
             try:
                 link = self._link(peer)

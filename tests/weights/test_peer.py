@@ -156,6 +156,19 @@ def test_one_batch_serves_some_experts_and_refuses_others_in_request_order(peer)
         transport.close()
 
 
+def test_requests_are_cut_at_a_placement_change_the_expert_count_and_the_byte_bound():
+    from fdeplb.weights.peer import BATCH_BYTES, BATCH_EXPERTS, _batches
+
+    small = [(PeerRequest(0, e, "a"), 1) for e in range(BATCH_EXPERTS + 1)]
+    assert [len(b) for _, b in _batches(small)] == [BATCH_EXPERTS, 1]
+    mixed = [(PeerRequest(0, 0, "a"), 1), (PeerRequest(0, 1, "b"), 1), (PeerRequest(0, 2, "b"), 1)]
+    assert [(p, len(b)) for p, b in _batches(mixed)] == [("a", 1), ("b", 2)]
+    big = [(PeerRequest(0, e, "a"), BATCH_BYTES // 2 + 1) for e in range(3)]
+    big.append((PeerRequest(0, 3, "a"), 2 * BATCH_BYTES))
+    assert [len(b) for _, b in _batches(big)] == [1, 1, 1, 1]  # never two halves over the bound; a large one alone
+    assert [r for _, b in _batches(big) for r in b] == [r for r, _ in big]
+
+
 def test_a_request_of_too_many_experts_is_refused_whole(peer):
     from multiprocessing.connection import Client
 
