@@ -11,14 +11,15 @@ running the :class:`~fdeplb.weights.peer.PeerServer` of several ranks over their
 the one that moves most experts (``--rank`` to choose).
 
 - ``peer_s``: the production staging path (``CheckpointBackend.stage(new, peers=...)``: sources from
-  :func:`~fdeplb.weights.peer_plan.peer_sources`, connect + HMAC handshake per peer, one request per expert
-  (pipelined on the peer's connection), bytes received into staging tensors (the reader's recycled buffers, as
-  after a swap), CRC-32C of each checked as it arrives against the peer's and the receiver's checkpoint checksum),
-  best of ``--repeats``;
+  :func:`~fdeplb.weights.peer_plan.peer_sources`, connect + HMAC handshake per peer, one request and one header
+  per batch of up to 64 experts of a peer, bytes received into staging tensors (the reader's recycled buffers, as
+  after a swap: one untimed staging first), CRC-32C of each expert checked as it arrives against the peer's and
+  the receiver's checkpoint checksum), best of ``--repeats``;
 - ``raw_s``: the same transport (``multiprocessing.connection``, authenticated) moving the same bytes in the same
   frames between the same processes, one thread per peer as staging, into pre-faulted buffers holding all of them
   (as staging holds them), with no request per expert, no allocation and no check, best of ``--repeats``,
-  interleaved with ``peer_s`` run by run; ``peer_vs_raw = peer_s / raw_s`` (target <= 1.25);
+  interleaved with ``peer_s`` run by run, after one untimed run of each; ``peer_vs_raw = peer_s / raw_s``
+  (target <= 1.25);
 - ``disk_bytes``: bytes staging still read from the checkpoint (0 when every moved expert has a live holder);
 - ``verified``: every staged expert's checksum equals the checkpoint's (read from disk after the timing);
 - ``fallback_ok``: one more staging with the busiest peer's process started with the failpoint ``peer.hang=sending``
@@ -238,6 +239,9 @@ def main(argv: list[str] | None = None) -> dict:
             raw_frames = [(workers.raw[p], f) for p, f in sorted(frames.items())]
             buffers = [bytearray(sum(f)) for _, f in raw_frames]  # the bytes kept, as staging keeps them
             peer_runs, raw_runs, staged_report, ok = [], [], None, True
+            _, staged = stage_from_peers(backend, new, sources, workers.peer)  # warm-up of both, not timed: every
+            staged.experts.release(keep_buffers=True)  # timed staging then fills recycled, pre-faulted buffers
+            raw_transfer(raw_frames, buffers)  # as the raw transport's are (they were zeroed when allocated)
             for i in range(args.repeats):
                 seconds, staged = stage_from_peers(backend, new, sources, workers.peer)
                 peer_runs.append(seconds)

@@ -5,12 +5,17 @@ rank agent runs over its live slots (:class:`PeerServer`) and the client that fe
 Wire: TCP on the loopback (or a host the operator gives), framed and authenticated by the standard library's
 :mod:`multiprocessing.connection` (length-prefixed messages; an HMAC challenge in both directions with a key every
 rank derives from one secret, :func:`peer_authkey`; a connection without the key is refused before any byte of an
-expert moves). One request names ``(layer, expert, placement)``: ``placement`` is the
+expert moves). One request names up to :data:`BATCH_EXPERTS` experts of one peer (and :data:`BATCH_BYTES`),
+``{"placement", "experts": [[layer, expert], ...]}``: ``placement`` is the
 :func:`~fdeplb.placement.digest.routing_digest` of the placement the receiver expects the peer to hold live; the
-peer refuses a request naming another (its slots may be about to change) or an expert it does not hold live. The
-answer is a JSON header (``sizes`` per tensor suffix, the expert's checkpoint ``checksum`` as the peer verified it)
-followed by one message per suffix, which the receiver reads straight into its staging tensors
-(``Connection.recv_bytes_into``). Every wait has a deadline: a socket that stalls is shut down when it passes.
+peer refuses an expert if the request names another placement (its slots may be about to change) or it does not hold
+the expert live. The answer is one JSON header, ``{"answers": [...]}`` with per expert of the request either
+``{"ok": true, "sizes": [[suffix, bytes], ...], "checksum"}`` (the expert's checkpoint checksum as the peer verified
+it) or ``{"ok": false, "error"}``, followed by one message per suffix of each served expert in request order, which
+the receiver reads straight into its staging tensors (``Connection.recv_bytes_into``) and checks expert by expert.
+One header per batch, not per expert: the per-expert request, header and their thread wake-ups were most of what the
+transfer cost beyond its bytes. Every wait has a deadline (the header's, then each expert's bytes): a socket that
+stalls is shut down when it passes.
 
 The GPU transport (NCCL send/recv through ``paddle.distributed`` between the ranks' devices) fits the same seam:
 :meth:`PeerTransport.fetch` fills ``into`` (there: device tensors) and returns the peer's checksum; it is not
@@ -37,8 +42,13 @@ from fdeplb.failpoints import failpoint
 
 log = structlog.get_logger("fdeplb.peer")
 
-#: most bytes of one request or answer header
-MAX_HEADER = 4096
+#: most experts one request names (a rank's share of a peer is split into requests of at most this many)
+BATCH_EXPERTS = 64
+#: most bytes of experts one request asks for, unless it names one expert only: a peer holds the copies of a
+#: batch's device slots in host memory until they are sent (host slots are sent from their memory, no copy)
+BATCH_BYTES = 64 * 1024 * 1024
+#: most bytes of one request or answer header (a header of BATCH_EXPERTS answers is a few KiB)
+MAX_HEADER = 64 * 1024
 #: default deadline of one connect, handshake or expert transfer (seconds; a 42 MiB expert crosses the loopback in
 #: tens of milliseconds)
 DEFAULT_TIMEOUT_S = 10.0
@@ -86,10 +96,10 @@ class PeerTransport(Protocol):
 
     def fetch_many(self, peer: int, items: list[tuple[PeerRequest, dict[str, Any]]],
                    on_arrival: Callable[[int], None] | None = None) -> list[tuple[int, ...] | PeerTransferError]:
-        """:meth:`fetch` for several experts of one peer at once (requests pipelined, answers in order): per item
-        the peer's checksum, or the PeerTransferError that item met (after a broken connection, every later item
-        has it too). ``on_arrival(k)`` is called as item k's bytes have arrived (e.g. to checksum them while the
-        next ones are on their way)."""
+        """:meth:`fetch` for several experts of one peer at once (batched requests, pipelined, answers in order):
+        per item the peer's checksum, or the PeerTransferError that item met (after a broken connection, every
+        later item has it too). ``on_arrival(k)`` is called as item k's bytes have arrived (e.g. to checksum them
+        before the next ones are read)."""
 
     def close(self) -> None:
         """Close every connection (idempotent)."""
@@ -97,22 +107,28 @@ class PeerTransport(Protocol):
 
 class _Watchdog:
     """One thread per process that shuts sockets down when their deadline passes (arming one costs a lock, not a
-    thread: a deadline is armed around every expert sent or received)."""
+    thread: a deadline is armed around every expert sent or received). The thread is woken only by a deadline
+    sooner than the one it sleeps until (one armed on an idle watchdog), not by every arm: a wake-up per expert
+    cost a thread switch and a GIL hand-off on both sides of every transfer."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._armed: dict[int, tuple[float, socket.socket]] = {}
         self._next = 0
+        self._wake_at = 0.0  # when the thread wakes up next on its own (it checks every deadline then)
         self._thread: threading.Thread | None = None
 
     def arm(self, sock: socket.socket, seconds: float) -> int:
+        when = time.monotonic() + seconds
         with self._cond:
             self._next += 1
-            self._armed[self._next] = (time.monotonic() + seconds, sock)
+            self._armed[self._next] = (when, sock)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fdeplb-peer-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if when < self._wake_at:
+                self._wake_at = when
+                self._cond.notify()
             return self._next
 
     def disarm(self, token: int) -> None:
@@ -127,8 +143,8 @@ class _Watchdog:
                     if when <= now:
                         del self._armed[token]
                         _shutdown(sock)
-                soonest = min((when for when, _ in self._armed.values()), default=now + 60.0)
-                self._cond.wait(max(soonest - now, 0.001))
+                self._wake_at = min((when for when, _ in self._armed.values()), default=now + 60.0)
+                self._cond.wait(max(self._wake_at - now, 0.001))
 
 
 _WATCHDOG = _Watchdog()
@@ -230,22 +246,50 @@ class PeerServer:
     def _answer(self, link: _Link) -> None:
         req = _json(link.conn)
         try:
-            request = PeerRequest(int(req["layer"]), int(req["expert"]), str(req["placement"]))
-            parts, checksum = self.source.serve_expert(*request)
-        except Exception as err:  # noqa: BLE001 - a bad request or any failure to read the slot is a refusal
-            if not isinstance(err, (KeyError, TypeError, ValueError, PeerTransferError)):
-                log.warning("peer request failed", error=f"{type(err).__name__}: {err}")
+            placement, experts = str(req["placement"]), [(int(e[0]), int(e[1])) for e in req["experts"]]
+            if not 0 < len(experts) <= BATCH_EXPERTS:
+                raise ValueError(f"a request names 1 to {BATCH_EXPERTS} experts, not {len(experts)}")
+        except (KeyError, TypeError, ValueError, IndexError) as err:  # the whole request is refused
             self.refused += 1
-            link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
+            link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
+        answers, served = [], []
+        for layer, expert in experts:
+            try:
+                parts, checksum = self.source.serve_expert(layer, expert, placement)
+            except Exception as err:  # noqa: BLE001 - any failure to read the slot is a refusal of that expert
+                if not isinstance(err, (KeyError, TypeError, ValueError, PeerTransferError)):
+                    log.warning("peer request failed", error=f"{type(err).__name__}: {err}")
+                self.refused += 1
+                answers.append({"ok": False, "error": str(err)[:500]})
+                continue
+            answers.append({"ok": True, "checksum": list(checksum),
+                            "sizes": [[s, memoryview(b).nbytes] for s, b in parts]})
+            served.append(parts)
         with _deadline(link.guard, self.timeout_s):
-            link.conn.send_bytes(json.dumps({"ok": True, "checksum": list(checksum),
-                                             "sizes": [[s, memoryview(b).nbytes] for s, b in parts]}).encode())
-            for k, (_, data) in enumerate(parts):
-                if k == len(parts) - 1:  # tests: a peer killed mid-transfer (its header sent, not all its bytes)
-                    failpoint("peer.hang", "sending", lambda: log.warning("failpoint hit", failpoint="peer.hang"))
-                link.conn.send_bytes(data)
-        self.served += 1
+            link.conn.send_bytes(json.dumps({"answers": answers}).encode())
+        for parts in served:
+            with _deadline(link.guard, self.timeout_s):
+                for k, (_, data) in enumerate(parts):
+                    if k == len(parts) - 1:  # tests: a peer killed mid-transfer (its header sent, not all its bytes)
+                        failpoint("peer.hang", "sending", lambda: log.warning("failpoint hit", failpoint="peer.hang"))
+                    link.conn.send_bytes(data)
+            self.served += 1
+
+
+def _batches(requests: list[tuple[PeerRequest, int]]) -> list[tuple[str, list[PeerRequest]]]:
+    """``(request, expert bytes)`` in order, cut into runs of one placement, at most :data:`BATCH_EXPERTS` experts
+    and :data:`BATCH_BYTES` bytes (a larger expert alone)."""
+    out: list[tuple[str, list[PeerRequest]]] = []
+    size = 0
+    for r, nbytes in requests:
+        if (not out or out[-1][0] != r.placement or len(out[-1][1]) == BATCH_EXPERTS
+                or size + nbytes > BATCH_BYTES):
+            out.append((r.placement, []))
+            size = 0
+        out[-1][1].append(r)
+        size += nbytes
+    return out
 
 
 class SocketTransport:
@@ -293,21 +337,30 @@ class SocketTransport:
             err = PeerTransferError(f"rank {peer} has no registered peer address")
             return [err] * len(items)
         out: list[tuple[int, ...] | PeerTransferError] = []
+        batches = _batches([(request, sum(memoryview(b).nbytes for b in into.values()))
+                            for request, into in items])
         with self._locks[peer]:
             try:
                 link = self._link(peer)
                 with _deadline(link.guard, self.timeout_s):
-                    for request, _ in items:  # a few hundred bytes each: they fit the socket's buffers
-                        link.conn.send_bytes(json.dumps(request._asdict()).encode())
-                for request, into in items:
-                    try:
-                        out.append(self._receive(peer, link, request, into))
-                        if on_arrival is not None:
-                            on_arrival(len(out) - 1)
-                    except PeerTransferError as err:  # a refusal: the connection is still in step
-                        out.append(err)
-                        if peer not in self._links:
-                            break
+                    for placement, requests in batches:  # a few KiB each: they fit the socket's buffers
+                        link.conn.send_bytes(json.dumps({"placement": placement, "experts": [
+                            [r.layer, r.expert] for r in requests]}).encode())
+                for _, requests in batches:
+                    with _deadline(link.guard, self.timeout_s):
+                        answers = self._answers(peer, link, requests)
+                    for answer in answers:
+                        request, into = items[len(out)]
+                        try:
+                            out.append(self._receive(peer, link, request, answer, into))
+                            if on_arrival is not None:
+                                on_arrival(len(out) - 1)
+                        except PeerTransferError as err:  # a refusal: the connection is still in step
+                            out.append(err)
+                            if peer not in self._links:
+                                break
+                    if peer not in self._links:
+                        break
             except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
                 self._drop(peer)
                 request = items[len(out)][0]
@@ -319,9 +372,21 @@ class SocketTransport:
             out.append(PeerTransferError(f"rank {peer} failed earlier: {cause}"))
         return out
 
-    def _receive(self, peer: int, link: _Link, request: PeerRequest, into: dict[str, Any]) -> tuple[int, ...]:
+    def _answers(self, peer: int, link: _Link, requests: list[PeerRequest]) -> list[dict]:
+        """The header answering one batch: one answer per request (a refused batch: a refusal per request)."""
+        head = _json(link.conn)
+        if "answers" not in head:
+            return [{"ok": False, "error": head.get("error", "no answers")}] * len(requests)
+        answers = head["answers"]
+        if not isinstance(answers, list) or len(answers) != len(requests) or not all(
+                isinstance(a, dict) for a in answers):
+            raise ValueError(f"rank {peer} answered {len(requests)} requests with a header of another shape")
+        return answers
+
+    def _receive(self, peer: int, link: _Link, request: PeerRequest, head: dict, into: dict[str, Any]
+                 ) -> tuple[int, ...]:
+        """Read the bytes ``head`` (the item's answer) announces into ``into``; the answer's checksum."""
         with _deadline(link.guard, self.timeout_s):
-            head = _json(link.conn)
             if not head.get("ok"):
                 raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "
                                         f"{head.get('error', '')}")

@@ -2,14 +2,17 @@
 (:func:`~fdeplb.weights.peer_plan.peer_sources`), each checked against its checkpoint checksum on arrival, and
 read from the checkpoint instead when no peer holds it or its peer fails.
 
-One thread per serving peer fetches that peer's share in plan order (requests pipelined on one connection), straight
-into freshly allocated staging tensors. An expert is taken from the peer only if the CRC-32C of the bytes that
-arrived equals the checksum the peer gives for it (recorded when the peer read it from the checkpoint) and, where
-the receiver knows the checkpoint's checksum of that expert itself, that one too. Anything else (a refusal, a dead
-peer, a deadline, a truncated frame, wrong bytes) is a :class:`Fallback`: that expert (and, after a broken
-connection, every later one of the same peer) is read from the checkpoint, and the caller audits the fallbacks
-(``detail.fallback`` of the rank's ``staged`` transition). Nothing half-received is kept: a failed expert's tensors
-are dropped before the disk read.
+One thread per serving peer fetches that peer's share in plan order (one request and one header per batch of experts
+on one connection: :mod:`fdeplb.weights.peer`), straight into staging tensors (from ``allocate``: the reader's
+recycled buffers where it has them), and checksums each expert as soon as its bytes are in, while they are still in
+cache; the other peers' threads receive meanwhile. (google-crc32c holds the GIL for buffers that are not ``bytes``
+of 1 MiB or more, so a checksum thread of its own would overlap nothing.) An expert is taken from the peer only if
+the CRC-32C of the bytes that arrived equals the checksum the peer gives for it (recorded when the peer read it from
+the checkpoint) and, where the receiver knows the checkpoint's checksum of that expert itself, that one too.
+Anything else (a refusal, a dead peer, a deadline, a truncated frame, wrong bytes) is a :class:`Fallback`: that
+expert (and, after a broken connection, every later one of the same peer) is read from the checkpoint, and the
+caller audits the fallbacks (``detail.fallback`` of the rank's ``staged`` transition). Nothing half-received is
+kept: a failed expert's tensors are dropped before the disk read.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ fallback to the checkpoint when a peer refuses, lies, stalls or dies mid-transfe
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -132,6 +133,55 @@ def test_round_trip_between_two_processes(peer):
         transport.close()
 
 
+def test_one_batch_serves_some_experts_and_refuses_others_in_request_order(peer):
+    p = peer("ok")
+    transport = SocketTransport({1: p.address}, KEY, timeout_s=10)
+    wanted = [(0, 4), (0, 0), (1, 3), (0, 5)]  # rank 1 holds no live slot of expert 0 in layer 0
+    bufs, items = [], []
+    for layer, expert in wanted:
+        buf, into = _into()
+        bufs.append(buf)
+        items.append((PeerRequest(layer, expert, routing_digest(OLD)), into))
+    arrived: list[int] = []
+    try:
+        got = transport.fetch_many(1, items, arrived.append)
+        assert isinstance(got[1], PeerTransferError) and "no live slot of expert 0 in layer 0" in str(got[1])
+        assert arrived == [0, 2, 3]
+        for k in (0, 2, 3):
+            assert np.array_equal(bufs[k], expert_tensor(*wanted[k]))
+        buf, into = _into()  # the connection is still in step after the batch
+        transport.fetch(1, PeerRequest(1, 2, routing_digest(OLD)), into)
+        assert np.array_equal(buf, expert_tensor(1, 2))
+    finally:
+        transport.close()
+
+
+def test_requests_are_cut_at_a_placement_change_the_expert_count_and_the_byte_bound():
+    from fdeplb.weights.peer import BATCH_BYTES, BATCH_EXPERTS, _batches
+
+    small = [(PeerRequest(0, e, "a"), 1) for e in range(BATCH_EXPERTS + 1)]
+    assert [len(b) for _, b in _batches(small)] == [BATCH_EXPERTS, 1]
+    mixed = [(PeerRequest(0, 0, "a"), 1), (PeerRequest(0, 1, "b"), 1), (PeerRequest(0, 2, "b"), 1)]
+    assert [(p, len(b)) for p, b in _batches(mixed)] == [("a", 1), ("b", 2)]
+    big = [(PeerRequest(0, e, "a"), BATCH_BYTES // 2 + 1) for e in range(3)]
+    big.append((PeerRequest(0, 3, "a"), 2 * BATCH_BYTES))
+    assert [len(b) for _, b in _batches(big)] == [1, 1, 1, 1]  # never two halves over the bound; a large one alone
+    assert [r for _, b in _batches(big) for r in b] == [r for r, _ in big]
+
+
+def test_a_request_of_too_many_experts_is_refused_whole(peer):
+    from multiprocessing.connection import Client
+
+    from fdeplb.weights.peer import BATCH_EXPERTS
+
+    host, _, port = peer("ok").address.rpartition(":")
+    with Client((host, int(port)), authkey=KEY) as conn:
+        conn.send_bytes(json.dumps({"placement": routing_digest(OLD), "experts": [[0, 4]] * (BATCH_EXPERTS + 1)}
+                                   ).encode())
+        head = json.loads(conn.recv_bytes())
+    assert head["ok"] is False and "bad request" in head["error"] and "answers" not in head
+
+
 def test_a_wrong_authkey_is_refused_before_any_byte_moves(peer):
     p = peer("ok")
     transport = SocketTransport({1: p.address}, peer_authkey("not-the-secret", CLUSTER), timeout_s=10)
@@ -156,7 +206,7 @@ def fake_peer(then, timeout_s: float = 10):
     def serve():
         conn = listener.accept()
         conn.recv_bytes()
-        conn.send_bytes(b'{"ok": true, "checksum": [1], "sizes": [["w", 256]]}')
+        conn.send_bytes(b'{"answers": [{"ok": true, "checksum": [1], "sizes": [["w", 256]]}]}')
         then(conn, done)
 
     t = threading.Thread(target=serve, daemon=True)
