@@ -28,7 +28,6 @@ from fdeplb.weights.reports import SwapReport
 from fdeplb.weights.staging import DeviceBuffer, LoadedChunk, StagedExperts
 
 
-
 def load_chunk(live: Any, plan: TransferPlan, staged: StagedExperts, new_phy2log: np.ndarray,
                layers: tuple[int, ...]) -> int:
     """Before the chunk's switch step (the serving engine keeps running): check the chunk against the live
