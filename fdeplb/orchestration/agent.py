@@ -359,28 +359,11 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing):
         """Call between forward steps: :meth:`SafePointSwitch.at_safe_point` (True when it applied a change)."""
         return self.switch.at_safe_point()
 
-    @property
-    def steps(self) -> int:
-        """The worker's step counter (safe points passed); a restarted worker sets it to carry on."""
-        return self.switch.steps
-
-    @steps.setter
-    def steps(self, value: int) -> None:
-        self.switch.steps = value
-
-    @property
-    def pauses_ms(self) -> Any:
-        """The pause of each safe point that applied a change (ms; the newest 10,000)."""
-        return self.switch.pauses_ms
-
-    @property
-    def late_switches(self) -> int:
-        """Changes this rank applied past their switch step."""
-        return self.switch.late_switches
-
-    def _follow_routing(self) -> None:
-        """After an applied change: the load recorder folds with the routing the backend holds now."""
-        self._live_phy2log = self.backend.phy2log
+    steps = property(lambda self: self.switch.steps, lambda self, n: setattr(self.switch, "steps", n),
+                     doc="The worker's step counter (safe points passed); a restarted worker sets it to carry on.")
+    pauses_ms = property(lambda self: self.switch.pauses_ms, doc="Each safe point's pause (ms), the newest 10,000.")
+    late_switches = property(lambda self: self.switch.late_switches, doc="Changes applied past their switch step.")
+    safe_points = property(lambda self: self.switch.safe_points, doc="Changes wait for the worker's safe points.")
 
     @property
     def serving(self) -> bool:
@@ -446,7 +429,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing):
             self._drop_staging()
             t0 = time.perf_counter()
             new = self._new_phy2log(plan_id)
-            if self.switch.safe_points:
+            if self.safe_points:
                 staged = self.backend.stage(new, self.staging_budget_bytes, self.pause_budget)
             else:
                 staged = self.backend.stage(new, self.staging_budget_bytes)
@@ -513,12 +496,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing):
             raise
         except Exception as err:  # noqa: BLE001 - as in LOADING: any staging error fails this rank's load
             return self._staging_failed(me, plan_id, err)
-        return False
-
-    def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
-        if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
-            return False  # the other ranks are still swapping (the round's release wakes this rank)
-        self.rank.fire("finish", record=me, defer=self._outbox)  # next work: the next round's LOADING
         return False
 
     def _on_load_failed(self, me: RankRecord, cluster: ClusterRecord) -> bool:

@@ -4,10 +4,11 @@ it fails, reported in the rank record (with the pause and the probe); or, when t
 the catch-up to the cluster's current placement.
 
 :class:`SwapDriver` is mixed into :class:`~fdeplb.orchestration.agent.RankAgent`, whose entry-work table runs
-:meth:`SwapDriver._on_swapping` in SWAPPING. It uses, of its host: ``store``, ``ep_rank``, ``log``, ``config``,
-``backend``, ``rank`` (record handle), ``switch`` (:class:`~fdeplb.orchestration.safe_points.SafePointSwitch`),
-``live_ranks`` / ``live_plan_id`` (set here), ``verify_all``, ``staged``, ``_swap_attempts``, ``_outbox``, and its
-``_stage``, ``_drop_staging``, ``_new_phy2log``, ``_probe_run``, ``_probe_report``.
+:meth:`SwapDriver._on_swapping` in SWAPPING and :meth:`SwapDriver._on_swapped` in SWAPPED. It uses, of its host:
+``store``, ``ep_rank``, ``log``, ``config``, ``backend``, ``rank`` (record handle), ``switch``
+(:class:`~fdeplb.orchestration.safe_points.SafePointSwitch`), ``live_ranks`` / ``live_plan_id`` (set here),
+``verify_all``, ``staged``, ``_swap_attempts``, ``_outbox``, and its ``_stage``, ``_drop_staging``,
+``_new_phy2log``, ``_probe_run``, ``_probe_report``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from fdeplb.weights.reports import SwapReport
 
 class SwapDriver:
     """A committed swap at the safe point, its restore on failure, its report; the catch-up of a rank the round
-    ended without."""
+    ended without; the wait for the round's release once swapped."""
 
     def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:
         plan_id = me.plan_id
@@ -156,3 +157,9 @@ class SwapDriver:
             except Exception as reload_err:  # noqa: BLE001 - the swap's error is the one reported
                 self.log.error("reload after a failed swap failed", error=str(reload_err), swap_error=str(err))
             raise
+
+    def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
+        if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
+            return False  # the other ranks are still swapping (the round's release wakes this rank)
+        self.rank.fire("finish", record=me, defer=self._outbox)  # next work: the next round's LOADING
+        return False
