@@ -49,6 +49,7 @@ class LiveExperts:
         tensors: ``suffix -> [paddle.Tensor per MoE layer, each [slots_per_rank, *shape]]``.
         ep_rank, ep_size, device, num_logical_experts, max_replicas.
         phy2log_tensor: int64 [L, P]; log2phy: int64 [L, E, max_replicas] (-1 padded); logcnt: int64 [L, E].
+        routing: the :class:`~fdeplb.weights.routing.RoutingTables` that own those three tensors.
         needs_reload: True after a failed verification: the slots no longer match the routing tables.
     """
 
