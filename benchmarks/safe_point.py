@@ -21,6 +21,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.load_window import ExpertLoadWindow
+from fdeplb.orchestration.safe_points import SafePointSwitch
 
 
 class _Backend:
@@ -40,10 +41,10 @@ def _per_call_us(fn, n: int) -> float:
 
 def main() -> None:
     agent = RankAgent.__new__(RankAgent)  # the worker-side state only: no Redis needed for the no-op path
-    agent.steps, agent._op, agent._in_safe_point = 0, None, False
+    agent.switch = SafePointSwitch(None, 0, "bench", None, safe_points=True, switch_margin_steps=1,
+                                   applied=lambda: None)
     agent.backend, agent._live_phy2log = _Backend(), _Backend.phy2log
     agent.window = ExpertLoadWindow(58, 256, steps=1000)
-    agent.pauses_ms = []
 
     class Empty:
         def call(self) -> bool:

@@ -36,29 +36,28 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import structlog
 
-from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, RedisUnavailableError, StaleStateError, \
-    StateError, VerificationError, WeightError
+from fdeplb.errors import (FdeplbError, GuardError, InputError, NotFoundError, RedisUnavailableError, StaleStateError,
+                           StateError, WeightError)
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration import peer_agent
 from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
-from fdeplb.orchestration.probe import ProbeResult, Probing
+from fdeplb.orchestration.probe import Probing
 from fdeplb.orchestration.reconcile import run_until_stopped
 from fdeplb.orchestration import takeover
 from fdeplb.orchestration.recovery import Recovery, Rejoining
-from fdeplb.orchestration.safe_points import Arm, Chunked
+from fdeplb.orchestration.safe_points import SafePointSwitch
+from fdeplb.orchestration.swap_driver import SwapDriver
 from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
-from fdeplb.rounds.members import participants
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.cluster_config import check_pause_budget
 from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 from fdeplb.weights.peer import ExpertSource
-from fdeplb.weights.plan import PauseBudget, changed_layers
-from fdeplb.weights.reports import SwapReport
+from fdeplb.weights.plan import PauseBudget
 
 log = structlog.get_logger("fdeplb.agent")
 
@@ -72,7 +71,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
+class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -87,7 +86,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
     (``window_steps`` / ``window_s``), fed by :meth:`record`. ``safe_points``: leave every change of the live
     experts to :meth:`at_safe_point` (an embedded agent, see
     :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`); otherwise the loop applies them itself (the
-    protocol: :class:`~fdeplb.orchestration.safe_points.SafePoints`; the weight-status machine:
+    protocol: ``switch``, a :class:`~fdeplb.orchestration.safe_points.SafePointSwitch`; the weight-status machine:
     :class:`~fdeplb.orchestration.weight_status.WeightStatusDriver`).
     ``publish_interval_s``: also publish the load window this often (None: only when a round collects).
     ``heartbeat_ttl_ms``: the heartbeat's time to live; the rank is stale (no round starts) once it lapses.
@@ -119,7 +118,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
         self._pause_args = tuple(None if arg is None else v for arg, v in zip((max_pause_bytes, layers_per_safe_point), own))
         #: the pause budget of one safe point (the agent's arguments over the cluster's), known after start()
         self.pause_budget: PauseBudget | None = None
-        self._init_safe_points(safe_points, switch_margin_steps)
         self._init_load(load_source, window_steps, window_s, publish_interval_s)
         self.store = store
         self.ep_rank = int(ep_rank)
@@ -148,6 +146,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
         self.rank = RecordHandle(store, RANK, self.ep_rank, actor=self.actor)
         self.weights = RecordHandle(store, WEIGHTS, self.ep_rank, actor=self.actor)
         self.log = log.bind(ep_rank=self.ep_rank, cluster=store.cluster)
+        #: the worker's side of the switch protocol and its pause (the step counter, the pending change)
+        self.switch = SafePointSwitch(store, self.ep_rank, self.actor, self.log, safe_points=safe_points,
+                                      switch_margin_steps=switch_margin_steps, applied=self._follow_routing)
         self._info: dict[str, Any] = {}  # what start() registered besides pid / actor / agent_id (API address)
         self.recovery: Recovery | None = None  # made once the backend is (start)
         self._init_probe()
@@ -254,10 +255,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
                 self._send()
             if not progressed:
                 self._heartbeat()
-                op = self._op
+                op = self.switch.op
                 if op is not None and not op.done.is_set():  # the worker's safe point applies it
                     self._send()
-                    self._wait_for_worker(op, self._wait_ms(block_ms) / 1000)
+                    self.switch.wait_for_worker(op, self._wait_ms(block_ms) / 1000)
                 else:
                     view = self._send(cursor, self._wait_ms(block_ms))
             return False
@@ -347,6 +348,17 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
         """The ``rank.hang`` failpoint (tests): before the entry work of every rank state this agent runs."""
         failpoint("rank.hang", me.state,
                   lambda: self.store.emit_event("failpoint", name="rank.hang", state=me.state, rank=self.ep_rank))
+
+    # ---- the worker's side: the safe-point switch the agent holds (fdeplb.orchestration.safe_points) ------------
+    def at_safe_point(self) -> bool:
+        """Call between forward steps: :meth:`SafePointSwitch.at_safe_point` (True when it applied a change)."""
+        return self.switch.at_safe_point()
+
+    steps = property(lambda self: self.switch.steps, lambda self, n: setattr(self.switch, "steps", n),
+                     doc="The worker's step counter (safe points passed); a restarted worker sets it to carry on.")
+    pauses_ms = property(lambda self: self.switch.pauses_ms, doc="Each safe point's pause (ms), the newest 10,000.")
+    late_switches = property(lambda self: self.switch.late_switches, doc="Changes applied past their switch step.")
+    safe_points = property(lambda self: self.switch.safe_points, doc="Changes wait for the worker's safe points.")
 
     @property
     def serving(self) -> bool:
@@ -484,140 +496,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, Rejoining):
             raise
         except Exception as err:  # noqa: BLE001 - as in LOADING: any staging error fails this rank's load
             return self._staging_failed(me, plan_id, err)
-        return False
-
-    def _on_swapping(self, me: RankRecord, cluster: ClusterRecord) -> bool:
-        plan_id = me.plan_id
-        if not (cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id):
-            # the round is over without this rank (lost mid-swap, excluded, back): hold the current placement,
-            # routed over the ranks it names. Never the cluster record's members then: they are another round's
-            # (an aborted membership round's, say), and routing over them can leave a replica-less expert
-            return self._catch_up(me, self.store.current_placement())
-        new = self._new_phy2log(plan_id)
-        report: dict[str, Any] = ProbeResult().fields()  # no swap here: no probe (none reported from an older one)
-        pending = self._op is not None and self._op.key[:2] == ("swap", plan_id)  # applied, not yet reported
-        members = tuple(participants(cluster.members, self.config.ep_size))
-        # a plan that moves nothing still switches the routing when the members changed (a rank left or rejoined)
-        if pending or not np.array_equal(self.backend.phy2log, new) or members != self.live_ranks:
-            attempt = self._swap_attempts.get(plan_id, 1)
-            try:
-                info = self._stage(plan_id)
-            except WeightError as err:  # past the commit point: report and retry on the next wake-up
-                self.log.error("staging failed after the commit point", error=str(err))
-                self.rank.update(reason=f"staging failed after commit: {err}")
-                self.store.emit_event("alarm", rank=self.ep_rank, message=f"staging failed: {err}")
-                return False
-            staged = self.staged.staged
-            when: Arm | int = 0  # a retry after a failed verification: at the next safe point
-            if attempt == 1 and cluster.state is ClusterState.SWAPPING and cluster.plan_id == plan_id:
-                when = Arm(f"swap:{cluster.round}:{plan_id}", "switch_step",
-                            {"state": ClusterState.SWAPPING, "round": cluster.round, "plan_id": plan_id})
-            chunked = None
-            if self.safe_points and members == tuple(self.live_ranks):  # a change of members switches at once
-                chunked = Chunked(getattr(staged, "starts", ()), changed_layers(self.backend.phy2log, new),
-                                  lambda layers: self.backend.prepare(staged, new, layers),
-                                  lambda layers: self._swap_or_restore(staged, new, None, layers))
-            op = self._at_safe_point(("swap", plan_id, attempt), when,
-                                     lambda: self._swap_or_restore(staged, new, members), chunked, self._probe_run())
-            if op is None or op.gone:
-                return False  # waits for the worker's safe point (a gone op is re-armed on the next wake-up)
-            report.update(self._applied(op, cluster, f"plan {plan_id}"))
-            if isinstance(op.error, VerificationError):
-                # past the commit point: no abort. The swap restored the old placement from the checkpoint; stage
-                # again from disk and retry once; then stay SWAPPING and let the deadline raise the alarm.
-                self.log.error("swap verification failed", attempt=attempt, error=str(op.error))
-                self.store.emit_event("alarm", rank=self.ep_rank, message=f"swap verification failed: {op.error}")
-                self._drop_staging()
-                self._swap_attempts[plan_id] = attempt + 1
-                if attempt >= 2:
-                    self.rank.update(reason=f"swap verification failed twice: {op.error}", **report)
-                    return False
-                return True
-            if op.error is not None:
-                self._drop_staging()
-                raise op.error
-            report.update(self._probe_report(op.probe))
-            swaps: list[SwapReport] = op.result if isinstance(op.result, list) else [op.result]
-            report.update(info)  # the staging's counts: the swap carried out the same transfer
-            report.update(snapshots=sum(r.snapshots for r in swaps),
-                          bytes_from_staging=sum(r.bytes_from_staging for r in swaps),
-                          bytes_local=sum(r.bytes_local for r in swaps), swap_ms=round(op.pause_ms, 3),
-                          chunks=len(op.pauses_ms), late_prepares=op.late_prepares,
-                          pause_max_ms=round(max(op.safe_point_pauses_ms, default=0.0), 3),
-                          pause_sum_ms=round(op.pause_ms, 3))
-            self._drop_staging()
-        total = self.backend.slots_total
-        if self.verify_all:
-            verified, total = self.backend.verify()
-        else:  # swap() verified every changed slot; the kept ones were verified when they were written
-            verified = total
-        self.live_plan_id = plan_id
-        self._swap_attempts.pop(plan_id, None)
-        report.update({"slots_verified": verified, "slots_total": total, "live_plan_id": plan_id,
-                       "verified_all": int(self.verify_all), "routing_digest": routing_digest(self.backend.phy2log)})
-        if verified != total:
-            self.log.error("verification failed", verified=verified, total=total)
-            report["reason"] = f"{total - verified} of {total} slots do not match the checkpoint"
-            self.rank.update(**report)
-            self.store.emit_event("alarm", rank=self.ep_rank, message=report["reason"])
-            return False
-        self.rank.fire("swapped", record=me, changes=report, defer=self._outbox)  # next: the round's release
-        return False
-
-    def _catch_up(self, me: RankRecord, current: Any) -> bool:
-        """The round this rank was SWAPPING in is over without it (the rank was lost mid-swap, the round
-        completed among the members, the rank was excluded and came back; its experts re-placed in a later
-        placement, or not when that failed closed): hold the current placement, its plan or a later one (reloaded
-        from the checkpoint at a safe point when the live slots hold another one, routed over the placement's
-        members) and leave SWAPPING; never swap to the old round's plan."""
-        members = current.live_ranks(self.config.ep_size)
-        if not np.array_equal(self.backend.phy2log, current.phy2log) or members != self.live_ranks:
-            def reload() -> None:
-                self.backend.reload_in(current.phy2log)
-                self.backend.set_live_ranks(members)
-                self.live_ranks = members
-
-            op = self._at_safe_point(("catch_up", current.plan_id), 0, reload)
-            if op is None:
-                return False  # at the worker's next safe point
-            self._op = None
-            if op.error is not None:
-                raise op.error
-        self.log.warning("round over without this rank: holds the current placement", stale_plan=me.plan_id,
-                         plan_id=current.plan_id)
-        self.live_plan_id = current.plan_id
-        self.rank.fire("swapped", record=me, defer=self._outbox,
-                       changes={"live_plan_id": current.plan_id, "routing_digest": routing_digest(self.backend.phy2log),
-                                "reason": f"round of plan {me.plan_id} ended without this rank; holds {current.plan_id or 'initial'}"})
-        return False
-
-    def _swap_or_restore(self, staged: Staged, new: np.ndarray, members: tuple[int, ...] | None = None,
-                         layers: tuple[int, ...] | None = None) -> SwapReport:
-        """Swap in place (at the safe point; only the chunk ``layers`` when given) and take the round's
-        ``members`` as :attr:`live_ranks`. When the swap raises (a failed verification, or anything else once
-        writing may have begun: a device error, out of memory in a snapshot, a copy thread), rewrite the live
-        placement (the old one, for the layers of the failed chunk) from the source of truth before re-raising,
-        so the rank keeps serving it (and its members) consistently; a reload that fails too is logged and the
-        swap's own error raised."""
-        try:
-            if layers is None:  # the whole swap, the routing over the round's members
-                report = self.backend.swap(staged, new, members)
-            else:  # a chunk: its layers' rows, over the members routed to already (a change of members is whole)
-                report = self.backend.swap_layers(staged, new, layers)
-            if members is not None:
-                self.live_ranks = members
-            return report
-        except Exception as err:
-            try:
-                self.backend.reload()
-            except Exception as reload_err:  # noqa: BLE001 - the swap's error is the one reported
-                self.log.error("reload after a failed swap failed", error=str(reload_err), swap_error=str(err))
-            raise
-
-    def _on_swapped(self, me: RankRecord, cluster: ClusterRecord) -> bool:
-        if cluster.state is ClusterState.SWAPPING and cluster.plan_id == me.plan_id:
-            return False  # the other ranks are still swapping (the round's release wakes this rank)
-        self.rank.fire("finish", record=me, defer=self._outbox)  # next work: the next round's LOADING
         return False
 
     def _on_load_failed(self, me: RankRecord, cluster: ClusterRecord) -> bool:

@@ -284,14 +284,15 @@ class LoadRecorder:
     """The rank agent's load: :meth:`record` (the worker's side), the ``clear_stat`` request and the publication
     of the window (:meth:`_load_step`, once per reconcile step). Mixed into
     :class:`~fdeplb.orchestration.agent.RankAgent`; it uses, of its host: ``store``, ``ep_rank``, ``log``, the
-    rank-record handle ``rank``, ``_outbox`` (the step's deferred writes) and ``_live_phy2log`` (the placement the
-    worker routes with). The host resets ``_published_round`` to -1 when a write's fate is unknown.
+    rank-record handle ``rank``, ``_outbox`` (the step's deferred writes), ``backend`` and ``_live_phy2log`` (the
+    placement the worker routes with). The host resets ``_published_round`` to -1 when a write's fate is unknown.
     """
 
     store: Any
     ep_rank: int
     log: Any
     rank: Any
+    backend: Any
     _outbox: list
     _live_phy2log: np.ndarray | None
 
@@ -317,6 +318,10 @@ class LoadRecorder:
             self.window = ExpertLoadWindow(config.num_layers, config.num_logical_experts,
                                            steps=self.window_steps, seconds=self.window_s)
         self._clear_stat_seen = self.store.read_cluster().clear_stat_request
+
+    def _follow_routing(self) -> None:
+        """After a change of the live experts: fold with the placement the backend holds now (its ``phy2log``)."""
+        self._live_phy2log = self.backend.phy2log
 
     def record(self, counts: Any, *, physical: bool | None = None) -> None:
         """Add one forward step's routed tokens to the load window. Call once per step from the worker.

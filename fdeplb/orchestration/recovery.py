@@ -123,7 +123,7 @@ class Rejoining:
         cluster's round state (staging, published round, clear_stat requests seen), create the rank's records and
         register again."""
         self.config, placement = self.recovery.rejoin(err, self.config, self.live_plan_id)
-        loading = self._op is not None and self._op.key[0] == "load_placement"  # applied at a safe point since
+        loading = self.switch.op is not None and self.switch.op.key[0] == "load_placement"  # applied at a safe point since
         if (loading or self.recovery.load_failed or not np.array_equal(self.backend.phy2log, placement.phy2log)) \
                 and not self._load_placement(placement):
             return  # the worker's next safe point loads it; the heartbeat after it registers
@@ -154,10 +154,10 @@ class Rejoining:
             self.live_ranks = members
             return tuple(check)
 
-        op = self._at_safe_point(("load_placement", self.config.incarnation, placement.plan_id), 0, load)
+        op = self.switch.schedule(("load_placement", self.config.incarnation, placement.plan_id), 0, load)
         if op is None:
             return False
-        self._op = None
+        self.switch.op = None
         if op.error is not None:
             raise op.error
         self.recovery.loaded(placement, op.result, self.live_plan_id, self.actor)

@@ -1,11 +1,17 @@
-"""The safe-point switch protocol: the Python side of ``store/lua/switch.lua``.
+"""The safe-point switch and its pause: the Python side of ``store/lua/switch.lua``.
 
 A change of a rank's live experts (a committed swap, a weight clear or update) is prepared by the agent's
 background thread and applied by the worker between two forward steps, at the step the ranks fix together (the
 *switch step*). This module owns that hand-over: :class:`SafePointOp` (one pending change), :class:`Arm` (what an
 armed worker publishes until its switch step is fixed), :class:`Chunked` (a swap applied in chunks of layers) and
-:class:`SafePoints`, the agent's side of it (:meth:`SafePoints.at_safe_point`, scheduling a change, reporting it
-once applied).
+:class:`SafePointSwitch`, the object the agent holds for it (:meth:`SafePointSwitch.at_safe_point`, scheduling a
+change, reporting it once applied).
+
+**The pause** is the time the worker is held in :meth:`SafePointSwitch.at_safe_point` while a change is applied:
+measured per chunk by :meth:`SafePointOp.apply` (a probe run in it and the wait for a background prepare count too),
+kept within the rank's pause budget (:class:`~fdeplb.weights.plan.PauseBudget`: the chunk layout the rank publishes
+when it arms) and reported in the rank record by :meth:`SafePointSwitch.pause_fields` (``pause_max_ms``: the longest
+safe point, ``pause_sum_ms``; ``benchmarks/swap.py`` and ``benchmarks/safe_point.py`` measure it).
 
 **Chunks.** A committed swap is applied in chunks of whole layers, one chunk per safe point: chunk k at step
 ``switch_step + k`` on every rank. The layout is fixed with the switch step, in the same atomic script call
@@ -62,7 +68,7 @@ class Chunked(NamedTuple):
 
 
 class SafePointOp:
-    """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`SafePoints.at_safe_point`
+    """A change of the live experts waiting for its safe point: ``fn`` runs in :meth:`SafePointSwitch.at_safe_point`
     once the worker's step counter reaches ``switch_step`` (at once in a threaded agent). With ``arm``, the switch
     step is not known yet (None): the worker learns it at its safe points. ``gone``: the change stopped being the
     cluster's current one before its switch step was fixed (``done`` is set, ``fn`` never ran).
@@ -153,7 +159,7 @@ class SafePointOp:
                 ch.prepare(chunks[k])
                 self._prepared = k
             except Exception as err:  # noqa: BLE001 - retried in the chunk's pause, where an error is reported
-                self.prepare_error = err  # the agent logs it (SafePoints._wait_for_worker)
+                self.prepare_error = err  # the agent logs it (SafePointSwitch.wait_for_worker)
 
     def apply(self, step: int) -> None:
         """Apply every chunk whose step is reached (normally one; several only for a rank late to its switch
@@ -201,34 +207,36 @@ class SafePointOp:
         return max((s - (self.switch_step + k) for k, s in enumerate(self.applied_steps)), default=0)
 
 
-class SafePoints:
-    """The agent's side of the switch protocol, mixed into :class:`~fdeplb.orchestration.agent.RankAgent`.
+class SafePointSwitch:
+    """The worker's side of the switch protocol, held by the rank agent (``agent.switch``).
 
-    It keeps the worker's step counter (:attr:`steps`), the one pending change (``_op``), the pauses the worker
-    was held for (:attr:`pauses_ms`) and the late switches (:attr:`late_switches`). It uses, of its host: ``store``,
-    ``ep_rank``, ``actor``, ``log``, ``backend`` (whose ``phy2log`` it copies into ``_live_phy2log``, the routing
-    the load recorder folds with, once a change is applied).
+    It keeps the worker's step counter (:attr:`steps`), the one pending change (:attr:`op`), the pauses the worker
+    was held for (:attr:`pauses_ms`, ms, one per safe point that applied a change) and the late switches
+    (:attr:`late_switches`).
+
+    Args:
+        store: the cluster's :class:`~fdeplb.store.Store` (``arm_switch``, events, alarms).
+        ep_rank, actor, log: the rank, its audit actor and its bound logger.
+        safe_points: leave every change to :meth:`at_safe_point` (else apply it at once, in the caller's thread).
+        switch_margin_steps: see :meth:`at_safe_point` (>= 1).
+        applied: called after every applied change (the agent re-reads the routing its load recorder folds with).
+
+    Raises:
+        InputError: ``switch_margin_steps`` < 1.
     """
 
-    store: Any
-    ep_rank: int
-    actor: str
-    log: Any
-    backend: Any
-    _live_phy2log: Any
-
-    def _init_safe_points(self, safe_points: bool, switch_margin_steps: int) -> None:
-        """``safe_points``: leave every change to :meth:`at_safe_point` (else apply it at once);
-        ``switch_margin_steps``: see :meth:`at_safe_point` (>= 1; :class:`InputError` otherwise)."""
+    def __init__(self, store: Any, ep_rank: int, actor: str, log: Any, *, safe_points: bool,
+                 switch_margin_steps: int, applied: Callable[[], None]) -> None:
         if int(switch_margin_steps) < 1:
             raise InputError(f"switch_margin_steps must be >= 1, got {switch_margin_steps}")
+        self.store, self.ep_rank, self.actor, self.log, self.applied = store, int(ep_rank), actor, log, applied
         self.switch_margin_steps = int(switch_margin_steps)
         self.safe_points = bool(safe_points)
         self._sync_failures = 0
         self.steps = 0  # safe points passed (the worker's step counter)
         self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
         self.late_switches = 0
-        self._op: SafePointOp | None = None
+        self.op: SafePointOp | None = None  # the one pending change
         self._apply_lock = threading.Lock()  # held while a safe point applies a change (see at_safe_point)
         self._in_safe_point = False
 
@@ -272,7 +280,7 @@ class SafePoints:
         from several threads apply a change once; a call that arrives while another applies it waits for it.
         """
         self.steps += 1
-        op = self._op
+        op = self.op
         if op is None or op.done.is_set():
             return False
         if op.switch_step is None and not self._learn_switch(op):
@@ -286,7 +294,7 @@ class SafePoints:
             applied = len(op.pauses_ms)
             try:
                 op.apply(self.steps)
-                self._live_phy2log = self.backend.phy2log  # after a failed chunk: the restored placement
+                self.applied()  # after a failed chunk: the restored placement
             finally:
                 self._in_safe_point = False
         self.pauses_ms.append(sum(op.pauses_ms[applied:]))
@@ -321,7 +329,7 @@ class SafePoints:
         op.switch_step = switch
         return True
 
-    def _at_safe_point(self, key: tuple, when: Arm | int, fn: Callable[[], Any],
+    def schedule(self, key: tuple, when: Arm | int, fn: Callable[[], Any],
                        chunked: Chunked | None = None, probe: ProbeRun | None = None) -> SafePointOp | None:
         """Have ``fn`` applied at a safe point (at once in a threaded agent): armed (``when`` an :class:`Arm`: at
         the switch step the ranks fix together, see :meth:`at_safe_point`) or at step ``when`` (0: the next one).
@@ -330,26 +338,26 @@ class SafePoints:
         Returns the op once it was applied (or is ``gone``), None while it waits. Idempotent per ``key``; an op
         whose change is gone is replaced by a new one (armed for what is current now). ``probe``: the swap's
         output probe, run before the first chunk and after the last (:mod:`~fdeplb.orchestration.probe`)."""
-        op = self._op
+        op = self.op
         if op is None or op.key != key or op.gone:
             arm = when if isinstance(when, Arm) else None
             if not self.safe_points:
                 op = SafePointOp(key, 0, None, fn, probe=probe)
                 op.apply(self.steps)
-                self._live_phy2log = self.backend.phy2log
-                self._op = None
+                self.applied()
+                self.op = None
                 return op
             op = SafePointOp(key, None if arm is not None else int(when), arm, fn, chunked, probe)
             if arm is None:
                 op.set_layout(())
-            self._op = op
+            self.op = op
         if not op.done.is_set():
             return None
         return op
 
-    def _applied(self, op: SafePointOp, cluster: ClusterRecord, what: str) -> dict[str, Any]:
+    def applied_fields(self, op: SafePointOp, cluster: ClusterRecord, what: str) -> dict[str, Any]:
         """Rank-record fields reporting an applied op; raises the late alarm when it came after its switch step."""
-        self._op = None
+        self.op = None
         late = op.late_steps() if self.safe_points else 0
         if late > 0:
             self.late_switches += 1
@@ -360,7 +368,15 @@ class SafePoints:
             self.store.append_alarm(cluster, actor=self.actor, reason=message)
         return {"applied_step": op.applied_step, "late_steps": max(late, 0)}
 
-    def _wait_for_worker(self, op: SafePointOp, timeout_s: float) -> None:
+    @staticmethod
+    def pause_fields(op: SafePointOp) -> dict[str, Any]:
+        """Rank-record fields reporting a swap's pause: ``swap_ms`` / ``pause_sum_ms`` (every chunk's pause, ms),
+        ``pause_max_ms`` (the longest safe point, ms: what the pause budget bounds), ``chunks``, ``late_prepares``."""
+        return {"swap_ms": round(op.pause_ms, 3), "chunks": len(op.pauses_ms), "late_prepares": op.late_prepares,
+                "pause_max_ms": round(max(op.safe_point_pauses_ms, default=0.0), 3),
+                "pause_sum_ms": round(op.pause_ms, 3)}
+
+    def wait_for_worker(self, op: SafePointOp, timeout_s: float) -> None:
         """The background loop while the worker's safe points apply ``op``: prepare its next chunk, then wait
         (at most ``timeout_s``) for the next chunk to be applied or the layout to be learned."""
         op.progress.clear()

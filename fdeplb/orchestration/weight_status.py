@@ -11,21 +11,22 @@ from typing import Any
 
 from fdeplb.errors import VerificationError
 from fdeplb.machines.tables import WEIGHT_CANCELS, WEIGHTS, ClusterState, WeightState
-from fdeplb.orchestration.safe_points import Arm, SafePoints
+from fdeplb.orchestration.safe_points import Arm, SafePointSwitch
 from fdeplb.rounds import reasons
 from fdeplb.store import ClusterRecord, WeightRecord
 
 
-class WeightStatusDriver(SafePoints):
+class WeightStatusDriver:
     """Drives the rank's weight-status record (WEIGHTS machine) from the cluster's latest weight request.
 
     It uses, of its host: ``store``, ``ep_rank``, ``log``, ``backend`` (``clear``, ``reload_in``), the record
     handles ``rank`` and ``weights``, and sets ``live_plan_id`` after an update; the safe-point scheduling is
-    :class:`~fdeplb.orchestration.safe_points.SafePoints`'.
+    its ``switch`` (:class:`~fdeplb.orchestration.safe_points.SafePointSwitch`).
     """
 
     rank: Any
     weights: Any
+    switch: SafePointSwitch
     live_plan_id: str | None
 
     def _weights_step(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
@@ -37,7 +38,7 @@ class WeightStatusDriver(SafePoints):
 
         Two phases: every rank first commits its transition (or finds nothing to do: clear while CLEARED) and arms
         for request n (``weights:<n>``); the request's switch step is fixed once all are armed, and all switch at
-        it (:meth:`~fdeplb.orchestration.safe_points.SafePoints.at_safe_point`). Requests are carried out one at a
+        it (:meth:`~fdeplb.orchestration.safe_points.SafePointSwitch.at_safe_point`). Requests are carried out one at a
         time (:meth:`fdeplb.store.Store.request_weights` refuses a new one while a rank is CLEARING or UPDATING).
         A request that still overtakes one (written between this rank's read of request n and its commit of the
         transition for n) finds this rank's pending work re-armed for the new request: the ranks still switch at
@@ -67,14 +68,14 @@ class WeightStatusDriver(SafePoints):
         if cluster.state is not ClusterState.FREE:
             return False  # the guards refuse while a round runs: wait for FREE (no retry storm)
         if action == "clear" and w.state is WeightState.CLEARED:  # nothing to free; arms all the same
-            op = self._at_safe_point(("nothing", n), arm, lambda: None)
+            op = self.switch.schedule(("nothing", n), arm, lambda: None)
             if op is None:
                 return False
-            self._op = None  # applied, or gone (superseded: nothing was to be done anyway)
+            self.switch.op = None  # applied, or gone (superseded: nothing was to be done anyway)
             self.store.update(WEIGHTS, self.ep_rank, request=n)
             return True
         self.weights.fire(action, record=w, reason=cluster.weights_reason, detail=reasons.weight_request(n),
-                          changes={"request": n, "reason": "", "prior": w.state, "at_switch": int(self.safe_points)})
+                          changes={"request": n, "reason": "", "prior": w.state, "at_switch": int(self.switch.safe_points)})
         return True
 
     def _weights_cancel(self, cluster: ClusterRecord, w: WeightRecord) -> bool:
@@ -94,25 +95,25 @@ class WeightStatusDriver(SafePoints):
 
     def _drop_weights_op(self, n: int) -> None:
         """Forget the pending safe-point work of weight request ``n`` (it can never switch: withdrawn)."""
-        op = self._op
+        op = self.switch.op
         if op is not None and op.key[0] in ("clear", "update", "nothing") and op.key[1] == n \
                 and not op.done.is_set():
             op.gone = True
             op.done.set()
-            self._op = None
+            self.switch.op = None
 
     def _weights_clearing(self, cluster: ClusterRecord, w: WeightRecord, arm: Arm) -> bool:
         """CLEARING: free the live slots at the switch step, then commit ``cleared``."""
-        op = self._at_safe_point(("clear", w.request), arm, self.backend.clear)
+        op = self.switch.schedule(("clear", w.request), arm, self.backend.clear)
         if op is None or op.gone:
             return False
         if op.error is not None:  # freeing memory does not fail; if it did, say so and stay CLEARING
-            self._op = None
+            self.switch.op = None
             self.store.emit_event("alarm", rank=self.ep_rank, message=f"weight clear failed: {op.error}")
             self.store.update(WEIGHTS, self.ep_rank, reason=f"clear failed: {op.error}")
             return False
         # the rank's report first: whoever sees CLEARED sees when it was applied
-        self.rank.update(**self._applied(op, cluster, f"weight clear {w.request}"))
+        self.rank.update(**self.switch.applied_fields(op, cluster, f"weight clear {w.request}"))
         self.weights.fire("cleared", record=w, changes={"reason": ""})
         return True
 
@@ -120,10 +121,10 @@ class WeightStatusDriver(SafePoints):
         """UPDATING: reload every slot in the cluster's current placement at the switch step and verify it, then
         commit ``updated`` or ``update_failed`` (with the reason and an alarm)."""
         placement = self.store.current_placement()  # the cluster's CURRENT placement (vLLM PR #55228)
-        op = self._at_safe_point(("update", w.request), arm, lambda: self.backend.reload_in(placement.phy2log))
+        op = self.switch.schedule(("update", w.request), arm, lambda: self.backend.reload_in(placement.phy2log))
         if op is None or op.gone:
             return False
-        applied = self._applied(op, cluster, f"weight update {w.request}")
+        applied = self.switch.applied_fields(op, cluster, f"weight update {w.request}")
         err = op.error
         if err is None and op.result.verified != op.result.total:
             err = VerificationError(f"{op.result.total - op.result.verified} of {op.result.total} slots differ "

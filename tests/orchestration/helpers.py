@@ -36,7 +36,7 @@ class Instrumented(NumpyWeights):
 
     def _note(self, what):
         if self.agent is not None:
-            self.changes.append((what, self.agent._in_safe_point, threading.current_thread().name))
+            self.changes.append((what, self.agent.switch._in_safe_point, threading.current_thread().name))
 
     def swap(self, staged, new, live_ranks=None):
         self._note("swap")

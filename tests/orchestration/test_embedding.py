@@ -490,7 +490,7 @@ def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(re
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         agent = EmbeddedAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=None)
         RankAgent.start(agent)  # no background loop: the op below is the only change pending
-        agent._apply_lock = noting = _NotingLock()
+        agent.switch._apply_lock = noting = _NotingLock()
         inside, release, runs, returned = threading.Event(), threading.Event(), [], {}
 
         def change():
@@ -501,7 +501,7 @@ def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(re
         def call(name):
             returned[name] = (agent.at_safe_point(), list(runs))
 
-        agent._op = SafePointOp(("test",), 0, None, change)
+        agent.switch.op = SafePointOp(("test",), 0, None, change)
         first = threading.Thread(target=call, args=("first",), name="first")
         first.start()
         assert inside.wait(30)
@@ -513,7 +513,7 @@ def test_a_pending_change_is_applied_once_when_two_threads_call_at_safe_point(re
         first.join(30)
         second.join(30)
         assert runs == ["first"], runs
-        assert returned["first"][0] is True and returned["second"] == (False, ["first"]) and agent._op.done.is_set()
+        assert returned["first"][0] is True and returned["second"] == (False, ["first"]) and agent.switch.op.done.is_set()
         assert agent.at_safe_point() is False and runs == ["first"]
         agent.close()
 
