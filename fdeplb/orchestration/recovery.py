@@ -29,10 +29,10 @@ from fdeplb.store import ClusterConfig, PlacementEntry, Store
 from fdeplb.store.liveness import LiveReport, stale_of
 from fdeplb.weights.backend import WeightBackend
 
-__all__ = ["LOADED", "RecordsLostError", "Recovery", "Rejoining", "adopted_placement", "await_live_reports"]
+__all__ = ["PLACEMENT_LOADED", "RecordsLostError", "Recovery", "Rejoining", "adopted_placement", "await_live_reports"]
 
 #: the audit trigger of a rank that loaded the placement of the cluster created again over it (a note on its record)
-LOADED = "placement_loaded"
+PLACEMENT_LOADED = "placement_loaded"
 
 
 _pause = threading.Event()  # never set: await_live_reports' poll interval
@@ -105,7 +105,7 @@ class Recovery:
         reason = (f"rank {self.ep_rank} held plan {held_plan_id or 'initial'} live; loaded the placement of the "
                   f"cluster created again, plan {placement.plan_id or 'initial'} ({routing_digest(placement.phy2log)})"
                   f", from the checkpoint, {verified} of {total} slots verified")
-        self.store.append_note(self.store.read(RANK, self.ep_rank), trigger=LOADED, actor=actor, reason=reason,
+        self.store.append_note(self.store.read(RANK, self.ep_rank), trigger=PLACEMENT_LOADED, actor=actor, reason=reason,
                                detail={"held_plan_id": held_plan_id or "", "plan_id": placement.plan_id,
                                        "slots_verified": verified, "slots_total": total},
                                table=RANK, ep_rank=self.ep_rank)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from fdeplb.machines.tables import RANK
-from fdeplb.orchestration.recovery import LOADED
+from fdeplb.orchestration.recovery import PLACEMENT_LOADED
 from fdeplb.placement import routing_digest
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import Store
@@ -133,7 +133,7 @@ def test_init_cluster_at_once_after_redis_lost_its_data_recovers_without_a_resta
         assert adopted.plan_id == plan and not np.array_equal(adopted.phy2log, held)
         cluster.procs[3].send_signal(signal.SIGCONT)
         _registered_again(store)
-        loaded = [a for a in store.iter_audit() if a["trigger"] == LOADED]
+        loaded = [a for a in store.iter_audit() if a["trigger"] == PLACEMENT_LOADED]
         assert [a["key"].rsplit(":", 1)[1] for a in loaded] == ["3"], loaded
         assert store.read_rank(3).routing_digest == routing_digest(adopted.phy2log)
         coordinator = spawn_coordinator(cluster, "co2", lease_ms=1_000)

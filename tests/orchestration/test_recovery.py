@@ -16,7 +16,7 @@ from fdeplb.errors import NotFoundError, StateError, TopologyError, Verification
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration import Coordinator, RankAgent, init_cluster
 from fdeplb.orchestration.membership import MembershipWatch
-from fdeplb.orchestration.recovery import LOADED, RecordsLostError
+from fdeplb.orchestration.recovery import PLACEMENT_LOADED, RecordsLostError
 from fdeplb.placement import initial_placement, routing_digest
 from fdeplb.status import unhealthy_ranks
 from fdeplb.store import ClusterConfig, Store
@@ -154,7 +154,7 @@ def test_an_agent_loads_the_placement_of_a_cluster_created_again_with_another_on
         agent._records_lost(None)
         assert np.array_equal(agent.backend.phy2log, other) and agent.backend.verify() == (12 // 3 * 2, 12 // 3 * 2)
         assert store.rank_info()[0]["agent_id"] == agent.agent_id
-        notes = _notes(store, LOADED)
+        notes = _notes(store, PLACEMENT_LOADED)
         assert len(notes) == 1 and notes[0]["key"].endswith("rank:0") and "verified" in notes[0]["reason"]
         assert store.read_rank(0).routing_digest == routing_digest(other)
         path = tmp_path / "loaded.jsonl"
@@ -180,7 +180,7 @@ def test_an_embedded_agent_loads_the_cluster_placement_at_its_safe_point_then_re
         assert agent.at_safe_point()
         assert np.array_equal(agent.backend.phy2log, other)
         agent._records_lost(None)
-        assert store.rank_info()[0]["agent_id"] == agent.agent_id and len(_notes(store, LOADED)) == 1
+        assert store.rank_info()[0]["agent_id"] == agent.agent_id and len(_notes(store, PLACEMENT_LOADED)) == 1
     finally:
         store.delete_cluster()
 
@@ -207,10 +207,10 @@ def test_a_load_that_fails_its_verification_is_loaded_again_before_the_agent_reg
         assert init_cluster(store, CFG, other)
         with pytest.raises(VerificationError, match="1 of 8 slots do not match the checkpoint; not registering"):
             agent._records_lost(None)
-        assert 0 not in store.rank_info() and _notes(store, LOADED) == []
+        assert 0 not in store.rank_info() and _notes(store, PLACEMENT_LOADED) == []
         agent._records_lost(None)  # the loop's retry: loaded again (the slots' placement already matches)
         assert _CorruptFirstLoad.loads == 2 and store.rank_info()[0]["agent_id"] == agent.agent_id
-        assert len(_notes(store, LOADED)) == 1
+        assert len(_notes(store, PLACEMENT_LOADED)) == 1
     finally:
         store.delete_cluster()
 
@@ -264,7 +264,7 @@ def test_the_disagreement_message_is_followed_by_doing_what_it_says(redis_url, c
         assert init_cluster(store, CFG, first, adopt=False)
         assert np.array_equal(store.current_placement().phy2log, first)
         agent._records_lost(None)
-        assert np.array_equal(agent.backend.phy2log, first) and len(_notes(store, LOADED)) == 1
+        assert np.array_equal(agent.backend.phy2log, first) and len(_notes(store, PLACEMENT_LOADED)) == 1
         assert store.rank_info()[0]["agent_id"] == agent.agent_id
     finally:
         store.delete_cluster()
