@@ -22,7 +22,7 @@ replica counts ``c``, ``w_e`` = expert load, ``W`` = layer load, ``m = W / G``, 
 
 Every plan gives a feasible point of the same objective (its moves), so the optimum is a lower bound; it is
 solved with HiGHS (``scipy.optimize.linprog``, Huangfu and Hall, "Parallelizing the dual revised simplex method",
-Math. Prog. Comp. 10, 2018). On the drift pairs of ``benchmarks/placement.py`` it is 1-3% of a fresh plan's moves:
+Math. Prog. Comp. 10, 2018). On the drift pairs of ``benchmarks/placement.py`` it is 1.4-1.8% of a fresh plan's moves:
 weak, because a new replica may weigh anywhere in [0, q]. The formulation is fdeplb's.
 """
 
@@ -83,7 +83,8 @@ def moved_experts_lower_bound(expert_load: object, old_phy2log: object, num_gpus
     P = old.shape[1]
     if P % G:
         raise InputError(f"num_physical_experts ({P}) is not a multiple of num_gpus ({G})")
-    if not isinstance(max_over_mean, (int, float)) or not np.isfinite(max_over_mean) or max_over_mean < 1:
+    if (isinstance(max_over_mean, bool) or not isinstance(max_over_mean, (int, float, np.integer, np.floating))
+            or not np.isfinite(max_over_mean) or max_over_mean < 1):
         raise InputError(f"max_over_mean must be a finite number >= 1, got {max_over_mean!r}")
     counts, slot_load, base, fall, rise = _layer_rows(load, old, G)
     total = load.sum(axis=1)

@@ -42,6 +42,12 @@ def test_zero_when_old_meets_the_level_and_positive_when_not():
     assert moved_experts_lower_bound(load, old, gpus, 1.0 + (old_level - 1.0) / 2) >= 1
 
 
+def test_numpy_scalar_level_accepted():
+    load, old, _, gpus = drifted(3)
+    assert moved_experts_lower_bound(load, old, gpus, np.float32(1.01)) == moved_experts_lower_bound(
+        load, old, gpus, float(np.float32(1.01)))
+
+
 def test_non_increasing_in_the_level():
     load, old, _, gpus = drifted(8)
     bounds = [moved_experts_lower_bound(load, old, gpus, lv) for lv in (1.0, 1.001, 1.01, 1.05, 1.2)]
@@ -59,7 +65,7 @@ def test_real_drift_pair_bound_below_move_aware(real_data):
     assert 1 <= bound <= moved_experts(old, plan, gpus)
 
 
-@pytest.mark.parametrize("bad", [0.999, float("nan"), float("inf"), "1.1", None])
+@pytest.mark.parametrize("bad", [0.999, float("nan"), float("inf"), "1.1", None, True])
 def test_bad_level_refused(bad):
     load, old, _, gpus = drifted(1)
     with pytest.raises(InputError, match="max_over_mean"):
