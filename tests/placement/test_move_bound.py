@@ -1,6 +1,6 @@
-"""The lower bound on moved experts (fdeplb.placement.move_bound): never above a real plan's moves, zero when the
-old placement already meets the level, at least one when it does not, non-increasing in the level, bad input
-refused."""
+"""The lower bound on moved experts (fdeplb.placement.move_bound): never above a real plan's moves nor the exact
+minimum (enumerated on a tiny layer), zero when the old placement already meets the level, at least one when it
+does not, non-increasing in the level, bad input refused."""
 
 from __future__ import annotations
 
@@ -78,3 +78,19 @@ def test_bad_shapes_refused():
         moved_experts_lower_bound(load, old[:2], gpus, 1.01)
     with pytest.raises(InputError, match="multiple"):
         moved_experts_lower_bound(load, old, 3, 1.01)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 4, 8])  # seeds whose old placement is off the best level
+def test_bound_never_above_the_exact_minimum(seed):
+    """One layer, 4 experts on 2 GPUs x 3 slots: every placement enumerated, the fewest moves reaching each level."""
+    rng = np.random.default_rng(seed)
+    load = rng.integers(1, 50, size=(1, 4)).astype(np.float64)
+    old = rng.permutation(np.r_[np.arange(4), rng.integers(0, 4, size=2)])[None, :]
+    grid = np.stack(np.meshgrid(*[np.arange(4)] * 6, indexing="ij"), axis=-1).reshape(-1, 6)
+    grid = grid[np.array([len(set(row)) == 4 for row in grid])]  # every expert keeps a replica
+    levels = np.array([level(load, row[None, :], 2) for row in grid])
+    moves = np.array([moved_experts(old, row[None, :], 2) for row in grid])
+    assert level(load, old, 2) > levels.min() + 1e-3
+    for target in sorted(set(np.round(levels, 9)))[:6]:
+        exact = int(moves[levels <= target + 1e-9].min())
+        assert moved_experts_lower_bound(load, old, 2, float(target) + 1e-9) <= exact
