@@ -19,8 +19,8 @@ Topology-aware: no real dump records load per source rank, so each DeepSeek-V3 d
 ``TOPOLOGY_DUMPS`` is split over the 32 source ranks by a fixed-seed Dirichlet(0.5) share per (layer, expert, node);
 the table gives the cross-node token fraction of "balanced" and "topology_aware" at two slacks, and their max/mean.
 
-Prints tables, the targets of issues #3, #9 and #33 with PASS/FAIL, and a last line of JSON. ``--write-results FILE``
-also writes the tables as Markdown (benchmarks/results/placement.md is such a file).
+Prints tables, the targets of issues #3, #9 and #33 with PASS/FAIL, a last line of JSON; ``--write-results FILE``: the
+tables as Markdown too (benchmarks/results/placement.md). The drift table adds a lower bound on any plan's moves.
 
     python benchmarks/placement.py [--real-data DIR] [--eplb-ref DIR [--eplb-python PY]] [--previous REV]
                                    [--write-results benchmarks/results/placement.md]
@@ -217,8 +217,8 @@ def drift_inputs(real_data: Path, folder: str, a: str, b: str, ep: int) -> tuple
 
 
 def drift_pairs(real_data: Path, reference: bool = False) -> list[dict]:
-    """The drift pairs: old = "balanced" on A; every policy's moves and max/mean on B (and, ``reference``: the
-    max/mean of move_aware's reference plan, :func:`fdeplb.placement.move_aware.reference_phy2log`)."""
+    """The drift pairs: old = "balanced" on A; every policy's moves and max/mean on B; ``reference``: also the
+    max/mean of move_aware's reference and the bound on any plan's moves at balanced + MOVE_AWARE_SLACK."""
     drift = []
     for folder, a, b, ep in DRIFT_PAIRS:
         load_b, slots, old = drift_inputs(real_data, folder, a, b, ep)
@@ -229,11 +229,12 @@ def drift_pairs(real_data: Path, reference: bool = False) -> list[dict]:
                                                                   old_phy2log=old), 1)
             entry[policy] = {"moved": moved_experts(old, plan, ep), "max_over_mean": float(ratio(load_b, plan, ep).mean()),
                              "ms": times[0]}
-        if reference:
+        if reference:  # this code only: the previous revision may lack both
             from fdeplb.placement.move_aware import reference_phy2log
-
+            from fdeplb.placement.move_bound import moved_experts_lower_bound
             entry["reference_max_over_mean"] = float(ratio(load_b, reference_phy2log(load_b, slots, 1, 1, ep),
                                                            ep).mean())
+            entry["move_bound"] = moved_experts_lower_bound(load_b, old, ep, entry["balanced"]["max_over_mean"] + MOVE_AWARE_SLACK)
         drift.append(entry)
     return drift
 
@@ -326,8 +327,7 @@ def move_aware_speed(real_data: Path, repeats: int = 11) -> list[dict]:
     """Median ms of "balanced" and "move_aware" on the DeepSeek-V3 drift pair (288 slots, 8 groups, 32 GPUs) with 1
     and 4 nodes, old = "balanced" on A with the same topology, both given ``old_phy2log``; interleaved runs."""
     folder, a, b = MOVE_AWARE_SPEED_PAIR
-    load_a = read_expert_load(real_data / folder / f"{a}.json").expert_load
-    load_b = read_expert_load(real_data / folder / f"{b}.json").expert_load
+    load_a, load_b = (read_expert_load(real_data / folder / f"{n}.json").expert_load for n in (a, b))
     out = []
     for nodes in (1, 4):
         topo = (288, 8, nodes, 32)
@@ -349,9 +349,8 @@ def targets(rows: list[dict], drift: list[dict], speed: dict | None = None,
         return next(r for r in rows if all(r[k] == v for k, v in kw.items()))
 
     ds = row(model="DeepSeek-V3", mode="hierarchical", ep=32, policy="deepseek")
-    bal_ds = row(model="DeepSeek-V3", mode="global", ep=32, policy="balanced")
-    bal_q = [row(model=m, mode="global", ep=16, policy="balanced") for m in ("Qwen3-235B", "Qwen3-30B")]
-    balanced_rows = [bal_ds, *bal_q]
+    balanced_rows = [row(model="DeepSeek-V3", mode="global", ep=32, policy="balanced"),
+                     *[row(model=m, mode="global", ep=16, policy="balanced") for m in ("Qwen3-235B", "Qwen3-30B")]]
     out = [
         {"target": "deepseek, DeepSeek-V3 shape (58x256 -> 288 slots, 8 groups, 4 nodes, 32 GPUs): median ms",
          "value": round(ds["median_ms"], 2), "limit": 6.0, "ok": ds["median_ms"] <= 6.0},
@@ -369,9 +368,7 @@ def targets(rows: list[dict], drift: list[dict], speed: dict | None = None,
         out.append({"target": "deepseek vs eplb.py: DeepSeek-V3 dumps with identical phy2log, log2phy, logcnt",
                     "value": speed["exact_dumps"], "limit": speed["dumps"],
                     "ok": speed["exact_dumps"] == speed["dumps"]})
-    bars = [row(model="DeepSeek-V3", mode="global", ep=32, policy="balanced"),
-            *[row(model=m, mode="global", ep=16, policy="balanced") for m in ("Qwen3-235B", "Qwen3-30B")],
-            row(model="Qwen2-57B", mode="global", ep=8, policy="balanced")]
+    bars = [*balanced_rows, row(model="Qwen2-57B", mode="global", ep=8, policy="balanced")]
     worst = max(r["worst_dump_max_over_mean"] for r in bars)
     inside = row(model="DeepSeek-V3", mode="hierarchical", ep=32, policy="balanced")["worst_inside_node"]
     beaten = [r for r in rows if r["policy"] == "balanced" and r["worst_dump_max_over_mean"] > row(
@@ -431,8 +428,9 @@ def tables(result: dict) -> list[str]:
     lines += ["", "Lower bound: max(1, largest per-replica load of DeepSeek's replica counts / mean GPU load) per layer;"
               " worst node inside: the worst dump's mean over layers of the worst node's heaviest GPU over that node's"
               " mean GPU load (hierarchical only).", "",
-              "Drift pairs: old = \"balanced\" on A; moved experts and mean max/mean on B (global); \"reference\" is "
-              "move_aware's (reference_phy2log: balanced with 1-1 swaps only).", "",
+              "Drift pairs: old = \"balanced\" on A; moved experts and mean max/mean on B (global); \"reference\": "
+              "move_aware's (balanced, 1-1 swaps only); \"lower bound, any plan\": no plan reaching balanced + 0.0005 "
+              "moves fewer (fdeplb.placement.move_bound, LP relaxation).", "",
               "| pair | EP | slots | old max/mean | policy | moved experts | max/mean | ms |",
               "|---|---:|---:|---:|---|---:|---:|---:|"]
     for k, d in enumerate(result["drift"]):
@@ -442,8 +440,9 @@ def tables(result: dict) -> list[str]:
         for policy, e in entries:
             lines.append(f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
                          f"{policy} | {e['moved']:,} | {e['max_over_mean']:.5f} | {e['ms']:.0f} |")
-        lines.append(f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
-                     f"reference | | {d['reference_max_over_mean']:.5f} | |")
+        head = f"| {d['model']} {d['pair']} | {d['ep']} | {d['slots']} | {d['old_max_over_mean']:.4f} | "
+        lines += [head + f"reference | | {d['reference_max_over_mean']:.5f} | |", head + f"lower bound, any plan | "
+                  f"{d['move_bound']:,} | {d['balanced']['max_over_mean'] + MOVE_AWARE_SLACK:.5f} | |"]
     lines += ["", "move_aware vs balanced, same input, interleaved runs (median ms):", "",
               "| code | nodes | balanced ms | move_aware ms | ratio |", "|---|---:|---:|---:|---:|"]
     for code, speeds in (("this", result["move_aware_speed"]), *([(prev["rev"], prev["move_aware_speed"])]
@@ -537,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                                         for d in result["drift"]},
             "slack_vs_reference": {d["pair"]: round(d["move_aware"]["max_over_mean"] - d["reference_max_over_mean"], 6)
                                    for d in result["drift"]},
+            "lower_bound_share": {d["pair"]: round(d["move_bound"] / max(d["balanced"]["moved"], 1), 4) for d in result["drift"]},
             "ok": all(t["ok"] for t in result["targets"] if t["target"].startswith("move_aware")),
         },
         "previous": None if result["previous"] is None else result["previous"]["rev"],

@@ -1,0 +1,96 @@
+"""The lower bound on moved experts (fdeplb.placement.move_bound): never above a real plan's moves nor the exact
+minimum (enumerated on a tiny layer), zero when the old placement already meets the level, at least one when it
+does not, non-increasing in the level, bad input refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdeplb.errors import InputError
+from fdeplb.placement import imbalance, moved_experts, read_expert_load, rebalance_experts
+from fdeplb.placement.move_bound import moved_experts_lower_bound
+
+
+def level(load, phy2log, num_gpus):
+    """Mean over layers of max/mean GPU load."""
+    return float((1.0 + imbalance(load, phy2log, num_gpus)).mean())
+
+
+def drifted(seed: int, layers: int = 3, experts: int = 16, slots: int = 20, gpus: int = 4):
+    """(new load, old placement = "balanced" on an unrelated load, slots, gpus)."""
+    rng = np.random.default_rng(seed)
+    old_load = rng.zipf(1.6, size=(layers, experts)).astype(np.float64)
+    new_load = rng.zipf(1.6, size=(layers, experts)).astype(np.float64)
+    return new_load, rebalance_experts(old_load, slots, 1, 1, gpus, policy="balanced").phy2log, slots, gpus
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_never_above_a_plans_moves(seed):
+    load, old, slots, gpus = drifted(seed)
+    for policy in ("deepseek", "balanced", "move_aware"):
+        plan = rebalance_experts(load, slots, 1, 1, gpus, policy=policy, old_phy2log=old).phy2log
+        bound = moved_experts_lower_bound(load, old, gpus, max(level(load, plan, gpus), 1.0))
+        assert bound <= moved_experts(old, plan, gpus), policy
+
+
+def test_zero_when_old_meets_the_level_and_positive_when_not():
+    load, old, _, gpus = drifted(7)
+    old_level = level(load, old, gpus)
+    assert old_level > 1.01  # the drift unbalances the old placement
+    assert moved_experts_lower_bound(load, old, gpus, old_level) == 0
+    assert moved_experts_lower_bound(load, old, gpus, 1.0 + (old_level - 1.0) / 2) >= 1
+
+
+def test_numpy_scalar_level_accepted():
+    load, old, _, gpus = drifted(3)
+    assert moved_experts_lower_bound(load, old, gpus, np.float32(1.01)) == moved_experts_lower_bound(
+        load, old, gpus, float(np.float32(1.01)))
+
+
+def test_non_increasing_in_the_level():
+    load, old, _, gpus = drifted(8)
+    bounds = [moved_experts_lower_bound(load, old, gpus, lv) for lv in (1.0, 1.001, 1.01, 1.05, 1.2)]
+    assert bounds == sorted(bounds, reverse=True) and bounds[0] > bounds[-1]
+
+
+@pytest.mark.real_data("qwen2_57b_oeplb/counts57b.json", "qwen2_57b_oeplb/counts57b_share.json")
+def test_real_drift_pair_bound_below_move_aware(real_data):
+    folder = real_data / "qwen2_57b_oeplb"
+    a, b = (read_expert_load(folder / f"{n}.json").expert_load for n in ("counts57b", "counts57b_share"))
+    slots, gpus = a.shape[1] + 8, 8
+    old = rebalance_experts(a, slots, 1, 1, gpus, policy="balanced").phy2log
+    plan = rebalance_experts(b, slots, 1, 1, gpus, policy="move_aware", old_phy2log=old).phy2log
+    bound = moved_experts_lower_bound(b, old, gpus, level(b, plan, gpus))
+    assert 1 <= bound <= moved_experts(old, plan, gpus)
+
+
+@pytest.mark.parametrize("bad", [0.999, float("nan"), float("inf"), "1.1", None, True])
+def test_bad_level_refused(bad):
+    load, old, _, gpus = drifted(1)
+    with pytest.raises(InputError, match="max_over_mean"):
+        moved_experts_lower_bound(load, old, gpus, bad)
+
+
+def test_bad_shapes_refused():
+    load, old, _, gpus = drifted(2)
+    with pytest.raises(InputError, match="shape"):
+        moved_experts_lower_bound(load, old[:2], gpus, 1.01)
+    with pytest.raises(InputError, match="multiple"):
+        moved_experts_lower_bound(load, old, 3, 1.01)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 4, 8])  # seeds whose old placement is off the best level
+def test_bound_never_above_the_exact_minimum(seed):
+    """One layer, 4 experts on 2 GPUs x 3 slots: every placement enumerated, the fewest moves reaching each level."""
+    rng = np.random.default_rng(seed)
+    load = rng.integers(1, 50, size=(1, 4)).astype(np.float64)
+    old = rng.permutation(np.r_[np.arange(4), rng.integers(0, 4, size=2)])[None, :]
+    grid = np.stack(np.meshgrid(*[np.arange(4)] * 6, indexing="ij"), axis=-1).reshape(-1, 6)
+    grid = grid[np.array([len(set(row)) == 4 for row in grid])]  # every expert keeps a replica
+    levels = np.array([level(load, row[None, :], 2) for row in grid])
+    moves = np.array([moved_experts(old, row[None, :], 2) for row in grid])
+    assert level(load, old, 2) > levels.min() + 1e-3
+    for target in sorted(set(np.round(levels, 9)))[:6]:
+        exact = int(moves[levels <= target + 1e-9].min())
+        assert moved_experts_lower_bound(load, old, 2, float(target) + 1e-9) <= exact
