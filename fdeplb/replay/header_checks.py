@@ -143,7 +143,7 @@ def _check_plans_made_with(report: ReplayReport, timeline: ConfigTimeline) -> No
                 plan_digest(plan.expert_load, plan.old_phy2log, plan.policy, plan.topology) != plan.plan_id:
             continue  # not stored, or not its own plan: check_plans names it at its load
         cfg = timeline.at(loaded.round)
-        shape = {k: v for k, v in plan.topology.items() if k not in ("live_ranks", "reroute")}
+        shape = {k: v for k, v in plan.topology.items() if k not in ("live_ranks", "reroute", "supplied")}
         if shape != cfg.topology():
             raise ReplayError(f"line 1: the header's topology {cfg.topology()}, but round {loaded.round}'s plan "
                               f"{plan.plan_id} (loaded at {loaded.where}) was made for {shape}")
