@@ -12,7 +12,7 @@ import pytest
 from fdeplb.placement import Placement, write_placement
 from fdeplb.placement.digest import routing_digest
 from fdeplb.rounds import reasons
-from tests.helpers import RawRedis, run_cli, thread_cluster
+from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 
 
 def _rearrange(capsys, store, *argv: str):
@@ -93,3 +93,35 @@ def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url,
 def test_without_a_coordinator_a_good_plan_changes_nothing(capsys, store, redis_url, tmp_path):
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[2, 3, 0, 1, 2, 3]], 4), 3,
              "no coordinator holds the lease")
+
+
+# ---- the offline workflow: record -> plan -> validate -> commit (README "Offline plans") -------------------------
+@pytest.mark.slow
+def test_record_plan_validate_commit_end_to_end(redis_url, cluster_id, capsys, tmp_path):
+    from fdeplb.placement import read_expert_load, read_placement
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start(publish_interval_s=0.2)
+        store = tc.store()
+        wait_for(lambda: all(store.read_load(r) is not None for r in range(4)), 30, store, "every window published")
+        flags = ("--redis-url", store.url, "--cluster", store.cluster)
+        load_file, old_file, plan_file = (str(tmp_path / n) for n in ("load.json", "old.json", "plan.json"))
+        code, out, err = run_cli(capsys, "load", "--export", load_file, *flags)  # record
+        assert code == 0 and "wrote the load of ranks [0, 1, 2, 3]" in out, out + err
+        summed = sum(store.read_load(r).expert_load for r in range(4))
+        assert np.array_equal(read_expert_load(load_file).expert_load, summed)
+        code, out, err = run_cli(capsys, "status", *flags, "--placement-out", old_file)
+        assert code == 0, out + err
+        code, out, err = run_cli(capsys, "rebalance", "--load", load_file, "--old", old_file, "--num-replicas", "20",
+                                 "--num-gpus", "4", "--policy", "balanced", "--out", plan_file)  # plan
+        assert code == 0 and "gate: goes on" in out, out + err  # validate: the gain gate a round applies
+        code, out, err = _rearrange(capsys, store, "--plan", plan_file, "--wait", "--timeout", "60")  # commit
+        assert code == 0 and "round 1: rearranged" in out, out + err
+        planned = read_placement(plan_file, num_logical_experts=16, num_gpus=4).placement.phy2log
+        assert np.array_equal(store.current_placement().phy2log, planned)
+
+
+def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
+    code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.json"), "--redis-url", store.url,
+                           "--cluster", store.cluster)
+    assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
