@@ -1,6 +1,10 @@
-"""``fdeplb load --export FILE``: a running cluster's published load windows, summed over the ranks its placement
-is routed over, written as an SGLang expert-load dump that ``fdeplb rebalance --load`` reads (the record step of
-the offline workflow: record -> plan -> validate -> commit, README "Offline plans")."""
+"""``fdeplb load --export FILE``: a running cluster's published load windows, of the ranks its placement is routed
+over, written as an SGLang expert-load dump that ``fdeplb rebalance --load`` reads (the record step of the offline
+workflow: record -> plan -> validate -> commit, README "Offline plans").
+
+A rank's window counts the tokens that rank routed to every expert: the windows stacked are the load per source
+rank, SGLang's per-rank ``logical_count`` [ranks, model layers, experts], which the reader sums and ``rebalance
+--policy topology_aware`` plans from as it is."""
 
 from __future__ import annotations
 
@@ -15,17 +19,18 @@ from fdeplb.options import cluster_parent
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("load", help="export a cluster's published load windows as an expert-load dump",
-                       description="Sum the last published expert_load window of every rank the placement is routed "
-                                   "over and write it as SGLang's dump {\"logical_count\": [model layers][experts]} "
-                                   "(dense layers' rows zero), which `fdeplb rebalance --load` reads.",
+                       description="Write the last published expert_load window of every rank the placement is "
+                                   "routed over as SGLang's per-rank dump {\"logical_count\": [ep_size][model "
+                                   "layers][experts]} (the load per source rank; other ranks' and dense layers' rows "
+                                   "zero), which `fdeplb rebalance --load` reads.",
                        parents=[cluster_parent()])
     p.add_argument("--export", required=True, metavar="FILE", help="the dump to write (JSON)")
     p.set_defaults(handler=run_load)
 
 
-def summed_windows(store) -> tuple[np.ndarray, list[int], list[int]]:
-    """(expert_load int64 [L, E] summed over the routed members' last windows, the ranks summed, the routed ranks
-    with no window yet). :class:`StateError` when no routed rank published one; :class:`CorruptRecordError` for a
+def member_windows(store) -> tuple[np.ndarray, list[int], list[int]]:
+    """(load per source rank int64 [ep_size, L, E]: the routed members' last windows, zeros for every other rank;
+    the ranks it holds; the routed ranks with no window yet). :class:`StateError` when no routed rank published one; :class:`CorruptRecordError` for a
     window that does not parse."""
     from fdeplb.errors import StateError
 
@@ -36,8 +41,10 @@ def summed_windows(store) -> tuple[np.ndarray, list[int], list[int]]:
     if not summed:
         raise StateError(f"no rank of cluster {store.cluster} the placement is routed over ({list(routed)}) has "
                          f"published a load window yet: nothing to export")
-    load = np.sum(np.stack([windows[r].expert_load for r in summed]), axis=0, dtype=np.int64)
-    return load, summed, [r for r in routed if windows[r] is None]
+    stack = np.zeros((cfg.ep_size, cfg.num_layers, cfg.num_logical_experts), dtype=np.int64)
+    for r in summed:
+        stack[r] = windows[r].expert_load
+    return stack, summed, [r for r in routed if windows[r] is None]
 
 
 def run_load(args: argparse.Namespace) -> int:
@@ -48,13 +55,14 @@ def run_load(args: argparse.Namespace) -> int:
     check_out_folder("--export", args.export)
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
-    load, summed, missing = summed_windows(store)
+    stack, summed, missing = member_windows(store)
+    load = stack.sum(axis=0)
     idle = np.flatnonzero(~load.any(axis=1)).tolist()
     if idle:  # SGLang's reader takes an all-zero row for a dense layer: the plan would leave the layer out
         raise StateError(f"MoE layers {idle[:10]} routed no token in the published windows: the dump would read "
                          f"them as dense layers; export again once they have load")
-    rows = np.zeros((cfg.model_layers, cfg.num_logical_experts), dtype=np.int64)
-    rows[cfg.model_layer_ids] = load
+    rows = np.zeros((cfg.ep_size, cfg.model_layers, cfg.num_logical_experts), dtype=np.int64)
+    rows[:, cfg.model_layer_ids] = stack
     try:
         with open(args.export, "w") as f:
             json.dump({"logical_count": rows.tolist()}, f)
