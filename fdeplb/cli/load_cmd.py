@@ -28,34 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_load)
 
 
-def member_windows(store) -> tuple[np.ndarray, list[int], list[int]]:
-    """(load per source rank int64 [ep_size, L, E]: the routed members' last windows, zeros for every other rank;
-    the ranks it holds; the routed ranks with no window yet). :class:`StateError` when no routed rank published one; :class:`CorruptRecordError` for a
-    window that does not parse."""
-    from fdeplb.errors import StateError
-
-    cfg = store.read_config()
-    routed = store.current_placement().live_ranks(cfg.ep_size)
-    windows = {r: store.read_load(r) for r in routed}
-    summed = [r for r, w in windows.items() if w is not None]
-    if not summed:
-        raise StateError(f"no rank of cluster {store.cluster} the placement is routed over ({list(routed)}) has "
-                         f"published a load window yet: nothing to export")
-    stack = np.zeros((cfg.ep_size, cfg.num_layers, cfg.num_logical_experts), dtype=np.int64)
-    for r in summed:
-        stack[r] = windows[r].expert_load
-    return stack, summed, [r for r in routed if windows[r] is None]
-
-
 def run_load(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import check_out_folder, open_store
     from fdeplb.errors import StateError
     from fdeplb.placement.loads import load_digest
+    from fdeplb.status import source_load
 
     check_out_folder("--export", args.export)
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
-    stack, summed, missing = member_windows(store)
+    stack, summed, missing = source_load(store)
     load = stack.sum(axis=0)
     idle = np.flatnonzero(~load.any(axis=1)).tolist()
     if idle:  # SGLang's reader takes an all-zero row for a dense layer: the plan would leave the layer out

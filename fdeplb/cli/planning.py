@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     source = _source_load(dump, args.num_gpus)  # [L, num_gpus, E] when the dump is SGLang's per-rank stack
     start = time.perf_counter()
     after = rebalance_experts(
-        source if source is not None and args.policy == "topology_aware" else load, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
+        source if source is not None and args.policy == "topology_aware" else load,
+        args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
         old_phy2log=before if (args.old or args.policy == "move_aware") else None,
         max_moved_experts=args.max_moved_experts,
         **({} if args.tolerance is None else {"tolerance": args.tolerance}),  # else rebalance_experts' default

@@ -83,7 +83,8 @@ def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url,
 
     raw = RawRedis(redis_url, store.cluster)
     raw.force(raw.keys.member(1), MemberState.SUSPECT, version=1)  # as a lapsed heartbeat would
-    code, out, err = run_cli(capsys, "rank", "exclude", "--rank", "1", "--redis-url", store.url, "--cluster", store.cluster)
+    code, out, err = run_cli(capsys, "rank", "exclude", "--rank", "1", "--redis-url", store.url,
+                             "--cluster", store.cluster)
     assert code == 0 and "SUSPECT -> EXCLUDED" in out, out + err
     # experts 2 and 3 only on rank 1 (EXCLUDED): they would have no route
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3, 0, 1]], 4), 2,
