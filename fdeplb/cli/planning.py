@@ -67,12 +67,15 @@ def _source_load(dump, num_gpus: int) -> np.ndarray | None:
     """The load per source rank, float or int [L, num_gpus, E] over ``dump``'s MoE rows, when its file is SGLang's
     per-rank ``logical_count`` stack [num_gpus, model layers, E] (what ``fdeplb load --export`` writes); else
     None (a summed dump, or a stack of another rank count)."""
-    from fdeplb.errors import LoadFileError
-    from fdeplb.placement._validate import read_document
+    import gzip
+    import json
 
-    if dump.format != "sglang":
+    if dump.format != "sglang" or Path(dump.path).suffix in (".yaml", ".yml"):
         return None
-    rows = read_document(dump.path, LoadFileError, "expert-load file")["logical_count"]  # read once already
+    # read_expert_load checked this file and keeps only the sum; read again for the split (an ExpertLoad that kept
+    # the per-rank stack would spare this: fdeplb.placement.loads)
+    with (gzip.open if dump.path.endswith(".gz") else open)(dump.path, "rt", encoding="utf-8") as f:
+        rows = json.load(f)["logical_count"]
     arr = np.asarray(rows) if isinstance(rows, list) else np.zeros(0)
     if arr.ndim != 3 or arr.shape[0] != num_gpus:
         return None
