@@ -8,6 +8,8 @@ import dataclasses
 import signal
 import sys
 
+import numpy as np
+
 from fdeplb.cli.cluster_cmd import deadline_flags
 from fdeplb.options import audit_dir_parent, cluster_parent, positive_float
 from fdeplb.placement import POLICIES
@@ -184,8 +186,15 @@ def run_rearrange(args: argparse.Namespace) -> int:
         if blocker:
             print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
-    return wait_for_round(store, target, cursor, args.timeout,
-                          redis_url=args.redis_url if store.read_config().cordoned else None, store_url=args.redis_url)
+    cordoned = store.read_config().cordoned
+    code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
+                          store_url=args.redis_url)
+    if plan is not None and code == 0 and not cordoned and \
+            not np.array_equal(store.current_placement().phy2log, plan):  # a membership round went first
+        print(f"round {target} did not go to the plan (a round re-placing a rank's experts went first): the plan "
+              f"is dropped; supply it again")
+        return 1
+    return code
 
 
 def _plan_of(cfg: ClusterConfig, path: str):

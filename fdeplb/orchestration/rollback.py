@@ -90,7 +90,9 @@ def after_round(store: Any, rec: ClusterRecord) -> str | None:
 
 def request_supplied(store: Any) -> bool:
     """FREE entry work with no round pending: request the round a supplied placement waits for (True), or nothing
-    to do (False)."""
+    to do (False). An operator's plan is tried by one round only: once a round after the one it was supplied in
+    (its ``undoes``) has ended without committing it (aborted; a committed one drops it), it is dropped here, so a
+    plan that cannot load never loops (the operator saw the abort and may supply it again)."""
     try:
         supplied = store.supplied_placement()
     except CorruptRecordError:
@@ -99,9 +101,13 @@ def request_supplied(store: Any) -> bool:
     if supplied is None:
         return False
     try:
-        why = reasons.supplied_round(**_facts(supplied[1])).text
+        facts = _facts(supplied[1])
+        why = reasons.supplied_round(**facts).text
     except (ValueError, KeyError, TypeError, InputError):  # planning drops it, aborting that round with the error
-        why = "supplied placement"
+        facts, why = None, "supplied placement"
+    if facts is not None and facts["kind"] == "operator" and store.read_cluster().round > facts["undoes"]:
+        store.drop_supplied_placement()  # its round ended without it: not retried
+        return False
     store.request_round(why[:100])
     return True
 
@@ -166,7 +172,8 @@ def supply_operator_plan(store: Any, phy2log: np.ndarray, source: str) -> str:
         raise StateError(f"a supplied placement waits for the next round of cluster {store.cluster} already "
                          f"(a rollback): try again after it")
     digest = routing_digest(arr)
-    store.supply_placement(arr, reasons.supplied_round("operator", 0, digest, source[:200]).detail["supplied"])
+    facts = reasons.supplied_round("operator", rec.round, digest, source[:200]).detail["supplied"]
+    store.supply_placement(arr, facts)  # rec.round: the last round; the next one goes to the plan
     return digest
 
 

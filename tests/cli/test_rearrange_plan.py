@@ -126,3 +126,16 @@ def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
     code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.json"), "--redis-url", store.url,
                            "--cluster", store.cluster)
     assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
+
+
+def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
+    """FREE requests the round an operator's plan waits for; once a round after the one it was supplied in has
+    ended without committing it (an abort), it is dropped, never retried in a loop."""
+    from fdeplb.machines.tables import ClusterState
+    from fdeplb.orchestration.rollback import request_supplied, supply_operator_plan
+
+    supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "test")
+    assert request_supplied(store) and store.read_cluster().requested == 1
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.FREE, version=9, round="1", requested="1")  # round 1 aborted
+    assert not request_supplied(store) and store.supplied_placement() is None
