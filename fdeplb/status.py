@@ -14,12 +14,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fdeplb.errors import CorruptRecordError, NotFoundError
+import numpy as np
+
+from fdeplb.errors import CorruptRecordError, NotFoundError, StateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MemberState, RankState
 from fdeplb.store import RankRecord
 from fdeplb.store.liveness import NOT_REGISTERED, stale_of
 
-__all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "unhealthy_ranks"]
+__all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "source_load",
+           "unhealthy_ranks"]
 
 #: how ``status`` shows a record that does not parse (in place of its state)
 CORRUPT = "CORRUPT"
@@ -45,6 +48,25 @@ def placement_file(store, fmt: str) -> str:
                                 num_groups=cfg.num_groups, num_nodes=cfg.num_nodes, num_gpus=cfg.ep_size)
     return render_placement(pl, fmt, layer_ids=cfg.model_layer_ids, num_model_layers=cfg.model_layers,
                             meta_file_name="placement.json")
+
+
+def source_load(store) -> tuple[np.ndarray, list[int], list[int]]:
+    """The load per source rank as the ranks published it (a rank's window counts the tokens it routed): (int64
+    [ep_size, L, E], the last windows of the ranks the placement is routed over, zeros for every other rank; the
+    ranks it holds; the routed ranks with no window yet). ``fdeplb load --export`` writes it, ``/metrics`` measures
+    the cross-node fraction on it. :class:`StateError` when no routed rank published one;
+    :class:`CorruptRecordError` for a window that does not parse."""
+    cfg = store.read_config()
+    routed = store.current_placement().live_ranks(cfg.ep_size)
+    windows = {r: store.read_load(r) for r in routed}
+    summed = [r for r, w in windows.items() if w is not None]
+    if not summed:
+        raise StateError(f"no rank of cluster {store.cluster} the placement is routed over ({list(routed)}) has "
+                         f"published a load window yet: nothing to export")
+    stack = np.zeros((cfg.ep_size, cfg.num_layers, cfg.num_logical_experts), dtype=np.int64)
+    for r in summed:
+        stack[r] = windows[r].expert_load
+    return stack, summed, [r for r in routed if windows[r] is None]
 
 
 def commit_command(redis_url: str, cluster: str, plan_id: str) -> str:
@@ -199,7 +221,6 @@ def _degraded(config, placement, live: list[int]) -> dict[str, Any] | None:
     """None while every logical expert has a replica on an ACTIVE member; else ``{"orphans": [[layer, log_id],
     ...], "ranks": [the ranks that are not members]}``: the cluster serves without those experts until a rank
     rejoins or the operator acts (a re-placement failed closed)."""
-    import numpy as np
 
     from fdeplb.placement import orphaned_experts
 

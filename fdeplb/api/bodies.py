@@ -61,6 +61,14 @@ class ReasonBody(_OperatorBody):
     """``POST /v1/round/abort`` and ``POST /v1/round/cancel``."""
 
 
+class PlanBody(_OperatorBody):
+    """``POST /v1/round/plan``: one round to this placement (``fdeplb rearrange --plan``'s twin)."""
+
+    phy2log: list[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1, max_length=MAX_EXPERTS)]] = \
+        Field(..., min_length=1, max_length=MAX_LAYERS,
+              description="the placement [num_layers][num_physical_experts]: the logical expert of every slot")
+
+
 class DeleteBody(_OperatorBody):
     """``POST /v1/cluster/delete``."""
 

@@ -14,6 +14,9 @@ Gauges come from the records as they are now.
 - ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot, each over the members
   the placement is routed over (:func:`~fdeplb.rounds.gating.mean_balancedness`), ``fdeplb_moved_experts``
   of the latest plan
+- ``fdeplb_cross_node_fraction{placement="current"|"planned"}`` (a cluster of several nodes): the share of tokens
+  that leave their source rank's node (:func:`fdeplb.placement.cross_node_fraction`, mean over layers) on the
+  ranks' last published windows, the load per source rank (:func:`fdeplb.status.source_load`)
 - ``fdeplb_cluster_state_code`` (FastDeploy code), ``fdeplb_round``, ``fdeplb_heartbeat_age_seconds{ep_rank}``,
   ``fdeplb_staging_bytes{ep_rank}`` (bytes read + copied by the rank's last staging),
   ``fdeplb_swap_probe_failed{ep_rank}`` / ``fdeplb_swap_probe_seconds{ep_rank, when}`` (the output probe of the
@@ -31,6 +34,7 @@ import re
 import threading
 from collections import Counter, defaultdict
 
+import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -205,6 +209,8 @@ class ClusterCollector(Collector):
             moved.add_metric([], plan.moved_experts)
         yield bal
         yield moved
+        if cfg.num_nodes > 1 and placement is not None:
+            yield self._cross_node(cfg, placement, plan, corrupt)
         now = store.now_ms()
         age = GaugeMetricFamily("fdeplb_heartbeat_age_seconds", "Age of each rank's last heartbeat",
                                 labels=["ep_rank"])
@@ -252,6 +258,29 @@ class ClusterCollector(Collector):
         yield probe_failed
         yield probe_s
         yield from self._member_gauges(rec, corrupt)
+
+    def _cross_node(self, cfg, placement, plan, corrupt: set[str]) -> GaugeMetricFamily:
+        """``fdeplb_cross_node_fraction`` of the current and the latest planned placement on the published windows;
+        no sample before any routed rank published one."""
+        from fdeplb.errors import StateError
+        from fdeplb.placement import cross_node_fraction
+        from fdeplb.status import source_load
+
+        gauge = GaugeMetricFamily("fdeplb_cross_node_fraction", "Mean over layers of the share of tokens that leave "
+                                  "their source rank's node, on the ranks' published windows", labels=["placement"])
+        try:
+            stack = np.moveaxis(source_load(self.store)[0], 0, 1)  # [L, ep_size, E]
+        except StateError:
+            return gauge
+        except CorruptRecordError as err:
+            corrupt.add(err.key or str(err))
+            return gauge
+        planned = None if plan is None else plan.new_phy2log
+        for label, phy2log in (("current", placement.phy2log), ("planned", planned)):
+            if phy2log is not None:
+                fraction = cross_node_fraction(stack, phy2log, cfg.ep_size, cfg.num_nodes)
+                gauge.add_metric([label], float(fraction.mean()))
+        return gauge
 
     def _member_gauges(self, rec, corrupt: set[str]):
         """Ranks per membership state and the membership generation (a missing member record counts as ACTIVE)."""

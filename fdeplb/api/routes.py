@@ -27,8 +27,8 @@ from starlette.concurrency import run_in_threadpool
 
 from fdeplb.api import service, ui_routes
 from fdeplb.api.auth import Credentials, check_basic, check_body, has_basic
-from fdeplb.api.bodies import CheckBody, ConfigBody, DeleteBody, ReasonBody, RearrangeBody, StatsBody, openapi_body, \
-    read_json_object, validate
+from fdeplb.api.bodies import CheckBody, ConfigBody, DeleteBody, PlanBody, ReasonBody, RearrangeBody, StatsBody, \
+    openapi_body, read_json_object, validate
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.api.service import ApiSettings
 from fdeplb.errors import AuthError, FdeplbError, http_status
@@ -252,6 +252,14 @@ def _operator_routes(router: APIRouter, ctx: _Routes) -> None:
         """Abort the round in flight before the commit point (409 after it, or with no round in flight)."""
         who, body = await ctx.operator_body(request, ReasonBody)
         return _reply(await run_in_threadpool(service.abort_round, store, who, body.reason))
+
+    @router.post("/v1/round/plan", openapi_extra=openapi_body(PlanBody), tags=["operator"])
+    @_guarded
+    async def v1_round_plan(request: Request) -> Response:
+        """One round to the body's placement (``fdeplb rearrange --plan``); 400 for a plan the cluster cannot
+        take, 409 while a round is in flight; nothing written either way."""
+        who, body = await ctx.operator_body(request, PlanBody)
+        return _reply(await run_in_threadpool(service.supply_plan, store, body.phy2log, who, body.reason))
 
     @router.post("/v1/round/cancel", openapi_extra=openapi_body(ReasonBody), tags=["operator"])
     @_guarded

@@ -179,6 +179,20 @@ def cancel_request(store: Store, by: str, reason: str) -> Reply:
     return ok(round=cancel(store, by=by, reason=reason))
 
 
+def supply_plan(store: Store, phy2log: list[list[int]], by: str, reason: str) -> Reply:
+    """``POST /v1/round/plan``: one round to the placement ``phy2log`` [L][P] (an operator's plan, no gain gate:
+    :func:`fdeplb.orchestration.rollback.supply_operator_plan`); 400 for a plan the cluster cannot take (another
+    shape, a logical expert missing or on non-members only), 409 while a round is in flight or a rollback waits.
+    Answers the round that will go to it and the plan's routing digest."""
+    import numpy as np
+
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    digest = supply_operator_plan(store, np.asarray(phy2log, dtype=np.int64),
+                                  f"POST /v1/round/plan by {by}" + (f" ({reason})" if reason else ""))
+    return ok(round=store.request_round(reason or "operator plan"), plan=digest)
+
+
 def config(store: Store) -> dict[str, Any]:
     """``GET /v1/config``: the cluster's configuration (its ``version`` counts the changes)."""
     return store.read_config(fresh=True).to_json()

@@ -17,7 +17,7 @@ from fdeplb.errors import FdeplbError, exit_code
 __all__ = ["build_parser", "main"]
 
 #: modules under fdeplb.cli that define ``register(subparsers)``; each adds one or more subcommands.
-SUBCOMMAND_MODULES = ("demo", "planning", "operate", "rank_cmd", "cluster_cmd", "audit_view", "status_view", "replay_view", "statecharts", "serve",
+SUBCOMMAND_MODULES = ("demo", "planning", "load_cmd", "operate", "rank_cmd", "cluster_cmd", "audit_view", "status_view", "replay_view", "statecharts", "serve",
                       "http_client")
 
 

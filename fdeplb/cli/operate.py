@@ -1,5 +1,5 @@
 """Operating a cluster: ``fdeplb init-cluster`` (create its records), ``fdeplb coordinator`` (the sidecar that
-drives it) and ``fdeplb rearrange`` (ask for a round, or commit a cordoned one)."""
+drives it) and ``fdeplb rearrange`` (ask for a round, one to an operator's plan file, or commit a cordoned one)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 import signal
 import sys
+
+import numpy as np
 
 from fdeplb.cli.cluster_cmd import deadline_flags
 from fdeplb.options import audit_dir_parent, cluster_parent, positive_float
@@ -95,11 +97,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_coordinator)
 
     r = sub.add_parser("rearrange", help="ask the cluster's coordinator for one rearrangement round",
-                       description="Request a rearrangement round (FastDeploy's rearrange_experts), or with "
-                                   "--commit PLAN_ID allow a cordoned cluster's staged plan to commit.",
+                       description="Request a rearrangement round (FastDeploy's rearrange_experts), with --plan FILE "
+                                   "one audited round to that placement (no gain gate), or with --commit PLAN_ID "
+                                   "allow a cordoned cluster's staged plan to commit.",
                        parents=[cluster_parent()])
-    r.add_argument("--commit", metavar="PLAN_ID", default=None,
-                   help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
+    which = r.add_mutually_exclusive_group()
+    which.add_argument("--commit", metavar="PLAN_ID", default=None,
+                       help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
+    which.add_argument("--plan", metavar="FILE", default=None,
+                       help="a placement file (fdeplb, sglang, trtllm, fastdeploy; e.g. `fdeplb rebalance --out`): "
+                            "the round goes to it, audited as an operator's plan with its routing digest; refused "
+                            "(exit 2, nothing changed) for another shape, a logical expert it lacks or one left "
+                            "on non-members only; exit 3 while a round is in flight")
     r.add_argument("--reason", default="operator",
                    help="why (at most 500 characters; kept with the request: `status --json` shows it as "
                         "requested_reason, and the round_requested event; default %(default)s)")
@@ -173,8 +182,15 @@ def run_rearrange(args: argparse.Namespace) -> int:
         store.request_commit(args.commit, by="cli")  # checks that round `target` is LOAD_SUCC with this plan
         print(f"commit of plan {args.commit} requested")
         return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url) if args.wait else 0
+    plan = None
+    if args.plan:  # a bad plan is refused before anything else (nothing written, whether a coordinator runs or not)
+        from fdeplb.orchestration.rollback import check_operator_plan, supply_operator_plan
+
+        plan = check_operator_plan(store, _plan_of(store.read_config(), args.plan))
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
+    if plan is not None:
+        print(f"plan {supply_operator_plan(store, plan, args.plan)} supplied from {args.plan}")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
@@ -182,8 +198,26 @@ def run_rearrange(args: argparse.Namespace) -> int:
         if blocker:
             print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
-    return wait_for_round(store, target, cursor, args.timeout,
-                          redis_url=args.redis_url if store.read_config().cordoned else None, store_url=args.redis_url)
+    cordoned = store.read_config().cordoned
+    code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
+                          store_url=args.redis_url)
+    if plan is not None and code == 0 and not cordoned and \
+            not np.array_equal(store.current_placement().phy2log, plan):  # a membership round went first
+        print(f"round {target} did not go to the plan (a round re-placing a rank's experts went first): the plan "
+              f"is dropped; supply it again")
+        return 1
+    return code
+
+
+def _plan_of(cfg: ClusterConfig, path: str):
+    """The placement of the plan file at ``path`` (``--initial``, ``--plan``) for a cluster configured as ``cfg``:
+    int64 [L, P], the rows of its MoE layers when the file has one per model layer (SGLang's, dense layers
+    included). :class:`PlacementFileError` / :class:`InputError` for a file that does not read."""
+    from fdeplb.placement import read_placement
+
+    read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size)
+    rows = read.placement if read.placement.num_layers == cfg.num_layers else read.for_layers(cfg.model_layer_ids)
+    return rows.phy2log
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:
@@ -359,7 +393,7 @@ def layer_ids_of(text: str | None, first: int | None, num_layers: int) -> list[i
 def run_init(args: argparse.Namespace) -> int:
     from fdeplb.errors import InputError
     from fdeplb.orchestration.cluster_setup import init_cluster
-    from fdeplb.placement import initial_placement, read_placement
+    from fdeplb.placement import initial_placement
     from fdeplb.store import Store
 
     if args.num_redundant_experts < 0:
@@ -386,10 +420,8 @@ def run_init(args: argparse.Namespace) -> int:
         layer_ids=layer_ids_of(args.layer_ids, args.first_moe_layer, args.num_layers),
         num_model_layers=args.num_model_layers,
     )
-    if args.initial:  # a file with a row per model layer (SGLang's, dense layers included): the MoE layers' rows
-        initial = read_placement(args.initial, num_logical_experts=args.num_logical_experts, num_gpus=args.ep_size)
-        phy2log = (initial.placement if initial.placement.num_layers == config.num_layers
-                   else initial.for_layers(config.model_layer_ids)).phy2log
+    if args.initial:
+        phy2log = _plan_of(config, args.initial)
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log

@@ -11,6 +11,7 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement import (
     check_topology,
+    cross_node_fraction,
     FORMATS,
     POLICIES,
     balancedness,
@@ -45,8 +46,9 @@ def register(subparsers) -> None:
     p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
     p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
     p.add_argument("--tolerance", type=float, default=None,
-                   help="move_aware only: allowed max/mean excess over balanced, mean over layers (each layer <= "
-                        "2x; default 0.0005); refused with another policy, which would ignore it")
+                   help="move_aware: allowed max/mean excess over balanced, mean over layers (each layer <= 2x); "
+                        "topology_aware: the balance slack every layer may spend on keeping tokens on their node "
+                        "(default 0.0005 for both); refused with another policy, which would ignore it")
     p.add_argument("--max-moved-experts", type=int, default=None, help="move_aware: cap on moved experts")
     p.set_defaults(handler=run)
 
@@ -61,6 +63,25 @@ def _row(label: str, load: np.ndarray, phy2log: np.ndarray, num_gpus: int, moved
     ]
 
 
+def _source_load(dump, num_gpus: int) -> np.ndarray | None:
+    """The load per source rank, float or int [L, num_gpus, E] over ``dump``'s MoE rows, when its file is SGLang's
+    per-rank ``logical_count`` stack [num_gpus, model layers, E] (what ``fdeplb load --export`` writes); else
+    None (a summed dump, or a stack of another rank count)."""
+    import gzip
+    import json
+
+    if dump.format != "sglang" or Path(dump.path).suffix in (".yaml", ".yml"):
+        return None
+    # read_expert_load checked this file and keeps only the sum; read again for the split (an ExpertLoad that kept
+    # the per-rank stack would spare this: fdeplb.placement.loads)
+    with (gzip.open if dump.path.endswith(".gz") else open)(dump.path, "rt", encoding="utf-8") as f:
+        rows = json.load(f)["logical_count"]
+    arr = np.asarray(rows) if isinstance(rows, list) else np.zeros(0)
+    if arr.ndim != 3 or arr.shape[0] != num_gpus:
+        return None
+    return np.ascontiguousarray(np.moveaxis(arr, 0, 1)[dump.layer_ids])
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan, print the before/after table, and write --out / --plot."""
     from fdeplb.cli._common import check_out_folder
@@ -71,8 +92,9 @@ def run(args: argparse.Namespace) -> int:
         from fdeplb.placement.plot import check_plot_path
 
         check_plot_path(args.plot)  # not after the planning: a .txt is no image
-    if args.tolerance is not None and args.policy != "move_aware":
-        raise InputError(f"--tolerance applies to the move_aware policy only; policy {args.policy} ignores it")
+    if args.tolerance is not None and args.policy not in ("move_aware", "topology_aware"):
+        raise InputError(f"--tolerance applies to the move_aware and topology_aware policies only; policy "
+                         f"{args.policy} ignores it")
     if args.max_moved_experts is not None and args.policy != "move_aware":
         raise InputError(f"--max-moved-experts applies to the move_aware policy only; policy {args.policy} "
                          f"ignores it")
@@ -99,9 +121,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         before = initial_placement(L, E, args.num_replicas, num_gpus=args.num_gpus)
         before_label = "before (trivial)"
+    source = _source_load(dump, args.num_gpus)  # [L, num_gpus, E] when the dump is SGLang's per-rank stack
     start = time.perf_counter()
     after = rebalance_experts(
-        load, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
+        source if source is not None and args.policy == "topology_aware" else load,
+        args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
         old_phy2log=before if (args.old or args.policy == "move_aware") else None,
         max_moved_experts=args.max_moved_experts,
         **({} if args.tolerance is None else {"tolerance": args.tolerance}),  # else rebalance_experts' default
@@ -120,6 +144,11 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    cross = "" if source is None or args.num_nodes == 1 else (
+        f"cross-node fraction {cross_node_fraction(source, before, args.num_gpus, args.num_nodes).mean():.4f} -> "
+        f"{cross_node_fraction(source, after, args.num_gpus, args.num_nodes).mean():.4f}")
+    if cross:  # the share of tokens that leave their source rank's node (placement.metrics), mean over layers
+        print(f"{cross} (load per source rank, {args.num_nodes} nodes)")
     from fdeplb.rounds.gating import GateDecision  # the one gain rule, as a cluster's round applies it
 
     gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
@@ -142,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
              (f"after ({args.policy})", gpu_loads(load, after, args.num_gpus))],
             args.plot,
             title=f"{dump.path.rsplit('/', 1)[-1]}: {args.num_replicas} slots on {args.num_gpus} GPUs, "
-            f"moved experts {moved:,}",
+            f"moved experts {moved:,}" + (f", {cross}" if cross else ""),
         )
         print(f"wrote heatmap to {args.plot}")
     return 0

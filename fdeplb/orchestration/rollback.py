@@ -3,8 +3,13 @@
 A *supplied* round goes to a placement given to it (stored with :meth:`fdeplb.store.Store.supply_placement`)
 instead of one its policy computes: the coordinator's next round plans it with no gain gate, its plan's topology
 and its ``load`` record carry the facts (``supplied``: kind, the round it undoes, the placement it goes to;
-:func:`fdeplb.rounds.reasons.supplied_round`), and the round that commits it drops it. The one kind today is
-the **rollback**:
+:func:`fdeplb.rounds.reasons.supplied_round`), and the round that commits it drops it. Two kinds:
+
+- an **operator's plan** (``fdeplb rearrange --plan FILE``, ``POST /v1/round/plan``): :func:`supply_operator_plan`
+  checks it against the configuration and the ACTIVE members (refused, nothing written, when it has another
+  shape, lacks a logical expert, or leaves one with replicas only on non-members) and supplies it while the
+  cluster is FREE; the round is requested by the caller (and by FREE's entry work, which coalesces);
+- the **rollback**:
 
 1. every rank reports its swap's probe in its rank record (:mod:`fdeplb.orchestration.probe`); when every rank has
    swapped, :func:`probe_outcome` reads them and the round's ``swapped`` is audited as a ``probe_mismatch`` naming
@@ -29,14 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from fdeplb.errors import CorruptRecordError, InputError
-from fdeplb.machines.tables import RANK
+from fdeplb.errors import CorruptRecordError, InputError, StateError
+from fdeplb.machines.tables import RANK, ClusterState
 from fdeplb.rounds import reasons
 from fdeplb.orchestration.probe import ProbeOutcome
 from fdeplb.placement import orphaned_experts
+from fdeplb.placement.digest import routing_digest
+from fdeplb.rounds.members import live_mask
 from fdeplb.store import ClusterRecord
 
-__all__ = ["after_round", "probe_outcome", "request_supplied", "supplied_for_planning"]
+__all__ = ["after_round", "probe_outcome", "request_supplied", "supplied_for_planning", "check_operator_plan",
+           "supply_operator_plan"]
 
 _FAILED = (ProbeOutcome.MISMATCH.value, ProbeOutcome.FAILED.value)
 
@@ -82,7 +90,9 @@ def after_round(store: Any, rec: ClusterRecord) -> str | None:
 
 def request_supplied(store: Any) -> bool:
     """FREE entry work with no round pending: request the round a supplied placement waits for (True), or nothing
-    to do (False)."""
+    to do (False). An operator's plan is tried by one round only: once a round after the one it was supplied in
+    (its ``undoes``) has ended without committing it (aborted; a committed one drops it), it is dropped here, so a
+    plan that cannot load never loops (the operator saw the abort and may supply it again)."""
     try:
         supplied = store.supplied_placement()
     except CorruptRecordError:
@@ -90,8 +100,15 @@ def request_supplied(store: Any) -> bool:
         raise
     if supplied is None:
         return False
-    facts = supplied[1]
-    store.request_round(f"{facts.get('kind', 'supplied')} of round {facts.get('undoes', '?')}"[:100])
+    try:
+        facts = _facts(supplied[1])
+        why = reasons.supplied_round(**facts).text
+    except (ValueError, KeyError, TypeError, InputError):  # planning drops it, aborting that round with the error
+        facts, why = None, "supplied placement"
+    if facts is not None and facts["kind"] == "operator" and store.read_cluster().round > facts["undoes"]:
+        store.drop_supplied_placement()  # its round ended without it: not retried
+        return False
+    store.request_round(why[:100])
     return True
 
 
@@ -113,9 +130,51 @@ def supplied_for_planning(store: Any, num_logical_experts: int, live: np.ndarray
     orphans = orphaned_experts(phy2log, num_logical_experts, len(live), live)  # also an expert it lacks
     if orphans:
         store.drop_supplied_placement()
-        raise InputError(f"the supplied placement ({facts['kind']} of round {facts['undoes']}) leaves {len(orphans)} "
+        raise InputError(f"the supplied placement ({reasons.supplied_round(**facts).text}) leaves {len(orphans)} "
                          f"experts (layer, log_id) without a replica on a member, e.g. {orphans[:5]}: dropped")
     return phy2log, facts
+
+
+def check_operator_plan(store: Any, phy2log: np.ndarray) -> np.ndarray:
+    """An operator's plan ``phy2log`` (int [L, P]) checked against the configuration and the ACTIVE members, as
+    int64 [L, P]; reads only. :class:`InputError` for another shape than [num_layers, num_physical_experts], an
+    id outside [0, E), a logical expert it lacks, or one whose replicas are all on ranks that are not ACTIVE
+    members (an EXCLUDED rank is never routed to: the expert would have no route)."""
+    cfg = store.read_config()
+    arr = np.asarray(phy2log)
+    shape = (cfg.num_layers, cfg.num_physical_experts)
+    if arr.shape != shape or arr.dtype.kind not in "iu":
+        raise InputError(f"plan has shape {arr.shape} ({arr.dtype}), the cluster's placement is int {shape} "
+                         f"(num_layers x num_physical_experts): nothing supplied")
+    arr = arr.astype(np.int64)
+    if arr.min() < 0 or arr.max() >= cfg.num_logical_experts:
+        raise InputError(f"plan holds expert ids outside [0, {cfg.num_logical_experts}): nothing supplied")
+    live = live_mask(store.member_view(), cfg.ep_size)
+    orphans = orphaned_experts(arr, cfg.num_logical_experts, cfg.ep_size, live)
+    if orphans:
+        raise InputError(f"plan leaves {len(orphans)} experts (layer, log_id) without a replica on an ACTIVE member "
+                         f"(ACTIVE: ranks {np.flatnonzero(live).tolist()}), e.g. {orphans[:5]}: nothing supplied")
+    return arr
+
+
+def supply_operator_plan(store: Any, phy2log: np.ndarray, source: str) -> str:
+    """Supply an operator's plan ``phy2log`` (int [L, P]; ``source``: where it came from, e.g. the file, kept in
+    the round's reason, at most 200 characters) for the next round; returns its routing digest (the ``plan_id``
+    of its facts). Refused with nothing written: :class:`InputError` as :func:`check_operator_plan`;
+    :class:`StateError` when the cluster is not FREE (a round in flight would take it mid-way) or a supplied
+    placement waits already (a rollback's)."""
+    arr = check_operator_plan(store, phy2log)
+    rec = store.read_cluster()
+    if rec.state is not ClusterState.FREE:
+        raise StateError(f"cluster {store.cluster} is in {rec.state.value} (round {rec.round}): a plan is "
+                         f"supplied only while it is FREE; try again when the round is over")
+    if store.supplied_placement() is not None:
+        raise StateError(f"a supplied placement waits for the next round of cluster {store.cluster} already "
+                         f"(a rollback): try again after it")
+    digest = routing_digest(arr)
+    facts = reasons.supplied_round("operator", rec.round, digest, source[:200]).detail["supplied"]
+    store.supply_placement(arr, facts)  # rec.round: the last round; the next one goes to the plan
+    return digest
 
 
 def _facts(stored: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import numpy as np
 from fdeplb.array_json import array_from_json
 from fdeplb.errors import CorruptRecordError, InputError, ReplayError
 from fdeplb.placement import POLICIES, check_live_ranks, plan_digest
+from fdeplb.placement.digest import routing_digest
 from fdeplb.replay.header_checks import check_passed_gates, configs
 from fdeplb.replay.report import ReplayReport
 from fdeplb.rounds import reasons
@@ -75,8 +76,8 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     is the round's frozen snapshot,
     :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology) is the plan_id, and the
     coordinator's planner on that snapshot gives the stored ``new_phy2log``; a round to a supplied placement (the
-    topology's ``supplied``: a rollback) is not planned, its ``new_phy2log`` is the placement it names when the
-    recording holds that one.
+    topology's ``supplied``) is not planned: a rollback's ``new_phy2log`` is the placement it names when the
+    recording holds that one, an operator's plan's has the routing digest its facts name.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
     config = source.read_config()
@@ -125,7 +126,11 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         if topology != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
                               f"{config.topology()}")
-        if supplied is not None:  # a rollback goes back to the placement it names, when the recording holds it
+        if supplied is not None and supplied["kind"] == "operator":  # names its placement by routing digest
+            if routing_digest(new) != supplied["plan_id"]:
+                raise ReplayError(f"{where}: an operator's plan {supplied['plan_id']}, but its new_phy2log's routing "
+                                  f"digest is {routing_digest(new)}")
+        elif supplied is not None:  # a rollback goes back to the placement it names, when the recording holds it
             target = new_of.get(supplied["plan_id"])
             if target is not None and not np.array_equal(target, new):
                 raise ReplayError(f"{where}: a {supplied['kind']} to placement {supplied['plan_id'] or 'initial'}, "

@@ -26,8 +26,11 @@ detail; :mod:`fdeplb.replay` reads the structure back (never the prose):
 
 - a committed swap whose output probe failed on some rank (trigger ``swapped``): ``{"probe_mismatch": [{"ep_rank":
   1, "outcome": "mismatch", "layers": [3], "message": "..."}, ...]}`` (:func:`probe_mismatch`);
-- the ``load`` of a round to a supplied placement (a rollback): ``{"supplied": {"kind": "rollback", "undoes": 5,
-  "plan_id": "<the placement it goes back to>"}}`` (:func:`supplied_round`).
+- the ``load`` of a round to a supplied placement: a rollback, ``{"supplied": {"kind": "rollback", "undoes": 5,
+  "plan_id": "<the placement it goes back to>"}}``, or an operator's plan (``rearrange --plan FILE``),
+  ``{"supplied": {"kind": "operator", "undoes": <the last round as it was supplied>, "plan_id": "<routing digest
+  of the plan>", "why": "FILE"}}``
+  (:func:`supplied_round`).
 
 Recordings written before the detail field existed (schema 1) carry the numbers in the text only: the readers
 (:func:`stale_ranks`, :func:`heartbeats`, :func:`requested_by`) fall back to parsing the text for those.
@@ -276,7 +279,7 @@ def request_expired(round_: int, age_ms: int, ttl_ms: int, waited_on: str) -> Re
 #: reason of a ``swapped`` whose probe failed on some rank: ``probe_mismatch: rank 1 layers [3] (...)``
 PROBE_MISMATCH = "probe_mismatch: "
 #: the kinds of supplied placement a round may go to (:func:`supplied_round`)
-SUPPLIED_KINDS = ("rollback",)
+SUPPLIED_KINDS = ("rollback", "operator")
 
 
 def probe_mismatch(ranks: list[dict[str, Any]]) -> Reason:
@@ -309,11 +312,17 @@ def probe_mismatches(record: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 def supplied_round(kind: str, undoes: int, plan_id: str, why: str = "") -> Reason:
     """The reason of the ``load`` of a round whose plan was supplied rather than computed (no gain gate): ``kind``
     (:data:`SUPPLIED_KINDS`; a ``rollback`` goes back to the placement ``plan_id`` round ``undoes`` replaced,
-    ``""`` = the initial one), ``why`` (what called for it)."""
+    ``""`` = the initial one; an ``operator`` plan goes to the placement whose routing digest
+    (:func:`fdeplb.placement.digest.routing_digest`) is ``plan_id``, supplied after round ``undoes``, whose
+    placement it replaces: the round after it is the one that tries it), ``why`` (what called for it: the
+    rollback's cause, the operator's plan file)."""
     if kind not in SUPPLIED_KINDS:
         raise InputError(f"supplied placement kind must be one of {SUPPLIED_KINDS}, got {kind!r}")
-    text = (f"{kind}: round {int(undoes)} undone, back to placement {plan_id or 'initial'}"
-            + (f" ({why})" if why else ""))
+    if kind == "operator":
+        text = f"operator: plan {plan_id} supplied" + (f" from {why}" if why else "")
+    else:
+        text = (f"{kind}: round {int(undoes)} undone, back to placement {plan_id or 'initial'}"
+                + (f" ({why})" if why else ""))
     return Reason(text, {"supplied": {"kind": kind, "undoes": int(undoes), "plan_id": plan_id, "why": why}})
 
 
@@ -327,7 +336,8 @@ def supplied_of(record_or_topology: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     if not isinstance(facts, dict) or facts.get("kind") not in SUPPLIED_KINDS:
         raise ValueError(f"supplied is not a supplied placement's facts: {str(facts)[:80]!r}")
-    return {"kind": facts["kind"], "undoes": check_int(facts["undoes"], "undoes", lo=1),
+    lo = 0 if facts["kind"] == "operator" else 1  # an operator's plan on a cluster that never had a round: 0
+    return {"kind": facts["kind"], "undoes": check_int(facts["undoes"], "undoes", lo=lo),
             "plan_id": str(facts.get("plan_id", "")), "why": str(facts.get("why", ""))}
 
 

@@ -112,3 +112,29 @@ def test_update_weight_from_tensor_commits_only_the_plan_it_names(store, url, re
     r = requests.post(f"{url}/rearrange_experts", json={**body, "plan_id": "newplan"})  # its round timed out
     assert r.status_code == 409 and r.json()["msg"].startswith("plan newplan is not the staged plan: the cluster "
                                                                "is FREE (round 2), staged plan none")
+
+
+def test_round_plan_over_http_supplies_the_plan_or_refuses_with_nothing_written(store, url, redis_url):
+    """``POST /v1/round/plan`` (``rearrange --plan``'s twin): a plan of another shape or one lacking an expert is a
+    400, one while a round is in flight a 409, nothing written; a good one is supplied for the round it answers,
+    as an operator's plan with its routing digest."""
+    from fdeplb.placement.digest import routing_digest
+    from fdeplb.rounds import reasons
+
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    for plan, words in (([[0, 1, 2, 3]], "shape (1, 4)"), ([[0, 1, 2, 0, 1, 2]], "without a replica")):
+        r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan}, auth=AUTH)
+        assert r.status_code == 400 and words in r.json()["msg"], r.text
+    r = requests.post(f"{url}/v1/round/plan", json={"phy2log": [[0, 1, "x"]]}, auth=AUTH)
+    assert r.status_code in (400, 422), r.text
+    assert raw.snapshot() == before
+    plan = [[2, 3, 0, 1, 2, 3]]
+    r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan, "reason": "offline plan"}, auth=AUTH)
+    digest = routing_digest(np.array(plan))
+    assert r.status_code == 200 and r.json()["round"] == 1 and r.json()["plan"] == digest, r.text
+    supplied, facts = store.supplied_placement()
+    assert supplied.tolist() == plan and reasons.supplied_of({"supplied": facts})["plan_id"] == digest
+    assert facts["why"] == f"POST /v1/round/plan by http:{USER} (offline plan)"
+    r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan}, auth=AUTH)
+    assert r.status_code == 409 and "waits for the next round" in r.json()["msg"], r.text

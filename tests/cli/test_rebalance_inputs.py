@@ -35,9 +35,30 @@ def test_plot_into_a_text_file_is_refused_before_planning(capsys, tiny, tmp_path
 @pytest.mark.parametrize("flag", [("--tolerance", "0.01"), ("--max-moved-experts", "3")])
 def test_an_option_the_policy_ignores_is_refused(capsys, tiny, flag):
     code, out, err = rebalance(capsys, tiny, "--policy", "deepseek", *flag)
-    assert code == 2 and out == "" and f"{flag[0]} applies to the move_aware policy only" in err
+    assert code == 2 and out == "" and f"{flag[0]} applies to the move_aware" in err
     code, _, err = rebalance(capsys, tiny, "--policy", "move_aware", *flag)
     assert code == 0, err
+
+
+def test_topology_aware_takes_a_tolerance_and_reports_the_cross_node_fraction(capsys, tmp_path):
+    """A per-source-rank dump (SGLang's per-rank stack, as `fdeplb load --export` writes): the source ranks of
+    node n route most tokens to experts n*8..n*8+7; topology_aware at slack 0.002 keeps more of them on their
+    node than balanced's plan of the same load, and both print the fraction before -> after."""
+    rng = np.random.default_rng(0)
+    stack = rng.integers(1, 50, (4, 2, 16))
+    for r in range(4):
+        stack[r, :, (r // 2) * 8:(r // 2 + 1) * 8] *= 6
+    path = tmp_path / "per_rank.json"
+    path.write_text(json.dumps({"logical_count": stack.tolist()}))
+    after = {}
+    for policy, extra in (("balanced", ()), ("topology_aware", ("--tolerance", "0.002"))):
+        code, out, err = rebalance(capsys, path, "--num-nodes", "2", "--policy", policy, *extra)
+        line = next((x for x in out.splitlines() if x.startswith("cross-node fraction")), "")
+        assert code == 0 and line.endswith("(load per source rank, 2 nodes)"), out + err
+        after[policy] = float(line.split()[4])
+    assert after["topology_aware"] < after["balanced"]
+    code, out, _ = rebalance(capsys, path, "--num-nodes", "1")  # one node: no token leaves it, nothing printed
+    assert code == 0 and "cross-node fraction" not in out
 
 
 def test_deepseeks_plan_of_loads_too_small_for_float32_is_gated_as_no_gain(capsys, tiny):

@@ -1,0 +1,141 @@
+"""``fdeplb rearrange --plan FILE``: one audited round to an operator's plan on a running thread cluster (replayed);
+a plan of the wrong shape, one lacking a logical expert, one leaving an expert on non-members only, garbage, and
+one without a coordinator: refused, nothing changed."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fdeplb.placement import Placement, write_placement
+from fdeplb.placement.digest import routing_digest
+from fdeplb.rounds import reasons
+from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
+
+
+def _rearrange(capsys, store, *argv: str):
+    return run_cli(capsys, "rearrange", "--redis-url", store.url, "--cluster", store.cluster, *argv)
+
+
+def _plan_file(tmp_path, phy2log, num_logical_experts, name="plan.json", fmt="sglang"):
+    return str(write_placement(Placement.from_phy2log(np.asarray(phy2log, dtype=np.int64), num_logical_experts),
+                               tmp_path / name, format=fmt))
+
+
+@pytest.mark.slow
+def test_rearrange_plan_is_one_audited_round_to_that_plan(redis_url, cluster_id, capsys, tmp_path):
+    from fdeplb.recording import export_recording
+    from fdeplb.replay import replay_file
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start()
+        store = tc.store()
+        plan = np.roll(store.current_placement().phy2log, 5, axis=1)  # every rank's experts to the next rank
+        path = _plan_file(tmp_path, plan, 16, "plan.json", "sglang")
+        code, out, err = _rearrange(capsys, store, "--plan", path, "--wait", "--timeout", "60")
+        assert code == 0 and "round 1: rearranged" in out, out + err
+        assert f"plan {routing_digest(plan)} supplied from {path}" in out
+        assert np.array_equal(store.current_placement().phy2log, plan)
+        assert store.supplied_placement() is None  # the round that committed it dropped it
+        loads = [a for a in store.audit() if a["machine"] == "cluster" and a["trigger"] == "load"]
+        assert len(loads) == 1 and loads[0]["round"] == "1"
+        facts = reasons.supplied_of(json.loads(loads[0]["detail"]))
+        assert facts == {"kind": "operator", "undoes": 0, "plan_id": routing_digest(plan), "why": path}
+        assert loads[0]["reason"] == f"operator: plan {routing_digest(plan)} supplied from {path}"
+        export_recording(store, tmp_path / "run.jsonl")
+    report = replay_file(tmp_path / "run.jsonl")  # the supplied round and its reason replay
+    assert report.final["cluster"].state == "FREE"
+
+
+@pytest.fixture
+def store(small_store):
+    return small_store  # E=4 in P=6 slots on 3 ranks: [0, 1, 2, 3, 0, 1], rank 1 alone holds experts 2 and 3
+
+
+def _refused(capsys, store, redis_url, path, code_expected, words):
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    code, out, err = _rearrange(capsys, store, "--plan", path, "--timeout", "0.5")
+    assert code == code_expected and words in err, out + err
+    assert raw.snapshot() == before  # nothing supplied, nothing requested, no audit record
+
+
+def test_a_plan_of_another_shape_is_refused(capsys, store, redis_url, tmp_path):
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3, 0, 1, 2, 3, 0]], 4), 2, "shape (1, 9)")
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3] * 3], 4, "twelve.json"), 2,
+             "shape (1, 12)")
+
+
+def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, redis_url, tmp_path):
+    path = tmp_path / "drop.json"
+    path.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2, 0, 1, 2]]}))  # no replica of expert 3
+    _refused(capsys, store, redis_url, str(path), 2, "logical expert 3 has no slot")
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    _refused(capsys, store, redis_url, str(garbage), 2, str(garbage))
+    _refused(capsys, store, redis_url, str(tmp_path / "missing.json"), 2, "missing.json")
+
+
+def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url, tmp_path):
+    from fdeplb.machines.tables import MemberState
+
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.member(1), MemberState.SUSPECT, version=1)  # as a lapsed heartbeat would
+    code, out, err = run_cli(capsys, "rank", "exclude", "--rank", "1", "--redis-url", store.url,
+                             "--cluster", store.cluster)
+    assert code == 0 and "SUSPECT -> EXCLUDED" in out, out + err
+    # experts 2 and 3 only on rank 1 (EXCLUDED): they would have no route
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3, 0, 1]], 4), 2,
+             "without a replica on an ACTIVE member")
+
+
+def test_without_a_coordinator_a_good_plan_changes_nothing(capsys, store, redis_url, tmp_path):
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, [[2, 3, 0, 1, 2, 3]], 4), 3,
+             "no coordinator holds the lease")
+
+
+# ---- the offline workflow: record -> plan -> validate -> commit (README "Offline plans") -------------------------
+@pytest.mark.slow
+def test_record_plan_validate_commit_end_to_end(redis_url, cluster_id, capsys, tmp_path):
+    from fdeplb.placement import read_expert_load, read_placement
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start(publish_interval_s=0.2)
+        store = tc.store()
+        wait_for(lambda: all(store.read_load(r) is not None for r in range(4)), 30, store, "every window published")
+        flags = ("--redis-url", store.url, "--cluster", store.cluster)
+        load_file, old_file, plan_file = (str(tmp_path / n) for n in ("load.json", "old.json", "plan.json"))
+        code, out, err = run_cli(capsys, "load", "--export", load_file, *flags)  # record
+        assert code == 0 and "wrote the load of ranks [0, 1, 2, 3]" in out, out + err
+        summed = sum(store.read_load(r).expert_load for r in range(4))
+        assert np.array_equal(read_expert_load(load_file).expert_load, summed)
+        code, out, err = run_cli(capsys, "status", *flags, "--placement-out", old_file)
+        assert code == 0, out + err
+        code, out, err = run_cli(capsys, "rebalance", "--load", load_file, "--old", old_file, "--num-replicas", "20",
+                                 "--num-gpus", "4", "--policy", "balanced", "--out", plan_file)  # plan
+        assert code == 0 and "gate: goes on" in out, out + err  # validate: the gain gate a round applies
+        code, out, err = _rearrange(capsys, store, "--plan", plan_file, "--wait", "--timeout", "60")  # commit
+        assert code == 0 and "round 1: rearranged" in out, out + err
+        planned = read_placement(plan_file, num_logical_experts=16, num_gpus=4).placement.phy2log
+        assert np.array_equal(store.current_placement().phy2log, planned)
+
+
+def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
+    code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.json"), "--redis-url", store.url,
+                           "--cluster", store.cluster)
+    assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
+
+
+def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
+    """FREE requests the round an operator's plan waits for; once a round after the one it was supplied in has
+    ended without committing it (an abort), it is dropped, never retried in a loop."""
+    from fdeplb.machines.tables import ClusterState
+    from fdeplb.orchestration.rollback import request_supplied, supply_operator_plan
+
+    supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "test")
+    assert request_supplied(store) and store.read_cluster().requested == 1
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.FREE, version=9, round="1", requested="1")  # round 1 aborted
+    assert not request_supplied(store) and store.supplied_placement() is None
