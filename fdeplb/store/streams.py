@@ -85,6 +85,11 @@ class AuditRecord:
     def __getitem__(self, name: str) -> str:
         return self.fields.get(name, "")
 
+    def __contains__(self, name: object) -> bool:
+        """Whether the entry has field ``name`` (without it, ``in`` would iterate through :meth:`__getitem__`, which
+        answers "" for any key, and never end)."""
+        return name in self.fields
+
 
 #: an XREAD position per stream, opaque to callers: :meth:`Store.cursor` makes one, :meth:`Store.wait` moves it.
 Cursor = dict

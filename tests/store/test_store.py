@@ -247,3 +247,14 @@ def test_read_cluster_at_reads_the_record_and_the_server_clock_together(store, r
     raw.r.delete(raw.keys.rearrange)
     with pytest.raises(NotFoundError, match="cluster record"):
         store.read_cluster_at()
+
+
+def test_an_audit_record_answers_in_by_its_fields():
+    """``name in record`` asks the record's fields (an AuditRecord answers "" for any key, so without
+    ``__contains__`` the test would iterate 0, 1, 2, ... forever): reasons.supplied_of reads records this way."""
+    from fdeplb.rounds import reasons
+    from fdeplb.store import AuditRecord
+
+    rec = AuditRecord("1-0", {"trigger": "load", "detail": ""})
+    assert "trigger" in rec and "supplied" not in rec and 0 not in rec
+    assert reasons.supplied_of(rec) is None
