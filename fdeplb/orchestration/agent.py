@@ -39,6 +39,7 @@ from fdeplb.errors import FdeplbError, GuardError, InputError, NotFoundError, Re
     StateError, VerificationError, WeightError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
+from fdeplb.orchestration.comeback import ComeBack
 from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
@@ -69,7 +70,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
+class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -333,6 +334,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         self._load_step(cluster)  # nothing else to do for it: no second look needed
         if self._rejoin is not None:
             self._rejoin.step(cluster.state)  # routed to from the switch step of the round that follows
+            if self._come_back(cluster, me):  # excluded while it lived on (a hung engine): rejoins now
+                return True
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()
@@ -364,12 +367,14 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing):
         last_t, last_steps, rate = self._hb
         if not force and now - last_t < self.heartbeat_ttl_ms / 4000:
             return
+        self._note_away(now, last_t)
         if last_t and now > last_t:
             current = (self.steps - last_steps) / (now - last_t)
             rate = current if rate == 0 else 0.5 * rate + 0.5 * current
         self._hb = (now, self.steps, rate)
         self.store.heartbeat(self.ep_rank, heartbeat_ttl_ms=self.heartbeat_ttl_ms, step=self.steps,
-                             steps_per_s=round(rate, 3), **changes)
+                             steps_per_s=round(rate, 3), safe_point_age_ms=self.safe_point_age_ms(now),
+                             **changes)
         self._check_superseded()
 
     def _check_superseded(self) -> None:

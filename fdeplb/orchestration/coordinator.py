@@ -184,7 +184,7 @@ class Coordinator(UnaskedRounds, Leadership):
         try:
             # membership first, at every pass (one round trip): a suspected rank aborts a round at once
             changed, member_due = self._members.observe(self.lease or "", self.config.deadlines.exclude_ms,
-                                                        rec.state)
+                                                        rec.state, rec.members)
             if changed:  # the generation moved: decide under the new one
                 rec, self._now_ms = self.store.read_cluster_at()
             lost = lost_participants(rec.members, self._members.view, self.config.ep_size) \

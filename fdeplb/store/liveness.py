@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, Mapping, NamedTuple
 
 import numpy as np
 import redis
@@ -62,18 +62,37 @@ def parse_chunks(text: str) -> tuple[int, ...]:
 NOT_REGISTERED = -1
 
 
-def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None) -> dict[int, int]:
+def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None, *,
+             safe_points: Mapping[int, int] | None = None, waited_on: Collection[int] = (),
+             hang_ms: int = 0) -> dict[int, int]:
     """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
     whose TTL is set (> 0) and has passed. With ``ep_size``, every rank of ``range(ep_size)`` that ``heartbeats``
     does not hold (not registered: e.g. after Redis lost its data) is stale too, with age :data:`NOT_REGISTERED`
     (the start guard and ``/health`` count every rank, registered or not). Without it a rank that is not
     registered is never stale: the membership watch suspects only a rank it saw heartbeat and lapse
     (:class:`~fdeplb.orchestration.membership.MembershipWatch`), and :meth:`Liveness.stale_ranks` names only
-    registered ranks. The one staleness rule of fdeplb; nothing else compares an age with a TTL."""
+    registered ranks.
+
+    A hung engine (its heartbeat thread beats on, its forward loop is stuck): with ``safe_points`` (``ep_rank ->
+    ms without a safe point at its last heartbeat``, engines only: :attr:`MemberView.safe_points`) and ``hang_ms`` > 0,
+    a rank of ``waited_on`` (the ranks a round waits on, and those already suspected) whose heartbeat is fresh
+    but whose last safe point is more than ``hang_ms`` old is stale too, with that age (:func:`hung_of` names
+    them). The one staleness rule of fdeplb; nothing else compares an age with a TTL or a deadline."""
     stale = {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+    stale.update(hung_of(safe_points or {}, waited_on, hang_ms, exclude=stale))
     if ep_size is not None:
         stale.update({r: NOT_REGISTERED for r in range(int(ep_size)) if r not in heartbeats})
     return dict(sorted(stale.items()))
+
+
+def hung_of(safe_points: Mapping[int, int], waited_on: Collection[int], hang_ms: int,
+            exclude: Collection[int] = ()) -> dict[int, int]:
+    """The part of :func:`stale_of` that judges safe points: ``ep_rank -> ms since its last safe point`` for each
+    rank of ``waited_on`` (not in ``exclude``) whose last safe point is more than ``hang_ms`` old (``hang_ms``
+    <= 0: none)."""
+    if hang_ms <= 0:
+        return {}
+    return {r: age for r, age in safe_points.items() if r in waited_on and r not in exclude and age > hang_ms}
 
 
 @dataclass(frozen=True)
@@ -99,6 +118,10 @@ class MemberView:
     now_ms: int
     heartbeats: dict[int, tuple[int, int]]
     members: list[MemberRecord | None]
+    safe_points: dict[int, int] = dataclasses.field(default_factory=dict)
+    """``ep_rank -> ms from the worker's last safe point to its last heartbeat`` (``heartbeat_ms -
+    safe_point_ms``, server clock: a healthy engine shows its step time, however long ago the heartbeat was), of
+    every registered rank whose worker is an engine (``safe_point_ms`` > 0); see :func:`stale_of`."""
 
     def states(self) -> list[MemberState]:
         """Every rank's membership state (ACTIVE where no record exists)."""
@@ -247,7 +270,7 @@ class Liveness:
         def fill(pipe: Any) -> None:
             pipe.hkeys(self._keys.ranks)
             for r in range(n):
-                pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms")
+                pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms", "safe_point_ms")
             for key in members:
                 pipe.hgetall(key)
 
@@ -257,19 +280,21 @@ class Liveness:
             registered = {int(_s(k)) for k in replies[0]}
         except ValueError:
             raise CorruptRecordError(f"{self._keys.ranks}: a field is not a rank number", key=self._keys.ranks) from None
-        beats = {}
-        for r, (hb, ttl) in enumerate(replies[1:1 + n]):
+        beats, safe_points = {}, {}
+        for r, (hb, ttl, safe_point) in enumerate(replies[1:1 + n]):
             if r not in registered:
                 continue
             try:
                 beats[r] = (max(0, now - int(_s(hb) or 0)), int(_s(ttl) or 0))
+                if int(_s(safe_point) or 0) > 0:  # as the heartbeat saw it: a healthy engine is never behind
+                    safe_points[r] = max(0, int(_s(hb) or 0) - int(_s(safe_point)))
             except ValueError:  # not observed: the rank record's own readers report it corrupt
                 continue
         parsed = self._parse_records([(MEMBERSHIP, r) for r in range(n)], members, replies[1 + n:])
         for rec in parsed:
             if isinstance(rec, CorruptRecordError):
                 raise rec
-        return MemberView(now, beats, parsed)
+        return MemberView(now, beats, parsed, safe_points)
 
     def stale_ranks(self) -> dict[int, int]:
         """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once

@@ -153,10 +153,13 @@ class MachineIO:
         if fields:
             self._client.hset(self._record_key(table, ep_rank), mapping=fields)
 
-    def heartbeat(self, ep_rank: int, **changes: Any) -> int:
+    def heartbeat(self, ep_rank: int, *, safe_point_age_ms: int | None = None, **changes: Any) -> int:
         """Stamp ``ep_rank``'s heartbeat with the server's clock (plus any other rank-record ``changes``);
-        returns the time written (ms)."""
+        returns the time written (ms). ``safe_point_age_ms``: ms since the worker's last safe point (an engine's;
+        None: not an engine), written as the server time ``safe_point_ms`` (``now - safe_point_age_ms``)."""
         now = self.now_ms()
+        if safe_point_age_ms is not None:
+            changes["safe_point_ms"] = max(1, now - max(0, int(safe_point_age_ms)))
         self.update(RANK, ep_rank, heartbeat_ms=now, **changes)
         return now
 

@@ -1,0 +1,98 @@
+"""A hung engine (issue 34 item 3): a sim worker whose forward-step loop hangs (failpoint ``engine.hang=SIGUSR1``)
+while its agent's thread heartbeats on. A round that waits on it suspects it once it passed no safe point for
+``deadlines.exclude_ms`` (audited "no safe point for N ms"), aborts naming it, the re-placement round after its
+exclusion goes on among the others, and the rank rejoins once its engine steps again."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from fdeplb.cli import main
+from fdeplb.machines.tables import MEMBERSHIP, MemberState
+from fdeplb.replay import replay_file
+from tests.faults.helpers import wait_event
+from tests.helpers import wait_for
+from tests.orchestration.helpers import deadlines, round_done
+from tests.sim.helpers import write_trace
+
+M = MemberState
+
+
+def _audit(store, key: str, trigger: str) -> list[dict]:
+    return [a for a in store.iter_audit() if a["key"] == key and a["trigger"] == trigger]
+
+
+def _hung_ms(store, r: int) -> int:
+    rec = store.read_rank(r)
+    return rec.heartbeat_ms - rec.safe_point_ms if rec.safe_point_ms else 0
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rejoins(redis_url, tmp_path):
+    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.placement import initial_placement
+    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
+    from fdeplb.store import ClusterConfig, Store
+
+    # E=8, P=12, 4 ranks of 3 slots: rank 2's experts 6 and 7 have no other replica (re-placed on its exclusion)
+    config = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=4,
+                           deadlines=deadlines(exclude_ms=1_500))
+    store = Store(redis_url, new_cluster_id("hung-engine"))
+    cluster = LocalCluster(store=store, redis_url=redis_url, config=config, trace=str(write_trace(tmp_path, 2, 8)),
+                           workdir=tmp_path, backend="numpy")
+    cluster.init(initial_placement(2, 8, 12).phy2log)
+    args = ("--step-ms", "5", "--heartbeat-ttl-ms", "1000")
+    for r in range(4):
+        cluster.start_rank(r, *args, env={"FDEPLB_FAILPOINTS": "engine.hang=SIGUSR1"} if r == 2 else None)
+    coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    try:
+        cluster.wait_ready(timeout_s=120)
+        thread.start()
+        cursor = store.cursor()
+        os.kill(cluster.procs[2].pid, signal.SIGUSR1)  # the engine hangs; its agent's thread runs on
+        wait_event(store, cursor, kind="failpoint", name="engine.hang", state="hung", rank=2)
+        # its heartbeat goes on, carrying its last safe point: hung for exclude_ms before the round starts
+        wait_for(lambda: _hung_ms(store, 2) > 1_500, 30, store, "rank 2's heartbeat shows the hang")
+        assert not _audit(store, "member:2", "suspect")  # no round waits on it: not suspected
+        store.request_round("a round that waits on a hung engine")
+        # the round waits on rank 2, whose safe points stopped for exclude_ms: suspected, the round aborts
+        wait_for(lambda: _audit(store, "cluster", "abort"), 60, store, "round 1 aborts")
+        (abort,) = _audit(store, "cluster", "abort")
+        assert abort["round"] == "1" and "ranks [2]" in abort["reason"], abort
+        (suspect,) = _audit(store, "member:2", "suspect")
+        assert suspect["reason"].startswith("no safe point for ") and "rank 2" in suspect["reason"], suspect
+        assert not _audit(store, "member:1", "suspect")  # the engines that step are never suspected
+        # excluded at its deadline: the re-placement round goes on among the others
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.EXCLUDED, 30, store, "rank 2 excluded")
+        (exclude,) = _audit(store, "member:2", "exclude")
+        assert "still hung" in exclude["reason"], exclude
+        rec = wait_for(lambda: round_done(store, 2) and store.current_placement().plan_id != "" and
+                       store.read_cluster(), 60, store, "the re-placement round without rank 2")
+        assert rec.members == "0,1,3" and store.current_placement().members == "0,1,3"
+        # the engine steps again: the rank rejoins (REJOINING, admitted while FREE)
+        os.kill(cluster.procs[2].pid, signal.SIGUSR1)
+        wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.ACTIVE, 60, store, "rank 2 rejoins")
+        assert [a["trigger"] for a in store.iter_audit() if a["key"] == "member:2"] == \
+            ["suspect", "exclude", "rejoin", "admit"]
+        (rejoin,) = _audit(store, "member:2", "rejoin")
+        assert "is back (no safe point for " in rejoin["reason"], rejoin
+        # routed over every rank again (the coordinator's membership round), rank 2 serving the current placement
+        wait_for(lambda: round_done(store, 3) and store.current_placement().members == "", 60, store,
+                 "the placement routed over rank 2 again")
+        assert cluster.procs[2].poll() is None and store.read_rank(2).live_plan_id == store.current_placement().plan_id
+        # the recording replays (the new reasons are audited notes of the membership machine)
+        path = tmp_path / "hung.jsonl"
+        assert main(["audit", "--redis-url", redis_url, "--cluster", store.cluster, "--export", str(path)]) == 0
+        assert replay_file(path).final["member:2"].state == "ACTIVE"
+    finally:
+        coordinator.stop_event.set()
+        if thread.is_alive():
+            thread.join(10)
+        cluster.stop()
+        store.delete_cluster()
