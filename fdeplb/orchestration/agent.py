@@ -44,7 +44,7 @@ from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
 from fdeplb.orchestration.probe import ProbeResult, Probing
-from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration.reconcile import StopsWhenDeleted, run_until_stopped
 from fdeplb.orchestration import takeover
 from fdeplb.orchestration.recovery import Recovery
 from fdeplb.orchestration.safe_points import Arm, Chunked
@@ -70,7 +70,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack):
+class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack, StopsWhenDeleted):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -212,7 +212,10 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack):
         """The rank's records or registry entry are gone: once the cluster was created again over this live agent
         with the placement it holds (:meth:`Recovery.rejoin`, which raises otherwise), forget the old cluster's
         round state (staging, published round, clear_stat requests seen), create the rank's records and register
-        again."""
+        again. An operator's delete (its tombstone) stops the agent instead, writing nothing."""
+        if self._stop_if_deleted():
+            self._outbox.clear()
+            return
         self.config, plan_id = self.recovery.rejoin(err, self.config, self.live_plan_id)
         self._drop_staging()
         self._plan_read = ("", None)
@@ -273,12 +276,14 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack):
 
         try:  # the live experts keep serving whatever happens here
             run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: 1.0, until=until,
+                              deleted=self._stop_if_deleted,
                               announce=lambda err: self.store.emit_event("alarm", rank=self.ep_rank,
                                                                          message=f"agent step failed: {err}"))
         finally:
             try:
-                self._send()
-                self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
+                if self.deleted is None:  # an operator deleted the cluster: nothing of it is written
+                    self._send()
+                    self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
             except FdeplbError as err:
                 self.log.warning("last writes not sent", error=str(err))
 

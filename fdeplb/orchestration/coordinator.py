@@ -130,6 +130,7 @@ class Coordinator(UnaskedRounds, Leadership):
 
         try:  # no value or bug may kill the loop: log, announce, retry
             run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: self._retry_ms() / 1000,
+                              deleted=self._stop_if_deleted,
                               announce=lambda err: self.store.emit_event("coordinator_error", holder=self.holder,
                                                                          error=str(err)[:500]))
         finally:

@@ -147,12 +147,19 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     store.emit_event("rank_verified", rank=args.rank, slots_verified=verified, slots_total=total)
     if args.step_ms is None:
         agent.run()
-        return 0
+        return _stopped(agent, args.cluster)
     while not stop.wait(args.step_ms / 1000):  # the engine's forward steps (start() began the loop)
         if hang is not None and hang.is_set():
             _hang(hang, stop, store, args.rank)
         agent.at_safe_point()
     agent.close()
+    return _stopped(agent, args.cluster)
+
+
+def _stopped(agent: object, cluster: str) -> int:
+    """The worker's exit once its agent stopped: 0; one line on stderr when an operator deleted the cluster."""
+    if agent.deleted is not None:
+        print(f"stopped: {agent.deleted.text(cluster)}", file=sys.stderr, flush=True)
     return 0
 
 

@@ -10,6 +10,7 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_swit
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Mapping, NamedTuple
@@ -96,6 +97,23 @@ def hung_of(safe_points: Mapping[int, int], waited_on: Collection[int], hang_ms:
 
 
 @dataclass(frozen=True)
+class Tombstone:
+    """An operator's ``cluster delete`` (:meth:`Liveness.tombstone`): who (``operator:<user>``), when (server
+    clock, ms) and how many keys it deleted; ``ttl_ms``: how long the tombstone stays."""
+
+    by: str
+    at_ms: int
+    keys: int
+    ttl_ms: int
+
+    def text(self, cluster: str) -> str:
+        """One line for a log or stderr."""
+        at = datetime.datetime.fromtimestamp(self.at_ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+        return (f"cluster {cluster!r} was deleted by {self.by} at {at} ({self.keys} keys); nothing of it is "
+                f"written any more (init-cluster makes it anew)")
+
+
+@dataclass(frozen=True)
 class LiveReport:
     """What a rank agent reported holding live after the cluster's records were lost (:meth:`Liveness.report_live`):
     its phy2log (int64 [L, P]), the plan_id it serves ("" the initial placement), its ``agent_id``, and the
@@ -134,6 +152,21 @@ class MemberView:
 
 class Liveness:
     """The rank registry, heartbeats and switch arming (see the module doc)."""
+
+    def tombstone(self) -> Tombstone | None:
+        """The tombstone an operator's ``cluster delete`` left (:meth:`Store.delete_cluster`), or None (none, or it
+        expired); :class:`CorruptRecordError` for one that is not its JSON."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._keys.deleted)
+        pipe.pttl(self._keys.deleted)
+        raw, ttl = pipe.execute()
+        if raw is None:
+            return None
+        try:
+            info = json.loads(_s(raw))
+            return Tombstone(str(info["by"]), int(info["at_ms"]), int(info["keys"]), max(0, int(ttl)))
+        except (ValueError, KeyError, TypeError):
+            raise CorruptRecordError(f"{self._keys.deleted}: not a tombstone's JSON", key=self._keys.deleted) from None
 
     def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
         """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
