@@ -74,7 +74,8 @@ class MembershipWatch:
             if left is not None:
                 due = left if due is None else min(due, left)
         self.view = MemberView(view.now_ms, view.heartbeats, [
-            m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)])
+            m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)],
+            view.safe_points)
         return changed, due
 
     def _read_view(self, fence: str) -> MemberView:

@@ -12,7 +12,10 @@ import threading
 import pytest
 
 from fdeplb.cli import main
-from fdeplb.machines.tables import MEMBERSHIP, MemberState
+from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
+from fdeplb.orchestration.membership import hung_ranks
+from fdeplb.rounds.members import waited_on
+from fdeplb.store.liveness import NOT_REGISTERED, MemberView, stale_of
 from fdeplb.replay import replay_file
 from tests.faults.helpers import wait_event
 from tests.helpers import wait_for
@@ -20,6 +23,31 @@ from tests.orchestration.helpers import deadlines, round_done
 from tests.sim.helpers import write_trace
 
 M = MemberState
+
+
+def test_one_staleness_rule_judges_safe_points_of_the_ranks_a_round_waits_on():
+    beats = {0: (100, 1000), 1: (100, 1000), 2: (1500, 1000), 3: (100, 0)}  # rank 2's heartbeat lapsed
+    gaps = {0: 5_000, 1: 20, 2: 9_000, 3: 5_000}  # ms without a safe point at the last heartbeat
+    assert stale_of(beats) == {2: 1500}
+    assert stale_of(beats, safe_points=gaps, waited_on=(), hang_ms=1_000) == {2: 1500}  # no round waits on any
+    # a waited-on engine hung past hang_ms is stale with its gap; a lapsed heartbeat keeps its own age
+    assert stale_of(beats, safe_points=gaps, waited_on=(0, 1, 2, 3), hang_ms=1_000) == {0: 5_000, 2: 1500, 3: 5_000}
+    assert stale_of(beats, safe_points=gaps, waited_on=(0, 1), hang_ms=5_000) == {2: 1500}  # not past it
+    assert stale_of(beats, safe_points=gaps, waited_on=(0,), hang_ms=0) == {2: 1500}  # 0: safe points not judged
+    assert stale_of(beats, 5, safe_points=gaps, waited_on=(1,), hang_ms=10) == {1: 20, 2: 1500, 4: NOT_REGISTERED}
+
+
+def test_hung_ranks_waits_on_a_rounds_members_and_the_suspected():
+    from fdeplb.store.records import MemberRecord
+
+    members = [MemberRecord(key=f"member:{r}", state=st, version=1) for r, st in
+               enumerate((M.ACTIVE, M.SUSPECT, M.ACTIVE, M.ACTIVE))]
+    view = MemberView(0, {r: (10, 1000) for r in range(4)}, members, {0: 4_000, 1: 4_000, 2: 4_000})
+    assert waited_on(ClusterState.FREE, "", 4) == () and waited_on(ClusterState.SWAPPING, "0,2", 4) == (0, 2)
+    assert hung_ranks(view, (), 1_000) == ({1: 4_000}, {1: 4_000})  # FREE: only the suspected one stays hung
+    assert hung_ranks(view, (0, 2, 3), 1_000) == ({0: 4_000, 1: 4_000, 2: 4_000}, {0: 4_000, 1: 4_000, 2: 4_000})
+    lapsed = MemberView(0, {0: (2_000, 1000)}, members[:1], {0: 4_000})
+    assert hung_ranks(lapsed, (0,), 1_000) == ({0: 2_000}, {})  # a lapsed heartbeat is no hang
 
 
 def _audit(store, key: str, trigger: str) -> list[dict]:
