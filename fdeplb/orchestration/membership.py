@@ -1,9 +1,10 @@
 """Membership as the leading coordinator drives it: heartbeats observed at every loop pass (one round trip,
 :meth:`fdeplb.store.Store.member_view`) turned into fenced transitions of the ranks' membership records
 (ACTIVE -> SUSPECT when a heartbeat is past its TTL, or when an engine a round waits on passed no safe point for
-``deadlines.exclude_ms`` (a hung engine, :func:`hung_ranks`), SUSPECT -> ACTIVE when it is fresh again, SUSPECT -> EXCLUDED
-once still stale at the record's ``deadline_ms``, set to ``deadlines.exclude_ms`` after the suspicion; DRAINING ->
-EXCLUDED while no round is in flight), each audited and raising the cluster's generation in the same step.
+``deadlines.exclude_ms`` (a hung engine, :func:`hung_ranks`), SUSPECT -> ACTIVE when it is fresh again, SUSPECT ->
+EXCLUDED once still stale at the record's ``deadline_ms``, set to ``deadlines.exclude_ms`` after the suspicion;
+DRAINING -> EXCLUDED while no round is in flight), each audited and raising the cluster's generation in the same
+step.
 
 An observation alone never excludes: the coordinator commits the exclusion only with its fence, after the deadline
 stored in the member record; the operator's commands (:func:`operator_fire`) are the other way.

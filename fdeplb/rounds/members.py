@@ -1,7 +1,8 @@
 """The rules a round applies to the ranks' membership: who counts (:func:`live_mask`, :func:`participants`), where the
 placement is routed (:func:`routed_members`), the re-placement of experts left without a replica on a member
-(:func:`replacement`, failing closed), the planner over the members' slots (:func:`live_planner`), and the members a
-round lost (:func:`lost_participants`) and the ranks it waits on (:func:`waited_on`). Used by the coordinator's round entry work and by the replay.
+(:func:`replacement`, failing closed), the planner over the members' slots (:func:`live_planner`), the members a
+round lost (:func:`lost_participants`) and the ranks it waits on (:func:`waited_on`). Used by the coordinator's
+round entry work, the membership watch and the replay.
 
 Pure numpy over a :class:`~fdeplb.store.liveness.MemberView`, no I/O, no clock.
 """
