@@ -181,6 +181,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, Probing, ComeBack, StopsWhenDe
         self.backend.set_live_ranks(self.live_ranks)
         self._open_window(self.config)
         self._info = dict(info or {})
+        self.safe_point_t = time.monotonic()  # loading took its time: the engine's first step is due from now
         self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))

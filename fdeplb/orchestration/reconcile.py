@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fdeplb.backoff import REDIS_RETRY_CAP_S, redis_backoff_s
-from fdeplb.errors import NotFoundError, RedisUnavailableError
+from fdeplb.errors import FdeplbError, NotFoundError, RedisUnavailableError
 from fdeplb.store.liveness import Tombstone
 
 
@@ -112,7 +112,11 @@ class StopsWhenDeleted:
         ``stop_event`` set, a warning logged once) when an operator deleted the cluster; False otherwise (Redis
         lost its data, or the cluster was never made: the caller goes on as before)."""
         if self.deleted is None:
-            tombstone = self.store.tombstone()
+            try:
+                tombstone = self.store.tombstone()
+            except FdeplbError as err:  # Redis away, a corrupt tombstone: not known deleted (the loop goes on)
+                self.log.warning("tombstone unreadable", error=str(err), error_type=type(err).__name__)
+                return False
             if tombstone is None:
                 return False
             self.deleted = tombstone

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from fdeplb.cli import main
+from fdeplb.errors import CorruptRecordError
 from fdeplb.store.liveness import Tombstone
 from tests.helpers import wait_for
 from tests.sim.helpers import two_rank_cluster, worker_process, write_trace
@@ -38,6 +39,9 @@ def test_the_tombstone_is_written_with_the_delete_and_removed_by_init(redis_url,
     assert store.heartbeat(0) is None and _keys(store) == [store._keys.deleted]  # a heartbeat writes no record anew
     init_cluster(store, two_rank_config(), initial_placement(2, 8, 12).phy2log)
     assert store.tombstone() is None and store.heartbeat(0) is not None
+    store._client.set(store._keys.deleted, "not json")  # a value fdeplb did not write: named, not taken for one
+    with pytest.raises(CorruptRecordError, match="deleted: not a tombstone"):
+        store.tombstone()
 
 
 def two_rank_config():
