@@ -70,15 +70,6 @@ class NotFoundError(FdeplbError):
     code = "not_found"
 
 
-class ClusterDeletedError(NotFoundError):
-    """The cluster was deleted by an operator (``fdeplb cluster delete``: its tombstone is there); the agents and
-    coordinators that find it stop touching it. ``tombstone``: the :class:`~fdeplb.store.liveness.Tombstone`."""
-
-    def __init__(self, message: str, *, tombstone: object = None) -> None:
-        super().__init__(message)
-        self.tombstone = tombstone
-
-
 class AuthError(FdeplbError):
     """Missing or wrong API credentials (compared in constant time; never logged). Nothing was changed."""
 
