@@ -25,6 +25,7 @@ from fdeplb.errors import CorruptRecordError, NotFoundError
 from fdeplb.machines.tables import ClusterState, MemberState, RankState
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterRecord, RankRecord
+from fdeplb.store.liveness import hung_of, stale_of
 
 __all__ = ["ComeBack"]
 
@@ -36,8 +37,11 @@ class ComeBack:
 
     def _hung(self, now: float) -> bool:
         """Whether the worker's engine passed no safe point for ``deadlines.exclude_ms`` up to ``now``
-        (monotonic s); never for an agent without an engine."""
-        return (self.safe_point_age_ms(now) or 0) > self.config.deadlines.exclude_ms
+        (monotonic s), by the coordinator's rule (:func:`~fdeplb.store.liveness.hung_of`); never for an agent
+        without an engine."""
+        age = self.safe_point_age_ms(now)
+        return age is not None and bool(hung_of({self.ep_rank: age}, (self.ep_rank,),
+                                                self.config.deadlines.exclude_ms))
 
     def _note_away(self, now: float, last_t: float) -> None:
         """At a heartbeat at ``now`` (monotonic s), the previous one at ``last_t`` (0 = none): note that the agent
@@ -45,8 +49,9 @@ class ComeBack:
         hung; logged once."""
         if self._away or self.config is None:
             return
-        if last_t and (now - last_t) * 1000 > self.heartbeat_ttl_ms:
-            self._away = f"no heartbeat for {round((now - last_t) * 1000)} ms"
+        gap = round((now - last_t) * 1000)
+        if last_t and stale_of({self.ep_rank: (gap, self.heartbeat_ttl_ms)}):  # it lapsed, as others saw it
+            self._away = f"no heartbeat for {gap} ms"
         elif self._hung(now):
             self._away = f"no safe point for {self.safe_point_age_ms(now)} ms"
         if self._away:
