@@ -1,7 +1,8 @@
 """A hung engine (issue 34 item 3): a sim worker whose forward-step loop hangs (failpoint ``engine.hang=SIGUSR1``)
 while its agent's thread heartbeats on. A round that waits on it suspects it once it passed no safe point for
 ``deadlines.exclude_ms`` (audited "no safe point for N ms"), aborts naming it, the re-placement round after its
-exclusion goes on among the others, and the rank rejoins once its engine steps again."""
+exclusion goes on among the others, and the rank rejoins once its engine steps again (as a worker stopped whole
+with SIGSTOP does once continued)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fdeplb.orchestration.membership import hung_ranks
 from fdeplb.rounds.members import waited_on
 from fdeplb.store.liveness import NOT_REGISTERED, MemberView, stale_of
 from fdeplb.replay import replay_file
+from fdeplb.rounds import reasons
 from tests.faults.helpers import wait_event
 from tests.helpers import wait_for
 from tests.orchestration.helpers import deadlines, round_done
@@ -95,6 +97,7 @@ def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rej
         assert abort["round"] == "1" and "ranks [2]" in abort["reason"], abort
         (suspect,) = _audit(store, "member:2", "suspect")
         assert suspect["reason"].startswith("no safe point for ") and "rank 2" in suspect["reason"], suspect
+        assert reasons.detail_of(suspect)["safe_point_age_ms"] > 1_500  # past exclude_ms, as its heartbeat said
         assert not _audit(store, "member:1", "suspect")  # the engines that step are never suspected
         # excluded at its deadline: the re-placement round goes on among the others
         wait_for(lambda: store.read(MEMBERSHIP, 2).state is M.EXCLUDED, 30, store, "rank 2 excluded")
@@ -114,10 +117,18 @@ def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rej
         wait_for(lambda: round_done(store, 3) and store.current_placement().members == "", 60, store,
                  "the placement routed over rank 2 again")
         assert cluster.procs[2].poll() is None and store.read_rank(2).live_plan_id == store.current_placement().plan_id
+        # a worker stopped whole (SIGSTOP: its heartbeat stops too) and continued comes back the same way
+        os.kill(cluster.procs[1].pid, signal.SIGSTOP)
+        wait_for(lambda: store.read(MEMBERSHIP, 1).state is M.EXCLUDED, 60, store, "rank 1 excluded")
+        os.kill(cluster.procs[1].pid, signal.SIGCONT)
+        wait_for(lambda: store.read(MEMBERSHIP, 1).state is M.ACTIVE, 60, store, "rank 1 rejoins")
+        (back,) = _audit(store, "member:1", "rejoin")
+        assert "is back (no heartbeat for " in back["reason"], back
         # the recording replays (the new reasons are audited notes of the membership machine)
         path = tmp_path / "hung.jsonl"
         assert main(["audit", "--redis-url", redis_url, "--cluster", store.cluster, "--export", str(path)]) == 0
-        assert replay_file(path).final["member:2"].state == "ACTIVE"
+        final = replay_file(path).final
+        assert final["member:2"].state == final["member:1"].state == "ACTIVE"
     finally:
         coordinator.stop_event.set()
         if thread.is_alive():
