@@ -23,9 +23,6 @@ def _keys(store) -> list[str]:
 
 
 def test_the_tombstone_is_written_with_the_delete_and_removed_by_init(redis_url, cluster_id, monkeypatch):
-    from fdeplb.orchestration import init_cluster
-    from fdeplb.placement import initial_placement
-
     store = two_rank_cluster(redis_url, cluster_id)
     assert store.tombstone() is None
     store.delete_cluster()  # a clean-up (the tests', the demo's): no tombstone
@@ -37,17 +34,11 @@ def test_the_tombstone_is_written_with_the_delete_and_removed_by_init(redis_url,
     assert isinstance(tomb, Tombstone) and tomb.by.startswith("operator:alice") and tomb.keys > 0
     assert 0 < tomb.ttl_ms <= 3_600_000 and _keys(store) == [store._keys.deleted] and store.key_count() == 0
     assert store.heartbeat(0) is None and _keys(store) == [store._keys.deleted]  # a heartbeat writes no record anew
-    init_cluster(store, two_rank_config(), initial_placement(2, 8, 12).phy2log)
+    store = two_rank_cluster(redis_url, cluster_id)  # init-cluster: the cluster exists again
     assert store.tombstone() is None and store.heartbeat(0) is not None
     store._client.set(store._keys.deleted, "not json")  # a value fdeplb did not write: named, not taken for one
     with pytest.raises(CorruptRecordError, match="deleted: not a tombstone"):
         store.tombstone()
-
-
-def two_rank_config():
-    from fdeplb.store import ClusterConfig
-
-    return ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=2)
 
 
 @pytest.mark.slow
