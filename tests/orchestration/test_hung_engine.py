@@ -6,6 +6,7 @@ with SIGSTOP does once continued)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -61,29 +62,43 @@ def _hung_ms(store, r: int) -> int:
     return rec.heartbeat_ms - rec.safe_point_ms if rec.safe_point_ms else 0
 
 
-@pytest.mark.slow
-@pytest.mark.faults
-def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rejoins(redis_url, tmp_path):
+@contextlib.contextmanager
+def _engines(redis_url, tmp_path, failpoints: dict[int, str], **config):
+    """4 sim engines (a safe point every 5 ms, heartbeat TTL 1 s; rank r with ``FDEPLB_FAILPOINTS=failpoints[r]``)
+    and a coordinator thread, over E=8, P=12, 4 ranks of 3 slots (rank 2's experts 6 and 7 have no other replica:
+    re-placed on its exclusion), a lost rank excluded 1.5 s after its suspicion. Yields (store, cluster)."""
     from fdeplb.orchestration.coordinator import Coordinator
     from fdeplb.placement import initial_placement
     from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
     from fdeplb.store import ClusterConfig, Store
 
-    # E=8, P=12, 4 ranks of 3 slots: rank 2's experts 6 and 7 have no other replica (re-placed on its exclusion)
-    config = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=4,
-                           deadlines=deadlines(exclude_ms=1_500))
+    cfg = ClusterConfig(num_layers=2, num_logical_experts=8, num_physical_experts=12, ep_size=4,
+                        deadlines=deadlines(exclude_ms=1_500), **config)
     store = Store(redis_url, new_cluster_id("hung-engine"))
-    cluster = LocalCluster(store=store, redis_url=redis_url, config=config, trace=str(write_trace(tmp_path, 2, 8)),
+    cluster = LocalCluster(store=store, redis_url=redis_url, config=cfg, trace=str(write_trace(tmp_path, 2, 8)),
                            workdir=tmp_path, backend="numpy")
     cluster.init(initial_placement(2, 8, 12).phy2log)
-    args = ("--step-ms", "5", "--heartbeat-ttl-ms", "1000")
     for r in range(4):
-        cluster.start_rank(r, *args, env={"FDEPLB_FAILPOINTS": "engine.hang=SIGUSR1"} if r == 2 else None)
+        cluster.start_rank(r, "--step-ms", "5", "--heartbeat-ttl-ms", "1000",
+                           env={"FDEPLB_FAILPOINTS": failpoints[r]} if r in failpoints else None)
     coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
     thread = threading.Thread(target=coordinator.run, daemon=True)
     try:
         cluster.wait_ready(timeout_s=120)
         thread.start()
+        yield store, cluster
+    finally:
+        coordinator.stop_event.set()
+        if thread.is_alive():
+            thread.join(10)
+        cluster.stop()
+        store.delete_cluster()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rejoins(redis_url, tmp_path):
+    with _engines(redis_url, tmp_path, {2: "engine.hang=SIGUSR1"}) as (store, cluster):
         cursor = store.cursor()
         os.kill(cluster.procs[2].pid, signal.SIGUSR1)  # the engine hangs; its agent's thread runs on
         wait_event(store, cursor, kind="failpoint", name="engine.hang", state="hung", rank=2)
@@ -129,9 +144,23 @@ def test_a_hung_engine_is_suspected_the_round_aborts_the_next_goes_on_and_it_rej
         assert main(["audit", "--redis-url", redis_url, "--cluster", store.cluster, "--export", str(path)]) == 0
         final = replay_file(path).final
         assert final["member:2"].state == final["member:1"].state == "ACTIVE"
-    finally:
-        coordinator.stop_event.set()
-        if thread.is_alive():
-            thread.join(10)
-        cluster.stop()
-        store.delete_cluster()
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_an_engine_hung_past_the_commit_point_is_suspected_and_the_round_completes_without_it(redis_url, tmp_path):
+    """Rank 1's engine hangs between the two chunks of a committed swap (failpoint ``rank.chunk.hang=1``, inside
+    ``at_safe_point``; its agent's thread beats on): suspected once its safe points stopped for exclude_ms, the
+    round rolls forward among the others instead of waiting out its swapping deadline."""
+    with _engines(redis_url, tmp_path, {1: "rank.chunk.hang=1"}, layers_per_safe_point=1) as (store, cluster):
+        cursor = store.cursor()
+        store.request_round("a round whose swap a hung engine holds")
+        wait_event(store, cursor, kind="failpoint", name="rank.chunk.hang", rank=1)
+        wait_for(lambda: round_done(store, 1), 60, store, "round 1 rolls forward without rank 1")
+        (suspect,) = _audit(store, "member:1", "suspect")
+        assert suspect["reason"].startswith("no safe point for ") and "rank 1" in suspect["reason"], suspect
+        assert not _audit(store, "cluster", "abort") and len(_audit(store, "cluster", "swapped")) == 1
+        assert store.current_placement().plan_id == store.read_cluster().plan_id != ""  # committed, not undone
+        assert "deadline" not in _audit(store, "cluster", "swapped")[0]["reason"]  # it did not wait one out
+        wait_for(lambda: store.read(MEMBERSHIP, 1).state is M.EXCLUDED, 30, store, "rank 1 excluded")
+        cluster.kill_rank(1)  # it hangs for good (the failpoint): SIGKILLed, as a supervisor would
