@@ -7,6 +7,10 @@ state, the action named by the suffix of ``name`` runs:
 - ``*.hang``: announce it (``on_hit`` callback, e.g. an event in Redis) and block forever (until killed);
 - ``*.stop``: announce it and ``SIGSTOP`` the process itself (a test ``SIGCONT``s it later).
 
+A failpoint armed with a signal's name instead of a state (``engine.hang=SIGUSR1``) is a switch that signal flips
+(:func:`switch`): the sim worker's forward-step loop holds while it is on, every other thread running on (a hung
+engine whose heartbeat goes on), and goes on when the signal comes again.
+
 Unset (production), every call is a dictionary lookup that finds nothing.
 """
 
@@ -39,3 +43,25 @@ def failpoint(name: str, state: str, on_hit: Callable[[], None] | None = None) -
         os.kill(os.getpid(), signal.SIGSTOP)
         return
     threading.Event().wait()  # hang until the process is killed
+
+
+def switch(name: str) -> threading.Event | None:
+    """The switch failpoint ``name`` (see module doc): an Event that the armed signal flips (set = on), its handler
+    installed now (call from the main thread); None when ``name`` is not armed with a signal's name. A name that
+    is not a signal: :class:`ValueError`."""
+    spec = _ACTIVE.get(name)
+    if not spec:
+        return None
+    sig = getattr(signal, spec, None)
+    if not isinstance(sig, signal.Signals):
+        raise ValueError(f"failpoint {name}={spec}: not a signal's name (e.g. SIGUSR1)")
+    on = threading.Event()
+
+    def flip(_signum: int, _frame: object) -> None:
+        if on.is_set():
+            on.clear()
+        else:
+            on.set()
+
+    signal.signal(sig, flip)
+    return on

@@ -212,7 +212,7 @@ def delete_cluster(store: Store, by: str, force: bool) -> Reply:
     """``POST /v1/cluster/delete``: every key of the cluster deleted (409 while agents are alive, unless force)."""
     from fdeplb.orchestration.operator import delete_cluster as delete
 
-    n = delete(store, force=force)
+    n = delete(store, force=force, by=by)
     log.warning("cluster deleted", by=by, keys=n, force=force)
     return ok(deleted_keys=n)
 

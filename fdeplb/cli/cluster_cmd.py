@@ -75,9 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     clcmds.required = True
     d = clcmds.add_parser("delete", parents=[cluster_parent()], help="delete every key of the cluster",
                           description="Delete every key of the cluster (configuration, records, audit, plans, "
-                                      "snapshots, lease). Refused (exit 3) while a rank's heartbeat is fresh or a "
-                                      "coordinator holds the lease, unless --force.")
-    d.add_argument("--force", action="store_true", help="delete even while agents or a coordinator are alive")
+                                      "snapshots, lease), leaving a tombstone (an hour) in the same transaction. "
+                                      "Refused (exit 3) while a rank's heartbeat is fresh or a coordinator holds the "
+                                      "lease, unless --force.")
+    d.add_argument("--force", action="store_true",
+                   help="delete even while agents or a coordinator are alive: they find the tombstone and stop")
     d.set_defaults(handler=run_delete)
 
 
@@ -133,6 +135,6 @@ def run_set(args: argparse.Namespace) -> int:
 def run_delete(args: argparse.Namespace) -> int:
     from fdeplb.orchestration.operator import delete_cluster
 
-    n = delete_cluster(open_store(args.redis_url, args.cluster), force=args.force)
+    n = delete_cluster(open_store(args.redis_url, args.cluster), force=args.force, by=operator_id())
     print(f"cluster {args.cluster}: deleted {n} keys (by {operator_id()})")
     return 0

@@ -152,6 +152,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     coordinator.run()
+    if coordinator.deleted is not None:  # an operator deleted the cluster: say so, exit 0 (stopped as asked)
+        print(f"stopped: {coordinator.deleted.text(args.cluster)}", file=sys.stderr, flush=True)
     return 0
 
 

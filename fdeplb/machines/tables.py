@@ -369,9 +369,11 @@ MEMBERSHIP = MachineTable(
         "cluster's membership generation in the same atomic step. Only ACTIVE ranks count in a round.",
     transitions=(
         TransitionSpec("suspect", (M.ACTIVE,), M.SUSPECT, effect=Effect.BUMP_GENERATION,
-                       doc="the rank's heartbeat is past its TTL, as the leading coordinator observes it"),
+                       doc="the rank's heartbeat is past its TTL, or its engine passed no safe point for "
+                           "deadlines.exclude_ms while a round waits on it, as the leading coordinator observes it"),
         TransitionSpec("recover", (M.SUSPECT,), M.ACTIVE, effect=Effect.BUMP_GENERATION,
-                       doc="the heartbeat is fresh again before the exclusion deadline"),
+                       doc="the heartbeat is fresh again (and an engine's safe points go on) before the exclusion "
+                           "deadline"),
         TransitionSpec("exclude", (M.SUSPECT,), M.EXCLUDED, effect=Effect.BUMP_GENERATION,
                        doc="still stale after deadlines.exclude_ms (the coordinator, fenced), or the operator's "
                            "exclude of a suspect rank; its experts are re-placed on live ranks"),
@@ -380,7 +382,8 @@ MEMBERSHIP = MachineTable(
         TransitionSpec("drained", (M.DRAINING,), M.EXCLUDED, effect=Effect.BUMP_GENERATION,
                        doc="the draining rank leaves the members"),
         TransitionSpec("rejoin", (M.EXCLUDED,), M.REJOINING, effect=Effect.BUMP_GENERATION,
-                       doc="an agent of the rank registers again; it stages the current placement for its slots"),
+                       doc="an agent of the rank registers again, or one that lived on through the exclusion is "
+                           "back (a hung engine steps again); it holds the current placement for its slots"),
         TransitionSpec("admit", (M.REJOINING,), M.ACTIVE, effect=Effect.BUMP_GENERATION,
                        guards=(Guard(GuardKind.CLUSTER_IN, states=(C.FREE,)),),
                        doc="the rejoining rank loaded the current placement for its slots; admitted between rounds "

@@ -41,11 +41,12 @@ from fdeplb.errors import (FdeplbError, GuardError, InputError, NotFoundError, R
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration import peer_agent
+from fdeplb.orchestration.comeback import ComeBack
 from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.orchestration.load_window import LoadRecorder, LoadSource
 from fdeplb.orchestration.probe import Probing
-from fdeplb.orchestration.reconcile import run_until_stopped
+from fdeplb.orchestration.reconcile import StopsWhenDeleted, run_until_stopped
 from fdeplb.orchestration import takeover
 from fdeplb.orchestration.recovery import Recovery, Rejoining
 from fdeplb.orchestration.safe_points import SafePointSwitch
@@ -71,7 +72,7 @@ class _Staging(NamedTuple):
     staged: Staged
 
 
-class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining):
+class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining, ComeBack, StopsWhenDeleted):
     """Agent of one EP rank.
 
     ``load_source(round)`` gives this rank's expert_load window (int64 [L, E], tokens x top-k assignments).
@@ -193,6 +194,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         if self.peers is not None:
             self.peers.server.source = self.backend
             self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
+        self.switch.safe_point_t = time.monotonic()  # loading took its time: the engine's first step is due from now
         self._register(placement.plan_id)
         self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
@@ -265,6 +267,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
 
         try:  # the live experts keep serving whatever happens here
             run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: 1.0, until=until,
+                              deleted=self._stop_if_deleted,
                               announce=lambda err: self.store.emit_event("alarm", rank=self.ep_rank,
                                                                          message=f"agent step failed: {err}"))
         finally:
@@ -272,8 +275,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
                 self.peers.close()
                 self.peers = None
             try:
-                self._send()
-                self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
+                if self.deleted is None:  # an operator deleted the cluster: nothing of it is written
+                    self._send()
+                    self.store.mark_rank_stopped(self.ep_rank, self.agent_id)  # the next agent needs no replace
             except FdeplbError as err:
                 self.log.warning("last writes not sent", error=str(err))
 
@@ -329,6 +333,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self._load_step(cluster)  # nothing else to do for it: no second look needed
         if self._rejoin is not None:
             self._rejoin.step(cluster.state)  # routed to from the switch step of the round that follows
+            if self._come_back(cluster, me):  # excluded while it lived on (a hung engine): rejoins now
+                return True
         if self._weights_step(cluster, weights):
             return True
         self.rank.take_committed()
@@ -371,12 +377,14 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         last_t, last_steps, rate = self._hb
         if not force and now - last_t < self.heartbeat_ttl_ms / 4000:
             return
+        self._note_away(now, last_t)
         if last_t and now > last_t:
             current = (self.steps - last_steps) / (now - last_t)
             rate = current if rate == 0 else 0.5 * rate + 0.5 * current
         self._hb = (now, self.steps, rate)
         self.store.heartbeat(self.ep_rank, heartbeat_ttl_ms=self.heartbeat_ttl_ms, step=self.steps,
-                             steps_per_s=round(rate, 3), **changes)
+                             steps_per_s=round(rate, 3), safe_point_age_ms=self.switch.safe_point_age_ms(now),
+                             **changes)
         self._check_superseded()
 
     def _check_superseded(self) -> None:

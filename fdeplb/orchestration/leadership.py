@@ -19,6 +19,7 @@ from fdeplb.errors import FdeplbError, InputError
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.orchestration.handles import RecordHandle
+from fdeplb.orchestration.reconcile import StopsWhenDeleted
 from fdeplb.store import ClusterRecord
 
 #: longest holder id (a hostname is at most 253 characters; the default adds pid and a random suffix)
@@ -39,7 +40,7 @@ def default_holder_id() -> str:
     return f"coordinator@{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
 
-class Leadership:
+class Leadership(StopsWhenDeleted):
     """The lease of one coordinator. It uses, of its host: ``store`` and ``log``.
 
     Attributes:
@@ -76,6 +77,8 @@ class Leadership:
                 return True
             self.log.warning("lease lost", lease=self.lease)
             self.lease = None
+        if self._stop_if_deleted():  # acquiring would write the lease and its fence anew
+            return False
         value = self.store.acquire_lease(self.holder, self.lease_ms)
         if value:
             self.lease = value

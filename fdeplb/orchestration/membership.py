@@ -1,8 +1,10 @@
 """Membership as the leading coordinator drives it: heartbeats observed at every loop pass (one round trip,
 :meth:`fdeplb.store.Store.member_view`) turned into fenced transitions of the ranks' membership records
-(ACTIVE -> SUSPECT when a heartbeat is past its TTL, SUSPECT -> ACTIVE when it is fresh again, SUSPECT -> EXCLUDED
-once still stale at the record's ``deadline_ms``, set to ``deadlines.exclude_ms`` after the suspicion; DRAINING ->
-EXCLUDED while no round is in flight), each audited and raising the cluster's generation in the same step.
+(ACTIVE -> SUSPECT when a heartbeat is past its TTL, or when an engine a round waits on passed no safe point for
+``deadlines.exclude_ms`` (a hung engine, :func:`hung_ranks`), SUSPECT -> ACTIVE when it is fresh again, SUSPECT ->
+EXCLUDED once still stale at the record's ``deadline_ms``, set to ``deadlines.exclude_ms`` after the suspicion;
+DRAINING -> EXCLUDED while no round is in flight), each audited and raising the cluster's generation in the same
+step.
 
 An observation alone never excludes: the coordinator commits the exclusion only with its fence, after the deadline
 stored in the member record; the operator's commands (:func:`operator_fire`) are the other way.
@@ -13,18 +15,19 @@ The pure rules a round applies to the members (live mask, re-placement, particip
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 from fdeplb.errors import CorruptRecordError, GuardError, IllegalTransitionError, NotFoundError, StaleStateError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
+from fdeplb.rounds.members import waited_on
 from fdeplb.store import MemberRecord, Store
 from fdeplb.store.liveness import MemberView, stale_of
 
 M = MemberState
 
-__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "operator_fire"]
+__all__ = ["MEMBER_WORK", "MembershipWatch", "Rejoin", "hung_ranks", "hung_reason", "operator_fire"]
 
 
 class MembershipWatch:
@@ -43,14 +46,18 @@ class MembershipWatch:
             h = self._handles[r] = RecordHandle(self.store, MEMBERSHIP, r, actor=self.holder, fence=fence)
         return h
 
-    def observe(self, fence: str, exclude_ms: int, cluster_state: ClusterState) -> tuple[bool, int | None]:
+    def observe(self, fence: str, exclude_ms: int, cluster_state: ClusterState,
+                round_members: str = "") -> tuple[bool, int | None]:
         """Read heartbeats and members (one round trip) and commit what they call for, fenced with ``fence``.
-        Returns (changed, ms until the next exclusion deadline or None); :attr:`view` is the view as read (with
-        the states this pass committed)."""
+        ``round_members``: the cluster record's ``members`` (a round in flight waits on them,
+        :func:`~fdeplb.rounds.members.waited_on`): one whose engine passed no safe point for ``exclude_ms`` is
+        suspected as a lapsed heartbeat is (:func:`hung_ranks`). Returns (changed, ms until the next exclusion
+        deadline or None); :attr:`view` is the view as read (with the states this pass committed)."""
         view = self._read_view(fence)
         changed, due = False, None
         states = view.states()
-        stale_ranks = stale_of(view.heartbeats)  # without ep_size: a rank never registered is not suspected
+        waiting = waited_on(cluster_state, round_members, len(view.members))
+        stale_ranks, hung = hung_ranks(view, waiting, exclude_ms)
         for r, rec in enumerate(view.members):
             if rec is None:  # a cluster made before membership: every rank counts, nothing to drive
                 continue
@@ -58,7 +65,8 @@ class MembershipWatch:
             stale = r in stale_ranks
             work = MEMBER_WORK[rec.state]
             step = work(self, r, rec, stale=stale, age=age, ttl=ttl, now=view.now_ms, exclude_ms=exclude_ms,
-                        cluster_state=cluster_state, fence=fence)
+                        cluster_state=cluster_state, fence=fence, hung_ms=hung.get(r),
+                        safe_point_ms=view.safe_points.get(r))
             if step is None:
                 continue
             dest, left = step
@@ -67,7 +75,8 @@ class MembershipWatch:
             if left is not None:
                 due = left if due is None else min(due, left)
         self.view = MemberView(view.now_ms, view.heartbeats, [
-            m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)])
+            m if m is None or m.state == st else _with_state(m, st) for m, st in zip(view.members, states)],
+            view.safe_points)
         return changed, due
 
     def _read_view(self, fence: str) -> MemberView:
@@ -103,23 +112,34 @@ class MembershipWatch:
 
     # ---- work per membership state (what an observation calls for) ------------------------------------------------
     def _on_active(self, r: int, rec: MemberRecord, *, stale: bool, age: int, ttl: int, now: int,
-                   exclude_ms: int, fence: str, **_: Any):
+                   exclude_ms: int, fence: str, hung_ms: int | None, **_: Any):
         if not stale:
             return None
-        why = reasons.Reason(f"heartbeat of rank {r} {age} ms old, past its TTL of {ttl} ms",
-                             {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+        if hung_ms is not None:
+            why = hung_reason(r, hung_ms, age, ttl, exclude_ms)
+        else:
+            why = reasons.Reason(f"heartbeat of rank {r} {age} ms old, past its TTL of {ttl} ms",
+                                 {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
         return self._fire(r, rec, "suspect", fence, why, {"deadline_ms": now + exclude_ms}), exclude_ms
 
     def _on_suspect(self, r: int, rec: MemberRecord, *, stale: bool, age: int, ttl: int, now: int,
-                    fence: str, **_: Any):
+                    fence: str, hung_ms: int | None, safe_point_ms: int | None, **_: Any):
         if not stale:
             why = reasons.Reason(f"heartbeat of rank {r} fresh again ({age} ms old, TTL {ttl} ms)",
                                  {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+            if safe_point_ms is not None:  # an engine: its safe points go on too
+                why = reasons.Reason(f"{why.text}; its last safe point {safe_point_ms} ms before it",
+                                     {**why.detail, "safe_point_age_ms": safe_point_ms})
             return self._fire(r, rec, "recover", fence, why, {"deadline_ms": 0}), None
         if rec.deadline_ms and now < rec.deadline_ms:
             return None, rec.deadline_ms - now
-        why = reasons.Reason(f"rank {r} still stale at its exclusion deadline (heartbeat {age} ms old)",
-                             {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
+        if hung_ms is not None:
+            why = reasons.Reason(f"rank {r} still hung at its exclusion deadline (no safe point for {hung_ms} ms)",
+                                 {"ranks": [r], "safe_point_age_ms": hung_ms, "heartbeat_age_ms": age,
+                                  "ttl_ms": ttl})
+        else:
+            why = reasons.Reason(f"rank {r} still stale at its exclusion deadline (heartbeat {age} ms old)",
+                                 {"ranks": [r], "heartbeat_age_ms": age, "ttl_ms": ttl})
         return self._fire(r, rec, "exclude", fence, why, {"deadline_ms": 0}), None
 
     def _on_draining(self, r: int, rec: MemberRecord, *, cluster_state: ClusterState, fence: str, **_: Any):
@@ -130,6 +150,27 @@ class MembershipWatch:
 
     def _on_idle(self, *_: Any, **__: Any):
         return None
+
+
+def hung_ranks(view: MemberView, waiting: Collection[int], exclude_ms: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(every stale rank of ``view``, the hung ones among them), ``ep_rank -> age ms``, by the one rule
+    (:func:`~fdeplb.store.liveness.stale_of`, without ep_size: a rank never registered is not suspected). A rank
+    is hung when its heartbeat is fresh but its engine passed no safe point for more than ``exclude_ms`` while a
+    round waits on it (``waiting``) or while it is SUSPECT already (it recovers only once its safe points go on:
+    a round that aborted for it no longer waits on it, and an ACTIVE hung rank would hold the next one)."""
+    suspected = {r for r, st in enumerate(view.states()) if st is M.SUSPECT}
+    lapsed = stale_of(view.heartbeats)
+    stale = stale_of(view.heartbeats, safe_points=view.safe_points, waited_on=set(waiting) | suspected,
+                     hang_ms=exclude_ms)
+    return stale, {r: age for r, age in stale.items() if r not in lapsed}
+
+
+def hung_reason(r: int, hung_ms: int, age: int, ttl: int, exclude_ms: int) -> reasons.Reason:
+    """The audited reason of a hung engine's suspicion: its heartbeat is fresh, its safe points stopped."""
+    return reasons.Reason(f"no safe point for {hung_ms} ms from rank {r} (a hung engine: its heartbeat is {age} ms "
+                          f"old, TTL {ttl} ms), past deadlines.exclude_ms {exclude_ms} while a round waits on it",
+                          {"ranks": [r], "safe_point_age_ms": hung_ms, "heartbeat_age_ms": age, "ttl_ms": ttl,
+                           "exclude_ms": exclude_ms})
 
 
 def _with_state(rec: MemberRecord, state: MemberState) -> MemberRecord:
@@ -186,10 +227,12 @@ class Rejoin:
         self.pending = False
         self._unread: str | None = None  # the plan_id of a begin() that found the member record corrupt
 
-    def begin(self, plan_id: str) -> None:
+    def begin(self, plan_id: str, back: str = "") -> None:
         """After the agent loaded placement ``plan_id``: an EXCLUDED rank fires ``rejoin``; one left REJOINING by
-        an earlier agent carries on. A member record that does not parse is left to the leading coordinator, which
-        repairs it (:meth:`MembershipWatch._read_view`): :meth:`step` asks again until it parses."""
+        an earlier agent carries on. ``back``: why an agent that lived on through the exclusion was away (its
+        reason says so, :mod:`~fdeplb.orchestration.comeback`; "" = the agent registered again). A member record
+        that does not parse is left to the leading coordinator, which repairs it
+        (:meth:`MembershipWatch._read_view`): :meth:`step` asks again until it parses."""
         try:
             rec = self.handle.read()
         except NotFoundError:  # a cluster made before membership
@@ -201,7 +244,8 @@ class Rejoin:
             return
         self._unread = None
         if rec.state is M.EXCLUDED:
-            why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} registered again and loaded placement "
+            how = f"is back ({back})" if back else "registered again"
+            why = reasons.Reason(f"agent {self.actor} of rank {self.ep_rank} {how} and loaded placement "
                                  f"{plan_id or 'initial'} for its slots", {"ranks": [self.ep_rank]})
             try:
                 self.handle.fire("rejoin", record=rec, reason=why.text, detail=why.detail,

@@ -89,11 +89,13 @@ def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: s
     return old, new
 
 
-def delete_cluster(store: Store, *, force: bool = False) -> int:
+def delete_cluster(store: Store, *, force: bool = False, by: str = "") -> int:
     """Delete every key of the cluster (:meth:`fdeplb.store.Store.delete_cluster`: a SCAN of its key prefix).
     Refused with :class:`StateError` (nothing deleted) while an agent is alive (a registered rank whose heartbeat
     is within its TTL, :func:`~fdeplb.store.liveness.stale_of`) or a coordinator holds the lease, unless
-    ``force``. Returns how many keys were deleted."""
+    ``force``. ``by`` (the operator): the delete leaves the cluster's tombstone, in the same transaction, so that
+    agents and coordinators still running stop (:class:`~fdeplb.orchestration.reconcile.StopsWhenDeleted`).
+    Returns how many keys were deleted."""
     if not force:
         beats = store.heartbeats()
         alive = sorted(set(beats) - set(stale_of(beats)))
@@ -102,5 +104,5 @@ def delete_cluster(store: Store, *, force: bool = False) -> int:
             who = ([f"ranks {alive} heartbeat within their TTL"] if alive else []) + \
                   ([f"coordinator {holder} holds the lease"] if holder else [])
             raise StateError(f"cluster {store.cluster!r} is in use ({'; '.join(who)}): stop them first, or "
-                             f"delete anyway with --force (their next writes fail: no cluster record)")
-    return store.delete_cluster()
+                             f"delete anyway with --force (they find the cluster deleted and stop)")
+    return store.delete_cluster(by=by)

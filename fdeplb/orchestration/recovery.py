@@ -121,7 +121,10 @@ class Rejoining:
         with its topology (:meth:`Recovery.rejoin`, which raises otherwise), load the cluster's placement when it
         holds another one (from the checkpoint, at the next safe point, verified and audited), forget the old
         cluster's round state (staging, published round, clear_stat requests seen), create the rank's records and
-        register again."""
+        register again. An operator's delete (its tombstone) stops the agent instead, writing nothing."""
+        if self._stop_if_deleted():
+            self._outbox.clear()
+            return
         self.config, placement = self.recovery.rejoin(err, self.config, self.live_plan_id)
         loading = self.switch.op is not None and self.switch.op.key[0] == "load_placement"  # applied at a safe point since
         if (loading or self.recovery.load_failed or not np.array_equal(self.backend.phy2log, placement.phy2log)) \

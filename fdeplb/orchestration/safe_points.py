@@ -234,11 +234,18 @@ class SafePointSwitch:
         self.safe_points = bool(safe_points)
         self._sync_failures = 0
         self.steps = 0  # safe points passed (the worker's step counter)
+        self.safe_point_t = time.monotonic()  # of the last safe point (from the start: an engine that never steps)
         self.pauses_ms: collections.deque[float] = collections.deque(maxlen=10_000)
         self.late_switches = 0
         self.op: SafePointOp | None = None  # the one pending change
         self._apply_lock = threading.Lock()  # held while a safe point applies a change (see at_safe_point)
         self._in_safe_point = False
+
+    def safe_point_age_ms(self, now: float) -> int | None:
+        """ms from the worker's last safe point (or the switch's making) to ``now`` (``time.monotonic()`` s), as
+        the heartbeat reports it; None for an agent whose changes apply at once (no engine calls
+        :meth:`at_safe_point`, so none can hang)."""
+        return round((now - self.safe_point_t) * 1000) if self.safe_points else None
 
     def at_safe_point(self) -> bool:
         """Call between forward steps: counts the step and applies a pending change whose switch step is reached.
@@ -280,6 +287,7 @@ class SafePointSwitch:
         from several threads apply a change once; a call that arrives while another applies it waits for it.
         """
         self.steps += 1
+        self.safe_point_t = time.monotonic()  # the heartbeat reports it: a hung engine is suspected (stale_of)
         op = self.op
         if op is None or op.done.is_set():
             return False

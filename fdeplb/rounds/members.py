@@ -1,7 +1,8 @@
 """The rules a round applies to the ranks' membership: who counts (:func:`live_mask`, :func:`participants`), where the
 placement is routed (:func:`routed_members`), the re-placement of experts left without a replica on a member
-(:func:`replacement`, failing closed), the planner over the members' slots (:func:`live_planner`), and the members a
-round lost (:func:`lost_participants`). Used by the coordinator's round entry work and by the replay.
+(:func:`replacement`, failing closed), the planner over the members' slots (:func:`live_planner`), the members a
+round lost (:func:`lost_participants`) and the ranks it waits on (:func:`waited_on`). Used by the coordinator's
+round entry work, the membership watch and the replay.
 
 Pure numpy over a :class:`~fdeplb.store.liveness.MemberView`, no I/O, no clock.
 """
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from fdeplb.errors import RedundancyError
-from fdeplb.machines.tables import MemberState
+from fdeplb.machines.tables import ClusterState, MemberState
 from fdeplb.placement.live_ranks import orphaned_experts, replace_orphans
 from fdeplb.rounds import reasons
 from fdeplb.rounds.gating import default_planner
@@ -23,7 +24,7 @@ from fdeplb.store.records import member_ranks
 M = MemberState
 
 __all__ = ["live_mask", "live_planner", "lost_participants", "participants", "participants_text", "replacement",
-           "routed_members"]
+           "routed_members", "waited_on"]
 
 
 def live_mask(view: MemberView | None, ep_size: int) -> np.ndarray:
@@ -82,6 +83,12 @@ def participants_text(active: list[int], ep_size: int) -> str:
 def participants(members: str, ep_size: int) -> list[int]:
     """The ranks a round counts (the cluster record's ``members``; "" = every rank)."""
     return list(member_ranks(members, ep_size))
+
+
+def waited_on(state: ClusterState, members: str, ep_size: int) -> tuple[int, ...]:
+    """The ranks a round in ``state`` waits on: its participants (the cluster record's ``members``) while a round
+    is in flight, none while the cluster is FREE. The membership watch suspects a hung engine among them."""
+    return () if state is ClusterState.FREE else tuple(participants(members, ep_size))
 
 
 def lost_participants(members: str, view: MemberView | None, ep_size: int) -> list[int]:

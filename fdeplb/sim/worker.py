@@ -20,7 +20,10 @@ the cluster, an unknown cluster or a trace whose shape is not the cluster's [num
 
 ``--step-ms MS``: the worker is an engine instead: an :class:`~fdeplb.orchestration.embedded_agent.EmbeddedAgent`
 reconciles in the background and the main thread calls ``at_safe_point()`` every ``MS`` ms (a forward step), so
-swaps (in chunks of layers) and weight changes apply at switch steps, as in a serving worker.
+swaps (in chunks of layers) and weight changes apply at switch steps, as in a serving worker. With
+``FDEPLB_FAILPOINTS=engine.hang=SIGUSR1`` (tests) that signal hangs the step loop and a second one resumes it,
+while the agent's thread (heartbeats, staging) runs on: a hung engine (a forward step stuck in a kernel or a
+collective), which SIGSTOP is not (it stops every thread, the heartbeat too).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import signal
 import sys
 import threading
 
-from fdeplb.failpoints import failpoint
+from fdeplb.failpoints import failpoint, switch
 from fdeplb.log import configure
 from fdeplb.options import cluster_parent
 
@@ -125,6 +128,7 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
                   backend_factory=NumpyWeights.factory() if args.backend == "numpy" else None,
                   staging_budget_bytes=args.staging_budget_bytes, verify_all=True, replace=args.replace,
                   heartbeat_ttl_ms=args.heartbeat_ttl_ms)
+    hang = switch("engine.hang")  # before the rank is ready: a test signals it only after rank_ready
     if args.step_ms is not None:
         from fdeplb.orchestration.embedded_agent import EmbeddedAgent
 
@@ -143,11 +147,29 @@ def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     store.emit_event("rank_verified", rank=args.rank, slots_verified=verified, slots_total=total)
     if args.step_ms is None:
         agent.run()
-        return 0
+        return _stopped(agent, args.cluster)
     while not stop.wait(args.step_ms / 1000):  # the engine's forward steps (start() began the loop)
+        if hang is not None and hang.is_set():
+            _hang(hang, stop, store, args.rank)
         agent.at_safe_point()
     agent.close()
+    return _stopped(agent, args.cluster)
+
+
+def _stopped(agent: object, cluster: str) -> int:
+    """The worker's exit once its agent stopped: 0; one line on stderr when an operator deleted the cluster."""
+    if agent.deleted is not None:
+        print(f"stopped: {agent.deleted.text(cluster)}", file=sys.stderr, flush=True)
     return 0
+
+
+def _hang(hang: threading.Event, stop: threading.Event, store: object, ep_rank: int) -> None:
+    """The ``engine.hang`` failpoint: hold the step loop while ``hang`` is set (until ``stop``), announced by a
+    ``failpoint`` event when it begins and ends (tests wait on them)."""
+    store.emit_event("failpoint", name="engine.hang", state="hung", rank=ep_rank)
+    while hang.is_set() and not stop.wait(0.05):
+        continue
+    store.emit_event("failpoint", name="engine.hang", state="resumed", rank=ep_rank)
 
 
 def watch_parent(parent: int, stop_event: threading.Event, period_s: float = 0.5, grace_s: float = 3.0) -> None:

@@ -19,9 +19,15 @@ from fdeplb.errors import InputError, StateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS
 from fdeplb.store import arrays
 from fdeplb.store.cluster_config import ClusterConfig
+from fdeplb.store.connection import as_str as _s
 from fdeplb.store.plan_entry import PlanEntry
 from fdeplb.store.streams import parse_stream_id
 from fdeplb.store.windows import snapshot_fields
+
+
+#: how long an operator's ``cluster delete`` leaves its tombstone (ms): processes still running then stop when they
+#: next look (a worker stopped longer than this finds no cluster, and no tombstone, when it continues)
+TOMBSTONE_TTL_MS = 3_600_000
 
 
 class Bootstrap:
@@ -47,6 +53,7 @@ class Bootstrap:
                 return False
             pipe.multi()
             pipe.delete(self._keys.placement, *(key for key, _ in records),  # leftovers of a stray write
+                        self._keys.deleted,  # a tombstone of the cluster deleted before: it exists again
                         *(self._keys.live(r) for r in range(config.ep_size)))
             pipe.hset(self._keys.placement, mapping={**arrays.encode("phy2log", np.asarray(phy2log, np.int64)),
                                                      "plan_id": str(plan_id), "version": "0"})
@@ -96,6 +103,7 @@ class Bootstrap:
                 pipe.unwatch()
                 raise refusal
             pipe.multi()
+            pipe.delete(self._keys.deleted)  # the tombstone of the cluster deleted before
             for key, fields, round_ in once:
                 pipe.hset(key, mapping=fields)
                 pipe.zadd(self._keys.retained, {key: int(round_)})
@@ -118,12 +126,24 @@ class Bootstrap:
                              f"is left written") from None
         self._config = config
 
-    def delete_cluster(self) -> int:
+    def delete_cluster(self, *, by: str = "", tombstone_ttl_ms: int = TOMBSTONE_TTL_MS) -> int:
         """Delete every key of this cluster (a SCAN of :attr:`Keys.pattern`, deleted 500 at a time: ``fdeplb
-        cluster delete``, the demo's and the tests' clean-up); returns how many."""
-        keys = list(self._client.scan_iter(match=self._keys.pattern, count=1000))
+        cluster delete``, the demo's and the tests' clean-up); returns how many. ``by`` (an operator's delete):
+        in the same MULTI/EXEC, write the cluster's tombstone (:attr:`Keys.deleted`: who, when, how many keys;
+        expires after ``tombstone_ttl_ms``), by which running agents and coordinators learn that the cluster was
+        deleted on purpose and stop (:meth:`Liveness.tombstone`)."""
+        keys = [k for k in self._client.scan_iter(match=self._keys.pattern, count=1000)
+                if _s(k) != self._keys.deleted]
         self._config = None
-        return sum(int(self._client.delete(*keys[i:i + 500])) for i in range(0, len(keys), 500))
+        pipe = self._client.pipeline(transaction=bool(by))
+        for i in range(0, len(keys), 500):
+            pipe.delete(*keys[i:i + 500])
+        if by:
+            sec, _ = self._client.time()
+            pipe.set(self._keys.deleted, json.dumps({"by": by, "at_ms": int(sec) * 1000, "keys": len(keys)}),
+                     px=int(tombstone_ttl_ms))
+        replies = pipe.execute()
+        return sum(int(n) for n in replies[:len(replies) - bool(by)])
 
 
 def _check_audit_ids(ids: list[str]) -> None:

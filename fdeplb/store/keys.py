@@ -103,6 +103,12 @@ class Keys:
         return f"{self.prefix}:signal"
 
     @property
+    def deleted(self) -> str:
+        """string: the tombstone of an operator's ``cluster delete`` (JSON: who, when, how many keys), with a TTL;
+        written in the transaction that deletes the cluster's keys, removed by the next ``init-cluster``."""
+        return f"{self.prefix}:deleted"
+
+    @property
     def lease(self) -> str:
         """string: the coordinator lease, ``<fence>:<holder>``, with a TTL."""
         return f"{self.prefix}:lease"

@@ -10,9 +10,10 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_swit
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Collection, Mapping, NamedTuple
 
 import numpy as np
 import redis
@@ -62,18 +63,54 @@ def parse_chunks(text: str) -> tuple[int, ...]:
 NOT_REGISTERED = -1
 
 
-def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None) -> dict[int, int]:
+def stale_of(heartbeats: dict[int, tuple[int, int]], ep_size: int | None = None, *,
+             safe_points: Mapping[int, int] | None = None, waited_on: Collection[int] = (),
+             hang_ms: int = 0) -> dict[int, int]:
     """The stale ranks of :meth:`Store.heartbeats`' answer: ``ep_rank -> ms since the heartbeat`` for every rank
     whose TTL is set (> 0) and has passed. With ``ep_size``, every rank of ``range(ep_size)`` that ``heartbeats``
     does not hold (not registered: e.g. after Redis lost its data) is stale too, with age :data:`NOT_REGISTERED`
     (the start guard and ``/health`` count every rank, registered or not). Without it a rank that is not
     registered is never stale: the membership watch suspects only a rank it saw heartbeat and lapse
     (:class:`~fdeplb.orchestration.membership.MembershipWatch`), and :meth:`Liveness.stale_ranks` names only
-    registered ranks. The one staleness rule of fdeplb; nothing else compares an age with a TTL."""
+    registered ranks.
+
+    A hung engine (its heartbeat thread beats on, its forward loop is stuck): with ``safe_points`` (``ep_rank ->
+    ms without a safe point at its last heartbeat``, engines only: :attr:`MemberView.safe_points`) and ``hang_ms`` > 0,
+    a rank of ``waited_on`` (the ranks a round waits on, and those already suspected) whose heartbeat is fresh
+    but whose last safe point is more than ``hang_ms`` old is stale too, with that age (:func:`hung_of` names
+    them). The one staleness rule of fdeplb; nothing else compares an age with a TTL or a deadline."""
     stale = {r: age for r, (age, ttl) in heartbeats.items() if 0 < ttl < age}
+    stale.update(hung_of(safe_points or {}, waited_on, hang_ms, exclude=stale))
     if ep_size is not None:
         stale.update({r: NOT_REGISTERED for r in range(int(ep_size)) if r not in heartbeats})
     return dict(sorted(stale.items()))
+
+
+def hung_of(safe_points: Mapping[int, int], waited_on: Collection[int], hang_ms: int,
+            exclude: Collection[int] = ()) -> dict[int, int]:
+    """The part of :func:`stale_of` that judges safe points: ``ep_rank -> ms since its last safe point`` for each
+    rank of ``waited_on`` (not in ``exclude``) whose last safe point is more than ``hang_ms`` old (``hang_ms``
+    <= 0: none)."""
+    if hang_ms <= 0:
+        return {}
+    return {r: age for r, age in safe_points.items() if r in waited_on and r not in exclude and age > hang_ms}
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """An operator's ``cluster delete`` (:meth:`Liveness.tombstone`): who (``operator:<user>``), when (server
+    clock, ms) and how many keys it deleted; ``ttl_ms``: how long the tombstone stays."""
+
+    by: str
+    at_ms: int
+    keys: int
+    ttl_ms: int
+
+    def text(self, cluster: str) -> str:
+        """One line for a log or stderr."""
+        at = datetime.datetime.fromtimestamp(self.at_ms / 1000, datetime.timezone.utc).isoformat(timespec="seconds")
+        return (f"cluster {cluster!r} was deleted by {self.by} at {at} ({self.keys} keys); nothing of it is "
+                f"written any more (init-cluster makes it anew)")
 
 
 @dataclass(frozen=True)
@@ -101,6 +138,10 @@ class MemberView:
     now_ms: int
     heartbeats: dict[int, tuple[int, int]]
     members: list[MemberRecord | None]
+    safe_points: dict[int, int] = dataclasses.field(default_factory=dict)
+    """``ep_rank -> ms from the worker's last safe point to its last heartbeat`` (``heartbeat_ms -
+    safe_point_ms``, server clock: a healthy engine shows its step time, however long ago the heartbeat was), of
+    every registered rank whose worker is an engine (``safe_point_ms`` > 0); see :func:`stale_of`."""
 
     def states(self) -> list[MemberState]:
         """Every rank's membership state (ACTIVE where no record exists)."""
@@ -113,6 +154,21 @@ class MemberView:
 
 class Liveness:
     """The rank registry, heartbeats and switch arming (see the module doc)."""
+
+    def tombstone(self) -> Tombstone | None:
+        """The tombstone an operator's ``cluster delete`` left (:meth:`Store.delete_cluster`), or None (none, or it
+        expired); :class:`CorruptRecordError` for one that is not its JSON."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.get(self._keys.deleted)
+        pipe.pttl(self._keys.deleted)
+        raw, ttl = pipe.execute()
+        if raw is None:
+            return None
+        try:
+            info = json.loads(_s(raw))
+            return Tombstone(str(info["by"]), int(info["at_ms"]), int(info["keys"]), max(0, int(ttl)))
+        except (ValueError, KeyError, TypeError):
+            raise CorruptRecordError(f"{self._keys.deleted}: not a tombstone's JSON", key=self._keys.deleted) from None
 
     def register_rank(self, ep_rank: int, info: dict[str, Any]) -> None:
         """Record ``ep_rank`` in the registry (the only peers ever named in requests) with its address/pid info."""
@@ -252,7 +308,7 @@ class Liveness:
         def fill(pipe: Any) -> None:
             pipe.hkeys(self._keys.ranks)
             for r in range(n):
-                pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms")
+                pipe.hmget(self._keys.rank(r), "heartbeat_ms", "heartbeat_ttl_ms", "safe_point_ms")
             for key in members:
                 pipe.hgetall(key)
 
@@ -262,19 +318,21 @@ class Liveness:
             registered = {int(_s(k)) for k in replies[0]}
         except ValueError:
             raise CorruptRecordError(f"{self._keys.ranks}: a field is not a rank number", key=self._keys.ranks) from None
-        beats = {}
-        for r, (hb, ttl) in enumerate(replies[1:1 + n]):
+        beats, safe_points = {}, {}
+        for r, (hb, ttl, safe_point) in enumerate(replies[1:1 + n]):
             if r not in registered:
                 continue
             try:
                 beats[r] = (max(0, now - int(_s(hb) or 0)), int(_s(ttl) or 0))
+                if int(_s(safe_point) or 0) > 0:  # as the heartbeat saw it: a healthy engine is never behind
+                    safe_points[r] = max(0, int(_s(hb) or 0) - int(_s(safe_point)))
             except ValueError:  # not observed: the rank record's own readers report it corrupt
                 continue
         parsed = self._parse_records([(MEMBERSHIP, r) for r in range(n)], members, replies[1 + n:])
         for rec in parsed:
             if isinstance(rec, CorruptRecordError):
                 raise rec
-        return MemberView(now, beats, parsed)
+        return MemberView(now, beats, parsed, safe_points)
 
     def stale_ranks(self) -> dict[int, int]:
         """Registered ranks whose heartbeat expired: ``ep_rank -> ms since the heartbeat``. A rank is stale once

@@ -153,12 +153,27 @@ class MachineIO:
         if fields:
             self._client.hset(self._record_key(table, ep_rank), mapping=fields)
 
-    def heartbeat(self, ep_rank: int, **changes: Any) -> int:
+    def heartbeat(self, ep_rank: int, *, safe_point_age_ms: int | None = None, **changes: Any) -> int | None:
         """Stamp ``ep_rank``'s heartbeat with the server's clock (plus any other rank-record ``changes``);
-        returns the time written (ms)."""
+        returns the time written (ms), or None when the rank record is gone (the cluster deleted, Redis lost its
+        data): a heartbeat never writes a record anew (WATCHed). ``safe_point_age_ms``: ms since the worker's last
+        safe point, written as the server time ``safe_point_ms`` (``now - safe_point_age_ms``); None: not an engine
+        (0 written: an engine's last safe point is not left to the agent that replaced it). :class:`InputError` for
+        a field the rank record does not have."""
+        key = self._record_key(RANK, ep_rank)
         now = self.now_ms()
-        self.update(RANK, ep_rank, heartbeat_ms=now, **changes)
-        return now
+        changes["safe_point_ms"] = 0 if safe_point_age_ms is None else max(1, now - max(0, int(safe_point_age_ms)))
+        fields = encode_changes(record_type(RANK), {**changes, "heartbeat_ms": now})
+
+        def txn(pipe: Any) -> int | None:
+            if not pipe.exists(key):
+                pipe.unwatch()
+                return None
+            pipe.multi()
+            pipe.hset(key, mapping=fields)
+            return now
+
+        return self._client.transaction(txn, key, value_from_callable=True)
 
     def commit(
         self,

@@ -186,6 +186,10 @@ class RankRecord(RecordHeader):
     """The worker's step counter (safe points passed) at the last heartbeat (0 = not embedded in a worker)."""
     steps_per_s: float = 0.0
     """The worker's step rate at the last heartbeat (safe points per second, smoothed)."""
+    safe_point_ms: int = 0
+    """Redis server time (ms) of the worker's last safe point (``step``), as its last heartbeat saw it (0 = not
+    an engine: no ``at_safe_point`` caller). A round that waits on a rank whose safe points stopped for
+    ``deadlines.exclude_ms`` suspects it (a hung engine, :func:`~fdeplb.store.liveness.stale_of`)."""
     applied_step: int = 0
     """Step at which the rank last applied a swap or a weight clear/update at a safe point."""
     late_steps: int = 0

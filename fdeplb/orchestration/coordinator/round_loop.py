@@ -124,6 +124,7 @@ class Coordinator(RoundStart, RoundPlanning, RoundSwitch, UnaskedRounds, Leaders
 
         try:  # no value or bug may kill the loop: log, announce, retry
             run_until_stopped(self.stop_event, iterate, self.log, retry_s=lambda: self._retry_ms() / 1000,
+                              deleted=self._stop_if_deleted,
                               announce=lambda err: self.store.emit_event("coordinator_error", holder=self.holder,
                                                                          error=str(err)[:500]))
         finally:
@@ -178,7 +179,7 @@ class Coordinator(RoundStart, RoundPlanning, RoundSwitch, UnaskedRounds, Leaders
         try:
             # membership first, at every pass (one round trip): a suspected rank aborts a round at once
             changed, member_due = self._members.observe(self.lease or "", self.config.deadlines.exclude_ms,
-                                                        rec.state)
+                                                        rec.state, rec.members)
             if changed:  # the generation moved: decide under the new one
                 rec, self._now_ms = self.store.read_cluster_at()
             lost = lost_participants(rec.members, self._members.view, self.config.ep_size) \
