@@ -323,35 +323,78 @@ def _split(segments: list[tuple[int, int, int]], parts: int) -> list[list[tuple[
     return [p for p in out if p]
 
 
-def _run_pieces(own: deque, others: list[deque]) -> set[int]:
+def _run_pieces(own: deque, others: list[deque], done: set) -> set[int]:
     """Copy and check the pieces of this thread's stretch ``own`` from its front, then take from the back of the
     ``others`` until every stretch is empty (a thread that started late or runs slower is left fewer; each
-    ``deque`` pop hands a piece to one thread). Returns the indices whose check failed."""
+    ``deque`` pop hands a piece to one thread). Each piece is added to ``done`` once copied and checked. Returns
+    the indices whose check failed."""
     bad: set[int] = set()
     queues = [own.popleft, *(q.pop for q in others)]
     for take in queues:
         while True:
             try:
-                i, d, s, n = take()
+                piece = take()
             except IndexError:  # this stretch is done
                 break
-            if not _host_copy_checked(d, s, n):
-                bad.add(i)
+            if not _host_copy_checked(*piece[1:]):
+                bad.add(piece[0])
+            done.add(piece)
     return bad
 
 
-def _wait_all(futures: list[Any]) -> None:
-    """Wait for every future, even through an interrupt (KeyboardInterrupt, a signal handler that raises): the
-    interrupt is raised again once no thread still writes."""
-    interrupted: BaseException | None = None
+def _deferring_interrupts(step: Any, interrupted: BaseException | None = None) -> BaseException | None:
+    """Call ``step()`` again until it returns without an interrupt; returns the first interrupt (``interrupted``,
+    else the first one caught), to be raised once the work is done. An interrupt is a BaseException that is not an
+    Exception (KeyboardInterrupt from SIGINT, or what an engine's signal handler raises: KeyboardInterrupt,
+    SystemExit); an Exception is an error and propagates at once."""
     while True:
         try:
-            wait(futures)
-            break
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other threads are done
+            step()
+            return interrupted
+        except Exception:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - returned, and raised by the caller once the batch is whole
             interrupted = interrupted or exc
+
+
+def _copy_pieces(parts: list[list[tuple[int, int, int, int]]]) -> set[int]:
+    """Copy and check the pieces of ``parts`` (:func:`_split`) on the calling thread and one pool thread per
+    further stretch; returns the indices whose check failed.
+
+    An interrupt in the calling thread (anywhere: between two blocks of a piece, or just after it took a piece
+    off a stretch, before holding it) does not leave the batch half-written: the thread takes pieces again,
+    waits for the pool's threads, copies again every piece no thread finished, and only then raises the
+    interrupt. An error (an Exception) is raised once no other thread still writes."""
+    queues = [deque(p) for p in parts]
+    if not queues:  # a batch of no bytes
+        return set()
+    done: set = set()
+    futures = []
+    if len(queues) > 1:
+        pool = _copy_pool(os.getpid(), copy_threads())
+        futures = [pool.submit(_run_pieces, q, queues[:k] + queues[k + 1:], done) for k, q in enumerate(queues) if k]
+    bad: set[int] = set()
+
+    def take_first_stretch() -> None:
+        bad.update(_run_pieces(queues[0], queues[1:], done))
+
+    def copy_the_unfinished() -> None:  # no other thread runs now: a piece cut short is copied again whole
+        bad.update(_run_pieces(deque(p for part in parts for p in part if p not in done), [], done))
+
+    try:
+        interrupted = _deferring_interrupts(take_first_stretch)
+    except Exception:
+        late = _deferring_interrupts(lambda: wait(futures))  # never raise while another thread still writes
+        if late is not None:
+            raise late
+        raise
+    interrupted = _deferring_interrupts(lambda: wait(futures), interrupted)
+    interrupted = _deferring_interrupts(copy_the_unfinished, interrupted)
     if interrupted is not None:
         raise interrupted
+    for f in futures:
+        bad |= f.result()
+    return bad
 
 
 class CheckedCopies:
@@ -393,18 +436,7 @@ class CheckedCopies:
         if any(t.data_ptr() != ptr for t, ptr in self._storage):  # re-allocated since (a weight clear + reload)
             self._check()
         if self._host:
-            queues = [deque(p) for p in self._parts]
-            if len(queues) <= 1:
-                return sorted(_run_pieces(queues[0], [])) if queues else []
-            pool = _copy_pool(os.getpid(), copy_threads())
-            futures = [pool.submit(_run_pieces, q, queues[:k] + queues[k + 1:]) for k, q in enumerate(queues) if k]
-            try:
-                bad = _run_pieces(queues[0], queues[1:])  # the calling thread takes the first stretch
-            finally:
-                _wait_all(futures)  # never return (or raise) while another thread still writes
-            for f in futures:
-                bad |= f.result()
-            return sorted(bad)
+            return sorted(_copy_pieces(self._parts))
         live = [i for i, c in enumerate(copies) if c.rows]
         results = [copy_checked(c.dst[c.dst_row:c.dst_row + c.rows], c.src[c.src_row:c.src_row + c.rows])
                    for c in (copies[i] for i in live)]

@@ -5,10 +5,8 @@ what was staged, an error other than a failed verification in the pause, and the
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -169,43 +167,93 @@ def test_copies_that_overlap_are_refused_before_anything_is_copied():
     assert _paddle.copy_rows_checked([R(u, 0, t, 0, 4), R(u, 4, t, 0, 4)], "cpu") == []  # sources may be shared
 
 
-def test_an_interrupt_while_the_batch_waits_for_its_threads_leaves_only_after_they_are_done(monkeypatch):
-    """A KeyboardInterrupt (SIGINT, or an engine's signal handler that raises) while the calling thread copies or
-    waits for the other copy threads is raised again only once they are done: nothing writes into the live tensors
-    after copy_rows_checked has raised (QA: 25 raw copies ran after it), and every byte was copied."""
+#: the most any wait of the interrupt test lasts (a failed build ends with a message, not a hang)
+_DEADLINE = 30
+
+
+@pytest.mark.parametrize("point", ["waiting", "copying", "taking"])
+def test_an_interrupt_while_the_batch_waits_for_its_threads_leaves_only_after_they_are_done(point, monkeypatch):
+    """A KeyboardInterrupt (SIGINT, or an engine's signal handler that raises) while the calling thread waits for
+    the other copy threads, copies (between two blocks of a piece) or has just taken a piece off a stretch is raised
+    again only once they are done: nothing writes into the live tensors after copy_rows_checked has raised (QA: 25
+    raw copies ran after it), and every byte was copied (a piece cut short used to be left half-written).
+
+    Driven by events, not timers (a timer's interrupt landed in the test's own bookkeeping on a loaded machine):
+    the calling thread's first copy waits until a pool thread is writing, and that pool thread's copy lasts until
+    the calling thread, interrupted, has come back to wait for it."""
     if _paddle.copy_threads() < 2:
         pytest.skip("needs 2 copy threads (2 usable cores)")
     import paddle
 
-    rows, width = 64, 64 * 1024  # 16 MiB of float32 rows: 64 blocks of 256 KiB
+    rows, width = 64, 64 * 1024  # 16 MiB of float32 rows: 64 blocks of 256 KiB, 16 pieces of 1 MiB
     src = paddle.arange(rows * width, dtype="float32").reshape([rows, width])
     dst = paddle.zeros([rows, width], dtype="float32")
-    blocks = 64
-    real, main = _paddle._copy_bytes, threading.main_thread()
-    writes: list[tuple[bool, float]] = []  # (by the calling thread, when) of each raw copy
-    raised_at: list[float] = []
+    main = threading.main_thread()
+    pool_writes, main_writes, in_flight = [], [], []  # raw copies done by each side; pool copies not yet done
+    released_in_time = []  # the pool thread's held copy was let go by the event (not by its deadline)
+    pool_writing, main_waiting, interrupted, released = (threading.Event() for _ in range(4))
+    real_copy, real_wait, real_deque = _paddle._copy_bytes, _paddle.wait, _paddle.deque
 
-    def slow(d, s, n):  # another thread's piece takes >= 0.4 s: the interrupt comes while it still writes
-        out = real(d, s, n)
-        threading.Event().wait(0.001 if threading.current_thread() is main else 0.1)
-        writes.append((threading.current_thread() is main, time.perf_counter()))
+    def copy(d, s, n):
+        if threading.current_thread() is not main:
+            in_flight.append(d)
+            if not pool_writing.is_set():  # the pool thread's first copy lasts until the caller waits again
+                pool_writing.set()
+                if point == "waiting" and main_waiting.wait(_DEADLINE):
+                    for _ in range(_DEADLINE * 20):  # a signal that comes just before the caller blocks is handled
+                        signal.pthread_kill(main.ident, signal.SIGINT)  # only once it wakes: sent until taken
+                        if interrupted.wait(0.05):
+                            break
+                released_in_time.append(released.wait(_DEADLINE))
+            out = real_copy(d, s, n)
+            pool_writes.append(d)
+            in_flight.remove(d)
+            return out
+        assert pool_writing.wait(_DEADLINE), "no pool thread took part in the batch"
+        out = real_copy(d, s, n)
+        main_writes.append(d)
+        if point == "copying" and len(main_writes) == 2:  # block 2 of the caller's first piece of 4
+            signal.raise_signal(signal.SIGINT)
         return out
 
-    monkeypatch.setattr(_paddle, "_copy_bytes", slow)
-    timer = threading.Timer(0.1, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+    def waiting(futures, *args, **kwargs):
+        main_waiting.set()
+        if interrupted.is_set():  # the interrupt has been taken: the pool thread may finish its copy
+            released.set()
+        return real_wait(futures, *args, **kwargs)
+
+    class Stretch(real_deque):
+        taken = 0
+
+        def popleft(self):
+            piece = super().popleft()
+            if threading.current_thread() is main:
+                Stretch.taken += 1
+                if point == "taking" and Stretch.taken == 2:  # the piece is off its stretch, not yet held
+                    signal.raise_signal(signal.SIGINT)
+            return piece
+
+    def handler(signum, frame):
+        if not interrupted.is_set():  # the first signal interrupts; one more, sent before the first was taken, not
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(_paddle, "_copy_bytes", copy)
+    monkeypatch.setattr(_paddle, "wait", waiting)
+    monkeypatch.setattr(_paddle, "deque", Stretch)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
-        _paddle.copy_rows_checked([R(dst, 0, src, 0, rows)], "cpu")
-    except KeyboardInterrupt:
-        raised_at.append(time.perf_counter())
-    timer.join()
-    assert raised_at, "the interrupt did not arrive during the batch"
-    deadline = time.monotonic() + 30
-    while len(writes) < blocks and time.monotonic() < deadline:  # a wrong build would still be writing
-        threading.Event().wait(0.01)
-    assert len(writes) == blocks and not all(by_main for by_main, _ in writes)
-    assert max(t for _, t in writes) < raised_at[0], "a copy thread still wrote after copy_rows_checked had raised"
-    assert np.array_equal(dst.numpy(), src.numpy())
+        with pytest.raises(KeyboardInterrupt):
+            _paddle.copy_rows_checked([R(dst, 0, src, 0, rows)], "cpu")
+        still_writing = list(in_flight)  # a wrong build raises while the pool thread is still held in its copy
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        released.set()
+    assert interrupted.is_set(), "the interrupt did not arrive during the batch"
+    assert not still_writing, "copy_rows_checked raised while a copy thread still wrote"
+    assert pool_writes and main_writes
+    assert released_in_time == [True], "the interrupted caller did not come back to wait for the copy threads"
+    assert np.array_equal(dst.numpy(), src.numpy()), "the interrupt left the batch half-copied"
 
 
 def test_a_chunk_is_applied_only_to_the_live_state_it_was_loaded_against(ckpt):
