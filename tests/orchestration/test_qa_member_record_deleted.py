@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from fdeplb.machines.tables import MEMBERSHIP, MemberState
-from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.helpers import TTL, deadlines, kill, round_done
+from tests.helpers import wait_for
+from tests.orchestration.helpers import lose_rank3
 
 pytestmark = pytest.mark.slow  # a thread cluster
 
@@ -18,14 +18,8 @@ M = MemberState
 
 
 def test_a_deleted_member_record_of_an_excluded_rank_does_not_readmit_it_unaudited(redis_url, cluster_id, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
-                        deadlines=deadlines()) as tc:
-        store = tc.store()
+    with lose_rank3(redis_url, cluster_id, tmp_path) as (tc, store):
         raw = redis.Redis.from_url(redis_url)
-        tc.start(heartbeat_ttl_ms=TTL)
-        kill(tc, 3)
-        wait_for(lambda: store.read(MEMBERSHIP, 3).state is M.EXCLUDED, 30, store, "rank 3 excluded")
-        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
         audited = [a for a in store.iter_audit() if a["key"] == "member:3"]
         raw.delete(f"fdeplb:{{{cluster_id}}}:member:3")
         # the leading coordinator's watch passes several times within this deadline (as for a corrupt record)
