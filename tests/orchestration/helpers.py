@@ -1,7 +1,8 @@
 """What the orchestration tests share (and the CLI's and API's tests over a thread cluster): the round-done
-predicate, a thread cluster that lost rank 3 (:func:`lose_rank3`), the embedded-worker threads (:class:`Workers`)
-with an instrumented backend, the weight-cancel cluster (:func:`embedded`), the kill of rank 1 between two chunks,
-and a paddle-backed serving cluster (:func:`paddle_serving`) with its rounds' loads (:func:`new_load`)."""
+predicate, thread clusters that lost rank 3 (:func:`lose_rank3`) or probe (:func:`probed_cluster`), the
+embedded-worker threads (:class:`Workers`) with an instrumented backend, the weight-cancel cluster
+(:func:`embedded`), the kill of rank 1 between two chunks, and a paddle-backed serving cluster
+(:func:`paddle_serving`) with its rounds' loads (:func:`new_load`)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,18 @@ def lose_rank3(redis_url, cluster_id, tmp_path):
             wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
             yield tc, store
     return cm()
+
+
+@contextlib.contextmanager
+def probed_cluster(redis_url, cluster_id, tmp_path, probe_of):
+    """A thread cluster whose agents registered ``probe_of(ep_rank)`` as their output probe before the coordinator
+    started (yields it)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        for a in tc.agents:
+            a.set_probe(probe_of(a.ep_rank))
+        tc.start_coordinator()
+        yield tc
 
 
 def round_over(store, n):

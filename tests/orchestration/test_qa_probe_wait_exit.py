@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.helpers import thread_cluster
+from tests.orchestration.helpers import probed_cluster
 
 pytestmark = pytest.mark.slow  # a thread cluster
 
@@ -25,11 +25,7 @@ def test_rearrange_wait_does_not_report_success_for_a_round_whose_probe_mismatch
             return {0: np.full(3, float(calls[r]) if r == 1 else 1.0, np.float32)}
         return probe
 
-    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
-        tc.start_agents()
-        for a in tc.agents:
-            a.set_probe(probe_of(a.ep_rank))
-        tc.start_coordinator()
+    with probed_cluster(redis_url, cluster_id, tmp_path, probe_of) as tc:
         done = subprocess.run([sys.executable, "-m", "fdeplb", "rearrange", "--redis-url", redis_url, "--cluster",
                                cluster_id, "--wait", "--timeout", "60"], capture_output=True, text=True, timeout=120)
         swapped = [a for a in tc.store().iter_audit() if a["machine"] == "cluster" and a["trigger"] == "swapped"]
