@@ -1,5 +1,6 @@
 """What the fault suites share: a coordinator process and its stop, waiting on an event of the cluster's stream
-with a deadline, and a round's gate made to let a planned round through."""
+with a deadline, a round's gate made to let a planned round through, and a peer-transfer cluster of worker
+processes (one of them hanging mid-expert)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-from fdeplb.store import Store
-from tests.helpers import wait_for
+from fdeplb.store import ClusterConfig, Deadlines, Store
+from tests.helpers import real_traces_28x64, wait_for
 
 
 def spawn_coordinator(cluster, holder: str, failpoints: str = "", lease_ms: int = 1_000) -> subprocess.Popen:
@@ -66,3 +68,35 @@ def settled(store: Store, round_: int):
 
 def last_cluster_transition(store: Store):
     return [a for a in store.iter_audit() if a["machine"] == "cluster" and a["trigger"] != "alarm"][-1]
+
+
+PEER_EP = 4
+
+
+def peer_cluster(redis_url: str, real_data, tmp_path, name: str, hang_rank: int):
+    """A 28 x 64 cluster of ``PEER_EP`` numpy worker processes that take moved experts from each other, rank
+    ``hang_rank``'s server hanging in the middle of the first expert it sends (failpoint ``peer.hang=sending``),
+    every rank ready, and a coordinator thread not yet started: ``(store, cluster, coordinator, thread)``."""
+    from fdeplb.orchestration.coordinator import Coordinator
+    from fdeplb.placement import initial_placement
+    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
+
+    traces = real_traces_28x64(real_data, tmp_path)
+    config = ClusterConfig(num_layers=28, num_logical_experts=64, num_physical_experts=72, ep_size=PEER_EP,
+                           deadlines=Deadlines(collecting_ms=30_000, loading_ms=60_000, commit_ms=30_000,
+                                               swapping_ms=30_000))
+    store = Store(redis_url, new_cluster_id(name))
+    cluster = LocalCluster(store=store, redis_url=redis_url, config=config, trace=traces, workdir=tmp_path,
+                           backend="numpy", peer_secret=f"{name}-secret")
+    cluster.init(initial_placement(28, 64, 72).phy2log)
+    coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
+    thread = threading.Thread(target=coordinator.run, daemon=True)
+    try:
+        for r in range(PEER_EP):
+            cluster.start_rank(r, env={"FDEPLB_FAILPOINTS": "peer.hang=sending"} if r == hang_rank else None)
+        cluster.wait_ready(timeout_s=120)
+    except BaseException:
+        cluster.stop()
+        store.delete_cluster()
+        raise
+    return store, cluster, coordinator, thread

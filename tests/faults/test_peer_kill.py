@@ -5,17 +5,15 @@ rank's worker is back."""
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
-from fdeplb.orchestration.coordinator import Coordinator
-from fdeplb.store import ClusterConfig, Deadlines, Store
-from tests.helpers import real_traces_28x64, wait_for
+from fdeplb.store import Store
+from tests.faults.helpers import PEER_EP as EP
+from tests.faults.helpers import peer_cluster
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
-
-EP = 4
 
 
 def _fallbacks_from(store: Store, peer: int) -> list[dict]:
@@ -29,23 +27,8 @@ def _fallbacks_from(store: Store, peer: int) -> list[dict]:
 
 
 def test_a_peer_killed_mid_transfer_costs_a_disk_read_and_the_round_goes_on(redis_url, real_data, tmp_path):
-    from fdeplb.placement import initial_placement
-    from fdeplb.sim.local_cluster import LocalCluster, new_cluster_id
-
-    traces = real_traces_28x64(real_data, tmp_path)
-    config = ClusterConfig(num_layers=28, num_logical_experts=64, num_physical_experts=72, ep_size=EP,
-                           deadlines=Deadlines(collecting_ms=30_000, loading_ms=60_000, commit_ms=30_000,
-                                               swapping_ms=30_000))
-    store = Store(redis_url, new_cluster_id("peerkill"))
-    cluster = LocalCluster(store=store, redis_url=redis_url, config=config, trace=traces, workdir=tmp_path,
-                           backend="numpy", peer_secret="peer-kill-secret")
-    cluster.init(initial_placement(28, 64, 72).phy2log)
-    coordinator = Coordinator(Store(redis_url, store.cluster), lease_ms=1_500)
-    thread = threading.Thread(target=coordinator.run, daemon=True)
-    try:
-        for r in range(EP):  # rank 1 hangs in the middle of the first expert it sends
-            cluster.start_rank(r, env={"FDEPLB_FAILPOINTS": "peer.hang=sending"} if r == 1 else None)
-        cluster.wait_ready(timeout_s=120)
+    store, cluster, coordinator, thread = peer_cluster(redis_url, real_data, tmp_path, "peerkill", hang_rank=1)
+    try:  # rank 1 hangs in the middle of the first expert it sends
         thread.start()
         store.request_round()
         log = tmp_path / "rank1.log"

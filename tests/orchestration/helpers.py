@@ -1,7 +1,8 @@
 """What the orchestration tests share (and the CLI's and API's tests over a thread cluster): the round-done
-predicate, the embedded-worker threads (:class:`Workers`) with an instrumented backend, the weight-cancel cluster
-(:func:`embedded`), the kill of rank 1 between two chunks, and a paddle-backed serving cluster (:func:`paddle_serving`) with its
-rounds' loads (:func:`new_load`)."""
+predicate, thread clusters that lost rank 3 (:func:`lose_rank3`) or probe (:func:`probed_cluster`), the
+embedded-worker threads (:class:`Workers`) with an instrumented backend, the weight-cancel cluster
+(:func:`embedded`), the kill of rank 1 between two chunks, and a paddle-backed serving cluster
+(:func:`paddle_serving`) with its rounds' loads (:func:`new_load`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 
 import numpy as np
 
-from fdeplb.machines.tables import ClusterState
+from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration.agent import RankAgent
 from fdeplb.orchestration.embedded_agent import EmbeddedAgent
 from fdeplb.store import Deadlines
@@ -195,6 +196,34 @@ def kill(tc, r: int) -> None:
     tc.agents[r].stop_event.set()
     tc.threads[r].join(10)
     assert not tc.threads[r].is_alive()
+
+
+def lose_rank3(redis_url, cluster_id, tmp_path):
+    """A 4-rank thread cluster (2 layers x 8 experts, 4 redundant, :func:`deadlines`) whose rank 3 was lost: EXCLUDED
+    and its re-placement round (round 1) done. A context manager: ``(tc, store)``."""
+    @contextlib.contextmanager
+    def cm():
+        with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
+                            deadlines=deadlines()) as tc:
+            store = tc.store()
+            tc.start(heartbeat_ttl_ms=TTL)
+            kill(tc, 3)
+            wait_for(lambda: store.read(MEMBERSHIP, 3).state is MemberState.EXCLUDED, 30, store, "rank 3 excluded")
+            wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
+            yield tc, store
+    return cm()
+
+
+@contextlib.contextmanager
+def probed_cluster(redis_url, cluster_id, tmp_path, probe_of):
+    """A thread cluster whose agents registered ``probe_of(ep_rank)`` as their output probe before the coordinator
+    started (yields it)."""
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        tc.start_agents()
+        for a in tc.agents:
+            a.set_probe(probe_of(a.ep_rank))
+        tc.start_coordinator()
+        yield tc
 
 
 def round_over(store, n):

@@ -14,8 +14,8 @@ from fdeplb.cli import main
 from fdeplb.errors import FenceError
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.replay import ReplayError, replay_file
-from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.helpers import TTL, deadlines, kill, round_done
+from tests.helpers import wait_for
+from tests.orchestration.helpers import lose_rank3, round_done
 
 pytestmark = pytest.mark.slow  # thread clusters
 
@@ -27,15 +27,9 @@ def _repairs(store, r):
 
 
 def test_a_corrupt_member_record_is_repaired_from_the_audit_and_rounds_go_on(redis_url, cluster_id, tmp_path):
-    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=2, num_experts=8, num_redundant=4,
-                        deadlines=deadlines()) as tc:
-        store = tc.store()
+    # rank 3 is lost: its membership is audited (SUSPECT, then EXCLUDED at v2), and the re-placement round ends
+    with lose_rank3(redis_url, cluster_id, tmp_path) as (tc, store):
         raw = redis.Redis.from_url(redis_url)
-        tc.start(heartbeat_ttl_ms=TTL)
-        # rank 3 is lost: its membership is audited (SUSPECT, then EXCLUDED at v2), and the re-placement round ends
-        kill(tc, 3)
-        wait_for(lambda: store.read(MEMBERSHIP, 3).state is M.EXCLUDED, 30, store, "rank 3 excluded")
-        wait_for(lambda: round_done(store, 1), 60, store, "the re-placement round")
         exclude = [a for a in store.iter_audit() if a["key"] == "member:3"][-1]
         # both records corrupted by hand: rank 2's never transitioned (its truth: ACTIVE v0), rank 3's did
         raw.hset(f"fdeplb:{{{cluster_id}}}:member:2", "state", "BOGUS")

@@ -14,7 +14,7 @@ from fdeplb.errors import InputError
 from fdeplb.rounds import reasons
 from fdeplb.orchestration.probe import Probe, ProbeOutcome, ProbeRun, compare, outputs_of
 from tests.helpers import thread_cluster, wait_for
-from tests.orchestration.helpers import round_done
+from tests.orchestration.helpers import probed_cluster, round_done
 
 
 def _run(before, after, reference=None, **tol):
@@ -124,11 +124,7 @@ def test_a_probe_that_raises_after_the_swap_is_rolled_back_and_the_loop_goes_on(
             return {0: np.arange(3, dtype=np.float32), 1: np.ones((2, 2))}
         return probe
 
-    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
-        tc.start_agents()
-        for a in tc.agents:
-            a.set_probe(probe_of(a.ep_rank))
-        tc.start_coordinator()
+    with probed_cluster(redis_url, cluster_id, tmp_path, probe_of) as tc:
         store = tc.store()
         before = store.current_placement()
         store.request_round("test raising probe")
