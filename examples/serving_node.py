@@ -177,9 +177,14 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
     plane = DataPlane(rank, incarnation, pids)
 
     def ffn(x, w):
-        h = paddle.matmul(x, w[up])
-        g, u = paddle.split(h, 2, axis=-1)
-        return paddle.matmul(F.silu(g) * u, w[down])
+        """The expert's FFN on tokens ``x`` [n, H], one token at a time: a batched matmul may round a row
+        differently with the batch around it, and a swap changes which tokens share a slot's batch."""
+        rows = []
+        for i in range(x.shape[0]):
+            h = paddle.matmul(x[i:i + 1], w[up])
+            g, u = paddle.split(h, 2, axis=-1)
+            rows.append(paddle.matmul(F.silu(g) * u, w[down]))
+        return paddle.concat(rows) if rows else paddle.zeros([0, H], dtype="float32")
 
     def route(layer, x, dist_now):
         """The gate: top-k experts of every token and their weights."""
@@ -221,9 +226,12 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
             replies[src] = y
         answers = plane.exchange({r: replies.get(r, np.zeros((0, H), np.float32)) for r in range(EP)}, backs)
         lost += sum(len(sent[r]) for r in sent if r not in answers)  # a peer that died in this step
+        parts = np.zeros((len(x), w.shape[1], x.shape[1]), np.float32)  # (token, k): summed in k order below
         for src, y in answers.items():
             for (t, k, _), row in zip(sent[src].tolist(), y):
-                out[t] += w[t, k] * row
+                parts[t, k] = w[t, k] * row
+        for k in range(w.shape[1]):  # the same order whichever slots served the token: bit-exact across swaps
+            out += parts[:, k]
         return out, lost, misrouted
 
     probe_x = np.random.default_rng([99, rank]).standard_normal((L, TOKENS, H)).astype(np.float32)
@@ -240,8 +248,8 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
             outputs[layer] = moe(layer, probe_x[layer], ids, w, log2phy, logcnt, 0, np.zeros((L, P), np.int64))[0]
         return outputs
 
-    if with_probe:  # tokens reach other slots after a swap, summed in another order: equal to float32 rounding
-        agent.set_probe(probe, rtol=1e-5, atol=1e-6)
+    if with_probe:  # bit-exact (the default): one token's FFN and its k-ordered sum do not depend on the slot
+        agent.set_probe(probe)
     # a rejoining worker is not routed to until the membership round's switch step: it follows the others' steps
     while rank not in agent.live_ranks and not stop_at.value:
         others = max(int(steps_of[r]) for r in range(EP) if r != rank)
@@ -270,10 +278,13 @@ def worker(rank: int, url: str, cluster: str, ckpt: str, dist: np.ndarray, chans
                                                      else None)
                 lost, misrouted = lost + lost_here, misrouted + misrouted_here
                 if serving:
-                    expect = np.zeros_like(x)
+                    parts = np.zeros((len(x), ids.shape[1], H), np.float32)
                     for e in np.unique(ids).tolist():  # the checkpoint's logical expert e, no EPLB
                         t, k = np.nonzero(ids == e)
-                        expect[t] += w[t, k][:, None] * ffn(paddle.to_tensor(x[t]), ref[(layer, e)]).numpy()
+                        parts[t, k] = w[t, k][:, None] * ffn(paddle.to_tensor(x[t]), ref[(layer, e)]).numpy()
+                    expect = np.zeros_like(x)
+                    for k in range(ids.shape[1]):  # summed in k order, as moe() does
+                        expect += parts[:, k]
                     d = float(np.abs(out - expect).max() / max(np.abs(expect).max(), 1e-12))
                     diff = d if diff is None else max(diff, d)
                     x = x + expect  # the next layer sees the correct output (a wrong one is caught at this layer)
