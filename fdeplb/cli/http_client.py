@@ -70,8 +70,9 @@ class ApiClient:
             raise RedisUnavailableError(f"no TLS connection to {self.url}: {tls_failure(exc, ca_cert)}") from None
         except requests.RequestException as exc:
             hint = ""
-            if self.url.startswith("http://") and not isinstance(exc, requests.exceptions.ConnectTimeout) and \
-                    speaks_tls(self.url, min(self.timeout_s, TLS_PROBE_S)):
+            if self.url.startswith("http://") and isinstance(exc, requests.ConnectionError) and \
+                    not isinstance(exc, requests.exceptions.ConnectTimeout) and \
+                    speaks_tls(self.url, min(self.timeout_s, TLS_PROBE_S)):  # a TLS server drops plain HTTP
                 hint = f": the port seems to speak TLS (it completed a TLS handshake): use https://{self.url[7:]}"
             raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}{hint}") from None
         try:
