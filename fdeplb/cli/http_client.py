@@ -7,8 +7,8 @@ work on an install without the ``api`` extra. Credentials come from the same pla
 (``FDEPLB_API_USER`` / ``FDEPLB_API_PASSWORD`` or ``--credentials-file``, :mod:`fdeplb.credentials`).
 
 An HTTP error status is raised as the error of the CLI's error table (:data:`_STATUS_ERRORS`); no answer at all
-(refused, unreachable, timed out, a failed TLS handshake: :func:`tls_failure` says why) is
-:class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
+(refused, unreachable, timed out, a failed TLS handshake: :func:`tls_failure` says why; an ``http://`` URL whose port
+completes a TLS handshake: :func:`speaks_tls`) is :class:`~fdeplb.errors.RedisUnavailableError` (exit 7) with one line.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from fdeplb.errors import (AuthError, DependencyError, FdeplbError, InputError, 
 _STATUS_ERRORS = {400: InputError, 401: AuthError, 404: NotFoundError, 409: StateError, 413: InputError,
                   503: RedisUnavailableError}
 TIMEOUT_S = 30.0
+#: the longest the TLS probe of an ``http://`` URL that gave no answer may take (s), :func:`speaks_tls`
+TLS_PROBE_S = 5.0
 #: records per ``GET /v1/audit`` page (at most the server's limit, fdeplb.api.service.MAX_AUDIT_LIMIT)
 AUDIT_PAGE = 10_000
 #: how long one ``audit --url --follow`` request long-polls (ms)
@@ -64,9 +66,15 @@ class ApiClient:
             resp = requests.request(method, self.url + path, timeout=kwargs.pop("timeout", self.timeout_s),
                                     verify=self.verify, **kwargs)
         except requests.exceptions.SSLError as exc:
-            raise RedisUnavailableError(f"no TLS connection to {self.url}: {tls_failure(exc)}") from None
+            ca_cert = self.verify if isinstance(self.verify, str) else None
+            raise RedisUnavailableError(f"no TLS connection to {self.url}: {tls_failure(exc, ca_cert)}") from None
         except requests.RequestException as exc:
-            raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}") from None
+            hint = ""
+            if self.url.startswith("http://") and isinstance(exc, requests.ConnectionError) and \
+                    not isinstance(exc, requests.exceptions.ConnectTimeout) and \
+                    speaks_tls(self.url, min(self.timeout_s, TLS_PROBE_S)):  # a TLS server drops plain HTTP
+                hint = f": the port seems to speak TLS (it completed a TLS handshake): use https://{self.url[7:]}"
+            raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}{hint}") from None
         try:
             body = resp.json()
         except ValueError:
@@ -134,11 +142,12 @@ def _ssl_error(exc: BaseException):
     return None
 
 
-def tls_failure(exc: BaseException) -> str:
-    """What went wrong in a failed TLS handshake (``exc``: a ``requests`` SSLError), in words and with OpenSSL's
-    whole reason (never cut): the server does not speak TLS on that port, its certificate has expired (or is not yet
-    valid), does not name the host asked for, or was not verified against the CA bundle (``--ca-cert``); else the
-    handshake's own error."""
+def tls_failure(exc: BaseException, ca_cert: str | None = None) -> str:
+    """What went wrong in a failed TLS handshake (``exc``: a ``requests`` SSLError; ``ca_cert``: the ``--ca-cert``
+    file it was verified against, None for the default bundle), in words and with OpenSSL's whole reason (never
+    cut): the server does not speak TLS on that port, its certificate has expired (or is not yet valid), does not
+    name the host asked for, or was not verified: not signed by the CA in ``ca_cert`` when one was given, else
+    (the default bundle) ``--ca-cert`` is named; else the handshake's own error."""
     import ssl
 
     err = _ssl_error(exc)
@@ -154,10 +163,32 @@ def tls_failure(exc: BaseException) -> str:
         if err.verify_code in _NAME_MISMATCH:
             return (f"the server's certificate does not name this host ({what}): use a host name or IP address "
                     f"the certificate holds, or reissue it with this one")
+        if ca_cert is not None:
+            return (f"the server's certificate is not signed by the CA in --ca-cert {ca_cert} ({what}): pass the CA "
+                    f"that issued it")
         return f"the certificate was not verified: {what} (pass --ca-cert PEM or set REQUESTS_CA_BUNDLE)"
     if err.reason in _NOT_TLS:
         return f"the server does not speak TLS on that port (a plain-HTTP server? try http://) ({text})"
     return f"TLS handshake failed: {text}"
+
+
+def speaks_tls(url: str, timeout_s: float) -> bool:
+    """Whether the host and port of ``url`` (``http://host[:port]``; port 80 when none) complete a TLS handshake
+    within ``timeout_s`` seconds (the certificate is not verified: this only tells whether the port speaks TLS).
+    False on any socket or TLS error."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        parts = urlsplit(url)
+        with socket.create_connection((parts.hostname, parts.port or 80), timeout=timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=parts.hostname):
+            return True
+    except (OSError, ValueError, TypeError):  # ssl.SSLError is an OSError; a port or host the URL cannot give
+        return False
 
 
 def _entry(record: dict[str, Any]):

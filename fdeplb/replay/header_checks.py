@@ -15,16 +15,22 @@ What is checked:
 
 - :func:`check_settings` (after the machine replay): in a whole-audit export (``range.round`` null), each setting a
   note changed is the note's new value in the header unless a later note changed it again, and the header's
-  ``version`` is the last note's (a round's export by an older fdeplb may hold later settings: not checked); the
-  header's ``topology`` is its configuration's; every plan line whose content hash is its plan_id (a chained fact)
-  was made with the header's topology and with the policy in force for its round; every gated round's ``min_gain``
-  (``detail.gate``, or the text of a schema 1 record) is the one in force; a commit requested by an operator
-  (a cordoned cluster's) is not in a range the header calls uncordoned throughout;
+  ``version`` is the last note's, or 0 (what ``init-cluster`` writes) when the range has no note and starts at the
+  stream's first record (its chain verified from ``""``) (a round's export by an older fdeplb may hold later
+  settings: not checked); the header's ``topology`` and ``policy`` are its configuration's (the policy at the
+  range's end); every plan line whose content hash is its plan_id (a chained fact) was made with the header's
+  topology and with the policy in force for its round; every gated round's ``min_gain`` (``detail.gate``, or the
+  text of a schema 1 record) is the one in force; a commit requested by an operator (a cordoned cluster's) is not
+  in a range the header calls uncordoned throughout;
 - :func:`check_passed_gates` (after the plans were recomputed): every round the gate let through gains more than
   the ``min_gain`` in force (its stored plan's figures, over its members as the gate took them).
 
-Settings no record shows (``retain_rounds``, ``audit_keep``, the deadlines, the checkpoint) cannot be checked
-without the live cluster. Every failure is a :class:`~fdeplb.errors.ReplayError` starting ``line 1:``.
+Facts no record shows are not checked by the self-contained replay: the settings ``retain_rounds``,
+``audit_keep``, the deadlines and the checkpoint, and the configuration's ``incarnation`` (no record or note
+carries it), which :mod:`fdeplb.replay.anchor` compares with the live cluster's (``--redis-url``); the header's
+``cluster``, which nothing checks (an audit record's ``key`` is ``cluster`` or ``rank:<r>``, without the cluster id,
+the chain does not hash it, and a copy rebuilt by ``replay --into`` holds the same chain under another id); the
+policy of a range that made no plan. Every failure is a :class:`~fdeplb.errors.ReplayError` starting ``line 1:``.
 """
 
 from __future__ import annotations
@@ -116,7 +122,19 @@ def configs(report: ReplayReport) -> ConfigTimeline:
                             max(note.version - 1, 0) if note.version else cfg.version)
         except InputError as exc:
             raise ReplayError(f"{note.where}: config_changed undoes to no configuration: {exc}") from None
+    if strict and cfg.version and not report.config_changes and report.until is None and _from_stream_start(report):
+        raise ReplayError(f"line 1: the header's configuration is version {cfg.version}, but the range starts at "
+                          f"the cluster's first audit record (init-cluster writes version 0) and no config_changed "
+                          f"note changed it since (the header was edited)")
     return ConfigTimeline(cfg, tuple(report.config_changes))
+
+
+def _from_stream_start(report: ReplayReport) -> bool:
+    """Whether the recording's records begin at the audit stream's first record: its header's start chain is ""
+    and its first record carries a chain (verified from "" by the replay: a stream trimmed before it would not
+    verify). A record without a chain (a stream older than the chain) cannot tell."""
+    start = (report.header or {}).get("start") or {}
+    return start.get("chain") == "" and bool(report.audit) and bool(report.audit[0].get("chain"))
 
 
 def check_settings(report: ReplayReport) -> ConfigTimeline:
@@ -131,6 +149,10 @@ def check_settings(report: ReplayReport) -> ConfigTimeline:
     _check_plans_made_with(report, timeline)
     _check_gated_min_gain(report, timeline)
     _check_commit_requests(report, timeline)
+    policy = ClusterConfig.from_json(header["config"]).policy  # at the range's end, as the exporter wrote both
+    if header.get("policy", policy) != policy:
+        raise ReplayError(f"line 1: the header's policy {header['policy']!r} is not its configuration's {policy!r} "
+                          f"(the policy at the range's end)")
     return timeline
 
 

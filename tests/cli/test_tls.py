@@ -1,7 +1,8 @@
 """TLS as an operator gets it wrong (issue 34 item 7), with real certificate files made by the ``openssl`` CLI:
 ``fdeplb serve`` refuses a mismatched, swapped or corrupt certificate/key pair (or an encrypted key) with one line
 naming the files and exit 2, before it binds; ``fdeplb status --url https://...`` names what failed in the handshake
-(a plain-HTTP server, an unknown CA, a certificate for another host, an expired one) with OpenSSL's whole reason."""
+(a plain-HTTP server, an unknown CA, a --ca-cert of another CA, a certificate for another host, an expired one)
+with OpenSSL's whole reason; ``http://`` to a TLS port says the port seems to speak TLS."""
 
 from __future__ import annotations
 
@@ -134,6 +135,14 @@ def test_status_over_https_names_what_failed_in_the_handshake(redis_url, cluster
             "number" in err and "certificate was not verified" not in err, err
         err = status(f"https://127.0.0.1:{ports['tls']}")  # the system's CAs do not hold the test's
         assert "the certificate was not verified: self-signed certificate (pass --ca-cert" in err, err
+        err = status(f"https://127.0.0.1:{ports['tls']}", "--ca-cert", certs["other_cert"])  # another CA given
+        assert (f"the server's certificate is not signed by the CA in --ca-cert {certs['other_cert']} (self-signed "
+                f"certificate): pass the CA that issued it") in err and "pass --ca-cert" not in err, err
+        err = status(f"http://127.0.0.1:{ports['tls']}")  # plain HTTP to the TLS port
+        assert err.rstrip().endswith(f"the port seems to speak TLS (it completed a TLS handshake): use "
+                                     f"https://127.0.0.1:{ports['tls']}"), err
+        err = status(f"http://127.0.0.1:{free_port()}")  # nothing listens: no TLS hint
+        assert "ConnectionError" in err and "TLS" not in err, err
         err = status(f"https://localhost:{ports['tls']}", "--ca-cert", certs["cert"])  # it names 127.0.0.1 only
         assert "does not name this host (Hostname mismatch, certificate is not valid for 'localhost'.)" in err, err
         err = status(f"https://127.0.0.1:{ports['expired']}", "--ca-cert", certs["expired_cert"])

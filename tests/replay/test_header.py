@@ -62,6 +62,27 @@ def test_an_edited_header_setting_fails_at_line_1(recording, edit, reason, tmp_p
     _replay_fails(capsys, _write(tmp_path, lines), r"error: line 1: the header's .*" + reason)
 
 
+@pytest.mark.parametrize("recording,name,value,reason", [
+    ("happy", "policy", "balanced", r"policy 'balanced' is not its configuration's 'deepseek' \(the policy at the "
+                                    r"range's end\)"),
+    ("schema1/gated_skip", "policy", "greedy", r"policy 'greedy' is not its configuration's"),
+    # no config_changed note since the stream's first record: the version init-cluster wrote, 0
+    ("happy", "version", 3, r"configuration is version 3, but the range starts at the cluster's first audit record "
+                            r"\(init-cluster writes version 0\) and no config_changed note changed it since"),
+])
+def test_an_edited_top_level_policy_or_version_fails_at_line_1(recording, name, value, reason, tmp_path, capsys):
+    lines = lines_of(recording)
+    (lines[0]["config"] if name == "version" else lines[0])[name] = value
+    _replay_fails(capsys, _write(tmp_path, lines), r"^error: line 1: the header's .*" + reason)
+
+
+def test_the_cluster_id_and_incarnation_are_attested_by_no_record(tmp_path):
+    """What docs/recordings.md says the self-contained replay cannot check: no record carries them."""
+    lines = lines_of("happy")
+    lines[0]["cluster"], lines[0]["config"]["incarnation"] = "another-cluster", "0" * 32
+    assert main(["replay", str(_write(tmp_path, lines))]) == 0
+
+
 @pytest.mark.parametrize("path", RECORDINGS + SCHEMA1, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_kept_recording_replays_its_header(path):
     report = replay_file(path)  # the header checks run at the end of the replay
@@ -142,6 +163,11 @@ def test_a_header_setting_no_record_shows_is_caught_against_the_live_cluster(cha
     edited = _write(tmp_path, lines)
     assert main(["replay", str(edited)]) == 0
     live = ["--redis-url", store.url, "--cluster", store.cluster]
+    incarnation = lines[0]["config"]["incarnation"]
+    lines[0]["config"]["retain_rounds"], lines[0]["config"]["incarnation"] = 3, "f" * 32  # nor this one
+    _replay_fails(capsys, [str(_write(tmp_path, lines, "reborn.jsonl")), *live],
+                  rf"error: line 1: .*differs from the live cluster's .*: incarnation 'f{{32}}' \(live "
+                  rf"'{incarnation}'\)")
     _replay_fails(capsys, [str(edited), *live],
                   r"error: line 1: the header's configuration differs from the live cluster's at the recording's "
                   r"end: retain_rounds 99 \(live 3\)")
