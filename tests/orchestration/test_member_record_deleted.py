@@ -11,8 +11,10 @@ import pytest
 import redis
 import structlog
 
+from fdeplb.cli import main
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState
 from fdeplb.orchestration.membership import MembershipWatch, operator_fire
+from fdeplb.replay import replay_file
 from tests.helpers import wait_for
 from tests.orchestration.helpers import lose_rank3
 
@@ -85,3 +87,6 @@ def test_a_deleted_member_record_of_an_excluded_rank_does_not_readmit_it_unaudit
         assert json.loads(notes[0]["detail"])["source"] == audited[-1].id
         assert store.read(MEMBERSHIP, 3).state is M.EXCLUDED
         tc.stop()
+        path = tmp_path / "deleted.jsonl"  # the note matches the record as replayed
+        assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
+        assert replay_file(path).final["member:3"].state == "EXCLUDED"
