@@ -88,11 +88,12 @@ def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: s
     check_request_reason(reason)
     if changes.get("audit_export_path"):
         changes = {**changes, "audit_export_path": check_export_path(changes["audit_export_path"], audit_dir)}
-    check = None
-    if {"audit_keep", "audit_export_path"} & changes.keys():
-        def check(new: ClusterConfig) -> None:
-            check_trimming(new.audit_keep, new.audit_export_path, audit_dir)
-    old, new, _ = store.change_config(changes, actor=by, reason=reason, check=check)
+
+    def trimming(new: ClusterConfig) -> None:
+        check_trimming(new.audit_keep, new.audit_export_path, audit_dir)
+
+    touched = {"audit_keep", "audit_export_path"} & changes.keys()
+    old, new, _ = store.change_config(changes, actor=by, reason=reason, check=trimming if touched else None)
     return old, new
 
 

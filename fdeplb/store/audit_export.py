@@ -42,9 +42,9 @@ def confine_export_path(path: str, audit_dir: str | None) -> str:
     kept as given, so a symbolic link there is still seen, and refused, when it is opened), checked to lie inside
     ``audit_dir`` (resolved likewise). A relative ``path`` is relative to the working directory.
 
-    Raises :class:`InputError` when ``audit_dir`` is None or empty (no directory was named: exporting is off), is
-    refused by :func:`check_audit_dir`, or when ``path`` is empty, names a folder (``.``, ``..``, a trailing ``/``), holds a NUL or
-    lies outside ``audit_dir``."""
+    Raises :class:`InputError` when ``audit_dir`` is None or empty (no directory was named: exporting is off) or
+    refused by :func:`check_audit_dir`, or when ``path`` is empty, names a folder (``.``, ``..``, a trailing
+    ``/``), holds a NUL or lies outside ``audit_dir``."""
     if not isinstance(path, str) or not path or len(path) > MAX_PATH or "\0" in path:
         raise InputError(f"audit export {str(path)[:200]!r}: not a file path (1 to {MAX_PATH} characters, no NUL)")
     if not audit_dir:

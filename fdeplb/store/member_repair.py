@@ -1,15 +1,15 @@
-"""Repairing a corrupt or deleted membership record from the audit (issue 34, QA HIGH 3): the record's truth is what the last audited
-record of that rank's membership left (a transition's ``to`` and ``version``, or an earlier repair's), or the
-machine's initial state at version 0 when nothing of it was audited and the record says it never transitioned
-(its ``version`` is 0 or missing). When the audit does not tell (no record of it, but a version that is not 0 or
-does not parse: the audit was trimmed), the rank is excluded instead (EXCLUDED at that version; it comes back as
-an excluded rank does: a new agent rejoins, or ``rank readmit``). A *missing* record is restored the same way when
-the audit holds a membership record of the rank (it transitioned, so it is not the initial state any more); one of a
-rank with no audited membership is left missing, which readers take as the initial ACTIVE v0 (a cluster made before
-membership; :meth:`Repair.member_audits` tells the two apart in one walk of the audit). The rewrite and its audit note
-(``record_repaired``, on the member record, from = to = the restored state at the restored version, the corrupt
-fields in its ``detail``) commit in one ``MULTI`` / ``EXEC``, WATCHing the record and the coordinator lease: a
-record fixed or changed meanwhile, or a lease lost, writes nothing.
+"""Repairing a corrupt or deleted membership record from the audit (issue 34, QA HIGH 3): the record's truth is
+what the last audited record of that rank's membership left (a transition's ``to`` and ``version``, or an earlier
+repair's), or the machine's initial state at version 0 when nothing of it was audited and the record says it never
+transitioned (its ``version`` is 0 or missing). When the audit does not tell (no record of it, but a version that is
+not 0 or does not parse: the audit was trimmed), the rank is excluded instead (EXCLUDED at that version; it comes
+back as an excluded rank does: a new agent rejoins, or ``rank readmit``). A *missing* record is restored the same way
+when the audit holds a membership record of the rank (it transitioned, so it is not the initial state any more); one
+of a rank with no audited membership is left missing, which readers take as the initial ACTIVE v0 (a cluster made
+before membership; :meth:`Repair.member_audits` tells the two apart in one walk of the audit). The rewrite and its
+audit note (``record_repaired``, on the member record, from = to = the restored state at the restored version, the
+corrupt fields in its ``detail``, none for a missing record) commit in one ``MULTI`` / ``EXEC``, WATCHing the record
+and the coordinator lease: a record fixed or changed meanwhile, or a lease lost, writes nothing.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_append`` (the registered audit script),
 ``ep_size``;
