@@ -57,34 +57,28 @@ class Repair:
 
     def last_member_audit(self, ep_rank: int) -> tuple[str, dict[str, str]] | None:
         """(stream id, fields) of the newest audit record of ``ep_rank``'s membership (a transition or a note on
-        it), walking the audit stream back from its end in batches; None when the stream holds none."""
-        label, end = f"{MEMBERSHIP.key_label}:{int(ep_rank)}", "+"
-        while True:
-            batch = self._client.xrevrange(self._keys.audit, end, "-", count=_BATCH)
-            for entry_id, raw in batch:
-                fields = _text(raw)
-                if fields.get("key") == label:
-                    return _s(entry_id), fields
-            if len(batch) < _BATCH:
-                return None
-            end = "(" + _s(batch[-1][0])
+        it), walking the audit stream back from its end (:meth:`member_audits`); None when the stream holds none."""
+        return self.member_audits([int(ep_rank)])[0].get(int(ep_rank))
 
-    def member_audits(self, ranks: Collection[int], after: str = "-") -> tuple[dict[int, str], str]:
-        """Which of ``ranks`` have a membership record in the audit newer than stream id ``after`` ("-": any):
-        ``(ep_rank -> the id of its newest one, the newest audit id walked)``, walking the stream back from its
-        end in batches once for all of them, stopping when each was found or at ``after``. The newest id walked
-        is ``after`` when nothing is newer; a caller passes it back as ``after`` to walk only what came since."""
+    def member_audits(self, ranks: Collection[int], after: str = "-"
+                      ) -> tuple[dict[int, tuple[str, dict[str, str]]], str]:
+        """The newest membership audit record of each of ``ranks`` newer than stream id ``after`` ("-": any):
+        ``(ep_rank -> (its stream id, fields), the newest audit id walked)``, walking the stream back from its end
+        in batches once for all of them, stopping when each was found or at ``after``. A rank with none is left
+        out. The newest id walked is ``after`` when nothing is newer; a caller passes it back as ``after`` to walk
+        only what came since."""
         labels = {f"{MEMBERSHIP.key_label}:{int(r)}": int(r) for r in ranks}
-        found: dict[int, str] = {}
+        found: dict[int, tuple[str, dict[str, str]]] = {}
         start, end, head = ("(" + after) if after != "-" else "-", "+", after
         while labels:
             batch = self._client.xrevrange(self._keys.audit, end, start, count=_BATCH)
             if batch and end == "+":
                 head = _s(batch[0][0])
             for entry_id, raw in batch:
-                r = labels.pop(_text(raw).get("key", ""), None)
+                fields = _text(raw)
+                r = labels.pop(fields.get("key", ""), None)
                 if r is not None:
-                    found[r] = _s(entry_id)
+                    found[r] = _s(entry_id), fields
             if len(batch) < _BATCH:
                 break
             end = "(" + _s(batch[-1][0])

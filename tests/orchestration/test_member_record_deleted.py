@@ -38,7 +38,8 @@ def test_a_deleted_record_is_restored_from_the_audit_and_an_unaudited_one_stays_
         drained = store.audit()[-1]
         raw.delete(member(0), member(1))
         audited, head = store.member_audits([0, 1])
-        assert audited == {1: drained.id} and head == store.audit()[-1].id
+        assert audited.keys() == {1} and audited[1][0] == drained.id and audited[1][1]["to"] == "DRAINING"
+        assert head == store.audit()[-1].id
         assert store.member_audits([0, 1], after=head) == ({}, head)  # nothing newer: walks nothing
         length = store.audit_length()
         assert store.repair_member(0, fence="", actor="test") is None  # never transitioned: nothing written
