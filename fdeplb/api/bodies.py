@@ -96,7 +96,8 @@ class ConfigBody(_OperatorBody):
     min_gain: float | None = Field(None, description="in [0, 1]")
     cordoned: StrictBool | None = None
     retain_rounds: StrictInt | None = None
-    audit_keep: StrictInt | None = None
+    audit_keep: StrictInt | None = Field(
+        None, description="refused (400): set only on the command line, which checks the export against --audit-dir")
     audit_export_path: StrictStr | None = Field(
         None, max_length=4096, description="refused (400): set only on the command line, inside --audit-dir")
     deadlines: DeadlinesBody | None = None
@@ -107,10 +108,10 @@ class ConfigBody(_OperatorBody):
         :data:`~fdeplb.store.cluster_config.COMMAND_LINE_ONLY` (even as null)."""
         fixed = sorted(set(COMMAND_LINE_ONLY) & self.model_fields_set)
         if fixed:
-            raise InputError(f"{', '.join(fixed)} cannot be changed over the API: it names a file the coordinators "
-                             f"write, so it is set only on the command line (`fdeplb init-cluster` / `fdeplb config "
-                             f"set --audit-export FILE --audit-dir DIR`, inside the coordinators' --audit-dir); "
-                             f"nothing was changed")
+            raise InputError(f"{', '.join(fixed)} cannot be changed over the API: the audit export is a file the "
+                             f"coordinators write inside their --audit-dir, which this server cannot check, so it is "
+                             f"set only on the command line (`fdeplb init-cluster` / `fdeplb config set --audit-keep N "
+                             f"--audit-export FILE --audit-dir DIR`); nothing was changed")
         out = self.model_dump(exclude_none=True, exclude={"reason"})
         if "deadlines" in out and not out["deadlines"]:
             del out["deadlines"]

@@ -139,10 +139,9 @@ def run_coordinator(args: argparse.Namespace) -> int:
     wait_for_redis(args.redis_url, args.cluster, args.redis_wait_s, "coordinator")
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
-    if cfg.audit_keep:  # this process trims the audit: refuse at start, not at every round's end
-        from fdeplb.store.audit_export import check_export_path
+    from fdeplb.store.audit_export import check_trimming
 
-        check_export_path(cfg.audit_export_path, args.audit_dir)
+    check_trimming(cfg.audit_keep, cfg.audit_export_path, args.audit_dir)  # refused at start, not at a round's end
     coordinator = Coordinator(store, args.holder, lease_ms=args.lease_ms, interval_s=args.interval,
                               min_balancedness=args.min_balancedness, audit_dir=args.audit_dir)
 

@@ -39,6 +39,8 @@ class MembershipWatch:
         self.log = log
         self.view: MemberView | None = None
         self._handles: dict[int, RecordHandle] = {}
+        #: ranks whose member record was missing with no membership audited up to the stream id (walked no more)
+        self._unaudited: tuple[frozenset[int], str] = (frozenset(), "-")
 
     def _handle(self, r: int, fence: str) -> RecordHandle:
         h = self._handles.get(r)
@@ -80,23 +82,38 @@ class MembershipWatch:
         return changed, due
 
     def _read_view(self, fence: str) -> MemberView:
-        """:meth:`Store.member_view`, with every member record that does not parse repaired first from the audit
-        (:meth:`Store.repair_member`, audited ``record_repaired``, fenced with ``fence``): a corrupt record never
-        blocks the rounds. Another corrupt value (the registry) raises its :class:`CorruptRecordError`."""
+        """:meth:`Store.member_view`, with every member record that does not parse, or is missing although the
+        audit holds the rank's membership (deleted), repaired first from the audit (:meth:`Store.repair_member`,
+        audited ``record_repaired``, fenced with ``fence``): a corrupt record never blocks the rounds and a deleted
+        one never readmits its rank. Another corrupt value (the registry) raises its :class:`CorruptRecordError`.
+        The audit is walked for missing records only since the last walk found none of them audited."""
         for _ in range(self.store.ep_size() + 1):
             try:
-                return self.store.member_view()
+                view = self.store.member_view()
             except CorruptRecordError as err:
                 r = self.store.member_of(err.key)
                 if r is None:
                     raise
-                fixed = self.store.repair_member(r, fence=fence, actor=self.holder)
-                if fixed is not None:
-                    self.log.warning("member record repaired", ep_rank=r, state=fixed.record.state,
-                                     version=fixed.record.version, source=fixed.source)
-                    self.store.emit_event("membership", ep_rank=r, trigger="record_repaired",
-                                          state=fixed.record.state)
+                self._repair(r, fence)
+                continue
+            missing = frozenset(r for r, m in enumerate(view.members) if m is None)
+            if not missing:
+                return view
+            seen, head = self._unaudited
+            audited, head = self.store.member_audits(missing, head if missing <= seen else "-")
+            self._unaudited = (missing - audited.keys(), head)
+            if not audited:
+                return view
+            for r in sorted(audited):
+                self._repair(r, fence)
         return self.store.member_view()
+
+    def _repair(self, r: int, fence: str) -> None:
+        fixed = self.store.repair_member(r, fence=fence, actor=self.holder)
+        if fixed is not None:
+            self.log.warning("member record repaired", ep_rank=r, state=fixed.record.state,
+                             version=fixed.record.version, source=fixed.source)
+            self.store.emit_event("membership", ep_rank=r, trigger="record_repaired", state=fixed.record.state)
 
     def _fire(self, r: int, rec: MemberRecord, trigger: str, fence: str, reason: reasons.Reason,
               changes: dict[str, Any]) -> MemberState | None:

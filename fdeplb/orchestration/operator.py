@@ -15,7 +15,7 @@ from fdeplb.machines.tables import CLUSTER, ClusterState
 from fdeplb.orchestration.handles import Fired, RecordHandle
 from fdeplb.rounds import reasons
 from fdeplb.store import ClusterConfig, Store
-from fdeplb.store.audit_export import check_export_path
+from fdeplb.store.audit_export import check_export_path, check_trimming
 from fdeplb.store.records import check_request_reason
 from fdeplb.store.liveness import stale_of
 
@@ -80,12 +80,20 @@ def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: s
     Applies from the next round (a round in flight keeps the settings it started with). A non-empty
     ``audit_export_path`` must lie in ``audit_dir`` and be a regular file
     (:func:`~fdeplb.store.audit_export.check_export_path`; stored as its absolute path); with no ``audit_dir`` it is
-    refused. Returns (old, new); :class:`InputError` for a setting that may not change or a bad value (nothing
-    written)."""
+    refused. A change of ``audit_keep`` or ``audit_export_path`` that leaves ``audit_keep`` > 0 is refused unless
+    the resulting export path passes that check for ``audit_dir`` (:func:`~fdeplb.store.audit_export.check_trimming`,
+    as a coordinator started with that ``--audit-dir`` checks it), checked against the configuration as written (in
+    its transaction): a setting no coordinator would start with is never stored. Returns (old, new);
+    :class:`InputError` for a setting that may not change or a bad value (nothing written)."""
     check_request_reason(reason)
     if changes.get("audit_export_path"):
         changes = {**changes, "audit_export_path": check_export_path(changes["audit_export_path"], audit_dir)}
-    old, new, _ = store.change_config(changes, actor=by, reason=reason)
+
+    def trimming(new: ClusterConfig) -> None:
+        check_trimming(new.audit_keep, new.audit_export_path, audit_dir)
+
+    touched = {"audit_keep", "audit_export_path"} & changes.keys()
+    old, new, _ = store.change_config(changes, actor=by, reason=reason, check=trimming if touched else None)
     return old, new
 
 

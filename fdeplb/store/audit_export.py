@@ -4,7 +4,10 @@ the one rule of which files that may be.
 The path is an operator's decision made on the command line (``init-cluster`` / ``config set --audit-export``),
 never over the API, and it is confined to the directory the operator names when starting the processes that check
 or write it (``--audit-dir``): a path outside that directory (``..`` and symbolic links resolved) is refused, and
-with no directory every path is refused (exporting, and so trimming, is then off). The file itself must be a
+with no directory every path is refused (exporting, and so trimming, is then off). The directory itself may not let
+the export reach the system's files (QA MED 1): it is refused when it resolves to ``/``, to a directory holding one of
+:data:`SYSTEM_DIRS`, or to one inside them (``--audit-dir /`` or ``/etc``); ``/var/log/...``, ``/srv/...``, a home or
+a temporary folder are fine. The file itself must be a
 regular file: its last component is opened with ``O_NOFOLLOW`` (a symbolic link is refused, wherever it points),
 without blocking (a FIFO with no reader is refused, not waited on), created with ``O_CREAT | O_EXCL`` when missing,
 and checked with ``fstat`` (no device, FIFO or directory).
@@ -22,7 +25,12 @@ from typing import TextIO
 
 from fdeplb.errors import InputError
 
-__all__ = ["check_export_path", "confine_export_path", "open_export"]
+__all__ = ["SYSTEM_DIRS", "check_audit_dir", "check_export_path", "check_trimming", "confine_export_path",
+           "open_export"]
+
+#: the system's directories an audit directory may not be, lie in, or hold (``/`` holds them all): an export there
+#: could append to the system's files
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 
 #: longest export path accepted (as Linux's PATH_MAX)
 MAX_PATH = 4096
@@ -34,17 +42,15 @@ def confine_export_path(path: str, audit_dir: str | None) -> str:
     kept as given, so a symbolic link there is still seen, and refused, when it is opened), checked to lie inside
     ``audit_dir`` (resolved likewise). A relative ``path`` is relative to the working directory.
 
-    Raises :class:`InputError` when ``audit_dir`` is None or empty (no directory was named: exporting is off), is
-    not a directory, or when ``path`` is empty, names a folder (``.``, ``..``, a trailing ``/``), holds a NUL or
-    lies outside ``audit_dir``."""
+    Raises :class:`InputError` when ``audit_dir`` is None or empty (no directory was named: exporting is off) or
+    refused by :func:`check_audit_dir`, or when ``path`` is empty, names a folder (``.``, ``..``, a trailing
+    ``/``), holds a NUL or lies outside ``audit_dir``."""
     if not isinstance(path, str) or not path or len(path) > MAX_PATH or "\0" in path:
         raise InputError(f"audit export {str(path)[:200]!r}: not a file path (1 to {MAX_PATH} characters, no NUL)")
     if not audit_dir:
         raise InputError(f"audit export {path}: refused: this process was started without --audit-dir DIR (the "
                          f"directory audit exports must lie in), so it exports nothing and trims nothing")
-    root = os.path.realpath(audit_dir)
-    if not os.path.isdir(root):
-        raise InputError(f"--audit-dir {audit_dir}: not a directory")
+    root = check_audit_dir(audit_dir)
     folder, name = os.path.split(path)
     if name in ("", ".", ".."):
         raise InputError(f"audit export {path}: names a directory, not a file")
@@ -54,6 +60,31 @@ def confine_export_path(path: str, audit_dir: str | None) -> str:
         raise InputError(f"audit export {path}: refused: it resolves to {target}, outside the audit directory "
                          f"{root} (--audit-dir)")
     return target
+
+
+def check_audit_dir(audit_dir: str) -> str:
+    """The resolved (``..`` and symbolic links) form of ``audit_dir``. :class:`InputError` when it is not a
+    directory, or is ``/``, holds or lies in one of :data:`SYSTEM_DIRS` (see the module doc)."""
+    root = os.path.realpath(audit_dir)
+    if not os.path.isdir(root):
+        raise InputError(f"--audit-dir {audit_dir}: not a directory")
+    for system in SYSTEM_DIRS:
+        common = os.path.commonpath([root, system])
+        if common in (root, system):
+            where = ("the root directory" if root == "/" else f"{root}, a system directory" if root == system
+                     else f"{root}, which holds the system directory {system}" if common == root
+                     else f"{root}, inside the system directory {system}")
+            raise InputError(f"--audit-dir {audit_dir}: refused: it resolves to {where}; an audit export there "
+                             f"could write to the system's files (name a folder of its own, e.g. /var/log/fdeplb)")
+    return root
+
+
+def check_trimming(audit_keep: int, path: str, audit_dir: str | None) -> None:
+    """The one rule of audit settings a coordinator will start with (QA MED 1): with ``audit_keep`` > 0 the export
+    ``path`` passes :func:`check_export_path` for ``audit_dir``, as at a coordinator's start; with 0 nothing is
+    exported, so anything goes. :class:`InputError` (as :func:`check_export_path`) otherwise."""
+    if audit_keep:
+        check_export_path(path, audit_dir)
 
 
 def check_export_path(path: str, audit_dir: str | None) -> str:

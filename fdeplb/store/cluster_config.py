@@ -47,8 +47,9 @@ def check_pause_budget(max_pause_bytes: Any, layers_per_safe_point: Any) -> tupl
 SETTABLE = ("policy", "min_gain", "cordoned", "retain_rounds", "audit_keep", "audit_export_path", "deadlines")
 #: the settings of :data:`SETTABLE` only the command line sets (``init-cluster``, ``config set``), never the API
 #: (``POST /v1/config`` refuses them): the audit export path names a file the coordinators write, confined to their
-#: ``--audit-dir``
-COMMAND_LINE_ONLY = ("audit_export_path",)
+#: ``--audit-dir``, and ``audit_keep`` > 0 makes them write it; whether a coordinator will start with either depends
+#: on that ``--audit-dir``, which only the command line is given (:func:`fdeplb.store.audit_export.check_trimming`)
+COMMAND_LINE_ONLY = ("audit_keep", "audit_export_path")
 
 
 @dataclass(frozen=True)

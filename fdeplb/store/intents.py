@@ -18,7 +18,7 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``clust
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -144,7 +144,8 @@ class Intents:
         self.emit_event(trigger, round=withdrawn, reason=reason[:500])
         return withdrawn, audit_id
 
-    def change_config(self, changes: dict[str, Any], *, actor: str, reason: str = "") -> tuple[Any, Any, str]:
+    def change_config(self, changes: dict[str, Any], *, actor: str, reason: str = "",
+                      check: Callable[[Any], None] | None = None) -> tuple[Any, Any, str]:
         """Change settings of the cluster's configuration (``fdeplb config set``): ``changes`` maps names of
         :data:`~fdeplb.store.cluster_config.SETTABLE` to new values (``deadlines`` a partial dict of ms). The new
         configuration (``version`` + 1) is checked and written in one WATCHed transaction, then a
@@ -152,6 +153,9 @@ class Intents:
         (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]}, "version": n}``).
         The coordinator reads the configuration again between rounds: a round in flight keeps the settings it
         started with.
+
+        ``check``: called with the new configuration inside the transaction, before anything is written (what it
+        raises is raised, nothing written): a rule on the configuration as it will be stored.
 
         Returns (old config, new config, audit id; "" and the config unchanged when nothing differs).
         :class:`InputError` for a setting that may not change or an invalid value (nothing written)."""
@@ -162,6 +166,8 @@ class Intents:
         def txn(pipe: Any) -> tuple[ClusterConfig, ClusterConfig, dict[str, list]]:
             old = self._parse_config(_hgetall(pipe, key))
             new = old.with_settings(changes)
+            if check is not None:
+                check(new)  # raising: the pipeline is reset, nothing was queued
             before, after = old.flat_settings(), new.flat_settings()
             diff = {name: [before[name], after[name]] for name in before if before[name] != after[name]}
             if not diff:

@@ -1,12 +1,15 @@
-"""Repairing a corrupt membership record from the audit (issue 34): the record's truth is what the last audited
-record of that rank's membership left (a transition's ``to`` and ``version``, or an earlier repair's), or the
-machine's initial state at version 0 when nothing of it was audited and the record says it never transitioned
-(its ``version`` is 0 or missing). When the audit does not tell (no record of it, but a version that is not 0 or
-does not parse: the audit was trimmed), the rank is excluded instead (EXCLUDED at that version; it comes back as
-an excluded rank does: a new agent rejoins, or ``rank readmit``). The rewrite and its audit note
-(``record_repaired``, on the member record, from = to = the restored state at the restored version, the corrupt
-fields in its ``detail``) commit in one ``MULTI`` / ``EXEC``, WATCHing the record and the coordinator lease: a
-record fixed or changed meanwhile, or a lease lost, writes nothing.
+"""Repairing a corrupt or deleted membership record from the audit (issue 34, QA HIGH 3): the record's truth is
+what the last audited record of that rank's membership left (a transition's ``to`` and ``version``, or an earlier
+repair's), or the machine's initial state at version 0 when nothing of it was audited and the record says it never
+transitioned (its ``version`` is 0 or missing). When the audit does not tell (no record of it, but a version that is
+not 0 or does not parse: the audit was trimmed), the rank is excluded instead (EXCLUDED at that version; it comes
+back as an excluded rank does: a new agent rejoins, or ``rank readmit``). A *missing* record is restored the same way
+when the audit holds a membership record of the rank (it transitioned, so it is not the initial state any more); one
+of a rank with no audited membership is left missing, which readers take as the initial ACTIVE v0 (a cluster made
+before membership; :meth:`Repair.member_audits` tells the two apart in one walk of the audit). The rewrite and its
+audit note (``record_repaired``, on the member record, from = to = the restored state at the restored version, the
+corrupt fields in its ``detail``, none for a missing record) commit in one ``MULTI`` / ``EXEC``, WATCHing the record
+and the coordinator lease: a record fixed or changed meanwhile, or a lease lost, writes nothing.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_append`` (the registered audit script),
 ``ep_size``;
@@ -16,7 +19,7 @@ from :mod:`fdeplb.store.streams`: :func:`~fdeplb.store.streams.note_fields`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Collection
 
 from fdeplb.errors import CorruptRecordError, FenceError
 from fdeplb.machines.tables import MEMBERSHIP, MemberState
@@ -54,23 +57,39 @@ class Repair:
 
     def last_member_audit(self, ep_rank: int) -> tuple[str, dict[str, str]] | None:
         """(stream id, fields) of the newest audit record of ``ep_rank``'s membership (a transition or a note on
-        it), walking the audit stream back from its end in batches; None when the stream holds none."""
-        label, end = f"{MEMBERSHIP.key_label}:{int(ep_rank)}", "+"
-        while True:
-            batch = self._client.xrevrange(self._keys.audit, end, "-", count=_BATCH)
+        it), walking the audit stream back from its end (:meth:`member_audits`); None when the stream holds none."""
+        return self.member_audits([int(ep_rank)])[0].get(int(ep_rank))
+
+    def member_audits(self, ranks: Collection[int], after: str = "-"
+                      ) -> tuple[dict[int, tuple[str, dict[str, str]]], str]:
+        """The newest membership audit record of each of ``ranks`` newer than stream id ``after`` ("-": any):
+        ``(ep_rank -> (its stream id, fields), the newest audit id walked)``, walking the stream back from its end
+        in batches once for all of them, stopping when each was found or at ``after``. A rank with none is left
+        out. The newest id walked is ``after`` when nothing is newer; a caller passes it back as ``after`` to walk
+        only what came since."""
+        labels = {f"{MEMBERSHIP.key_label}:{int(r)}": int(r) for r in ranks}
+        found: dict[int, tuple[str, dict[str, str]]] = {}
+        start, end, head = ("(" + after) if after != "-" else "-", "+", after
+        while labels:
+            batch = self._client.xrevrange(self._keys.audit, end, start, count=_BATCH)
+            if batch and end == "+":
+                head = _s(batch[0][0])
             for entry_id, raw in batch:
                 fields = _text(raw)
-                if fields.get("key") == label:
-                    return _s(entry_id), fields
+                r = labels.pop(fields.get("key", ""), None)
+                if r is not None:
+                    found[r] = _s(entry_id), fields
             if len(batch) < _BATCH:
-                return None
+                break
             end = "(" + _s(batch[-1][0])
+        return found, head
 
     def repair_member(self, ep_rank: int, *, fence: str, actor: str) -> MemberRepair | None:
-        """Rewrite ``ep_rank``'s member record if it does not parse, as its last audited record left it (see the
-        module doc), with the ``record_repaired`` note, atomically; ``fence`` ("" = unfenced): the caller's lease.
-        Returns the repair, or None when the record parses or is missing (nothing written; a record changed
-        between the read and the write is read again).
+        """Rewrite ``ep_rank``'s member record if it does not parse, or is missing while the audit holds a
+        membership record of the rank, as its last audited record left it (see the module doc), with the
+        ``record_repaired`` note, atomically; ``fence`` ("" = unfenced): the caller's lease. Returns the repair,
+        or None when the record parses, or is missing with no audited membership (nothing written; a record
+        changed between the read and the write is read again).
         :class:`FenceError` (nothing written) when ``fence`` does not hold the lease."""
         r, key = int(ep_rank), self._keys.member(ep_rank)
         found = self.last_member_audit(r)
@@ -79,13 +98,14 @@ class Repair:
         def txn(pipe: Any) -> None:  # run again by redis-py when a WATCHed key changed before EXEC
             done.clear()
             raw = _text(pipe.hgetall(key))
-            if not raw:
+            if not raw and found is None:  # never transitioned: the initial state, as readers take it
                 pipe.unwatch()
                 return
             try:
-                parse_record(MemberRecord, key, raw)
-                pipe.unwatch()
-                return  # not corrupt (repaired or rewritten meanwhile)
+                if raw:
+                    parse_record(MemberRecord, key, raw)
+                    pipe.unwatch()
+                    return  # not corrupt (repaired or rewritten meanwhile)
             except CorruptRecordError:
                 pass
             if fence and _s(pipe.get(self._keys.lease)) != fence:
@@ -93,7 +113,7 @@ class Repair:
                 raise FenceError(f"{REPAIRED} on {key}: the lease is not held by {fence}")
             source, restored = _restored(key, raw, found)
             detail = {"ep_rank": r, "source": source, "found": {k: v[:80] for k, v in sorted(raw.items())}}
-            text = (f"member record of rank {r} was corrupt ({_corrupt_of(key, raw)}); " + {
+            text = (f"member record of rank {r} was {_corrupt_of(key, raw)}; " + {
                 "initial": "restored as the initial state (it never transitioned, none audited)",
                 "excluded": "excluded: the audit holds no membership record of it (trimmed?) to restore",
             }.get(source, f"restored as {restored['state']} v{restored['version']} from audit record {source}"))
@@ -117,10 +137,13 @@ class Repair:
 
 
 def _corrupt_of(key: str, raw: dict[str, str]) -> str:
+    """What was wrong with the record: ``missing`` (deleted), or ``corrupt (<why>)``."""
+    if not raw:
+        return "missing (deleted)"
     try:
         parse_record(MemberRecord, key, raw)
     except CorruptRecordError as err:
-        return str(err).removeprefix(f"{key}: ")
+        return f"corrupt ({str(err).removeprefix(f'{key}: ')})"
     return "parses"
 
 

@@ -81,11 +81,22 @@ def test_config_over_http_never_sets_the_audit_export_path(store, url, redis_url
     snapshot, passwd = raw.snapshot(), os.stat("/etc/passwd")
     body = {"min_gain": 0.2, "audit_keep": 1, "audit_export_path": path, "reason": "hostile"}
     r = requests.post(f"{url}/v1/config", json=body, auth=AUTH)
-    assert r.status_code == 400 and r.json()["msg"].startswith("audit_export_path cannot be changed over the API")
-    assert "--audit-dir" in r.json()["msg"]
+    msg = r.json()["msg"]
+    assert r.status_code == 400 and msg.startswith("audit_export_path, audit_keep cannot be changed over the API")
+    assert "--audit-dir" in msg
     assert store.read_config(fresh=True) == before and raw.snapshot() == snapshot  # nor min_gain, nor audit_keep
     assert os.stat("/etc/passwd").st_mtime_ns == passwd.st_mtime_ns and os.listdir(tmp_path) == []
     assert path in (None, "", "/etc/passwd", "/dev/null") or not os.path.exists(path)
+
+
+@pytest.mark.parametrize("keep", [3, 0, None])
+def test_config_over_http_never_sets_audit_keep(store, url, redis_url, keep):
+    # QA MED 1: whether a coordinator starts with audit_keep > 0 depends on its --audit-dir, which the API is not given
+    raw = RawRedis(redis_url, store.cluster)
+    snapshot = raw.snapshot()
+    r = requests.post(f"{url}/v1/config", json={"audit_keep": keep, "reason": "qa"}, auth=AUTH)
+    assert r.status_code == 400 and r.json()["msg"].startswith("audit_keep cannot be changed over the API"), r.text
+    assert "config set --audit-keep" in r.json()["msg"] and raw.snapshot() == snapshot
 
 
 def test_cluster_delete_over_http_is_refused_while_a_coordinator_leads(store, url):

@@ -33,7 +33,11 @@ def bad_export(kind: str, tmp_path) -> tuple[str, str | None, str]:
     if kind == "dev_null":
         return "/dev/null", str(d), "outside the audit directory"
     if kind == "dev_null_in_dev":
-        return "/dev/null", "/dev", "a character device, not a regular file"
+        return "/dev/null", "/dev", "resolves to /dev, a system directory"
+    if kind == "root_dir":
+        return str(d / "audit.jsonl"), "/", "resolves to the root directory"
+    if kind == "etc_dir":
+        return "/etc/passwd", "/etc", "resolves to /etc, a system directory"
     if kind == "fifo":
         os.mkfifo(d / "fifo")
         return str(d / "fifo"), str(d), "a FIFO"
@@ -41,7 +45,8 @@ def bad_export(kind: str, tmp_path) -> tuple[str, str | None, str]:
     return str(d / "audit.jsonl"), None, "without --audit-dir"
 
 
-KINDS = ["passwd", "new_outside", "dotdot", "symlink_out", "dev_null", "dev_null_in_dev", "fifo", "no_audit_dir"]
+KINDS = ["passwd", "new_outside", "dotdot", "symlink_out", "dev_null", "dev_null_in_dev", "root_dir", "etc_dir", "fifo",
+         "no_audit_dir"]
 
 
 def files_of(tmp_path) -> dict:
@@ -74,7 +79,7 @@ def test_config_set_stores_a_file_inside_the_audit_dir_as_its_absolute_path(caps
     assert not (tmp_path / "audit" / "a.jsonl").exists()  # created by the first export, not by the setting
 
 
-@pytest.mark.parametrize("kind", ["passwd", "dotdot", "symlink_out", "fifo", "no_audit_dir"])
+@pytest.mark.parametrize("kind", ["passwd", "dotdot", "symlink_out", "root_dir", "fifo", "no_audit_dir"])
 def test_init_cluster_refuses_an_export_outside_the_audit_dir_writing_nothing(capsys, redis_url, cluster_id,
                                                                               tmp_path, kind):
     pytest.importorskip("safetensors")
@@ -103,7 +108,8 @@ def test_init_cluster_accepts_a_file_inside_the_audit_dir(capsys, redis_url, clu
 
 
 @pytest.mark.parametrize("audit_dir,words", [(None, "without --audit-dir"), ("elsewhere", "outside the audit "
-                                                                                        "directory")])
+                                                                                        "directory"),
+                                             ("/", "the root directory")])
 def test_a_coordinator_that_cannot_export_refuses_to_start(capsys, redis_url, cluster_id, tmp_path, audit_dir,
                                                           words):
     store = Store(redis_url, cluster_id)
@@ -120,3 +126,24 @@ def test_a_coordinator_that_cannot_export_refuses_to_start(capsys, redis_url, cl
         assert not (tmp_path / "audit.jsonl").exists()
     finally:
         store.delete_cluster()
+
+
+@pytest.mark.parametrize("audit_dir,words", [("audit", "outside the audit directory"), (None, "without --audit-dir"),
+                                             ("/", "the root directory")])
+def test_config_set_audit_keep_alone_is_refused_when_no_coordinator_would_start_with_the_stored_export(
+        capsys, small_store, redis_url, tmp_path, audit_dir, words):
+    # QA MED 1: the stored export lies outside the --audit-dir given (a cluster made with --audit-dir /)
+    small_store.change_config({"audit_export_path": "/etc/passwd"}, actor="test")
+    (tmp_path / "audit").mkdir()
+    raw = RawRedis(redis_url, small_store.cluster)
+    before, files = raw.snapshot(), files_of(tmp_path)
+    given = [] if audit_dir is None else ["--audit-dir", audit_dir if audit_dir == "/" else str(tmp_path / audit_dir)]
+    code, _, err = cli(capsys, small_store, "config", "set", "--audit-keep", "5", *given)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+    assert raw.snapshot() == before and files_of(tmp_path) == files
+    code, _, err = cli(capsys, small_store, "config", "set", "--audit-keep", "5", "--audit-export",
+                       str(tmp_path / "audit" / "a.jsonl"), "--audit-dir", str(tmp_path / "audit"))
+    assert code == 0, err  # with an export inside its --audit-dir: accepted
+    assert small_store.read_config(fresh=True).audit_keep == 5
+    code, _, err = cli(capsys, small_store, "config", "set", "--audit-keep", "0")  # trimming off: no export needed
+    assert code == 0 and small_store.read_config(fresh=True).audit_keep == 0, err

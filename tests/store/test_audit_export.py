@@ -9,7 +9,9 @@ import os
 import pytest
 
 from fdeplb.errors import InputError
-from fdeplb.store.audit_export import check_export_path, confine_export_path, open_export
+from fdeplb.store import audit_export
+from fdeplb.store.audit_export import check_audit_dir, check_export_path, check_trimming, confine_export_path, \
+    open_export
 
 
 @pytest.fixture
@@ -63,9 +65,12 @@ def test_symbolic_links_are_refused_wherever_they_point(audit_dir, tmp_path):
     assert not (tmp_path / "x.jsonl").exists()
 
 
-def test_devices_fifos_and_folders_are_refused(audit_dir):
+def test_devices_fifos_and_folders_are_refused(audit_dir, monkeypatch):
     refused("/dev/null", audit_dir, "outside the audit directory")
+    refused("/dev/null", "/dev", "resolves to /dev, a system directory")  # --audit-dir /dev is refused, and
+    monkeypatch.setattr(audit_export, "SYSTEM_DIRS", ())  # without that rule: a device is not a regular file
     refused("/dev/null", "/dev", "a character device, not a regular file")  # even inside its own --audit-dir
+    monkeypatch.undo()
     os.mkfifo(audit_dir / "fifo")
     refused(audit_dir / "fifo", audit_dir, "a FIFO")  # no reader: refused at once, not waited on
     reader = os.open(audit_dir / "fifo", os.O_RDONLY | os.O_NONBLOCK)
@@ -98,3 +103,23 @@ def test_a_regular_file_inside_is_created_exclusively_then_appended_to(audit_dir
     assert path.read_text() == "one\ntwo\n"
     monkeypatch.chdir(audit_dir)  # a relative path is the working directory's, stored absolute
     assert confine_export_path("audit.jsonl", str(audit_dir)) == str(path)
+
+
+@pytest.mark.parametrize("root,words", [("/", "the root directory"), ("/etc", "/etc, a system directory"),
+                                        ("/usr/share", "inside the system directory /usr"),
+                                        ("/dev/..", "the root directory")])
+def test_an_audit_dir_that_reaches_the_system_files_is_refused(root, words):
+    with pytest.raises(InputError, match="--audit-dir .*: refused: it resolves to") as info:
+        check_audit_dir(root)
+    assert words in str(info.value)
+    refused("/etc/passwd" if root != "/" else "/tmp/x.jsonl", root, words)  # every export path in it too
+
+
+def test_an_audit_dir_of_its_own_is_fine_and_trimming_off_needs_no_export(audit_dir, tmp_path):
+    assert check_audit_dir(str(audit_dir / ".")) == str(audit_dir)
+    with pytest.raises(InputError, match="not a directory"):
+        check_audit_dir(str(tmp_path / "missing"))
+    check_trimming(0, "/etc/passwd", None)  # nothing is exported: nothing to check
+    with pytest.raises(InputError, match="outside the audit directory"):
+        check_trimming(1, "/etc/passwd", str(audit_dir))
+    check_trimming(1, str(audit_dir / "a.jsonl"), str(audit_dir))
