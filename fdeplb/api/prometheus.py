@@ -10,7 +10,9 @@ Gauges come from the records as they are now.
 - ``fdeplb_replacement_rounds_total`` (rounds that re-placed a lost rank's orphaned experts: their ``load``),
   ``fdeplb_fail_closed_total`` (re-placements refused because an expert would have no replica on a member)
 - ``fdeplb_rounds_aborted_total{reason}``, ``fdeplb_rounds_skipped_total{reason}`` (gated rounds are skips);
-  ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values)
+  ``reason`` is the reason's first clause with digits replaced by ``N`` (bounded label values);
+  ``fdeplb_rounds_probe_mismatch_total`` (rounds whose outcome is ``probe_mismatch``:
+  :func:`~fdeplb.rounds.reasons.round_outcome`, as ``rearrange --wait`` and /ui read it)
 - ``fdeplb_balancedness{placement="current"|"planned"}`` on the latest round's load snapshot, each over the members
   the placement is routed over (:func:`~fdeplb.rounds.gating.mean_balancedness`), ``fdeplb_moved_experts``
   of the latest plan
@@ -80,6 +82,8 @@ class ClusterCollector(Collector):
         self._alarms = 0
         self._replacements = 0
         self._fail_closed = 0
+        self._probe_mismatch = 0
+        self._of_round: dict = {}  # the round's swapped and load (its outcome)
         self._aborted: Counter = Counter()
         self._skipped: Counter = Counter()
         self._round = _Histogram()
@@ -108,9 +112,13 @@ class ClusterCollector(Collector):
             if self._entered is not None and self._entered[0] == rec["from"] and rec["from"] != ClusterState.FREE:
                 self._phases[rec["from"]].observe((ts - self._entered[1]) / 1000)
             self._entered = (rec["to"], ts)
+            if rec["trigger"] in ("swapped", "load"):
+                self._of_round[rec["trigger"]] = rec
             if rec["from"] == ClusterState.FREE:
-                self._round_start = ts
+                self._round_start, self._of_round = ts, {}
             elif rec["to"] == ClusterState.FREE:
+                outcome = reasons.round_outcome(rec, self._of_round.get("swapped"), self._of_round.get("load"))[0]
+                self._probe_mismatch += outcome is reasons.RoundOutcome.PROBE_MISMATCH
                 if self._round_start is not None:
                     self._round.observe((ts - self._round_start) / 1000)
                 self._round_start = None
@@ -138,6 +146,8 @@ class ClusterCollector(Collector):
                                   "that are not members", value=self._replacements)
         yield CounterMetricFamily("fdeplb_fail_closed", "Re-placements refused: an expert would have no replica on "
                                   "a member", value=self._fail_closed)
+        yield CounterMetricFamily("fdeplb_rounds_probe_mismatch", "Rounds that swapped but whose output probe failed "
+                                  "on some rank (rolled back)", value=self._probe_mismatch)
         for name, counts, doc in (("fdeplb_rounds_aborted", self._aborted, "Rounds aborted, by reason"),
                                   ("fdeplb_rounds_skipped", self._skipped, "Rounds skipped (gated), by reason")):
             fam = CounterMetricFamily(name, doc, labels=["reason"])

@@ -243,9 +243,12 @@ def _wait_for_lease(store, timeout_s: float) -> str:
 def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str | None = None,
                    store_url: str | None = None) -> int:
     """Follow the audit from ``cursor`` until round ``target`` is back in FREE; print its outcome (rearranged with
-    balancedness before/after and moved experts; skipped or aborted with the reason). Returns 0 for rearranged or
-    skipped, 1 for aborted or for a request withdrawn before it started (expired past ``deadlines.request_ttl_ms``,
-    or cancelled); :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
+    balancedness before/after and moved experts; skipped or aborted with the reason; a probe mismatch with the
+    ranks, layers and the rollback round). Returns 0 for rearranged or skipped, 1 for aborted or for a request
+    withdrawn before it started (expired past ``deadlines.request_ttl_ms``, or cancelled), 4 (a weights error's
+    exit code, :class:`~fdeplb.errors.VerificationError`) for a round that swapped but whose output probe failed on
+    some rank (:attr:`~fdeplb.rounds.reasons.RoundOutcome.PROBE_MISMATCH`, rolled back by the next round);
+    :class:`DeadlineError` (exit 6) after ``timeout_s`` seconds.
 
     While the round has not started, why not (:func:`start_blockers`: stale ranks as the coordinator's refusal
     records them, no coordinator holding the lease, weights not NORMAL) is printed on stderr as soon as the records
@@ -265,7 +268,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     import time
 
     from fdeplb.backoff import ride_out
-    from fdeplb.errors import DeadlineError, RedisUnavailableError
+    from fdeplb.errors import DeadlineError, RedisUnavailableError, VerificationError, exit_code
     from fdeplb.machines.tables import CLUSTER, ClusterState
     from fdeplb.rounds.reasons import RoundOutcome, detail_of, round_outcome
 
@@ -281,6 +284,7 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
 
     last = None
     shown = ""
+    seen: dict = {}  # (round, trigger) -> the round's swapped / load record, for its outcome
     while last is None:
         rec = retried(store.read_cluster)  # each pass: a round staged, or a refusal written, before the cursor too
         if redis_url is not None and rec.state is ClusterState.LOAD_SUCC and rec.round >= target and rec.plan_id:
@@ -302,10 +306,12 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
                 return 1
             if a["machine"] != CLUSTER.name or not a["round"].isdigit() or int(a["round"]) < target:
                 continue
+            if a["trigger"] in ("swapped", "load"):
+                seen[(a["round"], a["trigger"])] = a
             if a["to"] == ClusterState.FREE and a["from"] != ClusterState.FREE:
                 last = a
                 break
-    outcome, reason = round_outcome(last)
+    outcome, reason = round_outcome(last, seen.get((last["round"], "swapped")), seen.get((last["round"], "load")))
     if outcome is RoundOutcome.REARRANGED:
         plan_id = last["plan_id"] or retried(store.current_placement).plan_id
         plan = retried(lambda: store.read_plan(plan_id)) if plan_id else None
@@ -315,6 +321,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
             print(f"round {last['round']}: rearranged, plan {plan.plan_id}: {_plan_numbers(plan)}")
         return 0
     print(f"round {last['round']}: {outcome.value}: {reason}")
+    if outcome is RoundOutcome.PROBE_MISMATCH:  # swapped, but the model's outputs changed: a weights failure
+        return exit_code(VerificationError(reason))
     return 0 if outcome is RoundOutcome.SKIPPED else 1
 
 

@@ -157,7 +157,7 @@ class ExpertLoadWindow:
     Host steps (:meth:`add`) are summed as they come; device steps (:meth:`add_device`) are one bucket each, kept on
     their device and summed, folded and checked there by :meth:`total` (every step expires as today's host steps
     do: by count and by age). A device step :meth:`total` refuses (a negative count, past the int64 range) is
-    dropped from the window then.
+    dropped from the window then (counted in :attr:`refused_steps`).
 
     Args:
         num_layers, num_logical_experts: the shape [L, E] of one step's load.
@@ -185,6 +185,8 @@ class ExpertLoadWindow:
         self._total = np.zeros(self.shape, dtype=np.int64)  # of the host steps
         self._device_steps = 0
         self._blocks: dict[int, Any] = {}  # whole blocks' device sums (window_sum's)
+        #: device steps :meth:`total` refused and dropped, ever (the publisher retries once after a drop)
+        self.refused_steps = 0
         self._lock = threading.Lock()
         self._publish_lock = threading.Lock()  # one reader of the device steps at a time: they share the blocks
 
@@ -264,6 +266,7 @@ class ExpertLoadWindow:
             kept = [entry for entry in self._entries if id(entry[1]) not in refused]
             self._device_steps -= len(self._entries) - len(kept)
             self._entries = collections.deque(kept)
+            self.refused_steps += len(refused)
         raise InputError(result.error)
 
     def __len__(self) -> int:
@@ -309,6 +312,7 @@ class LoadRecorder:
         self._next_publish = 0.0
         self._published_round = -1  # the newest round this agent knows its window was published for
         self._load_failed_round = -1
+        self._load_retried_round = -1  # the round whose publication was retried after the window dropped bad steps
         self._clear_stat_seen = 0
 
     def _open_window(self, config: ClusterConfig) -> None:
@@ -337,7 +341,8 @@ class LoadRecorder:
           device, one device copy per step and nothing read back (no ``.numpy()``, no sync): dtype and shape are
           checked the first time a (shape, dtype) is seen (:class:`DeviceCounts`), the values (negative counts,
           the int64 range) when the window is published, where a bad step is refused with the same message and
-          dropped, and the window is not published (an alarm says why).
+          dropped, and the window is not published (an alarm says why); a round's collection retries it once,
+          without the dropped steps, at the next step.
 
         Raises:
             InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a host step with a negative
@@ -369,13 +374,19 @@ class LoadRecorder:
     def _publish_load(self, cluster: ClusterRecord) -> bool:
         """COLLECTING: publish the window for the cluster's round once (a fresh process looks up what a previous
         one published); True if a publication went into the outbox. A load source that fails is reported once per
-        round: publish nothing, the coordinator's collecting deadline aborts the round and names this rank."""
+        round: publish nothing, the coordinator's collecting deadline aborts the round and names this rank. One
+        exception: a window refused for device steps it then dropped (:attr:`ExpertLoadWindow.refused_steps`: a
+        negative count, past the int64 range) is retried once, at the next step, without them."""
         round_ = cluster.round
         if self._published_round < 0:  # a fresh process: a previous one may have published for this round
             self._published_round = self.store.load_round(self.ep_rank) or 0
         if self._published_round >= round_ or self._load_failed_round == round_:
             return False
+        refused = self.window.refused_steps
         if not self._defer_window(round_):
+            if self.window.refused_steps > refused and self._load_retried_round != round_:
+                self._load_retried_round = round_  # the bad steps are gone: the next step publishes the rest, once
+                return False
             self._load_failed_round = round_  # once per round: no retry storm
             return False
         self._published_round = round_  # reset to "look it up" if the write is refused or its fate unknown

@@ -42,7 +42,7 @@ class ProbeOutcome(str, Enum):
 
     NONE = ""
     AGREE = "agree"        # every layer within the tolerance
-    MISMATCH = "mismatch"  # a layer differs, or the outputs' layers, shapes or dtypes changed
+    MISMATCH = "mismatch"  # a layer differs or holds a NaN, or the outputs' layers, shapes or dtypes changed
     FAILED = "failed"      # the probe raised (its exception's text is the message)
 
 
@@ -102,10 +102,11 @@ class LayerMismatch:
 def compare(reference: Mapping[int, np.ndarray], outputs: Mapping[int, np.ndarray], rtol: float = 0.0,
             atol: float = 0.0) -> list[LayerMismatch]:
     """The layers whose ``outputs`` disagree with ``reference`` (both as :func:`outputs_of` gives them), in
-    layer order; empty when they agree. A layer agrees when both have it with the same shape and dtype and
-    ``|out - ref| <= atol + rtol * |ref|`` elementwise (``numpy.isclose``'s rule, NaN equal to NaN at the same
-    place); with ``rtol = atol = 0`` that is bit-exact equality of the values. A layer only one side has, or whose
-    shape or dtype changed, is a mismatch saying so."""
+    layer order; empty when they agree. A layer agrees when both have it with the same shape and dtype, neither
+    holds a NaN, and ``|out - ref| <= atol + rtol * |ref|`` elementwise (``numpy.isclose``'s rule); with ``rtol =
+    atol = 0`` that is bit-exact equality of the values. A layer only one side has, or whose shape or dtype
+    changed, is a mismatch saying so; so is a NaN on either side (all-NaN outputs before and after included: a NaN
+    output checks nothing), saying how many values are NaN after and before the swap."""
     out: list[LayerMismatch] = []
     for layer in sorted(set(reference) | set(outputs)):
         ref, got = reference.get(layer), outputs.get(layer)
@@ -117,15 +118,26 @@ def compare(reference: Mapping[int, np.ndarray], outputs: Mapping[int, np.ndarra
             out.append(LayerMismatch(layer, f"layer {layer}: output {got.dtype} {list(got.shape)} after the swap, "
                                             f"{ref.dtype} {list(ref.shape)} before"))
             continue
-        ok = np.isclose(got, ref, rtol=rtol, atol=atol, equal_nan=True)
+        nan_got, nan_ref = _nan_count(got), _nan_count(ref)
+        if nan_got or nan_ref:
+            out.append(LayerMismatch(layer, f"layer {layer}: {nan_got} of {got.size} values NaN after the swap, "
+                                            f"{nan_ref} before (a NaN output never agrees)"))
+            continue
+        ok = np.isclose(got, ref, rtol=rtol, atol=atol)
         if not ok.all():
-            diff = np.abs(got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
-                          - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
+            with np.errstate(invalid="ignore"):  # inf - inf where both are the same inf: agreeing, masked below
+                diff = np.abs(got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
+                              - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
             bad = int((~ok).sum())
-            worst = float(np.nanmax(np.where(ok, 0.0, diff))) if diff.size else 0.0
+            worst = float(np.max(np.where(ok, 0.0, diff)))
             out.append(LayerMismatch(layer, f"layer {layer}: {bad} of {ok.size} values differ beyond rtol {rtol} "
                                             f"atol {atol} (largest difference {worst:.6g})"))
     return out
+
+
+def _nan_count(values: np.ndarray) -> int:
+    """How many of ``values`` are NaN (a complex value with a NaN part counts); 0 for an integer or bool array."""
+    return int(np.isnan(values).sum()) if values.dtype.kind in "fc" else 0
 
 
 @dataclass(frozen=True)

@@ -349,22 +349,45 @@ class RoundOutcome(str, Enum):
     REARRANGED = "rearranged"  # DONE -> FREE: the plan was committed and swapped everywhere
     SKIPPED = "skipped"        # a gated abort: nothing worth moving (a normal outcome, with its numbers)
     ABORTED = "aborted"        # any other abort: the old placement stayed active
+    PROBE_MISMATCH = "probe_mismatch"  # swapped everywhere, but some rank's output probe failed: rolled back
 
 
-def round_outcome(last: Mapping[str, Any] | None) -> tuple[RoundOutcome, str]:
+def round_outcome(last: Mapping[str, Any] | None, swapped: Mapping[str, Any] | None = None,
+                  load: Mapping[str, Any] | None = None) -> tuple[RoundOutcome, str]:
     """The one rule for a round's outcome: (outcome, reason) from its last cluster audit record (a mapping with
-    ``from``, ``to``, ``trigger``, ``reason``; None: nothing recorded, an abort). The reason of a skip is the gate's
-    text without its ``gated: skipped:`` prefix."""
+    ``from``, ``to``, ``trigger``, ``reason``; None: nothing recorded, an abort) and, when the caller has them, the
+    round's ``swapped`` and ``load`` records. The reason of a skip is the gate's text without its ``gated:
+    skipped:`` prefix. A round back from DONE whose ``swapped`` is a :func:`probe_mismatch` is
+    :attr:`RoundOutcome.PROBE_MISMATCH`, its reason the mismatch's text without its ``probe_mismatch:`` prefix (ranks,
+    layers) and its rollback (:func:`rolled_back`); without ``swapped`` it reads as rearranged."""
     if last is None:
         return RoundOutcome.ABORTED, "no cluster transition recorded"
     if last["to"] != ClusterState.FREE:
         return RoundOutcome.RUNNING, ""
     if last["from"] == ClusterState.DONE:
+        mismatch = "" if swapped is None else _field(swapped, "reason")
+        if mismatch.startswith(PROBE_MISMATCH):
+            return (RoundOutcome.PROBE_MISMATCH,
+                    f"{mismatch.removeprefix(PROBE_MISMATCH)}; {rolled_back(int(_field(last, 'round')), load)}")
         return RoundOutcome.REARRANGED, ""
     reason = str(last["reason"])
     if reason.startswith(GATED):
         return RoundOutcome.SKIPPED, reason.removeprefix(GATED).strip()
     return RoundOutcome.ABORTED, reason or f"{last['from']} -> {last['to']} ({last['trigger']})"
+
+
+def rolled_back(round_: int, load: Mapping[str, Any] | None) -> str:
+    """What follows round ``round_``'s failed probe (:mod:`fdeplb.orchestration.rollback`): round ``round_ + 1``
+    goes back to the placement it replaced, unless its ``load`` record says it was itself a rollback (then none
+    follows). A ``load`` whose detail does not parse reads as no rollback's."""
+    try:
+        facts = None if load is None else supplied_of(load)
+    except (ValueError, KeyError, TypeError, InputError):
+        facts = None
+    if facts is not None and facts["kind"] == "rollback":
+        return (f"round {round_} was the rollback of round {facts['undoes']}: not rolled back again, the swapped "
+                f"placement stays live until a later round swaps with no probe failing")
+    return f"rollback: round {round_ + 1} goes back to the placement round {round_} replaced"
 
 
 def _field(record: Mapping[str, Any], name: str) -> str:

@@ -304,7 +304,8 @@ def _summarize(store: Store, config: ClusterConfig, load: np.ndarray, initial: n
     ranks = store.read_all(RANK)
     last = cluster_audit[-1] if cluster_audit else None
     path = [a["to"] for a in cluster_audit]
-    outcome, reason = round_outcome(last)
+    of = {a["trigger"]: a for a in cluster_audit if last is not None and a["round"] == last["round"]}
+    outcome, reason = round_outcome(last, of.get("swapped"), of.get("load"))
     # only ranks whose live slots hold the cluster's current placement count as verified for it
     live = [r for r in ranks if r.live_plan_id == plan_id]
     return {

@@ -29,7 +29,7 @@ View dict (JSON-ready)::
                 "heartbeat_ttl_ms", "step", "staged_bytes", "reason"}],
      "counts": {"rank": {...}, "weights": {...}, "membership": {...}, "stale": int},
      "timeline": {"now_ms", "rounds": [{"round", "start_ms", "end_ms" | None, "outcome" (running | rearranged |
-                 skipped | aborted: ``reasons.round_outcome``),
+                 probe_mismatch | skipped | aborted: ``reasons.round_outcome``),
                   "cluster": [{"state", "start_ms", "end_ms", "deadline_ms" | None}],
                   "ranks": {ep_rank: [{"state", "start_ms", "end_ms"}]},
                   "marks": [{"kind": "abort" | "alarm" | "skip" | "start_refused" | "probe_mismatch", "ts_ms",
@@ -208,7 +208,8 @@ def timeline(records: Sequence[Mapping[str, Any]], config, now_ms: int, rounds: 
                  for r in records if r.get("machine") == CLUSTER.name
                  and (r.get("trigger") in NOT_TRANSITIONS or r.get("trigger") == "abort" or _probe_failed(r))
                  and start_ms <= _int(r.get("ts_ms")) <= (end_ms if end_ms is not None else now_ms)]
-        outcome = round_outcome(end if end is not None else cluster[-1])[0].value  # the one outcome rule
+        of = {str(r.get("trigger")): r for r in cluster}  # its swapped and load: a probe mismatch, its rollback
+        outcome = round_outcome(end if end is not None else cluster[-1], of.get("swapped"), of.get("load"))[0].value
         out.append({"round": n, "start_ms": start_ms, "end_ms": end_ms, "outcome": outcome, "cluster": segments,
                     "ranks": {str(r): lane for r, lane in sorted(lanes.items()) if r >= 0}, "marks": marks})
     return {"now_ms": now_ms, "rounds": out}

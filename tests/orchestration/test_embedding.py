@@ -170,6 +170,38 @@ def test_a_device_window_with_a_negative_step_is_not_published_and_the_next_one_
         assert store.read_load(0).expert_load.tolist() == [[2] * 16] * 3
 
 
+def test_a_rounds_publication_refused_for_a_bad_device_step_is_retried_once_without_it(redis_url, cluster_id,
+                                                                                         tmp_path):
+    """QA MED 2: a round's collection whose device window was refused for a negative step (dropped then) publishes
+    the rest at the next step instead of waiting out collecting_ms; a second refusal in the same round is final
+    (no retry storm)."""
+    import dataclasses
+
+    import paddle
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        agent = RankAgent(tc.store(), 0, backend_factory=NumpyWeights.factory(), publish_interval_s=None)
+        agent.start()
+        store = tc.store()
+        collecting = dataclasses.replace(store.read_cluster(), state=ClusterState.COLLECTING, round=1)
+        agent.record(paddle.full([3, 16], 2, dtype="int32"))
+        agent.record(paddle.full([3, 16], -1, dtype="int32"))
+        agent._load_step(collecting)  # refused: the negative step is dropped
+        assert store.load_round(0) is None and len(agent.window) == 1
+        agent._load_step(collecting)
+        agent._send()
+        assert store.load_round(0) == 1 and store.read_load(0).expert_load.tolist() == [[2] * 16] * 3
+
+        second = dataclasses.replace(collecting, round=2)
+        for _ in range(2):  # refused, retried, refused again: no third try in round 2
+            agent.record(paddle.full([3, 16], -1, dtype="int32"))
+            agent._load_step(second)
+        assert len(agent.window) == 1 and agent.window.refused_steps == 3
+        agent._load_step(second)
+        agent._send()
+        assert store.load_round(0) == 1
+
+
 def test_clear_stat_request_empties_every_window(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
         agents = [EmbeddedAgent(tc.store(), r, backend_factory=NumpyWeights.factory()).start()

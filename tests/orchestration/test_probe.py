@@ -6,6 +6,7 @@ back and the probe agrees again."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -67,7 +68,32 @@ def test_bit_exact_by_default_and_within_the_engines_tolerance():
     assert compare(ref, nudged, rtol=1e-6) == []
     assert compare(ref, nudged, atol=1e-6) == []
     assert [m.layer for m in compare(ref, {0: ref[0] + 1e-3, 1: ref[1]}, rtol=1e-6, atol=1e-6)] == [0]
-    assert compare({0: np.array([np.nan])}, {0: np.array([np.nan])}) == []  # NaN at the same place agrees
+
+
+@pytest.mark.parametrize("before, after, words", [
+    ([np.nan, np.nan], [np.nan, np.nan], "2 of 2 values NaN after the swap, 2 before"),  # all-NaN checks nothing
+    ([1.0, np.nan], [1.0, np.nan], "1 of 2 values NaN after the swap, 1 before"),
+    ([1.0, 2.0], [1.0, np.nan], "1 of 2 values NaN after the swap, 0 before"),
+    ([np.nan, 2.0], [1.0, 2.0], "0 of 2 values NaN after the swap, 1 before"),
+    ([1.0, 2.0], [complex(1, np.nan), 2.0], "1 of 2 values NaN after the swap, 0 before"),
+])
+def test_a_nan_output_is_never_agreement(before, after, words):
+    dtype = np.complex64 if any(isinstance(v, complex) for v in after) else np.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy All-NaN / invalid-value warning on the way
+        bad = compare({0: np.array(before, dtype)}, {0: np.array(after, dtype)}, rtol=1e-3, atol=1e-3)
+        run = _run({0: np.array(before, dtype)}, {0: np.array(after, dtype)})
+    assert [m.layer for m in bad] == [0] and words in bad[0].message and "never agrees" in bad[0].message
+    assert run.result.outcome is ProbeOutcome.MISMATCH and run.result.layers == (0,) and words in run.result.message
+
+
+def test_infinities_agree_only_with_the_same_infinity_and_say_so_without_a_warning():
+    ref = {0: np.array([np.inf, -np.inf, 1.0])}
+    assert compare(ref, {0: ref[0].copy()}) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bad = compare(ref, {0: np.array([np.inf, np.inf, 1.0])})
+    assert "1 of 3 values differ" in bad[0].message and "largest difference inf" in bad[0].message
 
 
 def test_a_changed_shape_dtype_or_layer_set_is_a_mismatch_saying_so():
