@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                                       "lease, unless --force.")
     d.add_argument("--force", action="store_true",
                    help="delete even while agents or a coordinator are alive: they find the tombstone and stop")
+    d.add_argument("--no-tombstone", action="store_true",
+                   help="leave no key at all (a clean-up after every process of the cluster has ended, as the demo's "
+                        "reaper does): a process still running then finds no cluster instead of a delete")
     d.set_defaults(handler=run_delete)
 
 
@@ -135,6 +138,7 @@ def run_set(args: argparse.Namespace) -> int:
 def run_delete(args: argparse.Namespace) -> int:
     from fdeplb.orchestration.operator import delete_cluster
 
-    n = delete_cluster(open_store(args.redis_url, args.cluster), force=args.force, by=operator_id())
-    print(f"cluster {args.cluster}: deleted {n} keys (by {operator_id()})")
+    by = "" if args.no_tombstone else operator_id()  # no operator named: no tombstone
+    n = delete_cluster(open_store(args.redis_url, args.cluster), force=args.force, by=by)
+    print(f"cluster {args.cluster}: deleted {n} keys (by {operator_id()}{', no tombstone' if not by else ''})")
     return 0

@@ -120,7 +120,7 @@ def run_demo(opts: DemoOptions, emit: Callable[[str], None] = print) -> dict[str
         store = Store(url, new_cluster_id())
         if server is None and not opts.keep:  # an external Redis keeps no keys of a demo, however it ends
             Reaper.shared().watch_command([sys.executable, "-m", "fdeplb", "cluster", "delete", "--force",
-                                           "--redis-url", url, "--cluster", store.cluster])
+                                           "--no-tombstone", "--redis-url", url, "--cluster", store.cluster])
         emit(f"trace        {trace_label} ({trace.format}: {num_layers} MoE layers x {num_experts} experts)")
         emit(f"topology     {plural(opts.ranks, 'EP rank')} x {config.slots_per_rank} slots = "
              f"{config.num_physical_experts} physical experts ({redundant} redundant), "
