@@ -28,6 +28,18 @@ from fdeplb.weights.plan import PauseBudget
 ENV_PEER_SECRET = "FDEPLB_PEER_SECRET"
 #: the registry field holding a rank's peer-transfer address
 ADDRESS_FIELD = "peer_address"
+#: the shortest per-peer wait (seconds): a 42 MiB expert crosses the loopback in tens of milliseconds
+MIN_PEER_WAIT_S = 1.0
+
+
+def peer_wait_s(heartbeat_ttl_ms: int) -> float:
+    """How long a receiver waits on one peer (its connect and handshake, each batch's header, each expert's bytes;
+    the server's deadline for sending one too), in seconds: half the heartbeat TTL, within
+    [:data:`MIN_PEER_WAIT_S`, :data:`~fdeplb.weights.peer.DEFAULT_TIMEOUT_S`]. A peer whose process hangs is
+    suspected within its TTL; one that stalls while its heartbeat stays fresh costs each receiver this wait once
+    (its later experts fall back with the broken connection), well inside the loading deadline. The receiver
+    heartbeats meanwhile (:mod:`~fdeplb.orchestration.busy_heartbeat`)."""
+    return min(DEFAULT_TIMEOUT_S, max(MIN_PEER_WAIT_S, int(heartbeat_ttl_ms) / 2000))
 
 
 def peer_secret(explicit: str | None = None) -> str | None:
