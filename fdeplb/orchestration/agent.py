@@ -192,7 +192,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         if self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource):
             self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
                                                 self.config.ep_size,
-                                                timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms))
+                                                timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms),
+                                                actor=self.actor)
         if self.peers is not None:
             self.peers.server.source = self.backend
             self._info[peer_agent.ADDRESS_FIELD] = self.peers.address

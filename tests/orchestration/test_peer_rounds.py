@@ -109,6 +109,35 @@ def test_a_rank_staging_longer_than_its_ttl_from_a_lying_peer_stays_a_member(red
         assert fallbacks and all("wrong bytes" in f["error"] for d in fallbacks for f in d["fallback"])
 
 
+def test_a_wrong_secret_raises_one_alarm_naming_it_and_status_shows_the_disk_bytes(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        before = store.current_placement().phy2log
+        tc.start_agents([0, 1, 2], peer_secret=SECRET)
+        tc.start_agents([3], peer_secret="another-secret")  # no handshake with rank 3 succeeds, either way
+        tc.start_coordinator()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        alarms = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+        assert alarms and all("failed authentication" in a["reason"] and "FDEPLB_PEER_SECRET" in a["reason"]
+                              for a in alarms), [a["reason"] for a in alarms]
+        assert len({a["actor"] for a in alarms}) == len(alarms)  # one per rank that met a refusal
+        assert "rank3" in {a["actor"].split("@")[0] for a in alarms}
+        rank3 = store.read_rank(3)
+        assert rank3.peer_bytes == 0 and rank3.disk_bytes > 0  # every expert new to it came from disk
+        text = io.StringIO()
+        print_status(cluster_status(store), text)
+        assert f"staged 0 B from peers, {rank3.disk_bytes} B from disk" in text.getvalue()
+        agent = tc.agents[3]  # staging again (back to the first placement) meets the refusals again: no alarm
+        staged = agent.peers.stage(agent.backend, before, None, None, agent.live_ranks, store)
+        try:
+            assert staged.fallbacks and all(f.unauthenticated for f in staged.fallbacks)
+        finally:
+            staged.release()
+        assert len([a for a in store.iter_audit() if a["trigger"] == "alarm"]) == len(alarms)
+
+
 def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id, tmp_path):
     pytest.importorskip("paddle")
     with thread_cluster(redis_url, cluster_id, tmp_path, backend="paddle") as tc:
