@@ -192,7 +192,8 @@ def _json(conn: Connection) -> dict:
 
 
 class PeerServer:
-    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons).
+    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons; at most
+    :data:`MAX_HANDSHAKES` of them not yet authenticated).
 
     Args:
         source: the live slots (:class:`ExpertSource`).
