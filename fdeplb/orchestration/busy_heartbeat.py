@@ -13,14 +13,12 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from fdeplb.errors import FdeplbError
-
 
 @contextmanager
 def beating(beat: Callable[[], None], period_s: float, log: Any) -> Iterator[None]:
     """Call ``beat()`` every ``period_s`` seconds (> 0) on a daemon thread while the block runs. A beat that raises
-    a :class:`~fdeplb.errors.FdeplbError` (Redis away) is logged and the next one tried a period later; the thread
-    is stopped and joined (waiting at most one more period past a beat in flight) when the block ends, however it
+    (Redis away: the loop reports it at its next step) is logged and the next one tried a period later; the thread
+    is stopped and joined (waiting at most ``max(period_s, 1)`` s for a beat in flight) when the block ends, however it
     ends."""
     stop = threading.Event()
 
@@ -28,8 +26,8 @@ def beating(beat: Callable[[], None], period_s: float, log: Any) -> Iterator[Non
         while not stop.wait(period_s):
             try:
                 beat()
-            except FdeplbError as err:  # the loop reports a lost store at its next step
-                log.warning("heartbeat while busy failed", error=str(err))
+            except Exception as err:  # noqa: BLE001 - Redis away, or a bug: the next beat is tried all the same
+                log.warning("heartbeat while busy failed", error=f"{type(err).__name__}: {err}")
 
     thread = threading.Thread(target=run, name="fdeplb-busy-heartbeat", daemon=True)
     thread.start()

@@ -10,6 +10,7 @@ import pytest
 
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli.status_view import print_status
+from fdeplb.orchestration.peer_agent import peer_wait_s
 from fdeplb.status import cluster_status
 from fdeplb.testing import NumpyWeights
 from tests.helpers import thread_cluster, wait_for
@@ -75,6 +76,10 @@ def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, 
         after = store.current_placement().phy2log
         for agent in tc.agents:
             assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+
+
+def test_the_per_peer_wait_is_half_the_heartbeat_ttl_within_1_to_10_s():
+    assert [peer_wait_s(ttl) for ttl in (100, 2_000, 4_000, 10_000, 20_000, 60_000)] == [1.0, 1.0, 2.0, 5.0, 10.0, 10.0]
 
 
 def test_a_rank_staging_longer_than_its_ttl_from_a_lying_peer_stays_a_member(redis_url, cluster_id, tmp_path):
