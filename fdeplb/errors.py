@@ -147,6 +147,12 @@ class PeerTransferError(WeightError):
     code = "peer_transfer"
 
 
+class PeerAuthError(PeerTransferError):
+    """A peer and this rank do not derive the same key (:func:`fdeplb.weights.peer.peer_authkey`): their
+    ``FDEPLB_PEER_SECRET`` (or cluster id) differ. A configuration error, not a transient one: the rank agent raises
+    one alarm for it (:mod:`fdeplb.orchestration.peer_agent`)."""
+
+
 class DependencyError(FdeplbError):
     """An optional dependency (an extra) is not installed; the message names the extra."""
 

@@ -141,8 +141,8 @@ def _rank_line(r: dict[str, Any], p: dict[str, Any]) -> str:
            if r.get("routing") == "mismatch" else "")
     stale = f"  STALE (> {_ms(r.get('heartbeat_ttl_ms'))})" if r.get("stale") else ""  # older than its TTL
     bad += f"  PROBE {r['probe'].upper()}" if r.get("probe") in ("mismatch", "failed") else ""  # its last swap's
-    peers = (f"  staged {r['peer_bytes']} B from peers, {r['disk_bytes']} B from disk"
-             if r.get("peer_bytes") else "")  # its last staging took experts from peers' live slots
+    peers = (f"  staged {r['peer_bytes']} B from peers, {r['disk_bytes']} B from disk"  # its last staging's sources
+             if r.get("peer_bytes") or r.get("disk_bytes") else "")  # (0 from peers: a wrong secret, none live)
     return (f"  {r['ep_rank']:<6}{r['state'] or '-':<12}{_opt(r['load_result']):<12}{r['weights'] or '-':<10}"
             f"{_opt(r['weights_code']):<6}{r.get('membership') or '-':<11}{r['plan_id'] or '-':<18}{live:<18}"
             f"{routing:<14}"

@@ -41,6 +41,7 @@ from fdeplb.errors import (FdeplbError, GuardError, InputError, NotFoundError, R
 from fdeplb.failpoints import failpoint
 from fdeplb.machines.tables import RANK, WEIGHTS, ClusterState, RankState, entry_work
 from fdeplb.orchestration import peer_agent
+from fdeplb.orchestration.busy_heartbeat import beating
 from fdeplb.orchestration.comeback import ComeBack
 from fdeplb.orchestration.membership import Rejoin
 from fdeplb.orchestration.handles import RecordHandle
@@ -190,7 +191,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self._info = dict(info or {})
         if self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource):
             self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
-                                                self.config.ep_size)
+                                                self.config.ep_size,
+                                                timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms),
+                                                actor=self.actor)
         if self.peers is not None:
             self.peers.server.source = self.backend
             self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
@@ -371,8 +374,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         """False while the rank's expert weights are cleared (the worker must not run a forward step)."""
         return self.backend is not None and not self.backend.cleared
 
-    def _heartbeat(self, force: bool = False, **changes: Any) -> None:
-        """Heartbeat with TTL, step counter and step rate (at most every ttl / 4 unless ``force``)."""
+    def _heartbeat(self, force: bool = False, check: bool = True, **changes: Any) -> None:
+        """Heartbeat with TTL, step counter and step rate (at most every ttl / 4 unless ``force``); ``check``: then
+        look for a superseding agent (the loop thread only: not the heartbeat while staging)."""
         now = time.monotonic()
         last_t, last_steps, rate = self._hb
         if not force and now - last_t < self.heartbeat_ttl_ms / 4000:
@@ -385,7 +389,8 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self.store.heartbeat(self.ep_rank, heartbeat_ttl_ms=self.heartbeat_ttl_ms, step=self.steps,
                              steps_per_s=round(rate, 3), safe_point_age_ms=self.switch.safe_point_age_ms(now),
                              **changes)
-        self._check_superseded()
+        if check:
+            self._check_superseded()
 
     def _check_superseded(self) -> None:
         """One agent per rank: a worker restarted while its old process still runs registers a new agent for the
@@ -434,11 +439,13 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             new = self._new_phy2log(plan_id)
             pause = self.pause_budget if self.safe_points else None
             args = (new, self.staging_budget_bytes) if pause is None else (new, self.staging_budget_bytes, pause)
-            if self.peers is None:
-                staged = self.backend.stage(*args)
-            else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
-                staged = self.peers.stage(self.backend, new, self.staging_budget_bytes, pause, self.live_ranks,
-                                          self.store)
+            # staging may outlast the heartbeat TTL (a peer's deadline, disk reads): beat on meanwhile
+            with beating(lambda: self._heartbeat(force=True, check=False), self.heartbeat_ttl_ms / 4000, self.log):
+                if self.peers is None:
+                    staged = self.backend.stage(*args)
+                else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
+                    staged = self.peers.stage(self.backend, new, self.staging_budget_bytes, pause, self.live_ranks,
+                                              self.store)
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}

@@ -28,6 +28,18 @@ from fdeplb.weights.plan import PauseBudget
 ENV_PEER_SECRET = "FDEPLB_PEER_SECRET"
 #: the registry field holding a rank's peer-transfer address
 ADDRESS_FIELD = "peer_address"
+#: the shortest per-peer wait (seconds): a 42 MiB expert crosses the loopback in tens of milliseconds
+MIN_PEER_WAIT_S = 1.0
+
+
+def peer_wait_s(heartbeat_ttl_ms: int) -> float:
+    """How long a receiver waits on one peer (its connect and handshake, each batch's header, each expert's bytes;
+    the server's deadline for sending one too), in seconds: half the heartbeat TTL, within
+    [:data:`MIN_PEER_WAIT_S`, :data:`~fdeplb.weights.peer.DEFAULT_TIMEOUT_S`]. A peer whose process hangs is
+    suspected within its TTL; one that stalls while its heartbeat stays fresh costs each receiver this wait once
+    (its later experts fall back with the broken connection), well inside the loading deadline. The receiver
+    heartbeats meanwhile (:mod:`~fdeplb.orchestration.busy_heartbeat`)."""
+    return min(DEFAULT_TIMEOUT_S, max(MIN_PEER_WAIT_S, int(heartbeat_ttl_ms) / 2000))
 
 
 def peer_secret(explicit: str | None = None) -> str | None:
@@ -43,14 +55,17 @@ class PeerService:
         source: the rank's weight backend (an :class:`~fdeplb.weights.peer.ExpertSource`).
         secret, cluster: give the authentication key (:func:`peer_authkey`).
         host: the interface the server listens on (loopback by default).
-        timeout_s: the deadline of one connection's handshake and of one expert's transfer.
+        timeout_s: the deadline of one connection's handshake and of one expert's transfer (:func:`peer_wait_s`).
+        actor: who the alarm of a failed authentication names (:meth:`stage`).
     """
 
     def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
-                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, actor: str = "") -> None:
         self._key = peer_authkey(secret, cluster)
         self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
         self.timeout_s = float(timeout_s)
+        self.actor = actor or f"rank{self.ep_rank}"
+        self.auth_alarmed = False  # the alarm of a failed authentication is raised once per service
         self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
 
     @property
@@ -60,12 +75,23 @@ class PeerService:
     def stage(self, backend: WeightBackend, new_phy2log: np.ndarray, budget_bytes: int | None,
               pause: PauseBudget | None, members: tuple[int, ...], store: Store) -> Staged:
         """``backend.stage`` of ``new_phy2log`` with the experts new to the rank taken from the peers that hold
-        them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after."""
+        them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after. The first
+        time peers fail authentication (their secret differs from this rank's), one alarm (event and audit record)
+        names them and the likely cause; later rounds fall back to the checkpoint without another."""
         fetch = self.fetch_for(backend.phy2log, new_phy2log, members, store)
         try:
-            return backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
+            staged = backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
         finally:
             fetch.transport.close()
+        refused = sorted({f.peer for f in getattr(staged, "fallbacks", []) if f.unauthenticated})
+        if refused and not self.auth_alarmed:
+            self.auth_alarmed = True
+            message = (f"rank {self.ep_rank}: peer transfer with ranks {refused} failed authentication: their "
+                       f"{ENV_PEER_SECRET} likely differs from this rank's; the experts they hold are read from the "
+                       "checkpoint every round until every rank has the same secret (alarmed once)")
+            store.emit_event("alarm", rank=self.ep_rank, message=message)
+            store.append_alarm(store.read_cluster(), actor=self.actor, reason=message)
+        return staged
 
     def fetch_for(self, old_phy2log: np.ndarray, new_phy2log: np.ndarray, members: tuple[int, ...],
                   store: Store) -> PeerFetch:

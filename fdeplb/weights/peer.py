@@ -31,13 +31,13 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
-from multiprocessing import ProcessError  # AuthenticationError, BufferTooShort
+from multiprocessing import AuthenticationError, ProcessError  # ProcessError: BufferTooShort too
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import structlog
 
-from fdeplb.errors import InputError, PeerTransferError
+from fdeplb.errors import InputError, PeerAuthError, PeerTransferError
 from fdeplb.failpoints import failpoint
 
 log = structlog.get_logger("fdeplb.peer")
@@ -54,14 +54,17 @@ MAX_HEADER = 64 * 1024
 DEFAULT_TIMEOUT_S = 10.0
 #: an idle served connection is closed after this long (seconds)
 IDLE_S = 120.0
+#: most connections a server holds before they authenticate (each has a thread and a handshake deadline); one
+#: accepted past it is closed at once, so a flood of connections costs no threads
+MAX_HANDSHAKES = 32
 
 
 def peer_authkey(secret: str, cluster: str) -> bytes:
     """The key peers of ``cluster`` authenticate with: HMAC-SHA256(``secret``, ``"fdeplb-peer:" + cluster``), 32
-    bytes. ``secret`` is the operator's (``FDEPLB_PEER_SECRET``, else the API password: see
+    bytes. ``secret`` is the operator's (``RankAgent(peer_secret=...)``, else ``FDEPLB_PEER_SECRET``: see
     :func:`fdeplb.orchestration.peer_agent.peer_secret`); InputError when it is empty (never unauthenticated)."""
     if not secret:
-        raise InputError("peer transfer needs a non-empty secret (FDEPLB_PEER_SECRET or FDEPLB_API_PASSWORD)")
+        raise InputError("peer transfer needs a non-empty secret (FDEPLB_PEER_SECRET)")
     return hmac.new(secret.encode(), f"fdeplb-peer:{cluster}".encode(), hashlib.sha256).digest()
 
 
@@ -189,7 +192,8 @@ def _json(conn: Connection) -> dict:
 
 
 class PeerServer:
-    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons).
+    """Serves a rank's live experts to its peers: one accepting thread, one thread per connection (daemons; at most
+    :data:`MAX_HANDSHAKES` of them not yet authenticated).
 
     Args:
         source: the live slots (:class:`ExpertSource`).
@@ -200,6 +204,7 @@ class PeerServer:
     Attributes:
         address: ``"host:port"`` to register with the rank (:meth:`fdeplb.store.Store.register_rank`).
         served, refused: experts sent, requests refused (counters).
+        turned_away: connections closed unserved because :data:`MAX_HANDSHAKES` others were authenticating.
     """
 
     def __init__(self, source: ExpertSource, authkey: bytes, *, host: str = "127.0.0.1",
@@ -211,7 +216,8 @@ class PeerServer:
         self._sock.settimeout(0.5)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._stop = threading.Event()
-        self.served = self.refused = 0
+        self.served = self.refused = self.turned_away = 0
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept, name="fdeplb-peer-accept", daemon=True)
         self._thread.start()
 
@@ -228,20 +234,33 @@ class PeerServer:
                 continue
             except OSError:
                 return  # closed
+            if not self._handshakes.acquire(blocking=False):  # released once its handshake ends, either way
+                self.turned_away += 1
+                log.warning("peer connection turned away", reason=f"{MAX_HANDSHAKES} connections authenticating")
+                _shutdown(sock)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock,), name="fdeplb-peer-serve", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        link = _Link(sock)
+        link = None
         try:
-            with _deadline(link.guard, self.timeout_s):
-                deliver_challenge(link.conn, self._key)
-                answer_challenge(link.conn, self._key)
+            try:
+                link = _Link(sock)
+                with _deadline(link.guard, self.timeout_s):
+                    deliver_challenge(link.conn, self._key)
+                    answer_challenge(link.conn, self._key)
+            finally:  # authenticated or not, it no longer counts against MAX_HANDSHAKES
+                self._handshakes.release()
             while not self._stop.is_set() and link.conn.poll(IDLE_S):
                 self._answer(link)
         except (ProcessError, EOFError, OSError, ValueError) as err:
             log.info("peer connection closed", reason=f"{type(err).__name__}: {err}")
         finally:
-            link.close()
+            if link is not None:
+                link.close()
+            else:
+                sock.close()
 
     def _answer(self, link: _Link) -> None:
         req = _json(link.conn)
@@ -364,12 +383,15 @@ class SocketTransport:
             except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
                 self._drop(peer)
                 request = items[len(out)][0]
-                out.append(PeerTransferError(f"rank {peer} ({self.addresses[peer]}) did not deliver expert "
-                                             f"{request.expert} of layer {request.layer}: {type(err).__name__}: "
-                                             f"{err}"))
+                auth = isinstance(err, AuthenticationError)
+                out.append((PeerAuthError if auth else PeerTransferError)(
+                    f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
+                    f"{request.layer}: {type(err).__name__}: {err}"
+                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")))
         cause = out[-1] if out else None
         while len(out) < len(items):  # the connection broke: what broke it, for every later item
-            out.append(PeerTransferError(f"rank {peer} failed earlier: {cause}"))
+            kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
+            out.append(kind(f"rank {peer} failed earlier: {cause}"))
         return out
 
     def _answers(self, peer: int, link: _Link, requests: list[PeerRequest]) -> list[dict]:

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
-from fdeplb.errors import PeerTransferError
+from fdeplb.errors import PeerAuthError, PeerTransferError
 from fdeplb.weights.peer import PeerRequest, PeerTransport
 from fdeplb.weights.peer_plan import CHECKPOINT
 
@@ -32,12 +32,14 @@ Allocate = Callable[[int, int], dict[str, Any]]
 
 
 class Fallback(NamedTuple):
-    """An expert a peer did not deliver, read from the checkpoint instead."""
+    """An expert a peer did not deliver, read from the checkpoint instead (``unauthenticated``: the peer and this
+    rank do not share the key, :class:`~fdeplb.errors.PeerAuthError`)."""
 
     layer: int
     expert: int
     peer: int
     error: str
+    unauthenticated: bool = False
 
     def to_detail(self) -> dict[str, Any]:
         """The audit detail of this fallback (``detail.fallback`` lists these)."""
@@ -115,7 +117,7 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
                     continue
                 claimed = PeerTransferError(f"rank {peer} sent wrong bytes for expert {expert} of layer {layer}: "
                                             f"checksum {list(got)}, the checkpoint's {list(want)}")
-            out.fallbacks.append(Fallback(layer, expert, peer, str(claimed)))
+            out.fallbacks.append(Fallback(layer, expert, peer, str(claimed), isinstance(claimed, PeerAuthError)))
         return out
 
     threads = min(MAX_PEER_THREADS, len(by_peer))

@@ -10,6 +10,7 @@ import pytest
 
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli.status_view import print_status
+from fdeplb.orchestration.peer_agent import peer_wait_s
 from fdeplb.status import cluster_status
 from fdeplb.testing import NumpyWeights
 from tests.helpers import thread_cluster, wait_for
@@ -75,6 +76,71 @@ def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, 
         after = store.current_placement().phy2log
         for agent in tc.agents:
             assert np.array_equal(agent.backend.phy2log, after) and agent.backend.verify() == (15, 15)
+
+
+def test_the_per_peer_wait_is_half_the_heartbeat_ttl_within_1_to_10_s():
+    assert [peer_wait_s(ttl) for ttl in (100, 2_000, 4_000, 10_000, 20_000, 60_000)] == [1.0, 1.0, 2.0, 5.0, 10.0, 10.0]
+
+
+def test_a_rank_staging_longer_than_its_ttl_from_a_lying_peer_stays_a_member(redis_url, cluster_id, tmp_path):
+    """QA HIGH 1 (a peer sending wrong bytes, a small TTL): ranks 1-3 stage for more than twice their 1 s heartbeat
+    TTL (their staging returns only once their heartbeat moved past that, or fails after 10 s) while rank 0 sends
+    wrong bytes; their heartbeat stays fresh meanwhile, none is suspected and the round releases."""
+    ttl_ms = 1_000
+
+    class SlowStaging(NumpyWeights):  # staging that outlasts the TTL, for as long as it takes the heartbeat past it
+        def stage(self, new_phy2log, budget_bytes, pause=None, peers=None):
+            store = tc.store()
+            since = store.now_ms()
+            staged = super().stage(new_phy2log, budget_bytes, pause, peers)
+            wait_for(lambda: store.read_rank(self.ep_rank).heartbeat_ms > since + 2 * ttl_ms, 10, None,
+                     f"rank {self.ep_rank}'s heartbeat while it stages")
+            return staged
+
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        liar = lambda _c, phy2log, r, size: WrongBytes(phy2log, r, size)  # noqa: E731
+        tc.start_agents([0], peer_secret=SECRET, backend_factory=liar, heartbeat_ttl_ms=ttl_ms)
+        tc.start_agents([1, 2, 3], peer_secret=SECRET, backend_factory=lambda _c, phy2log, r, size: SlowStaging(
+            phy2log, r, size), heartbeat_ttl_ms=ttl_ms)
+        assert all(agent.peers.timeout_s == 1.0 for agent in tc.agents)  # half the TTL, within [1, 10] s
+        tc.start_coordinator()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        trail = [(a["trigger"], a["reason"][:100]) for a in store.iter_audit() if a["machine"] != "rank"]
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")], trail
+        assert not [a for a in store.iter_audit() if a["trigger"] == "suspect"], trail
+        fallbacks = [json.loads(a["detail"]) for a in _staged_records(store) if a["detail"]]
+        assert fallbacks and all("wrong bytes" in f["error"] for d in fallbacks for f in d["fallback"])
+
+
+def test_a_wrong_secret_raises_one_alarm_naming_it_and_status_shows_the_disk_bytes(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        before = store.current_placement().phy2log
+        tc.start_agents([0, 1, 2], peer_secret=SECRET)
+        tc.start_agents([3], peer_secret="another-secret")  # no handshake with rank 3 succeeds, either way
+        tc.start_coordinator()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        assert transitions_of(store)[-2:] == [("SWAPPING", "DONE", "swapped"), ("DONE", "FREE", "release")]
+        alarms = [a for a in store.iter_audit() if a["trigger"] == "alarm"]
+        assert alarms and all("failed authentication" in a["reason"] and "FDEPLB_PEER_SECRET" in a["reason"]
+                              for a in alarms), [a["reason"] for a in alarms]
+        assert len({a["actor"] for a in alarms}) == len(alarms)  # one per rank that met a refusal
+        assert "rank3" in {a["actor"].split("@")[0] for a in alarms}
+        rank3 = store.read_rank(3)
+        assert rank3.peer_bytes == 0 and rank3.disk_bytes > 0  # every expert new to it came from disk
+        text = io.StringIO()
+        print_status(cluster_status(store), text)
+        assert f"staged 0 B from peers, {rank3.disk_bytes} B from disk" in text.getvalue()
+        agent = tc.agents[3]  # staging again (back to the first placement) meets the refusals again: no alarm
+        staged = agent.peers.stage(agent.backend, before, None, None, agent.live_ranks, store)
+        try:
+            assert staged.fallbacks and all(f.unauthenticated for f in staged.fallbacks)
+        finally:
+            staged.release()
+        assert len([a for a in store.iter_audit() if a["trigger"] == "alarm"]) == len(alarms)
 
 
 def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,13 +18,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fdeplb.errors import InputError, PeerTransferError
+from fdeplb.errors import InputError, PeerAuthError, PeerTransferError
 from fdeplb.placement.digest import routing_digest
 from fdeplb.testing import NumpyWeights, expert_tensor
+from fdeplb.weights import peer as peer_module
 from fdeplb.weights.peer import PeerRequest, PeerServer, SocketTransport, peer_authkey
 from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources
 from fdeplb.weights.peer_staging import PeerFetch
 from fdeplb.weights.plan import plan_transfer
+from tests.helpers import wait_for
 from tests.weights.peer_proc import CLUSTER, EP_SIZE, NEW, OLD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -187,13 +190,46 @@ def test_a_wrong_authkey_is_refused_before_any_byte_moves(peer):
     transport = SocketTransport({1: p.address}, peer_authkey("not-the-secret", CLUSTER), timeout_s=10)
     buf, into = _into()
     buf[:] = 0
-    with pytest.raises(PeerTransferError, match="AuthenticationError"):
+    with pytest.raises(PeerAuthError, match="AuthenticationError.*FDEPLB_PEER_SECRET .*likely differ"):
         transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), into)
     assert not buf.any()
-    with pytest.raises(PeerTransferError, match="no registered peer address"):
+    with pytest.raises(PeerTransferError, match="no registered peer address") as refused:
         transport.fetch(2, PeerRequest(0, 4, routing_digest(OLD)), into)
-    with pytest.raises(InputError, match="secret"):
+    assert not isinstance(refused.value, PeerAuthError)  # only a failed handshake names the secret
+    with pytest.raises(InputError, match=r"secret \(FDEPLB_PEER_SECRET\)$"):
         peer_authkey("", CLUSTER)
+
+
+def test_connections_past_the_handshake_cap_are_turned_away_and_the_server_serves_on(monkeypatch):
+    monkeypatch.setattr(peer_module, "MAX_HANDSHAKES", 2)
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY, timeout_s=10)
+    host, _, port = server.address.rpartition(":")
+    silent = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]  # never authenticate
+    try:
+        extra = socket.create_connection((host, int(port)), timeout=10)
+        with extra:
+            assert extra.recv(1) == b""  # closed unserved: no challenge sent, no thread started
+        assert server.turned_away == 1
+        for s in silent:  # their handshakes fail: the server takes connections again
+            s.close()
+
+        def served() -> bool:
+            transport = SocketTransport({1: server.address}, KEY, timeout_s=10)
+            try:
+                buf, into = _into()
+                transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), into)
+                return np.array_equal(buf, expert_tensor(0, 4))
+            except PeerTransferError:
+                return False
+            finally:
+                transport.close()
+
+        wait_for(served, 10, what="a peer served once the silent connections closed")
+        assert server.turned_away >= 1
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
 
 
 @contextmanager

@@ -1,8 +1,8 @@
-"""QA finding: a peer whose sending stalls (its process and heartbeat alive) is meant to cost only the experts it did
-not deliver (README: "a peer that refuses, dies, stalls past the deadline ... costs only that expert ... the round
-goes on"). But staging runs on the agent's loop thread, which sends no heartbeat while it stages: every receiver
-waits out the 10 s per-expert deadline without a heartbeat, so with the default heartbeat TTL (10 s) the receivers
-are suspected and every round aborts ("membership changed in the round") for as long as the peer stalls."""
+"""A peer whose sending stalls (its process and heartbeat alive) costs only the experts it did not deliver (README:
+"a peer that refuses, dies, stalls past the deadline ... costs only that expert ... the round goes on"): the
+receivers wait out their per-peer wait (half the heartbeat TTL) while heartbeating from a thread of their own
+(orchestration/busy_heartbeat), so none is suspected and the round releases. Before, staging on the agent's loop
+thread sent no heartbeat and the 10 s wait equalled the 10 s TTL: every round aborted (QA HIGH 1)."""
 
 from __future__ import annotations
 
