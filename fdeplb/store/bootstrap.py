@@ -135,15 +135,15 @@ class Bootstrap:
         keys = [k for k in self._client.scan_iter(match=self._keys.pattern, count=1000)
                 if _s(k) != self._keys.deleted]
         self._config = None
-        pipe = self._client.pipeline(transaction=bool(by))
-        for i in range(0, len(keys), 500):
-            pipe.delete(*keys[i:i + 500])
-        if by:
-            sec, _ = self._client.time()
-            pipe.set(self._keys.deleted, json.dumps({"by": by, "at_ms": int(sec) * 1000, "keys": len(keys)}),
-                     px=int(tombstone_ttl_ms))
-        replies = pipe.execute()
-        return sum(int(n) for n in replies[:len(replies) - bool(by)])
+        if not by:  # a clean-up: plain multi-key DELs (a cluster client's pipeline takes no multi-key DEL)
+            return sum(int(self._client.delete(*keys[i:i + 500])) for i in range(0, len(keys), 500))
+        pipe = self._client.pipeline(transaction=True)  # the keys and the tombstone share the cluster's hash slot
+        for key in keys:
+            pipe.delete(key)
+        sec, _ = self._client.time()
+        pipe.set(self._keys.deleted, json.dumps({"by": by, "at_ms": int(sec) * 1000, "keys": len(keys)}),
+                 px=int(tombstone_ttl_ms))
+        return sum(int(n) for n in pipe.execute()[:-1])
 
 
 def _check_audit_ids(ids: list[str]) -> None:

@@ -78,6 +78,24 @@ def test_rounds_on_a_three_master_redis_cluster(redis_cluster, cluster_id, tmp_p
     assert store.key_count() == 0  # thread_cluster deleted every key, on whichever master holds the slot
 
 
+def test_an_operators_delete_on_a_redis_cluster_leaves_only_its_tombstone(redis_cluster, cluster_id):
+    """The operator's delete writes its tombstone in the transaction that deletes the keys (one slot: the cluster's
+    hash tag), on a Redis Cluster too, where a pipeline takes no multi-key DEL."""
+    from fdeplb.orchestration.cluster_setup import init_cluster
+    from fdeplb.orchestration.operator import delete_cluster
+    from fdeplb.placement import initial_placement
+    from fdeplb.store import ClusterConfig, Store
+
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in redis_cluster)
+    store = Store(url, cluster_id)
+    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=2),
+                 initial_placement(1, 4, 4).phy2log)
+    before = store.key_count()
+    assert delete_cluster(store, force=True, by="operator:test") == before > 0
+    stone = store.tombstone()
+    assert stone is not None and stone.by == "operator:test" and store.key_count() == 0
+
+
 @pytest.fixture
 def sentinel_setup(tmp_path):
     master = RedisServer(tmp_path / "master")
