@@ -44,7 +44,7 @@ from fdeplb.machines.tables import CLUSTER
 from fdeplb.placement import plan_digest
 from fdeplb.replay.report import ReplayReport
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import decide
+from fdeplb.rounds.gating import configured_topology, decide
 from fdeplb.rounds.reasons import RoundOutcome, detail_of
 from fdeplb.store import ClusterConfig
 
@@ -166,7 +166,7 @@ def _check_plans_made_with(report: ReplayReport, timeline: ConfigTimeline) -> No
                 plan_digest(plan.expert_load, plan.old_phy2log, plan.policy, plan.topology) != plan.plan_id:
             continue  # not stored, or not its own plan: check_plans names it at its load
         cfg = timeline.at(loaded.round)
-        shape = {k: v for k, v in plan.topology.items() if k not in ("live_ranks", "reroute", "supplied")}
+        shape = configured_topology(plan.topology)
         if shape != cfg.topology():
             raise ReplayError(f"line 1: the header's topology {cfg.topology()}, but round {loaded.round}'s plan "
                               f"{plan.plan_id} (loaded at {loaded.where}) was made for {shape}")

@@ -21,7 +21,7 @@ from fdeplb.placement.digest import routing_digest
 from fdeplb.replay.header_checks import check_passed_gates, configs
 from fdeplb.replay.report import ReplayReport
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import decide, default_planner, plan_round
+from fdeplb.rounds.gating import configured_topology, decide, default_planner, plan_round
 from fdeplb.rounds.members import live_planner, replacement
 from fdeplb.rounds.reasons import RoundOutcome
 from fdeplb.store import ClusterConfig
@@ -119,11 +119,11 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         digest = plan_digest(load, old, policy, stored.topology)
         if digest != plan.plan_id:
             raise ReplayError(f"{where}: (snapshot, old placement, policy, topology) hash to {digest}")
-        topology = dict(stored.topology)
-        supplied = _supplied(topology.pop("supplied", None), where)  # a round to a given placement: not planned
-        live_ranks = topology.pop("live_ranks", None)  # a round with some rank not a member
-        reroute = bool(topology.pop("reroute", False))  # its members only shrank: the orphans move, nothing else
-        if topology != config.topology():
+        topology = stored.topology
+        supplied = _supplied(topology.get("supplied"), where)  # a round to a given placement: not planned
+        live_ranks = topology.get("live_ranks")  # a round with some rank not a member
+        reroute = bool(topology.get("reroute", False))  # its members only shrank: the orphans move, nothing else
+        if configured_topology(topology) != config.topology():
             raise ReplayError(f"{where}: planned for topology {stored.topology}, the cluster has "
                               f"{config.topology()}")
         if supplied is not None and supplied["kind"] == "operator":  # names its placement by routing digest

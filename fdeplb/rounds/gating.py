@@ -22,7 +22,18 @@ import numpy as np
 from fdeplb.placement import balancedness, check_live_ranks, check_phy2log, moved_experts, rebalance_experts
 from fdeplb.store import ClusterConfig
 
-__all__ = ["GateDecision", "Planner", "decide", "default_planner", "mean_balancedness", "plan_round"]
+__all__ = ["ROUND_FACTS", "GateDecision", "Planner", "configured_topology", "decide", "default_planner",
+           "mean_balancedness", "plan_round"]
+
+#: what a stored plan's topology (hashed into its plan_id) holds of its round beside the configuration's topology:
+#: the round's members when some rank is not one, a re-route (the members only shrank), a supplied placement
+ROUND_FACTS = ("live_ranks", "reroute", "supplied")
+
+
+def configured_topology(topology: dict) -> dict:
+    """A stored plan's ``topology`` without its round's facts (:data:`ROUND_FACTS`): what it must share with the
+    configuration it was planned under (``ClusterConfig.topology()``)."""
+    return {k: v for k, v in topology.items() if k not in ROUND_FACTS}
 
 #: (expert_load int64 [L, E], old phy2log int64 [L, P], config) -> new phy2log int64 [L, P]
 Planner = Callable[[np.ndarray, np.ndarray, ClusterConfig], np.ndarray]
