@@ -30,7 +30,7 @@ from fdeplb.store import ClusterConfig
 
 __all__ = ["ROUND_FACTS", "SOURCE_POLICIES", "GateDecision", "Planner", "configured_topology", "decide",
            "default_planner", "keeps_source_load", "mean_balancedness", "plan_round", "round_source",
-           "source_fact"]
+           "source_fact", "split_of"]
 
 #: what a stored plan's topology (hashed into its plan_id) holds of its round beside the configuration's topology:
 #: the round's members when some rank is not one, a re-route (the members only shrank), a supplied placement, the
@@ -44,6 +44,20 @@ def keeps_source_load(cfg: ClusterConfig) -> bool:
     """Whether a round of ``cfg`` keeps its snapshot per source rank: its policy plans from the split
     (:data:`SOURCE_POLICIES`) and it has several nodes (on one node no token crosses one)."""
     return cfg.policy in SOURCE_POLICIES and cfg.num_nodes > 1
+
+
+def split_of(windows: list[tuple[int, np.ndarray]], cfg: ClusterConfig) -> np.ndarray | None:
+    """The counted ranks' ``windows`` ((ep_rank, int64 [L, E]) each) unsummed, int64 [L, ep_size, E], when a round
+    of ``cfg`` keeps them (:func:`keeps_source_load`); None otherwise. A rank not counted (not a member) has a zero
+    row: its tokens did come from it, but its window is not in the round's sum either, so the split always sums
+    over ranks to the round's snapshot."""
+    if not keeps_source_load(cfg) or not windows:
+        return None
+    L, E = windows[0][1].shape
+    split = np.zeros((L, cfg.ep_size, E), dtype=np.int64)
+    for r, load in windows:
+        split[:, r] = load
+    return split
 
 
 def round_source(cfg: ClusterConfig, source_load: np.ndarray | None, live_ranks: object = None

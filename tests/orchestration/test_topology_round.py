@@ -16,6 +16,7 @@ from fdeplb.placement import cross_node_fraction, initial_placement, rebalance_e
 from fdeplb.recording import export_recording
 from fdeplb.replay.verify import check_recording
 from fdeplb.rounds import reasons
+from fdeplb.store import Store
 from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
 from tests.orchestration.helpers import round_over
 
@@ -80,6 +81,17 @@ def test_the_round_replays_to_the_same_plan(topology_round, capsys, redis_url):
     assert json.loads(out)["plans_checked"] == [plan_id]
 
 
+def test_a_rebuild_keeps_the_split(topology_round, capsys, redis_url, cluster_id):
+    store, path, _, _ = topology_round
+    code, _, err = run_cli(capsys, "replay", str(path), "--into", redis_url, "--cluster", cluster_id)
+    assert code == 0, err
+    rebuilt = Store(redis_url, cluster_id)
+    try:
+        assert np.array_equal(rebuilt.read_source_load(1), store.read_source_load(1))
+    finally:
+        rebuilt.delete_cluster()
+
+
 def test_a_recording_with_another_split_of_the_same_sum_does_not_replay(topology_round, tmp_path):
     _, path, _, _ = topology_round
     lines = [json.loads(s) for s in path.read_text().splitlines()]
@@ -129,3 +141,19 @@ def test_a_window_of_the_wrong_shape_aborts_the_round_as_for_any_policy(redis_ur
         rec = store.read_cluster()
         assert rec.reason.startswith("load window of rank 2 is corrupt"), rec.reason
         assert store.read_snapshot(1) is None
+
+
+def test_the_periodic_trigger_judges_a_topology_aware_plan_from_the_split(redis_url, cluster_id, tmp_path):
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, num_experts=E, ep_size=R, num_nodes=NODES,
+                        policy="topology_aware", min_gain=1.0) as tc:  # no plan gains 1.0: the trigger skips
+        tc.loads = per_rank_load()
+        tc.start_agents(publish_interval_s=0.2)
+        store = tc.store()
+        wait_for(lambda: all(store.read_load(r) is not None for r in range(R)), 30, store, "windows")
+        tc.start_coordinator(interval_s=0.5)
+        skip = wait_for(lambda: [a for a in store.iter_audit() if a["trigger"] == "skip"], 30, store, "skip")[0]
+        tc.stop()
+        figures = reasons.gate_figures(skip)
+        init = initial_placement(L, E, E + 4).phy2log
+        assert figures["cross_node_fraction_before"] == pytest.approx(
+            cross_node_fraction(np.moveaxis(tc.loads, 0, 1), init, R, NODES).mean())

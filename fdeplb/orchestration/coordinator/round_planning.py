@@ -11,7 +11,7 @@ from fdeplb.orchestration import rollback
 from fdeplb.orchestration.coordinator.entry_step import Step
 from fdeplb.placement import MAX_LOAD, orphaned_experts, plan_digest
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import decide, keeps_source_load, plan_round, round_source, source_fact
+from fdeplb.rounds.gating import decide, plan_round, round_source, source_fact, split_of
 from fdeplb.rounds.members import live_planner, participants, replacement
 from fdeplb.store import ClusterRecord, PlanEntry
 
@@ -67,14 +67,7 @@ class RoundPlanning:
                     at = np.argwhere(total > MAX_LOAD)[0]
                     return self._abort(rec, f"load windows of ranks 0..{r} sum above 2**53 at [layer {at[0]}, "
                                             f"expert {at[1]}]: loads are refused, not wrapped")
-            # the windows unsummed, [L, ep_size, E]: a non-member's row is zero, as it is not in the sum (its
-            # tokens came from it, but the round does not count its window), so the split sums to the snapshot
-            split = None
-            if keeps_source_load(self.config):
-                split = np.zeros((total.shape[0], self.config.ep_size, total.shape[1]), dtype=np.int64)
-                for r, load in loads:
-                    split[:, r] = load
-            if not self.store.freeze_windows(round_, total, split):
+            if not self.store.freeze_windows(round_, total, split_of(loads, self.config)):
                 return True, None  # a load was supplied for this round meanwhile: the next step freezes it
         self._fire(rec, "plan", plan_id="",
                    changes={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
