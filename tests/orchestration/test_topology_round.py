@@ -157,3 +157,23 @@ def test_the_periodic_trigger_judges_a_topology_aware_plan_from_the_split(redis_
         init = initial_placement(L, E, E + 4).phy2log
         assert figures["cross_node_fraction_before"] == pytest.approx(
             cross_node_fraction(np.moveaxis(tc.loads, 0, 1), init, R, NODES).mean())
+
+
+def test_a_round_over_some_ranks_keeps_a_zero_row_for_a_non_member_and_plans_on_the_sum(redis_url, cluster_id,
+                                                                                         tmp_path):
+    from fdeplb.orchestration.membership import operator_fire
+
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, num_experts=E, ep_size=R, num_nodes=NODES,
+                        num_redundant=16, policy="topology_aware") as tc:  # every expert twice: none orphaned
+        tc.loads = per_rank_load()
+        store = tc.store()
+        operator_fire(store, 3, "drain", who="operator:test", reason="")
+        tc.start()
+        wait_for(round_over(store, 1), 60, store, "round 1 over ranks 0..2")
+        split = store.read_source_load(1)
+        assert store.read_cluster().members == "0,1,2"
+        assert np.array_equal(split[:, 3], np.zeros((L, E))) and np.array_equal(split[:, :3],
+                                                                                 np.moveaxis(tc.loads[:3], 0, 1))
+        assert np.array_equal(split.sum(axis=1), store.read_snapshot(1))
+        plan = store.read_plan(store.current_placement().plan_id)
+        assert plan.topology["live_ranks"] == [0, 1, 2] and "source_load" not in plan.topology
