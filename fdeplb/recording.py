@@ -11,7 +11,8 @@ A recording (schema :data:`SCHEMA`, documented in ``docs/recordings.md``) is one
   and ``missing`` those the records refer to that Redis no longer held (pruned) when the export ran;
 - ``audit``: one audit record, in stream order (``id`` and every field of the stream entry; version, round and
   ts_ms as integers);
-- ``snapshot``: the load snapshot of a round the records name (``round``, ``expert_load``);
+- ``snapshot``: the load snapshot of a round the records name (``round``, ``expert_load``; ``source_load``, the
+  snapshot per source rank, where the cluster kept it);
 - ``plan``: a plan a ``load`` transition names (every field of :class:`~fdeplb.store.PlanEntry`).
 
 Arrays are ``{"dtype": "int64", "shape": [..], "data": [flat values, C order]}`` (:mod:`fdeplb.array_json`).
@@ -75,6 +76,7 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
     if placement_plan and placement_plan not in plan_ids:
         plan_ids.insert(0, placement_plan)
     snapshots = {r: s for r in rounds if (s := store.read_snapshot(r)) is not None}
+    splits = {r: s for r in snapshots if (s := store.read_source_load(r)) is not None}
     plans = {p: plan for p in plan_ids if (plan := store.read_plan(p)) is not None}
     start_placement = _start_placement(store, entries[first:], placement_plan, plans)
 
@@ -92,7 +94,8 @@ def export_recording(store, path: str | Path, round_: int | None = None) -> dict
     }
     lines: list[dict[str, Any]] = [header]
     lines += [{"type": "audit", **audit_dict(e)} for e in picked]
-    lines += [{"type": "snapshot", "round": r, "expert_load": array_json(s)} for r, s in snapshots.items()]
+    lines += [{"type": "snapshot", "round": r, "expert_load": array_json(s),
+               **({"source_load": array_json(splits[r])} if r in splits else {})} for r, s in snapshots.items()]
     lines += [{"type": "plan", **p.to_json()} for p in plans.values()]
     _write_lines(Path(path), lines)
     return {"records": len(picked), "snapshots": len(snapshots), "plans": len(plans),

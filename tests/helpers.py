@@ -151,7 +151,7 @@ class ThreadCluster:
 def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 3, num_experts: int = 16,
                    num_redundant: int = 4, ep_size: int = 4, policy: str = "deepseek", cordoned: bool = False,
                    deadlines: Deadlines | None = None, min_gain: float = 0.0, seed: int = 0, num_groups: int = 1,
-                   backend: str = "numpy", ready_to_clean_up=None, retain_rounds: int = 3):
+                   backend: str = "numpy", ready_to_clean_up=None, retain_rounds: int = 3, num_nodes: int = 1):
     """A small initialised cluster; yields a :class:`ThreadCluster` (nothing started). ``backend="paddle"``
     writes a real safetensors checkpoint and gives the agents paddle tensors; "numpy" needs no paddle.
     ``ready_to_clean_up``: a condition awaited (:func:`wait_for`, 60 s) before the cluster's keys are deleted at
@@ -169,7 +169,7 @@ def thread_cluster(url: str, cluster: str, tmp_path: Path, *, num_layers: int = 
                            checkpoint=checkpoint, cordoned=cordoned,
                            deadlines=deadlines or Deadlines(collecting_ms=20_000, loading_ms=20_000,
                                                             commit_ms=20_000, swapping_ms=20_000),
-                           min_gain=min_gain, num_groups=num_groups, retain_rounds=retain_rounds)
+                           min_gain=min_gain, num_groups=num_groups, retain_rounds=retain_rounds, num_nodes=num_nodes)
     store = Store(url, cluster)
     init_cluster(store, config, initial_placement(num_layers, num_experts, config.num_physical_experts).phy2log)
     total = skewed_load(num_layers, num_experts, seed)

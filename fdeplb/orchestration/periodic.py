@@ -2,7 +2,8 @@
 for (the current placement leaves a logical expert without a replica on an ACTIVE member) and the periodic trigger
 (``interval_s``), skipped and audited with its numbers when it is not worth a round; before the periodic
 trigger, the round a supplied placement waits for (a rollback, :mod:`~fdeplb.orchestration.rollback`). The periodic
-trigger judges the load windows of the members the current placement is routed over, its figures over those members.
+trigger judges the load windows of the members the current placement is routed over, its figures over those members
+(and planned from them per source rank where a round would be: :func:`fdeplb.rounds.gating.round_source`).
 
 :class:`UnaskedRounds` is mixed into :class:`~fdeplb.orchestration.coordinator.Coordinator`; it uses, of its host:
 ``store``, ``config``, ``holder``, ``log``, ``planner``, ``interval_s``, ``min_balancedness``,
@@ -17,7 +18,7 @@ from fdeplb.errors import FdeplbError
 from fdeplb.machines.tables import CLUSTER
 from fdeplb.orchestration import rollback
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import mean_balancedness, plan_round
+from fdeplb.rounds.gating import mean_balancedness, plan_round, round_source, split_of
 from fdeplb.rounds.members import live_mask, live_planner, routed_members
 from fdeplb.store import ClusterRecord
 
@@ -73,9 +74,10 @@ class UnaskedRounds:
         before = mean_balancedness(load, old, cfg.ep_size, live)
         if self.min_balancedness is not None and before >= self.min_balancedness:
             return self._skip(rec, f"skipped: balancedness {before:.4f} >= threshold {self.min_balancedness}")
+        split = split_of([(r, w.expert_load) for r, w in zip(members, windows)], cfg)  # as the round would plan
         try:
             decision = plan_round(load, old, cfg, self.planner if live.all() else
-                                  live_planner(self.planner, live), live)
+                                  live_planner(self.planner, live), live, round_source(cfg, split, live))
         except FdeplbError as err:
             return self._skip(rec, f"skipped: planning failed: {err}")
         skip = reasons.skipped(decision)  # the gate's one rule and words (GateDecision.why_skipped)

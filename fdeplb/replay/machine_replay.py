@@ -372,6 +372,8 @@ class _Replay(RecordSays):
         if snapshot.round in self.report.snapshots:
             raise ReplayError(f"line {line.line}: a second snapshot of round {snapshot.round}")
         self.report.snapshots[snapshot.round] = snapshot.expert_load
+        if snapshot.source_load is not None:
+            self.report.source_loads[snapshot.round] = snapshot.source_load
 
     def plan(self, line: AuditLine) -> None:
         plan: PlanEntry = line.value

@@ -45,7 +45,8 @@ def rebuild(report: ReplayReport, store: Any) -> int:
     audit = [(rec["id"], {k: v for k, v in rec.items() if k not in ("type", "id")}) for rec in report.audit]
     store.import_recording(source.config, plan_id=plan_id, phy2log=phy2log, placement_version=commits,
                            records=records, audit=audit, audit_head=report.chain,
-                           snapshots=report.snapshots, plans=list(report.stored_plans.values()))
+                           snapshots=report.snapshots, plans=list(report.stored_plans.values()),
+                           source_loads=report.source_loads)
     return len(audit)
 
 

@@ -21,7 +21,8 @@ from fdeplb.placement.digest import routing_digest
 from fdeplb.replay.header_checks import check_passed_gates, configs
 from fdeplb.replay.report import ReplayReport
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import configured_topology, decide, default_planner, plan_round
+from fdeplb.rounds.gating import configured_topology, decide, default_planner, plan_round, round_source, \
+    source_fact
 from fdeplb.rounds.members import live_planner, replacement
 from fdeplb.rounds.reasons import RoundOutcome
 from fdeplb.store import ClusterConfig
@@ -59,6 +60,9 @@ class Recorded:
     def read_snapshot(self, round_: int):
         return self.report.snapshots.get(round_)
 
+    def read_source_load(self, round_: int):
+        return self.report.source_loads.get(round_)
+
     def start_placement(self) -> tuple[str, np.ndarray] | None:
         placement = self.report.header["start"].get("placement")
         if not placement:
@@ -77,7 +81,10 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
     :func:`~fdeplb.placement.plan_digest` of (snapshot, old placement, policy, topology) is the plan_id, and the
     coordinator's planner on that snapshot gives the stored ``new_phy2log``; a round to a supplied placement (the
     topology's ``supplied``) is not planned: a rollback's ``new_phy2log`` is the placement it names when the
-    recording holds that one, an operator's plan's has the routing digest its facts name.
+    recording holds that one, an operator's plan's has the routing digest its facts name. A plan made from its
+    round's load per source rank (the topology's ``source_load`` digest) is recomputed from that split, which must
+    have that digest; where the split is not held (its snapshot pruned) the plan is noted in
+    ``report.plans_unchecked``.
     Raises :class:`ReplayError` at the first plan that does not reproduce.
     """
     config = source.read_config()
@@ -135,9 +142,10 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
             if target is not None and not np.array_equal(target, new):
                 raise ReplayError(f"{where}: a {supplied['kind']} to placement {supplied['plan_id'] or 'initial'}, "
                                   f"but its new_phy2log is another placement")
-        elif plan.plan_id not in recomputed:  # the same plan again (an aborted round retried): recomputed already
-            again = np.asarray(_planned(load, old, replace(config, policy=policy), live_ranks, where, reroute),
-                               dtype=np.int64)
+        elif plan.plan_id not in recomputed and (split := _plan_source(
+                topology, source.read_source_load(plan.round), where)) is not _NOT_HELD:  # else noted unchecked below
+            again = np.asarray(_planned(load if split is None else split, old, replace(config, policy=policy),
+                                        live_ranks, where, reroute), dtype=np.int64)
             if not np.array_equal(again, new):
                 diff = int(np.count_nonzero(again != new)) if again.shape == new.shape else new.size
                 raise ReplayError(f"{where}: recomputing the {policy!r} plan gives a different new_phy2log "
@@ -146,6 +154,10 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
         _check_figures(where, stored, [decide(load, old, new, config, live_ranks)] + (
             [] if live_ranks is None else [decide(load, old, new, config)]))
         new_of[plan.plan_id] = new
+        if supplied is None and plan.plan_id not in recomputed:  # made from a split the recording does not hold
+            if plan.plan_id not in report.plans_unchecked:
+                report.plans_unchecked.append(plan.plan_id)
+            continue
         report.plans_checked.append(plan.plan_id)
     return list(report.plans_checked)
 
@@ -161,9 +173,28 @@ def _supplied(facts: Any, where: str) -> dict[str, Any] | None:
         raise ReplayError(f"{where}: topology's supplied placement is malformed: {exc}") from None
 
 
+#: :func:`_plan_source`'s answer for a plan made from a split the recording does not hold
+_NOT_HELD = object()
+
+
+def _plan_source(topology: dict, split: np.ndarray | None, where: str) -> Any:
+    """The load per source rank a plan was made from: None when its ``topology`` names none (no ``source_load``
+    fact), the round's ``split`` when it does and the digest matches (:func:`fdeplb.rounds.gating.source_fact`),
+    :data:`_NOT_HELD` when the split is not held. :class:`ReplayError` for a split of another digest."""
+    if "source_load" not in topology:
+        return None
+    if split is None:
+        return _NOT_HELD
+    if source_fact(split) != {"source_load": topology["source_load"]}:
+        raise ReplayError(f"{where}: planned from a load per source rank of digest {topology['source_load']}; its "
+                          f"round's split has digest {source_fact(split)['source_load']}")
+    return split
+
+
 def _planned(load: np.ndarray, old: np.ndarray, config: Any, live_ranks: Any, where: str,
              reroute: bool = False) -> np.ndarray:
-    """What the coordinator plans for ``load`` from ``old``: the policy over every rank, or with ``live_ranks``
+    """What the coordinator plans for ``load`` (int64 [L, E], or the split [L, ep_size, E] a plan names) from
+    ``old``: the policy over every rank, or with ``live_ranks``
     (the round's members) the re-placement of the orphaned experts when there are any, else, for a ``reroute``
     (a round whose members only shrank), ``old`` itself (only the routing changes), else the policy over the
     members' slots (:mod:`fdeplb.rounds.members`)."""
@@ -239,7 +270,9 @@ def check_gates(report: ReplayReport) -> list[int]:
     replayed) and the figures are over them when the detail names them (``live_ranks``, schema 3), else over every
     rank (an older record). From schema 3 on a round the gate let through carries the figures in its ``load``
     record's ``detail.gate``: they are recomputed from its stored plan (over the plan's members) and compared
-    exactly too, with the text of :func:`fdeplb.rounds.reasons.gate_passed`. Returns the rounds checked
+    exactly too, with the text of :func:`fdeplb.rounds.reasons.gate_passed`. A round planned from its load per
+    source rank (:func:`fdeplb.rounds.gating.round_source`) is replanned from the split the recording holds, and
+    its figures include the cross-node fractions. Returns the rounds checked
     (also in ``report.gates_checked``).
 
     Raises :class:`ReplayError` naming the abort's line when the numbers differ or the gate would have let the round
@@ -260,7 +293,8 @@ def check_gates(report: ReplayReport) -> list[int]:
         except ValueError as exc:
             raise ReplayError(f"{seen.where}: detail is not a gated abort's: {exc}") from None
         planner, live = _round_planner(seen.members, cfg.ep_size)
-        decision = plan_round(load, old, cfg, planner, _gate_over(recorded, live))
+        split = round_source(cfg, report.source_loads.get(seen.round), live)  # as the coordinator planned it
+        decision = plan_round(load, old, cfg, planner, _gate_over(recorded, live), split)
         before, after, moved = decision.balancedness_before, decision.balancedness_after, decision.moved_experts
         expected = reasons.gated(decision)
         if expected is None:
@@ -283,7 +317,8 @@ def check_gates(report: ReplayReport) -> list[int]:
 
 def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
     """The gate's figures a ``load`` record carries (a round the gate let through), recomputed from its stored plan
-    over the plan's members (see :func:`check_gates`); a plan the recording lacks (pruned) is left out."""
+    over the plan's members (see :func:`check_gates`); a plan the recording lacks (pruned), or one made from a split
+    it lacks, is left out."""
 
     for loaded in report.plans:
         try:
@@ -291,11 +326,13 @@ def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
         except ValueError as exc:
             raise ReplayError(f"{loaded.where}: detail is not a load's: {exc}") from None
         plan = report.stored_plans.get(loaded.plan_id)
-        if recorded is None or plan is None:
+        split = None if plan is None else _plan_source(plan.topology, report.source_loads.get(loaded.round),
+                                                       loaded.where)
+        if recorded is None or plan is None or split is _NOT_HELD:
             continue
         cfg = source.config_at(loaded.round)
         decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg,
-                          _gate_over(recorded, plan.live_ranks(cfg.ep_size)))
+                          _gate_over(recorded, plan.live_ranks(cfg.ep_size)), split)
         expected = reasons.gate_passed(decision)
         if not decision.goes_on or recorded != expected.detail["gate"]:
             raise ReplayError(f"{loaded.where}: round {loaded.round} went on with the gate's figures {recorded}; "
@@ -342,7 +379,7 @@ def whatif(report: ReplayReport, policy: str) -> list[dict[str, Any]]:
             continue
         planner, live = _round_planner(seen.members, cfg.ep_size)  # over the round's members, as it ran
         recorded = decide(load, old, plan.new_phy2log if plan is not None else old, cfg, live)
-        new = plan_round(load, old, cfg, planner, live)
+        new = plan_round(load, old, cfg, planner, live, round_source(cfg, report.source_loads.get(seen.round), live))
         rows.append({
             "round": seen.round, "outcome": seen.outcome, "recorded_plan": seen.plan_id,
             "recorded_policy": plan.policy if plan is not None else source.config.policy, "policy": policy,

@@ -151,18 +151,30 @@ HEADER_PARTS = {
 
 # ---- snapshot and plan ---------------------------------------------------------------------------------------------
 class SnapshotLine(_Strict):
-    """A round's load snapshot: ``round`` and ``expert_load`` (int64 [L, E])."""
+    """A round's load snapshot: ``round``, ``expert_load`` (int64 [L, E]) and, when the cluster kept it, its split
+    per source rank ``source_load`` (int64 [L, ep_size, E], summing over ranks to ``expert_load``)."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     type: Literal["snapshot"]
     round: StrictInt
     expert_load: np.ndarray = Field(None, validate_default=True)  # missing: array_from_json's own words
+    source_load: np.ndarray | None = None
 
     @field_validator("expert_load", mode="plain")
     @classmethod
     def _array(cls, value: Any, info: ValidationInfo) -> np.ndarray:
         return array_from_json(value, f"line {info.context['line']}: snapshot of round {info.data.get('round')}")
+
+    @field_validator("source_load", mode="plain")
+    @classmethod
+    def _split(cls, value: Any, info: ValidationInfo) -> np.ndarray | None:
+        where = f"line {info.context['line']}: snapshot of round {info.data.get('round')} per source rank"
+        split = array_from_json(value, where)
+        total = info.data.get("expert_load")
+        if split.ndim != 3 or total is None or not np.array_equal(split.sum(axis=1), total):
+            raise ReplayError(f"{where}: shape {split.shape} does not sum over source ranks to its expert_load")
+        return split
 
 
 def _plan(value: Any, info: ValidationInfo) -> PlanEntry:

@@ -103,6 +103,8 @@ class ReplayReport:
     plans_unchecked: list[str] = field(default_factory=list)
     header: dict[str, Any] | None = None
     snapshots: dict[int, np.ndarray] = field(default_factory=dict)
+    source_loads: dict[int, np.ndarray] = field(default_factory=dict)
+    """round -> its snapshot per source rank, int64 [L, ep_size, E], where the recording keeps it."""
     stored_plans: dict[str, Any] = field(default_factory=dict)
     rounds: list[RoundSeen] = field(default_factory=list)
     gates_checked: list[int] = field(default_factory=list)

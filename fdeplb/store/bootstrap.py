@@ -69,10 +69,12 @@ class Bootstrap:
 
     def import_recording(self, config: ClusterConfig, *, plan_id: str, phy2log: np.ndarray, placement_version: int,
                          records: dict[str, dict[str, str]], audit: list[tuple[str, dict[str, str]]],
-                         audit_head: str, snapshots: dict[int, np.ndarray], plans: list[PlanEntry]) -> None:
+                         audit_head: str, snapshots: dict[int, np.ndarray], plans: list[PlanEntry],
+                         source_loads: dict[int, np.ndarray] | None = None) -> None:
         """Rebuild a replayed cluster (``fdeplb replay --into``): ``records`` maps ``cluster`` / ``rank:<r>`` /
         ``weights:<r>`` / ``member:<r>`` to the record fields to write; ``audit`` holds (stream id, fields) in
-        order, written with their ids; ``audit_head`` is the last chain.
+        order, written with their ids; ``audit_head`` is the last chain; ``source_loads``: the snapshots kept per
+        source rank (round -> int64 [L, ep_size, E]).
 
         All or nothing: every input is checked first (record labels; audit ids are stream ids, after ``0-0`` and
         increasing, as ``XADD`` takes them), then everything (snapshots, plans and their retention index included) is
@@ -91,7 +93,8 @@ class Bootstrap:
 
         keyed = {key_of(label): fields for label, fields in records.items()}
         _check_audit_ids([entry_id for entry_id, _ in audit])
-        once = [(self._keys.snapshot(r), snapshot_fields(r, load), r) for r, load in snapshots.items()]
+        split = source_loads or {}
+        once = [(self._keys.snapshot(r), snapshot_fields(r, load, split.get(r)), r) for r, load in snapshots.items()]
         once += [(self._keys.plan(plan.plan_id), plan.to_fields(), plan.round) for plan in plans]
         written = [self._keys.placement, *keyed, self._keys.audit, self._keys.audit_head, self._keys.config,
                    self._keys.retained, *(key for key, _, _ in once)]

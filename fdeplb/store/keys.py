@@ -57,7 +57,8 @@ class Keys:
         return f"{self.prefix}:load:{int(ep_rank)}"
 
     def snapshot(self, round_: int) -> str:
-        """hash: the load snapshot frozen for round ``round_`` (sum of every rank's window)."""
+        """hash: the load snapshot frozen for round ``round_`` (``expert_load``: sum of every member's window; for a
+        policy that plans per source rank also ``source_load``: the windows unsummed, [L, ep_size, E])."""
         return f"{self.prefix}:snapshot:{int(round_)}"
 
     @property

@@ -21,10 +21,14 @@ from fdeplb.store.scripts import CommitCall, publish_call
 from fdeplb.store.streams import EVENTS_MAXLEN
 
 
-def snapshot_fields(round_: int, expert_load: np.ndarray) -> dict[str, str | bytes]:
-    """The hash fields of round ``round_``'s load snapshot (``expert_load`` as int64 [L, E]): the one layout of
-    :meth:`Windows.save_snapshot` and a rebuild (:meth:`fdeplb.store.Store.import_recording`)."""
-    return {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), "round": str(int(round_))}
+def snapshot_fields(round_: int, expert_load: np.ndarray, source_load: np.ndarray | None = None
+                    ) -> dict[str, str | bytes]:
+    """The hash fields of round ``round_``'s load snapshot (``expert_load`` as int64 [L, E]; ``source_load``, its
+    split per source rank as int64 [L, ep_size, E], when kept): the one layout of :meth:`Windows.save_snapshot`,
+    :meth:`Windows.freeze_windows` and a rebuild (:meth:`fdeplb.store.Store.import_recording`)."""
+    split = {} if source_load is None else arrays.encode("source_load", np.asarray(source_load, dtype=np.int64))
+    return {**arrays.encode("expert_load", np.asarray(expert_load, dtype=np.int64)), **split,
+            "round": str(int(round_))}
 
 
 class Windows:
@@ -127,13 +131,14 @@ class Windows:
         """Freeze round ``round_``'s load snapshot (int64 [L, E]); write-once (False if one is stored)."""
         return self._put_once(self._keys.snapshot(round_), snapshot_fields(round_, expert_load), round_)
 
-    def freeze_windows(self, round_: int, expert_load: np.ndarray) -> bool:
-        """Freeze round ``round_``'s snapshot from the ranks' windows (``expert_load``, int64 [L, E], their sum)
-        unless a load was supplied for the round meanwhile (:meth:`supply_load`, whose write checks the snapshot in
+    def freeze_windows(self, round_: int, expert_load: np.ndarray, source_load: np.ndarray | None = None) -> bool:
+        """Freeze round ``round_``'s snapshot from the ranks' windows (``expert_load``, int64 [L, E], their sum;
+        ``source_load``, int64 [L, ep_size, E] whose sum over ranks is ``expert_load``: the windows unsummed, kept
+        with it when given) unless a load was supplied for the round meanwhile (:meth:`supply_load`, whose write checks the snapshot in
         a WATCHed transaction as this one checks the supplied load): of the two, the first to commit wins, so a
         load the API accepted is never passed over. False when a supplied load is there (nothing written: freeze
         that one); True otherwise (written, or a snapshot was frozen already)."""
-        if self._put_once(self._keys.snapshot(round_), snapshot_fields(round_, expert_load), round_,
+        if self._put_once(self._keys.snapshot(round_), snapshot_fields(round_, expert_load, source_load), round_,
                           unless_supplied=True):
             return True
         return bool(self._client.exists(self._keys.snapshot(round_)))
@@ -144,6 +149,26 @@ class Windows:
         key = self._keys.snapshot(round_)
         arr = self._array(key, "expert_load")
         return None if arr is None else self._loads(key, arr)
+
+    def read_source_load(self, round_: int) -> np.ndarray | None:
+        """Round ``round_``'s snapshot per source rank, int64 [L, ep_size, E] (None: no snapshot, or one kept
+        summed only); :class:`CorruptRecordError` naming the key for a split of the wrong dtype, shape or range, or
+        whose sum over ranks is not the snapshot."""
+        key = self._keys.snapshot(round_)
+        split = self._array(key, "source_load")
+        if split is None:
+            return None
+        total = self.read_snapshot(round_)
+        cfg = self.read_config()
+        shape = (cfg.num_layers, cfg.ep_size, cfg.num_logical_experts)
+        if split.dtype != np.int64 or split.shape != shape:
+            raise CorruptRecordError(f"{key}: source_load is {split.dtype} {split.shape}, expected int64 {shape}",
+                                     key=key)
+        if split.size and (split.min() < 0 or split.max() > MAX_LOAD or total is None
+                           or not np.array_equal(split.sum(axis=1), total)):
+            raise CorruptRecordError(f"{key}: source_load holds values outside [0, 2**53] or does not sum to "
+                                     f"expert_load", key=key)
+        return split
 
     def supplied_load(self, round_: int) -> np.ndarray | None:
         """The operator-supplied expert_load (int64 [L, E]) for round ``round_``, or None."""

@@ -1,5 +1,6 @@
 """The coordinator's entry work in COLLECTING (sum the ranks' windows, or take a supplied load, into the round's
-snapshot) and PLANNING (plan over the round's members, gate the gain: :mod:`fdeplb.rounds.gating`)."""
+snapshot; for a policy that plans per source rank, also keep the windows unsummed) and PLANNING (plan over the
+round's members, gate the gain: :mod:`fdeplb.rounds.gating`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fdeplb.orchestration import rollback
 from fdeplb.orchestration.coordinator.entry_step import Step
 from fdeplb.placement import MAX_LOAD, orphaned_experts, plan_digest
 from fdeplb.rounds import reasons
-from fdeplb.rounds.gating import decide, plan_round
+from fdeplb.rounds.gating import decide, plan_round, round_source, source_fact, split_of
 from fdeplb.rounds.members import live_planner, participants, replacement
 from fdeplb.store import ClusterRecord, PlanEntry
 
@@ -66,7 +67,7 @@ class RoundPlanning:
                     at = np.argwhere(total > MAX_LOAD)[0]
                     return self._abort(rec, f"load windows of ranks 0..{r} sum above 2**53 at [layer {at[0]}, "
                                             f"expert {at[1]}]: loads are refused, not wrapped")
-            if not self.store.freeze_windows(round_, total):
+            if not self.store.freeze_windows(round_, total, split_of(loads, self.config)):
                 return True, None  # a load was supplied for this round meanwhile: the next step freezes it
         self._fire(rec, "plan", plan_id="",
                    changes={"deadline_ms": self.store.now_ms() + self.config.deadlines.collecting_ms})
@@ -77,8 +78,8 @@ class RoundPlanning:
         round_ = rec.round
         if self._deadline(rec)[0]:
             return self._abort(rec, "planning deadline passed")
-        try:
-            snapshot = self.store.read_snapshot(round_)
+        try:  # and its split per source rank, kept for a policy that plans from it
+            snapshot, split = self.store.read_snapshot(round_), self.store.read_source_load(round_)
         except CorruptRecordError as err:
             self.store.drop_snapshot(round_)
             return self._abort(rec, f"load snapshot of round {round_} is corrupt: {err}")
@@ -101,6 +102,10 @@ class RoundPlanning:
         supplied = None if regrouped else rollback.supplied_for_planning(self.store, cfg.num_logical_experts, live)
         if supplied is not None:
             topology = {**topology, "supplied": supplied[1]}
+        # what a policy that plans per source rank is given (None for any other, over some ranks only, or a round
+        # to a supplied placement); an input of the plan, so its digest is a fact of the plan_id's topology
+        source = None if supplied is not None else round_source(cfg, split, live)
+        topology = {**topology, **source_fact(source)}
         plan_id = plan_digest(snapshot, old, cfg.policy, topology)
         try:
             new = self.store.plan_phy2log(plan_id)
@@ -122,9 +127,9 @@ class RoundPlanning:
                 decision = decide(snapshot, old, replaced if new is None else new, cfg, live)
             elif new is None:  # figures over the members (gating.mean_balancedness), as is the plan
                 decision = plan_round(snapshot, old, cfg, self.planner if live.all() else
-                                      live_planner(self.planner, live), live)
+                                      live_planner(self.planner, live), live, source)
             else:  # content-addressed: a retried round reuses the stored plan
-                decision = decide(snapshot, old, new, cfg, live)
+                decision = decide(snapshot, old, new, cfg, live, source)
         except FdeplbError as err:  # a topology the policy cannot place, a malformed plan: abort, audited
             return self._abort(rec, f"planning failed: {err}")
         new = decision.new_phy2log  # its figures over the round's members, as the gate judged it
