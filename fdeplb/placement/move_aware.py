@@ -94,6 +94,11 @@ _MAX_ITEM_SHARE = 0.3
 #: No row of the drift pairs of benchmarks/placement.py needs more than 3; under the zipf(1.5) loads of
 #: benchmarks/control_plane.py (4 layers x 64 experts, 128 slots, 64 GPUs) every row needs 30-55.
 _BULK_COPIES = 8
+#: a layer the batched repair leaves above the cap is first planned again from bulk replica counts with no
+#: per-replica load above this many times the largest one at DeepSeek's counts (a random lognormal(1) layer with
+#: one expert at 0.997 x the mean GPU load on a single replica, 0.30 at the best counts: 78 moved experts at 1.5,
+#: 85 at 1.0001, 235 for the fallback it needed before)
+_STUCK_FILL = 1.5
 
 
 def move_aware_phy2log(
@@ -253,6 +258,9 @@ def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: 
         if rest.mean() > tolerance:
             stuck |= excess > tolerance
     lay.prepare(np.flatnonzero(stuck))
+    if lay.num_nodes == 1 and stuck.any():  # first: bulk replica counts, then the batched repair again
+        idx = np.flatnonzero(stuck)
+        stuck[idx[_refill_stuck(lay, out, idx)]] = False
     for layer in np.flatnonzero(stuck):
         if lay.num_nodes > 1:  # the balanced plan's nodes, GPUs matched to the old ones, then reverted
             out[layer] = plan_layer(lay.candidates(layer)[-1], lay.fresh[layer], lay.load[layer], lay.target[layer],
@@ -260,6 +268,22 @@ def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: 
             continue
         # one row just above the cap: the exact per-layer repair usually closes it in a few moves
         out[layer] = lay.best_plan(layer, lay.candidates(layer), np.inf)[0]
+
+
+def _refill_stuck(lay: _Layers, out: np.ndarray, layers: np.ndarray) -> np.ndarray:
+    """Global mode: plan ``layers`` int64 [k] again from the old placement with bulk replica counts
+    (:func:`fdeplb.placement.fill.fill_rows`, no per-replica load above ``_STUCK_FILL`` times the largest one at
+    DeepSeek's counts) followed by the batched repair; writes the layers that end within their target into ``out``
+    and returns bool [k], True for those. The repair alone gets stuck when an expert needs several more replicas
+    at once (one more only lifts another GPU to the heaviest's level)."""
+    load, old, target = lay.load[layers], lay.old[layers], lay.target[layers]
+    logcnt = replicate_experts(load, old.shape[1])[2]
+    start = fill_rows(old, load, lay.num_gpus, _STUCK_FILL * (load / logcnt).max(axis=1))
+    row = start.copy()
+    repair_rows(row, load, old, target, lay.num_gpus)
+    done = raw_gpu_loads(load, row, lay.num_gpus).max(axis=1) <= target
+    out[layers[done]] = row[done]
+    return done
 
 
 def _plan_capped(lay: _Layers, max_moved_experts: int) -> np.ndarray:
@@ -341,7 +365,7 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     if num_nodes == 1:  # global: one row per layer, the layer's own ids
         start, points, log = _global_trajectories(load, old, target, cap, num_gpus)
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
-                                     LAYER_CAP * tolerance * (1 - 1e-9))
+                                     LAYER_CAP * tolerance * (1 - 1e-9), replanned_at_tolerance=True)
         return replay_stops(start, log, stops), excess
     node_of_slot = np.arange(P) // Pn
     node_load = np.zeros((L, num_nodes))
