@@ -257,10 +257,10 @@ def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: 
         rest = np.where(stuck, tolerance, excess)
         if rest.mean() > tolerance:
             stuck |= excess > tolerance
-    lay.prepare(np.flatnonzero(stuck))
     if lay.num_nodes == 1 and stuck.any():  # first: bulk replica counts, then the batched repair again
         idx = np.flatnonzero(stuck)
         stuck[idx[_refill_stuck(lay, out, idx)]] = False
+    lay.prepare(np.flatnonzero(stuck))
     for layer in np.flatnonzero(stuck):
         if lay.num_nodes > 1:  # the balanced plan's nodes, GPUs matched to the old ones, then reverted
             out[layer] = plan_layer(lay.candidates(layer)[-1], lay.fresh[layer], lay.load[layer], lay.target[layer],
