@@ -20,9 +20,13 @@ Without a move cap (the default):
   the point of its trajectory that minimises the total moved experts under the two bounds above (a layer that
   is cheap to balance goes below the tolerance so that an expensive one may stop above it).
 - Layers the repair cannot bring within ``LAYER_CAP`` tolerances (or, when the mean bound cannot be met otherwise,
-  every layer above one tolerance) are planned again, ending within one tolerance: in global mode by the
-  per-layer repair below (then its fallback), in hierarchical mode directly by the fallback (step 3); both live
-  in :mod:`fdeplb.placement.row_repair`.
+  every layer above one tolerance) are planned again, ending within one tolerance: in global mode first from
+  bulk replica counts (:func:`fdeplb.placement.fill.fill_rows`) and the batched repair again (the repair adds one
+  replica at a time and gets stuck when an expert needs several), then, for layers still out, by the per-layer
+  repair below (then its fallback) against the "balanced" plan's heaviest GPU, computed for those layers only;
+  in hierarchical mode directly by the fallback (step 3); both live in :mod:`fdeplb.placement.row_repair`. The
+  stop choice counts a layer it cannot bring within the cap at one tolerance (global mode), so that the other
+  layers do not pay for it.
 
 With a move cap (``max_moved_experts``), the Pareto option: the best balance (mean over layers of max/mean) the
 budget buys. In global mode two plans are made and the better one kept: the uncapped repair's trajectories stopped
@@ -61,6 +65,9 @@ Sources: spreading the tolerance over layers by a price per unit of excess is Ev
 multiplier method for allocating a resource ("Generalized Lagrange multiplier method for solving problems of
 optimum allocation of resources", Operations Research 11(3), 1963); the repair's objective (total load above the
 target instead of the heaviest GPU alone), its actions and move weighting, and the slot bookkeeping are fdeplb's.
+The global reference is the classic makespan lower bound max(mean load, largest item) (R. L. Graham, "Bounds on
+multiprocessing timing anomalies", SIAM J. Appl. Math. 17(2), 1969) with the items at the replica counts that
+minimise the largest one.
 """
 
 from __future__ import annotations
