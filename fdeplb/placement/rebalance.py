@@ -137,8 +137,9 @@ def rebalance_experts(
             "balanced": "deepseek" improved by an exchange local search (1-1, then 2-2 swaps) inside nodes,
             never worse on any layer (see :mod:`fdeplb.placement.balanced`);
             "move_aware": needs ``old_phy2log``; moves as few experts as it can while the mean over layers of
-            its max/mean GPU load stays within ``tolerance`` of its reference's ("balanced" with 1-1 swaps only,
-            :func:`fdeplb.placement.move_aware.reference_phy2log`), and no layer exceeds it by more
+            its max/mean GPU load stays within ``tolerance`` of its reference's (global: a lower bound on any
+            plan's, hierarchical: "balanced" with 1-1 swaps only; :func:`fdeplb.placement.move_aware.reference_peak`),
+            and no layer exceeds it by more
             than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
             already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first
             put its groups on whole nodes. See :mod:`fdeplb.placement.move_aware`.

@@ -58,8 +58,10 @@ _POW = _MOVE_BASE ** -np.arange(-3, 4, dtype=np.float64)
 _POW32 = _POW.astype(np.float32)
 #: "copy into h" is tried on rows of at most this many GPUs: with more, swap partners nearly always do as well (on
 #: the DeepSeek-V3 32-GPU drift pairs of benchmarks/placement.py it changed the moved share by at most 0.2 points
-#: and cost about a fifth of the repair's time; on the 8-GPU Qwen2 pair it saves about 1.3 points)
-_INTO_MAX_GPUS = 16
+#: and cost about a fifth of the repair's time; on the Qwen3-235B EP16 drift of /work/exp/harness.py 16 GPUs gave
+#: 27.57% of a fresh plan's moves in 105 ms, 8 gave 27.55% in 79 ms; on the 8-GPU Qwen2 pair it saves about 1.3
+#: points)
+_INTO_MAX_GPUS = 8
 #: copies are evaluated every iteration while more than this share of the active rows took one in the last
 #: iteration, then every _COPY_EVERY-th iteration (and whenever a row found no swap)
 _COPY_SHARE = 0.02

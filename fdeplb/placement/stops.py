@@ -33,12 +33,13 @@ def replay_stops(start: np.ndarray, log: list, stops: np.ndarray) -> np.ndarray:
 
 
 def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, mean: np.ndarray, tolerance: float,
-                 layer_cap: float) -> tuple[np.ndarray, np.ndarray]:
+                 layer_cap: float, *, replanned_at_tolerance: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Where to stop every row so that moved experts are fewest with the mean excess over layers within tolerance.
 
     A layer's excess at a stop is ``(max over its rows of the heaviest GPU - fresh_peak) / mean``. Minimises the
     sum of moved experts subject to: mean excess over layers <= ``tolerance``, and every layer <= ``layer_cap``
-    (absolute, same unit) when it can get there. Solved by a Lagrangian relaxation (bisection on the price of one
+    (absolute, same unit) when it can get there; with ``replanned_at_tolerance`` a layer that cannot counts at
+    ``tolerance`` in the mean (the caller plans it again within one tolerance), else at the least it reaches. Solved by a Lagrangian relaxation (bisection on the price of one
     unit of excess in moved experts) over every point of the rows' trajectories.
 
     Args:
@@ -85,18 +86,24 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     X[cl, col] = cand_exc[by_layer]
     within = X <= layer_cap
     reach = np.where(np.isfinite(C), X, np.inf).min(axis=1)  # lowest excess a layer can reach
+    # a layer that cannot get within the cap is planned again by the caller, ending within one tolerance: it
+    # counts at the tolerance in the mean (not at its reach, which would push every other layer lower)
+    stuck = (reach > layer_cap) & replanned_at_tolerance
 
     def pick(price):
         v = np.where(within | (X <= reach[:, None]), C + price * X, np.inf)
         return v.argmin(axis=1)
 
+    def mean_excess(c):
+        return np.where(stuck, tolerance, X[np.arange(L), c]).mean()
+
     lo, hi = 0.0, float(big * R) / max(tolerance, 1e-12) * 4 + 1.0
     choice = pick(hi)
-    if X[np.arange(L), choice].mean() <= tolerance:
+    if mean_excess(choice) <= tolerance:
         for _ in range(48):
             mid = 0.5 * (lo + hi)
             c = pick(mid)
-            if X[np.arange(L), c].mean() <= tolerance:
+            if mean_excess(c) <= tolerance:
                 hi, choice = mid, c
             else:
                 lo = mid
