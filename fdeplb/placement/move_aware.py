@@ -213,7 +213,7 @@ class _Layers:
         self.num_nodes, self.num_gpus = num_nodes, num_gpus
         self.gpus_per_node = num_gpus // num_nodes
         self.S = P // num_gpus
-        self.mean = mean = load.sum(axis=1) / num_gpus
+        self.mean = load.sum(axis=1) / num_gpus
         self.tolerance = tolerance
         self.target = self._target(slice(None))
         self.group_size = group_size = E // num_groups
