@@ -335,7 +335,8 @@ def _plan_within(lay: _Layers, tolerance: float, max_moved_experts: int) -> np.n
     ``max_moved_experts`` (:func:`fdeplb.placement.pareto.plan_within_budget`); int64 [L, P], or None in the
     unexpected case that the aligned plan moves more (the caller then takes the per-layer repair)."""
     plan = _align_where_needed(lay.old, plan_within_budget(lay.load, lay.old, lay.fresh_peak, lay.num_gpus, tolerance,
-                                                           max_moved_experts)[0], lay.num_gpus)
+                                                           max_moved_experts, bulk_copies=_BULK_COPIES,
+                                                           stuck_fill=_STUCK_FILL)[0], lay.num_gpus)
     return plan if moved_experts(lay.old, plan, lay.num_gpus) <= max_moved_experts else None
 
 

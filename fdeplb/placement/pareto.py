@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import raw_gpu_loads
 from fdeplb.placement.repair import repair_rows
@@ -27,9 +28,6 @@ from fdeplb.placement.stops import choose_within_budget, replay_stops
 #: the ladder of repair targets (excess over the reference heaviest GPU, max/mean units): a geometric ladder from
 #: _LADDER_LOW to _LADDER_HIGH by factors of _LADDER_STEP, plus the policy's own tolerance
 _LADDER_LOW, _LADDER_HIGH, _LADDER_STEP = 0.00025, 0.26, 2.0
-#: a row whose experts need at least this many more replicas to get every per-replica load under twice its rung
-#: gets its replica counts in bulk before the repair (as the uncapped policy's ``_BULK_COPIES``)
-_BULK_COPIES = 8
 
 
 def ladder(tolerance: float) -> np.ndarray:
@@ -41,7 +39,7 @@ def ladder(tolerance: float) -> np.ndarray:
 
 
 def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, num_gpus: int, tolerance: float,
-                       budget: int) -> tuple[np.ndarray, np.ndarray]:
+                       budget: int, *, bulk_copies: int, stuck_fill: float) -> tuple[np.ndarray, np.ndarray]:
     """The plan of every layer (global mode) with the least mean excess within ``budget`` moved experts.
 
     Args:
@@ -52,6 +50,10 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
         num_gpus: GPUs (P a multiple of it).
         tolerance: the policy's tolerance (max/mean units, >= 0): one rung of the ladder.
         budget: moved experts allowed in all, >= 0.
+        bulk_copies: a layer whose experts need at least this many more replicas to get every per-replica load
+            under twice a rung gets its replica counts in bulk before that rung's repair.
+        stuck_fill: a layer the tightest rung leaves above twice it is also planned from bulk replica counts with
+            no per-replica load above this many times the largest one at DeepSeek's counts.
 
     Returns:
         (phy2log int64 [L, P] with at most ``budget`` moved experts counted as the repair counts them,
@@ -65,16 +67,19 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
     # candidate 0 of every layer: the old placement; then every trajectory point of every rung
     c_rung, c_it = [np.full(L, -1)], [np.zeros(L, dtype=np.int64)]
     c_layer, c_moves, c_peak = [np.arange(L)], [np.zeros(L, dtype=np.int64)], [old_peak]
-    runs = []
-    for r, rung in enumerate(ladder(tolerance)):
-        target = ref_peak + rung * safe_mean
-        start = old.copy()
-        bulk = forced_copies(old, load, ref_peak + 2 * rung * safe_mean) >= _BULK_COPIES
-        if bulk.any():
-            start[bulk] = fill_rows(old[bulk], load[bulk], num_gpus, (ref_peak + 2 * rung * safe_mean)[bulk])
-        points, log = repair_rows(start.copy(), load, old, target, num_gpus)
-        runs.append((start, log))
-        for t, (rows, moved, peak) in enumerate(points):
+    rungs = ladder(tolerance)
+    runs = [_rung_run(load, old, ref_peak, safe_mean, rung, num_gpus, bulk_copies) for rung in rungs]
+    # layers the tightest rung leaves above twice it (an expert needs several more replicas at once, and one more
+    # only lifts another GPU to the heaviest's level): also from bulk replica counts, then the repair
+    reach = np.full(L, np.inf)
+    for _, _, points in runs[:1]:
+        for _, (rows, _, peak) in points:
+            reach[rows] = peak
+    stuck = np.flatnonzero(reach > ref_peak + 2 * max(rungs[0], _LADDER_LOW) * safe_mean)
+    if stuck.size:
+        runs.append(_refill_run(load, old, ref_peak, safe_mean, rungs[0], num_gpus, stuck, stuck_fill))
+    for r, (_, _, points) in enumerate(runs):
+        for t, (rows, moved, peak) in points:
             c_rung.append(np.full(rows.size, r))
             c_it.append(np.full(rows.size, t, dtype=np.int64))
             c_layer.append(rows)
@@ -85,7 +90,7 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
     excess = (np.concatenate(c_peak) - ref_peak[layer_of]) / safe_mean[layer_of]
     pick = choose_within_budget(layer_of, np.concatenate(c_moves), excess, L, budget)
     out = old.copy()
-    for r, (start, log) in enumerate(runs):
+    for r, (start, log, _) in enumerate(runs):
         mine = pick[rung_of[pick] == r]
         if mine.size == 0:
             continue
@@ -95,3 +100,32 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
         out[layers] = replay_stops(start, log, stops)[layers]
     return out, excess[pick]
 
+
+
+def _rung_run(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, safe_mean: np.ndarray, rung: float,
+              num_gpus: int, bulk_copies: int) -> tuple[np.ndarray, list, list]:
+    """Every layer's repair toward ``ref_peak + rung x mean`` from the old placement (bulk replica counts first
+    where the layer needs ``bulk_copies`` or more copies to get under twice the rung): (start int64 [L, P], log,
+    [(iteration, (layers, moved, peak))]) of :func:`fdeplb.placement.repair.repair_rows`."""
+    cap = ref_peak + 2 * rung * safe_mean
+    start = old.copy()
+    bulk = forced_copies(old, load, cap) >= bulk_copies
+    if bulk.any():
+        start[bulk] = fill_rows(old[bulk], load[bulk], num_gpus, cap[bulk])
+    points, log = repair_rows(start.copy(), load, old, ref_peak + rung * safe_mean, num_gpus)
+    return start, log, list(enumerate(points))
+
+
+def _refill_run(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, safe_mean: np.ndarray, rung: float,
+                num_gpus: int, layers: np.ndarray, stuck_fill: float) -> tuple[np.ndarray, list, list]:
+    """``layers`` int64 [k] planned again from bulk replica counts (no per-replica load above ``stuck_fill`` times
+    the largest at DeepSeek's counts, :func:`fdeplb.placement.fill.fill_rows`) and repaired toward ``rung``; as
+    :func:`_rung_run`, the start and the log over all L layers (the others kept as old, never replayed)."""
+    sub_load, sub_old = load[layers], old[layers]
+    logcnt = replicate_experts(sub_load, old.shape[1])[2]
+    sub_start = fill_rows(sub_old, sub_load, num_gpus, stuck_fill * (sub_load / logcnt).max(axis=1))
+    points, log = repair_rows(sub_start.copy(), sub_load, sub_old, (ref_peak + rung * safe_mean)[layers], num_gpus)
+    start = old.copy()
+    start[layers] = sub_start
+    log = [None if e is None else (layers[e[0]], *e[1:]) for e in log]
+    return start, log, [(t, (layers[rows], moved, peak)) for t, (rows, moved, peak) in enumerate(points)]
