@@ -31,8 +31,9 @@ Without a move cap (the default):
 With a move cap (``max_moved_experts``), the Pareto option: the best balance (mean over layers of max/mean) the
 budget buys. In global mode every layer takes its old placement or a point of the batched repair's trajectory
 toward one of a ladder of targets (``tolerance`` and 0.00025 to 0.256 by factors of 2 above the reference: loose
-targets spend a small budget on the heaviest GPUs, tight ones a large budget on precision), the choice being the
-exact least mean excess within the cap over these budget-independent candidates (a multiple-choice knapsack:
+targets spend a small budget on the heaviest GPUs, tight ones a large budget on precision; a layer the tightest
+leaves above twice it also gets one from bulk replica counts, as without a cap), the choice being the exact least
+mean excess within the cap over these budget-independent candidates (a multiple-choice knapsack:
 :mod:`fdeplb.placement.pareto`), so a larger cap never does worse. The per-layer repair below serves only as the
 guard should that plan move more than the cap. In hierarchical mode the per-layer repair alone, per layer (and per
 node), worst layers first so that the budget goes where it helps most:
@@ -336,7 +337,7 @@ def _plan_within(lay: _Layers, tolerance: float, max_moved_experts: int) -> np.n
     unexpected case that the aligned plan moves more (the caller then takes the per-layer repair)."""
     plan = _align_where_needed(lay.old, plan_within_budget(lay.load, lay.old, lay.fresh_peak, lay.num_gpus, tolerance,
                                                            max_moved_experts, bulk_copies=_BULK_COPIES,
-                                                           stuck_fill=_STUCK_FILL)[0], lay.num_gpus)
+                                                           stuck_fill=_STUCK_FILL), lay.num_gpus)
     return plan if moved_experts(lay.old, plan, lay.num_gpus) <= max_moved_experts else None
 
 

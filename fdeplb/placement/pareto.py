@@ -3,12 +3,13 @@
 One concern: given a move budget (``max_moved_experts``, a sum over layers), choose for every layer one plan among
 candidates that do not depend on the budget, so that the mean over layers of the heaviest GPU's excess is least.
 
-Candidates (:func:`ladder_candidates`): every layer's old placement (no move) and every point of the batched
+Candidates (:func:`plan_within_budget`): every layer's old placement (no move) and every point of the batched
 repair's trajectory (:func:`fdeplb.placement.repair.repair_rows`) toward each target of a ladder of tolerances
-(:func:`ladder`: the policy's own ``tolerance`` and a geometric ladder from ``_LADDER_LOW`` to ``_LADDER_HIGH``).
-A tight target spends moves on precision (every GPU within ~0.0005 of the mean costs ~2 moves per GPU on the
-DeepSeek-V3 drift pairs); a loose one spends them where the heaviest GPU is, so a small budget is best spent on the
-early points of loose trajectories, a large one on the late points of tight ones.
+(:func:`ladder`: the policy's own ``tolerance`` and a geometric ladder from ``_LADDER_LOW`` to ``_LADDER_HIGH``),
+plus, for a layer the tightest target leaves above twice it, the trajectory from bulk replica counts. A tight
+target spends moves on precision (every GPU within ~0.0005 of the mean costs ~2 moves per GPU on the DeepSeek-V3
+drift pairs); a loose one spends them where the heaviest GPU is, so a small budget is best spent on the early
+points of loose trajectories, a large one on the late points of tight ones.
 
 Choice (:func:`fdeplb.placement.stops.choose_within_budget`): an exact multiple-choice knapsack over the candidates
 (dynamic programming over the integer budget). The candidate set is the same for every budget and the choice is
@@ -39,7 +40,7 @@ def ladder(tolerance: float) -> np.ndarray:
 
 
 def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, num_gpus: int, tolerance: float,
-                       budget: int, *, bulk_copies: int, stuck_fill: float) -> tuple[np.ndarray, np.ndarray]:
+                       budget: int, *, bulk_copies: int, stuck_fill: float) -> np.ndarray:
     """The plan of every layer (global mode) with the least mean excess within ``budget`` moved experts.
 
     Args:
@@ -56,9 +57,8 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
             no per-replica load above this many times the largest one at DeepSeek's counts.
 
     Returns:
-        (phy2log int64 [L, P] with at most ``budget`` moved experts counted as the repair counts them,
-        excess float64 [L]: heaviest GPU minus ``ref_peak``, over the mean GPU load). Slots of experts that stay on
-        a GPU may have been permuted by swaps (the caller aligns them).
+        phy2log int64 [L, P] with at most ``budget`` moved experts (:func:`fdeplb.placement.moved_experts`). Slots
+        of experts that stay on a GPU may have been permuted by swaps (the caller aligns them). Deterministic.
     """
     L = load.shape[0]
     mean = load.sum(axis=1) / num_gpus
@@ -72,9 +72,8 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
     # layers the tightest rung leaves above twice it (an expert needs several more replicas at once, and one more
     # only lifts another GPU to the heaviest's level): also from bulk replica counts, then the repair
     reach = np.full(L, np.inf)
-    for _, _, points in runs[:1]:
-        for _, (rows, _, peak) in points:
-            reach[rows] = peak
+    for _, (rows, _, peak) in runs[0][2]:  # every row's last point is its end
+        reach[rows] = peak
     stuck = np.flatnonzero(reach > ref_peak + 2 * max(rungs[0], _LADDER_LOW) * safe_mean)
     if stuck.size:
         runs.append(_refill_run(load, old, ref_peak, safe_mean, rungs[0], num_gpus, stuck, stuck_fill))
@@ -98,8 +97,7 @@ def plan_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, 
         stops[layer_of[mine]] = it_of[mine]
         layers = layer_of[mine]
         out[layers] = replay_stops(start, log, stops)[layers]
-    return out, excess[pick]
-
+    return out
 
 
 def _rung_run(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, safe_mean: np.ndarray, rung: float,
