@@ -140,3 +140,32 @@ def test_move_budget_refills_a_layer_with_a_very_hot_expert():
         assert level <= previous + 1e-12
         previous = level
     assert previous < 1.2  # 1.24 from the ladder's trajectories alone
+
+
+@st.composite
+def global_drifts(draw):
+    """Small global problems: old = "balanced" on one integer load, the budget pair drawn below and above."""
+    G = draw(st.sampled_from([2, 4, 8]))
+    E = draw(st.sampled_from([8, 16, 24]))
+    P = E + G * draw(st.integers(0, 2))
+    L = draw(st.integers(1, 3))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    before = np.rint(rng.lognormal(0.0, 1.5, (L, E)) * 100).astype(np.int64)
+    after = np.rint(rng.lognormal(0.0, 1.5, (L, E)) * 100).astype(np.int64)
+    small = draw(st.integers(0, 2 * P))
+    return after, (P, 1, 1, G), rebalance_experts(before, P, 1, 1, G, policy="balanced"), small, small + draw(
+        st.integers(1, 2 * P))
+
+
+@settings(max_examples=25, deadline=None)
+@given(global_drifts())
+def test_move_budget_is_monotone_and_respected_on_random_global_drifts(problem):
+    load, topo, old, small, large = problem
+    P, _, _, G = topo
+    plans = [rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
+             for cap in (small, large)]
+    for plan, cap in zip(plans, (small, large)):
+        check_invariants(plan, load.shape[1], P)
+        assert moved_experts(old, plan, G) <= cap
+    assert mean_ratio(load, plans[1], G) <= mean_ratio(load, plans[0], G) + 1e-12
