@@ -79,12 +79,12 @@ def test_move_budget_sweep_on_a_synthetic_drift_is_monotone_within_budget_and_de
     assert rebalance_experts(load_b, *topo, policy="move_aware", old_phy2log=old,
                              max_moved_experts=0).phy2log.tolist() == old.phy2log.tolist()
     levels = []
-    for cap in sorted({0, 1, 2, 5, 10, 20, 40, fresh_moves // 4, fresh_moves // 2, fresh_moves}):
+    for cap in sorted({0, 2, 10, 40, fresh_moves // 4, fresh_moves}):
         plan = rebalance_experts(load_b, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
         check_invariants(plan, 64, 80)
         assert moved_experts(old, plan, 16) <= cap
         levels.append(mean_ratio(load_b, plan, 16))
-        if cap in (5, fresh_moves // 4):
+        if cap in (10, fresh_moves // 4):
             again = rebalance_experts(load_b, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
             assert again.phy2log.tolist() == plan.phy2log.tolist()
     assert all(b <= a + 1e-12 for a, b in zip(levels, levels[1:])), levels
@@ -98,7 +98,7 @@ DSV3_DRIFT = pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json",
 @DSV3_DRIFT
 def test_move_budget_frontier_on_the_deepseek_v3_drift(real_data):
     """DeepSeek-V3 prefill_in1024 -> decode_in1000out1000 at EP32 (288 slots, global), old = "balanced" on the
-    first: over budgets of 0-20% of a fresh "balanced" plan's moves the mean max/mean never rises and the budget
+    first: over budgets of 5-20% of a fresh "balanced" plan's moves the mean max/mean never rises and the budget
     holds; 10% buys 1.0095 (was 1.0125 with the +0.0005 trajectories alone; the old placement is at 1.437); and the
     budget the uncapped policy spends at tolerance 0.008 buys at least its balance."""
     folder = real_data / "dsv3_sglang_ep_stats"
@@ -108,7 +108,7 @@ def test_move_budget_frontier_on_the_deepseek_v3_drift(real_data):
     old = rebalance_experts(load_a, *topo, policy="balanced")
     fresh_moves = moved_experts(old, rebalance_experts(load_b, *topo, policy="balanced", old_phy2log=old), 32)
     previous = mean_ratio(load_b, old, 32)
-    for share in (0.02, 0.05, 0.10, 0.20):
+    for share in (0.05, 0.10, 0.20):
         cap = int(share * fresh_moves)
         plan = rebalance_experts(load_b, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap)
         assert moved_experts(old, plan, 32) <= cap
