@@ -29,11 +29,14 @@ Without a move cap (the default):
   layers do not pay for it.
 
 With a move cap (``max_moved_experts``), the Pareto option: the best balance (mean over layers of max/mean) the
-budget buys. In global mode two plans are made and the better one kept: the uncapped repair's trajectories stopped
-where the mean excess is least within the cap (:func:`fdeplb.placement.stops.choose_stops_within`, on the lower
-convex hull of every layer's trajectory, so a larger cap never does worse), and the per-layer repair below. In
-hierarchical mode the per-layer repair alone, per layer (and per node), worst layers first so that the budget goes
-where it helps most:
+budget buys. In global mode every layer takes its old placement or a point of the batched repair's trajectory
+toward one of a ladder of targets (``tolerance`` and 0.00025 to 0.256 by factors of 2 above the reference: loose
+targets spend a small budget on the heaviest GPUs, tight ones a large budget on precision; a layer the tightest
+leaves above twice it also gets one from bulk replica counts, as without a cap), the choice being the exact least
+mean excess within the cap over these budget-independent candidates (a multiple-choice knapsack:
+:mod:`fdeplb.placement.pareto`), so a larger cap never does worse. The per-layer repair below serves only as the
+guard should that plan move more than the cap. In hierarchical mode the per-layer repair alone, per layer (and per
+node), worst layers first so that the budget goes where it helps most:
 
 1. Target: the GPU-load max/mean that "balanced" reaches on the new loads, plus ``tolerance``.
 2. Repair (from the old placement; experts stay in their slots unless moved): while the heaviest GPU is above the
@@ -81,10 +84,11 @@ from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
 from fdeplb.placement.node_maps import node_of_groups, old_node_of_groups
+from fdeplb.placement.pareto import plan_within_budget
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.row_repair import best_layer_plan, layer_candidates, plan_layer
 from fdeplb.placement.slots import align_slots
-from fdeplb.placement.stops import choose_stops, choose_stops_within, replay_stops
+from fdeplb.placement.stops import choose_stops, replay_stops
 
 #: without a move cap one layer may exceed "balanced" by this many tolerances (the mean over layers by one)
 LAYER_CAP = 2.0
@@ -131,18 +135,11 @@ def move_aware_phy2log(
                                 num_nodes, num_gpus)
         _replan_stuck(lay, out, excess, tolerance)
         return _align_where_needed(lay.old, out, num_gpus)
-    capped = _plan_capped(lay, max_moved_experts)
-    if num_nodes == 1:  # the Pareto option: the better of the capped repair and the budgeted stops
+    if num_nodes == 1:  # the Pareto option: the budgeted choice among the ladder's trajectories
         within = _plan_within(lay, tolerance, max_moved_experts)
-        if within is not None and _mean_peak(lay, within) < _mean_peak(lay, capped):
+        if within is not None:
             return within
-    return capped
-
-
-def _mean_peak(lay: _Layers, phy2log: np.ndarray) -> float:
-    """Mean over layers of the heaviest GPU over the mean GPU load (the capped policy's objective)."""
-    return float((raw_gpu_loads(lay.load, phy2log, lay.num_gpus).max(axis=1) / np.where(lay.mean > 0, lay.mean,
-                                                                                           1.0)).mean())
+    return _plan_capped(lay, max_moved_experts)
 
 
 def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_nodes: int,
@@ -334,17 +331,13 @@ def _global_trajectories(load: np.ndarray, old: np.ndarray, target: np.ndarray, 
 
 
 def _plan_within(lay: _Layers, tolerance: float, max_moved_experts: int) -> np.ndarray | None:
-    """Global mode with a move cap, the Pareto option: the uncapped repair's trajectories stopped where the mean
-    excess over layers is least within ``max_moved_experts`` (:func:`fdeplb.placement.stops.choose_stops_within`);
-    int64 [L, P], or None when no stop fits the cap."""
-    safe_mean = np.where(lay.mean > 0, lay.mean, 1.0)
-    target = lay.fresh_peak + _REPAIR_SHARE * tolerance * safe_mean
-    cap = lay.fresh_peak + LAYER_CAP * tolerance * (1 - 1e-9) * safe_mean
-    start, points, log = _global_trajectories(lay.load, lay.old, target, cap, lay.num_gpus)
-    chosen = choose_stops_within(points, lay.fresh_peak, safe_mean, float(max_moved_experts))
-    if chosen is None:
-        return None
-    plan = _align_where_needed(lay.old, replay_stops(start, log, chosen[0]), lay.num_gpus)
+    """Global mode with a move cap, the Pareto option: every layer's plan chosen among the old placement and the
+    repair's trajectories toward a ladder of targets so that the mean excess over layers is least within
+    ``max_moved_experts`` (:func:`fdeplb.placement.pareto.plan_within_budget`); int64 [L, P], or None in the
+    unexpected case that the aligned plan moves more (the caller then takes the per-layer repair)."""
+    plan = _align_where_needed(lay.old, plan_within_budget(lay.load, lay.old, lay.fresh_peak, lay.num_gpus, tolerance,
+                                                           max_moved_experts, bulk_copies=_BULK_COPIES,
+                                                           stuck_fill=_STUCK_FILL), lay.num_gpus)
     return plan if moved_experts(lay.old, plan, lay.num_gpus) <= max_moved_experts else None
 
 

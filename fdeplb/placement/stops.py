@@ -3,9 +3,9 @@
 :func:`fdeplb.placement.repair.repair_rows` records every row's trajectory (moved experts, heaviest GPU after each
 of its actions) and a log of the actions it applied. :func:`choose_stops` picks one point per row so that the
 total moved experts is least under the tolerance bounds of the uncapped "move_aware" policy (a Lagrangian
-relaxation over all points); :func:`choose_stops_within` picks them so that the mean excess is least under a
-budget of moved experts (the capped policy's Pareto option), and :func:`replay_stops` replays the log up to those
-points.
+relaxation over all points); :func:`choose_within_budget` picks one candidate point per layer so that the summed
+excess is least under a budget of moved experts (the capped policy's Pareto option, exactly), and
+:func:`replay_stops` replays the log up to the chosen points.
 """
 
 from __future__ import annotations
@@ -115,45 +115,60 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     return it[first], level
 
 
-def choose_stops_within(points: list, fresh_peak: np.ndarray, mean: np.ndarray,
-                        budget: float) -> tuple[np.ndarray, np.ndarray] | None:
-    """Where to stop every row (one row per layer) so that the mean excess over layers is least with at most
-    ``budget`` moved experts in all: the dual of :func:`choose_stops`, by the same Lagrangian relaxation (bisection
-    on the price of one moved expert in excess units). Only points on the lower convex hull of every row's
-    (moved, excess) trajectory can be chosen, so a larger budget never gives a larger mean excess.
+def choose_within_budget(layer: np.ndarray, moves: np.ndarray, excess: np.ndarray, num_layers: int,
+                         budget: int) -> np.ndarray:
+    """One candidate per layer so that the sum of excess is least with at most ``budget`` moves in all: the
+    multiple-choice knapsack, solved exactly by dynamic programming over the integer budget (H. Kellerer, U. Pferschy,
+    D. Pisinger, "Knapsack Problems", Springer 2004, ch. 11, the multiple-choice knapsack problem).
+
+    Unlike the Lagrangian relaxation of :func:`choose_stops` (Everett 1963), which only reaches the vertices of
+    the layers' lower convex hulls and leaves the budget between two of them unspent, the table ``best[b]`` (least
+    sum over the layers so far with at most ``b`` moves) is optimal at every budget, hence non-increasing in it: a
+    larger budget never gives a larger sum. Only each layer's Pareto-efficient candidates (fewer moves, or less
+    excess than every candidate with as few) enter the table. Cost O(L x B x K), B = min(budget, the most moves
+    any choice needs), K = efficient candidates per layer.
 
     Args:
-        points: :func:`fdeplb.placement.repair.repair_rows`'s trajectories (row r = layer r).
-        fresh_peak, mean: float64 [L] the reference plan's heaviest GPU and the mean GPU load of every layer.
-        budget: moved experts allowed, >= 0.
+        layer: int64 [N] layer of every candidate (every layer needs one with ``moves`` <= ``budget``, e.g. its
+            old placement at 0 moves).
+        moves: int64 [N] moved experts of every candidate, >= 0.
+        excess: float64 [N] what the candidate adds to the sum (finite).
+        num_layers: L.
+        budget: moves allowed in all, >= 0.
 
     Returns:
-        (stops int64 [L], excess float64 [L]), or None when even the rows' first points exceed ``budget``.
+        int64 [L]: the index (into the candidate arrays) chosen for every layer. Deterministic: among candidates
+        with equal moves, the least excess, then the lowest index; among table entries of equal value, the
+        candidate with fewer moves.
+
+    Raises:
+        ValueError: a layer has no candidate within ``budget``.
     """
-    L = fresh_peak.size
-    rows = np.concatenate([p[0] for p in points])
-    it = np.concatenate([np.full(p[0].size, t, dtype=np.int64) for t, p in enumerate(points)])
-    mv = np.concatenate([p[1] for p in points]).astype(np.float64)
-    exc = (np.concatenate([p[2] for p in points]) - fresh_peak[rows]) / mean[rows]
-
-    def pick(price: float) -> np.ndarray:  # every row's point of least excess + price x moves (ties: fewer moves)
-        order = np.lexsort((it, mv, exc + price * mv, rows))
-        return order[np.searchsorted(rows[order], np.arange(L))]
-
-    hi = float(np.abs(exc).max(initial=0.0)) * 4 + 1.0  # above any excess a single move can remove
-    best = pick(hi)
-    if mv[best].sum() > budget:
-        return None
-    lo = 0.0
-    chosen = pick(lo)
-    if mv[chosen].sum() <= budget:
-        best = chosen
-    else:
-        for _ in range(48):
-            mid = 0.5 * (lo + hi)
-            c = pick(mid)
-            if mv[c].sum() <= budget:
-                hi, best = mid, c
-            else:
-                lo = mid
-    return it[best], exc[best]
+    N = layer.size
+    order = np.lexsort((np.arange(N), excess, moves, layer))
+    starts = np.searchsorted(layer[order], np.arange(num_layers + 1))
+    efficient = []
+    for l in range(num_layers):
+        idx = order[starts[l]:starts[l + 1]]  # by moves, then excess
+        if idx.size == 0 or moves[idx[0]] > budget:
+            raise ValueError(f"choose_within_budget: layer {l} has no candidate within {budget} moves")
+        ex = excess[idx]
+        keep = np.ones(idx.size, dtype=bool)
+        keep[1:] = ex[1:] < np.minimum.accumulate(ex)[:-1]  # strictly below every candidate with as few moves
+        efficient.append(idx[keep & (moves[idx] <= budget)])
+    B = int(min(budget, sum(int(moves[e].max()) for e in efficient)))
+    b = np.arange(B + 1)
+    best = np.zeros(B + 1)  # no layer yet: 0 at every budget
+    choice = np.empty((num_layers, B + 1), dtype=np.int64)
+    for l, eff in enumerate(efficient):
+        src = b[None, :] - moves[eff][:, None]  # [K, B + 1] budget left for the layers before
+        val = np.where(src >= 0, best[np.maximum(src, 0)] + excess[eff][:, None], np.inf)
+        k = val.argmin(axis=0)  # first minimum: the candidate with fewer moves
+        choice[l] = eff[k]
+        best = val[k, b]
+    out = np.empty(num_layers, dtype=np.int64)
+    left = B
+    for l in range(num_layers - 1, -1, -1):
+        out[l] = choice[l, left]
+        left -= int(moves[out[l]])
+    return out

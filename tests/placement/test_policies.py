@@ -20,7 +20,7 @@ from fdeplb.placement import (
 from fdeplb.placement.move_aware import reference_peak, reference_phy2log
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.slots import align_slots
-from fdeplb.placement.stops import choose_stops, choose_stops_within
+from fdeplb.placement.stops import choose_stops
 from tests.placement.helpers import check_invariants, dumps, topologies
 
 
@@ -234,18 +234,6 @@ def test_move_aware_refills_a_layer_the_repair_cannot_bring_in():
     check_invariants(plan, 256, 288)
     assert (ratio(load_b, plan, 32) <= ratio(load_b, fresh, 32) + 0.0005).all()
     assert moved_experts(old, plan, 32) <= 0.4 * moved_experts(old, fresh, 32)
-
-
-def test_choose_stops_within_spends_a_move_budget_where_it_lowers_excess_most():
-    """The trajectories above; least mean excess within 0, 3 and 6 moved experts, None below the first points."""
-    rows = np.array([0, 1])
-    points = [(rows, np.array([0, 0]), np.array([1.10, 1.05])),
-              (rows, np.array([2, 1]), np.array([1.002, 1.0006])),
-              (rows, np.array([5, 10]), np.array([1.0, 1.0]))]
-    for budget, expected in ((0, [0, 0]), (3, [1, 1]), (6, [2, 1]), (100, [2, 2])):
-        stops, _ = choose_stops_within(points, np.ones(2), np.ones(2), budget)
-        assert stops.tolist() == expected, budget
-    assert choose_stops_within([(rows, np.array([1, 0]), np.array([1.0, 1.0]))], np.ones(2), np.ones(2), 0) is None
 
 
 @QWEN2_DRIFT
