@@ -213,12 +213,22 @@ def run_rearrange(args: argparse.Namespace) -> int:
 def _plan_of(cfg: ClusterConfig, path: str):
     """The placement of the plan file at ``path`` (``--initial``, ``--plan``) for a cluster configured as ``cfg``:
     int64 [L, P], the rows of its MoE layers when the file has one per model layer (SGLang's, dense layers
-    included). :class:`PlacementFileError` / :class:`InputError` for a file that does not read."""
+    included) or names its layers (fdeplb's ``layer_ids``). :class:`PlacementFileError` / :class:`InputError` for a
+    file that does not read, whose header names another topology (expert, GPU, node or group count), or whose row
+    count is neither the cluster's MoE layers nor its model layers (another model's plan: its first rows would be
+    taken)."""
+    from fdeplb.errors import InputError
     from fdeplb.placement import read_placement
 
-    read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size)
-    rows = read.placement if read.placement.num_layers == cfg.num_layers else read.for_layers(cfg.model_layer_ids)
-    return rows.phy2log
+    read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size,
+                          num_groups=cfg.num_groups, num_nodes=cfg.num_nodes)
+    rows = read.placement.num_layers
+    if rows == cfg.num_layers:
+        return read.placement.phy2log
+    if read.format != "fdeplb" and rows != cfg.model_layers:
+        raise InputError(f"{path}: {rows} layer rows; the cluster has {cfg.num_layers} MoE layers of "
+                         f"{cfg.model_layers} model layers: a plan of another model")
+    return read.for_layers(cfg.model_layer_ids).phy2log
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:

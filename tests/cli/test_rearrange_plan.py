@@ -78,6 +78,19 @@ def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, red
     _refused(capsys, store, redis_url, str(tmp_path / "missing.json"), 2, "missing.json")
 
 
+def test_a_plan_for_another_model_or_topology_is_refused(capsys, store, redis_url, tmp_path):
+    """A file whose rows are neither the cluster's MoE layers nor its model layers (another model's plan: its first
+    rows would be taken), or whose header names another node or group count, is another cluster's plan."""
+    rows = [[0, 1, 2, 3, 0, 1], [1, 0, 3, 2, 1, 0]]  # 2 layer rows for a 1-layer model
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, rows, 4, "two_layers.json"), 2, "2 layer rows")
+    with open(_plan_file(tmp_path, rows[:1], 4, "fd.json", "fdeplb")) as f:
+        fdeplb = json.load(f)
+    for key, value in (("num_nodes", 3), ("num_groups", 2)):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({**fdeplb, "num_gpus": 3, key: value}))
+        _refused(capsys, store, redis_url, str(path), 2, f"{key} is {value} in the file, 1 was expected")
+
+
 def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url, tmp_path):
     from fdeplb.machines.tables import MemberState
 
