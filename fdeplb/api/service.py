@@ -173,10 +173,12 @@ def abort_round(store: Store, by: str, reason: str) -> Reply:
 
 
 def cancel_request(store: Store, by: str, reason: str) -> Reply:
-    """``POST /v1/round/cancel``: the pending round request withdrawn (409 when none is pending)."""
+    """``POST /v1/round/cancel``: the pending round request withdrawn (409 when none is pending), and the
+    operator's plan that waited for it (``dropped_plan``: its routing digest, "" when none)."""
     from fdeplb.orchestration.operator import cancel_request as cancel
 
-    return ok(round=cancel(store, by=by, reason=reason))
+    withdrawn, dropped = cancel(store, by=by, reason=reason)
+    return ok(round=withdrawn, dropped_plan=dropped)
 
 
 def supply_plan(store: Store, phy2log: list[list[int]], by: str, reason: str) -> Reply:

@@ -190,8 +190,9 @@ def run_rearrange(args: argparse.Namespace) -> int:
         plan = check_operator_plan(store, _plan_of(store.read_config(), args.plan))
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
-    if plan is not None:
-        print(f"plan {supply_operator_plan(store, plan, args.plan)} supplied from {args.plan}")
+    digest = supply_operator_plan(store, plan, args.plan) if plan is not None else ""
+    if digest:
+        print(f"plan {digest} supplied from {args.plan}")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
@@ -200,8 +201,15 @@ def run_rearrange(args: argparse.Namespace) -> int:
             print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
     cordoned = store.read_config().cordoned
-    code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
-                          store_url=args.redis_url)
+    try:
+        code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
+                              store_url=args.redis_url)
+    except KeyboardInterrupt:  # the wait ends, not the round: say what goes on and how to stop it
+        flags = f"--redis-url {args.redis_url} --cluster {store.cluster}"
+        print(f"interrupted: round {target} still goes on" + (f" to plan {digest}" if digest else "") +
+              f"; `fdeplb round cancel {flags}` withdraws it before it starts" + (" (the plan with it)" if digest
+              else "") + f", `fdeplb round abort {flags}` ends it before its commit point", file=sys.stderr)
+        raise
     if plan is not None and code == 0 and not cordoned and \
             not np.array_equal(store.current_placement().phy2log, plan):  # a membership round went first
         print(f"round {target} did not go to the plan (a round re-placing a rank's experts went first): the plan "

@@ -152,3 +152,44 @@ def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
     raw = RawRedis(redis_url, store.cluster)
     raw.force(raw.keys.rearrange, ClusterState.FREE, version=9, round="1", requested="1")  # round 1 aborted
     assert not request_supplied(store) and store.supplied_placement() is None
+
+
+def test_round_cancel_withdraws_an_operator_plan_with_its_request(capsys, store):
+    """`fdeplb round cancel` of the round an operator's plan waits for (the way out after a Ctrl-C of `rearrange
+    --plan --wait`) drops the plan in the same transaction: FREE's entry work does not request it again."""
+    from fdeplb.orchestration.rollback import request_supplied, supply_operator_plan
+
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "plan.json")
+    store.request_round("operator")
+    code, out, err = run_cli(capsys, "round", "cancel", "--redis-url", store.url, "--cluster", store.cluster)
+    assert code == 0 and "round 1: request withdrawn" in out and f"plan {digest}" in out, out + err
+    assert store.supplied_placement() is None and not request_supplied(store)
+    note = [a for a in store.audit() if a["trigger"] == "request_cancelled"][-1]
+    assert json.loads(note["detail"])["dropped_supplied"]["plan_id"] == digest
+
+
+def test_round_cancel_leaves_a_rollback_waiting(store):
+    from fdeplb.orchestration.operator import cancel_request
+    from fdeplb.orchestration.rollback import request_supplied
+
+    store.supply_placement(np.array([[2, 3, 0, 1, 2, 3]]), reasons.supplied_round(
+        "rollback", 0, "", "probe_mismatch").detail["supplied"])
+    store.request_round("rollback")
+    assert cancel_request(store, by="test") == (1, "")
+    assert store.supplied_placement() is not None and request_supplied(store)
+
+
+def test_ctrl_c_during_rearrange_plan_wait_says_the_plan_waits_and_how_to_withdraw_it(capsys, store, monkeypatch,
+                                                                                     tmp_path):
+    """Ctrl-C ends the wait, not the round: the plan stays supplied and the message says how to withdraw it."""
+    from fdeplb.cli import operate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    monkeypatch.setattr(operate, "wait_for_round", interrupted)
+    plan = np.array([[2, 3, 0, 1, 2, 3]])
+    code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, plan, 4), "--wait", "--timeout", "5")
+    assert code == 130 and store.supplied_placement() is not None, out + err
+    assert f"round 1 still goes on to plan {routing_digest(plan)}" in err and "fdeplb round cancel" in err, err
