@@ -92,7 +92,8 @@ def request_supplied(store: Any) -> bool:
     """FREE entry work with no round pending: request the round a supplied placement waits for (True), or nothing
     to do (False). An operator's plan is tried by one round only: once a round after the one it was supplied in
     (its ``undoes``) has ended without committing it (aborted; a committed one drops it), it is dropped here, so a
-    plan that cannot load never loops (the operator saw the abort and may supply it again)."""
+    plan that cannot load never loops (the operator saw the abort and may supply it again). A request for it that
+    expires or is cancelled drops it in its own transaction (:meth:`fdeplb.store.Store.withdraw_request`)."""
     try:
         supplied = store.supplied_placement()
     except CorruptRecordError:

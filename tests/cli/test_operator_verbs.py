@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
@@ -166,6 +167,32 @@ def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url
         detail = json.loads(note["detail"])
         assert detail["round"] == 1 and detail["request_ttl_ms"] == 1_500 and detail["age_ms"] > 1_500
         assert "weights" in detail["waited_on"] and note["fence"]  # the leader's, fenced
+
+
+@pytest.mark.slow
+def test_an_operator_plan_whose_request_expires_is_dropped_with_it(redis_url, cluster_id, capsys, tmp_path):
+    """Else FREE's entry work requests its round again, to expire again every request_ttl_ms and fire whenever the
+    cluster can start, minutes later."""
+    from fdeplb.placement import Placement, write_placement
+
+    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
+                          request_ttl_ms=1_500)
+    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
+        store = tc.store()
+        raw = RawRedis(redis_url, cluster_id)
+        raw.force(raw.keys.weights(2), "CLEARED", version=2)
+        for r in range(4):
+            tc.start_silent_rank(r)
+        tc.start_coordinator()
+        wait_for(lambda: store.lease_info().holder, 30, store, "a leader")
+        plan = np.roll(store.current_placement().phy2log, 5, axis=1)
+        path = write_placement(Placement.from_phy2log(plan, 16), tmp_path / "plan.json", format="sglang")
+        code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--plan",
+                                 str(path), "--wait", "--timeout", "60")
+        assert code == 1 and "request expired" in out, out + err
+        assert store.supplied_placement() is None  # dropped by the expiry's own transaction
+        note = [a for a in store.audit() if a["trigger"] == "request_expired"][-1]
+        assert json.loads(note["detail"])["dropped_supplied"]["kind"] == "operator"
 
 
 def test_rearrange_wait_says_no_coordinator_holds_the_lease(capsys, store):
