@@ -168,6 +168,15 @@ def test_round_cancel_withdraws_an_operator_plan_with_its_request(capsys, store)
     assert json.loads(note["detail"])["dropped_supplied"]["plan_id"] == digest
 
 
+def test_a_second_plan_while_one_waits_names_the_waiting_plan(store):
+    from fdeplb.errors import StateError
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "first.json")
+    with pytest.raises(StateError, match=f"operator: plan {digest} supplied from first.json\\): `fdeplb round cancel`"):
+        supply_operator_plan(store, np.array([[3, 2, 1, 0, 3, 2]]), "second.json")
+
+
 def test_round_cancel_leaves_a_rollback_waiting(store):
     from fdeplb.orchestration.operator import cancel_request
     from fdeplb.orchestration.rollback import request_supplied
