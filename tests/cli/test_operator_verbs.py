@@ -4,6 +4,7 @@ each against a real Redis, each audited with who and why, each refusal exit 3 wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -144,8 +145,10 @@ def test_the_reaper_deletes_a_clusters_keys_when_its_parent_goes(store):
 
 
 # ---- request TTL and what --wait says ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url, cluster_id, capsys, tmp_path):
+@contextlib.contextmanager
+def _cluster_that_cannot_start(redis_url, cluster_id, tmp_path):
+    """A thread cluster with a leader whose rounds cannot start (rank 2's weights CLEARED) and requests expire after
+    1.5 s; yields its store."""
     deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
                           request_ttl_ms=1_500)
     with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
@@ -156,6 +159,12 @@ def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url
             tc.start_silent_rank(r)
         tc.start_coordinator()
         wait_for(lambda: store.lease_info().holder, 30, store, "a leader")
+        yield store
+
+
+@pytest.mark.slow
+def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url, cluster_id, capsys, tmp_path):
+    with _cluster_that_cannot_start(redis_url, cluster_id, tmp_path) as store:
         code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
                                  "--timeout", "60")
         assert code == 1, out + err
@@ -175,16 +184,7 @@ def test_an_operator_plan_whose_request_expires_is_dropped_with_it(redis_url, cl
     cluster can start, minutes later."""
     from fdeplb.placement import Placement, write_placement
 
-    deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
-                          request_ttl_ms=1_500)
-    with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
-        store = tc.store()
-        raw = RawRedis(redis_url, cluster_id)
-        raw.force(raw.keys.weights(2), "CLEARED", version=2)
-        for r in range(4):
-            tc.start_silent_rank(r)
-        tc.start_coordinator()
-        wait_for(lambda: store.lease_info().holder, 30, store, "a leader")
+    with _cluster_that_cannot_start(redis_url, cluster_id, tmp_path) as store:
         plan = np.roll(store.current_placement().phy2log, 5, axis=1)
         path = write_placement(Placement.from_phy2log(plan, 16), tmp_path / "plan.json", format="sglang")
         code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--plan",
