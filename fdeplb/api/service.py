@@ -173,10 +173,12 @@ def abort_round(store: Store, by: str, reason: str) -> Reply:
 
 
 def cancel_request(store: Store, by: str, reason: str) -> Reply:
-    """``POST /v1/round/cancel``: the pending round request withdrawn (409 when none is pending)."""
+    """``POST /v1/round/cancel``: the pending round request withdrawn (409 when none is pending), and the
+    operator's plan that waited for it (``dropped_plan``: its routing digest, "" when none)."""
     from fdeplb.orchestration.operator import cancel_request as cancel
 
-    return ok(round=cancel(store, by=by, reason=reason))
+    withdrawn, dropped = cancel(store, by=by, reason=reason)
+    return ok(round=withdrawn, dropped_plan=dropped)
 
 
 def supply_plan(store: Store, phy2log: list[list[int]], by: str, reason: str) -> Reply:
@@ -186,10 +188,14 @@ def supply_plan(store: Store, phy2log: list[list[int]], by: str, reason: str) ->
     Answers the round that will go to it and the plan's routing digest."""
     import numpy as np
 
+    from fdeplb.errors import InputError
     from fdeplb.orchestration.rollback import supply_operator_plan
 
-    digest = supply_operator_plan(store, np.asarray(phy2log, dtype=np.int64),
-                                  f"POST /v1/round/plan by {by}" + (f" ({reason})" if reason else ""))
+    try:
+        arr = np.asarray(phy2log, dtype=np.int64)
+    except (ValueError, OverflowError) as err:  # ragged rows, an id past int64: a bad body, never a 500
+        raise InputError(f"phy2log is no [num_layers][num_physical_experts] table of expert ids ({err})") from None
+    digest = supply_operator_plan(store, arr, f"POST /v1/round/plan by {by}" + (f" ({reason})" if reason else ""))
     return ok(round=store.request_round(reason or "operator plan"), plan=digest)
 
 

@@ -97,8 +97,10 @@ def run_abort(args: argparse.Namespace) -> int:
 def run_cancel(args: argparse.Namespace) -> int:
     from fdeplb.orchestration.operator import cancel_request
 
-    withdrawn = cancel_request(open_store(args.redis_url, args.cluster), by=operator_id(), reason=args.reason)
-    print(f"round {withdrawn}: request withdrawn")
+    withdrawn, dropped = cancel_request(open_store(args.redis_url, args.cluster), by=operator_id(),
+                                        reason=args.reason)
+    print(f"round {withdrawn}: request withdrawn" + (f", with the operator's plan {dropped} that waited for it"
+                                                     if dropped else ""))
     return 0
 
 

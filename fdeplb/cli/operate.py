@@ -190,8 +190,9 @@ def run_rearrange(args: argparse.Namespace) -> int:
         plan = check_operator_plan(store, _plan_of(store.read_config(), args.plan))
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
-    if plan is not None:
-        print(f"plan {supply_operator_plan(store, plan, args.plan)} supplied from {args.plan}")
+    digest = supply_operator_plan(store, plan, args.plan) if plan is not None else ""
+    if digest:
+        print(f"plan {digest} supplied from {args.plan}")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
@@ -200,8 +201,15 @@ def run_rearrange(args: argparse.Namespace) -> int:
             print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
     cordoned = store.read_config().cordoned
-    code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
-                          store_url=args.redis_url)
+    try:
+        code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
+                              store_url=args.redis_url)
+    except KeyboardInterrupt:  # the wait ends, not the round: say what goes on and how to stop it
+        flags = f"--redis-url {args.redis_url} --cluster {store.cluster}"
+        print(f"interrupted: round {target} still goes on" + (f" to plan {digest}" if digest else "") +
+              f"; `fdeplb round cancel {flags}` withdraws it before it starts" + (" (the plan with it)" if digest
+              else "") + f", `fdeplb round abort {flags}` ends it before its commit point", file=sys.stderr)
+        raise
     if plan is not None and code == 0 and not cordoned and \
             not np.array_equal(store.current_placement().phy2log, plan):  # a membership round went first
         print(f"round {target} did not go to the plan (a round re-placing a rank's experts went first): the plan "
@@ -213,12 +221,22 @@ def run_rearrange(args: argparse.Namespace) -> int:
 def _plan_of(cfg: ClusterConfig, path: str):
     """The placement of the plan file at ``path`` (``--initial``, ``--plan``) for a cluster configured as ``cfg``:
     int64 [L, P], the rows of its MoE layers when the file has one per model layer (SGLang's, dense layers
-    included). :class:`PlacementFileError` / :class:`InputError` for a file that does not read."""
+    included) or names its layers (fdeplb's ``layer_ids``). :class:`PlacementFileError` / :class:`InputError` for a
+    file that does not read, whose header names another topology (expert, GPU, node or group count), or whose row
+    count is neither the cluster's MoE layers nor its model layers (another model's plan: its first rows would be
+    taken)."""
+    from fdeplb.errors import InputError
     from fdeplb.placement import read_placement
 
-    read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size)
-    rows = read.placement if read.placement.num_layers == cfg.num_layers else read.for_layers(cfg.model_layer_ids)
-    return rows.phy2log
+    read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size,
+                          num_groups=cfg.num_groups, num_nodes=cfg.num_nodes)
+    rows = read.placement.num_layers
+    if rows == cfg.num_layers:
+        return read.placement.phy2log
+    if read.format != "fdeplb" and rows != cfg.model_layers:
+        raise InputError(f"{path}: {rows} layer rows; the cluster has {cfg.num_layers} MoE layers of "
+                         f"{cfg.model_layers} model layers: a plan of another model")
+    return read.for_layers(cfg.model_layer_ids).phy2log
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:

@@ -63,23 +63,33 @@ def _row(label: str, load: np.ndarray, phy2log: np.ndarray, num_gpus: int, moved
     ]
 
 
-def _source_load(dump, num_gpus: int) -> np.ndarray | None:
-    """The load per source rank, float or int [L, num_gpus, E] over ``dump``'s MoE rows, when its file is SGLang's
-    per-rank ``logical_count`` stack [num_gpus, model layers, E] (what ``fdeplb load --export`` writes); else
-    None (a summed dump, or a stack of another rank count)."""
+def _source_load(dump, num_gpus: int) -> tuple[np.ndarray | None, int]:
+    """(the load per source rank, float or int [L, num_gpus, E] over ``dump``'s MoE rows, when its file is SGLang's
+    per-rank ``logical_count`` stack [num_gpus, model layers, E] (what ``fdeplb load --export`` writes), else None;
+    the number of source ranks the file stacks, 0 for a summed dump). :class:`LoadFileError` for a stack with a
+    negative count (its sum, which the dump's reader checked, may hide it)."""
     import gzip
     import json
 
+    from fdeplb.errors import LoadFileError
+
     if dump.format != "sglang" or Path(dump.path).suffix in (".yaml", ".yml"):
-        return None
+        return None, 0
     # read_expert_load checked this file and keeps only the sum; read again for the split (an ExpertLoad that kept
     # the per-rank stack would spare this: fdeplb.placement.loads)
     with (gzip.open if dump.path.endswith(".gz") else open)(dump.path, "rt", encoding="utf-8") as f:
         rows = json.load(f)["logical_count"]
     arr = np.asarray(rows) if isinstance(rows, list) else np.zeros(0)
-    if arr.ndim != 3 or arr.shape[0] != num_gpus:
-        return None
-    return np.ascontiguousarray(np.moveaxis(arr, 0, 1)[dump.layer_ids])
+    if arr.ndim != 3:
+        return None, 0
+    negative = np.argwhere(arr < 0)
+    if negative.size:
+        r, layer, e = (int(i) for i in negative[0])
+        raise LoadFileError(f"{dump.path}: logical_count has a negative value {arr[r, layer, e]} at [rank {r}, layer "
+                            f"{layer}, expert {e}]")
+    if arr.shape[0] != num_gpus:
+        return None, arr.shape[0]
+    return np.ascontiguousarray(np.moveaxis(arr, 0, 1)[dump.layer_ids]), num_gpus
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +131,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         before = initial_placement(L, E, args.num_replicas, num_gpus=args.num_gpus)
         before_label = "before (trivial)"
-    source = _source_load(dump, args.num_gpus)  # [L, num_gpus, E] when the dump is SGLang's per-rank stack
+    source, ranks = _source_load(dump, args.num_gpus)  # [L, num_gpus, E] when the dump is SGLang's per-rank stack
+    if source is None and ranks and args.policy == "topology_aware":
+        import sys
+
+        print(f"note: {dump.path} stacks the load of {ranks} source ranks, not --num-gpus {args.num_gpus}: planned "
+              f"on their sum (a dump of another cluster?)", file=sys.stderr)
     start = time.perf_counter()
     after = rebalance_experts(
         source if source is not None and args.policy == "topology_aware" else load,

@@ -176,12 +176,13 @@ def print_whatif(rows: list[dict[str, Any]], out: TextIO) -> None:
         out.write("what-if: no round of the recording has a snapshot to replan\n")
         return
     policy = rows[0]["policy"]
+    width = max(12, len(policy) + 2)  # "topology_aware" is wider than the figures
     out.write(f"what-if: policy {policy} against the recorded plans (balancedness = mean over layers)\n")
     out.write(f"  {'round':<6}{'outcome':<10}{'recorded plan':<18}{'before':>8}{'recorded':>10}{'moved':>7}"
-              f"{policy:>12}{'moved':>7}\n")
+              f"{policy:>{width}}{'moved':>7}\n")
     for r in rows:
         out.write(f"  {r['round']:<6}{r['outcome']:<10}{r['recorded_plan'] or '-':<18}{r['balancedness_before']:>8.4f}"
-                  f"{r['balancedness_recorded']:>10.4f}{r['moved_recorded']:>7}{r['balancedness_new']:>12.4f}"
+                  f"{r['balancedness_recorded']:>10.4f}{r['moved_recorded']:>7}{r['balancedness_new']:>{width}.4f}"
                   f"{r['moved_new']:>7}\n")
 
 

@@ -61,15 +61,17 @@ def abort_round(store: Store, *, by: str, reason: str = "") -> Fired:
     raise StateError(f"the cluster record kept changing under the abort ({_ABORT_TRIES} tries); try again")
 
 
-def cancel_request(store: Store, *, by: str, reason: str = "") -> int:
+def cancel_request(store: Store, *, by: str, reason: str = "") -> tuple[int, str]:
     """Withdraw the pending round request (the cluster is FREE and a round is requested, not started): audited as a
-    ``request_cancelled`` note (actor ``by``, detail ``{"by", "round", "requested_reason"}``). Returns the withdrawn
-    round. :class:`StateError` (nothing written) when no request is pending; :class:`InputError` for a bad
-    ``reason``."""
+    ``request_cancelled`` note (actor ``by``, detail ``{"by", "round", "requested_reason"}``). An operator's plan
+    waiting for that round (``fdeplb rearrange --plan``) is withdrawn with it, in the same transaction (the note's
+    ``dropped_supplied``): otherwise FREE's entry work would request its round again at once; a rollback stays.
+    Returns (the withdrawn round, the routing digest of the operator's plan withdrawn, or "").
+    :class:`StateError` (nothing written) when no request is pending; :class:`InputError` for a bad ``reason``."""
     why = _why("cancel", by, reason)
-    withdrawn, _ = store.withdraw_request(None, trigger="request_cancelled", actor=by, reason=why.text[:2000],
-                                          detail=why.detail)
-    return withdrawn
+    withdrawn, _, dropped = store.withdraw_request(None, trigger="request_cancelled", actor=by, reason=why.text[:2000],
+                                                   detail=why.detail, drop_supplied="operator")
+    return withdrawn, str((dropped or {}).get("plan_id", ""))
 
 
 def change_settings(store: Store, changes: dict[str, Any], *, by: str, reason: str = "",

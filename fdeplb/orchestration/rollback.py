@@ -92,7 +92,8 @@ def request_supplied(store: Any) -> bool:
     """FREE entry work with no round pending: request the round a supplied placement waits for (True), or nothing
     to do (False). An operator's plan is tried by one round only: once a round after the one it was supplied in
     (its ``undoes``) has ended without committing it (aborted; a committed one drops it), it is dropped here, so a
-    plan that cannot load never loops (the operator saw the abort and may supply it again)."""
+    plan that cannot load never loops (the operator saw the abort and may supply it again). A request for it that
+    expires or is cancelled drops it in its own transaction (:meth:`fdeplb.store.Store.withdraw_request`)."""
     try:
         supplied = store.supplied_placement()
     except CorruptRecordError:
@@ -168,9 +169,17 @@ def supply_operator_plan(store: Any, phy2log: np.ndarray, source: str) -> str:
     if rec.state is not ClusterState.FREE:
         raise StateError(f"cluster {store.cluster} is in {rec.state.value} (round {rec.round}): a plan is "
                          f"supplied only while it is FREE; try again when the round is over")
-    if store.supplied_placement() is not None:
+    waiting = store.supplied_placement()
+    if waiting is not None:
+        try:
+            facts = _facts(waiting[1])
+            what = reasons.supplied_round(**facts).text
+        except (ValueError, KeyError, TypeError, InputError):
+            facts, what = {}, "unreadable facts"
+        hint = ("`fdeplb round cancel` withdraws it before its round starts" if facts.get("kind") == "operator"
+                else "try again after it")
         raise StateError(f"a supplied placement waits for the next round of cluster {store.cluster} already "
-                         f"(a rollback): try again after it")
+                         f"({what}): {hint}")
     digest = routing_digest(arr)
     facts = reasons.supplied_round("operator", rec.round, digest, source[:200]).detail["supplied"]
     store.supply_placement(arr, facts)  # rec.round: the last round; the next one goes to the plan

@@ -143,7 +143,8 @@ def check_plans(source: Any, report: ReplayReport) -> list[str]:
                 raise ReplayError(f"{where}: a {supplied['kind']} to placement {supplied['plan_id'] or 'initial'}, "
                                   f"but its new_phy2log is another placement")
         elif plan.plan_id not in recomputed and (split := _plan_source(
-                topology, source.read_source_load(plan.round), where)) is not _NOT_HELD:  # else noted unchecked below
+                topology, source.read_source_load(plan.round), where, snapshot is not None)) is not _NOT_HELD:
+            # (not held: noted unchecked below)
             again = np.asarray(_planned(load if split is None else split, old, replace(config, policy=policy),
                                         live_ranks, where, reroute), dtype=np.int64)
             if not np.array_equal(again, new):
@@ -177,12 +178,17 @@ def _supplied(facts: Any, where: str) -> dict[str, Any] | None:
 _NOT_HELD = object()
 
 
-def _plan_source(topology: dict, split: np.ndarray | None, where: str) -> Any:
+def _plan_source(topology: dict, split: np.ndarray | None, where: str, snapshot_held: bool) -> Any:
     """The load per source rank a plan was made from: None when its ``topology`` names none (no ``source_load``
     fact), the round's ``split`` when it does and the digest matches (:func:`fdeplb.rounds.gating.source_fact`),
-    :data:`_NOT_HELD` when the split is not held. :class:`ReplayError` for a split of another digest."""
+    :data:`_NOT_HELD` when the split is not held because the round's snapshot is not (pruned: the split goes with
+    it). :class:`ReplayError` for a split of another digest, or none beside a held snapshot (a recording edited, or
+    written without it)."""
     if "source_load" not in topology:
         return None
+    if split is None and snapshot_held:
+        raise ReplayError(f"{where}: planned from a load per source rank of digest {topology['source_load']}, but "
+                          f"its round's snapshot holds no load per source rank")
     if split is None:
         return _NOT_HELD
     if source_fact(split) != {"source_load": topology["source_load"]}:
@@ -327,7 +333,7 @@ def _check_passed_gates(report: ReplayReport, source: Recorded) -> None:
             raise ReplayError(f"{loaded.where}: detail is not a load's: {exc}") from None
         plan = report.stored_plans.get(loaded.plan_id)
         split = None if plan is None else _plan_source(plan.topology, report.source_loads.get(loaded.round),
-                                                       loaded.where)
+                                                       loaded.where, loaded.round in report.snapshots)
         if recorded is None or plan is None or split is _NOT_HELD:
             continue
         cfg = source.config_at(loaded.round)

@@ -110,7 +110,8 @@ class Intents:
         return accepted, rec
 
     def withdraw_request(self, round_: int | None, *, trigger: str, actor: str, reason: str, fence: str = "",
-                         detail: dict[str, Any] | None = None) -> tuple[int, str]:
+                         detail: dict[str, Any] | None = None,
+                         drop_supplied: str = "") -> tuple[int, str, dict[str, Any] | None]:
         """Withdraw the pending round request (``requested`` back to ``round``: the round never starts), then append
         the audit note ``trigger`` (``request_cancelled`` by an operator, ``request_expired`` by the coordinator
         past ``deadlines.request_ttl_ms``) with ``reason`` and ``detail`` plus the withdrawn round and its
@@ -118,14 +119,17 @@ class Intents:
 
         ``round_``: withdraw only if round ``round_`` is the pending one (the coordinator's expiry); None: whichever
         is pending (an operator's cancel). The check and the withdrawal are one WATCHed transaction: a start that
-        committed meanwhile wins and nothing is withdrawn.
+        committed meanwhile wins and nothing is withdrawn. ``drop_supplied``: a kind of supplied placement
+        (``operator``) that the same transaction deletes when the waiting one is of that kind, so that FREE's entry
+        work does not request its round again; the note's detail then names it (``dropped_supplied``: its facts).
 
-        Returns (the withdrawn round, the note's audit id). :class:`StateError` (nothing written) when no request
+        Returns (the withdrawn round, the note's audit id, the facts of the supplied placement dropped or None).
+        :class:`StateError` (nothing written) when no request
         is pending: the cluster is FREE with none, or its round has started (before the commit point, ``fdeplb
         round abort`` ends it)."""
-        key = self._keys.rearrange
+        key, supplied_key = self._keys.rearrange, self._keys.supplied_placement
 
-        def txn(pipe: Any) -> ClusterRecord:
+        def txn(pipe: Any) -> tuple[ClusterRecord, Any]:
             rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
             pending = rec.state is ClusterState.FREE and rec.requested > rec.round
             if not pending or (round_ is not None and rec.requested != round_):
@@ -133,16 +137,22 @@ class Intents:
                     f"no round request is pending: cluster {self.cluster!r} is {rec.state}, round {rec.round}" +
                     (" in flight (fdeplb round abort ends it before the commit point)"
                      if rec.state is not ClusterState.FREE else ""))
+            dropped = _supplied_facts(pipe.hget(supplied_key, "facts")) if drop_supplied else None
+            if not (isinstance(dropped, dict) and dropped.get("kind") == drop_supplied):
+                dropped = None
             pipe.multi()
             pipe.hset(key, mapping={"requested": str(rec.round), "requested_ms": "0"})
-            return rec
+            if dropped is not None:
+                pipe.delete(supplied_key)
+            return rec, dropped
 
-        rec = self._client.transaction(txn, key, value_from_callable=True)
+        rec, dropped = self._client.transaction(txn, key, supplied_key, value_from_callable=True)
         withdrawn = rec.requested
-        facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason}
+        facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason,
+                 **({"dropped_supplied": dropped} if dropped is not None else {})}
         audit_id = self.append_note(rec, trigger=trigger, actor=actor, reason=reason, fence=fence, detail=facts)
         self.emit_event(trigger, round=withdrawn, reason=reason[:500])
-        return withdrawn, audit_id
+        return withdrawn, audit_id, dropped
 
     def change_config(self, changes: dict[str, Any], *, actor: str, reason: str = "",
                       check: Callable[[Any], None] | None = None) -> tuple[Any, Any, str]:
@@ -307,3 +317,11 @@ class Intents:
 
         self._client.transaction(txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
+
+
+def _supplied_facts(raw: Any) -> Any:
+    """The stored facts of a supplied placement (its ``facts`` field), or None when absent or not JSON."""
+    try:
+        return json.loads(_s(raw)) if raw else None
+    except ValueError:
+        return None

@@ -139,6 +139,9 @@ def test_round_plan_over_http_supplies_the_plan_or_refuses_with_nothing_written(
         assert r.status_code == 400 and words in r.json()["msg"], r.text
     r = requests.post(f"{url}/v1/round/plan", json={"phy2log": [[0, 1, "x"]]}, auth=AUTH)
     assert r.status_code in (400, 422), r.text
+    for plan, words in (([[0, 1, 2, 3, 0, 1], [0, 1]], "phy2log"), ([[10 ** 30] * 6], "phy2log")):  # not a 500
+        r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan}, auth=AUTH)
+        assert r.status_code == 400 and words in r.json()["msg"], r.text
     assert raw.snapshot() == before
     plan = [[2, 3, 0, 1, 2, 3]]
     r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan, "reason": "offline plan"}, auth=AUTH)

@@ -4,9 +4,11 @@ each against a real Redis, each audited with who and why, each refusal exit 3 wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHTS, ClusterState, RankState
@@ -143,8 +145,10 @@ def test_the_reaper_deletes_a_clusters_keys_when_its_parent_goes(store):
 
 
 # ---- request TTL and what --wait says ----------------------------------------------------------------------------
-@pytest.mark.slow
-def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url, cluster_id, capsys, tmp_path):
+@contextlib.contextmanager
+def _cluster_that_cannot_start(redis_url, cluster_id, tmp_path):
+    """A thread cluster with a leader whose rounds cannot start (rank 2's weights CLEARED) and requests expire after
+    1.5 s; yields its store."""
     deadlines = Deadlines(collecting_ms=20_000, loading_ms=20_000, commit_ms=20_000, swapping_ms=20_000,
                           request_ttl_ms=1_500)
     with thread_cluster(redis_url, cluster_id, tmp_path, deadlines=deadlines) as tc:
@@ -155,6 +159,12 @@ def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url
             tc.start_silent_rank(r)
         tc.start_coordinator()
         wait_for(lambda: store.lease_info().holder, 30, store, "a leader")
+        yield store
+
+
+@pytest.mark.slow
+def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url, cluster_id, capsys, tmp_path):
+    with _cluster_that_cannot_start(redis_url, cluster_id, tmp_path) as store:
         code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--wait",
                                  "--timeout", "60")
         assert code == 1, out + err
@@ -166,6 +176,23 @@ def test_a_request_that_cannot_start_expires_audited_and_wait_says_why(redis_url
         detail = json.loads(note["detail"])
         assert detail["round"] == 1 and detail["request_ttl_ms"] == 1_500 and detail["age_ms"] > 1_500
         assert "weights" in detail["waited_on"] and note["fence"]  # the leader's, fenced
+
+
+@pytest.mark.slow
+def test_an_operator_plan_whose_request_expires_is_dropped_with_it(redis_url, cluster_id, capsys, tmp_path):
+    """Else FREE's entry work requests its round again, to expire again every request_ttl_ms and fire whenever the
+    cluster can start, minutes later."""
+    from fdeplb.placement import Placement, write_placement
+
+    with _cluster_that_cannot_start(redis_url, cluster_id, tmp_path) as store:
+        plan = np.roll(store.current_placement().phy2log, 5, axis=1)
+        path = write_placement(Placement.from_phy2log(plan, 16), tmp_path / "plan.json", format="sglang")
+        code, out, err = run_cli(capsys, "rearrange", "--redis-url", redis_url, "--cluster", cluster_id, "--plan",
+                                 str(path), "--wait", "--timeout", "60")
+        assert code == 1 and "request expired" in out, out + err
+        assert store.supplied_placement() is None  # dropped by the expiry's own transaction
+        note = [a for a in store.audit() if a["trigger"] == "request_expired"][-1]
+        assert json.loads(note["detail"])["dropped_supplied"]["kind"] == "operator"
 
 
 def test_rearrange_wait_says_no_coordinator_holds_the_lease(capsys, store):

@@ -78,6 +78,19 @@ def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, red
     _refused(capsys, store, redis_url, str(tmp_path / "missing.json"), 2, "missing.json")
 
 
+def test_a_plan_for_another_model_or_topology_is_refused(capsys, store, redis_url, tmp_path):
+    """A file whose rows are neither the cluster's MoE layers nor its model layers (another model's plan: its first
+    rows would be taken), or whose header names another node or group count, is another cluster's plan."""
+    rows = [[0, 1, 2, 3, 0, 1], [1, 0, 3, 2, 1, 0]]  # 2 layer rows for a 1-layer model
+    _refused(capsys, store, redis_url, _plan_file(tmp_path, rows, 4, "two_layers.json"), 2, "2 layer rows")
+    with open(_plan_file(tmp_path, rows[:1], 4, "fd.json", "fdeplb")) as f:
+        fdeplb = json.load(f)
+    for key, value in (("num_nodes", 3), ("num_groups", 2)):
+        path = tmp_path / f"{key}.json"
+        path.write_text(json.dumps({**fdeplb, "num_gpus": 3, key: value}))
+        _refused(capsys, store, redis_url, str(path), 2, f"{key} is {value} in the file, 1 was expected")
+
+
 def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url, tmp_path):
     from fdeplb.machines.tables import MemberState
 
@@ -139,3 +152,53 @@ def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
     raw = RawRedis(redis_url, store.cluster)
     raw.force(raw.keys.rearrange, ClusterState.FREE, version=9, round="1", requested="1")  # round 1 aborted
     assert not request_supplied(store) and store.supplied_placement() is None
+
+
+def test_round_cancel_withdraws_an_operator_plan_with_its_request(capsys, store):
+    """`fdeplb round cancel` of the round an operator's plan waits for (the way out after a Ctrl-C of `rearrange
+    --plan --wait`) drops the plan in the same transaction: FREE's entry work does not request it again."""
+    from fdeplb.orchestration.rollback import request_supplied, supply_operator_plan
+
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "plan.json")
+    store.request_round("operator")
+    code, out, err = run_cli(capsys, "round", "cancel", "--redis-url", store.url, "--cluster", store.cluster)
+    assert code == 0 and "round 1: request withdrawn" in out and f"plan {digest}" in out, out + err
+    assert store.supplied_placement() is None and not request_supplied(store)
+    note = [a for a in store.audit() if a["trigger"] == "request_cancelled"][-1]
+    assert json.loads(note["detail"])["dropped_supplied"]["plan_id"] == digest
+
+
+def test_a_second_plan_while_one_waits_names_the_waiting_plan(store):
+    from fdeplb.errors import StateError
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "first.json")
+    with pytest.raises(StateError, match=f"operator: plan {digest} supplied from first.json\\): `fdeplb round cancel`"):
+        supply_operator_plan(store, np.array([[3, 2, 1, 0, 3, 2]]), "second.json")
+
+
+def test_round_cancel_leaves_a_rollback_waiting(store):
+    from fdeplb.orchestration.operator import cancel_request
+    from fdeplb.orchestration.rollback import request_supplied
+
+    store.supply_placement(np.array([[2, 3, 0, 1, 2, 3]]), reasons.supplied_round(
+        "rollback", 0, "", "probe_mismatch").detail["supplied"])
+    store.request_round("rollback")
+    assert cancel_request(store, by="test") == (1, "")
+    assert store.supplied_placement() is not None and request_supplied(store)
+
+
+def test_ctrl_c_during_rearrange_plan_wait_says_the_plan_waits_and_how_to_withdraw_it(capsys, store, monkeypatch,
+                                                                                     tmp_path):
+    """Ctrl-C ends the wait, not the round: the plan stays supplied and the message says how to withdraw it."""
+    from fdeplb.cli import operate
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    monkeypatch.setattr(operate, "wait_for_round", interrupted)
+    plan = np.array([[2, 3, 0, 1, 2, 3]])
+    code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, plan, 4), "--wait", "--timeout", "5")
+    assert code == 130 and store.supplied_placement() is not None, out + err
+    assert f"round 1 still goes on to plan {routing_digest(plan)}" in err and "fdeplb round cancel" in err, err

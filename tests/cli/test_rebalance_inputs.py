@@ -61,6 +61,25 @@ def test_topology_aware_takes_a_tolerance_and_reports_the_cross_node_fraction(ca
     assert code == 0 and "cross-node fraction" not in out
 
 
+@pytest.mark.parametrize("policy", ["balanced", "topology_aware"])
+def test_a_per_rank_stack_with_a_negative_count_is_refused_before_planning(capsys, tmp_path, policy):
+    """Its sum is positive, so the dump's reader takes it; the stack is checked as it is read, naming the rank."""
+    stack = np.full((4, 2, 16), 10)
+    stack[1, 1, 3] = -5
+    path = tmp_path / "neg.json"
+    path.write_text(json.dumps({"logical_count": stack.tolist()}))
+    code, out, err = rebalance(capsys, path, "--num-nodes", "2", "--policy", policy, "--out", str(tmp_path / "p.json"))
+    assert code == 2 and out == "" and not (tmp_path / "p.json").exists(), out + err
+    assert f"error: {path}: logical_count has a negative value -5 at [rank 1, layer 1, expert 3]" in err, err
+
+
+def test_a_stack_of_another_rank_count_is_named_when_topology_aware_plans_on_its_sum(capsys, tmp_path):
+    path = tmp_path / "three.json"
+    path.write_text(json.dumps({"logical_count": np.full((3, 2, 16), 10).tolist()}))
+    code, out, err = rebalance(capsys, path, "--num-nodes", "2", "--policy", "topology_aware")
+    assert code == 0 and "stacks the load of 3 source ranks, not --num-gpus 4: planned on their sum" in err, err
+
+
 def test_deepseeks_plan_of_loads_too_small_for_float32_is_gated_as_no_gain(capsys, tiny):
     code, out, err = rebalance(capsys, tiny)
     assert code == 0, err

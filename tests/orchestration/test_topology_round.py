@@ -105,6 +105,18 @@ def test_a_recording_with_another_split_of_the_same_sum_does_not_replay(topology
         check_recording(forged)
 
 
+def test_a_recording_whose_snapshot_lost_its_split_does_not_replay(topology_round, tmp_path):
+    """The snapshot is held, its split is not: the plan that names a split cannot be recomputed, which is an edited
+    recording (a pruned snapshot takes its split with it), never a plan left unchecked."""
+    _, path, _, _ = topology_round
+    lines = [json.loads(s) for s in path.read_text().splitlines()]
+    next(x for x in lines if x.get("type") == "snapshot").pop("source_load")
+    forged = tmp_path / "stripped.jsonl"
+    forged.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with pytest.raises(ReplayError, match="holds no load per source rank"):
+        check_recording(forged)
+
+
 def test_a_corrupt_split_aborts_the_round_and_the_next_one_succeeds(redis_url, cluster_id, tmp_path):
     with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, num_experts=E, ep_size=R, num_nodes=NODES,
                         policy="topology_aware") as tc:

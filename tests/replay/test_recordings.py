@@ -429,3 +429,18 @@ def test_audit_follow_prints_records_as_they_commit(redis_url, cluster_id, capsy
         assert [p["id"] for p in printed] == [e.id for e in store.iter_audit()]
     finally:
         store.delete_cluster()
+
+
+def test_whatif_table_keeps_a_long_policy_name_apart_from_the_columns():
+    import io
+
+    from fdeplb.cli.replay_view import print_whatif
+
+    out = io.StringIO()
+    print_whatif([{"round": 7, "outcome": "committed", "recorded_plan": "20f7ebf51d577116", "policy": "topology_aware",
+                   "balancedness_before": 0.9098, "balancedness_recorded": 0.9999, "moved_recorded": 436,
+                   "balancedness_new": 0.9999, "moved_new": 436}], out)
+    header, row = out.getvalue().splitlines()[1:]
+    assert header.split() == ["round", "outcome", "recorded", "plan", "before", "recorded", "moved", "topology_aware",
+                              "moved"]
+    assert header.index("topology_aware") + len("topology_aware") == row.index("0.9999 ", row.index("436")) + 6

@@ -50,7 +50,8 @@ class RoundStart:
             why = reasons.request_expired(rec.requested, age, ttl, self._start_waits or rec.reason)
             try:
                 self.store.withdraw_request(rec.requested, trigger="request_expired", actor=self.holder,
-                                            reason=why.text[:2000], fence=self.lease or "", detail=why.detail)
+                                            reason=why.text[:2000], fence=self.lease or "", detail=why.detail,
+                                            drop_supplied="operator")  # else FREE would request it again
             except FenceError:
                 raise
             except StateError:  # started or withdrawn meanwhile: the next pass sees which
