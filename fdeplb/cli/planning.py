@@ -159,17 +159,22 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
-    cross = "" if source is None or args.num_nodes == 1 else (
-        f"cross-node fraction {cross_node_fraction(source, before, args.num_gpus, args.num_nodes).mean():.4f} -> "
-        f"{cross_node_fraction(source, after, args.num_gpus, args.num_nodes).mean():.4f}")
-    if cross:  # the share of tokens that leave their source rank's node (placement.metrics), mean over layers
+    # the share of tokens that leave their source rank's node (placement.metrics), mean over layers
+    cross_nodes = {} if source is None or args.num_nodes == 1 else {
+        f"cross_node_{when}": float(cross_node_fraction(source, p, args.num_gpus, args.num_nodes).mean())
+        for when, p in (("before", before), ("after", after))}
+    cross = "" if not cross_nodes else (
+        f"cross-node fraction {cross_nodes['cross_node_before']:.4f} -> {cross_nodes['cross_node_after']:.4f}")
+    if cross:
         print(f"{cross} (load per source rank, {args.num_nodes} nodes)")
     from fdeplb.rounds.gating import GateDecision  # the one gain rule, as a cluster's round applies it
 
     gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
-                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0)
+                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0, **cross_nodes)
     print(f"gate: {'goes on' if gate.goes_on else 'skipped'}: " +
-          (f"gain {gate.gain:+.4f} with {moved:,} moved experts" if gate.goes_on else
+          (f"gain {gate.gain:+.4f}" + (f", cross-node fraction lower by {gate.cross_node_gain:.4f}"
+                                       if gate.cross_node_gain is not None else "") +
+           f" with {moved:,} moved experts" if gate.goes_on else
            f"{gate.why_skipped} (a cluster would not run this plan)"))
     if args.out:
         write_placement(

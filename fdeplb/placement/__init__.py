@@ -13,12 +13,13 @@ from fdeplb.placement.live_ranks import check_live_ranks, live_maps, orphaned_ex
 from fdeplb.placement.loads import ExpertLoad, load_digest, read_expert_load
 from fdeplb.placement.metrics import balancedness, cross_node_fraction, gpu_loads, imbalance, moved_bytes, \
     moved_experts
-from fdeplb.placement.rebalance import POLICIES, rebalance_experts
+from fdeplb.placement.rebalance import POLICIES, TOLERANCE, rebalance_experts
 
 __all__ = [
     "FORMATS",
     "MAX_LOAD",
     "POLICIES",
+    "TOLERANCE",
     "ExpertLoad",
     "Placement",
     "PlacementFile",

@@ -23,6 +23,10 @@ from fdeplb.placement.topology import topology_aware_phy2log
 #: float32, which flushes smaller loads (1e-300) to zero, and a layer without load has nothing to balance: any plan
 #: of it gains nothing, and the tie order alone decided which experts it moved (:func:`keep_unloaded`)
 NO_LOAD = float(np.finfo(np.float32).tiny)
+#: the default ``tolerance`` of "move_aware" and "topology_aware" (max/mean GPU load units): the balance a plan may
+#: give up for fewer moved experts or fewer cross-node tokens; the gain gate lets a "topology_aware" round give up
+#: this much balancedness for fewer cross-node tokens (:attr:`fdeplb.rounds.gating.GateDecision.goes_on`)
+TOLERANCE = 0.0005
 
 
 def keep_unloaded(load: np.ndarray, planned: np.ndarray, base: np.ndarray, rank: np.ndarray | None = None
@@ -62,7 +66,7 @@ def _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical,
     return phy2log if old is None else align_slots(old, phy2log, num_gpus)
 
 
-def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.0005,
+def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=TOLERANCE,
                 max_moved_experts=None):
     if old is None:
         raise InputError("policy 'move_aware' needs old_phy2log (the current placement)")
@@ -72,7 +76,7 @@ def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchica
                               max_moved_experts=max_moved_experts)
 
 
-def _topology_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=0.0005,
+def _topology_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old, *, tolerance=TOLERANCE,
                     source=None):
     if source is None or num_nodes == 1:  # nothing to keep on a node: "balanced"'s plan
         return _balanced(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchical, old)
@@ -112,7 +116,7 @@ def rebalance_experts(
     *,
     policy: str = "deepseek",
     old_phy2log: object = None,
-    tolerance: float = 0.0005,
+    tolerance: float = TOLERANCE,
     max_moved_experts: int | None = None,
     live_ranks: object = None,
 ) -> Placement:

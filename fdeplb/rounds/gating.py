@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fdeplb.placement import balancedness, check_live_ranks, check_phy2log, cross_node_fraction, load_digest, \
-    moved_experts, rebalance_experts
+from fdeplb.placement import TOLERANCE, balancedness, check_live_ranks, check_phy2log, cross_node_fraction, \
+    load_digest, moved_experts, rebalance_experts
 from fdeplb.store import ClusterConfig
 
 __all__ = ["ROUND_FACTS", "SOURCE_POLICIES", "GateDecision", "Planner", "configured_topology", "decide",
@@ -141,18 +141,40 @@ class GateDecision:
         return self.balancedness_after - self.balancedness_before
 
     @property
+    def cross_node_gain(self) -> float | None:
+        """How much lower the cross-node fraction of the plan is than the current placement's (None without the
+        round's load per source rank)."""
+        if self.cross_node_before is None or self.cross_node_after is None:
+            return None
+        return self.cross_node_before - self.cross_node_after
+
+    @property
+    def for_locality(self) -> bool:
+        """The plan goes on for locality: it lowers the cross-node fraction by more than ``min_gain`` and gives up
+        at most :data:`fdeplb.placement.TOLERANCE` of balancedness ("topology_aware"'s slack)."""
+        cross = self.cross_node_gain
+        return cross is not None and cross > self.min_gain and self.gain >= -TOLERANCE
+
+    @property
     def goes_on(self) -> bool:
-        """The rule: the plan moves an expert and gains more than ``min_gain``."""
-        return self.moved_experts != 0 and self.gain > self.min_gain
+        """The rule: the plan moves an expert, and gains more than ``min_gain`` of balancedness or goes on for
+        locality (:attr:`for_locality`: only a round planned from its load per source rank)."""
+        return self.moved_experts != 0 and (self.gain > self.min_gain or self.for_locality)
 
     @property
     def why_skipped(self) -> str | None:
         """None when the round goes on; else why not, with the numbers (4 decimals)."""
         if self.goes_on:
             return None
-        if self.gain <= self.min_gain:
-            return f"planned gain {self.gain:.4f} <= min_gain {self.min_gain}"
-        return "the plan moves no expert"
+        if self.gain > self.min_gain or self.for_locality:
+            return "the plan moves no expert"
+        why = f"planned gain {self.gain:.4f} <= min_gain {self.min_gain}"
+        cross = self.cross_node_gain
+        if cross is None:
+            return why
+        if cross <= self.min_gain:
+            return f"{why}, cross-node fraction lower by {cross:.4f} <= min_gain"
+        return f"{why}, balancedness given up {-self.gain:.4f} > {TOLERANCE} for cross-node fraction lower by {cross:.4f}"
 
     def detail(self) -> dict[str, Any]:
         """The gate's figures as JSON-able values (the structured detail an audit record carries), with

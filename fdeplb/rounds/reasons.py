@@ -52,6 +52,7 @@ import numpy as np
 from fdeplb.checks import check_int
 from fdeplb.errors import InputError
 from fdeplb.machines.tables import ClusterState
+from fdeplb.placement import TOLERANCE
 from fdeplb.rounds.gating import GateDecision
 from fdeplb.store.liveness import NOT_REGISTERED
 
@@ -154,9 +155,13 @@ def _over(decision: "GateDecision") -> str:
 
 def gate_passed(decision: "GateDecision") -> Reason:
     """The ``load`` reason of a round the gate lets through: its figures (as :func:`skipped`'s) and the rule."""
+    if decision.gain > decision.min_gain:
+        rule = f"gain {decision.gain:.4f} > min_gain {decision.min_gain}"
+    else:  # GateDecision.for_locality
+        rule = (f"cross-node fraction {decision.cross_node_before:.4f} -> {decision.cross_node_after:.4f} (lower by "
+                f"more than min_gain {decision.min_gain}), balancedness given up {-decision.gain:.4f} <= {TOLERANCE}")
     text = (f"gate: balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}"
-            f"{_over(decision)}, gain {decision.gain:.4f} > min_gain {decision.min_gain}, "
-            f"{decision.moved_experts} moved experts")
+            f"{_over(decision)}, {rule}, {decision.moved_experts} moved experts")
     return Reason(text, {"gate": decision.detail()})
 
 

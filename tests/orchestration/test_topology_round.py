@@ -189,3 +189,45 @@ def test_a_round_over_some_ranks_keeps_a_zero_row_for_a_non_member_and_plans_on_
         assert np.array_equal(split.sum(axis=1), store.read_snapshot(1))
         plan = store.read_plan(store.current_placement().plan_id)
         assert plan.topology["live_ranks"] == [0, 1, 2] and "source_load" not in plan.topology
+
+
+def test_switching_a_balanced_cluster_to_topology_aware_commits_a_round_for_locality(redis_url, cluster_id, tmp_path):
+    # round 1 under "balanced" balances the load; round 2 under "topology_aware" gains no balancedness (the paired
+    # experts carry the same totals) but keeps more tokens on their node: the gate lets it through for locality
+    with thread_cluster(redis_url, cluster_id, tmp_path, num_layers=L, num_experts=E, ep_size=R, num_nodes=NODES,
+                        policy="balanced") as tc:
+        tc.loads = per_rank_load()
+        store = tc.store()
+        tc.start()
+        store.request_round()
+        wait_for(round_over(store, 1), 60, store, "round 1")
+        first = store.current_placement()
+        store.change_config({"policy": "topology_aware"}, actor="test")
+        store.request_round()
+        wait_for(round_over(store, 2), 60, store, "round 2")
+        second = store.current_placement()
+        source = np.moveaxis(tc.loads, 0, 1)
+        assert second.plan_id != first.plan_id, store.read_cluster().reason
+        assert cross_node_fraction(source, second.phy2log, R, NODES).mean() < \
+            cross_node_fraction(source, first.phy2log, R, NODES).mean()
+        load = [a for a in store.iter_audit() if a["machine"] == "cluster" and a["trigger"] == "load"][-1]
+        assert "cross-node fraction" in load["reason"] and "balancedness given up" in load["reason"], load["reason"]
+
+
+@pytest.mark.parametrize("after, cross_after, goes_on", [
+    (0.9990, 0.40, False),  # balancedness given up 0.0010 > the slack (TOLERANCE 0.0005)
+    (0.9996, 0.40, True),   # given up 0.0004 <= 0.0005 for 0.10 fewer cross-node tokens
+    (0.9996, 0.50, False),  # no fewer cross-node tokens
+    (1.0000, 0.49, True),   # no balancedness given up, 0.01 fewer cross-node tokens
+])
+def test_the_gate_lets_a_plan_give_up_the_tolerance_of_balancedness_for_locality(after, cross_after, goes_on):
+    from fdeplb.rounds.gating import GateDecision
+
+    gate = GateDecision(np.zeros((1, 1), np.int64), 1.0, after, 3, 0.0, cross_node_before=0.5,
+                        cross_node_after=cross_after)
+    assert gate.goes_on is goes_on
+    assert (gate.why_skipped is None) is goes_on
+    if not goes_on:
+        assert "cross-node fraction lower by" in gate.why_skipped or "balancedness given up" in gate.why_skipped
+    # without the split (a summed round) the same figures are judged on balancedness alone
+    assert GateDecision(np.zeros((1, 1), np.int64), 1.0, after, 3, 0.0).goes_on is False
