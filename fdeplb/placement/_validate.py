@@ -43,16 +43,24 @@ def check_expert_load(expert_load: object, name: str = "expert_load") -> np.ndar
         raise InputError(f"{name} must be 2-D [num_layers, num_logical_experts], got shape {arr.shape}")
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise InputError(f"{name} must have at least one layer and one expert, got shape {arr.shape}")
+    _check_values(arr, name, ("layer", "expert"))
+    return arr
+
+
+def _check_values(arr: np.ndarray, name: str, dims: tuple[str, ...]) -> None:
+    """The one rule on load values (finite, >= 0, <= :data:`MAX_LOAD`); the first bad value is named by its index
+    along ``dims``. :class:`InputError` otherwise."""
+    def at(bad: np.ndarray) -> str:
+        return "[" + ", ".join(f"{d} {i}" for d, i in zip(dims, bad)) + "]"
+
     if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-        bad = np.argwhere(~np.isfinite(arr))[0]
-        raise InputError(f"{name} has a NaN or inf value at [layer {bad[0]}, expert {bad[1]}]")
+        raise InputError(f"{name} has a NaN or inf value at {at(np.argwhere(~np.isfinite(arr))[0])}")
     if arr.dtype.kind != "u" and (arr < 0).any():
         bad = np.argwhere(arr < 0)[0]
-        raise InputError(f"{name} has a negative value {arr[tuple(bad)]} at [layer {bad[0]}, expert {bad[1]}]")
+        raise InputError(f"{name} has a negative value {arr[tuple(bad)]} at {at(bad)}")
     if (arr > MAX_LOAD).any():  # counts stay exact in float64 and summable in int64 below this
         bad = np.argwhere(arr > MAX_LOAD)[0]
-        raise InputError(f"{name} has a value {arr[tuple(bad)]:.4g} above 2**53 at [layer {bad[0]}, expert {bad[1]}]")
-    return arr
+        raise InputError(f"{name} has a value {arr[tuple(bad)]:.4g} above 2**53 at {at(bad)}")
 
 
 def check_source_load(source_load: object) -> np.ndarray:
@@ -69,7 +77,9 @@ def check_source_load(source_load: object) -> np.ndarray:
     if arr.ndim != 3 or 0 in arr.shape:
         raise InputError(f"source_load must be 3-D [num_layers, source_ranks, num_logical_experts] and non-empty, "
                          f"got shape {arr.shape}")
-    check_expert_load(arr.reshape(-1, arr.shape[2]), name="source_load (rows: layer x source rank)")
+    if arr.dtype.kind not in "iuf":
+        raise InputError(f"source_load must have an integer or float dtype, got {arr.dtype}")
+    _check_values(arr, "source_load", ("layer", "source rank", "expert"))
     check_expert_load(arr.sum(axis=1), name="source_load summed over source ranks")
     return arr
 

@@ -64,6 +64,11 @@ def test_cross_node_fraction_by_hand():
     (np.ones((2, 3, 8)), (12, 1, 2, 4), "source ranks"),  # 3 source ranks, 4 GPUs
     (-np.ones((2, 4, 8)), (12, 1, 2, 4), "negative"),
     (np.ones((2, 4, 8, 1)), (12, 1, 2, 4), "2-D"),
+    # the first bad value is named by its layer, source rank and expert (QA: a flattened index named "layer 9")
+    (np.where(np.arange(64).reshape(2, 4, 8) == 8 * 4 + 8 + 3, -1.0, 5.0), (12, 1, 2, 4),
+     r"negative value -1.0 at \[layer 1, source rank 1, expert 3\]"),
+    (np.where(np.arange(64).reshape(2, 4, 8) == 5, np.nan, 5.0), (12, 1, 2, 4),
+     r"NaN or inf value at \[layer 0, source rank 0, expert 5\]"),
 ])
 def test_bad_source_load_is_refused(source, topo, message):
     with pytest.raises(InputError, match=message):
