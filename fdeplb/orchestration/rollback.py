@@ -165,25 +165,35 @@ def supply_operator_plan(store: Any, phy2log: np.ndarray, source: str) -> str:
     :class:`StateError` when the cluster is not FREE (a round in flight would take it mid-way) or a supplied
     placement waits already (a rollback's)."""
     arr = check_operator_plan(store, phy2log)
-    rec = store.read_cluster()
-    if rec.state is not ClusterState.FREE:
-        raise StateError(f"cluster {store.cluster} is in {rec.state.value} (round {rec.round}): a plan is "
-                         f"supplied only while it is FREE; try again when the round is over")
-    waiting = store.supplied_placement()
-    if waiting is not None:
-        try:
-            facts = _facts(waiting[1])
-            what = reasons.supplied_round(**facts).text
-        except (ValueError, KeyError, TypeError, InputError):
-            facts, what = {}, "unreadable facts"
-        hint = ("`fdeplb round cancel` withdraws it before its round starts" if facts.get("kind") == "operator"
-                else "try again after it")
-        raise StateError(f"a supplied placement waits for the next round of cluster {store.cluster} already "
-                         f"({what}): {hint}")
     digest = routing_digest(arr)
-    facts = reasons.supplied_round("operator", rec.round, digest, source[:200]).detail["supplied"]
-    store.supply_placement(arr, facts)  # rec.round: the last round; the next one goes to the plan
+    supplied: dict[str, Any] = {}
+
+    def while_free(rec: Any) -> None:  # inside the store's WATCHed write: a round that starts meanwhile refuses it
+        if rec.state is not ClusterState.FREE:
+            raise StateError(f"cluster {store.cluster} is in {rec.state.value} (round {rec.round}): a plan is "
+                             f"supplied only while it is FREE; try again when the round is over")
+        _refuse_if_waiting(store)
+        # rec.round: the last round; the next one goes to the plan
+        supplied.update(reasons.supplied_round("operator", rec.round, digest, source[:200]).detail["supplied"])
+
+    store.supply_placement(arr, supplied, check=while_free)
     return digest
+
+
+def _refuse_if_waiting(store: Any) -> None:
+    """:class:`StateError` when a supplied placement waits for the next round already (naming it)."""
+    waiting = store.supplied_placement()
+    if waiting is None:
+        return
+    try:
+        facts = _facts(waiting[1])
+        what = reasons.supplied_round(**facts).text
+    except (ValueError, KeyError, TypeError, InputError):
+        facts, what = {}, "unreadable facts"
+    hint = ("`fdeplb round cancel` withdraws it before its round starts" if facts.get("kind") == "operator"
+            else "try again after it")
+    raise StateError(f"a supplied placement waits for the next round of cluster {store.cluster} already "
+                     f"({what}): {hint}")
 
 
 def _facts(stored: Any) -> dict[str, Any]:

@@ -11,18 +11,18 @@ Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``clust
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from fdeplb.errors import CorruptRecordError, InputError, NotFoundError
 from fdeplb.machines.tables import RANK
 from fdeplb.placement import routing_digest
-from fdeplb.store.connection import as_str as _s, hgetall as _hgetall
+from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _hgetall
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store import arrays
 from fdeplb.store.plan_entry import PlanEntry, json_text
-from fdeplb.store.records import PlacementEntry
+from fdeplb.store.records import ClusterRecord, PlacementEntry, parse_record
 
 
 class Placements:
@@ -92,22 +92,34 @@ class Placements:
         return PlacementEntry(plan_id=_s(raw.get("plan_id", b"")), phy2log=phy2log, version=version, members=members)
 
     # ---- a placement supplied for the next round (a rollback) -----------------------------------------------------
-    def supply_placement(self, phy2log: np.ndarray, facts: dict[str, Any]) -> None:
+    def supply_placement(self, phy2log: np.ndarray, facts: dict[str, Any], *,
+                         check: Callable[[ClusterRecord], None] | None = None) -> None:
         """Store ``phy2log`` (int64 [L, P], checked against the configuration: :class:`InputError` otherwise,
         nothing written) as the placement the next round goes to instead of planning one, with its ``facts``
         (JSON-able: what :func:`fdeplb.rounds.reasons.supplied_round` takes). Replaces an earlier one; kept
-        until :meth:`drop_supplied_placement` (the round that commits it), never pruned by retention."""
+        until :meth:`drop_supplied_placement` (the round that commits it), never pruned by retention.
+
+        ``check``: called with the cluster record inside a transaction that WATCHes it and the supplied placement
+        (run again when either changes before the write); what it raises is raised, nothing written. A rule on
+        the cluster as the placement is written (an operator's plan: only while FREE, none waiting); ``facts`` is
+        read after it (it may fill them in)."""
         arr = np.asarray(phy2log)
         try:
             self._table(self._keys.supplied_placement, arr, "phy2log")
         except CorruptRecordError as err:
             raise InputError(f"supplied placement: {err}") from None
-        key = self._keys.supplied_placement
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(key)
-        pipe.hset(key, mapping={**arrays.encode("phy2log", arr), "facts": json_text(facts),
-                                "supplied_ms": str(self.now_ms())})
-        pipe.execute()
+        key, cluster = self._keys.supplied_placement, self._keys.rearrange
+
+        def txn(pipe: Any) -> None:
+            if check is not None:
+                check(parse_record(ClusterRecord, cluster, _text(_hgetall(pipe, cluster))))
+            # after the check: ``facts`` may name what it read (the round the plan follows)
+            mapping = {**arrays.encode("phy2log", arr), "facts": json_text(facts), "supplied_ms": str(self.now_ms())}
+            pipe.multi()
+            pipe.delete(key)
+            pipe.hset(key, mapping=mapping)
+
+        self._client.transaction(txn, cluster, key)
 
     def supplied_placement(self) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(phy2log int64 [L, P], facts) of the placement supplied for the next round, or None;

@@ -202,3 +202,27 @@ def test_ctrl_c_during_rearrange_plan_wait_says_the_plan_waits_and_how_to_withdr
     code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, plan, 4), "--wait", "--timeout", "5")
     assert code == 130 and store.supplied_placement() is not None, out + err
     assert f"round 1 still goes on to plan {routing_digest(plan)}" in err and "fdeplb round cancel" in err, err
+
+
+def test_a_round_that_starts_while_a_plan_is_supplied_refuses_it(store, redis_url):
+    # QA: the FREE check and the write were two steps; a round passing PLANNING in between left the plan to be
+    # dropped later. Now the check runs again inside the WATCHed write: a round started meanwhile refuses it.
+    from fdeplb.errors import StateError
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    raw = RawRedis(redis_url, store.cluster)
+    plan = np.array([[0, 1, 2, 3, 2, 3]] * store.read_config().num_layers, dtype=np.int64)
+    real_read = store.supplied_placement
+    started = []
+
+    def a_round_starts_meanwhile():  # the check reads the waiting placement: a coordinator moves on right then
+        if not started:
+            started.append(True)
+            raw.r.hset(raw.keys.rearrange, "state", "COLLECTING")
+        return real_read()
+
+    store.supplied_placement = a_round_starts_meanwhile
+    with pytest.raises(StateError, match="is in COLLECTING"):
+        supply_operator_plan(store, plan, "race")
+    store.supplied_placement = real_read
+    assert started and store.supplied_placement() is None
