@@ -321,11 +321,16 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
     x_c = xk[:, None, None, :]  # item leaving g2 (for h)
     lt1 = LTb[k][:, None, :, None]
     lt2 = LTb[k][:, None, None, :]
-    gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
-            + _relu(lt1) - _relu(lt1 + x_a - x_b) + _relu(lt2) - _relu(lt2 + x_b - x_c))
+    # every term spans three of the four axes [k, a, b, c]: one [k, S, nb, nb] array, updated in place (same
+    # operations in the same order as the plain expression, so the same values)
+    gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)) + _relu(lt1)
+    gain -= _relu(lt1 + x_a - x_b)
+    gain += _relu(lt2)
+    gain -= _relu(lt2 + x_b - x_c)
     bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
            | ~bok[k][:, None, None, :])
-    gain = np.where(bad, -np.inf, gain).reshape(k.size, -1)
+    np.copyto(gain, -np.inf, where=bad)
+    gain = gain.reshape(k.size, -1)
     best3 = gain.argmax(axis=1)
     ok3 = gain[np.arange(k.size), best3] > thr[k]
     if ok3.any():
