@@ -16,7 +16,8 @@ experts it adds)``, is largest. Actions:
 - *copy into h* (rows of at most ``_INTO_MAX_GPUS`` GPUs): a slot of ``h`` whose expert has another replica on a
   GPU ``g`` takes the expert of a slot of ``g`` (the first expert's load moves to ``g``, the second's is split
   between ``g`` and ``h``);
-- when none of these lowers the excess: a swap with any slot, then a 3-cycle ``h -> g1 -> g2 -> h``.
+- when none of these lowers the excess: a swap with any slot, then a 3-cycle ``h -> g1 -> g2 -> h``, then (with
+  ``pair_swaps``, the hierarchical node rows) a 2-2 swap with one of the ``_LIGHT_GPUS`` lightest GPUs.
 
 Copies are evaluated in every iteration while more than ``_COPY_SHARE`` of the active rows took one in the last
 iteration (they split the hottest experts early on), then only every ``_COPY_EVERY``-th iteration and whenever a
@@ -343,7 +344,41 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
         stuck[k] = False
 
 
-def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.ndarray, num_gpus: int):
+def _fallback_pairs(st: BatchState, fo: _Focus, stuck: np.ndarray) -> None:
+    """Rows still ``stuck`` (cleared where it acts): a 2-2 swap, two slots of h with two slots of one of the
+    ``_LIGHT_GPUS`` lightest GPUs (the exchange "balanced" ends with, :mod:`fdeplb.placement.balanced`), the one
+    that lowers the excess most."""
+    S, G, item = st.S, st.G, st.item
+    first, second = np.triu_indices(S, 1)
+    k = np.flatnonzero(stuck)
+    if first.size == 0 or k.size == 0:
+        return
+    light = min(_LIGHT_GPUS, G - 1)
+    rr, q = fo.A[k], np.arange(k.size)[:, None]
+    gpus = fo.order[k, :light]  # [k, light]
+    w = item[rr].reshape(k.size, G, S)
+    pa = (w[q[:, 0], fo.h[k]][:, first] + w[q[:, 0], fo.h[k]][:, second])  # [k, Q]
+    wg = w[q, gpus]  # [k, light, S]
+    pb = wg[:, :, first] + wg[:, :, second]  # [k, light, Q]
+    LTg = fo.LT[k[:, None], gpus][:, None, :, None]
+    d = pa[:, :, None, None] - pb[:, None, :, :]  # [k, Q, light, Q]
+    gain = np.minimum(d, fo.u[k][:, None, None, None]) - _relu(LTg + d) + _relu(LTg)
+    flat = gain.reshape(k.size, -1)
+    best = flat.argmax(axis=1)
+    ok = flat[q[:, 0], best] > fo.thr[k]
+    if ok.any():
+        k, best, rr = k[ok], best[ok], rr[ok]
+        qa, rest = np.divmod(best, light * first.size)
+        gi, qb = np.divmod(rest, first.size)
+        g = fo.order[k, gi]
+        h = fo.h[k]
+        st.swap(rr, h * S + first[qa], g * S + first[qb])
+        st.swap(rr, h * S + second[qa], g * S + second[qb])
+        stuck[k] = False
+
+
+def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.ndarray, num_gpus: int, *,
+                pair_swaps: bool = False):
     """Repair rows toward their targets (see the module docstring); ``row`` is modified in place.
 
     Args:
@@ -353,6 +388,7 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             row's (hierarchical mode: its group now lives on another node).
         targets: float64 [R] load every GPU of the row should come down to (tokens).
         num_gpus: GPUs per row (P a multiple of it).
+        pair_swaps: a row that no other action helps tries a 2-2 swap (:func:`_fallback_pairs`) before it stops.
 
     Returns:
         (points, log): ``points`` is a list with one ``(rows, moved, peak)`` entry per iteration, the first for
@@ -392,6 +428,8 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             _fallback_swaps(st, fo, stuck)
         if stuck.any():  # still none: a 3-cycle h -> g1 -> g2 -> h
             _fallback_cycles(st, fo, pt, stuck)
+        if pair_swaps and stuck.any():  # still none: a 2-2 swap
+            _fallback_pairs(st, fo, stuck)
         copies_recent = with_copies and int(is_copy.sum()) > _COPY_SHARE * fo.n
         forced = bool(stuck.any()) and not with_copies  # a stuck row gets a try with copies before it stops
         if forced:
