@@ -37,8 +37,15 @@ def compact(mask: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
 def _gpu_expert_counts(idx: np.ndarray, num_gpus: int, width: int) -> np.ndarray:
     """int16 [R, G, width]: replicas of every expert on every GPU, from slot contents ``idx`` int [R, P]."""
     R, P = idx.shape
-    flat = (np.arange(R)[:, None] * num_gpus + np.arange(P) // (P // num_gpus)) * width + idx
-    return np.bincount(flat.ravel(), minlength=R * num_gpus * width).reshape(R, num_gpus, width).astype(np.int16)
+    S = P // num_gpus
+    flat = ((np.arange(R)[:, None] * num_gpus + np.arange(P) // S) * width + idx).reshape(R * num_gpus, S)
+    M = np.zeros(R * num_gpus * width, dtype=np.int16)  # no int64 [R * G * width] temporary (page faults)
+    M[flat] = 1
+    ordered = np.sort(flat, axis=1)
+    again = ordered[:, 1:] == ordered[:, :-1]  # a second (third...) replica of an expert on the same GPU
+    if again.any():
+        np.add.at(M, ordered[:, 1:][again], 1)
+    return M.reshape(R, num_gpus, width)
 
 
 class BatchState:
@@ -58,7 +65,7 @@ class BatchState:
         Mo = _gpu_expert_counts(np.where(old >= 0, old, E), G, E1)
         self.Mf, self.Mof = Mf, Mof = M.reshape(-1), Mo.reshape(-1)
         slot_key = (np.arange(R)[:, None] * G + gos) * E1  # + expert: flat index into M of (row, GPU of slot, expert)
-        count = M.sum(axis=1).astype(np.int64)
+        count = np.bincount((np.arange(R)[:, None] * E1 + row).ravel(), minlength=R * E1).reshape(R, E1)
         count[:, E] = 1
         load1 = np.concatenate([np.asarray(load, dtype=np.float64), np.zeros((R, 1))], axis=1)
         per = load1 / count
@@ -69,9 +76,12 @@ class BatchState:
         self.item = item = np.take_along_axis(per, row, axis=1)  # load of every slot
         self.gpu_load = gpu_load = item.reshape(R, G, S).sum(axis=2)
         self.m_slot = m_slot = Mf[slot_key + row]  # replicas of the slot's expert on the slot's GPU
-        self.moved_slot = moved_slot = m_slot > Mof[slot_key + row]  # its expert is on its GPU more often than before
+        old_slot = Mof[slot_key + row]
+        self.moved_slot = moved_slot = m_slot > old_slot  # its expert is on its GPU more often than before
         self.multi_slot = multi_slot = np.take_along_axis(count, row, axis=1) >= 2  # its expert has >= 2 replicas
-        self.moved = np.maximum(M.astype(np.int32) - Mo, 0)[:, :, :E].sum(axis=(1, 2)).astype(np.int64)
+        # moved experts, sum over (GPU, expert) of max(M - Mo, 0): each of an expert's m replicas on a GPU carries
+        # 1/m of it (rounded: the float sum is within 1e-12 of the integer)
+        self.moved = np.rint((np.maximum(m_slot - old_slot, 0) / m_slot).sum(axis=1)).astype(np.int64)
         self.T = np.asarray(targets, dtype=np.float64)
         # flat views of the same arrays
         self.rowf, self.itemf, self.loadf = row.reshape(-1), item.reshape(-1), gpu_load.reshape(-1)
