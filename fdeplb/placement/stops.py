@@ -90,9 +90,10 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     # counts at the tolerance in the mean (not at its reach, which would push every other layer lower)
     stuck = (reach > layer_cap) & replanned_at_tolerance
 
+    allowed = np.where(within | (X <= reach[:, None]), C, np.inf)  # every allowed X is finite
+
     def pick(price):
-        v = np.where(within | (X <= reach[:, None]), C + price * X, np.inf)
-        return v.argmin(axis=1)
+        return (allowed + price * X).argmin(axis=1)
 
     def mean_excess(c):
         return np.where(stuck, tolerance, X[np.arange(L), c]).mean()
