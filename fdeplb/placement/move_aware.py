@@ -451,5 +451,22 @@ def _align_where_needed(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.n
     if gpus.size == 0:
         return new
     out = new.copy().reshape(L * num_gpus, S)
-    out[gpus] = align_slots(o2[gpus], n2[gpus], 1)
+    out[gpus] = _align_gpus(o2[gpus], n2[gpus])
     return out.reshape(L, P)
+
+
+def _align_gpus(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """:func:`align_slots` of GPUs ``old``/``new`` int64 [k, S] (one GPU's slots a row), all at once: an expert
+    keeps its old slot for as many of its old replicas (first slots first) as the GPU still holds; the other new
+    replicas fill the other slots in their order. int64 [k, S]."""
+    S = old.shape[1]
+    before = np.tri(S, k=-1, dtype=bool)  # [s, s']: s' < s
+    same_old = old[:, :, None] == old[:, None, :]
+    old_new = old[:, :, None] == new[:, None, :]  # [k, s, t]
+    same_new = new[:, :, None] == new[:, None, :]
+    keep = (same_old & before).sum(axis=2) < old_new.sum(axis=2)  # the expert's i-th old slot, i < new count
+    kept = np.minimum(old_new.sum(axis=1), same_new.sum(axis=2))  # [k, t]: replicas of new[t]'s expert kept
+    rest = (same_new & before).sum(axis=2) >= kept  # new[t] not one of its expert's first `kept` replicas
+    out = np.where(keep, old, -1)
+    out[~keep] = new[rest]
+    return out

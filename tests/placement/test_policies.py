@@ -17,7 +17,7 @@ from fdeplb.placement import (
     read_expert_load,
     rebalance_experts,
 )
-from fdeplb.placement.move_aware import reference_peak, reference_phy2log
+from fdeplb.placement.move_aware import _align_gpus, reference_peak, reference_phy2log
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.stops import choose_stops, choose_stops_within
@@ -322,6 +322,18 @@ def test_align_slots_keeps_staying_experts_in_place():
     new = np.array([[2, 0, 5, 4, 1, 3]])
     assert align_slots(old, new, 2).tolist() == [[0, 5, 2, 3, 4, 1]]
     assert align_slots(old, old, 2).tolist() == old.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda S: st.tuples(
+    st.lists(st.lists(st.integers(0, 5), min_size=S, max_size=S), min_size=1, max_size=4),
+    st.lists(st.lists(st.integers(0, 5), min_size=S, max_size=S), min_size=1, max_size=4))))
+def test_move_aware_batched_alignment_is_align_slots(pair):
+    """The uncapped path's vectorised slot alignment gives align_slots' rows (duplicates on a GPU included)."""
+    old, new = (np.array(x, dtype=np.int64) for x in pair)
+    k = min(len(old), len(new))
+    old, new = old[:k], new[:k]
+    assert _align_gpus(old, new).tolist() == align_slots(old, new, 1).tolist()
 
 
 # ---- properties on random shapes ----------------------------------------------------------------------------------
