@@ -95,7 +95,7 @@ class _Focus:
         self.LT = LT = rows_of(st.gpu_load) - rows_of(st.T)[:, None]  # load above target per GPU (negative: room)
         self.ex = ex = _relu(LT)
         self.thr = ex.sum(axis=1) * _RTOL
-        self.order = order = np.argsort(LT, axis=1, kind="stable")  # lightest first
+        self.order = order = LT.argsort(axis=1, kind="stable")  # lightest first
         self.rank = rank = np.empty_like(order)
         rank[q1, order] = st.arG
         self.h = h = order[:, -1]
@@ -119,7 +119,7 @@ class _Partners:
         S = st.S
         light = min(_LIGHT_GPUS, st.G - 1)
         lightest = (fo.order[:, :light, None] * S + st.arS).reshape(fo.n, -1)
-        extra = fo.mv & np.repeat((fo.LT < 0) & (fo.rank >= light), S, axis=1)
+        extra = fo.mv & ((fo.LT < 0) & (fo.rank >= light)).repeat(S, axis=1)
         extra_idx, extra_ok = compact(extra, _MOVED_PARTNERS)
         self.bidx = bidx = np.concatenate([lightest, extra_idx], axis=1)
         self.bok = bok = np.concatenate([np.ones(lightest.shape, dtype=bool), extra_ok], axis=1)
@@ -255,13 +255,13 @@ def _apply_best(st: BatchState, fo: _Focus, pt: _Partners, rp: _Replicas | None,
     swap). ``swaps``/``into``/``out``: the evaluators' results. Returns (is_copy, stuck) bool [n]."""
     (i0, s0), (i1, s1, pm), (i2, s2) = swaps, into, out
     S, gos, A, aS, ea = st.S, st.gos, fo.A, fo.aS, fo.ea
-    kind = np.stack([s0, s1, s2], axis=1).argmax(axis=1)
+    kind = np.array([s0, s1, s2]).argmax(axis=0)
     best = np.maximum(np.maximum(s0, s1), s2)
     is_copy = (kind > 0) & (best > -np.inf)
     is_swap = (kind == 0) & (best > -np.inf)
     if is_copy.any():  # only when copies were evaluated: rp is set
         ridx, Nm = rp.ridx, rp.Nm
-        k = np.flatnonzero(is_copy)
+        k = is_copy.nonzero()[0]
         pa, pb = np.divmod(i1[k], S)
         slot1 = aS[k, pa]
         f1 = st.row[A[k], gos[ridx[k, pm[k, pa]]] * S + pb] if Nm and (kind[k] == 1).any() else slot1
@@ -277,7 +277,7 @@ def _apply_best(st: BatchState, fo: _Focus, pt: _Partners, rp: _Replicas | None,
         if ok.any():
             st.copy(rr[ok], sl[ok], f[ok], new[ok])
     if is_swap.any():
-        k = np.flatnonzero(is_swap)
+        k = is_swap.nonzero()[0]
         pa, pb = np.divmod(i0[k], pt.nb)
         st.swap(A[k], aS[k, pa], pt.bidx[k, pb])
     return is_copy, ~(is_copy | is_swap)
@@ -435,7 +435,8 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
         if forced:
             stuck[:] = False
         done = active[~stuck]
-        points.append((done, st.moved[done].copy(), st.gpu_load[done].max(axis=1)))
+        peak = st.gpu_load[done].max(axis=1)
+        points.append((done, st.moved[done], peak))
         st.log.append(None)
-        active = done[st.gpu_load[done].max(axis=1) > st.T[done]]
+        active = done[peak > st.T[done]]
     return points, st.log
