@@ -19,6 +19,7 @@ from fdeplb.placement import (
 )
 from fdeplb.placement.move_aware import _align_gpus, reference_peak, reference_phy2log
 from fdeplb.placement.reference import deepseek_reference
+from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.stops import choose_stops, choose_stops_within
 from tests.placement.helpers import check_invariants, dumps, topologies
@@ -207,6 +208,20 @@ def test_move_aware_hierarchical_drift_within_the_tolerance_of_balanced(real_dat
     assert excess.mean() <= 0.0005 + 1e-12
     assert (ratio(load_b, plan, 32) - ratio(load_b, fresh, 32)).mean() <= 0.0005
     assert moved_experts(old, plan, 32) <= 0.31 * moved_experts(old, fresh, 32)
+
+
+def test_repair_pair_swaps_reach_what_one_for_one_swaps_cannot():
+    """Two GPUs of four slots, eight experts of one replica (no copies, no 3-cycles): the best split puts 114 on
+    the heavier GPU; from slots 0-3 / 4-7 the 1-1 swaps stop at 115, a 2-2 swap gets to 114."""
+    load = np.array([[5, 39, 16, 15, 41, 46, 53, 13]], dtype=np.float64)
+    start = np.arange(8, dtype=np.int64)[None, :]
+    peaks = []
+    for pair_swaps in (False, True):
+        row = start.copy()
+        repair_rows(row, load, start, np.array([114.0]), 2, pair_swaps=pair_swaps)
+        assert sorted(row[0].tolist()) == list(range(8))
+        peaks.append(load[0][row[0]].reshape(2, 4).sum(axis=1).max())
+    assert peaks == [115.0, 114.0]
 
 
 def test_choose_stops_spends_the_tolerance_where_moves_are_dearest():
