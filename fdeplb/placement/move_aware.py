@@ -285,19 +285,27 @@ class _Layers:
                                self.gpus_per_node, self.S)
 
 
-def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: float) -> None:
-    """Plan again, in place in ``out``, the layers the batched repair leaves above ``LAYER_CAP`` tolerances, or
-    every layer above one tolerance when the mean cannot be met otherwise: by the per-layer repair and its
-    fallback (global), by the fallback alone (hierarchical); both end within one tolerance."""
+def layers_to_replan(excess: np.ndarray, tolerance: float) -> np.ndarray:
+    """bool [L]: the layers the uncapped policy plans again, given every layer's excess float64 [L] (max/mean over
+    the reference's) at its chosen stop: those above ``LAYER_CAP`` tolerances, then, while the mean over layers
+    (a replanned layer counted at ``tolerance``, where it ends) is above ``tolerance``, the layers of largest
+    excess in turn (ties: lower index first)."""
     stuck = excess > LAYER_CAP * tolerance * (1 + 1e-9)
-    if stuck.any() or excess.mean() > tolerance:
-        rest = np.where(stuck, tolerance, excess)
-        if rest.mean() > tolerance:  # and the layers of largest excess until the mean fits (each ends within one)
-            order = np.argsort(-rest, kind="stable")
-            removed = np.cumsum(np.maximum(rest[order] - tolerance, 0.0))  # by replanning the first ones
-            reached = removed >= rest.sum() - tolerance * rest.size
-            k = int(np.argmax(reached)) + 1 if reached.any() else rest.size
-            stuck[order[:k]] |= rest[order[:k]] > tolerance
+    rest = np.where(stuck, tolerance, excess)
+    if rest.mean() > tolerance:
+        order = np.argsort(-rest, kind="stable")
+        removed = np.cumsum(np.maximum(rest[order] - tolerance, 0.0))  # by replanning the first ones
+        reached = removed >= rest.sum() - tolerance * rest.size
+        k = int(np.argmax(reached)) + 1 if reached.any() else rest.size
+        stuck[order[:k]] |= rest[order[:k]] > tolerance
+    return stuck
+
+
+def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: float) -> None:
+    """Plan again, in place in ``out``, the layers the batched repair leaves above ``LAYER_CAP`` tolerances and,
+    when the mean cannot be met otherwise, the layers of largest excess until it is (each counted at one tolerance,
+    where it ends): by the per-layer repair and its fallback (global), by the fallback alone (hierarchical)."""
+    stuck = layers_to_replan(excess, tolerance)
     if lay.num_nodes == 1 and stuck.any():  # first: bulk replica counts, then the batched repair again
         idx = np.flatnonzero(stuck)
         stuck[idx[_refill_stuck(lay, out, idx)]] = False

@@ -17,7 +17,7 @@ from fdeplb.placement import (
     read_expert_load,
     rebalance_experts,
 )
-from fdeplb.placement.move_aware import _align_gpus, reference_peak, reference_phy2log
+from fdeplb.placement.move_aware import _align_gpus, layers_to_replan, reference_peak, reference_phy2log
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots
@@ -208,6 +208,16 @@ def test_move_aware_hierarchical_drift_within_the_tolerance_of_balanced(real_dat
     assert excess.mean() <= 0.0005 + 1e-12
     assert (ratio(load_b, plan, 32) - ratio(load_b, fresh, 32)).mean() <= 0.0005
     assert moved_experts(old, plan, 32) <= 0.31 * moved_experts(old, fresh, 32)
+
+
+def test_move_aware_replans_only_the_layers_the_mean_needs():
+    """Tolerance 1: a layer above the cap (2) is replanned and counts at 1. Excesses 3, 1.5, 1.2, 0.1, 0.7: the
+    mean is then 0.9, met. Excesses 3, 1.5, 1.5, 1.25, 0.25: it is 1.1; replanning the first 1.5 layer (-0.5 in
+    the sum) is enough (the rule before replanned the three layers above one tolerance)."""
+    assert layers_to_replan(np.array([3.0, 1.5, 1.2, 0.1, 0.7]), 1.0).tolist() == [True, False, False, False, False]
+    assert layers_to_replan(np.array([3.0, 1.5, 1.5, 1.25, 0.25]), 1.0).tolist() == [True, True, False, False,
+                                                                                        False]
+    assert not layers_to_replan(np.array([0.5, 1.5]), 1.0).any()  # mean 1.0: met
 
 
 def test_repair_pair_swaps_reach_what_one_for_one_swaps_cannot():
