@@ -90,16 +90,17 @@ class BatchState:
         self.slot_keyf = slot_key.reshape(-1)
         #: the multi-replica slots of every row (indices, valid), kept up to date
         self.mlist = list(compact(multi_slot, P))
-        self.buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)]
+        self.buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32), np.empty(0)]
         #: one ``(rows, kind, i, j)`` entry per applied batch (see repair_rows); the driver adds ``None`` per iteration
         self.log: list = []
 
     def scratch(self, i: int, shape: tuple[int, int, int]) -> np.ndarray:
-        """A reused float32 work array (large temporaries cost page faults every iteration)."""
+        """A reused work array (large temporaries cost page faults every iteration): float32 for ``i`` 0 and 1,
+        float64 for 2."""
         buffers = self.buffers
         size = shape[0] * shape[1] * shape[2]
         if buffers[i].size < size:
-            buffers[i] = np.empty(size, dtype=np.float32)
+            buffers[i] = np.empty(size, dtype=buffers[i].dtype)
         return buffers[i][:size].reshape(shape)
 
     def refresh(self, rr: np.ndarray, gpus: np.ndarray) -> None:

@@ -313,7 +313,7 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
     """Rows still ``stuck`` (cleared where it acts): a 3-cycle h -> g1 -> g2 -> h over partner slots (two swaps
     in a row)."""
     bidx, bok, xb, LTb, nb = pt.bidx, pt.bok, pt.xb, pt.LTb, pt.nb
-    u, LTh, xa, aS, thr = fo.u, fo.LTh, fo.xa, fo.aS, fo.thr
+    u, LTh, xa, aS, thr, S = fo.u, fo.LTh, fo.xa, fo.aS, fo.thr, st.S
     k = np.flatnonzero(stuck)
     gb_k = st.gos[bidx[k]]
     xk = np.where(bok[k], xb[k], 0.0)
@@ -322,18 +322,22 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
     x_c = xk[:, None, None, :]  # item leaving g2 (for h)
     lt1 = LTb[k][:, None, :, None]
     lt2 = LTb[k][:, None, None, :]
-    # every term spans three of the four axes [k, a, b, c]: one [k, S, nb, nb] array, updated in place (same
-    # operations in the same order as the plain expression, so the same values)
-    gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)) + _relu(lt1)
-    gain -= _relu(lt1 + x_a - x_b)
-    gain += _relu(lt2)
-    gain -= _relu(lt2 + x_b - x_c)
     bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
            | ~bok[k][:, None, None, :])
-    np.copyto(gain, -np.inf, where=bad)
-    gain = gain.reshape(k.size, -1)
-    best3 = gain.argmax(axis=1)
-    ok3 = gain[np.arange(k.size), best3] > thr[k]
+    first = u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
+    second, third, fourth = _relu(lt1 + x_a - x_b), _relu(lt2), _relu(lt2 + x_b - x_c)
+    best3, top = np.zeros(k.size, dtype=np.int64), np.zeros(k.size)
+    # row by row: each term spans two of the axes [a, b, c], their sum all three; one reused [S, nb, nb] array
+    # updated in place (the plain expression's operations in its order, so the same values)
+    for i in range(k.size):
+        gain = np.add(first[i], _relu(lt1[i]), out=st.scratch(2, (S, nb, nb)))
+        gain -= second[i]
+        gain += third[i]
+        gain -= fourth[i]
+        np.copyto(gain, -np.inf, where=bad[i])
+        best3[i] = gain.argmax()
+        top[i] = gain.ravel()[best3[i]]
+    ok3 = top > thr[k]
     if ok3.any():
         k, best3 = k[ok3], best3[ok3]
         pa, rest = np.divmod(best3, nb * nb)
