@@ -21,13 +21,13 @@ def compact(mask: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Column indices of the True entries of every row of ``mask`` [n, m], in order, at most ``limit`` per row:
     (int64 [n, k] indices padded with 0, bool [n, k] valid), k = the largest count (<= limit)."""
     n = mask.shape[0]
-    rows, cols = np.divmod(np.flatnonzero(mask), mask.shape[1])  # np.nonzero's order, ~4x faster on 2-D masks
+    rows, cols = np.divmod(mask.ravel().nonzero()[0], mask.shape[1])  # np.nonzero's order, ~4x faster on 2-D masks
     counts = np.bincount(rows, minlength=n)
     k = int(min(limit, counts.max(initial=0)))
     idx = np.zeros((n, k), dtype=np.int64)
     ok = np.zeros((n, k), dtype=bool)
     if k:
-        pos = np.arange(rows.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        pos = np.arange(rows.size) - (counts.cumsum() - counts).repeat(counts)
         keep = pos < k
         idx[rows[keep], pos[keep]] = cols[keep]
         ok[rows[keep], pos[keep]] = True
@@ -37,8 +37,15 @@ def compact(mask: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
 def _gpu_expert_counts(idx: np.ndarray, num_gpus: int, width: int) -> np.ndarray:
     """int16 [R, G, width]: replicas of every expert on every GPU, from slot contents ``idx`` int [R, P]."""
     R, P = idx.shape
-    flat = (np.arange(R)[:, None] * num_gpus + np.arange(P) // (P // num_gpus)) * width + idx
-    return np.bincount(flat.ravel(), minlength=R * num_gpus * width).reshape(R, num_gpus, width).astype(np.int16)
+    S = P // num_gpus
+    flat = ((np.arange(R)[:, None] * num_gpus + np.arange(P) // S) * width + idx).reshape(R * num_gpus, S)
+    M = np.zeros(R * num_gpus * width, dtype=np.int16)  # no int64 [R * G * width] temporary (page faults)
+    M[flat] = 1
+    ordered = np.sort(flat, axis=1)
+    again = ordered[:, 1:] == ordered[:, :-1]  # a second (third...) replica of an expert on the same GPU
+    if again.any():
+        np.add.at(M, ordered[:, 1:][again], 1)
+    return M.reshape(R, num_gpus, width)
 
 
 class BatchState:
@@ -58,7 +65,7 @@ class BatchState:
         Mo = _gpu_expert_counts(np.where(old >= 0, old, E), G, E1)
         self.Mf, self.Mof = Mf, Mof = M.reshape(-1), Mo.reshape(-1)
         slot_key = (np.arange(R)[:, None] * G + gos) * E1  # + expert: flat index into M of (row, GPU of slot, expert)
-        count = M.sum(axis=1).astype(np.int64)
+        count = np.bincount((np.arange(R)[:, None] * E1 + row).ravel(), minlength=R * E1).reshape(R, E1)
         count[:, E] = 1
         load1 = np.concatenate([np.asarray(load, dtype=np.float64), np.zeros((R, 1))], axis=1)
         per = load1 / count
@@ -69,9 +76,12 @@ class BatchState:
         self.item = item = np.take_along_axis(per, row, axis=1)  # load of every slot
         self.gpu_load = gpu_load = item.reshape(R, G, S).sum(axis=2)
         self.m_slot = m_slot = Mf[slot_key + row]  # replicas of the slot's expert on the slot's GPU
-        self.moved_slot = moved_slot = m_slot > Mof[slot_key + row]  # its expert is on its GPU more often than before
+        old_slot = Mof[slot_key + row]
+        self.moved_slot = moved_slot = m_slot > old_slot  # its expert is on its GPU more often than before
         self.multi_slot = multi_slot = np.take_along_axis(count, row, axis=1) >= 2  # its expert has >= 2 replicas
-        self.moved = np.maximum(M.astype(np.int32) - Mo, 0)[:, :, :E].sum(axis=(1, 2)).astype(np.int64)
+        # moved experts, sum over (GPU, expert) of max(M - Mo, 0): each of an expert's m replicas on a GPU carries
+        # 1/m of it (rounded: the float sum is within 1e-12 of the integer)
+        self.moved = np.rint((np.maximum(m_slot - old_slot, 0) / m_slot).sum(axis=1)).astype(np.int64)
         self.T = np.asarray(targets, dtype=np.float64)
         # flat views of the same arrays
         self.rowf, self.itemf, self.loadf = row.reshape(-1), item.reshape(-1), gpu_load.reshape(-1)
@@ -80,16 +90,17 @@ class BatchState:
         self.slot_keyf = slot_key.reshape(-1)
         #: the multi-replica slots of every row (indices, valid), kept up to date
         self.mlist = list(compact(multi_slot, P))
-        self.buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)]
+        self.buffers = [np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32), np.empty(0)]
         #: one ``(rows, kind, i, j)`` entry per applied batch (see repair_rows); the driver adds ``None`` per iteration
         self.log: list = []
 
     def scratch(self, i: int, shape: tuple[int, int, int]) -> np.ndarray:
-        """A reused float32 work array (large temporaries cost page faults every iteration)."""
+        """A reused work array (large temporaries cost page faults every iteration): float32 for ``i`` 0 and 1,
+        float64 for 2."""
         buffers = self.buffers
         size = shape[0] * shape[1] * shape[2]
         if buffers[i].size < size:
-            buffers[i] = np.empty(size, dtype=np.float32)
+            buffers[i] = np.empty(size, dtype=buffers[i].dtype)
         return buffers[i][:size].reshape(shape)
 
     def refresh(self, rr: np.ndarray, gpus: np.ndarray) -> None:
@@ -110,7 +121,7 @@ class BatchState:
         if same.any():
             rr, sa, sb, fa, fb, va, vb = rr[~same], sa[~same], sb[~same], fa[~same], fb[~same], va[~same], vb[~same]
         ga, gb = rr * G + gos[sa], rr * G + gos[sb]
-        keys = np.stack([ga * E1 + va, ga * E1 + vb, gb * E1 + vb, gb * E1 + va])  # distinct per row
+        keys = np.array([ga * E1 + va, ga * E1 + vb, gb * E1 + vb, gb * E1 + va])  # distinct per row
         mk, mok = Mf[keys], Mof[keys]
         moved[rr] += (mk[1] >= mok[1]).astype(np.int64) + (mk[3] >= mok[3]) - (mk[0] > mok[0]) - (mk[2] > mok[2])
         Mf[keys] = mk + _SWAP_STEP
@@ -158,8 +169,8 @@ class BatchState:
         self.pnew[r2, x] = ld / (c + 1)
         self.dminus[r2, x] = ld / c - ld / (c + 1)
         rows = row[rr]
-        self.item[rr] = np.take_along_axis(per[rr], rows, axis=1)
-        self.multi_slot[rr] = np.take_along_axis(count[rr], rows, axis=1) >= 2
+        self.item[rr] = per[rr[:, None], rows]
+        self.multi_slot[rr] = count[rr[:, None], rows] >= 2
         self.gpu_load[rr] = new
         self.refresh(rr, gs)
         self._relist(rr, sl, e, f)

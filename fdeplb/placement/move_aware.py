@@ -6,8 +6,10 @@ reference heaviest GPU (``tolerance``, absolute max/mean units), :func:`referenc
 bound on any plan's heaviest GPU (the mean, or the largest per-replica load at the best replica counts), so that
 "within tolerance of the reference" is never looser than "within tolerance of balanced" and no balanced plan is
 computed on the hot path ("balanced" ends 2e-5 to 1.1e-4 above the bound on the DeepSeek-V3 drift pairs); in
-hierarchical mode the peak of "balanced" with 1-1 swaps only (:func:`reference_phy2log`), whose node packing the
-policy needs anyway. Below, "balanced" means this reference.
+hierarchical mode the same bound at the node packing and replica counts "balanced" keeps from DeepSeek's plan
+(over the nodes, the node's load over its GPUs or its largest per-replica load; "balanced" ends 6e-5 above it on
+average on the DeepSeek-V3 4-node pair), with a move cap the peak of "balanced" with 1-1 swaps only
+(:func:`reference_phy2log`). Below, "balanced" means this reference.
 
 Without a move cap (the default):
 
@@ -16,17 +18,18 @@ Without a move cap (the default):
   layer's heaviest GPU, so the mean is what a step pays; the per-layer bound keeps any one layer close.
 - How: every (layer, node) row is repaired from the old placement by :func:`fdeplb.placement.repair.repair_rows`
   (swaps and replica-count changes, chosen by excess above the target ``balanced + tolerance`` removed per moved
-  expert), recording each row's trajectory; then :func:`fdeplb.placement.stops.choose_stops` stops every row at
+  expert; in hierarchical mode a row no such action helps tries 2-2 swaps, which the 8-GPU node rows need to get
+  near the bound), recording each row's trajectory; then :func:`fdeplb.placement.stops.choose_stops` stops every row at
   the point of its trajectory that minimises the total moved experts under the two bounds above (a layer that
   is cheap to balance goes below the tolerance so that an expensive one may stop above it).
-- Layers the repair cannot bring within ``LAYER_CAP`` tolerances (or, when the mean bound cannot be met otherwise,
-  every layer above one tolerance) are planned again, ending within one tolerance: in global mode first from
+- Layers the repair cannot bring within ``LAYER_CAP`` tolerances (and, when the mean bound cannot be met otherwise,
+  the layers of largest excess until it is) are planned again, ending within one tolerance: in global mode first from
   bulk replica counts (:func:`fdeplb.placement.fill.fill_rows`) and the batched repair again (the repair adds one
   replica at a time and gets stuck when an expert needs several), then, for layers still out, by the per-layer
   repair below (then its fallback) against the "balanced" plan's heaviest GPU, computed for those layers only;
-  in hierarchical mode directly by the fallback (step 3); both live in :mod:`fdeplb.placement.row_repair`. The
-  stop choice counts a layer it cannot bring within the cap at one tolerance (global mode), so that the other
-  layers do not pay for it.
+  in hierarchical mode directly by the fallback (step 3) against the "balanced" plan of those layers; both live in
+  :mod:`fdeplb.placement.row_repair`. The stop choice counts a layer it cannot bring within the cap at one
+  tolerance, so that the other layers do not pay for it.
 
 With a move cap (``max_moved_experts``), the Pareto option: the best balance (mean over layers of max/mean) the
 budget buys. In global mode every layer takes its old placement or a point of the batched repair's trajectory
@@ -80,7 +83,7 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_topology
 from fdeplb.placement.balanced import balanced_plan
-from fdeplb.placement.deepseek import replicate_experts
+from fdeplb.placement.deepseek import deepseek_phy2log, replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
 from fdeplb.placement.node_maps import node_of_groups, old_node_of_groups
@@ -129,7 +132,8 @@ def move_aware_phy2log(
         InputError: in hierarchical mode, ``max_moved_experts`` below the moves needed to bring every group of an
             old placement that spreads groups over nodes onto one node.
     """
-    lay = _Layers(expert_load, old_phy2log, num_replicas, num_groups, num_nodes, num_gpus, tolerance)
+    lay = _Layers(expert_load, old_phy2log, num_replicas, num_groups, num_nodes, num_gpus, tolerance,
+                  node_bound=max_moved_experts is None)
     if max_moved_experts is None:  # no cap: plan all (layer, node) rows at once, then spread the tolerance
         out, excess = _plan_all(lay.load, lay.old, lay.fresh_peak, lay.mean, tolerance, lay.old_maps, lay.group_node,
                                 num_nodes, num_gpus)
@@ -152,8 +156,11 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     per-replica load at DeepSeek's replica counts (:func:`fdeplb.placement.deepseek.replicate_experts`, which
     minimise the largest per-replica load; every expert has a replica on some GPU). "balanced" ends within 1.1e-4
     of it (max/mean units) on the DeepSeek-V3 drift pairs. Hierarchical mode (``num_groups % num_nodes == 0``): the
-    "balanced" plan's heaviest GPU (:func:`fdeplb.placement.balanced.balanced_plan`; the bound ignores the node
-    constraint and is far below any hierarchical plan).
+    same bound at the node packing and replica counts of DeepSeek's hierarchical plan, which "balanced" keeps
+    (its swaps stay inside nodes): over the nodes, the larger of the node's load over its GPUs and its largest
+    per-replica load ("balanced" ends 6e-5 above it on average, 2.4e-4 at most, on the DeepSeek-V3 4-node drift
+    pair of /work/exp/harness.py). With ``max_moved_experts`` the hierarchical policy still measures against
+    :func:`reference_phy2log`'s peak.
 
     Raises:
         InputError, TopologyError: as :func:`fdeplb.placement.rebalance_experts`.
@@ -162,7 +169,8 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     P, groups, nodes, gpus, hierarchical = check_topology(load.shape[1], num_replicas, num_groups, num_nodes,
                                                           num_gpus)
     if hierarchical:
-        return balanced_plan(load, P, groups, nodes, gpus, pairs=False)[1]
+        phy2log, logcnt = deepseek_phy2log(load, P, groups, nodes, gpus)
+        return _node_peak_bound(np.asarray(load, dtype=np.float64), phy2log, logcnt, nodes, gpus)
     return _peak_bound(np.asarray(load, dtype=np.float64), P, gpus)
 
 
@@ -171,7 +179,8 @@ def reference_phy2log(expert_load: object, num_replicas: int, num_groups: int, n
     """phy2log int64 [L, P]: "balanced" with 1-1 swaps only (:func:`fdeplb.placement.balanced.balanced_plan` with
     ``pairs=False``), hierarchical when ``num_groups % num_nodes == 0``. The global policy no longer measures
     against it (its peak is 1e-4 to 4e-4 above "balanced"'s: :func:`reference_peak` replaced it); kept for the
-    reference column of benchmarks/placement.py, and it is still the hierarchical reference.
+    reference column of benchmarks/placement.py, and it is still the hierarchical reference with a move cap
+    (without one, the node bound of :func:`reference_peak` replaced it).
 
     Raises:
         InputError, TopologyError: as :func:`fdeplb.placement.rebalance_experts`.
@@ -191,21 +200,41 @@ def _peak_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> np.ndarra
     return np.maximum(load.sum(axis=1) / num_gpus, (load / logcnt).max(axis=1, initial=0.0))
 
 
+def _node_peak_bound(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_nodes: int,
+                     num_gpus: int) -> np.ndarray:
+    """float64 [L] tokens: a lower bound on the heaviest GPU of any plan with the node packing and replica counts
+    of ``phy2log`` int64 [L, P] / ``logcnt`` int64 [L, E] (DeepSeek's hierarchical plan, which "balanced" keeps):
+    over the nodes, the larger of the node's load over its GPUs and its largest per-replica load. ``load``
+    float64 [L, E]."""
+    L, P = phy2log.shape
+    layers = np.arange(L)[:, None]
+    node_of = np.zeros(load.shape, dtype=np.int64)
+    node_of[layers, phy2log] = np.arange(P) // (P // num_nodes)  # every expert's replicas share one node
+    node_load = np.zeros((L, num_nodes))
+    np.add.at(node_load, (layers, node_of), load)
+    return np.maximum(node_load.max(axis=1) / (num_gpus // num_nodes), (load / logcnt).max(axis=1, initial=0.0))
+
+
 class _Layers:
     """What every path of the policy shares: the loads, the old placement, the "balanced" plan and its heaviest
     GPU, the per-layer targets (absolute load) and every layer's group-to-node maps."""
 
     def __init__(self, expert_load: np.ndarray, old_phy2log: np.ndarray, num_replicas: int, num_groups: int,
-                 num_nodes: int, num_gpus: int, tolerance: float):
+                 num_nodes: int, num_gpus: int, tolerance: float, *, node_bound: bool = True):
         self.load = load = np.asarray(expert_load, dtype=np.float64)
         self.old = old = np.asarray(old_phy2log, dtype=np.int64)
         L, E = load.shape
         P = num_replicas
-        if num_nodes > 1:  # the balanced plan's node packing is needed up front, and its peak is the reference
+        if num_nodes > 1 and node_bound:  # DeepSeek's plan: the node packing and replica counts of "balanced" (which
+            # only swaps inside nodes), and the bound at them; the balanced plan only for layers that need it
+            self.fresh, logcnt = deepseek_phy2log(expert_load, P, num_groups, num_nodes, num_gpus)
+            fresh_peak = _node_peak_bound(load, self.fresh, logcnt, num_nodes, num_gpus)
+        elif num_nodes > 1:  # with a move cap: the peak of "balanced" with 1-1 swaps only (its plan is needed)
             self.fresh, fresh_peak = balanced_plan(expert_load, P, num_groups, num_nodes, num_gpus, pairs=False)
         else:  # global: the bound (no plan on the hot path); the plan only for layers that need the fallback
             self.fresh, fresh_peak = np.zeros((L, P), dtype=np.int64), _peak_bound(load, P, num_gpus)
-        self._have = np.full(L, num_nodes > 1)
+        self._have = np.full(L, num_nodes > 1 and not node_bound)
+        self.num_groups = num_groups
         self.fresh_peak = fresh_peak
         self.num_nodes, self.num_gpus = num_nodes, num_gpus
         self.gpus_per_node = num_gpus // num_nodes
@@ -230,8 +259,9 @@ class _Layers:
         replica of an unloaded expert must take a slot)."""
         need = layers[~self._have[layers]]
         if need.size:
-            self.fresh[need], self.fresh_peak[need] = balanced_plan(self.load[need], self.old.shape[1], 1, 1,
-                                                                    self.num_gpus)
+            groups = self.num_groups if self.num_nodes > 1 else 1
+            self.fresh[need], self.fresh_peak[need] = balanced_plan(self.load[need], self.old.shape[1], groups,
+                                                                    self.num_nodes, self.num_gpus)
             self.target[need] = self._target(need)
             self._have[need] = True
 
@@ -252,15 +282,27 @@ class _Layers:
                                self.gpus_per_node, self.S)
 
 
-def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: float) -> None:
-    """Plan again, in place in ``out``, the layers the batched repair leaves above ``LAYER_CAP`` tolerances, or
-    every layer above one tolerance when the mean cannot be met otherwise: by the per-layer repair and its
-    fallback (global), by the fallback alone (hierarchical); both end within one tolerance."""
+def layers_to_replan(excess: np.ndarray, tolerance: float) -> np.ndarray:
+    """bool [L]: the layers the uncapped policy plans again, given every layer's excess float64 [L] (max/mean over
+    the reference's) at its chosen stop: those above ``LAYER_CAP`` tolerances, then, while the mean over layers
+    (a replanned layer counted at ``tolerance``, where it ends) is above ``tolerance``, the layers of largest
+    excess in turn (ties: lower index first)."""
     stuck = excess > LAYER_CAP * tolerance * (1 + 1e-9)
-    if stuck.any() or excess.mean() > tolerance:
-        rest = np.where(stuck, tolerance, excess)
-        if rest.mean() > tolerance:
-            stuck |= excess > tolerance
+    rest = np.where(stuck, tolerance, excess)
+    if rest.mean() > tolerance:
+        order = np.argsort(-rest, kind="stable")
+        removed = np.cumsum(np.maximum(rest[order] - tolerance, 0.0))  # by replanning the first ones
+        reached = removed >= rest.sum() - tolerance * rest.size
+        k = int(np.argmax(reached)) + 1 if reached.any() else rest.size
+        stuck[order[:k]] |= rest[order[:k]] > tolerance
+    return stuck
+
+
+def _replan_stuck(lay: _Layers, out: np.ndarray, excess: np.ndarray, tolerance: float) -> None:
+    """Plan again, in place in ``out``, the layers the batched repair leaves above ``LAYER_CAP`` tolerances and,
+    when the mean cannot be met otherwise, the layers of largest excess until it is (each counted at one tolerance,
+    where it ends): by the per-layer repair and its fallback (global), by the fallback alone (hierarchical)."""
+    stuck = layers_to_replan(excess, tolerance)
     if lay.num_nodes == 1 and stuck.any():  # first: bulk replica counts, then the batched repair again
         idx = np.flatnonzero(stuck)
         stuck[idx[_refill_stuck(lay, out, idx)]] = False
@@ -389,9 +431,10 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         max_item = np.where(free, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes), row_cap)
         start[fill] = fill_rows(old_local[fill], row_load[fill], Gn, max_item[fill])
     work = start.copy()
-    points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn)
+    points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn, pair_swaps=True)
     stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,
-                                 tolerance * (1 - 1e-9), LAYER_CAP * tolerance * (1 - 1e-9))
+                                 tolerance * (1 - 1e-9), LAYER_CAP * tolerance * (1 - 1e-9),
+                                 replanned_at_tolerance=True)
     rows = replay_stops(start, log, stops)
     out = np.take_along_axis(experts_of, rows.reshape(L, num_nodes, Pn), axis=2).reshape(L, P)
     return out, excess
@@ -409,5 +452,22 @@ def _align_where_needed(old: np.ndarray, new: np.ndarray, num_gpus: int) -> np.n
     if gpus.size == 0:
         return new
     out = new.copy().reshape(L * num_gpus, S)
-    out[gpus] = align_slots(o2[gpus], n2[gpus], 1)
+    out[gpus] = _align_gpus(o2[gpus], n2[gpus])
     return out.reshape(L, P)
+
+
+def _align_gpus(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """:func:`align_slots` of GPUs ``old``/``new`` int64 [k, S] (one GPU's slots a row), all at once: an expert
+    keeps its old slot for as many of its old replicas (first slots first) as the GPU still holds; the other new
+    replicas fill the other slots in their order. int64 [k, S]."""
+    S = old.shape[1]
+    before = np.tri(S, k=-1, dtype=bool)  # [s, s']: s' < s
+    same_old = old[:, :, None] == old[:, None, :]
+    old_new = old[:, :, None] == new[:, None, :]  # [k, s, t]
+    same_new = new[:, :, None] == new[:, None, :]
+    keep = (same_old & before).sum(axis=2) < old_new.sum(axis=2)  # the expert's i-th old slot, i < new count
+    kept = np.minimum(old_new.sum(axis=1), same_new.sum(axis=2))  # [k, t]: replicas of new[t]'s expert kept
+    rest = (same_new & before).sum(axis=2) >= kept  # new[t] not one of its expert's first `kept` replicas
+    out = np.where(keep, old, -1)
+    out[~keep] = new[rest]
+    return out

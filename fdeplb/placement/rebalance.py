@@ -142,7 +142,8 @@ def rebalance_experts(
             never worse on any layer (see :mod:`fdeplb.placement.balanced`);
             "move_aware": needs ``old_phy2log``; moves as few experts as it can while the mean over layers of
             its max/mean GPU load stays within ``tolerance`` of its reference's (global: a lower bound on any
-            plan's, hierarchical: "balanced" with 1-1 swaps only; :func:`fdeplb.placement.move_aware.reference_peak`),
+            plan's, hierarchical: the same at "balanced"'s node packing, with a move cap "balanced" with 1-1 swaps
+            only; :func:`fdeplb.placement.move_aware.reference_peak`),
             and no layer exceeds it by more
             than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
             already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first

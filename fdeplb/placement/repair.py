@@ -16,7 +16,8 @@ experts it adds)``, is largest. Actions:
 - *copy into h* (rows of at most ``_INTO_MAX_GPUS`` GPUs): a slot of ``h`` whose expert has another replica on a
   GPU ``g`` takes the expert of a slot of ``g`` (the first expert's load moves to ``g``, the second's is split
   between ``g`` and ``h``);
-- when none of these lowers the excess: a swap with any slot, then a 3-cycle ``h -> g1 -> g2 -> h``.
+- when none of these lowers the excess: a swap with any slot, then a 3-cycle ``h -> g1 -> g2 -> h``, then (with
+  ``pair_swaps``, the hierarchical node rows) a 2-2 swap with one of the ``_LIGHT_GPUS`` lightest GPUs.
 
 Copies are evaluated in every iteration while more than ``_COPY_SHARE`` of the active rows took one in the last
 iteration (they split the hottest experts early on), then only every ``_COPY_EVERY``-th iteration and whenever a
@@ -94,7 +95,7 @@ class _Focus:
         self.LT = LT = rows_of(st.gpu_load) - rows_of(st.T)[:, None]  # load above target per GPU (negative: room)
         self.ex = ex = _relu(LT)
         self.thr = ex.sum(axis=1) * _RTOL
-        self.order = order = np.argsort(LT, axis=1, kind="stable")  # lightest first
+        self.order = order = LT.argsort(axis=1, kind="stable")  # lightest first
         self.rank = rank = np.empty_like(order)
         rank[q1, order] = st.arG
         self.h = h = order[:, -1]
@@ -118,7 +119,7 @@ class _Partners:
         S = st.S
         light = min(_LIGHT_GPUS, st.G - 1)
         lightest = (fo.order[:, :light, None] * S + st.arS).reshape(fo.n, -1)
-        extra = fo.mv & np.repeat((fo.LT < 0) & (fo.rank >= light), S, axis=1)
+        extra = fo.mv & ((fo.LT < 0) & (fo.rank >= light)).repeat(S, axis=1)
         extra_idx, extra_ok = compact(extra, _MOVED_PARTNERS)
         self.bidx = bidx = np.concatenate([lightest, extra_idx], axis=1)
         self.bok = bok = np.concatenate([np.ones(lightest.shape, dtype=bool), extra_ok], axis=1)
@@ -254,13 +255,13 @@ def _apply_best(st: BatchState, fo: _Focus, pt: _Partners, rp: _Replicas | None,
     swap). ``swaps``/``into``/``out``: the evaluators' results. Returns (is_copy, stuck) bool [n]."""
     (i0, s0), (i1, s1, pm), (i2, s2) = swaps, into, out
     S, gos, A, aS, ea = st.S, st.gos, fo.A, fo.aS, fo.ea
-    kind = np.stack([s0, s1, s2], axis=1).argmax(axis=1)
+    kind = np.array([s0, s1, s2]).argmax(axis=0)
     best = np.maximum(np.maximum(s0, s1), s2)
     is_copy = (kind > 0) & (best > -np.inf)
     is_swap = (kind == 0) & (best > -np.inf)
     if is_copy.any():  # only when copies were evaluated: rp is set
         ridx, Nm = rp.ridx, rp.Nm
-        k = np.flatnonzero(is_copy)
+        k = is_copy.nonzero()[0]
         pa, pb = np.divmod(i1[k], S)
         slot1 = aS[k, pa]
         f1 = st.row[A[k], gos[ridx[k, pm[k, pa]]] * S + pb] if Nm and (kind[k] == 1).any() else slot1
@@ -276,7 +277,7 @@ def _apply_best(st: BatchState, fo: _Focus, pt: _Partners, rp: _Replicas | None,
         if ok.any():
             st.copy(rr[ok], sl[ok], f[ok], new[ok])
     if is_swap.any():
-        k = np.flatnonzero(is_swap)
+        k = is_swap.nonzero()[0]
         pa, pb = np.divmod(i0[k], pt.nb)
         st.swap(A[k], aS[k, pa], pt.bidx[k, pb])
     return is_copy, ~(is_copy | is_swap)
@@ -312,7 +313,7 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
     """Rows still ``stuck`` (cleared where it acts): a 3-cycle h -> g1 -> g2 -> h over partner slots (two swaps
     in a row)."""
     bidx, bok, xb, LTb, nb = pt.bidx, pt.bok, pt.xb, pt.LTb, pt.nb
-    u, LTh, xa, aS, thr = fo.u, fo.LTh, fo.xa, fo.aS, fo.thr
+    u, LTh, xa, aS, thr, S = fo.u, fo.LTh, fo.xa, fo.aS, fo.thr, st.S
     k = np.flatnonzero(stuck)
     gb_k = st.gos[bidx[k]]
     xk = np.where(bok[k], xb[k], 0.0)
@@ -321,13 +322,22 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
     x_c = xk[:, None, None, :]  # item leaving g2 (for h)
     lt1 = LTb[k][:, None, :, None]
     lt2 = LTb[k][:, None, None, :]
-    gain = (u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
-            + _relu(lt1) - _relu(lt1 + x_a - x_b) + _relu(lt2) - _relu(lt2 + x_b - x_c))
     bad = ((gb_k[:, None, :, None] == gb_k[:, None, None, :]) | ~bok[k][:, None, :, None]
            | ~bok[k][:, None, None, :])
-    gain = np.where(bad, -np.inf, gain).reshape(k.size, -1)
-    best3 = gain.argmax(axis=1)
-    ok3 = gain[np.arange(k.size), best3] > thr[k]
+    first = u[k][:, None, None, None] - _relu(LTh[k][:, None, None, None] - x_a + x_c)
+    second, third, fourth = _relu(lt1 + x_a - x_b), _relu(lt2), _relu(lt2 + x_b - x_c)
+    best3, top = np.zeros(k.size, dtype=np.int64), np.zeros(k.size)
+    # row by row: each term spans two of the axes [a, b, c], their sum all three; one reused [S, nb, nb] array
+    # updated in place (the plain expression's operations in its order, so the same values)
+    for i in range(k.size):
+        gain = np.add(first[i], _relu(lt1[i]), out=st.scratch(2, (S, nb, nb)))
+        gain -= second[i]
+        gain += third[i]
+        gain -= fourth[i]
+        np.copyto(gain, -np.inf, where=bad[i])
+        best3[i] = gain.argmax()
+        top[i] = gain.ravel()[best3[i]]
+    ok3 = top > thr[k]
     if ok3.any():
         k, best3 = k[ok3], best3[ok3]
         pa, rest = np.divmod(best3, nb * nb)
@@ -338,7 +348,41 @@ def _fallback_cycles(st: BatchState, fo: _Focus, pt: _Partners, stuck: np.ndarra
         stuck[k] = False
 
 
-def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.ndarray, num_gpus: int):
+def _fallback_pairs(st: BatchState, fo: _Focus, stuck: np.ndarray) -> None:
+    """Rows still ``stuck`` (cleared where it acts): a 2-2 swap, two slots of h with two slots of one of the
+    ``_LIGHT_GPUS`` lightest GPUs (the exchange "balanced" ends with, :mod:`fdeplb.placement.balanced`), the one
+    that lowers the excess most."""
+    S, G, item = st.S, st.G, st.item
+    first, second = np.triu_indices(S, 1)
+    k = np.flatnonzero(stuck)
+    if first.size == 0 or k.size == 0:
+        return
+    light = min(_LIGHT_GPUS, G - 1)
+    rr, q = fo.A[k], np.arange(k.size)[:, None]
+    gpus = fo.order[k, :light]  # [k, light]
+    w = item[rr].reshape(k.size, G, S)
+    pa = (w[q[:, 0], fo.h[k]][:, first] + w[q[:, 0], fo.h[k]][:, second])  # [k, Q]
+    wg = w[q, gpus]  # [k, light, S]
+    pb = wg[:, :, first] + wg[:, :, second]  # [k, light, Q]
+    LTg = fo.LT[k[:, None], gpus][:, None, :, None]
+    d = pa[:, :, None, None] - pb[:, None, :, :]  # [k, Q, light, Q]
+    gain = np.minimum(d, fo.u[k][:, None, None, None]) - _relu(LTg + d) + _relu(LTg)
+    flat = gain.reshape(k.size, -1)
+    best = flat.argmax(axis=1)
+    ok = flat[q[:, 0], best] > fo.thr[k]
+    if ok.any():
+        k, best, rr = k[ok], best[ok], rr[ok]
+        qa, rest = np.divmod(best, light * first.size)
+        gi, qb = np.divmod(rest, first.size)
+        g = fo.order[k, gi]
+        h = fo.h[k]
+        st.swap(rr, h * S + first[qa], g * S + first[qb])
+        st.swap(rr, h * S + second[qa], g * S + second[qb])
+        stuck[k] = False
+
+
+def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.ndarray, num_gpus: int, *,
+                pair_swaps: bool = False):
     """Repair rows toward their targets (see the module docstring); ``row`` is modified in place.
 
     Args:
@@ -348,6 +392,7 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             row's (hierarchical mode: its group now lives on another node).
         targets: float64 [R] load every GPU of the row should come down to (tokens).
         num_gpus: GPUs per row (P a multiple of it).
+        pair_swaps: a row that no other action helps tries a 2-2 swap (:func:`_fallback_pairs`) before it stops.
 
     Returns:
         (points, log): ``points`` is a list with one ``(rows, moved, peak)`` entry per iteration, the first for
@@ -387,12 +432,15 @@ def repair_rows(row: np.ndarray, load: np.ndarray, old: np.ndarray, targets: np.
             _fallback_swaps(st, fo, stuck)
         if stuck.any():  # still none: a 3-cycle h -> g1 -> g2 -> h
             _fallback_cycles(st, fo, pt, stuck)
+        if pair_swaps and stuck.any():  # still none: a 2-2 swap
+            _fallback_pairs(st, fo, stuck)
         copies_recent = with_copies and int(is_copy.sum()) > _COPY_SHARE * fo.n
         forced = bool(stuck.any()) and not with_copies  # a stuck row gets a try with copies before it stops
         if forced:
             stuck[:] = False
         done = active[~stuck]
-        points.append((done, st.moved[done].copy(), st.gpu_load[done].max(axis=1)))
+        peak = st.gpu_load[done].max(axis=1)
+        points.append((done, st.moved[done], peak))
         st.log.append(None)
-        active = done[st.gpu_load[done].max(axis=1) > st.T[done]]
+        active = done[peak > st.T[done]]
     return points, st.log

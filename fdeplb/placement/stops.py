@@ -39,8 +39,9 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     A layer's excess at a stop is ``(max over its rows of the heaviest GPU - fresh_peak) / mean``. Minimises the
     sum of moved experts subject to: mean excess over layers <= ``tolerance``, and every layer <= ``layer_cap``
     (absolute, same unit) when it can get there; with ``replanned_at_tolerance`` a layer that cannot counts at
-    ``tolerance`` in the mean (the caller plans it again within one tolerance), else at the least it reaches. Solved by a Lagrangian relaxation (bisection on the price of one
-    unit of excess in moved experts) over every point of the rows' trajectories.
+    ``tolerance`` in the mean (the caller plans it again within one tolerance), else at the least it reaches.
+    Solved by a Lagrangian relaxation (bisection on the price of one unit of excess in moved experts) over every
+    point of the rows' trajectories.
 
     Args:
         points: :func:`fdeplb.placement.repair.repair_rows`'s trajectories.
@@ -90,9 +91,10 @@ def choose_stops(points: list, row_layer: np.ndarray, fresh_peak: np.ndarray, me
     # counts at the tolerance in the mean (not at its reach, which would push every other layer lower)
     stuck = (reach > layer_cap) & replanned_at_tolerance
 
+    allowed = np.where(within | (X <= reach[:, None]), C, np.inf)  # every allowed X is finite
+
     def pick(price):
-        v = np.where(within | (X <= reach[:, None]), C + price * X, np.inf)
-        return v.argmin(axis=1)
+        return (allowed + price * X).argmin(axis=1)
 
     def mean_excess(c):
         return np.where(stuck, tolerance, X[np.arange(L), c]).mean()
