@@ -47,8 +47,8 @@ import numpy as np
 from fdeplb.placement import balancedness, gpu_loads, read_expert_load, rebalance_experts
 from fdeplb.placement.reference import deepseek_reference
 from placement_drift import (DRIFT_PAIRS, DRIFT_TIME_REPEATS, DSV3_TOPOLOGY, POLICIES, drift_entry, drift_tables,
-                             drift_targets, limit, move_aware_speed, pair_summary, pareto_rows, previous_drift, ratio,
-                             timed)
+                             drift_targets, frontier_rows, limit, move_aware_speed, pair_summary, pareto_rows,
+                             previous_drift, ratio, timed)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {  # folder -> (model name, num_groups for the hierarchical mode or None)
@@ -140,7 +140,8 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
     ma_speed = move_aware_speed(real_data)
     topo, pareto = topology_rows(real_data), pareto_rows(real_data)
     return {"rows": rows, "drift": drift, "speedup": speed, "move_aware_speed": ma_speed, "previous": prev,
-            "topology": topo, "pareto": pareto, "targets": targets(rows, drift, speed, ma_speed, topo, pareto)}
+            "topology": topo, "pareto": pareto, "frontier": frontier_rows(real_data),
+            "targets": targets(rows, drift, speed, ma_speed, topo, pareto)}
 
 
 def lower_bound(load: np.ndarray, slots: int, ep: int) -> np.ndarray:
@@ -393,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             "drift_pairs": {d["pair"]: pair_summary(d) for d in result["drift"]},
             "ok_33": all(pair_summary(d)["ok_33"] for d in result["drift"]),
             "ok": all(t["ok"] for t in result["targets"] if t["target"].startswith("move_aware")),
+            "tolerance_frontier": {f"{f['pair']} @ {f['tolerance']}": round(f["moved_share"], 4)
+                                   for f in result["frontier"]},
         },
         "previous": None if result["previous"] is None else result["previous"]["rev"],
         "topology_cross_node": {f"{t['dump']}: {t['policy']}": round(t["cross_node"], 4) for t in result["topology"]},

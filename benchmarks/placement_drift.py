@@ -24,15 +24,18 @@ from fdeplb.errors import FdeplbError
 from fdeplb.placement import imbalance, moved_experts, read_expert_load, rebalance_experts
 
 POLICIES = ("deepseek", "greedy", "balanced")
-#: issue 9's bounds: move_aware's time as a multiple of balanced's, moves as a share of a fresh balanced plan's; the
-#: mean max/mean excess over fresh balanced (issue 33's bound too)
-MOVE_AWARE_TIME_RATIO, MOVE_AWARE_MOVED_SHARE, MOVE_AWARE_SLACK = 2.0, 0.20, 0.0005
+#: issue 9's bound on move_aware's time as a multiple of balanced's; the mean max/mean excess over fresh balanced
+#: (issue 33's). Issue 9's moved share (<= 0.20) was against a looser reference (balanced with 1-1 swaps only) that
+#: issue 33 replaced by "balanced" itself: its rows are gone, issue 33's (<= 0.10) measure the same share
+MOVE_AWARE_TIME_RATIO, MOVE_AWARE_SLACK = 2.0, 0.0005
 #: issue 33's bounds on move_aware's moved share and time ratio
 MOVED_SHARE_33, TIME_RATIO_33 = 0.10, 1.2
 #: interleaved (balanced, move_aware) runs per drift pair for its time ratio; per topology of the speed table
 DRIFT_TIME_REPEATS, SPEED_REPEATS = 5, 11
 #: move budgets of the Pareto table, as shares of the moves of a fresh "balanced" plan
 PARETO_SHARES = (0.05, 0.10, 0.20)
+#: tolerances of the frontier table: the moves move_aware (no cap) needs for each balance slack
+FRONTIER_TOLERANCES = (0.0005, 0.001, 0.002, 0.004, 0.008)
 
 
 def timed(fn, repeats: int):
@@ -111,7 +114,6 @@ DRIFT_PAIRS = [
               lambda _: (random_load(33), random_load(34))),
 ]
 #: the pairs issue 9's moved-share bound was set on; those of the move budget (Pareto) table
-ISSUE9_PAIRS = {p.name for p in DRIFT_PAIRS[:4]}
 PARETO_PAIRS = (DRIFT_PAIRS[0], DRIFT_PAIRS[3])
 
 
@@ -195,6 +197,22 @@ def pareto_rows(real_data: Path) -> list[dict]:
     return out
 
 
+def frontier_rows(real_data: Path) -> list[dict]:
+    """move_aware without a cap at each of :data:`FRONTIER_TOLERANCES` on the drift pairs :data:`PARETO_PAIRS`:
+    moved share of a fresh "balanced" plan's moves and slack (mean max/mean over fresh balanced's)."""
+    out = []
+    for pair in PARETO_PAIRS:
+        load_b, old = drift_inputs(real_data, pair)
+        ep = pair.topology[3]
+        fresh = rebalance_experts(load_b, *pair.topology, policy="balanced", old_phy2log=old)
+        fresh_moved, fresh_level = moved_experts(old, fresh, ep), float(ratio(load_b, fresh, ep).mean())
+        for tol in FRONTIER_TOLERANCES:
+            plan = rebalance_experts(load_b, *pair.topology, policy="move_aware", old_phy2log=old, tolerance=tol)
+            out.append({"pair": pair.name, "tolerance": tol, "moved_share": moved_experts(old, plan, ep) / fresh_moved,
+                        "slack": float(ratio(load_b, plan, ep).mean()) - fresh_level})
+    return out
+
+
 def previous_drift(real_data: Path) -> list[dict]:
     """:func:`drift_entry` of every pair the code on ``sys.path`` places (the previous revision's, under
     ``--as-previous``): a pair it refuses is left out, with a note on stderr."""
@@ -236,9 +254,6 @@ def drift_targets(drift: list[dict], ma_speed: list[dict], pareto: list[dict]) -
     out = []
     for d in drift:
         share, slack = moved_share(d), slack_33(d)
-        if d["pair"] in ISSUE9_PAIRS:
-            out.append(limit(f"move_aware {d['pair']}: moved / fresh balanced moved (#9)", share,
-                             MOVE_AWARE_MOVED_SHARE, 4))
         out += [limit(f"#33 move_aware {d['pair']}: moved / fresh balanced moved", share, MOVED_SHARE_33, 4),
                 limit(f"#33 move_aware {d['pair']}: max/mean - fresh balanced", slack, MOVE_AWARE_SLACK)]
         if "time" in d:
@@ -302,4 +317,9 @@ def drift_tables(result: dict) -> list[str]:
         for p in rows_:
             lines.append(f"| {p['pair']} | {code} | {p['share']:.2f} | {p['cap']:,} | {p['moved']:,} | "
                          f"{p['max_over_mean']:.5f} | {p['ms']:.0f} |")
+    lines += ["", "Moves against balance (this code): move_aware without a cap at each tolerance; moved share of a fresh "
+              "balanced plan's moves, slack = mean max/mean over fresh balanced's.", "",
+              "| pair | tolerance | moved share | slack |", "|---|---:|---:|---:|"]
+    lines += [f"| {f['pair']} | {f['tolerance']} | {f['moved_share']:.4f} | {f['slack']:.6f} |"
+              for f in result.get("frontier", [])]
     return lines
