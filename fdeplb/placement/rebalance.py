@@ -145,7 +145,7 @@ def rebalance_experts(
             plan's, hierarchical: the same at "balanced"'s node packing, with a move cap "balanced" with 1-1 swaps
             only; :func:`fdeplb.placement.move_aware.reference_peak`),
             and no layer exceeds it by more
-            than twice that (with ``max_moved_experts``: each layer aims at ``tolerance``, see below); a layer
+            than twice that (with ``max_moved_experts``: see below); a layer
             already within it (all-zero loads included) keeps its placement, unless hierarchical mode must first
             put its groups on whole nodes. See :mod:`fdeplb.placement.move_aware`.
             "topology_aware": with a per-source-rank ``expert_load`` and ``num_nodes`` > 1, "balanced"'s global plan
@@ -159,7 +159,9 @@ def rebalance_experts(
         old_phy2log: int [L, P] current placement (or a :class:`Placement`). "deepseek" ignores it; "greedy" and
             "balanced" use it only to keep experts that stay on their GPU in their old slot.
         tolerance: "move_aware": allowed excess of max/mean GPU load over its reference (>= 0, default 0.0005):
-            of the mean over layers, each layer at most twice it; with ``max_moved_experts``, the per-layer aim.
+            of the mean over layers, each layer at most twice it; with ``max_moved_experts``, global mode: one
+            target of the ladder the budget chooses from (a large budget may go below it), hierarchical mode: the
+            per-layer aim.
             "topology_aware": the balance slack every layer may spend on keeping tokens on their node.
         max_moved_experts: "move_aware" only: cap on moved experts (sum over layers): the best balance the cap
             buys (global mode: a larger cap never gives a worse mean max/mean); the plan may stay above the

@@ -1,7 +1,8 @@
 """The per-layer engine of "move_aware": one (layer, node) row at a time, scalar in the row's actions.
 
-It serves the capped path (``max_moved_experts``: every layer repaired within what is left of the budget) and the
-layers the batched uncapped repair (:mod:`fdeplb.placement.repair`) leaves stuck. It owns:
+It serves the capped path in hierarchical mode (``max_moved_experts``: every layer repaired within what is left of
+the budget; in global mode only as a guard, :mod:`fdeplb.placement.pareto` plans it) and the layers the batched
+uncapped repair (:mod:`fdeplb.placement.repair`) leaves stuck. It owns:
 
 - ``_Row``: one row's slots and counts, with its repair (*replace* and *swap* actions, best gain per moved expert,
   see steps 2 and 3 of :mod:`fdeplb.placement.move_aware`), ``revert`` (slots given back their old expert) and
