@@ -269,6 +269,12 @@ def drift_targets(drift: list[dict], ma_speed: list[dict], pareto: list[dict]) -
     return out
 
 
+def _this_and_previous(result: dict, key: str) -> list[tuple[str, list]]:
+    """(code, rows) of ``result[key]`` for this code, then for the previous revision when it ran."""
+    prev = result.get("previous")
+    return [("this", result[key])] + ([(prev["rev"], prev[key])] if prev else [])
+
+
 def drift_tables(result: dict) -> list[str]:
     """Markdown lines: the drift table (with the previous code's rows where it ran the pair), issue 33's per-pair
     targets, the 1- and 4-node speed table, the move budget table."""
@@ -305,15 +311,14 @@ def drift_tables(result: dict) -> list[str]:
                      f"{d['time']['move_aware_ms']:.0f} | {d['time']['ratio']:.2f} | {bound} |")
     lines += ["", "move_aware vs balanced, same input, interleaved runs (median ms):", "",
               "| code | nodes | balanced ms | move_aware ms | ratio |", "|---|---:|---:|---:|---:|"]
-    for code, speeds in (("this", result["move_aware_speed"]), *([(prev["rev"], prev["move_aware_speed"])]
-                                                                 if prev else [])):
+    for code, speeds in _this_and_previous(result, "move_aware_speed"):
         for sp in speeds:
             lines.append(f"| {code} | {sp['nodes']} | {sp['balanced_ms']:.1f} | {sp['move_aware_ms']:.1f} | "
                          f"{sp['ratio']:.2f} |")
     lines += ["", "Move budget (Pareto option): move_aware with max_moved_experts = a share of a fresh balanced plan's "
               "moves (old = balanced on A, global).", "",
               "| pair | code | budget share | cap | moved | max/mean | ms |", "|---|---|---:|---:|---:|---:|---:|"]
-    for code, rows_ in (("this", result["pareto"]), *([(prev["rev"], prev["pareto"])] if prev else [])):
+    for code, rows_ in _this_and_previous(result, "pareto"):
         for p in rows_:
             lines.append(f"| {p['pair']} | {code} | {p['share']:.2f} | {p['cap']:,} | {p['moved']:,} | "
                          f"{p['max_over_mean']:.5f} | {p['ms']:.0f} |")
