@@ -84,9 +84,9 @@ from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_topology
 from fdeplb.placement.balanced import balanced_plan
 from fdeplb.placement.deepseek import deepseek_phy2log, replicate_experts
-from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
+from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
-from fdeplb.placement.node_maps import node_of_groups, old_node_of_groups
+from fdeplb.placement.node_maps import node_of_groups, node_rows, old_node_of_groups
 from fdeplb.placement.pareto import plan_within_budget
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.row_repair import best_layer_plan, layer_candidates, plan_layer
@@ -409,27 +409,11 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9), replanned_at_tolerance=True)
         return replay_stops(start, log, stops), excess
-    node_of_slot = np.arange(P) // Pn
     node_load = np.zeros((L, num_nodes))
     np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, group_size).sum(axis=2))
     maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
-    expert_node = np.repeat(maps, group_size, axis=1)  # [L, E]
-    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(L, num_nodes, En)
-    local = np.empty((L, E), dtype=np.int64)
-    np.put_along_axis(local, experts_of.reshape(L, E), np.broadcast_to(np.arange(E) % En, (L, E)), axis=1)
-    rows_idx = layers[:, None]
-    old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old],
-                         -1).reshape(L * num_nodes, Pn)
-    row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
-    start = old_local.copy()
-    held = replica_counts(old_local, En)
-    free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
-    row_cap = np.repeat(cap, num_nodes)
-    bulk = ~free & (forced_copies(old_local, row_load, row_cap) >= _BULK_COPIES)
-    fill = free | bulk
-    if fill.any():
-        max_item = np.where(free, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes), row_cap)
-        start[fill] = fill_rows(old_local[fill], row_load[fill], Gn, max_item[fill])
+    experts_of, old_local, row_load, start = node_rows(load, old, maps, _MAX_ITEM_SHARE * mean, cap, num_nodes,
+                                                       num_gpus, _BULK_COPIES)
     work = start.copy()
     points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn, pair_swaps=True)
     stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,
