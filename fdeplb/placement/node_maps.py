@@ -3,7 +3,9 @@
 
 Two maps per layer: the old placement's (:func:`old_node_of_groups`) and the "balanced" plan's packing with its
 nodes renumbered to match the old placement (:func:`node_of_groups`); a layer keeps the first or takes the second
-(:mod:`fdeplb.placement.move_aware`). :func:`node_rows` turns a map into the rows the batched repair works on.
+(:mod:`fdeplb.placement.move_aware`); with a move cap also the old map with one swap of two groups
+(:func:`swap_map`), cheaper to reach than the balanced one. :func:`node_rows` turns a map into the rows the
+batched repair works on.
 """
 
 from __future__ import annotations
@@ -45,6 +47,28 @@ def old_node_of_groups(old_row: np.ndarray, num_groups: int, num_nodes: int, gro
         return on.argmax(axis=1).astype(np.int64)
     per_node = num_groups // num_nodes
     return overlap_assignment(np.repeat(overlap, per_node, axis=1)) // per_node
+
+
+def swap_map(old_maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np.ndarray:
+    """int64 [L, num_groups]: every layer's ``old_maps`` row with the one swap of two groups on different nodes that
+    lowers its heaviest node most (ties: the first pair in (i, j) order), or unchanged when no swap lowers it.
+    ``group_load`` float64 [L, num_groups]: every group's load (tokens)."""
+    L, num_groups = group_load.shape
+    layers = np.arange(L)[:, None]
+    node_load = np.zeros((L, num_nodes))
+    np.add.at(node_load, (layers, old_maps), group_load)
+    i, j = np.triu_indices(num_groups, 1)
+    shift = group_load[:, i] - group_load[:, j]  # [L, Q]: what node(i) gives node(j) by the swap
+    after = np.repeat(node_load[:, None, :], i.size, axis=1)  # [L, Q, num_nodes]
+    q = np.arange(i.size)
+    after[layers, q, old_maps[:, i]] -= shift
+    after[layers, q, old_maps[:, j]] += shift
+    peak = np.where(old_maps[:, i] != old_maps[:, j], after.max(axis=2), np.inf)
+    best = peak.argmin(axis=1)
+    rows = np.flatnonzero(peak[np.arange(L), best] < node_load.max(axis=1) * (1 - 1e-12))
+    out = old_maps.copy()
+    out[rows, i[best[rows]]], out[rows, j[best[rows]]] = old_maps[rows, j[best[rows]]], old_maps[rows, i[best[rows]]]
+    return out
 
 
 def node_rows(load: np.ndarray, old: np.ndarray, maps: np.ndarray, free_item: np.ndarray, cap: np.ndarray,

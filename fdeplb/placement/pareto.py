@@ -11,7 +11,7 @@ target spends moves on precision (every GPU within ~0.0005 of the mean costs ~2 
 drift pairs); a loose one spends them where the heaviest GPU is, so a small budget is best spent on the early
 points of loose trajectories, a large one on the late points of tight ones.
 
-Hierarchical mode (:func:`plan_nodes_within_budget`): the same ladder over the (layer, node) rows of both of a
+Hierarchical mode (:func:`plan_nodes_within_budget`): the same ladder over the (layer, node) rows of each of a
 layer's group-to-node maps, with the relocation of groups that change node counted in every candidate's moves.
 
 Choice (:func:`fdeplb.placement.stops.choose_within_budget`): an exact multiple-choice knapsack over the candidates
@@ -27,7 +27,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.node_maps import node_rows
+from fdeplb.placement.node_maps import node_rows, swap_map
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.stops import block_candidates, choose_within_budget, replay_stops
 
@@ -156,8 +156,9 @@ def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.nda
     """The plan of every layer (hierarchical mode) with the least mean excess within ``budget`` moved experts.
 
     Candidates of a layer, none depending on the budget: its old placement when it keeps every group on one node (no
-    move), and for each of its two group-to-node maps (the old placement's and the "balanced" plan's, when they
-    differ) and each rung of :func:`ladder`, the levels of the node rows' repair trajectories toward the rung
+    move), and for each of its group-to-node maps (the old placement's, the old one with one swap of two groups,
+    :func:`fdeplb.placement.node_maps.swap_map`, and the "balanced" plan's; each where it differs from those
+    before it) and each rung of :func:`ladder`, the levels of the node rows' repair trajectories toward the rung
     (:func:`fdeplb.placement.stops.block_candidates`): the rows of :func:`fdeplb.placement.node_maps.node_rows`
     (the relocation of the groups that change node is part of every point's moved experts, so it is charged to
     the budget), repaired with 2-2 swaps as in the uncapped path. Choice: the exact multiple-choice knapsack
@@ -186,10 +187,17 @@ def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.nda
     mean = load.sum(axis=1) / num_gpus
     safe_mean = np.where(mean > 0, mean, 1.0)
     group_size = E // old_maps.shape[1]
-    # (layer, map) pairs: every layer's old map, then the balanced map of the layers where it differs
-    differs = np.flatnonzero((old_maps != fresh_maps).any(axis=1))
-    sel = np.concatenate([np.arange(L), differs])
-    maps = np.concatenate([old_maps, fresh_maps[differs]])
+    # (layer, map) pairs: every layer's old map, then its one-swap map and the balanced map where each differs from
+    # the maps before it
+    candidates = [old_maps, swap_map(old_maps, load.reshape(L, old_maps.shape[1], -1).sum(axis=2), num_nodes),
+                  fresh_maps]
+    sel, maps = [], []
+    for k, cand in enumerate(candidates):
+        new = np.flatnonzero(np.all([(cand != earlier).any(axis=1) for earlier in candidates[:k]], axis=0)
+                             if k else np.ones(L, dtype=bool))
+        sel.append(new)
+        maps.append(cand[new])
+    sel, maps = np.concatenate(sel), np.concatenate(maps)
     rungs = ladder(tolerance)
     starts, targets = [], []
     for rung in rungs:  # the rows of every (rung, layer, map), stacked for one batched repair

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdeplb.placement import imbalance, moved_experts, read_expert_load, rebalance_experts
+from fdeplb.placement.node_maps import swap_map
 from fdeplb.placement.pareto import ladder
 from fdeplb.placement.stops import block_candidates, choose_within_budget
 from tests.placement.helpers import check_invariants, groups_on_nodes
@@ -184,6 +185,14 @@ def test_block_candidates_stop_every_row_of_a_block_at_its_cheapest_point_under_
     assert got == [(2.0, 3, (2, 1), 0), (3.0, 2, (1, 1), 0), (4.0, 1, (1, 0), 0), (5.0, 0, (0, 0), 0)]
 
 
+def test_swap_map_takes_the_swap_that_lowers_the_heaviest_node_most():
+    """Groups of load 10, 9, 1, 0 on nodes 0, 0, 1, 1 (19 against 1): swapping groups 0 and 2 or 1 and 3 gives
+    10 / 10, the first pair wins; equal groups: no swap lowers the heaviest node, the map stays."""
+    old = np.array([[0, 0, 1, 1], [0, 0, 1, 1]])
+    out = swap_map(old, np.array([[10.0, 9.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]]), 2)
+    assert out.tolist() == [[1, 0, 0, 1], [0, 0, 1, 1]]
+
+
 def _hierarchical_sweep(load_a, load_b, topo, shares, *, determinism_at):
     """old = "balanced" on ``load_a``; plans of ``load_b`` at budgets ``shares`` of a fresh "balanced" plan's moves:
     each within its budget, every group on one node, the same plan again at ``determinism_at``. Returns (the old
@@ -227,11 +236,11 @@ DSV3_DRIFT_4_NODES = pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.
 def test_hierarchical_move_budget_on_the_deepseek_v3_drift(real_data):
     """DeepSeek-V3 prefill_in1024 -> decode_in1000out1000 at 288 slots, 8 groups, 4 nodes, 32 GPUs (old =
     "balanced" on the first, 1.70 mean max/mean under the second): over budgets of 2-30% of a fresh "balanced"
-    plan's moves the mean max/mean never rises and the budget holds; 10% buys 1.3305 (1.5253 by the per-layer
-    repair this replaced; "balanced" itself is at 1.310)."""
+    plan's moves the mean max/mean never rises and the budget holds; 10% buys 1.3235 (1.5253 by the per-layer
+    repair this replaced, 1.3305 without the one-swap maps; "balanced" itself is at 1.310)."""
     folder = real_data / "dsv3_sglang_ep_stats"
     load_a = read_expert_load(folder / "prefill_in1024.json").expert_load
     load_b = read_expert_load(folder / "decode_in1000out1000.json").expert_load
     _, levels = _hierarchical_sweep(load_a, load_b, (288, 8, 4, 32), (0.02, 0.05, 0.10, 0.20, 0.30),
                                     determinism_at=0.05)
-    assert levels[2] < 1.34
+    assert levels[2] < 1.33
