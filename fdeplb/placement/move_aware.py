@@ -8,8 +8,7 @@ bound on any plan's heaviest GPU (the mean, or the largest per-replica load at t
 computed on the hot path ("balanced" ends 2e-5 to 1.1e-4 above the bound on the DeepSeek-V3 drift pairs); in
 hierarchical mode the same bound at the node packing and replica counts "balanced" keeps from DeepSeek's plan
 (over the nodes, the node's load over its GPUs or its largest per-replica load; "balanced" ends 6e-5 above it on
-average on the DeepSeek-V3 4-node pair), with a move cap the peak of "balanced" with 1-1 swaps only
-(:func:`reference_phy2log`). Below, "balanced" means this reference.
+average on the DeepSeek-V3 4-node pair). Below, "balanced" means this reference.
 
 Without a move cap (the default):
 
@@ -32,14 +31,18 @@ Without a move cap (the default):
   tolerance, so that the other layers do not pay for it.
 
 With a move cap (``max_moved_experts``), the Pareto option: the best balance (mean over layers of max/mean) the
-budget buys. In global mode every layer takes its old placement or a point of the batched repair's trajectory
-toward one of a ladder of targets (``tolerance`` and 0.00025 to 0.256 by factors of 2 above the reference: loose
-targets spend a small budget on the heaviest GPUs, tight ones a large budget on precision; a layer the tightest
-leaves above twice it also gets one from bulk replica counts, as without a cap), the choice being the exact least
-mean excess within the cap over these budget-independent candidates (a multiple-choice knapsack:
-:mod:`fdeplb.placement.pareto`), so a larger cap never does worse. The per-layer repair below serves only as the
-guard should that plan move more than the cap. In hierarchical mode the per-layer repair alone, per layer (and per
-node), worst layers first so that the budget goes where it helps most:
+budget buys. Every layer takes its old placement or a point of the batched repair's trajectory toward one of a
+ladder of targets (``tolerance`` and 0.00025 to 0.256 by factors of 2 above the reference: loose targets spend a
+small budget on the heaviest GPUs, tight ones a large budget on precision), the choice being the exact least mean
+excess within the cap over these budget-independent candidates (a multiple-choice knapsack:
+:mod:`fdeplb.placement.pareto`), so a larger cap never does worse. In global mode a layer the tightest target
+leaves above twice it also gets a trajectory from bulk replica counts, as without a cap. In hierarchical mode the
+trajectories are those of the layer's node rows (:func:`fdeplb.placement.node_maps.node_rows`, as without a cap)
+under each of its group-to-node maps (below), a point of the layer being every node row stopped at its
+cheapest point under a level (:func:`fdeplb.placement.stops.block_candidates`); relocating the groups that change
+node is part of every point's moved experts, so it is charged to the cap like any other move (DeepSeek-V3 4-node
+drift pair, 10% of a fresh plan's moves: 1.3235 mean max/mean, 1.5253 by the per-layer repair it replaced). The
+per-layer repair below serves only as the guard should that plan move more than the cap:
 
 1. Target: the GPU-load max/mean that "balanced" reaches on the new loads, plus ``tolerance``.
 2. Repair (from the old placement; experts stay in their slots unless moved): while the heaviest GPU is above the
@@ -60,12 +63,13 @@ keeps the most old slots) and the node packing of the "balanced" plan, with node
 placement. Without a cap a layer keeps the old map when its heaviest node, spread over its GPUs, is within the
 target, else takes the balanced map; experts of groups that change node are placed first
 (:func:`fdeplb.placement.fill.fill_rows`).
-With a cap, for each map the relocation is charged to ``max_moved_experts`` like any other move, a map whose
-relocation the remaining budget cannot pay is skipped, and of the others the layer keeps the plan within the
-target that moves fewest experts, or, when none reaches it, the one with the lightest heaviest GPU (ties: the old
-map). Moves that no map avoids (an old placement that spreads groups over nodes) are reserved before any layer is
-repaired; a cap below them is an error. With the cap at 0 (and groups on nodes) the old placement comes back
-unchanged. Deterministic: ties keep the first candidate in slot / expert order.
+With a cap, the candidates of both maps enter the choice, and those of a third, the old map with the one swap of
+two groups that lowers its heaviest node most (:func:`fdeplb.placement.node_maps.swap_map`: on the DeepSeek-V3
+4-node pair it brings the heaviest node nearly as low as the balanced map, 1.3117 against 1.3098 mean over
+layers, where the balanced map relocates 2-4 of the 8 groups). Moves that no candidate avoids (an old placement that
+spreads groups over nodes) must fit in the cap: a cap below them is an error. With the cap at 0 (and groups on
+nodes) the old placement comes back unchanged. Deterministic: ties keep the first candidate in slot / expert
+order.
 
 Sources: spreading the tolerance over layers by a price per unit of excess is Everett's generalized Lagrange
 multiplier method for allocating a resource ("Generalized Lagrange multiplier method for solving problems of
@@ -80,14 +84,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_topology
 from fdeplb.placement.balanced import balanced_plan
 from fdeplb.placement.deepseek import deepseek_phy2log, replicate_experts
-from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
+from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
-from fdeplb.placement.node_maps import node_of_groups, old_node_of_groups
-from fdeplb.placement.pareto import plan_within_budget
+from fdeplb.placement.node_maps import node_of_groups, node_rows, old_node_of_groups
+from fdeplb.placement.pareto import check_reserve, plan_nodes_within_budget, plan_within_budget
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.row_repair import best_layer_plan, layer_candidates, plan_layer
 from fdeplb.placement.slots import align_slots
@@ -132,18 +135,14 @@ def move_aware_phy2log(
         InputError: in hierarchical mode, ``max_moved_experts`` below the moves needed to bring every group of an
             old placement that spreads groups over nodes onto one node.
     """
-    lay = _Layers(expert_load, old_phy2log, num_replicas, num_groups, num_nodes, num_gpus, tolerance,
-                  node_bound=max_moved_experts is None)
+    lay = _Layers(expert_load, old_phy2log, num_replicas, num_groups, num_nodes, num_gpus, tolerance)
     if max_moved_experts is None:  # no cap: plan all (layer, node) rows at once, then spread the tolerance
         out, excess = _plan_all(lay.load, lay.old, lay.fresh_peak, lay.mean, tolerance, lay.old_maps, lay.group_node,
                                 num_nodes, num_gpus)
         _replan_stuck(lay, out, excess, tolerance)
         return _align_where_needed(lay.old, out, num_gpus)
-    if num_nodes == 1:  # the Pareto option: the budgeted choice among the ladder's trajectories
-        within = _plan_within(lay, tolerance, max_moved_experts)
-        if within is not None:
-            return within
-    return _plan_capped(lay, max_moved_experts)
+    within = _plan_within(lay, tolerance, max_moved_experts)  # the Pareto option: the budgeted choice
+    return within if within is not None else _plan_capped(lay, max_moved_experts)
 
 
 def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_nodes: int,
@@ -159,8 +158,7 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     same bound at the node packing and replica counts of DeepSeek's hierarchical plan, which "balanced" keeps
     (its swaps stay inside nodes): over the nodes, the larger of the node's load over its GPUs and its largest
     per-replica load ("balanced" ends 6e-5 above it on average, 2.4e-4 at most, on the DeepSeek-V3 4-node drift
-    pair of /work/exp/harness.py). With ``max_moved_experts`` the hierarchical policy still measures against
-    :func:`reference_phy2log`'s peak.
+    pair of /work/exp/harness.py).
 
     Raises:
         InputError, TopologyError: as :func:`fdeplb.placement.rebalance_experts`.
@@ -179,8 +177,8 @@ def reference_phy2log(expert_load: object, num_replicas: int, num_groups: int, n
     """phy2log int64 [L, P]: "balanced" with 1-1 swaps only (:func:`fdeplb.placement.balanced.balanced_plan` with
     ``pairs=False``), hierarchical when ``num_groups % num_nodes == 0``. The global policy no longer measures
     against it (its peak is 1e-4 to 4e-4 above "balanced"'s: :func:`reference_peak` replaced it); kept for the
-    reference column of benchmarks/placement.py, and it is still the hierarchical reference with a move cap
-    (without one, the node bound of :func:`reference_peak` replaced it).
+    reference column of benchmarks/placement.py (the hierarchical policy measures against the node bound of
+    :func:`reference_peak`, with or without a move cap).
 
     Raises:
         InputError, TopologyError: as :func:`fdeplb.placement.rebalance_experts`.
@@ -220,20 +218,18 @@ class _Layers:
     GPU, the per-layer targets (absolute load) and every layer's group-to-node maps."""
 
     def __init__(self, expert_load: np.ndarray, old_phy2log: np.ndarray, num_replicas: int, num_groups: int,
-                 num_nodes: int, num_gpus: int, tolerance: float, *, node_bound: bool = True):
+                 num_nodes: int, num_gpus: int, tolerance: float):
         self.load = load = np.asarray(expert_load, dtype=np.float64)
         self.old = old = np.asarray(old_phy2log, dtype=np.int64)
         L, E = load.shape
         P = num_replicas
-        if num_nodes > 1 and node_bound:  # DeepSeek's plan: the node packing and replica counts of "balanced" (which
+        if num_nodes > 1:  # DeepSeek's plan: the node packing and replica counts of "balanced" (which
             # only swaps inside nodes), and the bound at them; the balanced plan only for layers that need it
             self.fresh, logcnt = deepseek_phy2log(expert_load, P, num_groups, num_nodes, num_gpus)
             fresh_peak = _node_peak_bound(load, self.fresh, logcnt, num_nodes, num_gpus)
-        elif num_nodes > 1:  # with a move cap: the peak of "balanced" with 1-1 swaps only (its plan is needed)
-            self.fresh, fresh_peak = balanced_plan(expert_load, P, num_groups, num_nodes, num_gpus, pairs=False)
         else:  # global: the bound (no plan on the hot path); the plan only for layers that need the fallback
             self.fresh, fresh_peak = np.zeros((L, P), dtype=np.int64), _peak_bound(load, P, num_gpus)
-        self._have = np.full(L, num_nodes > 1 and not node_bound)
+        self._have = np.zeros(L, dtype=bool)
         self.num_groups = num_groups
         self.fresh_peak = fresh_peak
         self.num_nodes, self.num_gpus = num_nodes, num_gpus
@@ -333,21 +329,15 @@ def _refill_stuck(lay: _Layers, out: np.ndarray, layers: np.ndarray) -> np.ndarr
 
 
 def _plan_capped(lay: _Layers, max_moved_experts: int) -> np.ndarray:
-    """The capped plan: every layer by the per-layer repair, worst layers first, each within what is left of
-    ``max_moved_experts`` after the moves no plan avoids are reserved; int64 [L, P]."""
+    """The guard of the capped plan (should the Pareto plan move more than the cap): every layer by the per-layer
+    repair, worst layers first, each within what is left of ``max_moved_experts`` after the moves no plan avoids
+    are reserved; int64 [L, P]."""
     lay.prepare(np.arange(lay.load.shape[0]))
     candidates = [lay.candidates(layer) for layer in range(lay.load.shape[0])]
     # moves no plan can avoid (groups spread over nodes in the old placement) are reserved first
     reserve = np.array([min(c.fill_cost for c in cands) for cands in candidates], dtype=np.float64)
-    budget = float(max_moved_experts)
-    if reserve.sum() > budget:
-        layers = np.flatnonzero(reserve > 0)
-        raise InputError(
-            f"max_moved_experts={max_moved_experts} cannot be met: old_phy2log spreads expert groups over nodes "
-            f"(layers {layers[:8].tolist()}{' ...' if layers.size > 8 else ''}) and putting every group on one "
-            f"node moves {int(reserve.sum())} experts"
-        )
-    budget -= reserve.sum()
+    check_reserve(reserve, max_moved_experts)
+    budget = float(max_moved_experts) - reserve.sum()
     out = np.empty_like(lay.old)
     # worst layers first, so that a move budget goes where it helps most
     old_peak = raw_gpu_loads(lay.load, lay.old, lay.num_gpus).max(axis=1)
@@ -373,13 +363,22 @@ def _global_trajectories(load: np.ndarray, old: np.ndarray, target: np.ndarray, 
 
 
 def _plan_within(lay: _Layers, tolerance: float, max_moved_experts: int) -> np.ndarray | None:
-    """Global mode with a move cap, the Pareto option: every layer's plan chosen among the old placement and the
-    repair's trajectories toward a ladder of targets so that the mean excess over layers is least within
-    ``max_moved_experts`` (:func:`fdeplb.placement.pareto.plan_within_budget`); int64 [L, P], or None in the
-    unexpected case that the aligned plan moves more (the caller then takes the per-layer repair)."""
-    plan = _align_where_needed(lay.old, plan_within_budget(lay.load, lay.old, lay.fresh_peak, lay.num_gpus, tolerance,
-                                                           max_moved_experts, bulk_copies=_BULK_COPIES,
-                                                           stuck_fill=_STUCK_FILL), lay.num_gpus)
+    """With a move cap, the Pareto option: every layer's plan chosen among the old placement and the repair's
+    trajectories toward a ladder of targets so that the mean excess over layers is least within
+    ``max_moved_experts`` (:func:`fdeplb.placement.pareto.plan_within_budget`, in hierarchical mode
+    :func:`fdeplb.placement.pareto.plan_nodes_within_budget`); int64 [L, P], or None in the unexpected case that
+    the aligned plan moves more (the caller then takes the per-layer repair).
+
+    Raises:
+        InputError: hierarchical mode, a cap below the moves no plan avoids."""
+    if lay.num_nodes == 1:
+        plan = plan_within_budget(lay.load, lay.old, lay.fresh_peak, lay.num_gpus, tolerance, max_moved_experts,
+                                  bulk_copies=_BULK_COPIES, stuck_fill=_STUCK_FILL)
+    else:
+        plan = plan_nodes_within_budget(lay.load, lay.old, lay.fresh_peak, lay.old_maps, lay.group_node,
+                                        lay.num_nodes, lay.num_gpus, tolerance, max_moved_experts,
+                                        bulk_copies=_BULK_COPIES, free_item=_MAX_ITEM_SHARE)
+    plan = _align_where_needed(lay.old, plan, lay.num_gpus)
     return plan if moved_experts(lay.old, plan, lay.num_gpus) <= max_moved_experts else None
 
 
@@ -394,11 +393,9 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     target (so a layer already within it whose groups sit on whole nodes keeps its placement), and takes the
     balanced plan's (renumbered) map otherwise; experts of groups that change node fill the freed slots
     (:func:`fdeplb.placement.fill.fill_rows`) before the repair."""
-    L, E = load.shape
-    P = old.shape[1]
+    L, P = old.shape
     num_groups = old_maps.shape[1]
-    group_size = E // num_groups
-    En, Pn, Gn = E // num_nodes, P // num_nodes, num_gpus // num_nodes
+    Pn, Gn = P // num_nodes, num_gpus // num_nodes
     layers = np.arange(L)
     safe_mean = np.where(mean > 0, mean, 1.0)
     # rows are repaired a little below the tolerance, so that the stop choice can let expensive layers stop above it
@@ -409,27 +406,11 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9), replanned_at_tolerance=True)
         return replay_stops(start, log, stops), excess
-    node_of_slot = np.arange(P) // Pn
     node_load = np.zeros((L, num_nodes))
-    np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, group_size).sum(axis=2))
+    np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, -1).sum(axis=2))
     maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
-    expert_node = np.repeat(maps, group_size, axis=1)  # [L, E]
-    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(L, num_nodes, En)
-    local = np.empty((L, E), dtype=np.int64)
-    np.put_along_axis(local, experts_of.reshape(L, E), np.broadcast_to(np.arange(E) % En, (L, E)), axis=1)
-    rows_idx = layers[:, None]
-    old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old],
-                         -1).reshape(L * num_nodes, Pn)
-    row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
-    start = old_local.copy()
-    held = replica_counts(old_local, En)
-    free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
-    row_cap = np.repeat(cap, num_nodes)
-    bulk = ~free & (forced_copies(old_local, row_load, row_cap) >= _BULK_COPIES)
-    fill = free | bulk
-    if fill.any():
-        max_item = np.where(free, np.repeat(_MAX_ITEM_SHARE * mean, num_nodes), row_cap)
-        start[fill] = fill_rows(old_local[fill], row_load[fill], Gn, max_item[fill])
+    experts_of, old_local, row_load, start = node_rows(load, old, maps, _MAX_ITEM_SHARE * mean, cap, num_nodes,
+                                                       num_gpus, _BULK_COPIES)
     work = start.copy()
     points, log = repair_rows(work, row_load, old_local, np.repeat(target, num_nodes), Gn, pair_swaps=True)
     stops, excess = choose_stops(points, np.repeat(layers, num_nodes), fresh_peak, safe_mean,

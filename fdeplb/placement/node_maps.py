@@ -1,14 +1,18 @@
-"""Group-to-node maps of the hierarchical "move_aware" policy: which node every expert group lives on.
+"""Group-to-node maps of the hierarchical "move_aware" policy: which node every expert group lives on, and the
+(layer, node) rows a map gives.
 
 Two maps per layer: the old placement's (:func:`old_node_of_groups`) and the "balanced" plan's packing with its
 nodes renumbered to match the old placement (:func:`node_of_groups`); a layer keeps the first or takes the second
-(:mod:`fdeplb.placement.move_aware`).
+(:mod:`fdeplb.placement.move_aware`); with a move cap also the old map with one swap of two groups
+(:func:`swap_map`), cheaper to reach than the balanced one. :func:`node_rows` turns a map into the rows the
+batched repair works on.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.slots import overlap_assignment
 
 
@@ -43,3 +47,74 @@ def old_node_of_groups(old_row: np.ndarray, num_groups: int, num_nodes: int, gro
         return on.argmax(axis=1).astype(np.int64)
     per_node = num_groups // num_nodes
     return overlap_assignment(np.repeat(overlap, per_node, axis=1)) // per_node
+
+
+def swap_map(old_maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np.ndarray:
+    """int64 [L, num_groups]: every layer's ``old_maps`` row with the one swap of two groups on different nodes that
+    lowers its heaviest node most (ties: the first pair in (i, j) order), or unchanged when no swap lowers it.
+    ``group_load`` float64 [L, num_groups]: every group's load (tokens)."""
+    L, num_groups = group_load.shape
+    layers = np.arange(L)[:, None]
+    node_load = np.zeros((L, num_nodes))
+    np.add.at(node_load, (layers, old_maps), group_load)
+    i, j = np.triu_indices(num_groups, 1)
+    shift = group_load[:, i] - group_load[:, j]  # [L, Q]: what node(i) gives node(j) by the swap
+    after = np.repeat(node_load[:, None, :], i.size, axis=1)  # [L, Q, num_nodes]
+    q = np.arange(i.size)
+    after[layers, q, old_maps[:, i]] -= shift
+    after[layers, q, old_maps[:, j]] += shift
+    peak = np.where(old_maps[:, i] != old_maps[:, j], after.max(axis=2), np.inf)
+    best = peak.argmin(axis=1)
+    rows = np.flatnonzero(peak[np.arange(L), best] < node_load.max(axis=1) * (1 - 1e-12))
+    out = old_maps.copy()
+    out[rows, i[best[rows]]], out[rows, j[best[rows]]] = old_maps[rows, j[best[rows]]], old_maps[rows, i[best[rows]]]
+    return out
+
+
+def node_rows(load: np.ndarray, old: np.ndarray, maps: np.ndarray, free_item: np.ndarray, cap: np.ndarray,
+              num_nodes: int, num_gpus: int, bulk_copies: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The (layer, node) rows of the hierarchical repair for a group-to-node map per layer.
+
+    Every node's experts get local ids in expert order; an old slot keeps its expert when the expert's group stays
+    on the slot's node, else becomes a slot to fill. A row with a slot to fill or an expert without a replica is
+    filled (:func:`fdeplb.placement.fill.fill_rows`, replicas re-assigned above ``free_item``: the relocation of
+    the groups that changed node); a row whose experts need ``bulk_copies`` or more replicas to bring every
+    per-replica load under ``cap`` gets them in bulk the same way (re-assigned above ``cap``).
+
+    Args:
+        load: float64 [L, E] expert_load (tokens); old: int64 [L, P] old phy2log; maps: int64 [L, num_groups] node
+            of every group (groups of E / num_groups consecutive experts, num_groups / num_nodes per node).
+        free_item, cap: float64 [L] tokens.
+        num_nodes, num_gpus: P / num_nodes slots on num_gpus / num_nodes GPUs per node.
+
+    Returns:
+        (experts_of int64 [L, num_nodes, E / num_nodes]: global id of every node's local expert, old_local int64
+        [L * num_nodes, P / num_nodes]: the old placement in local ids (-1: the slot's expert left the node),
+        row_load float64 [L * num_nodes, E / num_nodes], start int64 [L * num_nodes, P / num_nodes]: the rows
+        after the fill). Deterministic.
+    """
+    L, E = load.shape
+    P = old.shape[1]
+    num_groups = maps.shape[1]
+    group_size = E // num_groups
+    En, Pn, Gn = E // num_nodes, P // num_nodes, num_gpus // num_nodes
+    layers = np.arange(L)
+    node_of_slot = np.arange(P) // Pn
+    expert_node = np.repeat(maps, group_size, axis=1)  # [L, E]
+    experts_of = np.argsort(expert_node * E + np.arange(E), axis=1, kind="stable").reshape(L, num_nodes, En)
+    local = np.empty((L, E), dtype=np.int64)
+    np.put_along_axis(local, experts_of.reshape(L, E), np.broadcast_to(np.arange(E) % En, (L, E)), axis=1)
+    rows_idx = layers[:, None]
+    old_local = np.where(expert_node[rows_idx, old] == node_of_slot, local[rows_idx, old],
+                         -1).reshape(L * num_nodes, Pn)
+    row_load = load[layers[:, None, None], experts_of].reshape(L * num_nodes, En)
+    start = old_local.copy()
+    held = replica_counts(old_local, En)
+    free = (old_local < 0).any(axis=1) | (held[:, :En] == 0).any(axis=1)  # a slot to fill or an expert to place
+    row_cap = np.repeat(cap, num_nodes)
+    bulk = ~free & (forced_copies(old_local, row_load, row_cap) >= bulk_copies)
+    fill = free | bulk
+    if fill.any():
+        max_item = np.where(free, np.repeat(free_item, num_nodes), row_cap)
+        start[fill] = fill_rows(old_local[fill], row_load[fill], Gn, max_item[fill])
+    return experts_of, old_local, row_load, start

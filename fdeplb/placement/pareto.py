@@ -1,4 +1,4 @@
-"""The Pareto option of the global "move_aware" policy: the least mean max/mean a budget of moved experts buys.
+"""The Pareto option of the "move_aware" policy: the least mean max/mean a budget of moved experts buys.
 
 One concern: given a move budget (``max_moved_experts``, a sum over layers), choose for every layer one plan among
 candidates that do not depend on the budget, so that the mean over layers of the heaviest GPU's excess is least.
@@ -11,6 +11,9 @@ target spends moves on precision (every GPU within ~0.0005 of the mean costs ~2 
 drift pairs); a loose one spends them where the heaviest GPU is, so a small budget is best spent on the early
 points of loose trajectories, a large one on the late points of tight ones.
 
+Hierarchical mode (:func:`plan_nodes_within_budget`): the same ladder over the (layer, node) rows of each of a
+layer's group-to-node maps, with the relocation of groups that change node counted in every candidate's moves.
+
 Choice (:func:`fdeplb.placement.stops.choose_within_budget`): an exact multiple-choice knapsack over the candidates
 (dynamic programming over the integer budget). The candidate set is the same for every budget and the choice is
 optimal over it, so a larger budget never gives a larger mean excess (monotone by construction).
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from fdeplb.errors import InputError
 from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import raw_gpu_loads
+from fdeplb.placement.node_maps import node_rows, swap_map
 from fdeplb.placement.repair import repair_rows
-from fdeplb.placement.stops import choose_within_budget, replay_stops
+from fdeplb.placement.stops import block_candidates, choose_within_budget, replay_stops
 
 #: the ladder of repair targets (excess over the reference heaviest GPU, max/mean units): a geometric ladder from
 #: _LADDER_LOW to _LADDER_HIGH by factors of _LADDER_STEP, plus the policy's own tolerance
@@ -127,3 +132,105 @@ def _refill_run(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, safe_me
     start[layers] = sub_start
     log = [None if e is None else (layers[e[0]], *e[1:]) for e in log]
     return start, log, [(t, (layers[rows], moved, peak)) for t, (rows, moved, peak) in enumerate(points)]
+
+
+def check_reserve(reserve: np.ndarray, budget: int) -> None:
+    """Raise when ``budget`` moved experts cannot pay ``reserve`` float64 [L], the moves per layer no hierarchical
+    plan avoids (an old placement that spreads expert groups over nodes).
+
+    Raises:
+        InputError: ``reserve.sum() > budget``, naming the layers and the moves.
+    """
+    if reserve.sum() > budget:
+        layers = np.flatnonzero(reserve > 0)
+        raise InputError(
+            f"max_moved_experts={budget} cannot be met: old_phy2log spreads expert groups over nodes "
+            f"(layers {layers[:8].tolist()}{' ...' if layers.size > 8 else ''}) and putting every group on one "
+            f"node moves {int(reserve.sum())} experts"
+        )
+
+
+def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.ndarray, old_maps: np.ndarray,
+                             fresh_maps: np.ndarray, num_nodes: int, num_gpus: int, tolerance: float, budget: int,
+                             *, bulk_copies: int, free_item: float) -> np.ndarray:
+    """The plan of every layer (hierarchical mode) with the least mean excess within ``budget`` moved experts.
+
+    Candidates of a layer, none depending on the budget: its old placement when it keeps every group on one node (no
+    move), and for each of its group-to-node maps (the old placement's, the old one with one swap of two groups,
+    :func:`fdeplb.placement.node_maps.swap_map`, and the "balanced" plan's; each where it differs from those
+    before it) and each rung of :func:`ladder`, the levels of the node rows' repair trajectories toward the rung
+    (:func:`fdeplb.placement.stops.block_candidates`): the rows of :func:`fdeplb.placement.node_maps.node_rows`
+    (the relocation of the groups that change node is part of every point's moved experts, so it is charged to
+    the budget), repaired with 2-2 swaps as in the uncapped path. Choice: the exact multiple-choice knapsack
+    (:func:`fdeplb.placement.stops.choose_within_budget`), so a larger budget never does worse.
+
+    Args:
+        load: float64 [L, E] expert_load (tokens); old: int64 [L, P] old phy2log.
+        ref_peak: float64 [L] tokens, the reference heaviest GPU (``move_aware.reference_peak``).
+        old_maps, fresh_maps: int64 [L, num_groups] node of every group (:mod:`fdeplb.placement.node_maps`).
+        num_nodes, num_gpus: the topology (num_groups a multiple of num_nodes).
+        tolerance: the policy's tolerance (max/mean units, >= 0): one rung of the ladder.
+        budget: moved experts allowed in all, >= 0.
+        bulk_copies: a row whose experts need this many more replicas to get under twice a rung gets them in bulk.
+        free_item: share of the mean GPU load above which a relocated row re-assigns replicas.
+
+    Returns:
+        phy2log int64 [L, P], every group on one node, at most ``budget`` moved experts; slots of experts that stay
+        on a GPU may be permuted (the caller aligns them). Deterministic.
+
+    Raises:
+        InputError: ``budget`` below the moves no plan avoids (:func:`check_reserve`).
+    """
+    L, E = load.shape
+    P = old.shape[1]
+    Pn = P // num_nodes
+    mean = load.sum(axis=1) / num_gpus
+    safe_mean = np.where(mean > 0, mean, 1.0)
+    group_size = E // old_maps.shape[1]
+    # (layer, map) pairs: every layer's old map, then its one-swap map and the balanced map where each differs from
+    # the maps before it
+    candidates = [old_maps, swap_map(old_maps, load.reshape(L, old_maps.shape[1], -1).sum(axis=2), num_nodes),
+                  fresh_maps]
+    sel, maps = [], []
+    for k, cand in enumerate(candidates):
+        new = np.flatnonzero(np.all([(cand != earlier).any(axis=1) for earlier in candidates[:k]], axis=0)
+                             if k else np.ones(L, dtype=bool))
+        sel.append(new)
+        maps.append(cand[new])
+    sel, maps = np.concatenate(sel), np.concatenate(maps)
+    rungs = ladder(tolerance)
+    starts, targets = [], []
+    for rung in rungs:  # the rows of every (rung, layer, map), stacked for one batched repair
+        experts_of, old_local, row_load, start = node_rows(
+            load[sel], old[sel], maps, free_item * mean[sel], ref_peak[sel] + 2 * rung * safe_mean[sel], num_nodes,
+            num_gpus, bulk_copies)
+        starts.append(start)
+        targets.append(np.repeat(ref_peak[sel] + rung * safe_mean[sel], num_nodes))
+    K = rungs.size
+    start = np.concatenate(starts)
+    points, log = repair_rows(start.copy(), np.tile(row_load, (K, 1)), np.tile(old_local, (K, 1)),
+                              np.concatenate(targets), num_gpus // num_nodes, pair_swaps=True)
+    block, moves, excess, stops = block_candidates(points, num_nodes, np.tile(ref_peak[sel], K),
+                                                   np.tile(safe_mean[sel], K))
+    layer_of = np.tile(sel, K)[block]
+    # the old placement of layers that keep every group on one node: no move
+    keeps = (old_maps[np.arange(L)[:, None], old // group_size] == np.arange(P) // Pn).all(axis=1)
+    old_peak = raw_gpu_loads(load, old, num_gpus).max(axis=1)
+    kept = np.flatnonzero(keeps)
+    layer_of = np.concatenate([kept, layer_of])
+    moves = np.concatenate([np.zeros(kept.size, dtype=np.int64), moves])
+    excess = np.concatenate([((old_peak - ref_peak) / safe_mean)[kept], excess])
+    reserve = np.full(L, np.inf)
+    np.minimum.at(reserve, layer_of, moves.astype(np.float64))
+    check_reserve(reserve, budget)
+    pick = choose_within_budget(layer_of, moves, excess, L, budget) - kept.size
+    pick = pick[pick >= 0]  # the layers that move: candidate pick of block block[pick]
+    all_stops = np.zeros(start.shape[0], dtype=np.int64)
+    rows = block[pick][:, None] * num_nodes + np.arange(num_nodes)
+    all_stops[rows] = stops[pick]
+    replayed = replay_stops(start, log, all_stops)
+    out = old.copy()
+    m = block[pick] % sel.size  # the (layer, map) pair of every chosen block
+    out[sel[m]] = np.take_along_axis(experts_of[m], replayed[rows].reshape(m.size, num_nodes, Pn),
+                                     axis=2).reshape(m.size, P)
+    return out

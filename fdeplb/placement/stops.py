@@ -4,8 +4,9 @@
 of its actions) and a log of the actions it applied. :func:`choose_stops` picks one point per row so that the
 total moved experts is least under the tolerance bounds of the uncapped "move_aware" policy (a Lagrangian
 relaxation over all points); :func:`choose_within_budget` picks one candidate point per layer so that the summed
-excess is least under a budget of moved experts (the capped policy's Pareto option, exactly), and
-:func:`replay_stops` replays the log up to the chosen points.
+excess is least under a budget of moved experts (the capped policy's Pareto option, exactly), with
+:func:`block_candidates` turning the trajectories of a layer's node rows (hierarchical mode) into such candidates,
+and :func:`replay_stops` replays the log up to the chosen points.
 """
 
 from __future__ import annotations
@@ -174,3 +175,45 @@ def choose_within_budget(layer: np.ndarray, moves: np.ndarray, excess: np.ndarra
         out[l] = choice[l, left]
         left -= int(moves[out[l]])
     return out
+
+
+def block_candidates(points: list, rows_per_block: int, ref_peak: np.ndarray,
+                     mean: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate stops of blocks of rows (``rows_per_block`` consecutive rows of
+    :func:`fdeplb.placement.repair.repair_rows`, e.g. the node rows of one layer under one start): every point of a
+    block's rows sets a level (its excess, ``(peak - ref_peak) / mean`` of the block); at that level every row of the
+    block stops at its point with fewest moved experts (then least excess, then earliest) whose excess is at most
+    the level. A level some row of the block cannot meet gives no candidate.
+
+    Args:
+        points: :func:`fdeplb.placement.repair.repair_rows`'s trajectories of R rows.
+        rows_per_block: rows per block (R a multiple of it).
+        ref_peak, mean: float64 [R / rows_per_block] tokens (``mean`` > 0): the reference heaviest GPU and the mean
+            GPU load of every block.
+
+    Returns:
+        (block int64 [N], moves int64 [N]: summed over the block's rows, excess float64 [N]: the largest of its
+        rows', stops int64 [N, rows_per_block]: iterations to replay per row, for :func:`replay_stops`).
+        Deterministic; candidates may repeat.
+    """
+    R = points[0][0].size
+    rows = np.concatenate([p[0] for p in points])
+    it = np.concatenate([np.full(p[0].size, t, dtype=np.int64) for t, p in enumerate(points)])
+    mv = np.concatenate([p[1] for p in points]).astype(np.int64)
+    blk = rows // rows_per_block
+    exc = (np.concatenate([p[2] for p in points]) - ref_peak[blk]) / mean[blk]
+    order = np.lexsort((it, exc, rows))  # every row's points by excess, then iteration
+    rows_s, exc_s, mv_s, it_s = rows[order], exc[order], mv[order], it[order]
+    N = order.size
+    seg = np.searchsorted(rows_s, np.arange(R))  # first point of every row
+    big = int(mv.max(initial=0)) + 1
+    # best[i]: the point with fewest moves (then first in this order) among its row's points up to i
+    key = (mv_s - rows_s * big) * N + np.arange(N)  # later rows below earlier ones: the running min restarts
+    best = np.mod(np.minimum.accumulate(key), N)
+    span = float(max(np.abs(exc).max(initial=0.0), 1.0)) * 4 + 4
+    key_s = rows_s * span + exc_s  # increasing: rows apart by more than any excess difference
+    r_of = (rows_s // rows_per_block)[:, None] * rows_per_block + np.arange(rows_per_block)  # [N, n]
+    pos = np.searchsorted(key_s, r_of * span + exc_s[:, None], side="right") - 1
+    ok = (pos >= seg[r_of]).all(axis=1)
+    at = best[np.maximum(pos[ok], 0)]  # [N', n] the rows' points at every feasible level
+    return rows_s[ok] // rows_per_block, mv_s[at].sum(axis=1), exc_s[at].max(axis=1), it_s[at]

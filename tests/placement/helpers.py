@@ -39,3 +39,10 @@ def check_invariants(pl: Placement, num_experts: int, num_replicas: int) -> None
     if pl.policy != "deepseek":
         assert ((np.diff(padded, axis=2) > 0) | ~valid[:, :, 1:]).all()
     assert (valid[:, :, :-1] | ~valid[:, :, 1:]).all()  # padding only at the end
+
+
+def groups_on_nodes(phy2log, num_experts, num_groups, num_nodes):
+    """Every group's experts on one node, in every layer."""
+    P = phy2log.shape[1]
+    group, node = phy2log // (num_experts // num_groups), np.arange(P) // (P // num_nodes)
+    return all(np.unique(np.stack([group[layer], node]), axis=1).shape[1] == num_groups for layer in range(len(group)))

@@ -22,7 +22,7 @@ from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.stops import choose_stops
-from tests.placement.helpers import check_invariants, dumps, topologies
+from tests.placement.helpers import check_invariants, dumps, groups_on_nodes, topologies
 
 
 def ratio(load, placement, num_gpus):
@@ -389,13 +389,6 @@ def test_every_policy_gives_a_valid_deterministic_placement(problem):
 
 
 # ---- move_aware: the move cap in hierarchical mode ----------------------------------------------------------------
-def groups_on_nodes(phy2log, num_experts, num_groups, num_nodes):
-    """Every group's experts on one node, in every layer."""
-    P = phy2log.shape[1]
-    group, node = phy2log // (num_experts // num_groups), np.arange(P) // (P // num_nodes)
-    return all(np.unique(np.stack([group[layer], node]), axis=1).shape[1] == num_groups for layer in range(len(group)))
-
-
 @st.composite
 def hierarchical_problems(draw):
     num_nodes = draw(st.sampled_from([2, 4]))
@@ -426,6 +419,8 @@ def test_move_aware_cap_holds_in_hierarchical_mode(problem):
         assert (ratio(load, plan, G) <= reference_ratio(load, *topo) + 0.001 + 1e-12).all()
     else:
         assert moved_experts(old, plan, G) <= cap
+        more = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=cap + 3)
+        assert (1 + imbalance(load, more, G)).mean() <= (1 + imbalance(load, plan, G)).mean() + 1e-12
     still = rebalance_experts(load, *topo, policy="move_aware", old_phy2log=old, max_moved_experts=0)
     assert still.phy2log.tolist() == old.tolist()
     for zero_cap in (None, cap):  # all-zero loads: every GPU load is already 0, nothing needs to move
