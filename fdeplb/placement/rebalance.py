@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import numpy as np
@@ -212,7 +213,7 @@ def rebalance_experts(
         old = check_phy2log(raw, E, name="old_phy2log", shape=(L, num_replicas))
     options = {}
     if policy in ("move_aware", "topology_aware"):
-        tol = float(tolerance) if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) else -1.0
+        tol = float(tolerance) if isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool) else -1.0
         if not tol >= 0 or not np.isfinite(tol):
             raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
         options = {"tolerance": tol}
