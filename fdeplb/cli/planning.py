@@ -167,13 +167,18 @@ def run(args: argparse.Namespace) -> int:
         f"cross-node fraction {cross_nodes['cross_node_before']:.4f} -> {cross_nodes['cross_node_after']:.4f}")
     if cross:
         print(f"{cross} (load per source rank, {args.num_nodes} nodes)")
-    from fdeplb.rounds.gating import GateDecision  # the one gain rule, as a cluster's round applies it
+    from fdeplb.rounds.gating import SOURCE_POLICIES, GateDecision  # the one gain rule, as a round applies it
 
+    # a cluster's round judges the cross-node fractions only when its policy plans from the split (gating.
+    # keeps_source_load): other policies' rounds plan on the sum and are judged on balancedness alone
     gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
-                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0, **cross_nodes)
+                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0,
+                        **(cross_nodes if args.policy in SOURCE_POLICIES else {}))
+    lower = gate.cross_node_gain
     print(f"gate: {'goes on' if gate.goes_on else 'skipped'}: " +
-          (f"gain {gate.gain:+.4f}" + (f", cross-node fraction lower by {gate.cross_node_gain:.4f}"
-                                       if gate.cross_node_gain is not None else "") +
+          (f"gain {gate.gain:+.4f}" + ("" if lower is None else
+                                       f", cross-node fraction {'lower' if lower >= 0 else 'higher'} by "
+                                       f"{abs(lower):.4f}") +
            f" with {moved:,} moved experts" if gate.goes_on else
            f"{gate.why_skipped} (a cluster would not run this plan)"))
     if args.out:

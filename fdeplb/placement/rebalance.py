@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable
 
 import numpy as np
@@ -14,6 +15,7 @@ from fdeplb.placement.balanced import balanced_phy2log
 from fdeplb.placement.deepseek import deepseek_placement
 from fdeplb.placement.greedy import greedy_phy2log
 from fdeplb.placement.live_ranks import check_live_ranks, live_slots, replace_orphans
+from fdeplb.placement.metrics import moved_experts
 from fdeplb.placement.move_aware import move_aware_phy2log
 from fdeplb.placement.slots import align_slots
 from fdeplb.placement.topology import topology_aware_phy2log
@@ -177,7 +179,8 @@ def rebalance_experts(
             the policy runs over the live GPUs (hierarchically when every node keeps the same number of live
             GPUs, else the global policy) and its result fills the live slots; slots of the other ranks keep
             their old entries (the initial placement's without ``old_phy2log``) and are never routed to. log2phy
-            is then in phy_id order.
+            is then in phy_id order. With ``max_moved_experts`` the orphans' re-placement is charged to the cap
+            (a cap below it raises InputError).
 
     Returns:
         A :class:`Placement` (phy2log int64 [L, P], log2phy, logcnt) tagged with the policy and topology.
@@ -210,7 +213,7 @@ def rebalance_experts(
         old = check_phy2log(raw, E, name="old_phy2log", shape=(L, num_replicas))
     options = {}
     if policy in ("move_aware", "topology_aware"):
-        tol = float(tolerance) if isinstance(tolerance, (int, float)) and not isinstance(tolerance, bool) else -1.0
+        tol = float(tolerance) if isinstance(tolerance, numbers.Real) and not isinstance(tolerance, bool) else -1.0
         if not tol >= 0 or not np.isfinite(tol):
             raise InputError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
         options = {"tolerance": tol}
@@ -253,8 +256,21 @@ def _plan_live(fn, load: np.ndarray, num_replicas: int, num_groups: int, num_nod
     per_node = live.reshape(num_nodes, -1).sum(axis=1)
     groups, nodes = (num_groups, num_nodes) if (per_node == per_node[0]).all() else (1, 1)
     p_live, groups, nodes, n_live, hierarchical = check_topology(E, p_live, groups, nodes, n_live)
-    planned = fn(load, p_live, groups, nodes, n_live, hierarchical, None if old is None else base[:, slots],
-                 **options)
+    cap = options.get("max_moved_experts")
+    if cap is not None and old is not None:  # the orphans' re-placement is charged to the cap
+        lost = moved_experts(old, base, num_gpus)
+        if lost > cap:
+            raise InputError(f"max_moved_experts={cap} cannot be met: giving the experts of the ranks not live a "
+                             f"live slot moves {lost} experts")
+        options = {**options, "max_moved_experts": cap - lost}
+    try:
+        planned = fn(load, p_live, groups, nodes, n_live, hierarchical, None if old is None else base[:, slots],
+                     **options)
+    except InputError as exc:
+        if cap is None or old is None:
+            raise
+        raise InputError(f"max_moved_experts={cap}: {lost} of it give the experts of the ranks not live a live "
+                         f"slot, and with the rest {exc}") from None
     if isinstance(planned, tuple):
         planned = planned[0]
     new = base.copy()

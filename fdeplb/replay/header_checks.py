@@ -217,9 +217,11 @@ def _check_commit_requests(report: ReplayReport, timeline: ConfigTimeline) -> No
 
 
 def check_passed_gates(report: ReplayReport, timeline: ConfigTimeline) -> None:
-    """Every round the gate let through (a ``load`` that is neither a re-placement nor a membership round) gains
-    more than the ``min_gain`` in force: its stored plan's figures, over its members where its record names them
-    (schema 3), else over every rank. Run after :func:`~fdeplb.replay.recompute.check_plans` (the plan's arrays are
+    """Every round the gate let through (a ``load`` that is neither a re-placement nor a membership round) goes on
+    by the gate's rule under the ``min_gain`` in force (:attr:`fdeplb.rounds.gating.GateDecision.goes_on`): its
+    stored plan's figures, over its members where its record names them (schema 3), else over every rank, with
+    the cross-node fractions when it was planned from its load per source rank (a split the recording lacks: only
+    a gain above ``min_gain`` is known to pass). Run after :func:`~fdeplb.replay.recompute.check_plans` (the plan's arrays are
     then the planner's)."""
     for loaded in report.plans:
         plan = report.stored_plans.get(loaded.plan_id)
@@ -232,12 +234,16 @@ def check_passed_gates(report: ReplayReport, timeline: ConfigTimeline) -> None:
             continue  # check_gates names the corrupt detail at its line
         cfg = timeline.at(loaded.round)
         members = plan.live_ranks(cfg.ep_size) if figures is not None and "live_ranks" in figures else None
-        decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg, members)
+        split = report.source_loads.get(loaded.round) if "source_load" in plan.topology else None
+        decision = decide(plan.expert_load, plan.old_phy2log, plan.new_phy2log, cfg, members, split)
         if decision.moved_experts and not decision.goes_on:
+            if "source_load" in plan.topology and split is None:
+                continue  # planned from a split the recording lacks: it may have gone on for locality
             raise ReplayError(f"line 1: the header's configuration has min_gain {cfg.min_gain} for round "
                               f"{loaded.round}, but the round went on (load at {loaded.where}) with a planned gain of "
                               f"{decision.gain:.4f} (balancedness {decision.balancedness_before:.4f} -> "
-                              f"{decision.balancedness_after:.4f}), which that min_gain skips")
+                              f"{decision.balancedness_after:.4f}), which that min_gain skips: "
+                              f"{decision.why_skipped}")
 
 
 def _gated(report: ReplayReport, loaded: Any, plan: Any, figures: dict | None) -> bool:

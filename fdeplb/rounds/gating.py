@@ -12,7 +12,9 @@ the gate judges the placement the round would actually commit.
 A policy that plans from the load per source rank (:data:`SOURCE_POLICIES`) is given the round's snapshot split
 per source rank when the round has one and plans over every rank (:func:`round_source`); the gate's figures then
 also name the share of tokens that leave their source rank's node before and after
-(:func:`fdeplb.placement.cross_node_fraction`, mean over layers). The gate itself is unchanged.
+(:func:`fdeplb.placement.cross_node_fraction`, mean over layers), and such a round also goes on when it lowers that
+share by more than ``min_gain`` while giving up at most :data:`fdeplb.placement.TOLERANCE` of balancedness
+(:attr:`GateDecision.for_locality`).
 
 Pure numpy, no I/O, no clock.
 """

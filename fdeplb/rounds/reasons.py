@@ -157,9 +157,10 @@ def gate_passed(decision: "GateDecision") -> Reason:
     """The ``load`` reason of a round the gate lets through: its figures (as :func:`skipped`'s) and the rule."""
     if decision.gain > decision.min_gain:
         rule = f"gain {decision.gain:.4f} > min_gain {decision.min_gain}"
-    else:  # GateDecision.for_locality
+    else:  # GateDecision.for_locality; a gain at or above 0 (below min_gain) gives up nothing, never "-0.0003"
+        given_up = -decision.gain if decision.gain < 0 else 0.0
         rule = (f"cross-node fraction {decision.cross_node_before:.4f} -> {decision.cross_node_after:.4f} (lower by "
-                f"more than min_gain {decision.min_gain}), balancedness given up {-decision.gain:.4f} <= {TOLERANCE}")
+                f"more than min_gain {decision.min_gain}), balancedness given up {given_up:.4f} <= {TOLERANCE}")
     text = (f"gate: balancedness {decision.balancedness_before:.4f} -> {decision.balancedness_after:.4f}"
             f"{_over(decision)}, {rule}, {decision.moved_experts} moved experts")
     return Reason(text, {"gate": decision.detail()})

@@ -113,3 +113,38 @@ def test_a_zero_row_between_moe_rows_is_named_not_silently_dropped(capsys, tmp_p
     path.write_text(json.dumps({"logical_count": rows[:2] + rows[3:]}))
     code, _, err = rebalance(capsys, path)
     assert code == 0 and "note:" not in err
+
+
+def _one_layer_plan(capsys, tmp_path, split, old_row, policy):
+    """``rebalance`` of a one-layer per-rank stack ``split`` ([source rank][expert], 4 ranks, 8 experts) from the
+    placement ``old_row`` (12 slots) on 4 GPUs in 2 nodes: (exit code, stdout)."""
+    from fdeplb.placement import Placement, write_placement
+
+    path = tmp_path / "stack.json"
+    path.write_text(json.dumps({"logical_count": [[row] for row in split]}))
+    old = write_placement(Placement.from_phy2log(np.array([old_row]), 8, num_gpus=4), tmp_path / "old.json",
+                          format="fdeplb")
+    code, out, err = run_cli(capsys, "rebalance", "--load", str(path), "--old", str(old), "--num-replicas", "12",
+                             "--num-gpus", "4", "--num-nodes", "2", "--policy", policy)
+    assert code == 0, out + err
+    return out
+
+
+def test_the_offline_gate_lets_a_plan_through_for_locality_only_under_a_policy_planning_from_the_split(capsys,
+                                                                                                   tmp_path):
+    """QA: a per-rank stack made ``rebalance`` judge every policy's plan by the locality rule, so a 'balanced' plan
+    of no gain that happens to lower the cross-node fraction read 'goes on'; a balanced cluster's round plans on
+    the sum and skips it. The fraction is still printed, and a rise reads 'higher by', never 'lower by -0.0717'."""
+    out = _one_layer_plan(capsys, tmp_path, [[26, 49, 33, 42, 32, 27, 39, 24], [42, 36, 34, 9, 18, 12, 34, 21],
+                                             [41, 24, 33, 35, 15, 23, 42, 31], [8, 29, 24, 35, 25, 33, 5, 21]],
+                          [5, 2, 4, 6, 0, 0, 1, 3, 4, 1, 7, 2], "balanced")
+    assert "cross-node fraction 0.4878 -> 0.4767" in out, out
+    assert out.splitlines()[-1].startswith("gate: skipped: planned gain 0.0000 <= min_gain 0.0"), out
+    # a topology_aware plan that goes on for its gain while more tokens cross nodes (from a placement made for
+    # another split)
+    out = _one_layer_plan(capsys, tmp_path, [[36, 47, 44, 25, 47, 48, 48, 4], [22, 30, 14, 18, 31, 40, 29, 8],
+                                             [33, 43, 10, 27, 16, 45, 3, 23], [44, 21, 6, 39, 48, 49, 46, 18]],
+                          [2, 0, 7, 4, 1, 5, 3, 3, 0, 1, 6, 7], "topology_aware")
+    assert "cross-node fraction 0.4766 -> 0.5483" in out, out
+    gate = out.splitlines()[-1]
+    assert gate.startswith("gate: goes on: gain +") and ", cross-node fraction higher by 0.0717 with" in gate, out

@@ -125,3 +125,26 @@ def test_every_policy_takes_a_live_rank_mask(policy):
 def test_bad_live_rank_masks_are_input_errors(bad):
     with pytest.raises(InputError):
         check_live_ranks(bad, 4)
+
+
+def test_move_aware_cap_counts_the_orphans_re_placement():
+    """``moved_experts(old, plan) <= max_moved_experts`` holds with ranks excluded too: the moves that give the
+    excluded ranks' experts a live slot are charged to the cap, and a cap below them is refused (QA: 6 ranks of 8
+    live, cap 5, moved 11)."""
+    rng = np.random.default_rng(1)
+    old = rebalance_experts(rng.integers(0, 1000, (4, 16)), 32, 4, 2, 8, policy="deepseek").phy2log
+    load = rng.integers(0, 1000, (4, 16))
+    live = [0, 1, 2, 3, 4, 5]
+    lost = moved_experts(old, replace_orphans(old, 16, 8, check_live_ranks(live, 8), load), 8)
+    assert lost > 0
+    for cap in (lost, lost + 5, 10**6):
+        plan = rebalance_experts(load, 32, 4, 2, 8, policy="move_aware", old_phy2log=old, live_ranks=live,
+                                 max_moved_experts=cap)
+        assert moved_experts(old, plan, 8) <= cap
+    with pytest.raises(InputError, match=f"max_moved_experts={lost - 1} cannot be met"):
+        rebalance_experts(load, 32, 4, 2, 8, policy="move_aware", old_phy2log=old, live_ranks=live,
+                          max_moved_experts=lost - 1)
+    # hierarchical: the re-placement spread a group over nodes; the refusal names the whole cap and its use
+    with pytest.raises(InputError, match=r"max_moved_experts=14: 13 of it give the experts of the ranks not live"):
+        rebalance_experts(load, 32, 4, 2, 8, policy="move_aware", old_phy2log=old, live_ranks=[0, 2, 4, 6],
+                          max_moved_experts=14)

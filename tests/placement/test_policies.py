@@ -450,3 +450,17 @@ def test_move_aware_hierarchical_cap_examples():
         check_invariants(plan, 16, 24)
         assert groups_on_nodes(plan.phy2log, 16, 4, 2)
         assert cap is None or moved_experts(initial, plan, 8) <= cap
+
+
+def test_a_numpy_scalar_tolerance_is_a_number_and_a_bool_is_not():
+    # QA: np.float32(0.01) (a numpy reduction's result) was refused as "not a finite number >= 0"; a bool still is
+    rng = np.random.default_rng(3)
+    load, old = rng.integers(0, 1000, (3, 16)), rebalance_experts(rng.integers(0, 1000, (3, 16)), 24, 1, 1, 4).phy2log
+    for policy in ("move_aware", "topology_aware"):
+        for tol in (np.float32(0.01), np.float64(0.01), np.int64(0)):
+            got = rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=tol)
+            want = rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=float(tol))
+            assert np.array_equal(got.phy2log, want.phy2log)
+        for bad in (True, np.bool_(True), "0.01", np.float32("nan"), -1):
+            with pytest.raises(InputError, match="tolerance must be a finite number >= 0"):
+                rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=bad)
