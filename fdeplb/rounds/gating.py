@@ -174,6 +174,8 @@ class GateDecision:
         cross = self.cross_node_gain
         if cross is None:
             return why
+        if cross <= 0:
+            return f"{why}, cross-node fraction not lower ({self.cross_node_before:.4f} -> {self.cross_node_after:.4f})"
         if cross <= self.min_gain:
             return f"{why}, cross-node fraction lower by {cross:.4f} <= min_gain"
         return f"{why}, balancedness given up {-self.gain:.4f} > {TOLERANCE} for cross-node fraction lower by {cross:.4f}"
