@@ -81,6 +81,21 @@ class Lines:
         return rc
 
 
+@pytest.fixture(autouse=True)
+def _children_take_sigint():
+    """The CLI processes these tests start get SIGINT (Ctrl-C) as a terminal would deliver it: a suite launched as
+    a background job of a non-interactive shell (``cmd &``) runs with SIGINT ignored, which its children inherit
+    across exec; a handler is not inherited, so the children start with the default and Python's own handler."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _up(server: RedisServer) -> None:
     """Start ``server`` again on its port unless it runs."""
     if server.proc is None or server.proc.poll() is not None:
