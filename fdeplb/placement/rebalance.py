@@ -74,6 +74,9 @@ def _move_aware(load, num_replicas, num_groups, num_nodes, num_gpus, hierarchica
         raise InputError("policy 'move_aware' needs old_phy2log (the current placement)")
     if not hierarchical:
         num_groups, num_nodes = 1, 1
+    # a layer without load keeps its placement whatever is planned (keep_unloaded): planned as all-zero, it is
+    # within any tolerance at once, spends none of a move cap, and its sub-normal loads cost the repair no time
+    load = np.where((load.max(axis=1) < NO_LOAD)[:, None], 0, load)
     return move_aware_phy2log(load, old, num_replicas, num_groups, num_nodes, num_gpus, tolerance=tolerance,
                               max_moved_experts=max_moved_experts)
 
