@@ -11,7 +11,6 @@ import numpy as np
 from fdeplb.errors import InputError
 from fdeplb.placement import (
     check_topology,
-    cross_node_fraction,
     FORMATS,
     POLICIES,
     balancedness,
@@ -159,16 +158,15 @@ def run(args: argparse.Namespace) -> int:
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
+    from fdeplb.rounds.gating import SOURCE_POLICIES, GateDecision, cross_node_figures  # the gate a round applies
+
     # the share of tokens that leave their source rank's node (placement.metrics), mean over layers
-    cross_nodes = {} if source is None or args.num_nodes == 1 else {
-        f"cross_node_{when}": float(cross_node_fraction(source, p, args.num_gpus, args.num_nodes).mean())
-        for when, p in (("before", before), ("after", after))}
+    cross_nodes = {} if source is None or args.num_nodes == 1 else cross_node_figures(
+        source, before, after, args.num_gpus, args.num_nodes)
     cross = "" if not cross_nodes else (
         f"cross-node fraction {cross_nodes['cross_node_before']:.4f} -> {cross_nodes['cross_node_after']:.4f}")
     if cross:
         print(f"{cross} (load per source rank, {args.num_nodes} nodes)")
-    from fdeplb.rounds.gating import SOURCE_POLICIES, GateDecision  # the one gain rule, as a round applies it
-
     # a cluster's round judges the cross-node fractions only when its policy plans from the split (gating.
     # keeps_source_load): other policies' rounds plan on the sum and are judged on balancedness alone
     gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),

@@ -172,25 +172,6 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     return _peak_bound(np.asarray(load, dtype=np.float64), P, gpus)
 
 
-def reference_phy2log(expert_load: object, num_replicas: int, num_groups: int, num_nodes: int,
-                      num_gpus: int) -> np.ndarray:
-    """phy2log int64 [L, P]: "balanced" with 1-1 swaps only (:func:`fdeplb.placement.balanced.balanced_plan` with
-    ``pairs=False``), hierarchical when ``num_groups % num_nodes == 0``. The global policy no longer measures
-    against it (its peak is 1e-4 to 4e-4 above "balanced"'s: :func:`reference_peak` replaced it); kept for the
-    reference column of benchmarks/placement.py (the hierarchical policy measures against the node bound of
-    :func:`reference_peak`, with or without a move cap).
-
-    Raises:
-        InputError, TopologyError: as :func:`fdeplb.placement.rebalance_experts`.
-    """
-    load = check_expert_load(expert_load)
-    P, groups, nodes, gpus, hierarchical = check_topology(load.shape[1], num_replicas, num_groups, num_nodes,
-                                                          num_gpus)
-    if not hierarchical:
-        groups, nodes = 1, 1
-    return balanced_plan(load, P, groups, nodes, gpus, pairs=False)[0]
-
-
 def _peak_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> np.ndarray:
     """float64 [L] tokens: max(mean GPU load, largest per-replica load at DeepSeek's replica counts) of ``load``
     float64 [L, E] (see :func:`reference_peak`)."""

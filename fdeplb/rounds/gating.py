@@ -30,8 +30,8 @@ from fdeplb.placement import TOLERANCE, balancedness, check_live_ranks, check_ph
     load_digest, moved_experts, rebalance_experts
 from fdeplb.store import ClusterConfig
 
-__all__ = ["ROUND_FACTS", "SOURCE_POLICIES", "GateDecision", "Planner", "configured_topology", "decide",
-           "default_planner", "keeps_source_load", "mean_balancedness", "plan_round", "round_source",
+__all__ = ["ROUND_FACTS", "SOURCE_POLICIES", "GateDecision", "Planner", "configured_topology", "cross_node_figures",
+           "decide", "default_planner", "keeps_source_load", "mean_balancedness", "plan_round", "round_source",
            "source_fact", "split_of"]
 
 #: what a stored plan's topology (hashed into its plan_id) holds of its round beside the configuration's topology:
@@ -191,6 +191,15 @@ class GateDecision:
                 **cross}
 
 
+def cross_node_figures(source_load: np.ndarray, old_phy2log: object, new_phy2log: object, ep_size: int,
+                       num_nodes: int) -> dict[str, float]:
+    """``{"cross_node_before", "cross_node_after"}``: the mean over layers of
+    :func:`fdeplb.placement.cross_node_fraction` of ``source_load`` ([L, ep_size, E]) under the current placement
+    and the plan (phy2log int [L, P] or :class:`~fdeplb.placement.Placement`), as :class:`GateDecision` takes them."""
+    return {f"cross_node_{when}": float(np.mean(cross_node_fraction(source_load, p2l, ep_size, num_nodes)))
+            for when, p2l in (("before", old_phy2log), ("after", new_phy2log))}
+
+
 def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.ndarray,
            cfg: ClusterConfig, live_ranks: object = None, source_load: np.ndarray | None = None) -> GateDecision:
     """The gate on an already planned ``new_phy2log`` (int64 [L, P]) for ``expert_load`` [L, E] from
@@ -198,9 +207,8 @@ def decide(expert_load: np.ndarray, old_phy2log: np.ndarray, new_phy2log: np.nda
     see :func:`mean_balancedness`); with ``source_load`` (the round's :func:`round_source`, [L, ep_size, E]) the
     cross-node fractions too. No error for well-formed arrays and members."""
     members = _members_of(live_ranks, cfg.ep_size)
-    cross = {} if source_load is None else {
-        f"cross_node_{when}": float(np.mean(cross_node_fraction(source_load, p2l, cfg.ep_size, cfg.num_nodes)))
-        for when, p2l in (("before", old_phy2log), ("after", new_phy2log))}
+    cross = {} if source_load is None else cross_node_figures(source_load, old_phy2log, new_phy2log, cfg.ep_size,
+                                                              cfg.num_nodes)
     return GateDecision(new_phy2log=new_phy2log,
                         balancedness_before=mean_balancedness(expert_load, old_phy2log, cfg.ep_size, members),
                         balancedness_after=mean_balancedness(expert_load, new_phy2log, cfg.ep_size, members),

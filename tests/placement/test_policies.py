@@ -17,7 +17,8 @@ from fdeplb.placement import (
     read_expert_load,
     rebalance_experts,
 )
-from fdeplb.placement.move_aware import _align_gpus, layers_to_replan, reference_peak, reference_phy2log
+from fdeplb.placement.balanced import balanced_plan
+from fdeplb.placement.move_aware import _align_gpus, layers_to_replan, reference_peak
 from fdeplb.placement.reference import deepseek_reference
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.slots import align_slots
@@ -32,9 +33,11 @@ def ratio(load, placement, num_gpus):
 
 def reference_ratio(load, num_replicas, num_groups, num_nodes, num_gpus):
     """Per-layer max/mean "move_aware" is held to: the "balanced" policy's (global; the policy measures against a
-    lower bound at or below it, reference_peak), "balanced" with 1-1 swaps only (hierarchical, reference_phy2log)."""
+    lower bound at or below it, reference_peak), "balanced" with 1-1 swaps only (hierarchical: at or above the node
+    bound the policy measures against)."""
     if num_groups % num_nodes == 0:
-        return ratio(load, reference_phy2log(load, num_replicas, num_groups, num_nodes, num_gpus), num_gpus)
+        plan = balanced_plan(np.asarray(load), num_replicas, num_groups, num_nodes, num_gpus, pairs=False)[0]
+        return ratio(load, plan, num_gpus)
     return ratio(load, rebalance_experts(load, num_replicas, num_groups, num_nodes, num_gpus, policy="balanced"),
                  num_gpus)
 
