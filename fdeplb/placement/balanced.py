@@ -5,8 +5,8 @@ The problem per (layer, node) row is cardinality-constrained multiprocessor sche
 Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem", J. Scheduling 4, 2001).
 
 1. Start: DeepSeek's plan (github.com/deepseek-ai/EPLB). Its replica counts (each redundant slot to the expert of
-   largest load per replica, which minimises the largest per-replica load) and, in hierarchical mode, its
-   group-to-node packing are kept; its greedy packing of replicas onto GPUs (heaviest first onto the lightest GPU
+   largest load per replica, which minimises the largest per-replica load; changed only by step 3) and, in
+   hierarchical mode, its group-to-node packing are kept; its greedy packing of replicas onto GPUs (heaviest first onto the lightest GPU
    with room) is the starting point.
 2. Exchange local search, the pairwise-interchange neighbourhood of P||Cmax local search (Finn & Horowitz, "A linear
    time approximation algorithm for multiprocessor scheduling", BIT 19, 1979), restricted to swaps so that every GPU
@@ -19,6 +19,8 @@ Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem",
       :data:`_PARTNERS` lightest GPUs (the best partner pair per GPU found by binary search over its sorted pair
       sums); back to (a) when it helps.
    A row ends when (c) is stuck too, or as soon as its heaviest GPU is within :data:`_GOOD_ENOUGH` of its mean.
+3. Rows whose heaviest GPU then holds two replicas of one expert (no exchange can help: the counts force it) are
+   re-counted and packed again (:mod:`fdeplb.placement.recount`); no row of the real dumps is.
    Every accepted move strictly lowers the sum of squared GPU loads and never raises the maximum, so the search
    ends and the result is never worse than "deepseek" on any layer. Without (c) and the early stop
    (``pairs=False``) it is the search "balanced" ran before its 2-2 stage, kept as "move_aware"'s reference.
@@ -34,6 +36,7 @@ import numpy as np
 
 from fdeplb.placement.deepseek import deepseek_phy2log
 from fdeplb.placement.metrics import raw_gpu_loads
+from fdeplb.placement.recount import recount_rows
 
 #: relative gain below which a swap is not worth it (float64 noise on loads of ~1e8 tokens)
 _RTOL = 1e-12
@@ -216,6 +219,8 @@ def balanced_plan(
     item_load = np.take_along_axis(per_replica, start, axis=1).reshape(L * num_nodes, gpus_per_node, S)
     origin = improve_by_swaps(item_load, pairs=pairs).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
+    if pairs:  # a row whose heaviest GPU holds two replicas of one expert: other replica counts
+        phy2log = recount_rows(load, phy2log, num_nodes, num_gpus)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)
     after = raw_gpu_loads(load, phy2log, num_gpus).max(axis=1)
