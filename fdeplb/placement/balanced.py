@@ -220,7 +220,7 @@ def balanced_plan(
     origin = improve_by_swaps(item_load, pairs=pairs).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
     if pairs:  # a row whose heaviest GPU holds two replicas of one expert: other replica counts
-        phy2log = recount_rows(load, phy2log, num_nodes, num_gpus)
+        phy2log = recount_rows(load, phy2log, num_nodes, num_gpus, improve_by_swaps)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)
     after = raw_gpu_loads(load, phy2log, num_gpus).max(axis=1)

@@ -11,13 +11,15 @@ their replicas inside it) whose heaviest GPU holds more than one replica of an e
 it tries the counts at the multiples of the row's GPU count on either side of its count, and one less; the slots
 freed go to the other experts of the row by DeepSeek's rule (largest load per replica first), the slots needed are
 taken from the expert whose load per replica rises least (with at least two replicas). Every candidate is packed as
-"balanced" packs (DeepSeek's greedy packing, then :func:`fdeplb.placement.balanced.improve_by_swaps`); the row takes
+"balanced" packs (DeepSeek's greedy packing, then its exchange search, passed in: ``improve``); the row takes
 the best candidate if it lowers its heaviest GPU, and is looked at again (up to :data:`_ROUNDS` times). Rows without
 such a GPU, every row of the real dumps in ``../shared/real_data`` included, are left exactly as they are.
 The rule is fdeplb's: DeepSeek's EPLB and the cardinality-constrained P||Cmax literature fix the counts first.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -51,11 +53,14 @@ def _shift_counts(load: np.ndarray, counts: np.ndarray, expert: int, target: int
     return out
 
 
-def _pack(experts: np.ndarray, load: np.ndarray, counts: np.ndarray, gpus: int) -> tuple[np.ndarray, float]:
+#: the exchange search that finishes a packing: item loads float64 [1, G, S] in place -> origins int64 [1, G, S]
+Improve = Callable[[np.ndarray], np.ndarray]
+
+
+def _pack(experts: np.ndarray, load: np.ndarray, counts: np.ndarray, gpus: int,
+          improve: Improve) -> tuple[np.ndarray, float]:
     """Pack the replicas of ``experts`` (their loads ``load``, counts ``counts``) onto ``gpus`` GPUs as "balanced"
     does; returns (expert ids int64 [slots] GPU by GPU, heaviest GPU load)."""
-    from fdeplb.placement.balanced import improve_by_swaps  # balanced imports this module
-
     ids = np.repeat(experts, counts)
     item = np.repeat(load / counts, counts)
     pack, rank = balanced_packing(item[None, :], gpus)
@@ -65,12 +70,12 @@ def _pack(experts: np.ndarray, load: np.ndarray, counts: np.ndarray, gpus: int) 
     grid_ids[slot] = ids
     grid = np.empty_like(item)
     grid[slot] = item
-    origin = improve_by_swaps(grid.reshape(1, gpus, per))[0]
+    origin = improve(grid.reshape(1, gpus, per))[0]
     final = grid_ids[origin.ravel()]
     return final, float(grid[origin.ravel()].reshape(gpus, per).sum(axis=1).max())
 
 
-def _recount_row(ids: np.ndarray, load: np.ndarray, gpus: int) -> np.ndarray:
+def _recount_row(ids: np.ndarray, load: np.ndarray, gpus: int, improve: Improve) -> np.ndarray:
     """One row: expert ids int64 [slots] (GPU by GPU), the layer's expert loads float64 [E]; the row re-counted."""
     for _ in range(_ROUNDS):
         experts, counts = np.unique(ids, return_counts=True)
@@ -91,7 +96,7 @@ def _recount_row(ids: np.ndarray, load: np.ndarray, gpus: int) -> np.ndarray:
             shifted = _shift_counts(load[experts], counts, at, target)
             if shifted is None:
                 continue
-            cand, peak = _pack(experts, load[experts], shifted, gpus)
+            cand, peak = _pack(experts, load[experts], shifted, gpus, improve)
             if peak < best_peak:
                 best, best_peak = cand, peak
         if best is None:
@@ -100,7 +105,8 @@ def _recount_row(ids: np.ndarray, load: np.ndarray, gpus: int) -> np.ndarray:
     return ids
 
 
-def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus: int) -> np.ndarray:
+def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus: int,
+                 improve: Improve) -> np.ndarray:
     """Re-count the rows whose heaviest GPU holds two replicas of one expert (see the module docstring).
 
     Args:
@@ -108,6 +114,8 @@ def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus
         phy2log: int64 [L, P] a plan whose experts keep all their replicas inside one node (DeepSeek's and
             "balanced"'s do); P a multiple of ``num_gpus``, ``num_gpus`` a multiple of ``num_nodes``.
         num_nodes, num_gpus: the plan's topology (1 node: global).
+        improve: the exchange search that finishes each candidate's packing ("balanced"'s
+            :func:`~fdeplb.placement.balanced.improve_by_swaps`, which imports this module).
 
     Returns:
         int64 [L, P]: ``phy2log`` with those rows replaced where that lowers the row's heaviest GPU; a new array,
@@ -127,5 +135,5 @@ def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus
     doubled = (on_top[:, 1:] == on_top[:, :-1]).any(axis=1)
     out = rows.copy()
     for row in np.nonzero(doubled)[0]:
-        out[row] = _recount_row(rows[row].ravel(), load[row // num_nodes], gpn).reshape(gpn, S)
+        out[row] = _recount_row(rows[row].ravel(), load[row // num_nodes], gpn, improve).reshape(gpn, S)
     return out.reshape(L, P)
