@@ -131,10 +131,14 @@ def move_aware_phy2log(
 ) -> np.ndarray:
     """Move-aware plan on checked inputs (``num_groups``/``num_nodes`` = 1 for global); returns phy2log [L, P].
 
+    A ``tolerance`` above ``num_gpus`` is taken as ``num_gpus``: no plan's max/mean exceeds it (one GPU carrying
+    every token), so the two mean the same, and larger ones would overflow float64 on the way.
+
     Raises:
         InputError: in hierarchical mode, ``max_moved_experts`` below the moves needed to bring every group of an
             old placement that spreads groups over nodes onto one node.
     """
+    tolerance = min(float(tolerance), float(num_gpus))
     lay = _Layers(expert_load, old_phy2log, num_replicas, num_groups, num_nodes, num_gpus, tolerance)
     if max_moved_experts is None:  # no cap: plan all (layer, node) rows at once, then spread the tolerance
         out, excess = _plan_all(lay.load, lay.old, lay.fresh_peak, lay.mean, tolerance, lay.old_maps, lay.group_node,

@@ -467,3 +467,15 @@ def test_a_numpy_scalar_tolerance_is_a_number_and_a_bool_is_not():
         for bad in (True, np.bool_(True), "0.01", np.float32("nan"), -1):
             with pytest.raises(InputError, match="tolerance must be a finite number >= 0"):
                 rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=bad)
+
+
+@pytest.mark.parametrize("policy, kw", [("move_aware", {}), ("move_aware", {"max_moved_experts": 10}),
+                                        ("topology_aware", {})])
+def test_a_huge_tolerance_is_the_largest_that_means_anything(policy, kw):
+    # QA: tolerance=1e308 overflowed float64 (numpy warnings); max/mean never exceeds num_gpus, so it is num_gpus
+    rng = np.random.default_rng(4)
+    load, old = rng.integers(0, 1000, (3, 16)), rebalance_experts(rng.integers(0, 1000, (3, 16)), 24, 1, 1, 4).phy2log
+    with np.errstate(all="raise"):
+        huge = rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=1e308, **kw)
+    want = rebalance_experts(load, 24, 1, 1, 4, policy=policy, old_phy2log=old, tolerance=4.0, **kw)
+    assert np.array_equal(huge.phy2log, want.phy2log)
