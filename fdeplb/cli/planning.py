@@ -137,13 +137,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {dump.path} stacks the load of {ranks} source ranks, not --num-gpus {args.num_gpus}: planned "
               f"on their sum (a dump of another cluster?)", file=sys.stderr)
     start = time.perf_counter()
-    after = rebalance_experts(
-        source if source is not None and args.policy == "topology_aware" else load,
-        args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
-        old_phy2log=before if (args.old or args.policy == "move_aware") else None,
-        max_moved_experts=args.max_moved_experts,
-        **({} if args.tolerance is None else {"tolerance": args.tolerance}),  # else rebalance_experts' default
-    )
+    try:
+        after = rebalance_experts(
+            source if source is not None and args.policy == "topology_aware" else load,
+            args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus, policy=args.policy,
+            old_phy2log=before if (args.old or args.policy == "move_aware") else None,
+            max_moved_experts=args.max_moved_experts,
+            **({} if args.tolerance is None else {"tolerance": args.tolerance}),  # else rebalance_experts' default
+        )
+    except InputError as err:
+        if args.old or "old_phy2log" not in str(err):
+            raise
+        raise InputError(f"{err} (without --old the old placement is the trivial one, slot p holds expert p mod E: "
+                         f"give the cluster's placement with --old)") from None
     elapsed_ms = (time.perf_counter() - start) * 1e3
     moved = moved_experts(before, after, args.num_gpus)
     rows = [

@@ -148,3 +148,18 @@ def test_the_offline_gate_lets_a_plan_through_for_locality_only_under_a_policy_p
     assert "cross-node fraction 0.4766 -> 0.5483" in out, out
     gate = out.splitlines()[-1]
     assert gate.startswith("gate: goes on: gain +") and ", cross-node fraction higher by 0.0717 with" in gate, out
+
+
+def test_a_move_cap_the_trivial_start_cannot_meet_names_the_missing_old_placement(capsys, tmp_path):
+    # QA: without --old the error spoke of "old_phy2log" spreading groups, a placement the user never gave
+    path = tmp_path / "grouped.json"
+    path.write_text(json.dumps({"counts": np.random.default_rng(1).integers(1, 100, (2, 16)).tolist()}))
+    base = ("rebalance", "--load", str(path), "--num-replicas", "20", "--num-gpus", "4", "--num-groups", "4",
+            "--num-nodes", "2", "--policy", "move_aware", "--max-moved-experts", "1")
+    code, out, err = run_cli(capsys, *base)
+    assert code == 2 and out == ""
+    assert "spreads expert groups over nodes" in err and "without --old the old placement is the trivial one" in err
+    old = tmp_path / "old.json"
+    assert run_cli(capsys, "rebalance", *base[1:11], "--policy", "balanced", "--out", str(old))[0] == 0
+    code, _, err = run_cli(capsys, *base, "--old", str(old))
+    assert code == 0, err
