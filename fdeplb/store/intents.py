@@ -1,8 +1,9 @@
 """What operators and the API ask of a cluster, written into the cluster record (or beside it) for the coordinator
 and the rank agents to act on: a round, a commit of a cordoned cluster's staged plan, a weight clear or update, a
 ``clear_stat``, an operator-supplied load. Each request is checked and written in one optimistic transaction
-(redis-py's ``transaction``: WATCH, check, MULTI/EXEC, again if a watched key changed), so concurrent callers
-coalesce or are refused, never both accepted; a request is only a wish, the transitions stay guarded and audited.
+(:func:`fdeplb.store.txn.transaction`: WATCH, check, MULTI/EXEC, again if a watched key changed, a bounded number
+of times), so concurrent callers coalesce or are refused, never both accepted; a request is only a wish, the
+transitions stay guarded and audited.
 
 A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
 withdrawal, its checks and its audit record in one atomic step). A pending round request is withdrawn by
@@ -29,6 +30,7 @@ from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _
 from fdeplb.store.records import ClusterRecord, check_request_reason, parse_record
 from fdeplb.store.scripts import weights_cancel_call
 from fdeplb.store.streams import detail_field
+from fdeplb.store.txn import transaction
 
 
 class Intents:
@@ -63,7 +65,7 @@ class Intents:
                                         "requested_ms": str(now)})
             return serving, write
 
-        serving, write = self._client.transaction(txn, key, value_from_callable=True)
+        serving, write = transaction(self._client, txn, key, value_from_callable=True)
         self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
         return serving
 
@@ -104,7 +106,7 @@ class Intents:
             pipe.hset(key, mapping={"requested_reason": reason, "requested_ms": str(now)})
             return True, rec
 
-        accepted, rec = self._client.transaction(txn, key, *wkeys, value_from_callable=True)
+        accepted, rec = transaction(self._client, txn, key, *wkeys, value_from_callable=True)
         if accepted:
             self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
         return accepted, rec
@@ -146,7 +148,7 @@ class Intents:
                 pipe.delete(supplied_key)
             return rec, dropped
 
-        rec, dropped = self._client.transaction(txn, key, supplied_key, value_from_callable=True)
+        rec, dropped = transaction(self._client, txn, key, supplied_key, value_from_callable=True)
         withdrawn = rec.requested
         facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason,
                  **({"dropped_supplied": dropped} if dropped is not None else {})}
@@ -187,7 +189,7 @@ class Intents:
             pipe.hset(key, mapping={k: json.dumps(v) for k, v in new.to_json().items()})
             return old, new, diff
 
-        old, new, diff = self._client.transaction(txn, key, value_from_callable=True)
+        old, new, diff = transaction(self._client, txn, key, value_from_callable=True)
         self._config = new
         if not diff:
             return old, new, ""
@@ -218,7 +220,7 @@ class Intents:
             pipe.multi()
             pipe.hset(key, mapping={"commit_requested": plan_id, "commit_requested_by": by})
 
-        self._client.transaction(txn, key, value_from_callable=True)
+        transaction(self._client, txn, key, value_from_callable=True)
         self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
     def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
@@ -255,7 +257,7 @@ class Intents:
             self._signal(pipe, "weights")
 
         # the request number is HINCRBY's reply, so the transaction's value is EXEC's (not the callable's)
-        n, _, _ = self._client.transaction(txn, cluster, *wkeys)
+        n, _, _ = transaction(self._client, txn, cluster, *wkeys)
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
 
@@ -315,7 +317,7 @@ class Intents:
             pipe.delete(key)
             pipe.hset(key, mapping=mapping)
 
-        self._client.transaction(txn, snapshot, key, value_from_callable=True)
+        transaction(self._client, txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
 
 
