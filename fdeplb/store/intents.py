@@ -7,13 +7,14 @@ transitions stay guarded and audited.
 
 A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
 withdrawal, its checks and its audit record in one atomic step). A pending round request is withdrawn by
-:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), and the
-settings that may change on a running cluster change through :meth:`Intents.change_config`; both append an audit
-note after their transaction.
+:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), which
+appends an audit note after its transaction. The settings that may change on a running cluster change through
+:meth:`Intents.change_config`, whose transaction writes them and their audit note in one step.
 
-Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``ep_size``,
-``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` (the registered script); from
-:mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``.
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``_record``,
+``ep_size``, ``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` and ``_append``
+(the registered scripts); from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``,
+:func:`~fdeplb.store.streams.note_fields`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from fdeplb.machines.tables import CLUSTER, WEIGHTS, ClusterState, WeightState
 from fdeplb.store import arrays
 from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _hgetall
 from fdeplb.store.records import ClusterRecord, check_request_reason, parse_record
-from fdeplb.store.scripts import weights_cancel_call
-from fdeplb.store.streams import detail_field
+from fdeplb.store.scripts import audit_call, weights_cancel_call
+from fdeplb.store.streams import detail_field, note_fields
 from fdeplb.store.txn import transaction
 
 
@@ -160,22 +161,27 @@ class Intents:
                       check: Callable[[Any], None] | None = None) -> tuple[Any, Any, str]:
         """Change settings of the cluster's configuration (``fdeplb config set``): ``changes`` maps names of
         :data:`~fdeplb.store.cluster_config.SETTABLE` to new values (``deadlines`` a partial dict of ms). The new
-        configuration (``version`` + 1) is checked and written in one WATCHed transaction, then a
-        ``config_changed`` audit note names who (``actor``), why (``reason``) and each change
-        (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]}, "version": n}``).
-        The coordinator reads the configuration again between rounds: a round in flight keeps the settings it
-        started with.
+        configuration (``version`` + 1) is checked in one WATCHed transaction and written together with its
+        ``config_changed`` audit note by one ``lua/audit.lua`` call queued in that transaction's MULTI/EXEC (the
+        configuration never changes without its audit record). The note names who (``actor``), why (``reason``)
+        and each change (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]},
+        "version": n}``), on the cluster record as read in the same transaction. The coordinator reads the
+        configuration again between rounds: a round in flight keeps the settings it started with.
 
         ``check``: called with the new configuration inside the transaction, before anything is written (what it
         raises is raised, nothing written): a rule on the configuration as it will be stored.
 
         Returns (old config, new config, audit id; "" and the config unchanged when nothing differs).
-        :class:`InputError` for a setting that may not change or an invalid value (nothing written)."""
+        :class:`InputError` for a setting that may not change or an invalid value (nothing written);
+        :class:`~fdeplb.errors.ContentionError` when the configuration or the cluster record changed under every
+        attempt (:func:`~fdeplb.store.txn.transaction`; nothing written)."""
         from fdeplb.store.cluster_config import ClusterConfig
 
-        key = self._keys.config
+        key, cluster = self._keys.config, self._keys.rearrange
+        self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
-        def txn(pipe: Any) -> tuple[ClusterConfig, ClusterConfig, dict[str, list]]:
+        def txn(pipe: Any) -> None:
+            done.clear()
             old = self._parse_config(_hgetall(pipe, key))
             new = old.with_settings(changes)
             if check is not None:
@@ -184,19 +190,27 @@ class Intents:
             diff = {name: [before[name], after[name]] for name in before if before[name] != after[name]}
             if not diff:
                 pipe.unwatch()  # nothing queued: EXEC is not sent
-                return old, old, diff
+                done.append((old, old, diff))
+                return
+            rec = self._record(CLUSTER, cluster, _hgetall(pipe, cluster))
+            text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
+                (f" ({reason})" if reason else "")
+            call = audit_call(self._keys, fence="", config={k: json.dumps(v) for k, v in new.to_json().items()},
+                              audit=note_fields(CLUSTER, None, state=rec.state.value, version=rec.version,
+                                                trigger="config_changed", actor=actor, round_=rec.round,
+                                                plan_id=rec.plan_id, reason=text[:2000],
+                                                detail={"changes": diff, "version": new.version, "by": actor}))
             pipe.multi()
-            pipe.hset(key, mapping={k: json.dumps(v) for k, v in new.to_json().items()})
-            return old, new, diff
+            pipe.execute_command("EVALSHA", self._append.sha, len(call.keys), *call.keys, *call.args)
+            done.append((old, new, diff))
 
-        old, new, diff = transaction(self._client, txn, key, value_from_callable=True)
+        done: list[tuple[ClusterConfig, ClusterConfig, dict[str, list]]] = []
+        replies = transaction(self._client, txn, key, cluster)
+        old, new, diff = done[0]
         self._config = new
         if not diff:
             return old, new, ""
-        text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
-            (f" ({reason})" if reason else "")
-        audit_id = self.append_note(self.read_cluster(), trigger="config_changed", actor=actor, reason=text[:2000],
-                                    detail={"changes": diff, "version": new.version, "by": actor})
+        audit_id = _s(replies[0][1])  # unfenced: audit.lua's reply is {"OK", id, ts_ms}
         self.emit_event("config_changed", version=new.version, by=actor)
         return old, new, audit_id
 

@@ -1,7 +1,9 @@
-"""The store's optimistic transactions have one bound (:mod:`fdeplb.store.txn`)."""
+"""The store's optimistic transactions have one bound (:mod:`fdeplb.store.txn`), and a configuration change commits
+with its audit note in one step (:meth:`Store.change_config`)."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -11,10 +13,11 @@ import pytest
 import redis
 
 import fdeplb
-from fdeplb.errors import ContentionError, exit_code, http_status
+from fdeplb.errors import ContentionError, StoreError, exit_code, http_status
 from fdeplb.orchestration.cluster_setup import init_cluster
 from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.txn import TXN_ATTEMPTS, transaction
+from tests.helpers import RawRedis
 
 #: how long a test thread waits for the other side of a handshake before the test fails (a deadline, not a pace)
 _HANDSHAKE_S = 10.0
@@ -111,6 +114,53 @@ def test_every_optimistic_transaction_goes_through_the_bounded_one():
     root = Path(fdeplb.__file__).parent
     direct = [f"{p.relative_to(root)}:{n}" for p in sorted(root.rglob("*.py")) if p.name != "txn.py"
               for n, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\.transaction\(", line)]
-    assert direct == []
-    uses = sum(p.read_text().count("transaction(self._client, ") for p in (root / "store").glob("*.py"))
-    assert uses == 14
+    assert direct == []  # redis-py's own transaction() retries without end
+
+
+def test_a_store_transaction_under_endless_contention_raises_and_changes_nothing(store, redis_url):
+    raw = RawRedis(redis_url, store.cluster)
+    config, audit = raw.r.hgetall(raw.keys.config), raw.audit_len()
+    bumps = []
+
+    def bump(_new_config) -> None:  # change_config's check runs between its reads and EXEC: another writer moves
+        bumps.append(raw.r.hincrby(raw.keys.rearrange, "clear_stat_request", 1))  # the WATCHed cluster record
+
+    with pytest.raises(ContentionError, match=f"after {TXN_ATTEMPTS} attempts"):
+        store.change_config({"min_gain": 0.05}, actor="test", check=bump)
+    assert bumps == list(range(1, TXN_ATTEMPTS + 1))
+    assert raw.r.hgetall(raw.keys.config) == config and raw.audit_len() == audit
+    assert store.read_config(fresh=True).min_gain == 0.0
+
+
+def test_a_config_change_whose_audit_record_cannot_be_appended_changes_nothing(store, redis_url):
+    raw = RawRedis(redis_url, store.cluster)
+    config, head = raw.r.hgetall(raw.keys.config), raw.r.get(raw.keys.audit_head)
+    saved = raw.r.dump(raw.keys.audit)
+    raw.r.delete(raw.keys.audit)
+    raw.r.set(raw.keys.audit, "not a stream")  # the append (XADD) inside the commit fails with WRONGTYPE
+    try:
+        with pytest.raises(StoreError, match="WRONGTYPE"):
+            store.change_config({"min_gain": 0.05}, actor="test", reason="r")
+        assert raw.r.hgetall(raw.keys.config) == config  # no configuration change without its audit record
+        assert raw.r.get(raw.keys.audit_head) == head
+    finally:
+        raw.r.delete(raw.keys.audit)
+        if saved is not None:
+            raw.r.restore(raw.keys.audit, 0, saved)
+    assert store.read_config(fresh=True).version == 0
+
+
+def test_a_config_change_and_its_note_land_together_on_the_chain(store, redis_url):
+    raw = RawRedis(redis_url, store.cluster)
+    rec = store.read_cluster()
+    old, new, audit_id = store.change_config({"min_gain": 0.05}, actor="test", reason="why")
+    note = store.audit()[-1]
+    assert note.id == audit_id and (old.version, new.version) == (0, 1)
+    assert (note["trigger"], note["actor"], note["version"], note["from"]) == \
+        ("config_changed", "test", str(rec.version), rec.state.value)
+    assert json.loads(note["detail"]) == {"changes": {"min_gain": [0.0, 0.05]}, "version": 1, "by": "test"}
+    assert note["reason"] == "config changed: min_gain 0.0 -> 0.05 (why)"
+    assert raw.r.get(raw.keys.audit_head).decode() == note["chain"]
+    assert json.loads(raw.r.hget(raw.keys.config, "version")) == 1
+    assert store.change_config({"min_gain": 0.05}, actor="test")[2] == ""  # nothing differs: no note
+    assert store.audit()[-1].id == audit_id
