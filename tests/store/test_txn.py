@@ -8,28 +8,16 @@ import re
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
 import fdeplb
 from fdeplb.errors import ContentionError, StoreError, exit_code, http_status
-from fdeplb.orchestration.cluster_setup import init_cluster
-from fdeplb.store import ClusterConfig, Store
 from fdeplb.store.txn import TXN_ATTEMPTS, transaction
 from tests.helpers import RawRedis
 
 #: how long a test thread waits for the other side of a handshake before the test fails (a deadline, not a pace)
 _HANDSHAKE_S = 10.0
-
-
-@pytest.fixture
-def store(redis_url, cluster_id):
-    store = Store(redis_url, cluster_id)
-    init_cluster(store, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=4, ep_size=1),
-                 np.arange(4, dtype=np.int64).reshape(1, 4))
-    yield store
-    store.delete_cluster()
 
 
 class Bumper:
@@ -117,7 +105,8 @@ def test_every_optimistic_transaction_goes_through_the_bounded_one():
     assert direct == []  # redis-py's own transaction() retries without end
 
 
-def test_a_store_transaction_under_endless_contention_raises_and_changes_nothing(store, redis_url):
+def test_a_store_transaction_under_endless_contention_raises_and_changes_nothing(fired, redis_url):
+    store = fired  # a one-rank cluster after a round: an audit chain to extend
     raw = RawRedis(redis_url, store.cluster)
     config, audit = raw.r.hgetall(raw.keys.config), raw.audit_len()
     bumps = []
@@ -132,7 +121,8 @@ def test_a_store_transaction_under_endless_contention_raises_and_changes_nothing
     assert store.read_config(fresh=True).min_gain == 0.0
 
 
-def test_a_config_change_whose_audit_record_cannot_be_appended_changes_nothing(store, redis_url):
+def test_a_config_change_whose_audit_record_cannot_be_appended_changes_nothing(fired, redis_url):
+    store = fired
     raw = RawRedis(redis_url, store.cluster)
     config, head = raw.r.hgetall(raw.keys.config), raw.r.get(raw.keys.audit_head)
     saved = raw.r.dump(raw.keys.audit)
@@ -145,12 +135,12 @@ def test_a_config_change_whose_audit_record_cannot_be_appended_changes_nothing(s
         assert raw.r.get(raw.keys.audit_head) == head
     finally:
         raw.r.delete(raw.keys.audit)
-        if saved is not None:
-            raw.r.restore(raw.keys.audit, 0, saved)
+        raw.r.restore(raw.keys.audit, 0, saved)
     assert store.read_config(fresh=True).version == 0
 
 
-def test_a_config_change_and_its_note_land_together_on_the_chain(store, redis_url):
+def test_a_config_change_and_its_note_land_together_on_the_chain(fired, redis_url):
+    store = fired
     raw = RawRedis(redis_url, store.cluster)
     rec = store.read_cluster()
     old, new, audit_id = store.change_config({"min_gain": 0.05}, actor="test", reason="why")
