@@ -95,6 +95,13 @@ class StaleStateError(StateError):
     code = "stale_state"
 
 
+class ContentionError(StaleStateError):
+    """An optimistic store transaction gave up (:data:`fdeplb.store.txn.TXN_ATTEMPTS` attempts): another writer
+    changed a key it WATCHed before each attempt could commit. Nothing was written; the caller may try again."""
+
+    code = "contention"
+
+
 class GenerationError(StaleStateError):
     """A cluster transition decided under an older membership generation than the stored one (a rank joined,
     left or was suspected meanwhile): refused by the commit script, nothing written. The caller reads again."""

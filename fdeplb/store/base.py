@@ -24,6 +24,7 @@ from fdeplb.store.connection import as_str as _s, as_text as _text, connect, hge
 from fdeplb.store.keys import Keys
 from fdeplb.store.records import parse_record, record_type
 from fdeplb.store.scripts import script_text
+from fdeplb.store.txn import transaction
 
 
 def _raise(exc: Exception) -> Any:
@@ -216,4 +217,4 @@ class StoreBase:
             pipe.zadd(self._keys.retained, {key: int(round_)})
             return True
 
-        return self._client.transaction(txn, key, *([supplied] if unless_supplied else []), value_from_callable=True)
+        return transaction(self._client, txn, key, *([supplied] if unless_supplied else []), value_from_callable=True)

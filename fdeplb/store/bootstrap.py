@@ -22,6 +22,7 @@ from fdeplb.store.cluster_config import ClusterConfig
 from fdeplb.store.connection import as_str as _s
 from fdeplb.store.plan_entry import PlanEntry
 from fdeplb.store.streams import parse_stream_id
+from fdeplb.store.txn import transaction
 from fdeplb.store.windows import snapshot_fields
 
 
@@ -62,7 +63,7 @@ class Bootstrap:
             pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
             return True
 
-        created = self._client.transaction(txn, self._keys.config, value_from_callable=True)
+        created = transaction(self._client, txn, self._keys.config, value_from_callable=True)
         if created:
             self._config = config
         return created
@@ -120,9 +121,7 @@ class Bootstrap:
             pipe.hset(self._keys.config, mapping={k: json.dumps(v) for k, v in config.to_json().items()})
 
         try:
-            self._client.transaction(txn, self._keys.config, self._keys.audit, self._keys.rearrange)
-        except redis.WatchError:  # created meanwhile: nothing of ours was written
-            raise refusal from None
+            transaction(self._client, txn, self._keys.config, self._keys.audit, self._keys.rearrange)
         except redis.ResponseError as exc:  # EXEC ran the other commands: take them back
             self._client.delete(*written)
             raise InputError(f"cannot rebuild cluster {self.cluster!r}: Redis refused a write ({exc}); nothing "

@@ -1,18 +1,20 @@
 """What operators and the API ask of a cluster, written into the cluster record (or beside it) for the coordinator
 and the rank agents to act on: a round, a commit of a cordoned cluster's staged plan, a weight clear or update, a
 ``clear_stat``, an operator-supplied load. Each request is checked and written in one optimistic transaction
-(redis-py's ``transaction``: WATCH, check, MULTI/EXEC, again if a watched key changed), so concurrent callers
-coalesce or are refused, never both accepted; a request is only a wish, the transitions stay guarded and audited.
+(:func:`fdeplb.store.txn.transaction`: WATCH, check, MULTI/EXEC, again if a watched key changed, a bounded number
+of times), so concurrent callers coalesce or are refused, never both accepted; a request is only a wish, the
+transitions stay guarded and audited.
 
 A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
 withdrawal, its checks and its audit record in one atomic step). A pending round request is withdrawn by
-:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), and the
-settings that may change on a running cluster change through :meth:`Intents.change_config`; both append an audit
-note after their transaction.
+:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), which
+appends an audit note after its transaction. The settings that may change on a running cluster change through
+:meth:`Intents.change_config`, whose transaction writes them and their audit note in one step.
 
-Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``ep_size``,
-``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` (the registered script); from
-:mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``.
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``_record``,
+``ep_size``, ``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` and ``_append``
+(the registered scripts); from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``,
+:func:`~fdeplb.store.streams.note_fields`.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from fdeplb.machines.tables import CLUSTER, WEIGHTS, ClusterState, WeightState
 from fdeplb.store import arrays
 from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _hgetall
 from fdeplb.store.records import ClusterRecord, check_request_reason, parse_record
-from fdeplb.store.scripts import weights_cancel_call
-from fdeplb.store.streams import detail_field
+from fdeplb.store.scripts import audit_call, weights_cancel_call
+from fdeplb.store.streams import detail_field, note_fields
+from fdeplb.store.txn import transaction
 
 
 class Intents:
@@ -63,7 +66,7 @@ class Intents:
                                         "requested_ms": str(now)})
             return serving, write
 
-        serving, write = self._client.transaction(txn, key, value_from_callable=True)
+        serving, write = transaction(self._client, txn, key, value_from_callable=True)
         self.emit_event("round_requested", reason=reason, requested=serving, new=int(write))
         return serving
 
@@ -104,7 +107,7 @@ class Intents:
             pipe.hset(key, mapping={"requested_reason": reason, "requested_ms": str(now)})
             return True, rec
 
-        accepted, rec = self._client.transaction(txn, key, *wkeys, value_from_callable=True)
+        accepted, rec = transaction(self._client, txn, key, *wkeys, value_from_callable=True)
         if accepted:
             self.emit_event("round_requested", reason=reason, requested=rec.round + 1)
         return accepted, rec
@@ -146,7 +149,7 @@ class Intents:
                 pipe.delete(supplied_key)
             return rec, dropped
 
-        rec, dropped = self._client.transaction(txn, key, supplied_key, value_from_callable=True)
+        rec, dropped = transaction(self._client, txn, key, supplied_key, value_from_callable=True)
         withdrawn = rec.requested
         facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason,
                  **({"dropped_supplied": dropped} if dropped is not None else {})}
@@ -158,22 +161,27 @@ class Intents:
                       check: Callable[[Any], None] | None = None) -> tuple[Any, Any, str]:
         """Change settings of the cluster's configuration (``fdeplb config set``): ``changes`` maps names of
         :data:`~fdeplb.store.cluster_config.SETTABLE` to new values (``deadlines`` a partial dict of ms). The new
-        configuration (``version`` + 1) is checked and written in one WATCHed transaction, then a
-        ``config_changed`` audit note names who (``actor``), why (``reason``) and each change
-        (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]}, "version": n}``).
-        The coordinator reads the configuration again between rounds: a round in flight keeps the settings it
-        started with.
+        configuration (``version`` + 1) is checked in one WATCHed transaction and written together with its
+        ``config_changed`` audit note by one ``lua/audit.lua`` call queued in that transaction's MULTI/EXEC (the
+        configuration never changes without its audit record). The note names who (``actor``), why (``reason``)
+        and each change (``detail``: ``{"changes": {"min_gain": [0.0, 0.05], "deadlines.commit_ms": [...]},
+        "version": n}``), on the cluster record as read in the same transaction. The coordinator reads the
+        configuration again between rounds: a round in flight keeps the settings it started with.
 
         ``check``: called with the new configuration inside the transaction, before anything is written (what it
         raises is raised, nothing written): a rule on the configuration as it will be stored.
 
         Returns (old config, new config, audit id; "" and the config unchanged when nothing differs).
-        :class:`InputError` for a setting that may not change or an invalid value (nothing written)."""
+        :class:`InputError` for a setting that may not change or an invalid value (nothing written);
+        :class:`~fdeplb.errors.ContentionError` when the configuration or the cluster record changed under every
+        attempt (:func:`~fdeplb.store.txn.transaction`; nothing written)."""
         from fdeplb.store.cluster_config import ClusterConfig
 
-        key = self._keys.config
+        key, cluster = self._keys.config, self._keys.rearrange
+        self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
-        def txn(pipe: Any) -> tuple[ClusterConfig, ClusterConfig, dict[str, list]]:
+        def txn(pipe: Any) -> None:
+            done.clear()
             old = self._parse_config(_hgetall(pipe, key))
             new = old.with_settings(changes)
             if check is not None:
@@ -182,19 +190,27 @@ class Intents:
             diff = {name: [before[name], after[name]] for name in before if before[name] != after[name]}
             if not diff:
                 pipe.unwatch()  # nothing queued: EXEC is not sent
-                return old, old, diff
+                done.append((old, old, diff))
+                return
+            rec = self._record(CLUSTER, cluster, _hgetall(pipe, cluster))
+            text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
+                (f" ({reason})" if reason else "")
+            call = audit_call(self._keys, fence="", config={k: json.dumps(v) for k, v in new.to_json().items()},
+                              audit=note_fields(CLUSTER, None, state=rec.state.value, version=rec.version,
+                                                trigger="config_changed", actor=actor, round_=rec.round,
+                                                plan_id=rec.plan_id, reason=text[:2000],
+                                                detail={"changes": diff, "version": new.version, "by": actor}))
             pipe.multi()
-            pipe.hset(key, mapping={k: json.dumps(v) for k, v in new.to_json().items()})
-            return old, new, diff
+            pipe.execute_command("EVALSHA", self._append.sha, len(call.keys), *call.keys, *call.args)
+            done.append((old, new, diff))
 
-        old, new, diff = self._client.transaction(txn, key, value_from_callable=True)
+        done: list[tuple[ClusterConfig, ClusterConfig, dict[str, list]]] = []
+        replies = transaction(self._client, txn, key, cluster)
+        old, new, diff = done[0]
         self._config = new
         if not diff:
             return old, new, ""
-        text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
-            (f" ({reason})" if reason else "")
-        audit_id = self.append_note(self.read_cluster(), trigger="config_changed", actor=actor, reason=text[:2000],
-                                    detail={"changes": diff, "version": new.version, "by": actor})
+        audit_id = _s(replies[0][1])  # unfenced: audit.lua's reply is {"OK", id, ts_ms}
         self.emit_event("config_changed", version=new.version, by=actor)
         return old, new, audit_id
 
@@ -218,7 +234,7 @@ class Intents:
             pipe.multi()
             pipe.hset(key, mapping={"commit_requested": plan_id, "commit_requested_by": by})
 
-        self._client.transaction(txn, key, value_from_callable=True)
+        transaction(self._client, txn, key, value_from_callable=True)
         self.emit_event("commit_requested", plan_id=plan_id, by=by)
 
     def request_weights(self, action: str, reason: str = "operator", *, when_idle: bool = False) -> int:
@@ -255,7 +271,7 @@ class Intents:
             self._signal(pipe, "weights")
 
         # the request number is HINCRBY's reply, so the transaction's value is EXEC's (not the callable's)
-        n, _, _ = self._client.transaction(txn, cluster, *wkeys)
+        n, _, _ = transaction(self._client, txn, cluster, *wkeys)
         self.emit_event("weights_requested", action=action, request=n, reason=reason)
         return int(n)
 
@@ -315,7 +331,7 @@ class Intents:
             pipe.delete(key)
             pipe.hset(key, mapping=mapping)
 
-        self._client.transaction(txn, snapshot, key, value_from_callable=True)
+        transaction(self._client, txn, snapshot, key, value_from_callable=True)
         self.emit_event("load_supplied", round=round_)
 
 

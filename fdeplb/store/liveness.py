@@ -25,6 +25,7 @@ from fdeplb.store.connection import as_str as _s, hgetall as _hgetall, typed as 
 from fdeplb.store.plan_entry import json_text
 from fdeplb.store.records import ClusterRecord, MemberRecord
 from fdeplb.store.scripts import switch_call
+from fdeplb.store.txn import transaction
 
 #: default margin of a switch step (:meth:`Store.arm_switch`): steps past the largest armed step (>= 1 is safe)
 SWITCH_MARGIN_STEPS = 2
@@ -258,7 +259,7 @@ class Liveness:
             pipe.hset(key, field_, json_text({**info, "stopped_ms": int(sec) * 1000}))
             return True
 
-        return bool(self._client.transaction(txn, key, value_from_callable=True))
+        return bool(transaction(self._client, txn, key, value_from_callable=True))
 
     def rank_agent(self, ep_rank: int) -> str | None:
         """The ``agent_id`` the registry names for ``ep_rank`` (the agent that registered last), or None;

@@ -23,6 +23,7 @@ from fdeplb.store.deferred import PendingCall
 from fdeplb.store.records import ClusterRecord, RankRecord, WeightRecord, encode_changes, record_type
 from fdeplb.store.scripts import CommitCall, commit_call
 from fdeplb.store.streams import AuditRecord, Cursor, detail_field
+from fdeplb.store.txn import transaction
 
 #: audit fields, in the order they are written (DESIGN.md section 4); version, fence and ts_ms come from the script.
 AUDIT_FIELDS = ("machine", "key", "from", "to", "trigger", "actor", "round", "plan_id", "reason")
@@ -173,7 +174,7 @@ class MachineIO:
             pipe.hset(key, mapping=fields)
             return now
 
-        return self._client.transaction(txn, key, value_from_callable=True)
+        return transaction(self._client, txn, key, value_from_callable=True)
 
     def commit(
         self,

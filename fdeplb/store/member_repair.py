@@ -27,6 +27,7 @@ from fdeplb.store.connection import as_str as _s, as_text as _text
 from fdeplb.store.records import MemberRecord, parse_record
 from fdeplb.store.scripts import audit_call
 from fdeplb.store.streams import note_fields
+from fdeplb.store.txn import transaction
 
 #: the audited trigger of a repair (a note on the member record)
 REPAIRED = "record_repaired"
@@ -95,7 +96,7 @@ class Repair:
         found = self.last_member_audit(r)
         self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
-        def txn(pipe: Any) -> None:  # run again by redis-py when a WATCHed key changed before EXEC
+        def txn(pipe: Any) -> None:  # run again when a WATCHed key changed before EXEC (store.txn)
             done.clear()
             raw = _text(pipe.hgetall(key))
             if not raw and found is None:  # never transitioned: the initial state, as readers take it
@@ -127,7 +128,7 @@ class Repair:
             done.append((parse_record(MemberRecord, key, restored), source))
 
         done: list[tuple[MemberRecord, str]] = []
-        replies = self._client.transaction(txn, key, self._keys.lease)
+        replies = transaction(self._client, txn, key, self._keys.lease)
         if not done:
             return None
         reply = replies[-1]

@@ -23,6 +23,7 @@ from fdeplb.store.deferred import PendingCall
 from fdeplb.store import arrays
 from fdeplb.store.plan_entry import PlanEntry, json_text
 from fdeplb.store.records import ClusterRecord, PlacementEntry, parse_record
+from fdeplb.store.txn import transaction
 
 
 class Placements:
@@ -119,7 +120,7 @@ class Placements:
             pipe.delete(key)
             pipe.hset(key, mapping=mapping)
 
-        self._client.transaction(txn, cluster, key)
+        transaction(self._client, txn, cluster, key)
 
     def supplied_placement(self) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(phy2log int64 [L, P], facts) of the placement supplied for the next round, or None;

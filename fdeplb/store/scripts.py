@@ -31,9 +31,10 @@ COMMIT_FILLED = ("version", "fence", "ts_ms")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
 COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD", "ERR_GENERATION")
 
-#: audit.lua KEYS[1..3] and ARGV[1..3], in order (an audit record that is not a transition: an alarm).
-AUDIT_KEYS = ("audit", "audit_head", "lease")
-AUDIT_ARGV = ("fence", "audit", "chain_order")
+#: audit.lua KEYS[1..4] and ARGV[1..4], in order (an audit record that is not a transition: an alarm; with a
+#: ``config_changed`` note, the configuration it records).
+AUDIT_KEYS = ("audit", "audit_head", "lease", "config")
+AUDIT_ARGV = ("fence", "audit", "chain_order", "config")
 #: audit fields audit.lua appends after the caller's, in this order.
 AUDIT_FILLED = ("fence", "ts_ms")
 
@@ -130,11 +131,14 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
 
 
-def audit_call(keys: Keys, *, fence: str, audit: dict[str, str]) -> CommitCall:
+def audit_call(keys: Keys, *, fence: str, audit: dict[str, str], config: dict[str, str] | None = None) -> CommitCall:
     """Lay out an ``audit.lua`` call: append ``audit`` (fields as text; fence, ts_ms and chain are added by the
-    script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease."""
-    fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease}
-    argv = {"fence": fence, "audit": _pairs(audit), "chain_order": chain_order((*audit, *AUDIT_FILLED))}
+    script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease. ``config``: fields of
+    the cluster configuration hash (as stored: JSON text) the script writes in the same step, after the record is
+    appended (a ``config_changed`` note); None: none."""
+    fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease, "config": keys.config}
+    argv = {"fence": fence, "audit": _pairs(audit), "chain_order": chain_order((*audit, *AUDIT_FILLED)),
+            "config": _pairs(config or {})}
     return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS], args=[argv[n] for n in AUDIT_ARGV])
 
 

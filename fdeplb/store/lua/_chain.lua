@@ -19,13 +19,15 @@ local function audit_chain(previous, fields, order)
 end
 
 -- Append `fields` to the audit stream `audit_key` with its chain field (chained after the one `head_key` holds, ""
--- before the first record) and move `head_key` on to it; returns the new entry's stream id.
+-- before the first record) and move `head_key` on to it; returns the new entry's stream id. The entry is added
+-- before the head moves: an XADD that fails (the key holds another type) leaves the head where it was.
 local function append_chained(audit_key, head_key, fields, order)
   local chain = audit_chain(redis.call('GET', head_key) or '', fields, order)
-  redis.call('SET', head_key, chain)
   local n = #fields
   fields[n + 1], fields[n + 2] = 'chain', chain
-  return redis.call('XADD', audit_key, '*', unpack(fields))
+  local id = redis.call('XADD', audit_key, '*', unpack(fields))
+  redis.call('SET', head_key, chain)
+  return id
 end
 
 
