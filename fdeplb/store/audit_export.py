@@ -10,7 +10,8 @@ the export reach the system's files (QA MED 1): it is refused when it resolves t
 a temporary folder are fine. The file itself must be a
 regular file: its last component is opened with ``O_NOFOLLOW`` (a symbolic link is refused, wherever it points),
 without blocking (a FIFO with no reader is refused, not waited on), created with ``O_CREAT | O_EXCL`` when missing,
-and checked with ``fstat`` (no device, FIFO or directory).
+and checked with ``fstat`` (no device, FIFO or directory, and one name only: a hard link, which someone who may write
+in the directory could plant to a file outside it on the same filesystem, is refused wherever its other names are).
 
 Every refusal is an :class:`~fdeplb.errors.InputError` (HTTP 400, exit 2) naming the path and why; a refused check
 creates and writes nothing.
@@ -126,7 +127,7 @@ def open_export(path: str, audit_dir: str | None) -> TextIO:
 
 def _open_existing(target: str) -> int:
     """An fd appending to the existing regular file ``target`` (FileNotFoundError when missing; InputError when it
-    is a symbolic link, a FIFO, a device, a folder or cannot be opened)."""
+    is a symbolic link, a hard link, a FIFO, a device, a folder or cannot be opened)."""
     try:
         fd = os.open(target, _APPEND)
     except FileNotFoundError:
@@ -137,11 +138,15 @@ def _open_existing(target: str) -> int:
 
 
 def _regular(path: str, fd: int) -> int:
-    """``fd`` when ``fstat`` says it is a regular file (closed and InputError otherwise)."""
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
+    """``fd`` when ``fstat`` says it is a regular file with one name (closed and InputError otherwise)."""
+    st = os.fstat(fd)
+    mode = st.st_mode
+    if stat.S_ISREG(mode) and st.st_nlink == 1:
         return fd
     os.close(fd)
+    if stat.S_ISREG(mode):
+        raise InputError(f"audit export {path}: refused: a hard link ({st.st_nlink} names); its other names may lie "
+                         f"outside the audit directory, so it is never written (export to a file of its own)")
     kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
             else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
     raise InputError(f"audit export {path}: refused: {kind}, not a regular file")

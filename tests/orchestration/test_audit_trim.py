@@ -1,11 +1,13 @@
 """The coordinator's audit trim as a round ends (issue 34 item B): records leave the stream only once they are
 appended to the export and fsynced; an export that is refused (no ``--audit-dir``, a file swapped for a symbolic
-link to ``/dev/null``) or fails to write trims nothing and raises an audited alarm. Real Redis, no processes."""
+link to ``/dev/null`` or a hard link to a file outside) or fails to write trims nothing and raises an audited
+alarm. Real Redis, no processes."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -72,6 +74,17 @@ def test_an_export_swapped_for_a_link_to_dev_null_never_trims(store, audit_dir):
     assert [a.id for a in store.audit()][:len(ids)] == ids
     (alarm,) = alarms(store)
     assert "a symbolic link" in alarm["reason"] and json.loads(alarm["detail"])["error"].startswith("audit export")
+
+
+def test_an_export_swapped_for_a_hard_link_to_a_file_outside_is_not_written(store, audit_dir, tmp_path):
+    outside = tmp_path / "outside.txt"  # planted by someone who may write in the audit folder
+    outside.write_text("kept\n")
+    os.link(outside, audit_dir / "audit.jsonl")
+    ids = [a.id for a in store.audit()]
+    round_end(store, audit_dir)
+    assert outside.read_text() == "kept\n" and [a.id for a in store.audit()][:len(ids)] == ids
+    (alarm,) = alarms(store)
+    assert "a hard link (2 names)" in alarm["reason"]
 
 
 def test_a_failed_fsync_leaves_the_audit_whole(store, audit_dir, monkeypatch):

@@ -1,5 +1,5 @@
 """Which files the audit export may be (issue 34 item B): only a regular file inside the operator's ``--audit-dir``,
-``..`` and symbolic links resolved, never a device, a FIFO or a symbolic link; a refused path is neither created
+``..`` and symbolic links resolved, never a device, a FIFO, a symbolic link or a hard link; a refused path is neither created
 nor written. No Redis: :mod:`fdeplb.store.audit_export` alone."""
 
 from __future__ import annotations
@@ -63,6 +63,16 @@ def test_symbolic_links_are_refused_wherever_they_point(audit_dir, tmp_path):
     (audit_dir / "linkdir").symlink_to(tmp_path)  # a folder link out of it: the folder resolves outside
     refused(audit_dir / "linkdir" / "x.jsonl", audit_dir, "outside the audit directory")
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_a_hard_link_is_refused_and_its_other_name_is_not_written(audit_dir, tmp_path):
+    outside = tmp_path / "outside.jsonl"  # what someone who may write in the folder could link to (same filesystem)
+    outside.write_text("kept\n")
+    os.link(outside, audit_dir / "audit.jsonl")
+    refused(audit_dir / "audit.jsonl", audit_dir, "a hard link (2 names)", "outside the audit directory")
+    assert outside.read_text() == "kept\n"
+    os.link(audit_dir / "audit.jsonl", audit_dir / "alias.jsonl")  # even when every name lies inside
+    refused(audit_dir / "alias.jsonl", audit_dir, "a hard link (3 names)")
 
 
 def test_devices_fifos_and_folders_are_refused(audit_dir, monkeypatch):
