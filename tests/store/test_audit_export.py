@@ -10,8 +10,8 @@ import pytest
 
 from fdeplb.errors import InputError
 from fdeplb.store import audit_export
-from fdeplb.store.audit_export import check_audit_dir, check_export_path, check_trimming, confine_export_path, \
-    open_export
+from fdeplb.store.audit_export import append_lines, check_audit_dir, check_export_path, check_trimming, \
+    confine_export_path, open_export
 
 
 @pytest.fixture
@@ -113,6 +113,25 @@ def test_a_regular_file_inside_is_created_exclusively_then_appended_to(audit_dir
     assert path.read_text() == "one\ntwo\n"
     monkeypatch.chdir(audit_dir)  # a relative path is the working directory's, stored absolute
     assert confine_export_path("audit.jsonl", str(audit_dir)) == str(path)
+
+
+def test_a_retried_export_resumes_after_the_lines_already_written(audit_dir, monkeypatch):
+    monkeypatch.setattr(audit_export, "_TAIL_BLOCK", 7)  # lines longer than a block: the walk back spans blocks
+    path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
+    lines = [f'{{"id": "1-{i}", "x": "{"é" * (i + 1)}"}}\n' for i in range(4)]
+    with open_export(path, folder) as fh:  # an earlier trim, then one line and a line cut inside its "é"
+        fh.buffer.write(b"earlier\n" + lines[0].encode() + lines[1].encode()[:21])
+    with open_export(path, folder) as fh:
+        append_lines(fh, lines[:3])
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines[:3])
+    with open_export(path, folder) as fh:  # again with one more (the export was written, the trim did not run)
+        append_lines(fh, lines)
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines)
+    with open_export(path, folder) as fh:  # a fragment that is not the next line is ended, not completed
+        fh.write('{"id": "9-9"')
+    with open_export(path, folder) as fh:
+        append_lines(fh, [*lines, '{"id": "1-4"}\n'])
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines) + '{"id": "9-9"\n{"id": "1-4"}\n'
 
 
 @pytest.mark.parametrize("root,words", [("/", "the root directory"), ("/etc", "/etc, a system directory"),
