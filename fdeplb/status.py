@@ -18,11 +18,11 @@ import numpy as np
 
 from fdeplb.errors import CorruptRecordError, NotFoundError, StateError
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, WEIGHTS, ClusterState, MemberState, RankState
-from fdeplb.store import RankRecord
+from fdeplb.store import MemberRecord, RankRecord
 from fdeplb.store.liveness import NOT_REGISTERED, stale_of
 
-__all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "source_load",
-           "unhealthy_ranks"]
+__all__ = ["CORRUPT", "cluster_status", "commit_command", "degraded_experts", "heartbeats_of", "member_states",
+           "source_load", "unhealthy_ranks"]
 
 #: how ``status`` shows a record that does not parse (in place of its state)
 CORRUPT = "CORRUPT"
@@ -83,6 +83,34 @@ def heartbeats_of(records: Sequence[Any], now_ms: int, registered=None) -> dict[
             if isinstance(rec, RankRecord) and rec.heartbeat_ms and (registered is None or r in registered)}
 
 
+def member_states(store, members: Sequence[Any]) -> list[Any]:
+    """Each rank's membership state as every reader shows it (``fdeplb status``, ``GET /v1/state``, the UI,
+    ``/metrics``, ``/health``), from its member record as read (``members``, ep_rank order: a :class:`MemberRecord`,
+    None when missing, anything else, e.g. a :class:`CorruptRecordError`, kept as it is): the record's state; for a
+    missing record, the state the leading coordinator restores it to at its next pass (the rank's last audited
+    membership record, :meth:`~fdeplb.store.Store.restored_members`, or a CorruptRecordError when that does not
+    give a record), else the initial ACTIVE (a cluster made before membership, or a rank that never transitioned:
+    the coordinator counts it ACTIVE too). So a deleted record is never shown ACTIVE until that pass. One walk back
+    through the audit when a record is missing, none otherwise."""
+    missing = [r for r, m in enumerate(members) if m is None]
+    restored = store.restored_members(missing) if missing else {}
+    states = []
+    for r, m in enumerate(members):
+        m = restored.get(r, MEMBERSHIP.initial) if m is None else m
+        states.append(m.state if isinstance(m, MemberRecord) else m)
+    return states
+
+
+def _view_states(store) -> list[MemberState]:
+    """:func:`member_states` of :meth:`~fdeplb.store.Store.member_view` (:class:`CorruptRecordError` for a member
+    record that does not parse, or a missing one whose audit record does not give one)."""
+    states = member_states(store, store.member_view().members)
+    for st in states:
+        if isinstance(st, CorruptRecordError):
+            raise st
+    return states
+
+
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     """(number of registered ranks, ``{ep_rank: why}`` for every member rank (all of ``ep_size`` but EXCLUDED ones)
     without a live heartbeat): not registered (e.g. Redis lost its data and the agent has not registered again;
@@ -98,7 +126,7 @@ def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     for r in sorted(registered):
         if r < len(records) and isinstance(records[r], CorruptRecordError):
             raise records[r]
-    excluded = {r for r, st in enumerate(store.member_view().states()) if st is MemberState.EXCLUDED}
+    excluded = {r for r, st in enumerate(_view_states(store)) if st is MemberState.EXCLUDED}
     beats = heartbeats_of(records, now, registered)
     out = {r: "never beat" for r in registered if r not in beats and r not in excluded}
     for r, age in stale_of(beats, ep_size).items():
@@ -130,8 +158,9 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     None (no rank record or no placement).
 
     Membership: ``generation`` (the cluster's membership generation), ``live_ranks`` (the ACTIVE members), each
-    rank's ``membership`` (ACTIVE, SUSPECT, DRAINING, EXCLUDED, REJOINING; ACTIVE where a cluster made before
-    membership has no record) and ``degraded`` (None, or the experts left with no replica on a member).
+    rank's ``membership`` (ACTIVE, SUSPECT, DRAINING, EXCLUDED, REJOINING; a missing record as
+    :func:`member_states` says: as the coordinator will restore it, ACTIVE where none is audited) and ``degraded``
+    (None, or the experts left with no replica on a member).
 
     Corrupt values: each record is read on its own, and one that does not parse (a value fdeplb did not write that
     way, :class:`~fdeplb.errors.CorruptRecordError`) is listed in ``corrupt`` (``[{"key", "error"}]``, the error
@@ -171,8 +200,7 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
     registered = read(store.rank_info)
     rank_records = [parsed(x) for x in store.read_each(RANK)]
     weight_records = [parsed(x) for x in store.read_each(WEIGHTS)]
-    members = [parsed(x) for x in store.read_each(MEMBERSHIP)]
-    membership = [MemberState.ACTIVE if m is None else m if m is CORRUPT else m.state for m in members]
+    membership = [parsed(x) for x in member_states(store, [parsed(x) for x in store.read_each(MEMBERSHIP)])]
     stale = stale_of(heartbeats_of(rank_records, now, None if registered is CORRUPT else registered))
     ranks = [{**_rank_status(r, rank, weights, None if registered is CORRUPT else r in registered, now, r in stale,
                              expected, cluster_state), "membership": membership[r]}
@@ -207,7 +235,7 @@ def degraded_experts(store) -> dict[str, Any] | None:
     placement has a replica on an ACTIVE member, else ``{"orphans": [[layer, log_id], ...], "ranks": [...]}``.
     :class:`CorruptRecordError` for a configuration, placement or member record that does not parse."""
     config = store.read_config()
-    live = store.member_view().active()  # the membership reader unhealthy_ranks uses too
+    live = [r for r, st in enumerate(_view_states(store)) if st is MemberState.ACTIVE]  # as unhealthy_ranks reads
     if len(live) == config.ep_size:
         return None
     try:

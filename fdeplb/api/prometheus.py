@@ -293,15 +293,17 @@ class ClusterCollector(Collector):
         return gauge
 
     def _member_gauges(self, rec, corrupt: set[str]):
-        """Ranks per membership state and the membership generation (a missing member record counts as ACTIVE)."""
+        """Ranks per membership state (a missing member record as :func:`fdeplb.status.member_states` says) and the
+        membership generation."""
         from fdeplb.machines.tables import MEMBERSHIP, MemberState
+        from fdeplb.status import member_states
 
         counts = dict.fromkeys(MemberState, 0)
-        for m in self.store.read_each(MEMBERSHIP):
-            if isinstance(m, CorruptRecordError):
-                corrupt.add(m.key or str(m))
+        for st in member_states(self.store, self.store.read_each(MEMBERSHIP)):
+            if isinstance(st, CorruptRecordError):
+                corrupt.add(st.key or str(st))
                 continue
-            counts[MemberState.ACTIVE if m is None else m.state] += 1
+            counts[st] += 1
         ranks = GaugeMetricFamily("fdeplb_membership_ranks", "EP ranks per membership state", labels=["state"])
         for state, n in counts.items():
             ranks.add_metric([state.value], n)

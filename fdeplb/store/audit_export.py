@@ -10,10 +10,15 @@ the export reach the system's files (QA MED 1): it is refused when it resolves t
 a temporary folder are fine. The file itself must be a
 regular file: its last component is opened with ``O_NOFOLLOW`` (a symbolic link is refused, wherever it points),
 without blocking (a FIFO with no reader is refused, not waited on), created with ``O_CREAT | O_EXCL`` when missing,
-and checked with ``fstat`` (no device, FIFO or directory).
+and checked with ``fstat`` (no device, FIFO or directory, and one name only: a hard link, which someone who may write
+in the directory could plant to a file outside it on the same filesystem, is refused wherever its other names are).
 
 Every refusal is an :class:`~fdeplb.errors.InputError` (HTTP 400, exit 2) naming the path and why; a refused check
 creates and writes nothing.
+
+An export that failed partway (a write error, a failed fsync, a trim that never ran) is retried by the next round's
+end with the same oldest records: :func:`append_lines` resumes after the lines the file already ends with, so each
+record is in the file once, in order.
 """
 
 from __future__ import annotations
@@ -21,12 +26,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import TextIO
+from typing import Sequence, TextIO
 
 from fdeplb.errors import InputError
 
-__all__ = ["SYSTEM_DIRS", "check_audit_dir", "check_export_path", "check_trimming", "confine_export_path",
-           "open_export"]
+__all__ = ["SYSTEM_DIRS", "append_lines", "check_audit_dir", "check_export_path", "check_trimming",
+           "confine_export_path", "open_export"]
 
 #: the system's directories an audit directory may not be, lie in, or hold (``/`` holds them all): an export there
 #: could append to the system's files
@@ -34,7 +39,9 @@ SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/pr
 
 #: longest export path accepted (as Linux's PATH_MAX)
 MAX_PATH = 4096
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_APPEND = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # read: where to resume
+#: bytes read at a time walking back from the export's end to its last line
+_TAIL_BLOCK = 1 << 16
 
 
 def confine_export_path(path: str, audit_dir: str | None) -> str:
@@ -124,9 +131,51 @@ def open_export(path: str, audit_dir: str | None) -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
+def append_lines(fh: TextIO, lines: Sequence[str]) -> None:
+    """Append ``lines`` (each one record's JSONL line, ending in a newline, oldest first) to the export ``fh`` opened
+    by :func:`open_export`, resuming an earlier attempt at the same records. The caller flushes, fsyncs and closes.
+
+    Why resume rather than write a temporary file and rename it: the export is one append-only file holding every
+    trim so far, so a rename would copy that whole history at every round's end and replace the file the checks above
+    were made on. A retry instead finds where the last one stopped: the file's last complete line, when it is one of
+    ``lines`` (a line holds its record's ``id`` and ``chain``, so it names one record of one cluster), is where it
+    stopped; a line cut short after it by a failed write is completed when it is the start of the next one of
+    ``lines``, and otherwise (not this export's) ended, so no record is glued to it. Lines of earlier trims, or of
+    anything else, are left as they are.
+
+    Raises OSError when the file cannot be read or written (what was written stays; the next call resumes after
+    it)."""
+    data = [line.encode("utf-8") for line in lines]
+    fh.flush()
+    last, torn = _tail(fh.fileno())
+    done = next((i + 1 for i in range(len(data) - 1, -1, -1) if data[i] == last), 0)
+    head = b""
+    if torn:
+        completes = done < len(data) and data[done].startswith(torn)
+        head = data[done][len(torn):] if completes else b"\n"
+        done += completes
+    fh.buffer.write(head + b"".join(data[done:]))
+
+
+def _tail(fd: int) -> tuple[bytes, bytes]:
+    """(the last complete line of the file open at ``fd``, newline included, b"" when there is none; the bytes after
+    it, b"" when the file ends with a newline), read back from the end a block at a time."""
+    end = os.fstat(fd).st_size
+    pos, buf = end, b""
+    while pos > 0:
+        step = min(_TAIL_BLOCK, pos)
+        pos -= step
+        buf = os.pread(fd, step, pos) + buf
+        nl = buf.rfind(b"\n")
+        start = buf.rfind(b"\n", 0, nl) if nl >= 0 else -1
+        if start >= 0 or (nl >= 0 and pos == 0):
+            return buf[start + 1:nl + 1], buf[nl + 1:]
+    return b"", buf
+
+
 def _open_existing(target: str) -> int:
     """An fd appending to the existing regular file ``target`` (FileNotFoundError when missing; InputError when it
-    is a symbolic link, a FIFO, a device, a folder or cannot be opened)."""
+    is a symbolic link, a hard link, a FIFO, a device, a folder or cannot be opened)."""
     try:
         fd = os.open(target, _APPEND)
     except FileNotFoundError:
@@ -137,11 +186,15 @@ def _open_existing(target: str) -> int:
 
 
 def _regular(path: str, fd: int) -> int:
-    """``fd`` when ``fstat`` says it is a regular file (closed and InputError otherwise)."""
-    mode = os.fstat(fd).st_mode
-    if stat.S_ISREG(mode):
+    """``fd`` when ``fstat`` says it is a regular file with one name (closed and InputError otherwise)."""
+    st = os.fstat(fd)
+    mode = st.st_mode
+    if stat.S_ISREG(mode) and st.st_nlink == 1:
         return fd
     os.close(fd)
+    if stat.S_ISREG(mode):
+        raise InputError(f"audit export {path}: refused: a hard link ({st.st_nlink} names); its other names may lie "
+                         f"outside the audit directory, so it is never written (export to a file of its own)")
     kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
             else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
     raise InputError(f"audit export {path}: refused: {kind}, not a regular file")

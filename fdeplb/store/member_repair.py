@@ -85,6 +85,21 @@ class Repair:
             end = "(" + _s(batch[-1][0])
         return found, head
 
+    def restored_members(self, ranks: Collection[int]) -> dict[int, MemberRecord | CorruptRecordError]:
+        """The record :meth:`repair_member` restores each of ``ranks`` to when its member record is missing (as its
+        last audited membership record left it; one walk of the audit for all, :meth:`member_audits`), a
+        :class:`CorruptRecordError` in its place when that audit record does not give one; a rank with none
+        audited is left out (the initial state, as readers take it). Writes nothing: what readers show of a
+        deleted record before the coordinator's next pass restores it."""
+        out: dict[int, MemberRecord | CorruptRecordError] = {}
+        for r, found in self.member_audits(ranks)[0].items():
+            key = self._keys.member(r)
+            try:
+                out[r] = parse_record(MemberRecord, key, _restored(key, {}, found)[1])
+            except CorruptRecordError as err:
+                out[r] = err
+        return out
+
     def repair_member(self, ep_rank: int, *, fence: str, actor: str) -> MemberRepair | None:
         """Rewrite ``ep_rank``'s member record if it does not parse, or is missing while the audit holds a
         membership record of the rank, as its last audited record left it (see the module doc), with the

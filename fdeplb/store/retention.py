@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from fdeplb.store.audit_export import open_export
+from fdeplb.store.audit_export import append_lines, open_export
 from fdeplb.store.connection import as_str as _s
 from fdeplb.store.streams import parse_stream_id
 
@@ -56,8 +56,9 @@ class Retention:
         ``keep`` or fewer).
 
         Raises :class:`~fdeplb.errors.InputError` when the export is refused (outside ``audit_dir``, no
-        ``audit_dir``, a symbolic link, a device, a FIFO) and OSError when it cannot be written: nothing is trimmed
-        then (lines written before a failed write stay in the file; the next trim appends them again)."""
+        ``audit_dir``, a symbolic or hard link, a device, a FIFO) and OSError when it cannot be written: nothing is
+        trimmed then (lines written before a failed write stay in the file; the next trim resumes after them,
+        :func:`~fdeplb.store.audit_export.append_lines`, so each record is exported once)."""
         length = self.audit_length()
         if keep < 1 or length <= keep:
             return 0
@@ -65,8 +66,7 @@ class Retention:
         if not old:
             return 0
         with open_export(export_path, audit_dir) as fh:
-            for entry in old:
-                fh.write(json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n")
+            append_lines(fh, [json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n" for entry in old])
             fh.flush()
             os.fsync(fh.fileno())
         last = old[-1].id

@@ -1,7 +1,7 @@
 """The audit export path on the command line (issue 34 item B): ``init-cluster`` / ``config set --audit-export``
-accept only a regular file inside ``--audit-dir`` (``..`` and symbolic links resolved; no device, FIFO or link), and a
-coordinator that trims the audit starts only when its ``--audit-dir`` holds the export. A refusal is exit 2 with one
-line, and writes nothing: neither the configuration nor the file."""
+accept only a regular file inside ``--audit-dir`` (``..`` and symbolic links resolved; no device, FIFO, symbolic or
+hard link), and a coordinator that trims the audit starts only when its ``--audit-dir`` holds the export. A refusal is
+exit 2 with one line, and writes nothing: neither the configuration nor the file."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def bad_export(kind: str, tmp_path) -> tuple[str, str | None, str]:
         (tmp_path / "outside.jsonl").write_text("kept\n")
         (d / "link.jsonl").symlink_to(tmp_path / "outside.jsonl")
         return str(d / "link.jsonl"), str(d), "a symbolic link"
+    if kind == "hardlink_out":
+        (tmp_path / "outside.jsonl").write_text("kept\n")
+        os.link(tmp_path / "outside.jsonl", d / "link.jsonl")
+        return str(d / "link.jsonl"), str(d), "a hard link"
     if kind == "dev_null":
         return "/dev/null", str(d), "outside the audit directory"
     if kind == "dev_null_in_dev":
@@ -45,7 +49,7 @@ def bad_export(kind: str, tmp_path) -> tuple[str, str | None, str]:
     return str(d / "audit.jsonl"), None, "without --audit-dir"
 
 
-KINDS = ["passwd", "new_outside", "dotdot", "symlink_out", "dev_null", "dev_null_in_dev", "root_dir", "etc_dir", "fifo",
+KINDS = ["passwd", "new_outside", "dotdot", "symlink_out", "hardlink_out", "dev_null", "dev_null_in_dev", "root_dir", "etc_dir", "fifo",
          "no_audit_dir"]
 
 
@@ -79,7 +83,8 @@ def test_config_set_stores_a_file_inside_the_audit_dir_as_its_absolute_path(caps
     assert not (tmp_path / "audit" / "a.jsonl").exists()  # created by the first export, not by the setting
 
 
-@pytest.mark.parametrize("kind", ["passwd", "dotdot", "symlink_out", "root_dir", "fifo", "no_audit_dir"])
+@pytest.mark.parametrize("kind", ["passwd", "dotdot", "symlink_out", "hardlink_out", "root_dir", "fifo",
+                                  "no_audit_dir"])
 def test_init_cluster_refuses_an_export_outside_the_audit_dir_writing_nothing(capsys, redis_url, cluster_id,
                                                                               tmp_path, kind):
     pytest.importorskip("safetensors")

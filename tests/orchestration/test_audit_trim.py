@@ -1,11 +1,15 @@
 """The coordinator's audit trim as a round ends (issue 34 item B): records leave the stream only once they are
 appended to the export and fsynced; an export that is refused (no ``--audit-dir``, a file swapped for a symbolic
-link to ``/dev/null``) or fails to write trims nothing and raises an audited alarm. Real Redis, no processes."""
+link to ``/dev/null`` or a hard link to a file outside) or fails to write trims nothing and raises an audited
+alarm. Real Redis, no processes."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
+import resource
+import signal
 
 import numpy as np
 import pytest
@@ -74,6 +78,17 @@ def test_an_export_swapped_for_a_link_to_dev_null_never_trims(store, audit_dir):
     assert "a symbolic link" in alarm["reason"] and json.loads(alarm["detail"])["error"].startswith("audit export")
 
 
+def test_an_export_swapped_for_a_hard_link_to_a_file_outside_is_not_written(store, audit_dir, tmp_path):
+    outside = tmp_path / "outside.txt"  # planted by someone who may write in the audit folder
+    outside.write_text("kept\n")
+    os.link(outside, audit_dir / "audit.jsonl")
+    ids = [a.id for a in store.audit()]
+    round_end(store, audit_dir)
+    assert outside.read_text() == "kept\n" and [a.id for a in store.audit()][:len(ids)] == ids
+    (alarm,) = alarms(store)
+    assert "a hard link (2 names)" in alarm["reason"]
+
+
 def test_a_failed_fsync_leaves_the_audit_whole(store, audit_dir, monkeypatch):
     import fdeplb.store.retention as retention
 
@@ -86,9 +101,40 @@ def test_a_failed_fsync_leaves_the_audit_whole(store, audit_dir, monkeypatch):
     assert [a.id for a in store.audit()][:len(ids)] == ids  # nothing trimmed: the export was never made durable
     (alarm,) = alarms(store)
     assert "Input/output error" in alarm["reason"] and alarm["actor"] == "coordinator@test"
-    monkeypatch.undo()  # the disk recovers: the next round's end exports (again) and trims
+    stream = [a.id for a in store.audit()]
+    monkeypatch.undo()  # the disk recovers: the next round's end resumes the export (each record once) and trims
     round_end(store, audit_dir)
     assert store.audit_length() == KEEP
+    assert [json.loads(x)["id"] for x in (audit_dir / "audit.jsonl").read_text().splitlines()] == stream[:-KEEP]
+
+
+@pytest.fixture
+def file_size_limit():
+    """Sets the process's RLIMIT_FSIZE (SIGXFSZ ignored, so a write past it fails with EFBIG); restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    yield lambda limit: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_an_export_cut_short_by_a_write_error_resumes_on_retry(store, audit_dir, file_size_limit):
+    path = audit_dir / "audit.jsonl"
+    path.write_text('{"id": "0-1", "note": "an earlier export"}\n')
+    ids = [a.id for a in store.audit()]
+    file_size_limit(path.stat().st_size + 450)  # the file system refuses to grow it more: cut inside a line
+    with pytest.raises(OSError) as info:
+        store.trim_audit(KEEP, str(path), str(audit_dir))
+    file_size_limit(resource.RLIM_INFINITY)
+    assert info.value.errno == errno.EFBIG
+    text = path.read_text()
+    assert 2 <= text.count("\n") <= len(ids) - KEEP and not text.endswith("\n")  # partway, inside a line
+    assert [a.id for a in store.audit()] == ids  # nothing trimmed
+    assert store.trim_audit(KEEP, str(path), str(audit_dir)) == len(ids) - KEEP  # the retry
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [x["id"] for x in lines] == ["0-1", *ids[:-KEEP]]  # each once, in order, the earlier export kept
+    assert [a.id for a in store.audit()] == ids[-KEEP:]
+    assert store.trim_audit(KEEP, str(path), str(audit_dir)) == 0 and len(path.read_text().splitlines()) == len(lines)
 
 
 def test_a_coordinator_exports_into_its_audit_dir_as_a_round_ends(redis_url, cluster_id, tmp_path):

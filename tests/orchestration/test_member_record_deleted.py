@@ -1,7 +1,8 @@
 """A deleted member record (QA HIGH 3, ``DEL fdeplb:{c}:member:R``): when the audit holds the rank's membership, the
 record is restored from it as a corrupt one is (:mod:`fdeplb.store.member_repair`, audited ``record_repaired``), so
 an excluded rank is not silently readmitted; a missing record of a rank whose membership was never audited is the
-initial ACTIVE v0, as before (nothing written)."""
+initial ACTIVE v0, as before (nothing written). Status, metrics and the UI show a deleted record at once as the
+coordinator will restore it, never as ACTIVE until its next pass."""
 
 from __future__ import annotations
 
@@ -70,6 +71,32 @@ def test_the_membership_watch_restores_a_deleted_record_before_it_acts(redis_url
         length = store.audit_length()
         watch.observe("", 60_000, ClusterState.FREE)
         assert store.audit_length() == length  # nothing more to do
+    finally:
+        store.delete_cluster()
+
+
+def test_readers_show_a_deleted_record_as_the_coordinator_will_restore_it_at_once(redis_url, cluster_id):
+    from fdeplb.api.prometheus import ClusterCollector
+    from fdeplb.status import cluster_status, unhealthy_ranks
+    from fdeplb.ui.view_model import LiveReadModel
+
+    store = _two_ranks(redis_url, cluster_id)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        operator_fire(store, 1, "drain", who="op", reason="maintenance")  # rank 1: DRAINING, then drained out
+        MembershipWatch(store, "coord-a", structlog.get_logger()).observe("", 60_000, ClusterState.FREE)
+        assert store.read(MEMBERSHIP, 1).state is M.EXCLUDED
+        length = store.audit_length()
+        raw.delete(*(f"fdeplb:{{{cluster_id}}}:member:{r}" for r in (0, 1)))  # no coordinator pass after this
+        status = cluster_status(store)  # fdeplb status, GET /v1/state
+        assert [r["membership"] for r in status["ranks"]] == [M.ACTIVE, M.EXCLUDED] and status["live_ranks"] == [0]
+        assert status["corrupt"] == [] and status["ranks"][1]["routing"] in (None, "not_member")
+        assert [r["membership"] for r in LiveReadModel(store).view()["ranks"]] == ["ACTIVE", "EXCLUDED"]
+        gauge = {f.name: f for f in ClusterCollector(store).collect()}["fdeplb_membership_ranks"]
+        counts = {s.labels["state"]: s.value for s in gauge.samples}
+        assert (counts["ACTIVE"], counts["EXCLUDED"]) == (1, 1)
+        assert unhealthy_ranks(store)[1] == {0: "not registered"}  # an excluded rank is not waited for
+        assert store.audit_length() == length and raw.exists(f"fdeplb:{{{cluster_id}}}:member:1") == 0  # reads only
     finally:
         store.delete_cluster()
 

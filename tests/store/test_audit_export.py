@@ -1,5 +1,5 @@
 """Which files the audit export may be (issue 34 item B): only a regular file inside the operator's ``--audit-dir``,
-``..`` and symbolic links resolved, never a device, a FIFO or a symbolic link; a refused path is neither created
+``..`` and symbolic links resolved, never a device, a FIFO, a symbolic link or a hard link; a refused path is neither created
 nor written. No Redis: :mod:`fdeplb.store.audit_export` alone."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from fdeplb.errors import InputError
 from fdeplb.store import audit_export
-from fdeplb.store.audit_export import check_audit_dir, check_export_path, check_trimming, confine_export_path, \
-    open_export
+from fdeplb.store.audit_export import append_lines, check_audit_dir, check_export_path, check_trimming, \
+    confine_export_path, open_export
 
 
 @pytest.fixture
@@ -65,6 +65,16 @@ def test_symbolic_links_are_refused_wherever_they_point(audit_dir, tmp_path):
     assert not (tmp_path / "x.jsonl").exists()
 
 
+def test_a_hard_link_is_refused_and_its_other_name_is_not_written(audit_dir, tmp_path):
+    outside = tmp_path / "outside.jsonl"  # what someone who may write in the folder could link to (same filesystem)
+    outside.write_text("kept\n")
+    os.link(outside, audit_dir / "audit.jsonl")
+    refused(audit_dir / "audit.jsonl", audit_dir, "a hard link (2 names)", "outside the audit directory")
+    assert outside.read_text() == "kept\n"
+    os.link(audit_dir / "audit.jsonl", audit_dir / "alias.jsonl")  # even when every name lies inside
+    refused(audit_dir / "alias.jsonl", audit_dir, "a hard link (3 names)")
+
+
 def test_devices_fifos_and_folders_are_refused(audit_dir, monkeypatch):
     refused("/dev/null", audit_dir, "outside the audit directory")
     refused("/dev/null", "/dev", "resolves to /dev, a system directory")  # --audit-dir /dev is refused, and
@@ -103,6 +113,25 @@ def test_a_regular_file_inside_is_created_exclusively_then_appended_to(audit_dir
     assert path.read_text() == "one\ntwo\n"
     monkeypatch.chdir(audit_dir)  # a relative path is the working directory's, stored absolute
     assert confine_export_path("audit.jsonl", str(audit_dir)) == str(path)
+
+
+def test_a_retried_export_resumes_after_the_lines_already_written(audit_dir, monkeypatch):
+    monkeypatch.setattr(audit_export, "_TAIL_BLOCK", 7)  # lines longer than a block: the walk back spans blocks
+    path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
+    lines = [f'{{"id": "1-{i}", "x": "{"é" * (i + 1)}"}}\n' for i in range(4)]
+    with open_export(path, folder) as fh:  # an earlier trim, then one line and a line cut inside its "é"
+        fh.buffer.write(b"earlier\n" + lines[0].encode() + lines[1].encode()[:21])
+    with open_export(path, folder) as fh:
+        append_lines(fh, lines[:3])
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines[:3])
+    with open_export(path, folder) as fh:  # again with one more (the export was written, the trim did not run)
+        append_lines(fh, lines)
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines)
+    with open_export(path, folder) as fh:  # a fragment that is not the next line is ended, not completed
+        fh.write('{"id": "9-9"')
+    with open_export(path, folder) as fh:
+        append_lines(fh, [*lines, '{"id": "1-4"}\n'])
+    assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines) + '{"id": "9-9"\n{"id": "1-4"}\n'
 
 
 @pytest.mark.parametrize("root,words", [("/", "the root directory"), ("/etc", "/etc, a system directory"),
