@@ -140,7 +140,7 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
     ma_speed = move_aware_speed(real_data)
     topo, pareto = topology_rows(real_data), pareto_rows(real_data)
     return {"rows": rows, "drift": drift, "speedup": speed, "move_aware_speed": ma_speed, "previous": prev,
-            "topology": topo, "pareto": pareto, "frontier": frontier_rows(real_data),
+            "topology": topo, "pareto": pareto, "frontier": frontier_rows(real_data), "hot_expert": hot_expert_rows(),
             "targets": targets(rows, drift, speed, ma_speed, topo, pareto)}
 
 
@@ -153,6 +153,29 @@ def lower_bound(load: np.ndarray, slots: int, ep: int) -> np.ndarray:
     _, _, cnt = replicate_experts(load, slots)
     mean = load.sum(axis=1) / ep
     return np.maximum(1.0, (load / cnt).max(axis=1) / np.where(mean > 0, mean, 1.0))
+
+
+#: shares of a layer's load on one expert in the synthetic hot-expert rows
+HOT_SHARES = (0.5, 0.8, 0.93, 0.99)
+
+
+def hot_expert_rows() -> list[dict]:
+    """Synthetic (no real dump is like it): one expert carrying a share of every layer's load (4 layers, the other
+    255 uniform in [100, 1000), numpy default_rng(0)), DeepSeek-V3's 288 slots on 32 GPUs, global and 4 nodes;
+    "deepseek" and "balanced": mean max/mean over the GPUs (global) or inside the worst node (4 nodes), and the
+    hot expert's replicas."""
+    out = []
+    for share in HOT_SHARES:
+        load = np.random.default_rng(0).integers(100, 1000, size=(4, 256)).astype(np.int64)
+        load[:, 0] = (load[:, 1:].sum(axis=1) * share / (1 - share)).astype(np.int64)
+        for nodes in (1, 4):
+            for policy in ("deepseek", "balanced"):
+                plan = rebalance_experts(load, 288, 8, nodes, 32, policy=policy)
+                gpu = gpu_loads(load, plan, 32).reshape(4, nodes, 32 // nodes)
+                inside = (gpu.max(axis=2) / gpu.mean(axis=2)).max(axis=1)
+                out.append({"share": share, "nodes": nodes, "policy": policy, "max_over_mean": float(inside.mean()),
+                            "replicas": int(plan.logcnt[:, 0].max())})
+    return out
 
 
 def balance_rows(real_data: Path, policies: tuple, python_loop: bool = True) -> list[dict]:
@@ -317,6 +340,13 @@ def tables(result: dict) -> list[str]:
     lines += ["", "Lower bound: max(1, largest per-replica load of DeepSeek's replica counts / mean GPU load) per layer;"
               " worst node inside: the worst dump's mean over layers of the worst node's heaviest GPU over that node's"
               " mean GPU load (hierarchical only)."]
+    if result.get("hot_expert"):
+        lines += ["", "Synthetic hot expert (no real dump is like it): one expert carrying a share of every layer's load, "
+                  "288 slots on 32 GPUs; max/mean over the GPUs (1 node) or inside the worst node (4 nodes); "
+                  "\"balanced\" re-counts a row whose heaviest GPU must hold two replicas of one expert.", "",
+                  "| hot share | nodes | policy | max/mean | hot expert's replicas |", "|---:|---:|---|---:|---:|"]
+        lines += [f"| {h['share']} | {h['nodes']} | {h['policy']} | {h['max_over_mean']:.5f} | {h['replicas']} |"
+                  for h in result["hot_expert"]]
     lines += drift_tables(result)
     if result.get("topology"):
         lines += ["", "Topology-aware: DeepSeek-V3, 288 slots, 32 GPUs, 4 nodes; synthetic per-source-rank split "
