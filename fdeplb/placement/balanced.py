@@ -19,8 +19,8 @@ Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem",
       :data:`_PARTNERS` lightest GPUs (the best partner pair per GPU found by binary search over its sorted pair
       sums); back to (a) when it helps.
    A row ends when (c) is stuck too, or as soon as its heaviest GPU is within :data:`_GOOD_ENOUGH` of its mean.
-3. Rows whose heaviest GPU then holds two replicas of one expert (no exchange can help: the counts force it) are
-   re-counted and packed again (:mod:`fdeplb.placement.recount`); no row of the real dumps is.
+3. Rows where the replica counts force an excess (some GPU must hold two replicas of hot experts: no exchange can
+   help) are re-counted and packed again (:mod:`fdeplb.placement.recount`); no plan of the real dumps changes.
    Every accepted move strictly lowers the sum of squared GPU loads and never raises the maximum, so the search
    ends and the result is never worse than "deepseek" on any layer. Without (c) and the early stop
    (``pairs=False``) it is the search "balanced" ran before its 2-2 stage, kept as "move_aware"'s reference.
@@ -219,7 +219,7 @@ def balanced_plan(
     item_load = np.take_along_axis(per_replica, start, axis=1).reshape(L * num_nodes, gpus_per_node, S)
     origin = improve_by_swaps(item_load, pairs=pairs).reshape(L * num_nodes, -1)
     phy2log = np.take_along_axis(start.reshape(L * num_nodes, -1), origin, axis=1).reshape(L, P)
-    if pairs:  # a row whose heaviest GPU holds two replicas of one expert: other replica counts
+    if pairs:  # a row whose replica counts force an excess: other counts
         phy2log = recount_rows(load, phy2log, num_nodes, num_gpus, improve_by_swaps)
     # never worse than DeepSeek on any layer (guards against float drift of the incremental loads)
     before = raw_gpu_loads(load, start, num_gpus).max(axis=1)

@@ -1,4 +1,4 @@
-"""Replica counts that spread: re-count the rows whose heaviest GPU holds two replicas of one expert.
+"""Replica counts that spread: re-count the rows whose heaviest GPU holds two replicas of replicated experts.
 
 DeepSeek's replica counts (each redundant slot to the expert of largest load per replica) minimise the largest
 per-replica load but ignore that ``c`` replicas of one expert on ``g`` GPUs put ``ceil(c / g)`` of them on some GPU.
@@ -7,13 +7,19 @@ on 32 GPUs, DeepSeek gives it 33 replicas and one GPU two of them (max/mean 1.59
 give about 1.00. No exchange of replicas between GPUs can fix it (the pigeonhole is in the counts).
 
 :func:`recount_rows` looks at every row (a layer, or in hierarchical mode a node of a layer, whose experts keep all
-their replicas inside it) whose heaviest GPU holds more than one replica of an expert. For the heaviest such expert
-it tries the counts at the multiples of the row's GPU count on either side of its count, and one less; the slots
-freed go to the other experts of the row by DeepSeek's rule (largest load per replica first), the slots needed are
-taken from the expert whose load per replica rises least (with at least two replicas). Every candidate is packed as
-"balanced" packs (DeepSeek's greedy packing, then its exchange search, passed in: ``improve``); the row takes
-the best candidate if it lowers its heaviest GPU, and is looked at again (up to :data:`_ROUNDS` times). Rows without
-such a GPU, every row of the real dumps in ``../shared/real_data`` included, are left exactly as they are.
+their replicas inside it) where the counts force an excess (:func:`forced_peak`: some GPU must hold ``k + 1`` of the
+``k g + 1`` heaviest replicas on ``g`` GPUs) more than :data:`_SLACK` above the bound no counts beat (the row's mean GPU load, or its
+largest load per replica at DeepSeek's counts), as is its heaviest GPU. It re-counts together the row's one, two, ... :data:`_GROUP` replicated experts of largest
+load per replica (and, alone, each replicated expert of the heaviest GPU): their replicas in all go to the
+multiples of the row's GPU count on either side of what they hold, or one less, dealt among them by DeepSeek's rule;
+the slots freed go to the other experts of the row by that rule (largest load per replica first), the slots needed
+are taken from the expert whose load per replica rises least (with at least two replicas). Two experts with 40% of
+the load each: DeepSeek gives them 17 + 17 replicas for 32 GPUs (1.54), 16 + 16 give one on every GPU (1.00).
+Every candidate is packed as "balanced" packs (DeepSeek's greedy packing, then its exchange search, passed in:
+``improve``); the row takes the best candidate if it lowers its heaviest GPU, and is looked at again (up to
+:data:`_ROUNDS` times). The plans of the real dumps in ``../shared/real_data`` stay exactly as they were (checked
+on every dump at the placement tests' topologies: none of their rows gains from a re-count).
+
 The rule is fdeplb's: DeepSeek's EPLB and the cardinality-constrained P||Cmax literature fix the counts first.
 """
 
@@ -23,28 +29,41 @@ from typing import Callable
 
 import numpy as np
 
-from fdeplb.placement.deepseek import balanced_packing
+from fdeplb.placement.deepseek import balanced_packing, replicate_experts
 
 #: at most this many re-counts per row (each settles the counts of one expert)
 _ROUNDS = 4
 #: relative gain below which a re-count is not taken (float64 noise)
 _RTOL = 1e-12
+#: the replicated experts of the heaviest GPU re-counted together: the heaviest one, two, ... this many
+_GROUP = 3
+#: a row is looked at only when its heaviest GPU is this share above the bound no counts beat (the mean, or the
+#: largest load per replica at DeepSeek's counts); the real dumps' rows end far below the re-count's figures
+_SLACK = 1e-3
 
 
 def _gpu_loads(ids: np.ndarray, per_replica: np.ndarray, gpus: int) -> np.ndarray:
     return per_replica[ids].reshape(gpus, -1).sum(axis=1)
 
 
-def _shift_counts(load: np.ndarray, counts: np.ndarray, expert: int, target: int) -> np.ndarray | None:
-    """``counts`` with ``counts[expert] = target`` and the difference taken from / given to the other experts (see
-    the module docstring); None if the others cannot give that many slots."""
+def _counts_for(load: np.ndarray, counts: np.ndarray, chosen: np.ndarray, total: int) -> np.ndarray | None:
+    """``counts`` with the ``chosen`` experts (indexes) holding ``total`` replicas between them, dealt by DeepSeek's
+    rule (each at least one, then each slot to the largest load per replica), and the difference taken from / given
+    to the other experts (see the module docstring); None if that cannot be done."""
+    k = chosen.size
+    if total < k:
+        return None
     out = counts.copy()
-    out[expert] = target
-    others = np.arange(counts.size) != expert
-    for _ in range(counts[expert] - target):  # freed slots: to the largest load per replica
+    out[chosen] = 1
+    for _ in range(total - k):
+        best = chosen[int(np.argmax(load[chosen] / out[chosen]))]
+        out[best] += 1
+    others = np.ones(counts.size, dtype=bool)
+    others[chosen] = False
+    for _ in range(int(counts[chosen].sum()) - total):  # freed slots: to the largest load per replica
         gain = np.where(others, load / out, -np.inf)
         out[int(gain.argmax())] += 1
-    for _ in range(target - counts[expert]):  # needed slots: from the smallest rise of load per replica
+    for _ in range(total - int(counts[chosen].sum())):  # needed slots: from the smallest rise of load per replica
         rise = np.where(others & (out >= 2), load / np.maximum(out - 1, 1), np.inf)
         giver = int(rise.argmin())
         if not np.isfinite(rise[giver]):
@@ -83,31 +102,51 @@ def _recount_row(ids: np.ndarray, load: np.ndarray, gpus: int, improve: Improve)
         per_replica[experts] = load[experts] / counts
         gpu = _gpu_loads(ids, per_replica, gpus)
         top = int(gpu.argmax())
-        held, times = np.unique(ids.reshape(gpus, -1)[top], return_counts=True)
-        doubled = held[times > 1]
-        if doubled.size == 0:
+        on_top = np.unique(ids.reshape(gpus, -1)[top])
+        at_top = np.searchsorted(experts, on_top[counts[np.searchsorted(experts, on_top)] > 1])
+        if at_top.size == 0:
             return ids
-        hot = int(doubled[np.argmax(per_replica[doubled])])
-        at = int(np.searchsorted(experts, hot))
-        c = int(counts[at])
-        targets = sorted({t for t in ((c // gpus) * gpus, -(-c // gpus) * gpus, c - 1) if 1 <= t != c})
+        replicated = np.flatnonzero(counts > 1)  # indexes into experts, heaviest replica first
+        replicated = replicated[np.argsort(-(load[experts] / counts)[replicated], kind="stable")]
+        sets = [replicated[:k] for k in range(1, min(replicated.size, _GROUP) + 1)] + [at_top[i:i + 1] for i in
+                                                                                     range(at_top.size)]
         best, best_peak = None, gpu[top] * (1 - _RTOL)
-        for target in targets:
-            shifted = _shift_counts(load[experts], counts, at, target)
-            if shifted is None:
-                continue
-            cand, peak = _pack(experts, load[experts], shifted, gpus, improve)
-            if peak < best_peak:
-                best, best_peak = cand, peak
+        for chosen in sets:
+            held = int(counts[chosen].sum())
+            totals = {(held // gpus) * gpus, -(-held // gpus) * gpus, held - 1}
+            for total in sorted(t for t in totals if t != held):
+                shifted = _counts_for(load[experts], counts, chosen, total)
+                if shifted is None:
+                    continue
+                cand, peak = _pack(experts, load[experts], shifted, gpus, improve)
+                if peak < best_peak:
+                    best, best_peak = cand, peak
         if best is None:
             return ids
         ids = best
     return ids
 
 
+def forced_peak(item: np.ndarray, gpus: int) -> np.ndarray:
+    """float64 [R]: a load some GPU of every row must reach at these replica counts, ``item`` float64 [R, gpus * S]
+    the replicas' loads: for every k < S, some GPU holds k + 1 of the k * gpus + 1 heaviest replicas (pigeonhole) and
+    S - k - 1 others, so at least the k + 1 lightest of those and the S - k - 1 lightest replicas of the row; the
+    largest over k."""
+    R, n = item.shape
+    S = n // gpus
+    ordered = np.sort(item, axis=1)
+    smallest = np.concatenate([np.zeros((R, 1)), np.cumsum(ordered, axis=1)], axis=1)  # sum of the j lightest
+    out = np.zeros(R)
+    for k in range(1, S):
+        first = n - k * gpus - 1  # the (k * gpus + 1)-th heaviest, ascending index
+        forced = smallest[:, first + k + 1] - smallest[:, first] + smallest[:, S - k - 1]
+        out = np.maximum(out, forced)
+    return out
+
+
 def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus: int,
                  improve: Improve) -> np.ndarray:
-    """Re-count the rows whose heaviest GPU holds two replicas of one expert (see the module docstring).
+    """Re-count the rows whose heaviest GPU holds two replicas of replicated experts (see the module docstring).
 
     Args:
         load: float64 [L, E] expert_load.
@@ -129,11 +168,19 @@ def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus
     np.add.at(counts, (np.arange(L * num_nodes)[:, None], rows.reshape(L * num_nodes, -1)), 1.0)
     per_replica = per_replica / np.maximum(counts, 1.0)
     r = np.arange(L * num_nodes)
-    item = per_replica[r[:, None, None], rows]
-    top = item.sum(axis=2).argmax(axis=1)
-    on_top = np.sort(rows[r, top], axis=1)
-    doubled = (on_top[:, 1:] == on_top[:, :-1]).any(axis=1)
+    item = per_replica[r[:, None, None], rows].reshape(L * num_nodes, -1)
+    gpu = item.reshape(L * num_nodes, gpn, S).sum(axis=2)
+    peak = gpu.max(axis=1)
     out = rows.copy()
-    for row in np.nonzero(doubled)[0]:
-        out[row] = _recount_row(rows[row].ravel(), load[row // num_nodes], gpn, improve).reshape(gpn, S)
+    if S < 2:  # one replica per GPU: nothing is forced
+        return out.reshape(L, P)
+    heaviest = forced_peak(item, gpn)
+    for row in np.nonzero(heaviest > gpu.mean(axis=1) * (1 + _SLACK))[0]:
+        layer_load = load[row // num_nodes]
+        ids = rows[row].ravel()
+        experts = np.unique(ids)
+        least = replicate_experts(layer_load[experts][None, :], ids.size)[2][0]  # DeepSeek's counts
+        bound = max(gpu[row].mean(), float((layer_load[experts] / least).max()))
+        if min(peak[row], heaviest[row]) > bound * (1 + _SLACK):
+            out[row] = _recount_row(ids, layer_load, gpn, improve).reshape(gpn, S)
     return out.reshape(L, P)
