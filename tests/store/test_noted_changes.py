@@ -1,6 +1,6 @@
 """A change that an audit note records commits with its note in one step (``lua/audit.lua``, queued in the change's
-WATCHed transaction): a withdrawn round request (:meth:`Store.withdraw_request`). A fenced-out caller, or a note
-that cannot be appended, changes nothing. The configuration's change is in tests/store/test_txn.py."""
+WATCHed transaction): a withdrawn round request (:meth:`Store.withdraw_request`), a repaired member record
+(:meth:`Store.repair_member`). A fenced-out caller, or a note that cannot be appended, changes nothing. The configuration's change is in tests/store/test_txn.py."""
 
 from __future__ import annotations
 
@@ -66,3 +66,24 @@ def test_a_withdrawal_whose_note_cannot_be_appended_changes_nothing(pending):
         raw.r.restore(raw.keys.audit, 0, saved)
     assert store.read_cluster().requested == 2 and np.array_equal(
         store.supplied_placement()[0], store.current_placement().phy2log)
+
+
+def test_a_member_repair_whose_note_cannot_be_appended_changes_nothing(fired, redis_url):
+    store, raw = fired, RawRedis(redis_url, fired.cluster)
+    key = raw.keys.member(0)
+    raw.r.hset(key, mapping={"state": "BOGUS", "version": "0"})
+    head = raw.r.get(raw.keys.audit_head)
+    raw.r.delete(raw.keys.audit_head)
+    raw.r.hset(raw.keys.audit_head, "not", "a string")  # the append inside the commit fails with WRONGTYPE
+    before = raw.snapshot()
+    try:
+        with pytest.raises(StoreError, match="WRONGTYPE"):
+            store.repair_member(0, fence="", actor="test")
+        assert raw.snapshot() == before  # the record still corrupt: no rewrite without its audit record
+    finally:
+        raw.r.delete(raw.keys.audit_head)
+        raw.r.set(raw.keys.audit_head, head)
+    fixed = store.repair_member(0, fence="", actor="test")
+    assert raw.r.hgetall(key) == {b"state": b"ACTIVE", b"version": b"0"} and fixed.source == "initial"
+    assert store.audit()[-1].id == fixed.audit_id and store.audit()[-1]["chain"] == raw.r.get(
+        raw.keys.audit_head).decode()
