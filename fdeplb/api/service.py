@@ -21,7 +21,7 @@ import numpy as np
 import structlog
 
 from fdeplb.checks import check_int
-from fdeplb.errors import (CorruptRecordError, FdeplbError, InputError, NotFoundError,
+from fdeplb.errors import (ContentionError, CorruptRecordError, FdeplbError, InputError, NotFoundError,
                            RedisUnavailableError, StateError)
 from fdeplb.machines.tables import CLUSTER, FASTDEPLOY_STATUS_NAMES, RANK, WEIGHTS, ClusterState, WeightState
 from fdeplb.recording import audit_dict
@@ -115,7 +115,8 @@ def start_round(store: Store, ips: list[str] | None) -> Reply:
 
 def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
     """Action ``recv_expert_weight``: ``data`` [L][E] is the load of the round being collected (or of the next round)
-    instead of the ranks' windows."""
+    instead of the ranks' windows. :class:`~fdeplb.errors.ContentionError` (409, nothing written) when other writers
+    changed the snapshot or the supplied load under every attempt of the store's transaction."""
     if data is None:
         return refuse("data not in request or data is not a list")
     cfg = store.read_config()
@@ -131,11 +132,13 @@ def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
     try:
         try:
             store.supply_load(round_, load)
-        except StateError:
-            if not collecting:
+        except StateError as err:
+            if not collecting or isinstance(err, ContentionError):
                 raise
             round_ += 1  # the round being collected froze its load meanwhile: the load is the next round's
             store.supply_load(round_, load)
+    except ContentionError:
+        raise  # other writers won every attempt (nothing written): the 409 to try again, not a refused load
     except StateError as err:
         return refuse(str(err))
     log.info("load supplied", round=round_, total=int(load.sum()))

@@ -7,13 +7,13 @@ transitions stay guarded and audited.
 
 A weight request nobody can switch is withdrawn by :meth:`Intents.cancel_weights` (``lua/weights_cancel.lua``: the
 withdrawal, its checks and its audit record in one atomic step). A pending round request is withdrawn by
-:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), which
-appends an audit note after its transaction. The settings that may change on a running cluster change through
-:meth:`Intents.change_config`, whose transaction writes them and their audit note in one step.
+:meth:`Intents.withdraw_request` (an operator's cancel, or its expiry past ``deadlines.request_ttl_ms``), and the
+settings that may change on a running cluster change through :meth:`Intents.change_config`: the transaction of
+each queues one ``lua/audit.lua`` call that appends its audit note and writes the change in one atomic step.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``cluster``, ``_strict``, ``_record``,
 ``ep_size``, ``read_config``, ``_parse_config``, ``read_cluster``, ``now_ms``, ``_weights_cancel`` and ``_append``
-(the registered scripts); from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``, ``append_note``,
+(the registered scripts); from :mod:`fdeplb.store.streams`: ``emit_event``, ``_signal``,
 :func:`~fdeplb.store.streams.note_fields`.
 """
 
@@ -115,24 +115,30 @@ class Intents:
     def withdraw_request(self, round_: int | None, *, trigger: str, actor: str, reason: str, fence: str = "",
                          detail: dict[str, Any] | None = None,
                          drop_supplied: str = "") -> tuple[int, str, dict[str, Any] | None]:
-        """Withdraw the pending round request (``requested`` back to ``round``: the round never starts), then append
-        the audit note ``trigger`` (``request_cancelled`` by an operator, ``request_expired`` by the coordinator
-        past ``deadlines.request_ttl_ms``) with ``reason`` and ``detail`` plus the withdrawn round and its
-        ``requested_reason``; with ``fence``, the note is refused (:class:`FenceError`) unless that lease is held.
+        """Withdraw the pending round request (``requested`` back to ``round``: the round never starts) together
+        with its audit note ``trigger`` (``request_cancelled`` by an operator, ``request_expired`` by the
+        coordinator past ``deadlines.request_ttl_ms``) with ``reason`` and ``detail`` plus the withdrawn round and
+        its ``requested_reason``; with ``fence``, both are refused (:class:`FenceError`, nothing written) unless
+        that lease is held.
 
         ``round_``: withdraw only if round ``round_`` is the pending one (the coordinator's expiry); None: whichever
-        is pending (an operator's cancel). The check and the withdrawal are one WATCHed transaction: a start that
-        committed meanwhile wins and nothing is withdrawn. ``drop_supplied``: a kind of supplied placement
-        (``operator``) that the same transaction deletes when the waiting one is of that kind, so that FREE's entry
-        work does not request its round again; the note's detail then names it (``dropped_supplied``: its facts).
+        is pending (an operator's cancel). The check is one WATCHed transaction whose MULTI / EXEC queues one
+        ``lua/audit.lua`` call that appends the note and then writes the withdrawal (never one without the other):
+        a start that committed meanwhile wins and nothing is withdrawn. ``drop_supplied``: a kind of supplied
+        placement (``operator``) that the same step deletes when the waiting one is of that kind, so that FREE's
+        entry work does not request its round again; the note's detail then names it (``dropped_supplied``: its
+        facts).
 
         Returns (the withdrawn round, the note's audit id, the facts of the supplied placement dropped or None).
-        :class:`StateError` (nothing written) when no request
-        is pending: the cluster is FREE with none, or its round has started (before the commit point, ``fdeplb
-        round abort`` ends it)."""
+        :class:`StateError` (nothing written) when no request is pending: the cluster is FREE with none, or its
+        round has started (before the commit point, ``fdeplb round abort`` ends it);
+        :class:`~fdeplb.errors.ContentionError` (nothing written) when the cluster record or the supplied placement
+        changed under every attempt."""
         key, supplied_key = self._keys.rearrange, self._keys.supplied_placement
+        self._client.script_load(self._append.script)  # EVALSHA inside the MULTI below
 
-        def txn(pipe: Any) -> tuple[ClusterRecord, Any]:
+        def txn(pipe: Any) -> None:
+            done.clear()
             rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
             pending = rec.state is ClusterState.FREE and rec.requested > rec.round
             if not pending or (round_ is not None and rec.requested != round_):
@@ -143,19 +149,24 @@ class Intents:
             dropped = _supplied_facts(pipe.hget(supplied_key, "facts")) if drop_supplied else None
             if not (isinstance(dropped, dict) and dropped.get("kind") == drop_supplied):
                 dropped = None
+            facts = {**(detail or {}), "round": rec.requested, "requested_reason": rec.requested_reason,
+                     **({"dropped_supplied": dropped} if dropped is not None else {})}
+            call = audit_call(self._keys, fence=fence, delete=[supplied_key] if dropped is not None else [],
+                              hset={key: {"requested": str(rec.round), "requested_ms": "0"}},
+                              audit=note_fields(CLUSTER, None, state=rec.state.value, version=rec.version,
+                                                trigger=trigger, actor=actor, round_=rec.round,
+                                                plan_id=rec.plan_id, reason=reason, detail=facts))
             pipe.multi()
-            pipe.hset(key, mapping={"requested": str(rec.round), "requested_ms": "0"})
-            if dropped is not None:
-                pipe.delete(supplied_key)
-            return rec, dropped
+            pipe.execute_command("EVALSHA", self._append.sha, len(call.keys), *call.keys, *call.args)
+            done.append((rec.requested, dropped))
 
-        rec, dropped = transaction(self._client, txn, key, supplied_key, value_from_callable=True)
-        withdrawn = rec.requested
-        facts = {**(detail or {}), "round": withdrawn, "requested_reason": rec.requested_reason,
-                 **({"dropped_supplied": dropped} if dropped is not None else {})}
-        audit_id = self.append_note(rec, trigger=trigger, actor=actor, reason=reason, fence=fence, detail=facts)
+        done: list[tuple[int, Any]] = []
+        (reply,) = transaction(self._client, txn, key, supplied_key)
+        withdrawn, dropped = done[0]
+        if _s(reply[0]) != "OK":
+            raise FenceError(f"{trigger} on {CLUSTER.name}: {_s(reply[1])}")
         self.emit_event(trigger, round=withdrawn, reason=reason[:500])
-        return withdrawn, audit_id, dropped
+        return withdrawn, _s(reply[1]), dropped
 
     def change_config(self, changes: dict[str, Any], *, actor: str, reason: str = "",
                       check: Callable[[Any], None] | None = None) -> tuple[Any, Any, str]:
@@ -195,7 +206,7 @@ class Intents:
             rec = self._record(CLUSTER, cluster, _hgetall(pipe, cluster))
             text = "config changed: " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in diff.items()) + \
                 (f" ({reason})" if reason else "")
-            call = audit_call(self._keys, fence="", config={k: json.dumps(v) for k, v in new.to_json().items()},
+            call = audit_call(self._keys, fence="", hset={key: {k: json.dumps(v) for k, v in new.to_json().items()}},
                               audit=note_fields(CLUSTER, None, state=rec.state.value, version=rec.version,
                                                 trigger="config_changed", actor=actor, round_=rec.round,
                                                 plan_id=rec.plan_id, reason=text[:2000],

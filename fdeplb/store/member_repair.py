@@ -8,8 +8,9 @@ when the audit holds a membership record of the rank (it transitioned, so it is 
 of a rank with no audited membership is left missing, which readers take as the initial ACTIVE v0 (a cluster made
 before membership; :meth:`Repair.member_audits` tells the two apart in one walk of the audit). The rewrite and its
 audit note (``record_repaired``, on the member record, from = to = the restored state at the restored version, the
-corrupt fields in its ``detail``, none for a missing record) commit in one ``MULTI`` / ``EXEC``, WATCHing the record
-and the coordinator lease: a record fixed or changed meanwhile, or a lease lost, writes nothing.
+corrupt fields in its ``detail``, none for a missing record) commit in one ``lua/audit.lua`` call (the note appended,
+then the record rewritten; nothing when the append fails), queued in a ``MULTI`` / ``EXEC`` WATCHing the record and
+the coordinator lease: a record fixed or changed meanwhile, or a lease lost, writes nothing.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_append`` (the registered audit script),
 ``ep_size``;
@@ -133,12 +134,10 @@ class Repair:
                 "initial": "restored as the initial state (it never transitioned, none audited)",
                 "excluded": "excluded: the audit holds no membership record of it (trimmed?) to restore",
             }.get(source, f"restored as {restored['state']} v{restored['version']} from audit record {source}"))
-            call = audit_call(self._keys, fence=fence, audit=note_fields(
+            call = audit_call(self._keys, fence=fence, delete=[key], hset={key: restored}, audit=note_fields(
                 MEMBERSHIP, r, state=restored["state"], version=restored["version"], trigger=REPAIRED, actor=actor,
                 round_=restored.get("round", "0"), plan_id="", reason=text, detail=detail))
-            pipe.multi()
-            pipe.delete(key)
-            pipe.hset(key, mapping=restored)
+            pipe.multi()  # the note appended, then the record rewritten: one script, never one without the other
             pipe.execute_command("EVALSHA", self._append.sha, len(call.keys), *call.keys, *call.args)
             done.append((parse_record(MemberRecord, key, restored), source))
 
@@ -146,7 +145,7 @@ class Repair:
         replies = transaction(self._client, txn, key, self._keys.lease)
         if not done:
             return None
-        reply = replies[-1]
+        (reply,) = replies
         if _s(reply[0]) != "OK":  # not reached while the lease is WATCHed; the script's own check, all the same
             raise FenceError(f"{REPAIRED} on {key}: {_s(reply[1])}")
         return MemberRepair(*done[0], _s(reply[1]))

@@ -14,7 +14,7 @@ import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from fdeplb.machines.tables import Effect, Guard, GuardKind, StateEnum
 from fdeplb.store.keys import Keys
@@ -31,10 +31,10 @@ COMMIT_FILLED = ("version", "fence", "ts_ms")
 #: commit.lua's error codes (first element of a refusal reply); nothing is written on any of them.
 COMMIT_ERRORS = ("ERR_FENCE", "ERR_STALE", "ERR_GUARD", "ERR_GENERATION")
 
-#: audit.lua KEYS[1..4] and ARGV[1..4], in order (an audit record that is not a transition: an alarm; with a
-#: ``config_changed`` note, the configuration it records).
-AUDIT_KEYS = ("audit", "audit_head", "lease", "config")
-AUDIT_ARGV = ("fence", "audit", "chain_order", "config")
+#: audit.lua KEYS[1..3] and ARGV[1..5], in order (an audit record that is not a transition: an alarm; with the change
+#: a note records, written in the same step: the keys it writes follow from KEYS[len(AUDIT_KEYS) + 1] on).
+AUDIT_KEYS = ("audit", "audit_head", "lease")
+AUDIT_ARGV = ("fence", "audit", "chain_order", "delete", "hset")
 #: audit fields audit.lua appends after the caller's, in this order.
 AUDIT_FILLED = ("fence", "ts_ms")
 
@@ -72,8 +72,12 @@ class CommitCall:
     args: list[str | bytes]
 
 
-def _pairs(mapping: dict[str, str]) -> str:
-    return json.dumps([x for kv in mapping.items() for x in kv])
+def _flat(mapping: Mapping[str, str]) -> list[str]:
+    return [x for kv in mapping.items() for x in kv]
+
+
+def _pairs(mapping: Mapping[str, str]) -> str:
+    return json.dumps(_flat(mapping))
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,15 +135,24 @@ def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expec
     return CommitCall(keys=key_list, args=[argv[name] for name in COMMIT_ARGV])
 
 
-def audit_call(keys: Keys, *, fence: str, audit: dict[str, str], config: dict[str, str] | None = None) -> CommitCall:
+def audit_call(keys: Keys, *, fence: str, audit: dict[str, str], delete: Sequence[str] = (),
+               hset: Mapping[str, Mapping[str, str]] | None = None) -> CommitCall:
     """Lay out an ``audit.lua`` call: append ``audit`` (fields as text; fence, ts_ms and chain are added by the
-    script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease. ``config``: fields of
-    the cluster configuration hash (as stored: JSON text) the script writes in the same step, after the record is
-    appended (a ``config_changed`` note); None: none."""
-    fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease, "config": keys.config}
+    script) to the audit stream, refused unless ``fence`` ("" = unfenced) holds the lease. The change the note
+    records, written by the script in the same step after the record is appended (so never without it): the keys
+    ``delete`` names are deleted, then each hash of ``hset`` gets its fields (text, as stored; e.g. a
+    ``config_changed`` note's configuration, a withdrawn round request's cluster-record fields, a repaired member
+    record: deleted and written again). ValueError for an empty mapping in ``hset``."""
+    written = list(dict.fromkeys([*delete, *(hset or {})]))
+    position = {key: len(AUDIT_KEYS) + 1 + i for i, key in enumerate(written)}  # Lua is 1-based
+    if any(not fields for fields in (hset or {}).values()):
+        raise ValueError("audit_call: a hash to write has no fields")
+    fixed = {"audit": keys.audit, "audit_head": keys.audit_head, "lease": keys.lease}
     argv = {"fence": fence, "audit": _pairs(audit), "chain_order": chain_order((*audit, *AUDIT_FILLED)),
-            "config": _pairs(config or {})}
-    return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS], args=[argv[n] for n in AUDIT_ARGV])
+            "delete": json.dumps([position[key] for key in delete]),
+            "hset": json.dumps([[position[key], _flat(fields)]
+                                for key, fields in (hset or {}).items()])}
+    return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS] + written, args=[argv[n] for n in AUDIT_ARGV])
 
 
 def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:

@@ -17,6 +17,7 @@ from fdeplb.store.machine_io import AUDIT_FIELDS
 from fdeplb.store.scripts import (
     AUDIT_ARGV,
     AUDIT_FILLED,
+    AUDIT_KEYS,
     CHAIN_PRELUDE,
     CHAINED,
     COMMIT_ARGV,
@@ -171,6 +172,34 @@ def test_both_scripts_chain_every_record_as_replay_computes_it(raw, audit):
         chain = chain_of(chain, audit_dict(AuditRecord(entry_id, fields)))
         assert fields["chain"] == chain
     assert raw.r.get(k.audit_head).decode() == chain
+
+
+def test_audit_lua_writes_the_change_its_note_records_or_nothing(raw):
+    """The keys a note's change writes follow the fixed ones: deleted, then written (HSET); checked before anything
+    is written, so a change onto a key that is not a hash, or a slot naming no written key, leaves nothing."""
+    k = raw.keys
+    append = raw.r.register_script(script_text("audit"))
+    raw.r.hset(k.rearrange, mapping={"requested": "2", "round": "1"})
+    raw.r.hset(k.member(0), mapping={"state": "BOGUS", "junk": "x"})
+    raw.r.hset(k.supplied_placement, "facts", "{}")
+    call = audit_call(k, fence="", audit={"machine": "m"}, delete=[k.member(0), k.supplied_placement],
+                      hset={k.rearrange: {"requested": "1"}, k.member(0): {"state": "ACTIVE", "version": "0"}})
+    assert call.keys[len(AUDIT_KEYS):] == [k.member(0), k.supplied_placement, k.rearrange]
+    assert append(keys=call.keys, args=call.args)[0] == b"OK"
+    assert raw.r.hgetall(k.rearrange) == {b"requested": b"1", b"round": b"1"}
+    assert raw.r.hgetall(k.member(0)) == {b"state": b"ACTIVE", b"version": b"0"}  # replaced, not merged
+    assert not raw.r.exists(k.supplied_placement) and raw.audit_len() == 1
+    raw.r.set(k.config, "not a hash")
+    call = audit_call(k, fence="", audit={"machine": "m"}, hset={k.config: {"version": "1"}})
+    args = dict(zip(AUDIT_ARGV, call.args))
+    before = raw.snapshot()
+    with pytest.raises(redis.ResponseError, match="holds a string, not a hash"):
+        append(keys=call.keys, args=call.args)
+    with pytest.raises(redis.ResponseError, match="not a position of a written key"):
+        append(keys=call.keys, args=[*call.args[:-2], json.dumps([3]), args["hset"]])  # the lease is not written
+    assert raw.snapshot() == before
+    with pytest.raises(ValueError, match="no fields"):
+        audit_call(k, fence="", audit={}, hset={k.config: {}})
 
 
 @pytest.mark.parametrize("previous,fields", [
