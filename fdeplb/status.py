@@ -91,14 +91,24 @@ def member_states(store, members: Sequence[Any]) -> list[Any]:
     membership record, :meth:`~fdeplb.store.Store.restored_members`, or a CorruptRecordError when that does not
     give a record), else the initial ACTIVE (a cluster made before membership, or a rank that never transitioned:
     the coordinator counts it ACTIVE too). So a deleted record is never shown ACTIVE until that pass. One walk back
-    through the audit when a record is missing, none otherwise."""
+    through the audit when a record is missing, none otherwise, nor while the cluster's membership generation is
+    0 (no membership transition was ever committed, so none is audited: a cluster made before membership would
+    otherwise walk the whole audit at every read)."""
     missing = [r for r, m in enumerate(members) if m is None]
-    restored = store.restored_members(missing) if missing else {}
+    restored = store.restored_members(missing) if missing and _generation(store) != 0 else {}
     states = []
     for r, m in enumerate(members):
         m = restored.get(r, MEMBERSHIP.initial) if m is None else m
         states.append(m.state if isinstance(m, MemberRecord) else m)
     return states
+
+
+def _generation(store) -> int | None:
+    """The cluster's membership generation, None when its record is missing or does not parse."""
+    try:
+        return store.read_cluster().generation
+    except (NotFoundError, CorruptRecordError):
+        return None
 
 
 def _view_states(store) -> list[MemberState]:

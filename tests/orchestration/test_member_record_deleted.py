@@ -118,3 +118,23 @@ def test_a_deleted_member_record_of_an_excluded_rank_does_not_readmit_it_unaudit
         path = tmp_path / "deleted.jsonl"  # the note matches the record as replayed
         assert main(["audit", "--redis-url", redis_url, "--cluster", cluster_id, "--export", str(path)]) == 0
         assert replay_file(path).final["member:3"].state == "EXCLUDED"
+
+
+def test_readers_walk_no_audit_for_missing_records_while_no_member_ever_transitioned(redis_url, cluster_id,
+                                                                                   monkeypatch):
+    # a cluster made before membership has no member records: every status read walked the whole audit
+    from fdeplb.status import cluster_status
+
+    store = _two_ranks(redis_url, cluster_id)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.delete(*(f"fdeplb:{{{cluster_id}}}:member:{r}" for r in (0, 1)))
+        assert store.read_cluster().generation == 0
+
+        def walked(*args, **kwargs):
+            raise AssertionError("the audit was walked")
+
+        monkeypatch.setattr(type(store), "member_audits", walked)
+        assert [r["membership"] for r in cluster_status(store)["ranks"]] == [M.ACTIVE, M.ACTIVE]
+    finally:
+        store.delete_cluster()
