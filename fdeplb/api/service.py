@@ -50,6 +50,15 @@ def refuse(msg: str, status: int = 400, **fields: Any) -> Reply:
     return status, {"code": 1, "msg": msg, **fields}
 
 
+def refuse_state(err: StateError, msg: str | None = None) -> Reply:
+    """The refusal of a request the store turned down (``msg``, or the error's text), except a
+    :class:`~fdeplb.errors.ContentionError`: other writers won every attempt and nothing was refused, so it is
+    raised (409, try again) rather than answered as a refusal."""
+    if isinstance(err, ContentionError):
+        raise err
+    return refuse(str(err) if msg is None else msg)
+
+
 @dataclass
 class ApiSettings:
     """How the API serves one cluster.
@@ -103,7 +112,7 @@ def start_round(store: Store, ips: list[str] | None) -> Reply:
     try:
         accepted, rec = store.request_round_if_free("api")
     except StateError as err:  # weights cleared or a clear asked since the check above
-        return refuse(f"{err}; a round needs every rank's weights loaded (GET /update_model_weight)")
+        return refuse_state(err, f"{err}; a round needs every rank's weights loaded (GET /update_model_weight)")
     if not accepted:
         if rec.state is ClusterState.FREE:
             return refuse(f"rearrange is doing. actual status 0 (FREE), expect status 0 with no round pending: "
@@ -137,10 +146,8 @@ def supply_load(store: Store, data: list[list[int]] | None) -> Reply:
                 raise
             round_ += 1  # the round being collected froze its load meanwhile: the load is the next round's
             store.supply_load(round_, load)
-    except ContentionError:
-        raise  # other writers won every attempt (nothing written): the 409 to try again, not a refused load
     except StateError as err:
-        return refuse(str(err))
+        return refuse_state(err)
     log.info("load supplied", round=round_, total=int(load.sum()))
     return ok(round=round_)
 
@@ -161,7 +168,7 @@ def commit(store: Store, plan_id: str | None = None) -> Reply:
     except StateError as err:
         if plan_id is not None:
             raise  # 409: the named plan is no longer the staged one
-        return refuse(str(err))
+        return refuse_state(err)
     log.info("commit requested", round=rec.round, plan_id=rec.plan_id)
     return ok(round=rec.round, plan_id=rec.plan_id)
 
@@ -307,7 +314,7 @@ def drive_weights(store: Store, action: str, timeout_s: float, shutdown: threadi
     try:  # a clear: refused while a round runs or is pending (checked where the request is written)
         n = store.request_weights(action, reason="api", when_idle=action == "clear")
     except StateError as err:
-        return refuse(str(err))
+        return refuse_state(err)
     log.info("weights requested", action=action, request=n)
     end = time.monotonic() + timeout_s
     while True:
