@@ -343,7 +343,7 @@ def tables(result: dict) -> list[str]:
     if result.get("hot_expert"):
         lines += ["", "Synthetic hot expert (no real dump is like it): one expert carrying a share of every layer's load, "
                   "288 slots on 32 GPUs; max/mean over the GPUs (1 node) or inside the worst node (4 nodes); "
-                  "\"balanced\" re-counts a row whose heaviest GPU must hold two replicas of one expert.", "",
+                  "\"balanced\" re-counts a row whose replica counts force an excess (placement/recount.py).", "",
                   "| hot share | nodes | policy | max/mean | hot expert's replicas |", "|---:|---:|---|---:|---:|"]
         lines += [f"| {h['share']} | {h['nodes']} | {h['policy']} | {h['max_over_mean']:.5f} | {h['replicas']} |"
                   for h in result["hot_expert"]]
