@@ -42,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--num-groups", type=int, default=_CONFIG_DEFAULTS["num_groups"])
     i.add_argument("--policy", default=_CONFIG_DEFAULTS["policy"], choices=tuple(POLICIES),
                    help="placement policy (default %(default)s)")
-    i.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory or file")
+    i.add_argument("--checkpoint", required=True,
+                   help="safetensors checkpoint directory or file; stored as its absolute path (resolved from the "
+                        "current directory), which every rank must be able to read")
     i.add_argument("--preset", default="ernie", help="expert tensor names (ernie, ernie-quant, generic)")
     i.add_argument("--initial", default=None, help="initial placement file (fdeplb, sglang, trtllm, fastdeploy)")
     i.add_argument("--cordoned", action="store_true", help="commit only on an external request")
@@ -465,11 +467,14 @@ def run_init(args: argparse.Namespace) -> int:
         from fdeplb.store.audit_export import check_export_path
 
         export = check_export_path(export, args.audit_dir)
+    from pathlib import Path
+
+    checkpoint = str(Path(args.checkpoint).resolve())  # a relative path would be read from each rank's cwd
     config = ClusterConfig(
         num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
-        checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
+        checkpoint={"path": checkpoint, "preset": args.preset}, cordoned=args.cordoned,
         min_gain=args.min_gain, retain_rounds=args.retain_rounds, audit_keep=args.audit_keep,
         audit_export_path=export, max_pause_bytes=args.max_pause_bytes,
         layers_per_safe_point=args.layers_per_safe_point,
@@ -482,7 +487,7 @@ def run_init(args: argparse.Namespace) -> int:
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log
-    check_checkpoint(args.checkpoint, args.preset, args.num_layers, args.num_logical_experts)
+    check_checkpoint(checkpoint, args.preset, args.num_layers, args.num_logical_experts)
     store = Store(args.redis_url, args.cluster)
     store.ping()
     wait_ms = ADOPT_WAIT_MS if args.adopt_wait_ms is None else args.adopt_wait_ms
