@@ -162,6 +162,8 @@ def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
     code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.json"), "--redis-url", store.url,
                            "--cluster", store.cluster)
     assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
+    # QA: step 1 of the offline workflow on a fresh cluster: the error says what publishes a window
+    assert "publishes its window when a round collects" in err and "run a round first (`fdeplb rearrange" in err
 
 
 def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
