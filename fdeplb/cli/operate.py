@@ -109,7 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
     which.add_argument("--plan", metavar="FILE", default=None,
                        help="a placement file (fdeplb, sglang, trtllm, fastdeploy; e.g. `fdeplb rebalance --out`): "
-                            "the round goes to it, audited as an operator's plan with its routing digest; refused "
+                            "the round goes to it without the gain gate (committing it is the operator's decision; "
+                            "`rebalance`'s gate line is advice), audited as an operator's plan with its routing "
+                            "digest (the round reports its own plan id); refused "
                             "(exit 2, nothing changed) for another shape, a logical expert it lacks or one left "
                             "on non-members only; exit 3 while a round is in flight")
     r.add_argument("--reason", default="operator",
