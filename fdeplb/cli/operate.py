@@ -469,9 +469,9 @@ def run_init(args: argparse.Namespace) -> int:
         from fdeplb.store.audit_export import check_export_path
 
         export = check_export_path(export, args.audit_dir)
-    from pathlib import Path
+    import os
 
-    checkpoint = str(Path(args.checkpoint).resolve())  # a relative path would be read from each rank's cwd
+    checkpoint = os.path.abspath(args.checkpoint)  # a relative path would be read from each rank's cwd
     config = ClusterConfig(
         num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
