@@ -46,7 +46,10 @@ def register(subparsers) -> None:
     p.add_argument("--num-gpus", required=True, type=int, metavar="GPUS", help="EP size (ep_size)")
     p.add_argument("--policy", default="deepseek", choices=sorted(POLICIES),
                    help="placement policy (default %(default)s)")
-    p.add_argument("--old", metavar="PLACEMENT", help="current placement file (any supported format)")
+    p.add_argument("--old", metavar="PLACEMENT",
+                   help="current placement file (any supported format); its rows are matched to --load's by model "
+                        "layer, refused when they cannot be (e.g. a --load without dense rows and a --old of "
+                        "another row count)")
     p.add_argument("--out", metavar="FILE", help="write the new placement here")
     p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
     p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
