@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "zero), which `fdeplb rebalance --load` reads.",
                        parents=[cluster_parent()])
     p.add_argument("--export", required=True, metavar="FILE", help="the dump to write (JSON)")
+    p.epilog = ("Ranks publish their windows when a round collects (and an EmbeddedAgent every publish_interval_s, "
+                "5 s by default): on a fresh cluster run a round first (`fdeplb rearrange --wait`).")
     p.set_defaults(handler=run_load)
 
 
@@ -37,7 +39,13 @@ def run_load(args: argparse.Namespace) -> int:
     check_out_folder("--export", args.export)
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
-    stack, summed, missing = source_load(store)
+    try:
+        stack, summed, missing = source_load(store)
+    except StateError as err:  # a fresh cluster: say what publishes a window
+        raise StateError(f"{err}. A rank publishes its window when a round collects (the only time for a "
+                         f"RankAgent, the sim worker's) and, with publish_interval_s, also periodically (an "
+                         f"EmbeddedAgent: every 5 s by default): run a round first (`fdeplb rearrange --redis-url "
+                         f"{args.redis_url} --cluster {args.cluster} --wait`; a skipped one publishes too)") from None
     load = stack.sum(axis=0)
     idle = np.flatnonzero(~load.any(axis=1)).tolist()
     if idle:  # SGLang's reader takes an all-zero row for a dense layer: the plan would leave the layer out

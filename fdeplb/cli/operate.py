@@ -4,6 +4,7 @@ drives it) and ``fdeplb rearrange`` (ask for a round, one to an operator's plan 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import signal
 import sys
@@ -41,7 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--num-groups", type=int, default=_CONFIG_DEFAULTS["num_groups"])
     i.add_argument("--policy", default=_CONFIG_DEFAULTS["policy"], choices=tuple(POLICIES),
                    help="placement policy (default %(default)s)")
-    i.add_argument("--checkpoint", required=True, help="safetensors checkpoint directory or file")
+    i.add_argument("--checkpoint", required=True,
+                   help="safetensors checkpoint directory or file; stored as its absolute path (resolved from the "
+                        "current directory), which every rank must be able to read")
     i.add_argument("--preset", default="ernie", help="expert tensor names (ernie, ernie-quant, generic)")
     i.add_argument("--initial", default=None, help="initial placement file (fdeplb, sglang, trtllm, fastdeploy)")
     i.add_argument("--cordoned", action="store_true", help="commit only on an external request")
@@ -106,7 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="commit this staged plan of a cordoned cluster (shown by `fdeplb status`)")
     which.add_argument("--plan", metavar="FILE", default=None,
                        help="a placement file (fdeplb, sglang, trtllm, fastdeploy; e.g. `fdeplb rebalance --out`): "
-                            "the round goes to it, audited as an operator's plan with its routing digest; refused "
+                            "the round goes to it without the gain gate (committing it is the operator's decision; "
+                            "`rebalance`'s gate line is advice), audited as an operator's plan with its routing "
+                            "digest (the round reports its own plan id); refused "
                             "(exit 2, nothing changed) for another shape, a logical expert it lacks or one left "
                             "on non-members only; exit 3 while a round is in flight")
     r.add_argument("--reason", default="operator",
@@ -182,7 +187,10 @@ def run_rearrange(args: argparse.Namespace) -> int:
         target = store.read_cluster().round
         store.request_commit(args.commit, by="cli")  # checks that round `target` is LOAD_SUCC with this plan
         print(f"commit of plan {args.commit} requested")
-        return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url) if args.wait else 0
+        if not args.wait:
+            return 0
+        with _interrupted_says(args.redis_url, store.cluster, target, f"plan {args.commit}", pending=False):
+            return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url)
     plan = None
     if args.plan:  # a bad plan is refused before anything else (nothing written, whether a coordinator runs or not)
         from fdeplb.orchestration.rollback import check_operator_plan, supply_operator_plan
@@ -191,8 +199,9 @@ def run_rearrange(args: argparse.Namespace) -> int:
     holder = _wait_for_lease(store, args.timeout if args.wait else min(5.0, args.timeout))
     cursor = store.cursor()
     digest = supply_operator_plan(store, plan, args.plan) if plan is not None else ""
-    if digest:
-        print(f"plan {digest} supplied from {args.plan}")
+    if digest:  # not a plan_id: the round's hashes its load too; its `load` record names this digest
+        print(f"plan from {args.plan} supplied: routing digest {digest} (the round's audit names it; the round's "
+              f"plan id, which also hashes the round's load, differs)")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
     print(f"round {target} will serve this request; coordinator {holder}")
     if not args.wait:
@@ -201,15 +210,10 @@ def run_rearrange(args: argparse.Namespace) -> int:
             print(f"note: round {target} {blocker}", file=sys.stderr)
         return 0
     cordoned = store.read_config().cordoned
-    try:
+    with _interrupted_says(args.redis_url, store.cluster, target,
+                           f"the plan with routing digest {digest}" if digest else ""):
         code = wait_for_round(store, target, cursor, args.timeout, redis_url=args.redis_url if cordoned else None,
                               store_url=args.redis_url)
-    except KeyboardInterrupt:  # the wait ends, not the round: say what goes on and how to stop it
-        flags = f"--redis-url {args.redis_url} --cluster {store.cluster}"
-        print(f"interrupted: round {target} still goes on" + (f" to plan {digest}" if digest else "") +
-              f"; `fdeplb round cancel {flags}` withdraws it before it starts" + (" (the plan with it)" if digest
-              else "") + f", `fdeplb round abort {flags}` ends it before its commit point", file=sys.stderr)
-        raise
     if plan is not None and code == 0 and not cordoned and \
             not np.array_equal(store.current_placement().phy2log, plan):  # a membership round went first
         print(f"round {target} did not go to the plan (a round re-placing a rank's experts went first): the plan "
@@ -218,13 +222,31 @@ def run_rearrange(args: argparse.Namespace) -> int:
     return code
 
 
+@contextlib.contextmanager
+def _interrupted_says(redis_url: str, cluster: str, target: int, what: str, pending: bool = True):
+    """Ctrl-C during ``rearrange --wait`` (a request, ``--plan`` or ``--commit``) ends the wait, not the round: the
+    one line on stderr that says so, names the round and ``what`` it goes to, and how to stop it (``round cancel``
+    while the request is ``pending``, ``round abort``); the KeyboardInterrupt goes on (exit 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        flags = f"--redis-url {redis_url} --cluster {cluster}"
+        cancel = (f"`fdeplb round cancel {flags}` withdraws it before it starts" + (" (the plan with it)" if what
+                  else "") + ", ") if pending else ""
+        print(f"interrupted: round {target} still goes on" + (f" to {what}" if what else "") +
+              f"; {cancel}`fdeplb round abort {flags}` ends it before its commit point", file=sys.stderr)
+        raise
+
+
 def _plan_of(cfg: ClusterConfig, path: str):
     """The placement of the plan file at ``path`` (``--initial``, ``--plan``) for a cluster configured as ``cfg``:
-    int64 [L, P], the rows of its MoE layers when the file has one per model layer (SGLang's, dense layers
-    included) or names its layers (fdeplb's ``layer_ids``). :class:`PlacementFileError` / :class:`InputError` for a
-    file that does not read, whose header names another topology (expert, GPU, node or group count), or whose row
-    count is neither the cluster's MoE layers nor its model layers (another model's plan: its first rows would be
-    taken)."""
+    int64 [L, P]. A file of one row per MoE layer is taken as it is; one that names its rows' model layers
+    (fdeplb's ``layer_ids``, TensorRT-LLM's layer keys) gives the rows of the cluster's model layers
+    (:attr:`ClusterConfig.model_layer_ids`); an SGLang or FastDeploy file (one row per model layer, no ids) must
+    have the cluster's model-layer count. :class:`PlacementFileError` / :class:`InputError` for a file that does not
+    read, whose header names another topology (expert, GPU, node or group count), or whose rows cannot be matched to
+    the cluster's layers (another model's plan, or a cluster created without ``--layer-ids``: its first rows would
+    be taken); the message names both row counts and the fix."""
     from fdeplb.errors import InputError
     from fdeplb.placement import read_placement
 
@@ -233,10 +255,22 @@ def _plan_of(cfg: ClusterConfig, path: str):
     rows = read.placement.num_layers
     if rows == cfg.num_layers:
         return read.placement.phy2log
-    if read.format != "fdeplb" and rows != cfg.model_layers:
-        raise InputError(f"{path}: {rows} layer rows; the cluster has {cfg.num_layers} MoE layers of "
-                         f"{cfg.model_layers} model layers: a plan of another model")
-    return read.for_layers(cfg.model_layer_ids).phy2log
+    ids = cfg.model_layer_ids
+    named = read.format in ("fdeplb", "trtllm")  # the file says which model layer each row is
+    if named and np.isin(ids, read.layer_ids).all() or not named and rows == cfg.model_layers:
+        return read.for_layers(ids).phy2log
+    missing = np.setdiff1d(ids, read.layer_ids).tolist() if named else []
+    which = (f"model layers {read.layer_ids[0]}-{read.layer_ids[-1]}" + (f", none for {missing[:5]}" if missing
+                                                                          else "")) if named else \
+        f"{read.format}: one per model layer, no layer ids"
+    layers = f"{cfg.num_layers} MoE layers, model layers {ids[0]}-{ids[-1]} of {cfg.model_layers}"
+    write = ("write the plan with one row per MoE layer, or in fdeplb format (`fdeplb rebalance --format fdeplb`: "
+             "its layer_ids name the rows)")
+    why = (f"taken as its model layers since it was created without --layer-ids: the rows cannot be matched. "
+           f"{write[0].upper()}{write[1:]}, or create the cluster with --layer-ids (or --first-moe-layer) and "
+           f"--num-model-layers naming the model's layers (fixed at creation)" if not cfg.layer_ids else
+           f"a plan of another model? Else {write}")
+    raise InputError(f"{path}: {rows} layer rows ({which}); the cluster has {layers}, {why}")
 
 
 def _wait_for_lease(store, timeout_s: float) -> str:
@@ -435,11 +469,14 @@ def run_init(args: argparse.Namespace) -> int:
         from fdeplb.store.audit_export import check_export_path
 
         export = check_export_path(export, args.audit_dir)
+    import os
+
+    checkpoint = os.path.abspath(args.checkpoint)  # a relative path would be read from each rank's cwd
     config = ClusterConfig(
         num_layers=args.num_layers, num_logical_experts=args.num_logical_experts,
         num_physical_experts=args.num_logical_experts + args.num_redundant_experts, ep_size=args.ep_size,
         num_nodes=args.num_nodes, num_groups=args.num_groups, policy=args.policy,
-        checkpoint={"path": args.checkpoint, "preset": args.preset}, cordoned=args.cordoned,
+        checkpoint={"path": checkpoint, "preset": args.preset}, cordoned=args.cordoned,
         min_gain=args.min_gain, retain_rounds=args.retain_rounds, audit_keep=args.audit_keep,
         audit_export_path=export, max_pause_bytes=args.max_pause_bytes,
         layers_per_safe_point=args.layers_per_safe_point,
@@ -452,7 +489,7 @@ def run_init(args: argparse.Namespace) -> int:
     else:
         phy2log = initial_placement(args.num_layers, args.num_logical_experts,
                                     config.num_physical_experts).phy2log
-    check_checkpoint(args.checkpoint, args.preset, args.num_layers, args.num_logical_experts)
+    check_checkpoint(checkpoint, args.preset, args.num_layers, args.num_logical_experts)
     store = Store(args.redis_url, args.cluster)
     store.ping()
     wait_ms = ADOPT_WAIT_MS if args.adopt_wait_ms is None else args.adopt_wait_ms

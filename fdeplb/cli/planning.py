@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError
+from fdeplb.store import ClusterConfig
 from fdeplb.placement import (
     check_topology,
     FORMATS,
@@ -25,6 +26,10 @@ from fdeplb.placement import (
 )
 
 
+#: a new cluster's min_gain (:class:`ClusterConfig`'s default): the gate line's threshold unless --min-gain is given
+_DEFAULT_MIN_GAIN = ClusterConfig.min_gain
+
+
 def register(subparsers) -> None:
     """Add the ``rebalance`` subcommand."""
     p = subparsers.add_parser(
@@ -39,8 +44,12 @@ def register(subparsers) -> None:
     p.add_argument("--num-groups", type=int, default=1, metavar="G", help="expert groups (DeepSeek-V3: 8)")
     p.add_argument("--num-nodes", type=int, default=1, metavar="N", help="server nodes")
     p.add_argument("--num-gpus", required=True, type=int, metavar="GPUS", help="EP size (ep_size)")
-    p.add_argument("--policy", default="deepseek", choices=sorted(POLICIES), help="placement policy")
-    p.add_argument("--old", metavar="PLACEMENT", help="current placement file (any supported format)")
+    p.add_argument("--policy", default="deepseek", choices=sorted(POLICIES),
+                   help="placement policy (default %(default)s)")
+    p.add_argument("--old", metavar="PLACEMENT",
+                   help="current placement file (any supported format); its rows are matched to --load's by model "
+                        "layer, refused when they cannot be (e.g. a --load without dense rows and a --old of "
+                        "another row count)")
     p.add_argument("--out", metavar="FILE", help="write the new placement here")
     p.add_argument("--format", default="fdeplb", choices=FORMATS, help="format of --out")
     p.add_argument("--plot", metavar="PNG", help="write a per-layer x per-GPU load heatmap, before and after")
@@ -49,6 +58,10 @@ def register(subparsers) -> None:
                         "topology_aware: the balance slack every layer may spend on keeping tokens on their node "
                         "(default 0.0005 for both); refused with another policy, which would ignore it")
     p.add_argument("--max-moved-experts", type=int, default=None, help="move_aware: cap on moved experts")
+    p.add_argument("--min-gain", type=float, default=_DEFAULT_MIN_GAIN, metavar="G",
+                   help="the gate line's threshold: the least balancedness gain a cluster's round goes on for, in "
+                        "[0, 1]; give the cluster's (`fdeplb config show`) to judge the plan as its rounds would "
+                        "(default %(default)s, a new cluster's)")
     p.set_defaults(handler=run)
 
 
@@ -91,6 +104,33 @@ def _source_load(dump, num_gpus: int) -> tuple[np.ndarray | None, int]:
     return np.ascontiguousarray(np.moveaxis(arr, 0, 1)[dump.layer_ids]), num_gpus
 
 
+def _old_rows(old, dump):
+    """The rows of ``old`` (a :class:`~fdeplb.placement.PlacementFile`) for ``dump``'s MoE layers (an
+    :class:`~fdeplb.placement.ExpertLoad`), as a Placement [L, P]: the file itself when both name the same layers,
+    else its rows picked by model layer, which only a load that names its model layers allows (one whose file had
+    dense rows: its rows are the model's). Never by position when the row counts differ: a 58-row load of a
+    cluster created without ``--layer-ids`` against SGLang's 61-row placement of the same model would take rows
+    0-57, every MoE layer shifted by the 3 dense ones. :class:`InputError` naming both row counts and the fix when
+    the rows cannot be matched."""
+    if np.array_equal(old.layer_ids, dump.layer_ids):
+        return old.placement
+    names_layers = dump.num_model_layers > dump.num_layers  # dense rows dropped: the rows are model layers
+    if names_layers and np.isin(dump.layer_ids, old.layer_ids).all():
+        return old.for_layers(dump.layer_ids)
+    span = (lambda ids: f"{ids[0]}-{ids[-1]}" if len(ids) else "none")
+    load_says = (f"model layers {span(dump.layer_ids)} of {dump.num_model_layers}" if names_layers else
+                 "no dense rows: which model layers they are is not known")
+    missing = np.setdiff1d(dump.layer_ids, old.layer_ids).tolist() if names_layers else []
+    raise InputError(
+        f"--old {old.path} ({old.format}) has {len(old.layer_ids)} layer rows (model layers "
+        f"{span(old.layer_ids)}), --load {dump.path} has {dump.num_model_layers} rows, {dump.num_layers} with load "
+        f"({load_says}): the rows cannot be matched layer by layer"
+        + (f" (no --old row for model layers {missing[:5]})" if missing else "") +
+        ". Give --old and --load of the same cluster (`fdeplb status --placement-out` and `fdeplb load --export` "
+        "write the same rows), a --old with one row per row of --load, or a --load with the model's rows: a "
+        "cluster created with --layer-ids (or --first-moe-layer) exports one row per model layer, dense rows zero")
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan, print the before/after table, and write --out / --plot."""
     from fdeplb.cli._common import check_out_folder
@@ -120,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
     load = dump.expert_load
     L, E = dump.expert_load.shape
     check_topology(E, args.num_replicas, args.num_groups, args.num_nodes, args.num_gpus)  # before any allocation
+    cfg = ClusterConfig(num_layers=L, num_logical_experts=E, num_physical_experts=args.num_replicas,
+                        ep_size=args.num_gpus, num_nodes=args.num_nodes, num_groups=args.num_groups,
+                        policy=args.policy, min_gain=args.min_gain)  # the cluster the gate line judges for
     if args.old:
-        before = read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus).for_layers(dump.layer_ids)
+        before = _old_rows(read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus), dump)
         if before.phy2log.shape != (L, args.num_replicas):
             raise InputError(
                 f"{args.old}: placement has shape {before.phy2log.shape}, expected ({L}, {args.num_replicas})"
@@ -158,13 +201,15 @@ def run(args: argparse.Namespace) -> int:
         _row(f"after ({args.policy})", load, after.phy2log, args.num_gpus, moved),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    from fdeplb.sim.demo_driver import plural
+
     print(
         f"{dump.path}: {L} MoE layers x {E} experts -> {args.num_replicas} slots on {args.num_gpus} GPUs "
-        f"({args.num_nodes} nodes, {args.num_groups} groups), policy {args.policy}, planned in {elapsed_ms:.1f} ms"
+        f"({plural(args.num_nodes, 'node')}, {plural(args.num_groups, 'group')}), policy {args.policy}, planned in {elapsed_ms:.1f} ms"
     )
     for r in rows:
         print("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]))
-    from fdeplb.rounds.gating import SOURCE_POLICIES, GateDecision, cross_node_figures  # the gate a round applies
+    from fdeplb.rounds.gating import cross_node_figures, decide, keeps_source_load  # the gate a round applies
 
     # the share of tokens that leave their source rank's node (placement.metrics), mean over layers
     cross_nodes = {} if source is None or args.num_nodes == 1 else cross_node_figures(
@@ -175,9 +220,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{cross} (load per source rank, {args.num_nodes} nodes)")
     # a cluster's round judges the cross-node fractions only when its policy plans from the split (gating.
     # keeps_source_load): other policies' rounds plan on the sum and are judged on balancedness alone
-    gate = GateDecision(after.phy2log, float(balancedness(load, before.phy2log, args.num_gpus).mean()),
-                        float(balancedness(load, after.phy2log, args.num_gpus).mean()), moved, 0.0,
-                        **(cross_nodes if args.policy in SOURCE_POLICIES else {}))
+    gate = decide(load, before.phy2log, after.phy2log, cfg,
+                  source_load=source if source is not None and keeps_source_load(cfg) else None)
     lower = gate.cross_node_gain
     print(f"gate: {'goes on' if gate.goes_on else 'skipped'}: " +
           (f"gain {gate.gain:+.4f}" + ("" if lower is None else

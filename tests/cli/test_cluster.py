@@ -73,6 +73,20 @@ def test_init_cluster_checks_the_checkpoint_and_writes_nothing(redis_url, cluste
     assert not raw.r.exists(raw.keys.config)
 
 
+def test_init_cluster_stores_the_checkpoint_as_an_absolute_path(redis_url, cluster_id, capsys, monkeypatch):
+    """QA: `--checkpoint ckpt` was stored as "ckpt", read by each rank from its own working directory."""
+    from pathlib import Path
+
+    ckpt = Path(CKPT[0])
+    monkeypatch.chdir(ckpt.parent)
+    args = list(init_args(redis_url, cluster_id))
+    args[args.index("--checkpoint") + 1] = ckpt.name
+    code, out, err = run(capsys, *args)
+    assert code == 0, out + err
+    stored = Path(Store(redis_url, cluster_id).read_config().checkpoint["path"])
+    assert stored.is_absolute() and stored.samefile(ckpt), stored
+
+
 def test_rearrange_without_a_coordinator_says_so_and_requests_nothing(redis_url, cluster_id, capsys):
     run(capsys, *init_args(redis_url, cluster_id))
     store = Store(redis_url, cluster_id)

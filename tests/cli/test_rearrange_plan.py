@@ -36,7 +36,8 @@ def test_rearrange_plan_is_one_audited_round_to_that_plan(redis_url, cluster_id,
         path = _plan_file(tmp_path, plan, 16, "plan.json", "sglang")
         code, out, err = _rearrange(capsys, store, "--plan", path, "--wait", "--timeout", "60")
         assert code == 0 and "round 1: rearranged" in out, out + err
-        assert f"plan {routing_digest(plan)} supplied from {path}" in out
+        # labelled a routing digest: the round reports its own plan id (it hashes the round's load too)
+        assert f"plan from {path} supplied: routing digest {routing_digest(plan)}" in out
         assert np.array_equal(store.current_placement().phy2log, plan)
         assert store.supplied_placement() is None  # the round that committed it dropped it
         loads = [a for a in store.audit() if a["machine"] == "cluster" and a["trigger"] == "load"]
@@ -91,6 +92,28 @@ def test_a_plan_for_another_model_or_topology_is_refused(capsys, store, redis_ur
         _refused(capsys, store, redis_url, str(path), 2, f"{key} is {value} in the file, 1 was expected")
 
 
+def test_a_plan_whose_rows_the_cluster_cannot_match_names_the_fix_and_one_naming_its_layers_is_taken(
+        capsys, store, redis_url, tmp_path):
+    """QA: SGLang's plan of every model layer (dense ones too) for a cluster created without --layer-ids read 'a
+    plan of another model'. The message names the fix (the cluster's --layer-ids / --num-model-layers, or a plan in
+    fdeplb format); a file naming its layers (TensorRT-LLM's keys, fdeplb's layer_ids) gives the cluster's."""
+    from fdeplb.cli.operate import _plan_of
+
+    rows = [[0, 1, 2, 3, 0, 1], [1, 0, 3, 2, 1, 0], [2, 3, 0, 1, 2, 3]]
+    path = _plan_file(tmp_path, rows, 4, "three.json")
+    _refused(capsys, store, redis_url, path, 2, "3 layer rows (sglang: one per model layer, no layer ids)")
+    err = run_cli(capsys, "rearrange", "--redis-url", store.url, "--cluster", store.cluster, "--plan", path)[2]
+    assert "created without --layer-ids" in err and "--num-model-layers" in err and "fdeplb format" in err, err
+    trt = tmp_path / "keys.yaml"
+    trt.write_text("num_slots: 6\ninitial_global_assignments:\n  0: [1, 0, 3, 2, 1, 0]\n  7: [0, 1, 2, 3, 0, 1]\n")
+    assert _plan_of(store.read_config(), str(trt)).tolist() == [[1, 0, 3, 2, 1, 0]]
+    with open(_plan_file(tmp_path, rows[:2], 4, "fd.json", "fdeplb")) as f:
+        doc = json.load(f)
+    named = tmp_path / "named.json"
+    named.write_text(json.dumps({**doc, "num_gpus": 3, "layer_ids": [5, 6]}))
+    _refused(capsys, store, redis_url, str(named), 2, "2 layer rows (model layers 5-6, none for [0])")
+
+
 def test_a_plan_that_routes_to_a_non_member_is_refused(capsys, store, redis_url, tmp_path):
     from fdeplb.machines.tables import MemberState
 
@@ -139,6 +162,8 @@ def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
     code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.json"), "--redis-url", store.url,
                            "--cluster", store.cluster)
     assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
+    # QA: step 1 of the offline workflow on a fresh cluster: the error says what publishes a window
+    assert "publishes its window when a round collects" in err and "run a round first (`fdeplb rearrange" in err
 
 
 def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):
@@ -201,7 +226,26 @@ def test_ctrl_c_during_rearrange_plan_wait_says_the_plan_waits_and_how_to_withdr
     plan = np.array([[2, 3, 0, 1, 2, 3]])
     code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, plan, 4), "--wait", "--timeout", "5")
     assert code == 130 and store.supplied_placement() is not None, out + err
-    assert f"round 1 still goes on to plan {routing_digest(plan)}" in err and "fdeplb round cancel" in err, err
+    assert f"round 1 still goes on to the plan with routing digest {routing_digest(plan)}" in err, err
+    assert "fdeplb round cancel" in err, err
+
+
+def test_ctrl_c_during_rearrange_commit_wait_prints_the_same_line(capsys, store, monkeypatch):
+    """QA: `rearrange --commit ID --wait` exited 130 on Ctrl-C without a word; now the line the --plan path prints:
+    the round goes on, to that plan, and `round abort` ends it before its commit point (no request to cancel)."""
+    from fdeplb.cli import operate
+    from fdeplb.store import Store
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Store, "request_commit", lambda self, plan_id, by: None)  # as for a staged round
+    monkeypatch.setattr(operate, "wait_for_round", interrupted)
+    code, out, err = _rearrange(capsys, store, "--commit", "0123abcd", "--wait", "--timeout", "5")
+    flags = f"--redis-url {store.url} --cluster {store.cluster}"
+    assert code == 130 and "commit of plan 0123abcd requested" in out, out + err
+    assert err.strip() == (f"interrupted: round 0 still goes on to plan 0123abcd; `fdeplb round abort {flags}` ends "
+                           f"it before its commit point"), err
 
 
 def test_a_round_that_starts_while_a_plan_is_supplied_refuses_it(store, redis_url):

@@ -163,3 +163,79 @@ def test_a_move_cap_the_trivial_start_cannot_meet_names_the_missing_old_placemen
     assert run_cli(capsys, "rebalance", *base[1:11], "--policy", "balanced", "--out", str(old))[0] == 0
     code, _, err = run_cli(capsys, *base, "--old", str(old))
     assert code == 0, err
+
+
+# ---- --old against --load: rows matched by model layer, never by position (QA) -----------------------------------
+def _dense_and_moe(tmp_path):
+    """A 5-layer model whose first 2 layers are dense: SGLang's 5-row placement (dense rows trivial) whose MoE rows
+    differ, and the load of its 3 MoE layers (one row skewed so that each placement balances it differently)."""
+    from fdeplb.placement import Placement, write_placement
+
+    rng = np.random.default_rng(3)
+    rows = np.stack([rng.permutation(np.arange(20) % 16) for _ in range(5)])
+    old = write_placement(Placement.from_phy2log(rows, 16, num_gpus=4), tmp_path / "old_sg.json", format="sglang")
+    load = rng.integers(1, 40, (3, 16)) * np.arange(1, 17)
+    return old, rows, load
+
+
+def _before(out: str) -> str:
+    return next(x for x in out.splitlines() if x.startswith("before (--old)")).split()[2]
+
+
+def test_a_load_without_model_layers_and_a_placement_with_more_rows_are_refused_not_shifted(capsys, tmp_path):
+    """QA: a 58-row `load --export` against SGLang's 61-row placement took the placement's rows 0-57 (every MoE
+    layer shifted by the dense ones) and printed a wrong 'before'. Now refused naming both row counts; the load
+    with the model's rows (dense rows zero) is matched by layer: 'before' is that of placement rows 2-4."""
+    from fdeplb.placement import balancedness
+
+    old, rows, load = _dense_and_moe(tmp_path)
+    moe_only = tmp_path / "moe.json"
+    moe_only.write_text(json.dumps({"logical_count": load.tolist()}))
+    code, out, err = rebalance(capsys, moe_only, "--old", str(old))
+    assert code == 2 and out == "", out + err
+    assert "has 5 layer rows (model layers 0-4)" in err and "has 3 rows, 3 with load" in err
+    assert "cannot be matched layer by layer" in err and "--layer-ids" in err
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"logical_count": [[0] * 16] * 2 + load.tolist()}))
+    code, out, err = rebalance(capsys, model, "--old", str(old))
+    assert code == 0, out + err
+    assert _before(out) == f"{balancedness(load, rows[2:], 4).mean():.4f}"
+    assert _before(out) != f"{balancedness(load, rows[:3], 4).mean():.4f}"  # the shifted rows read otherwise
+
+
+def test_a_load_naming_layers_the_placement_lacks_is_refused_with_both_row_counts(capsys, tmp_path):
+    from fdeplb.placement import Placement, write_placement
+
+    _, rows, load = _dense_and_moe(tmp_path)
+    old = write_placement(Placement.from_phy2log(rows[:3], 16, num_gpus=4), tmp_path / "three.json",
+                          format="sglang")
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"logical_count": [[0] * 16] * 2 + load.tolist()}))
+    code, _, err = rebalance(capsys, model, "--old", str(old))
+    assert code == 2 and "has 3 layer rows (model layers 0-2)" in err and "has 5 rows, 3 with load" in err, err
+    assert "no --old row for model layers [3, 4]" in err
+
+
+# ---- the gate line: the cluster's threshold (QA) ------------------------------------------------------------------
+def test_the_gate_line_judges_with_min_gain_default_the_clusters(capsys, tmp_path):
+    """QA: the threshold was a hard-coded 0.0. --min-gain defaults to a new cluster's min_gain (one source) and a
+    cluster's own threshold changes the verdict; the header counts nodes and groups in words."""
+    import dataclasses
+
+    from fdeplb.cli import build_parser
+    from fdeplb.store import ClusterConfig
+
+    default = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}["min_gain"]
+    args = build_parser().parse_args(["rebalance", "--load", "x", "--num-replicas", "20", "--num-gpus", "4"])
+    assert args.min_gain == default
+    path = tmp_path / "skewed.json"
+    path.write_text(json.dumps({"counts": [[100 * (e + 1) ** 2 for e in range(16)]] * 2}))
+    code, out, _ = rebalance(capsys, path, "--policy", "balanced")
+    gain = float(out.splitlines()[-1].split("gain ")[1].split()[0])
+    assert code == 0 and out.splitlines()[-1].startswith("gate: goes on") and gain > 0.1, out
+    assert "(1 node, 1 group)" in out.splitlines()[0]
+    code, out, _ = rebalance(capsys, path, "--policy", "balanced", "--min-gain", f"{gain + 0.01:.4f}")
+    assert code == 0 and out.splitlines()[-1].startswith(
+        f"gate: skipped: planned gain {gain:.4f} <= min_gain {gain + 0.01:.4f}"), out
+    code, out, err = rebalance(capsys, path, "--min-gain", "1.5")
+    assert code == 2 and out == "" and "min_gain must be a finite number in [0, 1]" in err
