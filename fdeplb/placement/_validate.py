@@ -187,24 +187,25 @@ MAX_GZIP_DOCUMENT_BYTES = 1 << 30
 
 def read_document(path, error: type[InputError], what: str) -> object:
     """Parse a JSON file (YAML for ``.yaml``/``.yml``), gzip-compressed when its name ends in ``.gz`` (e.g. the dump
-    bundled in the package, ``fdeplb/data/*.json.gz``; at most :data:`MAX_GZIP_DOCUMENT_BYTES` decompressed);
+    bundled in the package, ``fdeplb/data/*.json.gz``; at most :data:`MAX_GZIP_DOCUMENT_BYTES` decompressed); a regular
+    file only (:func:`fdeplb.input_files.read_input`: a FIFO, device or folder is refused before anything is read);
     failures raise ``error`` naming the file and ``what`` it is."""
     import gzip
+    import io
     from pathlib import Path
+
+    from fdeplb.input_files import read_input
 
     p = Path(path)
     name = p.name[:-3] if p.name.endswith(".gz") else p.name
+    data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
     try:
-        if name == p.name:
-            text = p.read_text(encoding="utf-8")
-        else:
-            with gzip.open(p, "rb") as f:
+        if name != p.name:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
                 data = f.read(MAX_GZIP_DOCUMENT_BYTES + 1)
             if len(data) > MAX_GZIP_DOCUMENT_BYTES:
                 raise error(f"{p}: {what} holds more than {MAX_GZIP_DOCUMENT_BYTES} bytes once decompressed")
-            text = data.decode("utf-8")
-    except FileNotFoundError:
-        raise error(f"{p}: {what} not found") from None
+        text = data.decode("utf-8")
     except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
         raise error(f"{p}: cannot read {what}: {exc}") from None
     if Path(name).suffix in (".yaml", ".yml"):

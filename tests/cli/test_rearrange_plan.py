@@ -5,6 +5,7 @@ one without a coordinator: refused, nothing changed."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from fdeplb.placement import Placement, write_placement
 from fdeplb.placement.digest import routing_digest
 from fdeplb.rounds import reasons
-from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
+from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for, within
 
 
 def _rearrange(capsys, store, *argv: str):
@@ -76,6 +77,9 @@ def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, red
     garbage.write_text("{not json")
     _refused(capsys, store, redis_url, str(garbage), 2, str(garbage))
     _refused(capsys, store, redis_url, str(tmp_path / "missing.json"), 2, "missing.json")
+    fifo = tmp_path / "fifo"  # opening it for reading would wait for a writer forever: refused at once
+    os.mkfifo(fifo)
+    within(lambda: _refused(capsys, store, redis_url, str(fifo), 2, f"{fifo}: placement file is a FIFO"), fifo=fifo)
 
 
 def test_a_plan_for_another_model_or_topology_is_refused(capsys, store, redis_url, tmp_path):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
 from fdeplb.cli import main
-from fdeplb.errors import InputError, PlacementFileError
+from fdeplb.errors import InputError, NotFoundError, PlacementFileError
 from fdeplb.placement import (
     FORMATS,
     initial_placement,
@@ -171,3 +173,42 @@ def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_pa
             read_expert_load(tmp_path / name)
     assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
                  "--num-gpus", "2"]) == 2
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """Every file read by path (load dump, placement or plan, recording, credentials file) must be a regular file:
+    a FIFO (opening it for reading would wait for a writer forever), a device (/dev/null, /dev/zero never ends)
+    or a folder is refused with the reader's typed error naming it, without blocking."""
+    from fdeplb.credentials import load_credentials
+    from fdeplb.errors import LoadFileError
+    from fdeplb.replay import read_export
+    from tests.helpers import within
+
+    path = {"fifo": tmp_path / "fifo", "device": Path(os.devnull), "folder": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    words = {"fifo": "is a FIFO", "device": "is a device", "folder": "is a folder"}[kind]
+    for read, error in ((read_expert_load, LoadFileError), (read_placement, PlacementFileError),
+                        (lambda p: list(read_export(p)), InputError), (load_credentials, InputError)):
+        with pytest.raises(error, match=f"{path}: .*{words}, not a regular file"):
+            within(lambda: read(path), fifo=path if kind == "fifo" else None)
+
+
+def test_cli_inputs_that_are_fifos_exit_2_at_once(tmp_path, capsys, redis_url, cluster_id):
+    """``rebalance --load FIFO`` and ``init-cluster --initial FIFO``: exit 2 naming the FIFO, nothing created."""
+    from fdeplb.store import Store
+    from tests.helpers import run_cli, within
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, out, err = within(lambda: run_cli(capsys, "rebalance", "--load", str(fifo), "--num-replicas", "8",
+                                            "--num-gpus", "2"), fifo=fifo)
+    assert code == 2 and out == "" and f"{fifo}: expert-load file is a FIFO" in err
+    code, out, err = within(lambda: run_cli(capsys, "init-cluster", "--redis-url", redis_url, "--cluster", cluster_id,
+                                            "--num-layers", "1", "--num-logical-experts", "4",
+                                            "--num-redundant-experts", "0", "--ep-size", "2", "--checkpoint",
+                                            str(tmp_path), "--initial", str(fifo)), fifo=fifo)
+    assert code == 2 and f"{fifo}: placement file is a FIFO" in err
+    with pytest.raises(NotFoundError):
+        Store(redis_url, cluster_id).read_config()
