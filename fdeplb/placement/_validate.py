@@ -181,20 +181,17 @@ def check_phy2log(
     return arr
 
 
-#: the most a gzip-compressed document may hold once decompressed (bytes): a real expert-load dump is a few MB
-MAX_GZIP_DOCUMENT_BYTES = 1 << 30
-
-
 def read_document(path, error: type[InputError], what: str) -> object:
     """Parse a JSON file (YAML for ``.yaml``/``.yml``), gzip-compressed when its name ends in ``.gz`` (e.g. the dump
-    bundled in the package, ``fdeplb/data/*.json.gz``; at most :data:`MAX_GZIP_DOCUMENT_BYTES` decompressed); a regular
-    file only (:func:`fdeplb.input_files.read_input`: a FIFO, device or folder is refused before anything is read);
+    bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
+    :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
+    a FIFO, device or folder is refused before anything is read);
     failures raise ``error`` naming the file and ``what`` it is."""
     import gzip
     import io
     from pathlib import Path
 
-    from fdeplb.input_files import read_input
+    from fdeplb.input_files import MAX_INPUT_BYTES, read_input
 
     p = Path(path)
     name = p.name[:-3] if p.name.endswith(".gz") else p.name
@@ -202,9 +199,10 @@ def read_document(path, error: type[InputError], what: str) -> object:
     try:
         if name != p.name:
             with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-                data = f.read(MAX_GZIP_DOCUMENT_BYTES + 1)
-            if len(data) > MAX_GZIP_DOCUMENT_BYTES:
-                raise error(f"{p}: {what} holds more than {MAX_GZIP_DOCUMENT_BYTES} bytes once decompressed")
+                data = f.read(MAX_INPUT_BYTES + 1)
+            if len(data) > MAX_INPUT_BYTES:
+                raise error(f"{p}: {what} holds more than the {MAX_INPUT_BYTES} bytes an input may hold once "
+                            f"decompressed")
         text = data.decode("utf-8")
     except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
         raise error(f"{p}: cannot read {what}: {exc}") from None

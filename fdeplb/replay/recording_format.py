@@ -288,7 +288,8 @@ def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
 
 def read_export(path: str | Path) -> Iterator[AuditLine]:
     """The parsed lines of a recording file; :class:`InputError` (exit 2) if it cannot be read."""
-    handle = open_input(path, "recording")  # a regular file only: a FIFO or a device is refused, never waited on
+    # a regular file only (a FIFO or a device is refused, never waited on), of any size: it is read line by line
+    handle = open_input(path, "recording", max_bytes=None)
     with handle:
         # readline(limit) never holds more than one bounded chunk, even for a file without newlines (/dev/zero)
         yield from parse_lines(_decoded(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b"")))

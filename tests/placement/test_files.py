@@ -212,3 +212,29 @@ def test_cli_inputs_that_are_fifos_exit_2_at_once(tmp_path, capsys, redis_url, c
     assert code == 2 and f"{fifo}: placement file is a FIFO" in err
     with pytest.raises(NotFoundError):
         Store(redis_url, cluster_id).read_config()
+
+
+def test_an_input_over_the_size_cap_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
+    """A dump larger than MAX_INPUT_BYTES (a sparse file: nothing is written) is refused with one line, exit 2,
+    from its size alone; a .gz one that decompresses past the cap too."""
+    import gzip
+
+    from fdeplb import input_files
+    from fdeplb.errors import LoadFileError
+    from tests.helpers import run_cli
+
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(input_files.MAX_INPUT_BYTES + 1)
+    with pytest.raises(LoadFileError, match=f"{big}: expert-load file holds {input_files.MAX_INPUT_BYTES + 1} bytes, "
+                                            f"more than the {input_files.MAX_INPUT_BYTES}"):
+        read_expert_load(big)
+    code, out, err = run_cli(capsys, "rebalance", "--load", str(big), "--num-replicas", "8", "--num-gpus", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "more than the" in err
+    packed = tmp_path / "load.json.gz"
+    packed.write_bytes(gzip.compress(json.dumps({"logical_count": [[1] * 400]}).encode()))
+    assert read_expert_load(packed).expert_load.shape == (1, 400)
+    monkeypatch.setattr(input_files, "MAX_INPUT_BYTES", 1000)  # the file is smaller, its JSON is not
+    assert packed.stat().st_size < 1000
+    with pytest.raises(LoadFileError, match="more than the 1000 bytes an input may hold once decompressed"):
+        read_expert_load(packed)
