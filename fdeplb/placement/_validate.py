@@ -6,7 +6,6 @@ and arguments, :class:`TopologyError` for a topology that cannot hold a placemen
 
 from __future__ import annotations
 
-import json
 import numpy as np
 
 from fdeplb.checks import check_int as strict_int
@@ -179,45 +178,3 @@ def check_phy2log(
         layer, expert = np.argwhere(~present)[0]
         raise error(f"{name}: logical expert {expert} has no slot in layer {layer}")
     return arr
-
-
-def read_document(path, error: type[InputError], what: str) -> object:
-    """Parse a JSON file (YAML for ``.yaml``/``.yml``), gzip-compressed when its name ends in ``.gz`` (e.g. the dump
-    bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
-    :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
-    a FIFO, device or folder is refused before anything is read);
-    failures raise ``error`` naming the file and ``what`` it is."""
-    import gzip
-    import io
-    from pathlib import Path
-
-    from fdeplb.input_files import MAX_INPUT_BYTES, read_input
-
-    p = Path(path)
-    name = p.name[:-3] if p.name.endswith(".gz") else p.name
-    data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
-    try:
-        if name != p.name:
-            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
-                data = f.read(MAX_INPUT_BYTES + 1)
-            if len(data) > MAX_INPUT_BYTES:
-                raise error(f"{p}: {what} holds more than the {MAX_INPUT_BYTES} bytes an input may hold once "
-                            f"decompressed")
-        text = data.decode("utf-8")
-    except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
-        raise error(f"{p}: cannot read {what}: {exc}") from None
-    if Path(name).suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise error(f"{p}: not YAML ({exc})") from None
-        except RecursionError:
-            raise error(f"{p}: not YAML (nested too deep)") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise error(f"{p}: not JSON ({exc})") from None
-    except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
-        raise error(f"{p}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None

@@ -16,6 +16,9 @@ fastdeploy ``{"tokens_per_expert_stats_list" [L, E], "ep_rank_to_expert_id_list"
 SGLang and FastDeploy index rows by model layer (dense layers included); TensorRT-LLM keys rows by model layer.
 ``layer_ids`` (e.g. :attr:`ExpertLoad.layer_ids`) maps the placement's rows to model layers; when writing SGLang or
 FastDeploy files with ``num_model_layers``, layers without a row get the trivial placement.
+
+A file's name says its kind, for reading and writing alike (:mod:`fdeplb.placement.documents`): a trtllm placement
+is YAML, named ``*.yaml``/``*.yml``; the others are JSON, never named so; ``.gz`` after either means gzip.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, PlacementFileError
-from fdeplb.placement._validate import read_document
+from fdeplb.placement.documents import check_document_name, read_document, write_document
 from fdeplb.placement.core import Placement, derive_maps, replica_rank
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
@@ -176,25 +179,47 @@ def write_placement(
     load_digest: str | None = None,
     expert_load=None,
 ) -> Path:
-    """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`); returns
-    the path. ``layer_ids``, ``num_model_layers``, ``load_digest`` and ``expert_load`` as for
-    :func:`render_placement`; ``meta_file_name`` is the file's own path.
+    """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`, by
+    :func:`save_placement_text`: gzip when the name ends in ``.gz``); returns the path. ``layer_ids``,
+    ``num_model_layers``, ``load_digest`` and ``expert_load`` as for :func:`render_placement`; ``meta_file_name`` is
+    the file's own path.
 
     Raises:
-        InputError: unknown format or inconsistent layer_ids / num_model_layers / expert_load.
+        InputError: unknown format, a name that says another kind than the format's (:func:`check_placement_path`),
+            or inconsistent layer_ids / num_model_layers / expert_load; nothing written.
         PlacementFileError: the file cannot be written.
     """
     p = Path(path)
-    _write(p, render_placement(placement, format, layer_ids=layer_ids, num_model_layers=num_model_layers,
-                               load_digest=load_digest, expert_load=expert_load, meta_file_name=str(p)))
-    return p
+    check_placement_path(p, format)
+    return save_placement_text(p, render_placement(
+        placement, format, layer_ids=layer_ids, num_model_layers=num_model_layers, load_digest=load_digest,
+        expert_load=expert_load, meta_file_name=str(p)), format)
 
 
-def _write(p: Path, text: str) -> None:
-    try:
-        p.write_text(text)
-    except OSError as exc:
-        raise PlacementFileError(f"{p}: cannot write placement file: {exc.strerror}") from None
+def _kind(format: str) -> str:
+    if format not in FORMATS:
+        raise InputError(f"unknown placement file format {format!r}; choose one of {list(FORMATS)}")
+    return "yaml" if format == "trtllm" else "json"
+
+
+def check_placement_path(path, format: str, flag: str | None = None) -> None:
+    """Before any work: :class:`InputError` unless the name of ``path`` says the kind of text ``format`` is: a
+    "trtllm" placement is YAML, named ``*.yaml``/``*.yml``; the others are JSON and not named so (the readers tell
+    YAML by the name, :func:`fdeplb.placement.documents.document_kind`; ``.gz`` may follow either). The message
+    starts with ``flag`` and the path when given (e.g. ``--out``)."""
+    check_document_name(path, _kind(format), f"{format} placement", None if flag is None else f"{flag} {path}")
+
+
+def save_placement_text(path, text: str, format: str, flag: str | None = None) -> Path:
+    """Write ``text`` (:func:`render_placement`'s, in ``format``) to ``path`` with
+    :func:`fdeplb.placement.documents.write_document` (gzip when named ``*.gz``); returns the path.
+
+    Raises:
+        InputError: the name says another kind than ``format`` (:func:`check_placement_path`); nothing written.
+        PlacementFileError: the file cannot be written.
+    """
+    return write_document(path, text, kind=_kind(format), what=f"{format} placement",
+                          label=None if flag is None else f"{flag} {path}", error=PlacementFileError)
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, LoadFileError
-from fdeplb.placement._validate import check_expert_load, read_document
+from fdeplb.placement._validate import check_expert_load
+from fdeplb.placement.documents import read_document
 
 #: JSON keys recognised as expert loads, in lookup order, and whether all-zero rows are dropped.
 LOAD_KEYS: dict[str, bool] = {"logical_count": True, "counts": False}

@@ -238,3 +238,25 @@ def test_an_input_over_the_size_cap_is_refused_before_it_is_read(tmp_path, capsy
     assert packed.stat().st_size < 1000
     with pytest.raises(LoadFileError, match="more than the 1000 bytes an input may hold once decompressed"):
         read_expert_load(packed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_placement_named_gz_is_written_gzip_and_reads_back(tmp_path, plan, fmt):
+    """The writer follows the reader's rule: ``*.gz`` is gzip (mtime 0: the same plan, the same bytes)."""
+    path = tmp_path / ("plan.yaml.gz" if fmt == "trtllm" else "plan.json.gz")
+    write_placement(plan, path, format=fmt, layer_ids=[3, 4])
+    first = path.read_bytes()
+    assert first[:2] == b"\x1f\x8b"  # gzip's magic
+    assert read_placement(path, num_logical_experts=12, num_gpus=8, num_groups=4, num_nodes=2).placement == plan
+    if fmt != "fastdeploy":  # FastDeploy's dump carries a timestamp
+        write_placement(plan, path, format=fmt, layer_ids=[3, 4])
+        assert path.read_bytes() == first
+
+
+@pytest.mark.parametrize("fmt, name", [("trtllm", "p.json"), ("trtllm", "p.json.gz"), ("fdeplb", "p.yaml"),
+                                       ("sglang", "p.yml.gz"), ("fastdeploy", "p.yaml")])
+def test_a_placement_whose_name_says_another_kind_is_not_written(tmp_path, plan, fmt, name):
+    """A trtllm placement is YAML and must be named so; a JSON one named *.yaml would read back as YAML: refused."""
+    with pytest.raises(InputError, match=f"a {fmt} placement is {'YAML' if fmt == 'trtllm' else 'JSON'}"):
+        write_placement(plan, tmp_path / name, format=fmt)
+    assert not (tmp_path / name).exists()

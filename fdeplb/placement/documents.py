@@ -1,0 +1,105 @@
+"""Documents by path: the one reader and the one writer of every JSON or YAML file fdeplb reads or writes by a path
+it was given (expert-load dumps, placement and plan files), and the rule their names follow.
+
+========================== ===========================================================================================
+name ends in               content
+========================== ===========================================================================================
+``.yaml`` / ``.yml``       YAML (TensorRT-LLM's placement); every other name holds JSON
+``.gz`` (after the above)  the same, gzip-compressed (``plan.json.gz``, ``trt.yaml.gz``)
+========================== ===========================================================================================
+
+Reading and writing follow the same rule (:func:`document_kind`), so a file fdeplb writes always reads back; a writer
+refuses a name that says another kind than the text it holds (:func:`check_document_name`) rather than write a
+file whose name lies. Inputs are regular files of bounded size (:mod:`fdeplb.input_files`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from pathlib import Path
+
+from fdeplb import input_files
+from fdeplb.errors import InputError
+from fdeplb.input_files import read_input
+
+__all__ = ["check_document_name", "document_kind", "read_document", "write_document"]
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def _unzipped_name(p: Path) -> str:
+    return p.name[:-3] if p.name.endswith(".gz") else p.name
+
+
+def document_kind(path) -> str:
+    """"yaml" when the name of ``path`` (less a final ``.gz``) ends in ``.yaml``/``.yml``, else "json"."""
+    return "yaml" if Path(_unzipped_name(Path(path))).suffix in YAML_SUFFIXES else "json"
+
+
+def check_document_name(path, kind: str, what: str, label: str | None = None) -> None:
+    """:class:`InputError` unless the name of ``path`` says ``kind`` ("json" or "yaml", :func:`document_kind`);
+    the message starts with ``label`` (default: the path) and names ``what`` the file holds."""
+    if document_kind(path) == kind:
+        return
+    label = str(path) if label is None else label
+    if kind == "yaml":
+        raise InputError(f"{label}: a {what} is YAML; name it *.yaml or *.yml")
+    raise InputError(f"{label}: a {what} is JSON; a *.yaml or *.yml name would be read as YAML: name it *.json")
+
+
+def write_document(path, text: str, *, kind: str, what: str, label: str | None = None,
+                   error: type[InputError] = InputError) -> Path:
+    """Write ``text`` (a JSON or YAML document, as ``kind`` says) to ``path``, gzip-compressed when the name ends in
+    ``.gz`` (with mtime 0: the same text gives the same bytes); returns the path.
+
+    Raises:
+        InputError: the name says another kind (:func:`check_document_name`); nothing written.
+        ``error``: the file cannot be written (the message starts with ``label``, default the path).
+    """
+    p = Path(path)
+    check_document_name(p, kind, what, label)
+    data = text.encode("utf-8")
+    if p.name.endswith(".gz"):
+        data = gzip.compress(data, mtime=0)
+    try:
+        p.write_bytes(data)
+    except OSError as exc:
+        raise error(f"{p if label is None else label}: cannot write {what}: {exc.strerror}") from None
+    return p
+
+
+def read_document(path, error: type[InputError], what: str) -> object:
+    """Parse the document at ``path``: JSON, or YAML when :func:`document_kind` says so, gzip-compressed when its
+    name ends in ``.gz`` (e.g. the dump bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
+    :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
+    a FIFO, device or folder is refused before anything is read). Failures raise ``error`` naming the file and
+    ``what`` it is."""
+    p = Path(path)
+    data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
+    cap = input_files.MAX_INPUT_BYTES
+    try:
+        if p.name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as f:
+                data = f.read(cap + 1)
+            if len(data) > cap:
+                raise error(f"{p}: {what} holds more than the {cap} bytes an input may hold once decompressed")
+        text = data.decode("utf-8")
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
+        raise error(f"{p}: cannot read {what}: {exc}") from None
+    if document_kind(p) == "yaml":
+        import yaml
+
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise error(f"{p}: not YAML ({exc})") from None
+        except RecursionError:
+            raise error(f"{p}: not YAML (nested too deep)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{p}: not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
+        raise error(f"{p}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
