@@ -10,7 +10,8 @@ name ends in               content
 
 Reading and writing follow the same rule (:func:`document_kind`), so a file fdeplb writes always reads back; a writer
 refuses a name that says another kind than the text it holds (:func:`check_document_name`) rather than write a
-file whose name lies. Inputs are regular files of bounded size (:mod:`fdeplb.input_files`).
+file whose name lies. Inputs are regular files of bounded size (:mod:`fdeplb.input_files`). The tables of numbers
+in them (loads, phy2log rows) are read by :func:`number_table`, one rule for what a table may hold.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
+
 from fdeplb import input_files
 from fdeplb.errors import InputError
 from fdeplb.input_files import read_input
 
-__all__ = ["check_document_name", "document_kind", "read_document", "write_document"]
+__all__ = ["check_document_name", "document_kind", "number_table", "read_document", "write_document"]
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -103,3 +106,27 @@ def read_document(path, error: type[InputError], what: str) -> object:
         raise error(f"{p}: not JSON ({exc})") from None
     except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
         raise error(f"{p}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None
+
+
+def number_table(p, rows, key: str, error: type[InputError]) -> np.ndarray:
+    """The JSON table ``rows`` (key ``key`` of document ``p``) as a numpy array, not yet checked for shape or dtype.
+
+    Raises:
+        ``error``: not a non-empty list, a boolean anywhere (``true`` is no count and no expert id), an integer
+            beyond 64 bits (out of range: numpy would hold it as an object), or ragged rows.
+    """
+    if not isinstance(rows, list) or not rows:
+        raise error(f"{p}: '{key}' must be a non-empty list of per-layer lists")
+    stack = [rows]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, bool):
+            raise error(f"{p}: '{key}' holds booleans (true/false); expected numbers")
+        elif isinstance(item, int) and not -(1 << 63) <= item < 1 << 64:
+            raise error(f"{p}: '{key}' has a value {item:.4g}, out of range")
+    try:
+        return np.array(rows)
+    except ValueError as exc:
+        raise error(f"{p}: '{key}' has ragged rows ({exc})") from None

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, PlacementFileError
-from fdeplb.placement.documents import check_document_name, read_document, write_document
+from fdeplb.placement.documents import check_document_name, number_table, read_document, write_document
 from fdeplb.placement.core import Placement, derive_maps, replica_rank
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
@@ -228,12 +228,7 @@ def _fail(p: Path, msg: str) -> PlacementFileError:
 
 
 def _int_rows(p: Path, rows, key: str) -> np.ndarray:
-    if not isinstance(rows, list) or not rows:
-        raise _fail(p, f"'{key}' must be a non-empty list of per-layer lists")
-    try:
-        arr = np.array(rows)
-    except ValueError as exc:
-        raise _fail(p, f"'{key}' has ragged rows ({exc})") from None
+    arr = number_table(p, rows, key, PlacementFileError)
     if arr.dtype.kind not in "iu" or arr.ndim != 2:
         raise _fail(p, f"'{key}' must be a 2-D list of integer expert ids (got {arr.dtype}, shape {arr.shape})")
     return arr.astype(np.int64)
@@ -246,15 +241,19 @@ def read_placement(
     num_gpus: int | None = None,
     num_groups: int | None = None,
     num_nodes: int | None = None,
+    num_physical_experts: int | None = None,
 ) -> PlacementFile:
     """Read a placement file in any of :data:`FORMATS` (detected from the content; ``.yaml``/``.yml`` = trtllm).
 
     Topology arguments fill in what the format does not store (SGLang and TensorRT-LLM files have no topology;
     ``num_logical_experts`` defaults to the largest id + 1) and are checked against what it does.
+    ``num_physical_experts`` (slots per layer), when given, and an fdeplb header's are checked against the rows'
+    length before what the rows hold (a cut plan is named as such, not by the first expert it lost).
 
     Raises:
-        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout, ragged or non-integer rows,
-            an expert without a slot, maps inconsistent with phy2log, or a topology that does not fit.
+        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout, ragged or non-integer rows
+            (booleans too), rows of another length than ``num_physical_experts``, an expert without a slot, maps
+            inconsistent with phy2log, or a topology that does not fit.
     """
     p = Path(path)
     doc = read_document(p, PlacementFileError, "placement file")
@@ -267,7 +266,7 @@ def read_placement(
         phy2log = _int_rows(p, doc.get("phy2log"), "phy2log")
         ids = np.asarray(doc.get("layer_ids", list(range(phy2log.shape[0]))))
         digest = doc.get("load_digest")
-        for key in ("num_logical_experts", "num_gpus", "num_groups", "num_nodes"):
+        for key in ("num_logical_experts", "num_physical_experts", "num_gpus", "num_groups", "num_nodes"):
             if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool):
                 raise _fail(p, f"'{key}' must be an integer")
             stored[key] = doc[key]
@@ -296,12 +295,15 @@ def read_placement(
             raise _fail(p, f"num_slots ({doc['num_slots']}) != length of the assignments ({phy2log.shape[1]})")
     else:
         raise _fail(p, f"unknown placement layout (keys: {sorted(doc)[:10]})")
-    given = {"num_logical_experts": num_logical_experts, "num_gpus": num_gpus, "num_groups": num_groups,
-             "num_nodes": num_nodes}
+    given = {"num_logical_experts": num_logical_experts, "num_physical_experts": num_physical_experts,
+             "num_gpus": num_gpus, "num_groups": num_groups, "num_nodes": num_nodes}
     for key, value in given.items():
         if value is not None and key in stored and stored[key] != value:
             raise _fail(p, f"{key} is {stored[key]} in the file, {value} was expected")
     topo = {**stored, **{k: v for k, v in given.items() if v is not None}}
+    if topo.get("num_physical_experts", phy2log.shape[1]) != phy2log.shape[1]:  # the shape before the content
+        raise _fail(p, f"rows of {phy2log.shape[1]} slots (shape {phy2log.shape}), {topo['num_physical_experts']} "
+                       f"slots per layer (num_physical_experts) expected")
     E = topo.get("num_logical_experts", int(phy2log.max()) + 1 if phy2log.size else 1)
     try:
         placement = Placement.from_phy2log(

@@ -67,6 +67,9 @@ def test_a_plan_of_another_shape_is_refused(capsys, store, redis_url, tmp_path):
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3, 0, 1, 2, 3, 0]], 4), 2, "shape (1, 9)")
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3] * 3], 4, "twelve.json"), 2,
              "shape (1, 12)")
+    cut = tmp_path / "cut.json"  # cut to 3 of 6 slots: named by its shape, not by expert 3 it lost
+    cut.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2]]}))
+    _refused(capsys, store, redis_url, str(cut), 2, "rows of 3 slots (shape (1, 3)), 6 slots per layer")
 
 
 def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, redis_url, tmp_path):

@@ -73,6 +73,8 @@ def test_foreign_layouts_match_the_engines(tmp_path, plan):
         ("p.json", '{"something": 1}', "unknown placement layout"),
         ("p.json", '{"physical_to_logical_map": [[0, 1], [0]]}', "ragged"),
         ("p.json", '{"physical_to_logical_map": [[0.5, 1]]}', "integer"),
+        ("p.json", '{"physical_to_logical_map": [[true, 0]]}', "holds booleans"),  # not expert 1
+        ("p.json", '{"physical_to_logical_map": [[18446744073709551616, 0]]}', "value 1.845e\\+19, out of range"),
         ("p.json", '{"physical_to_logical_map": [[0, 2]]}', "no slot"),
         ("p.json", '{"physical_to_logical_map": [[0, 1, 2]]}', "multiple of num_gpus"),
         ("p.yaml", "num_slots: 3\ninitial_global_assignments: {0: [0, 1]}\n", "num_slots"),
@@ -101,6 +103,13 @@ def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
         read_placement(path).for_layers([0, 7])
     with pytest.raises(InputError, match="unknown placement file format"):
         write_placement(plan, path, format="csv")
+    doc = json.loads(path.read_text())  # a plan cut to 12 of its 16 slots: named by its shape, not by a lost expert
+    path.write_text(json.dumps({**doc, "phy2log": [row[:12] for row in doc["phy2log"]]}))
+    with pytest.raises(PlacementFileError, match=r"rows of 12 slots \(shape \(2, 12\)\), 16 slots per layer"):
+        read_placement(path)
+    write_placement(plan, path, format="sglang")
+    with pytest.raises(PlacementFileError, match=r"rows of 16 slots \(shape \(2, 16\)\), 20 slots per layer"):
+        read_placement(path, num_physical_experts=20)
     with pytest.raises(InputError, match="layer_ids"):
         write_placement(plan, path, layer_ids=[1, 1])
 
@@ -173,6 +182,19 @@ def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_pa
             read_expert_load(tmp_path / name)
     assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
                  "--num-gpus", "2"]) == 2
+
+
+@pytest.mark.parametrize("value, words", [("true", "holds booleans"), ("18446744073709551616", "1.845e+19, out of range"),
+                                          ("9007199254740993", "above 2**53")])
+def test_a_load_value_that_is_no_count_is_named_for_what_it_is(tmp_path, value, words):
+    """A boolean, or a value past 64 bits (numpy would hold it as an object), is named as such, not as ragged rows."""
+    from fdeplb.errors import LoadFileError
+
+    path = tmp_path / "load.json"
+    path.write_text('{"logical_count": [[3, 1], [%s, 2]]}' % value)
+    with pytest.raises(LoadFileError) as info:
+        read_expert_load(path)
+    assert words in str(info.value) and "equally long rows" not in str(info.value)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
