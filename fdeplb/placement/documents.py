@@ -97,7 +97,7 @@ def read_document(path, error: type[InputError], what: str) -> object:
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise error(f"{p}: not YAML ({exc})") from None
+            raise error(f"{p}: not YAML ({' '.join(str(exc).split())})") from None  # one line, as every error
         except RecursionError:
             raise error(f"{p}: not YAML (nested too deep)") from None
     try:

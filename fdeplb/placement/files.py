@@ -36,6 +36,8 @@ from fdeplb.placement.core import Placement, derive_maps, replica_rank
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
 FDEPLB_FORMAT = "fdeplb.placement"
+#: the version of the fdeplb placement format written, and the only one read
+FDEPLB_VERSION = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,7 +118,7 @@ def render_placement(
         _, ids, _ = _full_rows(placement, layer_ids, None)
         doc = {
             "format": FDEPLB_FORMAT,
-            "version": 1,
+            "version": FDEPLB_VERSION,
             "policy": placement.policy,
             "num_logical_experts": placement.num_logical_experts,
             "num_physical_experts": placement.num_physical_experts,
@@ -251,7 +253,7 @@ def read_placement(
     length before what the rows hold (a cut plan is named as such, not by the first expert it lost).
 
     Raises:
-        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout, ragged or non-integer rows
+        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout or fdeplb version, ragged or non-integer rows
             (booleans too), rows of another length than ``num_physical_experts``, an expert without a slot, maps
             inconsistent with phy2log, or a topology that does not fit.
     """
@@ -263,6 +265,9 @@ def read_placement(
     stored = {}
     if doc.get("format") == FDEPLB_FORMAT:
         fmt = "fdeplb"
+        if doc.get("version") != FDEPLB_VERSION or isinstance(doc.get("version"), bool):
+            raise _fail(p, f"{FDEPLB_FORMAT} version {str(doc.get('version'))[:20]!r}; this fdeplb reads version "
+                           f"{FDEPLB_VERSION}")
         phy2log = _int_rows(p, doc.get("phy2log"), "phy2log")
         ids = np.asarray(doc.get("layer_ids", list(range(phy2log.shape[0]))))
         digest = doc.get("load_digest")

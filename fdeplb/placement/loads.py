@@ -88,16 +88,20 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
     """Read an expert-load dump (SGLang ``logical_count`` or ``counts`` JSON) into an :class:`ExpertLoad`.
 
     Raises:
-        LoadFileError: the file is missing or unreadable, not JSON, has neither ``logical_count`` nor ``counts``,
+        LoadFileError: the file is missing or unreadable, not JSON, has neither or both of ``logical_count`` and
+            ``counts``,
             ragged rows, non-numbers, NaN/inf, negative values, or no layer left; the message names the file.
     """
     p = Path(path)
     doc = read_document(p, LoadFileError, "expert-load file")
     if not isinstance(doc, dict):
         raise LoadFileError(f"{p}: expected a JSON object with 'logical_count' or 'counts', got {type(doc).__name__}")
-    key = next((k for k in LOAD_KEYS if k in doc), None)
-    if key is None:
+    found = [k for k in LOAD_KEYS if k in doc]
+    if not found:
         raise LoadFileError(f"{p}: no 'logical_count' or 'counts' key (keys: {sorted(doc)[:10]})")
+    if len(found) > 1:  # which one the dump means is not ours to guess
+        raise LoadFileError(f"{p}: both 'logical_count' and 'counts' keys; a load dump holds one of them")
+    key = found[0]
     arr = number_table(p, doc[key], key, LoadFileError)
     if arr.dtype == object or arr.dtype.kind not in "iuf":
         raise LoadFileError(f"{p}: '{key}' must hold numbers in equally long rows (got {arr.dtype} {arr.shape})")

@@ -78,6 +78,7 @@ def test_foreign_layouts_match_the_engines(tmp_path, plan):
         ("p.json", '{"physical_to_logical_map": [[0, 2]]}', "no slot"),
         ("p.json", '{"physical_to_logical_map": [[0, 1, 2]]}', "multiple of num_gpus"),
         ("p.yaml", "num_slots: 3\ninitial_global_assignments: {0: [0, 1]}\n", "num_slots"),
+        ("p.yaml", "a: [1, 2\nb: 3\n", r"^[^\n]*not YAML \(while parsing[^\n]*line 1, column 4[^\n]*\)$"),  # one line
     ],
 )
 def test_bad_placement_files_raise_placement_file_error(tmp_path, name, content, message):
@@ -103,7 +104,12 @@ def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
         read_placement(path).for_layers([0, 7])
     with pytest.raises(InputError, match="unknown placement file format"):
         write_placement(plan, path, format="csv")
-    doc = json.loads(path.read_text())  # a plan cut to 12 of its 16 slots: named by its shape, not by a lost expert
+    doc = json.loads(path.read_text())
+    for version in (99, None, True):  # a version this fdeplb does not know is not guessed at
+        path.write_text(json.dumps({**doc, "version": version}))
+        with pytest.raises(PlacementFileError, match="version .*; this fdeplb reads version 1"):
+            read_placement(path)
+    path.write_text(json.dumps(doc))  # a plan cut to 12 of its 16 slots: named by its shape, not by a lost expert
     path.write_text(json.dumps({**doc, "phy2log": [row[:12] for row in doc["phy2log"]]}))
     with pytest.raises(PlacementFileError, match=r"rows of 12 slots \(shape \(2, 12\)\), 16 slots per layer"):
         read_placement(path)
@@ -182,6 +188,16 @@ def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_pa
             read_expert_load(tmp_path / name)
     assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
                  "--num-gpus", "2"]) == 2
+
+
+def test_a_load_dump_with_both_keys_is_refused(tmp_path):
+    """``logical_count`` (dense rows dropped) and ``counts`` (every row kept) mean different things: not guessed."""
+    from fdeplb.errors import LoadFileError
+
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"logical_count": [[1, 2]], "counts": [[3, 4]]}))
+    with pytest.raises(LoadFileError, match="both 'logical_count' and 'counts'"):
+        read_expert_load(path)
 
 
 @pytest.mark.parametrize("value, words", [("true", "holds booleans"), ("18446744073709551616", "1.845e+19, out of range"),
