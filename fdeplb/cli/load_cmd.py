@@ -36,7 +36,7 @@ def run_load(args: argparse.Namespace) -> int:
     from fdeplb.status import source_load
 
     check_out_folder("--export", args.export)
-    check_document_name(args.export, "json", "load dump", f"--export {args.export}")
+    check_document_name(args.export, "json", "a load dump", f"--export {args.export}")
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
     stack, summed, missing = source_load(store)
@@ -47,7 +47,7 @@ def run_load(args: argparse.Namespace) -> int:
                          f"them as dense layers; export again once they have load")
     rows = np.zeros((cfg.ep_size, cfg.model_layers, cfg.num_logical_experts), dtype=np.int64)
     rows[:, cfg.model_layer_ids] = stack
-    write_document(args.export, json.dumps({"logical_count": rows.tolist()}), kind="json", what="load dump",
+    write_document(args.export, json.dumps({"logical_count": rows.tolist()}), kind="json", what="a load dump",
                    label=f"--export {args.export}")  # gzip when named *.gz, as the reader expects
     if missing:
         print(f"note: ranks {missing} have published no window yet: left out of the sum", file=sys.stderr)

@@ -43,13 +43,13 @@ def document_kind(path) -> str:
 
 def check_document_name(path, kind: str, what: str, label: str | None = None) -> None:
     """:class:`InputError` unless the name of ``path`` says ``kind`` ("json" or "yaml", :func:`document_kind`);
-    the message starts with ``label`` (default: the path) and names ``what`` the file holds."""
+    the message starts with ``label`` (default: the path) and names ``what`` the file holds ("a load dump")."""
     if document_kind(path) == kind:
         return
     label = str(path) if label is None else label
     if kind == "yaml":
-        raise InputError(f"{label}: a {what} is YAML; name it *.yaml or *.yml")
-    raise InputError(f"{label}: a {what} is JSON; a *.yaml or *.yml name would be read as YAML: name it *.json")
+        raise InputError(f"{label}: {what} is YAML; name it *.yaml or *.yml")
+    raise InputError(f"{label}: {what} is JSON; a *.yaml or *.yml name would be read as YAML: name it *.json")
 
 
 def write_document(path, text: str, *, kind: str, what: str, label: str | None = None,

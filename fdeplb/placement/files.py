@@ -198,6 +198,10 @@ def write_placement(
         expert_load=expert_load, meta_file_name=str(p)), format)
 
 
+def _what(format: str) -> str:
+    return f"{'an' if format == 'fdeplb' else 'a'} {format} placement"
+
+
 def _kind(format: str) -> str:
     if format not in FORMATS:
         raise InputError(f"unknown placement file format {format!r}; choose one of {list(FORMATS)}")
@@ -209,7 +213,7 @@ def check_placement_path(path, format: str, flag: str | None = None) -> None:
     "trtllm" placement is YAML, named ``*.yaml``/``*.yml``; the others are JSON and not named so (the readers tell
     YAML by the name, :func:`fdeplb.placement.documents.document_kind`; ``.gz`` may follow either). The message
     starts with ``flag`` and the path when given (e.g. ``--out``)."""
-    check_document_name(path, _kind(format), f"{format} placement", None if flag is None else f"{flag} {path}")
+    check_document_name(path, _kind(format), _what(format), None if flag is None else f"{flag} {path}")
 
 
 def save_placement_text(path, text: str, format: str, flag: str | None = None) -> Path:
@@ -220,7 +224,7 @@ def save_placement_text(path, text: str, format: str, flag: str | None = None) -
         InputError: the name says another kind than ``format`` (:func:`check_placement_path`); nothing written.
         PlacementFileError: the file cannot be written.
     """
-    return write_document(path, text, kind=_kind(format), what=f"{format} placement",
+    return write_document(path, text, kind=_kind(format), what=_what(format),
                           label=None if flag is None else f"{flag} {path}", error=PlacementFileError)
 
 

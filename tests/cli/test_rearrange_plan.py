@@ -175,7 +175,7 @@ def test_status_and_rebalance_follow_one_rule_for_a_placement_files_name(capsys,
     load = tmp_path / "load.json"
     load.write_text(json.dumps({"counts": [[5, 3, 2, 1]]}))
     out_file = tmp_path / name
-    words = f"a {fmt} placement is {'YAML' if fmt == 'trtllm' else 'JSON'}"
+    words = f"{'an' if fmt == 'fdeplb' else 'a'} {fmt} placement is {'YAML' if fmt == 'trtllm' else 'JSON'}"
     code, out, err = run_cli(capsys, "status", "--redis-url", store.url, "--cluster", store.cluster,
                              "--placement-out", str(out_file), "--format", fmt)
     assert code == 2 and out == "" and err.startswith(f"error: --placement-out {out_file}: {words}")
