@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fdeplb.errors import InputError
+from fdeplb.input_files import read_input
 from fdeplb.log import register_secret
 
 __all__ = ["ENV_PASSWORD", "ENV_USER", "Credentials", "file_is_private", "load_credentials"]
@@ -63,9 +64,9 @@ def load_credentials(credentials_file: str | os.PathLike | None = None,
     env = os.environ if environ is None else environ
     if credentials_file is not None:
         path = Path(credentials_file)
-        try:
-            first = path.read_text(encoding="utf-8").splitlines()[:1]
-        except (OSError, UnicodeDecodeError) as exc:
+        try:  # a regular file only: a FIFO or a device is refused, never waited on
+            first = read_input(path, "credentials file").decode("utf-8").splitlines()[:1]
+        except UnicodeDecodeError as exc:
             raise InputError(f"cannot read the credentials file {path}: {exc}") from None
         user, sep, password = (first[0] if first else "").partition(":")
         if not sep:

@@ -197,6 +197,29 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def within(fn, timeout_s: float = 30.0, *, fifo: Path | None = None):
+    """``fn()``'s result (or its exception), run on a daemon thread; AssertionError when it has not returned within
+    ``timeout_s`` (it blocked; a writer opened on ``fifo`` then lets a reader waiting on it go)."""
+    out: dict = {}
+
+    def go():
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=go, daemon=True, name="within")
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        raise AssertionError(f"{fn} still ran after {timeout_s} s: it blocked")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def real_traces_28x64(real_data: Path, workdir: Path) -> list[str]:
     """Two real loads of 28 layers x 64 experts that the rounds alternate between: the Qwen2-57B dumps from
     ../shared/real_data, or, on a plain clone, two 64-expert slices of the DeepSeek-V3 dump bundled in the package

@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "layers][experts]} (the load per source rank; other ranks' and dense layers' rows "
                                    "zero), which `fdeplb rebalance --load` reads.",
                        parents=[cluster_parent()])
-    p.add_argument("--export", required=True, metavar="FILE", help="the dump to write (JSON)")
+    p.add_argument("--export", required=True, metavar="FILE", help="the dump to write (JSON; gzip when named .gz)")
     p.epilog = ("Ranks publish their windows when a round collects (and an EmbeddedAgent every publish_interval_s, "
                 "5 s by default): on a fresh cluster run a round first (`fdeplb rearrange --wait`).")
     p.set_defaults(handler=run_load)
@@ -33,10 +33,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_load(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import check_out_folder, open_store
     from fdeplb.errors import StateError
+    from fdeplb.placement.documents import check_document_name, write_document
     from fdeplb.placement.loads import load_digest
     from fdeplb.status import source_load
 
     check_out_folder("--export", args.export)
+    check_document_name(args.export, "json", "a load dump", f"--export {args.export}")
     store = open_store(args.redis_url, args.cluster)
     cfg = store.read_config()
     try:
@@ -53,13 +55,8 @@ def run_load(args: argparse.Namespace) -> int:
                          f"them as dense layers; export again once they have load")
     rows = np.zeros((cfg.ep_size, cfg.model_layers, cfg.num_logical_experts), dtype=np.int64)
     rows[:, cfg.model_layer_ids] = stack
-    try:
-        with open(args.export, "w") as f:
-            json.dump({"logical_count": rows.tolist()}, f)
-    except OSError as err:
-        from fdeplb.errors import InputError
-
-        raise InputError(f"--export {args.export}: cannot write: {err.strerror}") from None
+    write_document(args.export, json.dumps({"logical_count": rows.tolist()}), kind="json", what="a load dump",
+                   label=f"--export {args.export}")  # gzip when named *.gz, as the reader expects
     if missing:
         print(f"note: ranks {missing} have published no window yet: left out of the sum", file=sys.stderr)
     print(f"wrote the load of ranks {summed} ({cfg.num_layers} MoE layers x {cfg.num_logical_experts} experts, "

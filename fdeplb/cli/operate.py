@@ -251,7 +251,8 @@ def _plan_of(cfg: ClusterConfig, path: str):
     from fdeplb.placement import read_placement
 
     read = read_placement(path, num_logical_experts=cfg.num_logical_experts, num_gpus=cfg.ep_size,
-                          num_groups=cfg.num_groups, num_nodes=cfg.num_nodes)
+                          num_groups=cfg.num_groups, num_nodes=cfg.num_nodes,
+                          num_physical_experts=cfg.num_physical_experts)
     rows = read.placement.num_layers
     if rows == cfg.num_layers:
         return read.placement.phy2log

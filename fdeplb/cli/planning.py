@@ -24,6 +24,7 @@ from fdeplb.placement import (
     rebalance_experts,
     write_placement,
 )
+from fdeplb.placement.files import check_placement_path
 
 
 #: a new cluster's min_gain (:class:`ClusterConfig`'s default): the gate line's threshold unless --min-gain is given
@@ -147,9 +148,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_moved_experts is not None and args.policy != "move_aware":
         raise InputError(f"--max-moved-experts applies to the move_aware policy only; policy {args.policy} "
                          f"ignores it")
-    if args.out and args.format == "trtllm" and Path(args.out).suffix not in (".yaml", ".yml"):
-        # read_placement (--old) knows a TensorRT-LLM file by its suffix: a .json one would not read back
-        raise InputError(f"--out {args.out}: a trtllm placement is YAML; name it *.yaml or *.yml")
+    if args.out:  # before the planning: a trtllm placement is YAML (*.yaml), the others JSON (the readers' rule)
+        check_placement_path(args.out, args.format, "--out")
     dump = read_expert_load(args.load)
     if dump.interleaved_dense:
         import sys

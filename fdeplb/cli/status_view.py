@@ -19,6 +19,7 @@ from typing import Any, TextIO
 from fdeplb.cli._common import open_store, redis_or_url_parent, through_http
 from fdeplb.errors import CorruptRecordError, InputError, exit_code
 from fdeplb.placement import FORMATS
+from fdeplb.placement.files import check_placement_path, save_placement_text
 from fdeplb.status import CORRUPT, cluster_status, placement_file
 
 
@@ -31,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--json", action="store_true", help="one JSON object instead of text")
     s.add_argument("--placement-out", default=None, metavar="FILE",
                    help="also write the current placement to FILE, in --format, with the model's layers (SGLang: "
-                        "one row per model layer, dense ones included; TensorRT-LLM: model layer keys)")
+                        "one row per model layer, dense ones included; TensorRT-LLM: model layer keys, named *.yaml; "
+                        "gzip when named .gz)")
     s.add_argument("--format", default="sglang", choices=FORMATS, help="format of --placement-out (default %(default)s)")
     s.set_defaults(handler=run_status)
 
@@ -41,6 +43,8 @@ def run_status(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import check_out_folder
 
     check_out_folder("--placement-out", args.placement_out)
+    if args.placement_out:  # a trtllm placement is YAML (*.yaml), the others JSON: the rule rebalance --out follows
+        check_placement_path(args.placement_out, args.format, "--placement-out")
     if through_http(args):
         from fdeplb.cli.http_client import ApiClient
 
@@ -53,9 +57,7 @@ def run_status(args: argparse.Namespace) -> int:
         store = open_store(args.redis_url, args.cluster)
         status = cluster_status(store, args.redis_url)
         if args.placement_out:
-            from pathlib import Path
-
-            Path(args.placement_out).write_text(placement_file(store, args.format))
+            save_placement_text(args.placement_out, placement_file(store, args.format), args.format, "--placement-out")
             print(f"wrote {args.format} placement to {args.placement_out}", file=sys.stderr)
     return show_status(status, args.json)
 

@@ -6,7 +6,6 @@ and arguments, :class:`TopologyError` for a topology that cannot hold a placemen
 
 from __future__ import annotations
 
-import json
 import numpy as np
 
 from fdeplb.checks import check_int as strict_int
@@ -179,46 +178,3 @@ def check_phy2log(
         layer, expert = np.argwhere(~present)[0]
         raise error(f"{name}: logical expert {expert} has no slot in layer {layer}")
     return arr
-
-
-#: the most a gzip-compressed document may hold once decompressed (bytes): a real expert-load dump is a few MB
-MAX_GZIP_DOCUMENT_BYTES = 1 << 30
-
-
-def read_document(path, error: type[InputError], what: str) -> object:
-    """Parse a JSON file (YAML for ``.yaml``/``.yml``), gzip-compressed when its name ends in ``.gz`` (e.g. the dump
-    bundled in the package, ``fdeplb/data/*.json.gz``; at most :data:`MAX_GZIP_DOCUMENT_BYTES` decompressed);
-    failures raise ``error`` naming the file and ``what`` it is."""
-    import gzip
-    from pathlib import Path
-
-    p = Path(path)
-    name = p.name[:-3] if p.name.endswith(".gz") else p.name
-    try:
-        if name == p.name:
-            text = p.read_text(encoding="utf-8")
-        else:
-            with gzip.open(p, "rb") as f:
-                data = f.read(MAX_GZIP_DOCUMENT_BYTES + 1)
-            if len(data) > MAX_GZIP_DOCUMENT_BYTES:
-                raise error(f"{p}: {what} holds more than {MAX_GZIP_DOCUMENT_BYTES} bytes once decompressed")
-            text = data.decode("utf-8")
-    except FileNotFoundError:
-        raise error(f"{p}: {what} not found") from None
-    except (OSError, EOFError, UnicodeDecodeError) as exc:  # gzip.BadGzipFile is an OSError
-        raise error(f"{p}: cannot read {what}: {exc}") from None
-    if Path(name).suffix in (".yaml", ".yml"):
-        import yaml
-
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise error(f"{p}: not YAML ({exc})") from None
-        except RecursionError:
-            raise error(f"{p}: not YAML (nested too deep)") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise error(f"{p}: not JSON ({exc})") from None
-    except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep
-        raise error(f"{p}: not JSON ({type(exc).__name__}: {str(exc)[:80]})") from None

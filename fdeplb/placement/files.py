@@ -16,6 +16,9 @@ fastdeploy ``{"tokens_per_expert_stats_list" [L, E], "ep_rank_to_expert_id_list"
 SGLang and FastDeploy index rows by model layer (dense layers included); TensorRT-LLM keys rows by model layer.
 ``layer_ids`` (e.g. :attr:`ExpertLoad.layer_ids`) maps the placement's rows to model layers; when writing SGLang or
 FastDeploy files with ``num_model_layers``, layers without a row get the trivial placement.
+
+A file's name says its kind, for reading and writing alike (:mod:`fdeplb.placement.documents`): a trtllm placement
+is YAML, named ``*.yaml``/``*.yml``; the others are JSON, never named so; ``.gz`` after either means gzip.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, PlacementFileError
-from fdeplb.placement._validate import read_document
+from fdeplb.placement.documents import check_document_name, number_table, read_document, write_document
 from fdeplb.placement.core import Placement, derive_maps, replica_rank
 
 FORMATS = ("fdeplb", "sglang", "trtllm", "fastdeploy")
 FDEPLB_FORMAT = "fdeplb.placement"
+#: the version of the fdeplb placement format written, and the only one read
+FDEPLB_VERSION = 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,7 +118,7 @@ def render_placement(
         _, ids, _ = _full_rows(placement, layer_ids, None)
         doc = {
             "format": FDEPLB_FORMAT,
-            "version": 1,
+            "version": FDEPLB_VERSION,
             "policy": placement.policy,
             "num_logical_experts": placement.num_logical_experts,
             "num_physical_experts": placement.num_physical_experts,
@@ -176,25 +181,51 @@ def write_placement(
     load_digest: str | None = None,
     expert_load=None,
 ) -> Path:
-    """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`); returns
-    the path. ``layer_ids``, ``num_model_layers``, ``load_digest`` and ``expert_load`` as for
-    :func:`render_placement`; ``meta_file_name`` is the file's own path.
+    """Write ``placement`` to ``path`` in one of :data:`FORMATS` (the text of :func:`render_placement`, by
+    :func:`save_placement_text`: gzip when the name ends in ``.gz``); returns the path. ``layer_ids``,
+    ``num_model_layers``, ``load_digest`` and ``expert_load`` as for :func:`render_placement`; ``meta_file_name`` is
+    the file's own path.
 
     Raises:
-        InputError: unknown format or inconsistent layer_ids / num_model_layers / expert_load.
+        InputError: unknown format, a name that says another kind than the format's (:func:`check_placement_path`),
+            or inconsistent layer_ids / num_model_layers / expert_load; nothing written.
         PlacementFileError: the file cannot be written.
     """
     p = Path(path)
-    _write(p, render_placement(placement, format, layer_ids=layer_ids, num_model_layers=num_model_layers,
-                               load_digest=load_digest, expert_load=expert_load, meta_file_name=str(p)))
-    return p
+    check_placement_path(p, format)
+    return save_placement_text(p, render_placement(
+        placement, format, layer_ids=layer_ids, num_model_layers=num_model_layers, load_digest=load_digest,
+        expert_load=expert_load, meta_file_name=str(p)), format)
 
 
-def _write(p: Path, text: str) -> None:
-    try:
-        p.write_text(text)
-    except OSError as exc:
-        raise PlacementFileError(f"{p}: cannot write placement file: {exc.strerror}") from None
+def _what(format: str) -> str:
+    return f"{'an' if format == 'fdeplb' else 'a'} {format} placement"
+
+
+def _kind(format: str) -> str:
+    if format not in FORMATS:
+        raise InputError(f"unknown placement file format {format!r}; choose one of {list(FORMATS)}")
+    return "yaml" if format == "trtllm" else "json"
+
+
+def check_placement_path(path, format: str, flag: str | None = None) -> None:
+    """Before any work: :class:`InputError` unless the name of ``path`` says the kind of text ``format`` is: a
+    "trtllm" placement is YAML, named ``*.yaml``/``*.yml``; the others are JSON and not named so (the readers tell
+    YAML by the name, :func:`fdeplb.placement.documents.document_kind`; ``.gz`` may follow either). The message
+    starts with ``flag`` and the path when given (e.g. ``--out``)."""
+    check_document_name(path, _kind(format), _what(format), None if flag is None else f"{flag} {path}")
+
+
+def save_placement_text(path, text: str, format: str, flag: str | None = None) -> Path:
+    """Write ``text`` (:func:`render_placement`'s, in ``format``) to ``path`` with
+    :func:`fdeplb.placement.documents.write_document` (gzip when named ``*.gz``); returns the path.
+
+    Raises:
+        InputError: the name says another kind than ``format`` (:func:`check_placement_path`); nothing written.
+        PlacementFileError: the file cannot be written.
+    """
+    return write_document(path, text, kind=_kind(format), what=_what(format),
+                          label=None if flag is None else f"{flag} {path}", error=PlacementFileError)
 
 
 # ---- reading ------------------------------------------------------------------------------------------------------
@@ -203,12 +234,7 @@ def _fail(p: Path, msg: str) -> PlacementFileError:
 
 
 def _int_rows(p: Path, rows, key: str) -> np.ndarray:
-    if not isinstance(rows, list) or not rows:
-        raise _fail(p, f"'{key}' must be a non-empty list of per-layer lists")
-    try:
-        arr = np.array(rows)
-    except ValueError as exc:
-        raise _fail(p, f"'{key}' has ragged rows ({exc})") from None
+    arr = number_table(p, rows, key, PlacementFileError)
     if arr.dtype.kind not in "iu" or arr.ndim != 2:
         raise _fail(p, f"'{key}' must be a 2-D list of integer expert ids (got {arr.dtype}, shape {arr.shape})")
     return arr.astype(np.int64)
@@ -221,15 +247,19 @@ def read_placement(
     num_gpus: int | None = None,
     num_groups: int | None = None,
     num_nodes: int | None = None,
+    num_physical_experts: int | None = None,
 ) -> PlacementFile:
     """Read a placement file in any of :data:`FORMATS` (detected from the content; ``.yaml``/``.yml`` = trtllm).
 
     Topology arguments fill in what the format does not store (SGLang and TensorRT-LLM files have no topology;
     ``num_logical_experts`` defaults to the largest id + 1) and are checked against what it does.
+    ``num_physical_experts`` (slots per layer), when given, and an fdeplb header's are checked against the rows'
+    length before what the rows hold (a cut plan is named as such, not by the first expert it lost).
 
     Raises:
-        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout, ragged or non-integer rows,
-            an expert without a slot, maps inconsistent with phy2log, or a topology that does not fit.
+        PlacementFileError: missing/unreadable file, bad JSON/YAML, unknown layout or fdeplb version, ragged or non-integer rows
+            (booleans too), rows of another length than ``num_physical_experts``, an expert without a slot, maps
+            inconsistent with phy2log, or a topology that does not fit.
     """
     p = Path(path)
     doc = read_document(p, PlacementFileError, "placement file")
@@ -239,10 +269,13 @@ def read_placement(
     stored = {}
     if doc.get("format") == FDEPLB_FORMAT:
         fmt = "fdeplb"
+        if doc.get("version") != FDEPLB_VERSION or isinstance(doc.get("version"), bool):
+            raise _fail(p, f"{FDEPLB_FORMAT} version {str(doc.get('version'))[:20]!r}; this fdeplb reads version "
+                           f"{FDEPLB_VERSION}")
         phy2log = _int_rows(p, doc.get("phy2log"), "phy2log")
         ids = np.asarray(doc.get("layer_ids", list(range(phy2log.shape[0]))))
         digest = doc.get("load_digest")
-        for key in ("num_logical_experts", "num_gpus", "num_groups", "num_nodes"):
+        for key in ("num_logical_experts", "num_physical_experts", "num_gpus", "num_groups", "num_nodes"):
             if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool):
                 raise _fail(p, f"'{key}' must be an integer")
             stored[key] = doc[key]
@@ -271,12 +304,15 @@ def read_placement(
             raise _fail(p, f"num_slots ({doc['num_slots']}) != length of the assignments ({phy2log.shape[1]})")
     else:
         raise _fail(p, f"unknown placement layout (keys: {sorted(doc)[:10]})")
-    given = {"num_logical_experts": num_logical_experts, "num_gpus": num_gpus, "num_groups": num_groups,
-             "num_nodes": num_nodes}
+    given = {"num_logical_experts": num_logical_experts, "num_physical_experts": num_physical_experts,
+             "num_gpus": num_gpus, "num_groups": num_groups, "num_nodes": num_nodes}
     for key, value in given.items():
         if value is not None and key in stored and stored[key] != value:
             raise _fail(p, f"{key} is {stored[key]} in the file, {value} was expected")
     topo = {**stored, **{k: v for k, v in given.items() if v is not None}}
+    if topo.get("num_physical_experts", phy2log.shape[1]) != phy2log.shape[1]:  # the shape before the content
+        raise _fail(p, f"rows of {phy2log.shape[1]} slots (shape {phy2log.shape}), {topo['num_physical_experts']} "
+                       f"slots per layer (num_physical_experts) expected")
     E = topo.get("num_logical_experts", int(phy2log.max()) + 1 if phy2log.size else 1)
     try:
         placement = Placement.from_phy2log(

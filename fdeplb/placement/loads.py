@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from fdeplb.errors import InputError, LoadFileError
-from fdeplb.placement._validate import check_expert_load, read_document
+from fdeplb.placement._validate import check_expert_load
+from fdeplb.placement.documents import number_table, read_document
 
 #: JSON keys recognised as expert loads, in lookup order, and whether all-zero rows are dropped.
 LOAD_KEYS: dict[str, bool] = {"logical_count": True, "counts": False}
@@ -87,25 +88,21 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
     """Read an expert-load dump (SGLang ``logical_count`` or ``counts`` JSON) into an :class:`ExpertLoad`.
 
     Raises:
-        LoadFileError: the file is missing or unreadable, not JSON, has neither ``logical_count`` nor ``counts``,
+        LoadFileError: the file is missing or unreadable, not JSON, has neither or both of ``logical_count`` and
+            ``counts``,
             ragged rows, non-numbers, NaN/inf, negative values, or no layer left; the message names the file.
     """
     p = Path(path)
     doc = read_document(p, LoadFileError, "expert-load file")
     if not isinstance(doc, dict):
         raise LoadFileError(f"{p}: expected a JSON object with 'logical_count' or 'counts', got {type(doc).__name__}")
-    key = next((k for k in LOAD_KEYS if k in doc), None)
-    if key is None:
+    found = [k for k in LOAD_KEYS if k in doc]
+    if not found:
         raise LoadFileError(f"{p}: no 'logical_count' or 'counts' key (keys: {sorted(doc)[:10]})")
-    rows = doc[key]
-    if not isinstance(rows, list) or not rows:
-        raise LoadFileError(f"{p}: '{key}' must be a non-empty list of per-layer lists")
-    if any(isinstance(v, bool) for v in _flat(rows)):
-        raise LoadFileError(f"{p}: '{key}' holds booleans; expected token counts")
-    try:
-        arr = np.array(rows)
-    except ValueError as exc:
-        raise LoadFileError(f"{p}: '{key}' has ragged rows ({exc})") from None
+    if len(found) > 1:  # which one the dump means is not ours to guess
+        raise LoadFileError(f"{p}: both 'logical_count' and 'counts' keys; a load dump holds one of them")
+    key = found[0]
+    arr = number_table(p, doc[key], key, LoadFileError)
     if arr.dtype == object or arr.dtype.kind not in "iuf":
         raise LoadFileError(f"{p}: '{key}' must hold numbers in equally long rows (got {arr.dtype} {arr.shape})")
     if arr.ndim == 3:  # SGLang per-rank stack [ranks, layers, E]
@@ -126,14 +123,3 @@ def read_expert_load(path: str | Path) -> ExpertLoad:
     layer_ids.setflags(write=False)
     return ExpertLoad(arr, layer_ids, str(p), "sglang" if key == "logical_count" else "counts", num_model_layers)
 
-
-def _flat(rows: list) -> list:
-    out: list = []
-    stack = [rows]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, list):
-            stack.extend(item)
-        else:
-            out.append(item)
-    return out

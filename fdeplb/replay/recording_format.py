@@ -28,7 +28,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Fiel
                       StrictStr, Tag, TypeAdapter, ValidationError, ValidationInfo, field_validator)
 
 from fdeplb.array_json import array_from_json
-from fdeplb.errors import InputError, ReplayError
+from fdeplb.errors import ReplayError
+from fdeplb.input_files import open_input
 from fdeplb.store import PlanEntry
 
 __all__ = ["INT_FIELDS", "LINE_TYPES", "MAX_LINE_BYTES", "OLDEST_SCHEMA", "REQUIRED", "SCHEMA", "AuditFields", "AuditLine",
@@ -287,10 +288,8 @@ def parse_lines(lines: Iterable[str]) -> Iterator[AuditLine]:
 
 def read_export(path: str | Path) -> Iterator[AuditLine]:
     """The parsed lines of a recording file; :class:`InputError` (exit 2) if it cannot be read."""
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed by the generator below
-    except OSError as exc:
-        raise InputError(f"cannot read recording {path}: {exc.strerror}") from None
+    # a regular file only (a FIFO or a device is refused, never waited on), of any size: it is read line by line
+    handle = open_input(path, "recording", max_bytes=None)
     with handle:
         # readline(limit) never holds more than one bounded chunk, even for a file without newlines (/dev/zero)
         yield from parse_lines(_decoded(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b"")))

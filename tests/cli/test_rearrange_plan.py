@@ -5,6 +5,7 @@ one without a coordinator: refused, nothing changed."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from fdeplb.placement import Placement, write_placement
 from fdeplb.placement.digest import routing_digest
 from fdeplb.rounds import reasons
-from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for
+from tests.helpers import RawRedis, run_cli, thread_cluster, wait_for, within
 
 
 def _rearrange(capsys, store, *argv: str):
@@ -67,6 +68,9 @@ def test_a_plan_of_another_shape_is_refused(capsys, store, redis_url, tmp_path):
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3, 0, 1, 2, 3, 0]], 4), 2, "shape (1, 9)")
     _refused(capsys, store, redis_url, _plan_file(tmp_path, [[0, 1, 2, 3] * 3], 4, "twelve.json"), 2,
              "shape (1, 12)")
+    cut = tmp_path / "cut.json"  # cut to 3 of 6 slots: named by its shape, not by expert 3 it lost
+    cut.write_text(json.dumps({"physical_to_logical_map": [[0, 1, 2]]}))
+    _refused(capsys, store, redis_url, str(cut), 2, "rows of 3 slots (shape (1, 3)), 6 slots per layer")
 
 
 def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, redis_url, tmp_path):
@@ -77,6 +81,9 @@ def test_a_plan_that_drops_an_expert_or_is_garbage_is_refused(capsys, store, red
     garbage.write_text("{not json")
     _refused(capsys, store, redis_url, str(garbage), 2, str(garbage))
     _refused(capsys, store, redis_url, str(tmp_path / "missing.json"), 2, "missing.json")
+    fifo = tmp_path / "fifo"  # opening it for reading would wait for a writer forever: refused at once
+    os.mkfifo(fifo)
+    within(lambda: _refused(capsys, store, redis_url, str(fifo), 2, f"{fifo}: placement file is a FIFO"), fifo=fifo)
 
 
 def test_a_plan_for_another_model_or_topology_is_refused(capsys, store, redis_url, tmp_path):
@@ -164,6 +171,49 @@ def test_load_export_without_a_window_is_refused(capsys, store, tmp_path):
     assert code == 3 and "has published a load window yet" in err and not (tmp_path / "load.json").exists()
     # QA: step 1 of the offline workflow on a fresh cluster: the error says what publishes a window
     assert "publishes its window when a round collects" in err and "run a round first (`fdeplb rearrange" in err
+
+
+def test_every_file_the_offline_workflow_writes_named_gz_is_gzip_and_reads_back(capsys, store, tmp_path):
+    """``load --export``, ``status --placement-out`` and ``rebalance --out`` named ``*.gz`` write gzip, which the
+    readers (``rebalance --load/--old``, ``rearrange --plan``) expect of that name."""
+    from fdeplb.placement import read_expert_load, read_placement
+
+    for rank in range(3):
+        store.publish_load(rank, 0, np.array([[4 + rank, 3, 2, 1]], dtype=np.int64))
+    flags = ("--redis-url", store.url, "--cluster", store.cluster)
+    load, old, plan = (tmp_path / n for n in ("l.json.gz", "o.json.gz", "p.json.gz"))
+    assert run_cli(capsys, "load", "--export", str(load), *flags)[0] == 0
+    assert run_cli(capsys, "status", *flags, "--placement-out", str(old))[0] == 0
+    code, out, err = run_cli(capsys, "rebalance", "--load", str(load), "--old", str(old), "--num-replicas", "6",
+                             "--num-gpus", "3", "--out", str(plan))
+    assert code == 0, out + err
+    assert all(f.read_bytes()[:2] == b"\x1f\x8b" for f in (load, old, plan))  # gzip's magic
+    assert read_expert_load(load).expert_load.tolist() == [[15, 9, 6, 3]]
+    assert read_placement(old).placement.phy2log.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert read_placement(plan, num_logical_experts=4, num_gpus=3).placement.phy2log.shape == (1, 6)
+
+
+@pytest.mark.parametrize("fmt, name", [("trtllm", "x.json"), ("sglang", "x.yaml"), ("fdeplb", "x.yml.gz")])
+def test_status_and_rebalance_follow_one_rule_for_a_placement_files_name(capsys, store, tmp_path, fmt, name):
+    """A trtllm placement is YAML, named *.yaml; the others are JSON, never named *.yaml (it would read back as
+    YAML): ``status --placement-out`` and ``rebalance --out`` refuse the same names the same way, writing nothing."""
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({"counts": [[5, 3, 2, 1]]}))
+    out_file = tmp_path / name
+    words = f"{'an' if fmt == 'fdeplb' else 'a'} {fmt} placement is {'YAML' if fmt == 'trtllm' else 'JSON'}"
+    code, out, err = run_cli(capsys, "status", "--redis-url", store.url, "--cluster", store.cluster,
+                             "--placement-out", str(out_file), "--format", fmt)
+    assert code == 2 and out == "" and err.startswith(f"error: --placement-out {out_file}: {words}")
+    code, out, err = run_cli(capsys, "rebalance", "--load", str(load), "--num-replicas", "6", "--num-gpus", "3",
+                             "--out", str(out_file), "--format", fmt)
+    assert code == 2 and out == "" and err.startswith(f"error: --out {out_file}: {words}")
+    assert not out_file.exists()
+
+
+def test_load_export_named_yaml_is_refused_before_reading_the_cluster(capsys, store, tmp_path):
+    code, _, err = run_cli(capsys, "load", "--export", str(tmp_path / "load.yaml"), "--redis-url", store.url,
+                           "--cluster", store.cluster)
+    assert code == 2 and "a load dump is JSON" in err and not (tmp_path / "load.yaml").exists()
 
 
 def test_an_operator_plan_is_tried_by_one_round_only(store, redis_url):

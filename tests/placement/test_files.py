@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 
 from fdeplb.cli import main
-from fdeplb.errors import InputError, PlacementFileError
+from fdeplb.errors import InputError, NotFoundError, PlacementFileError
 from fdeplb.placement import (
     FORMATS,
     initial_placement,
@@ -71,9 +73,12 @@ def test_foreign_layouts_match_the_engines(tmp_path, plan):
         ("p.json", '{"something": 1}', "unknown placement layout"),
         ("p.json", '{"physical_to_logical_map": [[0, 1], [0]]}', "ragged"),
         ("p.json", '{"physical_to_logical_map": [[0.5, 1]]}', "integer"),
+        ("p.json", '{"physical_to_logical_map": [[true, 0]]}', "holds booleans"),  # not expert 1
+        ("p.json", '{"physical_to_logical_map": [[18446744073709551616, 0]]}', "value 1.845e\\+19, out of range"),
         ("p.json", '{"physical_to_logical_map": [[0, 2]]}', "no slot"),
         ("p.json", '{"physical_to_logical_map": [[0, 1, 2]]}', "multiple of num_gpus"),
         ("p.yaml", "num_slots: 3\ninitial_global_assignments: {0: [0, 1]}\n", "num_slots"),
+        ("p.yaml", "a: [1, 2\nb: 3\n", r"^[^\n]*not YAML \(while parsing[^\n]*line 1, column 4[^\n]*\)$"),  # one line
     ],
 )
 def test_bad_placement_files_raise_placement_file_error(tmp_path, name, content, message):
@@ -99,6 +104,18 @@ def test_tampered_or_mismatched_fdeplb_file(tmp_path, plan):
         read_placement(path).for_layers([0, 7])
     with pytest.raises(InputError, match="unknown placement file format"):
         write_placement(plan, path, format="csv")
+    doc = json.loads(path.read_text())
+    for version in (99, None, True):  # a version this fdeplb does not know is not guessed at
+        path.write_text(json.dumps({**doc, "version": version}))
+        with pytest.raises(PlacementFileError, match="version .*; this fdeplb reads version 1"):
+            read_placement(path)
+    path.write_text(json.dumps(doc))  # a plan cut to 12 of its 16 slots: named by its shape, not by a lost expert
+    path.write_text(json.dumps({**doc, "phy2log": [row[:12] for row in doc["phy2log"]]}))
+    with pytest.raises(PlacementFileError, match=r"rows of 12 slots \(shape \(2, 12\)\), 16 slots per layer"):
+        read_placement(path)
+    write_placement(plan, path, format="sglang")
+    with pytest.raises(PlacementFileError, match=r"rows of 16 slots \(shape \(2, 16\)\), 20 slots per layer"):
+        read_placement(path, num_physical_experts=20)
     with pytest.raises(InputError, match="layer_ids"):
         write_placement(plan, path, layer_ids=[1, 1])
 
@@ -172,3 +189,113 @@ def test_a_gzip_dump_reads_as_its_json_and_a_bad_one_is_a_load_file_error(tmp_pa
             read_expert_load(tmp_path / name)
     assert main(["rebalance", "--load", str(tmp_path / "fake.json.gz"), "--num-replicas", "8",
                  "--num-gpus", "2"]) == 2
+
+
+def test_a_load_dump_with_both_keys_is_refused(tmp_path):
+    """``logical_count`` (dense rows dropped) and ``counts`` (every row kept) mean different things: not guessed."""
+    from fdeplb.errors import LoadFileError
+
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"logical_count": [[1, 2]], "counts": [[3, 4]]}))
+    with pytest.raises(LoadFileError, match="both 'logical_count' and 'counts'"):
+        read_expert_load(path)
+
+
+@pytest.mark.parametrize("value, words", [("true", "holds booleans"), ("18446744073709551616", "1.845e+19, out of range"),
+                                          ("9007199254740993", "above 2**53")])
+def test_a_load_value_that_is_no_count_is_named_for_what_it_is(tmp_path, value, words):
+    """A boolean, or a value past 64 bits (numpy would hold it as an object), is named as such, not as ragged rows."""
+    from fdeplb.errors import LoadFileError
+
+    path = tmp_path / "load.json"
+    path.write_text('{"logical_count": [[3, 1], [%s, 2]]}' % value)
+    with pytest.raises(LoadFileError) as info:
+        read_expert_load(path)
+    assert words in str(info.value) and "equally long rows" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "folder"])
+def test_an_input_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
+    """Every file read by path (load dump, placement or plan, recording, credentials file) must be a regular file:
+    a FIFO (opening it for reading would wait for a writer forever), a device (/dev/null, /dev/zero never ends)
+    or a folder is refused with the reader's typed error naming it, without blocking."""
+    from fdeplb.credentials import load_credentials
+    from fdeplb.errors import LoadFileError
+    from fdeplb.replay import read_export
+    from tests.helpers import within
+
+    path = {"fifo": tmp_path / "fifo", "device": Path(os.devnull), "folder": tmp_path}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    words = {"fifo": "is a FIFO", "device": "is a device", "folder": "is a folder"}[kind]
+    for read, error in ((read_expert_load, LoadFileError), (read_placement, PlacementFileError),
+                        (lambda p: list(read_export(p)), InputError), (load_credentials, InputError)):
+        with pytest.raises(error, match=f"{path}: .*{words}, not a regular file"):
+            within(lambda: read(path), fifo=path if kind == "fifo" else None)
+
+
+def test_cli_inputs_that_are_fifos_exit_2_at_once(tmp_path, capsys, redis_url, cluster_id):
+    """``rebalance --load FIFO`` and ``init-cluster --initial FIFO``: exit 2 naming the FIFO, nothing created."""
+    from fdeplb.store import Store
+    from tests.helpers import run_cli, within
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, out, err = within(lambda: run_cli(capsys, "rebalance", "--load", str(fifo), "--num-replicas", "8",
+                                            "--num-gpus", "2"), fifo=fifo)
+    assert code == 2 and out == "" and f"{fifo}: expert-load file is a FIFO" in err
+    code, out, err = within(lambda: run_cli(capsys, "init-cluster", "--redis-url", redis_url, "--cluster", cluster_id,
+                                            "--num-layers", "1", "--num-logical-experts", "4",
+                                            "--num-redundant-experts", "0", "--ep-size", "2", "--checkpoint",
+                                            str(tmp_path), "--initial", str(fifo)), fifo=fifo)
+    assert code == 2 and f"{fifo}: placement file is a FIFO" in err
+    with pytest.raises(NotFoundError):
+        Store(redis_url, cluster_id).read_config()
+
+
+def test_an_input_over_the_size_cap_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
+    """A dump larger than MAX_INPUT_BYTES (a sparse file: nothing is written) is refused with one line, exit 2,
+    from its size alone; a .gz one that decompresses past the cap too."""
+    import gzip
+
+    from fdeplb import input_files
+    from fdeplb.errors import LoadFileError
+    from tests.helpers import run_cli
+
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(input_files.MAX_INPUT_BYTES + 1)
+    with pytest.raises(LoadFileError, match=f"{big}: expert-load file holds {input_files.MAX_INPUT_BYTES + 1} bytes, "
+                                            f"more than the {input_files.MAX_INPUT_BYTES}"):
+        read_expert_load(big)
+    code, out, err = run_cli(capsys, "rebalance", "--load", str(big), "--num-replicas", "8", "--num-gpus", "2")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "more than the" in err
+    packed = tmp_path / "load.json.gz"
+    packed.write_bytes(gzip.compress(json.dumps({"logical_count": [[1] * 400]}).encode()))
+    assert read_expert_load(packed).expert_load.shape == (1, 400)
+    monkeypatch.setattr(input_files, "MAX_INPUT_BYTES", 1000)  # the file is smaller, its JSON is not
+    assert packed.stat().st_size < 1000
+    with pytest.raises(LoadFileError, match="more than the 1000 bytes an input may hold once decompressed"):
+        read_expert_load(packed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_placement_named_gz_is_written_gzip_and_reads_back(tmp_path, plan, fmt):
+    """The writer follows the reader's rule: ``*.gz`` is gzip (mtime 0: the same plan, the same bytes)."""
+    path = tmp_path / ("plan.yaml.gz" if fmt == "trtllm" else "plan.json.gz")
+    write_placement(plan, path, format=fmt, layer_ids=[3, 4])
+    first = path.read_bytes()
+    assert first[:2] == b"\x1f\x8b"  # gzip's magic
+    assert read_placement(path, num_logical_experts=12, num_gpus=8, num_groups=4, num_nodes=2).placement == plan
+    if fmt != "fastdeploy":  # FastDeploy's dump carries a timestamp
+        write_placement(plan, path, format=fmt, layer_ids=[3, 4])
+        assert path.read_bytes() == first
+
+
+@pytest.mark.parametrize("fmt, name", [("trtllm", "p.json"), ("trtllm", "p.json.gz"), ("fdeplb", "p.yaml"),
+                                       ("sglang", "p.yml.gz"), ("fastdeploy", "p.yaml")])
+def test_a_placement_whose_name_says_another_kind_is_not_written(tmp_path, plan, fmt, name):
+    """A trtllm placement is YAML and must be named so; a JSON one named *.yaml would read back as YAML: refused."""
+    with pytest.raises(InputError, match=f"an? {fmt} placement is {'YAML' if fmt == 'trtllm' else 'JSON'}"):
+        write_placement(plan, tmp_path / name, format=fmt)
+    assert not (tmp_path / name).exists()

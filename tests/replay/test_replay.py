@@ -109,7 +109,7 @@ def test_replay_cli_on_a_fired_round(lines, tmp_path, capsys):
     assert main(["replay", str(path)]) == 1  # a mismatch is a verdict (exit 1), not a usage error
     assert "error: line 7 " in capsys.readouterr().err
     assert main(["replay", str(tmp_path / "missing.jsonl")]) == 2
-    assert "cannot read recording" in capsys.readouterr().err
+    assert "missing.jsonl: recording not found" in capsys.readouterr().err
     assert main(["replay", str(path), "--redis-url", "redis://127.0.0.1:1"]) == 2  # --cluster missing
 
 

@@ -1,0 +1,74 @@
+"""The rule for every file fdeplb reads by a path it was given (expert-load dumps, placement and plan files,
+recordings, credentials files): a regular file, at most :data:`MAX_INPUT_BYTES`, opened without ever blocking.
+
+A FIFO, a device (``/dev/zero``), a socket or a folder is refused with a typed error naming the path and what it is,
+before a byte is read: opening a FIFO for reading would wait for a writer forever and a device may never end. The
+file is opened with ``O_NONBLOCK`` (so opening a FIFO returns at once) and then judged by ``fstat`` of the descriptor
+it opened, so a name swapped between a check and the open cannot slip past. (``fdeplb.store.audit_export`` has the
+same care for the file it appends to.)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+
+from fdeplb.errors import InputError
+
+__all__ = ["MAX_INPUT_BYTES", "open_input", "read_input"]
+
+#: the most bytes an input file may hold (on disk, and once decompressed for ``.gz`` documents); generous: a
+#: DeepSeek-V3 per-rank stacked load dump (EP320) is about 10 MB
+MAX_INPUT_BYTES = 512 << 20
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+
+
+def open_input(path, what: str, error: type[InputError] = InputError, *,
+               max_bytes: int | None = MAX_INPUT_BYTES) -> io.BufferedReader:
+    """``path`` opened for reading in binary mode, when it is a regular file of at most ``max_bytes`` (None: any
+    size, for files read as a stream).
+
+    Raises:
+        ``error`` (an :class:`InputError`): missing, unreadable, not a regular file (FIFO, device, socket,
+            folder), or larger than ``max_bytes``; the message names the path and ``what`` it is. Nothing was read.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise error(f"{path}: {what} not found") from None
+    except OSError as exc:
+        raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: {what} is {_kind(st.st_mode)}, not a regular file; refused")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise error(f"{path}: {what} holds {st.st_size} bytes, more than the {max_bytes} an input may hold")
+        os.set_blocking(fd, True)
+        return open(fd, "rb", closefd=True)  # noqa: SIM115 - the caller closes it
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_input(path, what: str, error: type[InputError] = InputError) -> bytes:
+    """The bytes of ``path`` (:func:`open_input`'s rule); ``error`` also when the file grew past
+    :data:`MAX_INPUT_BYTES` while it was read."""
+    with open_input(path, what, error) as f:
+        try:
+            data = f.read(MAX_INPUT_BYTES + 1)
+        except OSError as exc:
+            raise error(f"{path}: cannot read {what}: {exc.strerror}") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise error(f"{path}: {what} holds more than the {MAX_INPUT_BYTES} bytes an input may hold")
+    return data
