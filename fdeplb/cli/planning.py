@@ -81,17 +81,15 @@ def _source_load(dump, num_gpus: int) -> tuple[np.ndarray | None, int]:
     per-rank ``logical_count`` stack [num_gpus, model layers, E] (what ``fdeplb load --export`` writes), else None;
     the number of source ranks the file stacks, 0 for a summed dump). :class:`LoadFileError` for a stack with a
     negative count (its sum, which the dump's reader checked, may hide it)."""
-    import gzip
-    import json
-
     from fdeplb.errors import LoadFileError
+    from fdeplb.placement.documents import read_document
 
     if dump.format != "sglang" or Path(dump.path).suffix in (".yaml", ".yml"):
         return None, 0
     # read_expert_load checked this file and keeps only the sum; read again for the split (an ExpertLoad that kept
-    # the per-rank stack would spare this: fdeplb.placement.loads)
-    with (gzip.open if dump.path.endswith(".gz") else open)(dump.path, "rt", encoding="utf-8") as f:
-        rows = json.load(f)["logical_count"]
+    # the per-rank stack would spare this: fdeplb.placement.loads), by the same reader (a regular file, size-capped)
+    doc = read_document(dump.path, LoadFileError, "expert-load file")
+    rows = doc.get("logical_count") if isinstance(doc, dict) else None
     arr = np.asarray(rows) if isinstance(rows, list) else np.zeros(0)
     if arr.ndim != 3:
         return None, 0
@@ -164,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                         ep_size=args.num_gpus, num_nodes=args.num_nodes, num_groups=args.num_groups,
                         policy=args.policy, min_gain=args.min_gain)  # the cluster the gate line judges for
     if args.old:
-        before = _old_rows(read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus), dump)
+        before = _old_rows(read_placement(args.old, num_logical_experts=E, num_gpus=args.num_gpus,
+                                          num_physical_experts=args.num_replicas), dump)
         if before.phy2log.shape != (L, args.num_replicas):
             raise InputError(
                 f"{args.old}: placement has shape {before.phy2log.shape}, expected ({L}, {args.num_replicas})"

@@ -239,3 +239,16 @@ def test_the_gate_line_judges_with_min_gain_default_the_clusters(capsys, tmp_pat
         f"gate: skipped: planned gain {gain:.4f} <= min_gain {gain + 0.01:.4f}"), out
     code, out, err = rebalance(capsys, path, "--min-gain", "1.5")
     assert code == 2 and out == "" and "min_gain must be a finite number in [0, 1]" in err
+
+
+def test_an_old_placement_cut_short_is_refused_by_its_shape(capsys, tmp_path):
+    # QA: a --old cut to 288 of 320 slots was refused as "logical expert 41 has no slot in layer 0"
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"counts": np.random.default_rng(2).integers(1, 100, (2, 16)).tolist()}))
+    base = ("rebalance", "--load", str(path), "--num-replicas", "20", "--num-gpus", "4")
+    assert run_cli(capsys, *base, "--policy", "balanced", "--out", str(tmp_path / "p.json"))[0] == 0
+    doc = json.loads((tmp_path / "p.json").read_text())
+    doc["phy2log"] = [row[:16] for row in doc["phy2log"]]
+    (tmp_path / "cut.json").write_text(json.dumps(doc))
+    code, out, err = run_cli(capsys, *base, "--old", str(tmp_path / "cut.json"))
+    assert code == 2 and out == "" and "rows of 16 slots" in err and "20 slots per layer" in err
