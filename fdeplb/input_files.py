@@ -14,7 +14,7 @@ import io
 import os
 import stat
 
-from fdeplb.errors import InputError
+from fdeplb.errors import FdeplbError, InputError
 
 __all__ = ["MAX_INPUT_BYTES", "open_input", "read_input"]
 
@@ -33,13 +33,13 @@ def _kind(mode: int) -> str:
     return "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
 
 
-def open_input(path, what: str, error: type[InputError] = InputError, *,
+def open_input(path, what: str, error: type[FdeplbError] = InputError, *,
                max_bytes: int | None = MAX_INPUT_BYTES) -> io.BufferedReader:
     """``path`` opened for reading in binary mode, when it is a regular file of at most ``max_bytes`` (None: any
     size, for files read as a stream).
 
     Raises:
-        ``error`` (an :class:`InputError`): missing, unreadable, not a regular file (FIFO, device, socket,
+        ``error`` (an :class:`InputError` by default; a reader's own typed error, e.g. ``CheckpointError``): missing, unreadable, not a regular file (FIFO, device, socket,
             folder), or larger than ``max_bytes``; the message names the path and ``what`` it is. Nothing was read.
     """
     try:
@@ -61,7 +61,7 @@ def open_input(path, what: str, error: type[InputError] = InputError, *,
         raise
 
 
-def read_input(path, what: str, error: type[InputError] = InputError) -> bytes:
+def read_input(path, what: str, error: type[FdeplbError] = InputError) -> bytes:
     """The bytes of ``path`` (:func:`open_input`'s rule); ``error`` also when the file grew past
     :data:`MAX_INPUT_BYTES` while it was read."""
     with open_input(path, what, error) as f:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from fdeplb.errors import CheckpointError, InputError
+from fdeplb.input_files import open_input, read_input
 from fdeplb.weights import _paddle
 from fdeplb.weights.template import ExpertTemplate, resolve_template
 
@@ -78,9 +79,10 @@ class CheckpointReader:
         else:
             raise CheckpointError(f"{self.path}: no such checkpoint (directory, index .json or .safetensors file)")
         if self.index_path is not None:
+            data = read_input(self.index_path, "safetensors index", CheckpointError)  # a regular file, size-capped
             try:
-                self._weight_map = dict(json.loads(self.index_path.read_text())["weight_map"])
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self._weight_map = dict(json.loads(data)["weight_map"])
+            except (ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(f"{self.index_path}: unreadable safetensors index ({exc})") from exc
         self._handles: dict[Path, Any] = {}
         self._spec: dict[str, tuple[tuple[int, ...], str]] | None = None
@@ -310,10 +312,9 @@ class _Shard:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        try:
-            self.fd = os.open(path, os.O_RDONLY)
-        except OSError as exc:
-            raise CheckpointError(f"cannot open checkpoint shard {path}: {exc}") from exc
+        # a regular file only (a FIFO named like a shard would block the open forever), of any size
+        with open_input(path, "checkpoint shard", CheckpointError, max_bytes=None) as f:
+            self.fd = os.dup(f.fileno())
         try:
             self.tensors = self._parse()
         except BaseException:

@@ -378,3 +378,25 @@ def test_routing_over_live_ranks_names_no_slot_of_another_rank(ckpt):
         live.set_live_ranks((0, 7))
     live.set_live_ranks((0, 1, 2, 3))  # every rank again: the full tables
     assert (live.log2phy.numpy() == full[0]).all() and (live.logcnt.numpy() == full[1]).all()
+
+
+def test_a_fifo_in_place_of_a_shard_or_the_index_is_refused_not_waited_on(tmp_path):
+    # QA: a shard was opened with a plain os.open(O_RDONLY), which blocks on a FIFO until a writer comes
+    import os
+
+    from tests.helpers import within
+
+    path = write_synthetic_checkpoint(tmp_path / "ck", 2, 4)
+    shard = sorted(path.glob("*.safetensors"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    reader = CheckpointReader(path)
+    name = next(n for n, f in json.loads((path / "model.safetensors.index.json").read_text())["weight_map"].items()
+                if f == shard.name)
+    with pytest.raises(CheckpointError, match="a FIFO, not a regular file"):
+        within(lambda: reader._open(reader.tensor_file(name)), 30, fifo=shard)
+    index = path / "model.safetensors.index.json"
+    index.unlink()
+    os.mkfifo(index)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):  # not an index: refused, never opened
+        within(lambda: CheckpointReader(index), 30, fifo=index)
