@@ -36,7 +36,10 @@ def redis_errors(url: str) -> Iterator[None]:
     """Map redis-py's exceptions to fdeplb's (see the module doc)."""
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError) as exc:  # AuthenticationError is a ConnectionError
+    except redis.TimeoutError as exc:  # the command may have reached Redis and run: its outcome is not known
+        raise RedisUnavailableError(f"Redis at {url} did not answer in time ({exc}); a change this command sent may "
+                                    f"have been made: look (status, config show, audit) before trying again") from None
+    except redis.ConnectionError as exc:  # AuthenticationError is a ConnectionError
         raise RedisUnavailableError(f"Redis at {url} is unavailable: {exc}") from None
     except redis.ResponseError as exc:
         raise StoreError(f"Redis at {url} refused a command: {exc}") from None

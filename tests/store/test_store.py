@@ -258,3 +258,21 @@ def test_an_audit_record_answers_in_by_its_fields():
     rec = AuditRecord("1-0", {"trigger": "load", "detail": ""})
     assert "trigger" in rec and "supplied" not in rec and 0 not in rec
     assert reasons.supplied_of(rec) is None
+
+
+def test_a_command_redis_never_answered_says_its_change_may_have_been_made(cluster_id, monkeypatch):
+    # QA: a config set whose reply timed out said "unavailable" although the change and its note had committed
+    import socket
+
+    from fdeplb.store import connection
+
+    monkeypatch.setattr(connection, "SOCKET_TIMEOUT_S", 0.3)
+    silent = socket.socket()  # accepts connections and never answers (a frozen Redis)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        with pytest.raises(RedisUnavailableError, match="may have been made: look") as info:
+            Store(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", cluster_id).read_cluster()
+        assert "did not answer in time" in str(info.value)
+    finally:
+        silent.close()
