@@ -34,7 +34,8 @@ def ride_out(call: Callable[[], T], *, what: str, retry_s: float,
              say: Callable[[str], None] = _stderr_note) -> T:
     """``call()``, called again after :func:`redis_backoff_s` of the failed tries (0.5 s, 1 s, 2 s, ... up to
     :data:`REDIS_RETRY_CAP_S`, never past the bound) while it raises :class:`RedisUnavailableError`, for at most
-    ``retry_s`` seconds from its first failure; returns what it returns.
+    ``retry_s`` seconds from the start of the try that failed first (a frozen Redis makes a try last the socket
+    timeout: counting from its failure doubled the bound); returns what it returns.
 
     ``what`` names the server (``"Redis at redis://..."``); ``say`` is told once when the outage starts
     (``"<what> unavailable, retrying for up to N s (<error>)"``) and once when it ends (``"<what> answers again
@@ -43,12 +44,13 @@ def ride_out(call: Callable[[], T], *, what: str, retry_s: float,
     may be overrun by one try's own length (a connect that times out)."""
     failures, first = 0, 0.0
     while True:
+        started = time.monotonic()
         try:
             result = call()
         except RedisUnavailableError as err:
             now = time.monotonic()
             if not failures:
-                first = now
+                first = started
                 if retry_s <= 0:
                     raise
                 say(f"{what} unavailable, retrying for up to {retry_s:.0f} s ({err})")

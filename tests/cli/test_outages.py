@@ -140,6 +140,15 @@ def test_ride_out_backs_off_by_the_house_rule_says_it_once_and_gives_up_at_the_b
         ride_out(call, what="Redis at X", retry_s=0, say=said.append)
     assert len(said) == 1
 
+    def frozen() -> str:  # a frozen Redis: every try lasts the socket timeout before it fails
+        clock["now"] += 30.0
+        raise RedisUnavailableError("Timeout reading from socket")
+
+    start = clock["now"]
+    with pytest.raises(RedisUnavailableError, match=r"did not answer for 30.0 s \(1 tries"):
+        ride_out(frozen, what="Redis at X", retry_s=30, say=said.append)
+    assert clock["now"] - start == 30.0  # QA: the bound counted from the first failure: 60 s, twice the bound
+
 
 def test_retry_timeout_without_follow_is_refused(capsys):
     code, _out, err = run_cli(capsys, "audit", "--url", "http://127.0.0.1:1", "--retry-timeout", "3")
