@@ -186,10 +186,14 @@ def _fastdeploy_routes(router: APIRouter, ctx: _Routes) -> None:
         """200 when Redis answers and every member rank is registered with its heartbeat within its TTL, else
         503. Open, as FastDeploy's and vLLM's are, for probes: without credentials (or with wrong ones) only
         healthy or not and why in one phrase (:func:`fdeplb.api.service.probe_health`); with the API's credentials
-        also the registered ranks, and which lack a heartbeat and why."""
-        if await has_basic(ctx.credentials, request):
-            return _reply(await run_in_threadpool(service.health, store))
-        return _reply(await run_in_threadpool(service.probe_health, store))
+        also the registered ranks, and which lack a heartbeat and why. 503 "Redis unavailable" when the answer
+        takes longer than :data:`~fdeplb.api.service.HEALTH_DEADLINE_S`."""
+        check = service.health if await has_basic(ctx.credentials, request) else service.probe_health
+        try:  # a frozen Redis holds a read for the socket timeout (30 s); a probe gives up long before
+            with anyio.fail_after(service.HEALTH_DEADLINE_S):
+                return _reply(await anyio.to_thread.run_sync(check, store, abandon_on_cancel=True))
+        except TimeoutError:
+            return _reply(service.refuse(service.HEALTH_PHRASES["redis"], 503))
 
 
 def _read_only_routes(router: APIRouter, ctx: _Routes) -> None:

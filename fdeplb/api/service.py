@@ -370,6 +370,10 @@ def health(store: Store) -> Reply:
     return ok(ranks=registered)
 
 
+#: /health answers within this many seconds: past it, 503 "Redis unavailable" (a frozen Redis would hold its reads
+#: for the socket timeout, 30 s, and a load balancer's or Kubernetes' probe gives up after a few seconds)
+HEALTH_DEADLINE_S = 5.0
+
 #: the one phrase an anonymous /health gives for each way the cluster is unhealthy (nothing else of the cluster)
 HEALTH_PHRASES = {"ranks": "a rank has no live heartbeat", "degraded": "an expert has no replica on a member rank",
                   "probe": "a swap's output probe mismatched", "redis": "Redis unavailable",

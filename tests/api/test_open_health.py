@@ -46,6 +46,26 @@ def test_health_without_redis_is_503_redis_unavailable_and_names_no_url():
         assert r.status_code == 503 and r.json() == {"code": 1, "msg": "Redis unavailable"}, r.text
 
 
+def test_health_answers_503_in_time_when_redis_is_frozen(monkeypatch):
+    # QA: with redis-server stopped (SIGSTOP) /health answered after the 30 s socket timeout; a probe gives up sooner
+    import socket
+
+    from fdeplb.api import service
+
+    monkeypatch.setattr(service, "HEALTH_DEADLINE_S", 0.5)
+    silent = socket.socket()  # accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    app = create_app(Store(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", "frozen"), Credentials(USER, PASSWORD))
+    try:
+        with served(app) as url:
+            for auth in (None, AUTH):
+                r = requests.get(f"{url}/health", auth=auth, timeout=20)  # the socket timeout is 30 s
+                assert r.status_code == 503 and r.json() == {"code": 1, "msg": "Redis unavailable"}, r.text
+    finally:
+        silent.close()
+
+
 @pytest.mark.parametrize("public", [False, True])
 def test_metrics_needs_credentials_unless_public_and_every_other_route_still_401(redis_url, cluster_id, tmp_path,
                                                                                 public):
