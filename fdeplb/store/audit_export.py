@@ -172,8 +172,10 @@ def append_lines(fh: TextIO, lines: Sequence[str]) -> int:
     return len(todo) + bool(head)
 
 
-#: seconds :func:`append_lines` waits for another writer's lock on the export before it gives up
-LOCK_WAIT_S = 10.0
+#: seconds :func:`append_lines` waits for another writer's lock on the export before it gives up: a writer holds
+#: it for one append and fsync; one that holds it longer is paused, and the coordinator waiting must not outwait
+#: its own lease (renewed every third of ``--lease-ms``, default 3000): it raises the alarm and retries next round
+LOCK_WAIT_S = 0.5
 
 
 def _lock(fd: int) -> None:

@@ -198,6 +198,24 @@ def test_a_paused_coordinator_exports_nothing_twice_and_trims_nothing(store, aud
     assert exported_ids(path) == ids[:-KEEP] and [a.id for a in store.audit()] == ids[-KEEP:]
 
 
+def test_an_export_locked_by_a_paused_writer_trims_nothing_and_raises_the_alarm(store, audit_dir, monkeypatch):
+    import fcntl
+
+    from fdeplb.store import audit_export
+
+    monkeypatch.setattr(audit_export, "LOCK_WAIT_S", 0.05)
+    path = audit_dir / "audit.jsonl"
+    ids = [a.id for a in store.audit()]
+    with open(path, "a") as paused:  # a writer stopped while it holds the lock
+        fcntl.flock(paused.fileno(), fcntl.LOCK_EX)
+        round_end(store, audit_dir)
+        (alarm,) = alarms(store)
+        assert "lock" in alarm["reason"] and path.read_text() == ""
+        assert [a.id for a in store.audit()][:len(ids)] == ids
+    round_end(store, audit_dir)  # released: the next round end exports and trims
+    assert exported_ids(path) == [*ids, alarm.id][:len(ids) + 1 - KEEP]
+
+
 def test_the_trim_script_names_the_slots_scripts_py_lays_out_and_shares_the_fence_check():
     from fdeplb.store.scripts import AUDIT_TRIM_ARGV, AUDIT_TRIM_KEYS, CHAIN_PRELUDE, lua_file, script_text
     from tests.helpers import header_slots

@@ -164,7 +164,7 @@ def test_a_file_without_a_record_line_gets_the_whole_batch(audit_dir):
 def test_a_second_writer_waits_for_the_lock_then_gives_up(audit_dir, monkeypatch):
     import fcntl
 
-    monkeypatch.setattr(audit_export, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(audit_export, "LOCK_WAIT_S", 0.05)
     path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
     with open_export(path, folder) as holder:
         fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
