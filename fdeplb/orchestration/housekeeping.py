@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fdeplb.errors import InputError, StateError
+from fdeplb.errors import FenceError, InputError, StateError
 from fdeplb.machines.tables import CLUSTER, RANK, WEIGHT_CANCELS, WEIGHTS, WeightState
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
@@ -48,10 +48,15 @@ def export_and_trim_audit(store: Store, cfg: ClusterConfig, rec: ClusterRecord, 
     ``audit_dir``, a path outside it, not a regular file) or fails to write trims nothing: the stream stays whole
     and an alarm is raised (an audited ``alarm`` note with ``detail`` ``{"export", "error"}``, fenced with
     ``fence``; an ``alarm`` event; an error log line), once per round end while it lasts. Returns how many records
-    were trimmed; never raises (an alarm that cannot be written is logged)."""
+    were trimmed; never raises (an alarm that cannot be written is logged). A coordinator that no longer holds
+    the lease (``fence`` refused: paused, deposed) trims nothing and raises no alarm (it could not write one): a
+    warning is logged, and the leader's next round end exports and trims."""
     path = cfg.audit_export_path
     try:
-        trimmed = store.trim_audit(cfg.audit_keep, path, audit_dir)
+        trimmed = store.trim_audit(cfg.audit_keep, path, audit_dir, fence=fence)
+    except FenceError as err:
+        log.warning("audit not trimmed", round=rec.round, error=str(err))
+        return 0
     except (InputError, OSError) as err:
         alarm = (f"audit not trimmed, export failed: {err}; the audit stream is kept whole (audit_keep "
                  f"{cfg.audit_keep}) until an export succeeds")[:2000]

@@ -17,18 +17,22 @@ Every refusal is an :class:`~fdeplb.errors.InputError` (HTTP 400, exit 2) naming
 creates and writes nothing.
 
 An export that failed partway (a write error, a failed fsync, a trim that never ran) is retried by the next round's
-end with the same oldest records: :func:`append_lines` resumes after the lines the file already ends with, so each
-record is in the file once, in order.
+end, with whatever records it then trims: :func:`append_lines` resumes after the last stream id the file holds, so
+each record is in the file once, in order.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import os
 import stat
+import time
 from typing import Sequence, TextIO
 
 from fdeplb.errors import InputError
+from fdeplb.store.streams import parse_stream_id
 
 __all__ = ["SYSTEM_DIRS", "append_lines", "check_audit_dir", "check_export_path", "check_trimming",
            "confine_export_path", "open_export"]
@@ -131,46 +135,94 @@ def open_export(path: str, audit_dir: str | None) -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def append_lines(fh: TextIO, lines: Sequence[str]) -> None:
-    """Append ``lines`` (each one record's JSONL line, ending in a newline, oldest first) to the export ``fh`` opened
-    by :func:`open_export`, resuming an earlier attempt at the same records. The caller flushes, fsyncs and closes.
+def append_lines(fh: TextIO, lines: Sequence[str]) -> int:
+    """Append ``lines`` (each one record's JSONL line, ending in a newline, holding the record's stream ``id``;
+    oldest first) to the export ``fh`` opened by :func:`open_export`, resuming an earlier attempt. Returns how many
+    lines were written (completing a cut one counts). The caller flushes, fsyncs and closes (which releases the
+    lock taken here).
 
     Why resume rather than write a temporary file and rename it: the export is one append-only file holding every
     trim so far, so a rename would copy that whole history at every round's end and replace the file the checks above
-    were made on. A retry instead finds where the last one stopped: the file's last complete line, when it is one of
-    ``lines`` (a line holds its record's ``id`` and ``chain``, so it names one record of one cluster), is where it
-    stopped; a line cut short after it by a failed write is completed when it is the start of the next one of
-    ``lines``, and otherwise (not this export's) ended, so no record is glued to it. Lines of earlier trims, or of
-    anything else, are left as they are.
+    were made on. A retry instead resumes by stream id, which only grows: every line whose id is at or below the last
+    id the file holds (its last complete line that is a JSON object with an ``id``; a line that is not, such as an
+    ended fragment, is passed over) is skipped, whatever the batch is: an earlier attempt with more records (a
+    smaller ``audit_keep``), fewer, or a late writer's (a paused or deposed coordinator) whose records another one
+    exported meanwhile. A line cut short at the file's end by a failed write is completed when it is the start of
+    the first line written; otherwise it is ended with a newline before anything is written after it (so no record
+    is glued to it), or left as it is when nothing is written (the next export completes it).
 
-    Raises OSError when the file cannot be read or written (what was written stays; the next call resumes after
-    it)."""
-    data = [line.encode("utf-8") for line in lines]
+    The file is locked (``flock``, exclusive; released when ``fh`` closes) before its end is read, so two writers
+    (a deposed coordinator still running beside the leader) never both append what the other appends; a lock not
+    had within :data:`LOCK_WAIT_S` raises :class:`BlockingIOError`.
+
+    Raises OSError when the file cannot be locked, read or written (what was written stays; the next call resumes
+    after it)."""
     fh.flush()
-    last, torn = _tail(fh.fileno())
-    done = next((i + 1 for i in range(len(data) - 1, -1, -1) if data[i] == last), 0)
+    fd = fh.fileno()
+    _lock(fd)
+    last, torn = _tail(fd)
+    todo = [line.encode("utf-8") for line in lines if last is None or _line_id(line) > last]
+    if not todo:
+        return 0
     head = b""
     if torn:
-        completes = done < len(data) and data[done].startswith(torn)
-        head = data[done][len(torn):] if completes else b"\n"
-        done += completes
-    fh.buffer.write(head + b"".join(data[done:]))
+        head = todo[0][len(torn):] if todo[0].startswith(torn) else b"\n" + todo[0]
+        todo = todo[1:]
+    fh.buffer.write(head + b"".join(todo))
+    return len(todo) + bool(head)
 
 
-def _tail(fd: int) -> tuple[bytes, bytes]:
-    """(the last complete line of the file open at ``fd``, newline included, b"" when there is none; the bytes after
-    it, b"" when the file ends with a newline), read back from the end a block at a time."""
-    end = os.fstat(fd).st_size
-    pos, buf = end, b""
+#: seconds :func:`append_lines` waits for another writer's lock on the export before it gives up: a writer holds
+#: it for one append and fsync; one that holds it longer is paused, and the coordinator waiting must not outwait
+#: its own lease (renewed every third of ``--lease-ms``, default 3000): it raises the alarm and retries next round
+LOCK_WAIT_S = 0.5
+
+
+def _lock(fd: int) -> None:
+    """Take an exclusive ``flock`` on ``fd`` within :data:`LOCK_WAIT_S` (BlockingIOError when not had)."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise BlockingIOError(errno.EWOULDBLOCK, f"another writer held the export's lock for "
+                                                         f"{LOCK_WAIT_S:g} s") from None
+            time.sleep(0.05)
+
+
+def _line_id(line: str | bytes) -> tuple[int, int] | None:
+    """The stream id (ms, seq) of one export line, or None when it is not a JSON object with a stream ``id``."""
+    try:
+        record = json.loads(line)
+        return parse_stream_id(record["id"]) if isinstance(record, dict) else None
+    except (ValueError, KeyError, TypeError, RecursionError):  # not JSON (or nested too deep), no id, not an id
+        return None
+
+
+def _tail(fd: int) -> tuple[tuple[int, int] | None, bytes]:
+    """(the stream id of the last complete line of the file open at ``fd`` that holds one, None when none does;
+    the bytes after the file's last newline, b"" when it ends with one), read back from the end a block at a
+    time."""
+    pos = os.fstat(fd).st_size
+    buf, torn = b"", None
     while pos > 0:
         step = min(_TAIL_BLOCK, pos)
         pos -= step
         buf = os.pread(fd, step, pos) + buf
         nl = buf.rfind(b"\n")
-        start = buf.rfind(b"\n", 0, nl) if nl >= 0 else -1
-        if start >= 0 or (nl >= 0 and pos == 0):
-            return buf[start + 1:nl + 1], buf[nl + 1:]
-    return b"", buf
+        if nl < 0:
+            continue
+        if torn is None:
+            torn, buf = buf[nl + 1:], buf[:nl + 1]
+        lines = buf.split(b"\n")[:-1]  # complete lines; the first one may be cut by the block's start
+        for line in reversed(lines if pos == 0 else lines[1:]):
+            found = _line_id(line)
+            if found is not None:
+                return found, torn
+        buf = b"" if pos == 0 else lines[0] + b"\n"
+    return None, buf if torn is None else torn
 
 
 def _open_existing(target: str) -> int:

@@ -44,6 +44,7 @@ class StoreBase:
         self._commit = self._client.register_script(script_text("commit"))
         self._lease = self._client.register_script(script_text("lease"))
         self._append = self._client.register_script(script_text("audit"))
+        self._audit_trim = self._client.register_script(script_text("audit_trim"))
         self._switch = self._client.register_script(script_text("switch"))
         self._weights_cancel = self._client.register_script(script_text("weights_cancel"))
         self._publish = self._client.register_script(script_text("publish"))

@@ -2,8 +2,8 @@
 trim (exported first to a JSONL file, :mod:`fdeplb.store.audit_export`), and the counts that show nothing leaks
 (keys, server memory).
 
-Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``; from :mod:`fdeplb.store.streams`:
-``audit``, ``audit_length``.
+Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_audit_trim``; from
+:mod:`fdeplb.store.streams`: ``audit``, ``audit_length``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 
+from fdeplb.errors import FenceError
 from fdeplb.store.audit_export import append_lines, open_export
 from fdeplb.store.connection import as_str as _s
+from fdeplb.store.scripts import audit_trim_call
 from fdeplb.store.streams import parse_stream_id
 
 
@@ -48,17 +50,23 @@ class Retention:
         """Snapshot and plan keys in the retention index -> the round that wrote them."""
         return {_s(k): int(v) for k, v in self._client.zrange(self._keys.retained, 0, -1, withscores=True)}
 
-    def trim_audit(self, keep: int, export_path: str, audit_dir: str | None) -> int:
+    def trim_audit(self, keep: int, export_path: str, audit_dir: str | None, *, fence: str) -> int:
         """Opt-in audit retention: append every audit record but the newest ``keep`` to ``export_path`` (JSONL,
         one ``{"id": ..., **fields}`` object per line, flushed and fsynced), a regular file confined to
         ``audit_dir`` (:func:`~fdeplb.store.audit_export.open_export`), and only then trim them from the stream
-        (``XTRIM MINID``: records appended meanwhile stay). Returns how many were trimmed (0 when the stream holds
-        ``keep`` or fewer).
+        (``lua/audit_trim.lua``: ``XTRIM MINID``, records appended meanwhile stay), fenced by the coordinator's
+        lease value ``fence`` ("" = unfenced). Returns how many were trimmed (0 when the stream holds ``keep`` or
+        fewer).
+
+        The export resumes by stream id (:func:`~fdeplb.store.audit_export.append_lines`): records the file holds
+        already (an earlier attempt cut short, another coordinator's export) are not written again, so each record
+        is exported once, in order, whatever ``keep`` was then.
 
         Raises :class:`~fdeplb.errors.InputError` when the export is refused (outside ``audit_dir``, no
         ``audit_dir``, a symbolic or hard link, a device, a FIFO) and OSError when it cannot be written: nothing is
-        trimmed then (lines written before a failed write stay in the file; the next trim resumes after them,
-        :func:`~fdeplb.store.audit_export.append_lines`, so each record is exported once)."""
+        trimmed then (lines written before a failed write stay in the file; the next trim resumes after them).
+        Raises :class:`~fdeplb.errors.FenceError` when ``fence`` no longer holds the lease (a paused or deposed
+        coordinator): nothing is trimmed (what it exported stays in the file, each record once)."""
         length = self.audit_length()
         if keep < 1 or length <= keep:
             return 0
@@ -69,9 +77,11 @@ class Retention:
             append_lines(fh, [json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n" for entry in old])
             fh.flush()
             os.fsync(fh.fileno())
-        last = old[-1].id
-        ms, seq = parse_stream_id(last)
-        self._client.xtrim(self._keys.audit, minid=f"{ms}-{int(seq) + 1}", approximate=False)
+        ms, seq = parse_stream_id(old[-1].id)
+        call = audit_trim_call(self._keys, fence=fence, minid=f"{ms}-{seq + 1}")
+        reply = self._audit_trim(keys=call.keys, args=call.args)
+        if _s(reply[0]) != "OK":
+            raise FenceError(f"audit trim refused: {_s(reply[1])}; nothing trimmed")
         return len(old)
 
     def key_count(self) -> int:

@@ -1,11 +1,12 @@
 """The KEYS / ARGV contract of the Lua scripts in ``lua/``, built in one place with named slots.
 
 Every script documents its slots in a header comment; :data:`COMMIT_KEYS` / :data:`COMMIT_ARGV`,
-:data:`AUDIT_KEYS` / :data:`AUDIT_ARGV`, :data:`LEASE_KEYS` / :data:`LEASE_ARGV`, :data:`SWITCH_KEYS` /
-:data:`SWITCH_ARGV`, :data:`WEIGHTS_CANCEL_KEYS` / :data:`WEIGHTS_CANCEL_ARGV` and :data:`PUBLISH_KEYS` /
-:data:`PUBLISH_ARGV` name the same slots in the same order (tests check the headers agree). :func:`commit_call`,
-:func:`audit_call`, :func:`lease_call`, :func:`switch_call`, :func:`weights_cancel_call` and :func:`publish_call` are
-the only places that lay out a script call.
+:data:`AUDIT_KEYS` / :data:`AUDIT_ARGV`, :data:`AUDIT_TRIM_KEYS` / :data:`AUDIT_TRIM_ARGV`, :data:`LEASE_KEYS` /
+:data:`LEASE_ARGV`, :data:`SWITCH_KEYS` / :data:`SWITCH_ARGV`, :data:`WEIGHTS_CANCEL_KEYS` /
+:data:`WEIGHTS_CANCEL_ARGV` and :data:`PUBLISH_KEYS` / :data:`PUBLISH_ARGV` name the same slots in the same order
+(tests check the headers agree). :func:`commit_call`, :func:`audit_call`, :func:`audit_trim_call`,
+:func:`lease_call`, :func:`switch_call`, :func:`weights_cancel_call` and :func:`publish_call` are the only places that
+lay out a script call.
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ LEASE_OPS = ("acquire", "renew", "release")
 
 #: the scripts that append to the audit stream: :func:`script_text` puts :data:`CHAIN_PRELUDE` before each
 CHAINED = ("commit", "audit", "weights_cancel")
-#: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``), defined once for every script in
-#: :data:`CHAINED`; :func:`fdeplb.replay.chain_of` is its Python twin.
+#: the scripts that only check the lease fence (``fence_refused``): :data:`CHAIN_PRELUDE` is put before them too
+FENCED = ("audit_trim",)
+#: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``) and the fence check, defined once for
+#: every script in :data:`CHAINED` and :data:`FENCED`; :func:`fdeplb.replay.chain_of` is its Python twin.
 CHAIN_PRELUDE = "_chain"
+
+#: audit_trim.lua KEYS[1..2] and ARGV[1..2], in order.
+AUDIT_TRIM_KEYS = ("audit", "lease")
+AUDIT_TRIM_ARGV = ("fence", "minid")
 
 
 def lua_file(name: str) -> str:
@@ -59,9 +66,10 @@ def lua_file(name: str) -> str:
 
 def script_text(name: str) -> str:
     """Source of script ``name`` as Redis runs it: ``lua/<name>.lua``, with the audit-chain prelude
-    (``lua/_chain.lua``) before it for the scripts that append to the audit stream (:data:`CHAINED`)."""
+    (``lua/_chain.lua``) before it for the scripts that append to the audit stream (:data:`CHAINED`) or check the
+    lease fence (:data:`FENCED`)."""
     text = lua_file(name)
-    return lua_file(CHAIN_PRELUDE) + text if name in CHAINED else text
+    return lua_file(CHAIN_PRELUDE) + text if name in CHAINED + FENCED else text
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,14 @@ def audit_call(keys: Keys, *, fence: str, audit: dict[str, str], delete: Sequenc
             "hset": json.dumps([[position[key], _flat(fields)]
                                 for key, fields in (hset or {}).items()])}
     return CommitCall(keys=[fixed[n] for n in AUDIT_KEYS] + written, args=[argv[n] for n in AUDIT_ARGV])
+
+
+def audit_trim_call(keys: Keys, *, fence: str, minid: str) -> CommitCall:
+    """Lay out an ``audit_trim.lua`` call: trim the audit records below stream id ``minid``, refused unless
+    ``fence`` ("" = unfenced) holds the lease."""
+    fixed = {"audit": keys.audit, "lease": keys.lease}
+    argv = {"fence": fence, "minid": minid}
+    return CommitCall(keys=[fixed[n] for n in AUDIT_TRIM_KEYS], args=[argv[n] for n in AUDIT_TRIM_ARGV])
 
 
 def lease_call(keys: Keys, op: str, value: str, ttl_ms: int) -> CommitCall:

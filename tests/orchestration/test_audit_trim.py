@@ -41,10 +41,11 @@ def store(redis_url, cluster_id, audit_dir):
     store.delete_cluster()
 
 
-def round_end(store: Store, audit_dir) -> None:
-    """What the coordinator runs as a round ends, with its --audit-dir (None: started without one)."""
+def round_end(store: Store, audit_dir, fence: str = "") -> None:
+    """What the coordinator holding ``fence`` runs as a round ends, with its --audit-dir (None: started without
+    one)."""
     prune_after_round(store, store.read_config(fresh=True), store.read_cluster(), structlog.get_logger(),
-                      "coordinator@test", "", None if audit_dir is None else str(audit_dir))
+                      "coordinator@test", fence, None if audit_dir is None else str(audit_dir))
 
 
 def alarms(store: Store) -> list:
@@ -124,17 +125,105 @@ def test_an_export_cut_short_by_a_write_error_resumes_on_retry(store, audit_dir,
     ids = [a.id for a in store.audit()]
     file_size_limit(path.stat().st_size + 450)  # the file system refuses to grow it more: cut inside a line
     with pytest.raises(OSError) as info:
-        store.trim_audit(KEEP, str(path), str(audit_dir))
+        store.trim_audit(KEEP, str(path), str(audit_dir), fence="")
     file_size_limit(resource.RLIM_INFINITY)
     assert info.value.errno == errno.EFBIG
     text = path.read_text()
     assert 2 <= text.count("\n") <= len(ids) - KEEP and not text.endswith("\n")  # partway, inside a line
     assert [a.id for a in store.audit()] == ids  # nothing trimmed
-    assert store.trim_audit(KEEP, str(path), str(audit_dir)) == len(ids) - KEEP  # the retry
+    assert store.trim_audit(KEEP, str(path), str(audit_dir), fence="") == len(ids) - KEEP  # the retry
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["id"] for x in lines] == ["0-1", *ids[:-KEEP]]  # each once, in order, the earlier export kept
     assert [a.id for a in store.audit()] == ids[-KEEP:]
-    assert store.trim_audit(KEEP, str(path), str(audit_dir)) == 0 and len(path.read_text().splitlines()) == len(lines)
+    assert store.trim_audit(KEEP, str(path), str(audit_dir), fence="") == 0
+    assert len(path.read_text().splitlines()) == len(lines)
+
+
+def exported_ids(path) -> list[str]:
+    """The ids of the export's lines, each line parsed as JSON (a line that is not fails the test)."""
+    return [json.loads(x)["id"] for x in path.read_text().splitlines()]
+
+
+def test_a_retry_after_audit_keep_was_raised_exports_each_record_once(store, audit_dir, file_size_limit):
+    path = audit_dir / "audit.jsonl"
+    for i in range(6):
+        store.append_note(store.read_cluster(), trigger="skip", actor="test", reason=f"more {i}")
+    ids = [a.id for a in store.audit()]
+    file_size_limit(1500)  # EFBIG partway through the batch, inside a line
+    with pytest.raises(OSError) as info:
+        store.trim_audit(KEEP, str(path), str(audit_dir), fence="")
+    file_size_limit(resource.RLIM_INFINITY)
+    assert info.value.errno == errno.EFBIG and not path.read_text().endswith("\n")
+    cut = path.read_text().count("\n")
+    assert 3 <= cut < len(ids) - KEEP - 2 and [a.id for a in store.audit()] == ids
+    smaller = len(ids) - cut + 2  # audit_keep raised: a batch of records the file holds already
+    assert store.trim_audit(smaller, str(path), str(audit_dir), fence="") == cut - 2
+    assert [a.id for a in store.audit()] == ids[cut - 2:]
+    assert store.trim_audit(KEEP, str(path), str(audit_dir), fence="") == len(ids) - KEEP - cut + 2
+    assert exported_ids(path) == ids[:-KEEP]  # each once, in order, every line JSON (the cut one completed)
+    assert [a.id for a in store.audit()] == ids[-KEEP:]
+
+
+def test_a_paused_coordinator_exports_nothing_twice_and_trims_nothing(store, audit_dir, monkeypatch):
+    import fdeplb.store.retention as retention
+    from fdeplb.errors import FenceError
+
+    path = audit_dir / "audit.jsonl"
+    stale = store.acquire_lease("coordinator-a", 60_000)
+    assert stale and store.release_lease(stale)
+    fence = store.acquire_lease("coordinator-b", 60_000)  # a took over by b while a was paused
+    real, paused = retention.append_lines, []
+
+    def pause_then_append(fh, lines):
+        if not paused:  # a read its batch, then stopped; meanwhile b's round ends (one record more)
+            paused.append(len(lines))
+            store.append_note(store.read_cluster(), trigger="skip", actor="test", reason="while a was paused")
+            round_end(store, audit_dir, fence)
+        return real(fh, lines)
+
+    monkeypatch.setattr(retention, "append_lines", pause_then_append)
+    ids = [a.id for a in store.audit()]
+    with pytest.raises(FenceError, match="not the lease holder"):
+        store.trim_audit(KEEP, str(path), str(audit_dir), fence=stale)
+    assert paused == [len(ids) - KEEP]
+    after = [a.id for a in store.audit()]
+    ids.append(after[-1])  # the record appended while a was paused
+    assert exported_ids(path) == ids[:-KEEP]  # b's export only, each record once, in order
+    assert after == ids[-KEEP:] and not alarms(store)  # b trimmed; a trimmed nothing
+    ids.append(store.append_note(store.read_cluster(), trigger="skip", actor="test", reason="one more"))
+    round_end(store, audit_dir, stale)  # a's next round end exports the new oldest record, its trim is refused
+    assert [a.id for a in store.audit()] == ids[-KEEP - 1:] and not alarms(store)  # no alarm: it could not write one
+    assert exported_ids(path) == ids[:-KEEP]
+    round_end(store, audit_dir, fence)  # b's: that record is in the file already, so only the trim is left
+    assert exported_ids(path) == ids[:-KEEP] and [a.id for a in store.audit()] == ids[-KEEP:]
+
+
+def test_an_export_locked_by_a_paused_writer_trims_nothing_and_raises_the_alarm(store, audit_dir, monkeypatch):
+    import fcntl
+
+    from fdeplb.store import audit_export
+
+    monkeypatch.setattr(audit_export, "LOCK_WAIT_S", 0.05)
+    path = audit_dir / "audit.jsonl"
+    ids = [a.id for a in store.audit()]
+    with open(path, "a") as paused:  # a writer stopped while it holds the lock
+        fcntl.flock(paused.fileno(), fcntl.LOCK_EX)
+        round_end(store, audit_dir)
+        (alarm,) = alarms(store)
+        assert "lock" in alarm["reason"] and path.read_text() == ""
+        assert [a.id for a in store.audit()][:len(ids)] == ids
+    round_end(store, audit_dir)  # released: the next round end exports and trims
+    assert exported_ids(path) == [*ids, alarm.id][:len(ids) + 1 - KEEP]
+
+
+def test_the_trim_script_names_the_slots_scripts_py_lays_out_and_shares_the_fence_check():
+    from fdeplb.store.scripts import AUDIT_TRIM_ARGV, AUDIT_TRIM_KEYS, CHAIN_PRELUDE, lua_file, script_text
+    from tests.helpers import header_slots
+
+    assert header_slots("audit_trim", "KEYS") == list(AUDIT_TRIM_KEYS)
+    assert header_slots("audit_trim", "ARGV") == list(AUDIT_TRIM_ARGV)
+    assert script_text("audit_trim") == lua_file(CHAIN_PRELUDE) + lua_file("audit_trim")
+    assert "fence_refused(" in lua_file("audit_trim") and "'ERR_FENCE'" not in lua_file("audit_trim")
 
 
 def test_a_coordinator_exports_into_its_audit_dir_as_a_round_ends(redis_url, cluster_id, tmp_path):

@@ -328,7 +328,7 @@ def test_pruning_keeps_the_current_placement_plan_and_audit_trim_exports_first(r
         assert store.read_plan(current) is not None  # the current placement's plan is kept
         assert store.read_snapshot(1) is None  # older snapshots are gone
         total_audit = store.audit_length()
-        n = store.trim_audit(5, str(export), str(tmp_path))
+        n = store.trim_audit(5, str(export), str(tmp_path), fence="")
         assert n == total_audit - 5 and store.audit_length() == 5
         lines = [json.loads(x) for x in export.read_text().splitlines()]
         sid = lambda i: tuple(int(x) for x in i.split("-"))  # noqa: E731

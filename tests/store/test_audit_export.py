@@ -134,6 +134,47 @@ def test_a_retried_export_resumes_after_the_lines_already_written(audit_dir, mon
     assert (audit_dir / "a.jsonl").read_text() == "earlier\n" + "".join(lines) + '{"id": "9-9"\n{"id": "1-4"}\n'
 
 
+def test_a_retry_with_another_batch_resumes_by_stream_id(audit_dir, monkeypatch):
+    monkeypatch.setattr(audit_export, "_TAIL_BLOCK", 16)  # the walk back spans blocks
+    path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
+    lines = [f'{{"id": "5-{i}", "n": {i}}}\n' for i in range(8)]
+    with open_export(path, folder) as fh:  # 5 lines, an ended fragment, then the start of the 6th cut short
+        fh.buffer.write("".join(lines[:5]).encode() + b'{"id": "5-4", "n"\n' + lines[5].encode()[:9])
+    before = (audit_dir / "a.jsonl").read_bytes()
+    with open_export(path, folder) as fh:  # a smaller batch (audit_keep raised), all held already: nothing written
+        assert append_lines(fh, lines[:3]) == 0
+    assert (audit_dir / "a.jsonl").read_bytes() == before  # the cut line stays last, for the next export to complete
+    with open_export(path, folder) as fh:  # a larger batch: the cut line completed, then the rest
+        assert append_lines(fh, lines) == 3
+    text = (audit_dir / "a.jsonl").read_text()
+    assert text == "".join(lines[:5]) + '{"id": "5-4", "n"\n' + "".join(lines[5:])
+    with open_export(path, folder) as fh:  # a late writer's batch, every record in the file already
+        assert append_lines(fh, lines[2:6]) == 0
+    assert (audit_dir / "a.jsonl").read_text() == text
+
+
+def test_a_file_without_a_record_line_gets_the_whole_batch(audit_dir):
+    path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
+    (audit_dir / "a.jsonl").write_text('[1, 2]\n{"id": "not-an-id"}\n{"no": "id"}\ncut')
+    with open_export(path, folder) as fh:
+        assert append_lines(fh, ['{"id": "1-0"}\n', '{"id": "1-1"}\n']) == 2
+    assert (audit_dir / "a.jsonl").read_text().endswith('cut\n{"id": "1-0"}\n{"id": "1-1"}\n')
+
+
+def test_a_second_writer_waits_for_the_lock_then_gives_up(audit_dir, monkeypatch):
+    import fcntl
+
+    monkeypatch.setattr(audit_export, "LOCK_WAIT_S", 0.05)
+    path, folder = str(audit_dir / "a.jsonl"), str(audit_dir)
+    with open_export(path, folder) as holder:
+        fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+        with open_export(path, folder) as fh, pytest.raises(BlockingIOError, match="lock"):
+            append_lines(fh, ['{"id": "1-0"}\n'])
+    assert (audit_dir / "a.jsonl").read_text() == ""  # nothing written without the lock
+    with open_export(path, folder) as fh:  # the holder closed: the lock is free
+        assert append_lines(fh, ['{"id": "1-0"}\n']) == 1
+
+
 @pytest.mark.parametrize("root,words", [("/", "the root directory"), ("/etc", "/etc, a system directory"),
                                         ("/usr/share", "inside the system directory /usr"),
                                         ("/dev/..", "the root directory")])
