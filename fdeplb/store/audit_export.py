@@ -29,7 +29,7 @@ import json
 import os
 import stat
 import time
-from typing import Sequence, TextIO
+from typing import Callable, Iterator, Sequence, TextIO
 
 from fdeplb.errors import InputError
 from fdeplb.store.streams import parse_stream_id
@@ -46,6 +46,8 @@ MAX_PATH = 4096
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # read: where to resume
 #: bytes read at a time walking back from the export's end to its last line
 _TAIL_BLOCK = 1 << 16
+#: records :func:`append_lines` looks back over, past others' records, for the newest of the writer's own
+MAX_RESUME_SCAN = 100_000
 
 
 def confine_export_path(path: str, audit_dir: str | None) -> str:
@@ -135,7 +137,7 @@ def open_export(path: str, audit_dir: str | None) -> TextIO:
     return os.fdopen(fd, "a", encoding="utf-8")
 
 
-def append_lines(fh: TextIO, lines: Sequence[str]) -> int:
+def append_lines(fh: TextIO, lines: Sequence[str], ours: Callable[[dict], bool] | None = None) -> int:
     """Append ``lines`` (each one record's JSONL line, ending in a newline, holding the record's stream ``id``;
     oldest first) to the export ``fh`` opened by :func:`open_export`, resuming an earlier attempt. Returns how many
     lines were written (completing a cut one counts). The caller flushes, fsyncs and closes (which releases the
@@ -151,6 +153,10 @@ def append_lines(fh: TextIO, lines: Sequence[str]) -> int:
     the first line written; otherwise it is ended with a newline before anything is written after it (so no record
     is glued to it), or left as it is when nothing is written (the next export completes it).
 
+    ``ours`` (a record of the file -> whether it is one of this cluster's, by id and chain): the resume point is the
+    newest record of the file that is this cluster's (:func:`_resume_after`), so records of another cluster given
+    the same file never make it skip its own (and trim them unexported); None: every record is taken as its own.
+
     The file is locked (``flock``, exclusive; released when ``fh`` closes) before its end is read, so two writers
     (a deposed coordinator still running beside the leader) never both append what the other appends; a lock not
     had within :data:`LOCK_WAIT_S` raises :class:`BlockingIOError`.
@@ -160,7 +166,8 @@ def append_lines(fh: TextIO, lines: Sequence[str]) -> int:
     fh.flush()
     fd = fh.fileno()
     _lock(fd)
-    last, torn = _tail(fd)
+    torn = _torn(fd)
+    last = _resume_after(fd, ours, _line_id(lines[0]) if lines else None)
     todo = [line.encode("utf-8") for line in lines if last is None or _line_id(line) > last]
     if not todo:
         return 0
@@ -192,21 +199,44 @@ def _lock(fd: int) -> None:
             time.sleep(0.05)
 
 
-def _line_id(line: str | bytes) -> tuple[int, int] | None:
-    """The stream id (ms, seq) of one export line, or None when it is not a JSON object with a stream ``id``."""
+def _line_record(line: str | bytes) -> dict | None:
+    """One export line's record, or None when it is not a JSON object with a stream ``id``."""
     try:
         record = json.loads(line)
-        return parse_stream_id(record["id"]) if isinstance(record, dict) else None
+        if isinstance(record, dict):
+            parse_stream_id(record["id"])
+            return record
     except (ValueError, KeyError, TypeError, RecursionError):  # not JSON (or nested too deep), no id, not an id
-        return None
+        pass
+    return None
 
 
-def _tail(fd: int) -> tuple[tuple[int, int] | None, bytes]:
-    """(the stream id of the last complete line of the file open at ``fd`` that holds one, None when none does;
-    the bytes after the file's last newline, b"" when it ends with one), read back from the end a block at a
-    time."""
+def _line_id(line: str | bytes) -> tuple[int, int] | None:
+    """The stream id (ms, seq) of one export line, or None when it is not a JSON object with a stream ``id``."""
+    record = _line_record(line)
+    return None if record is None else parse_stream_id(record["id"])
+
+
+def _torn(fd: int) -> bytes:
+    """The bytes after the last newline of the file open at ``fd`` (b"" when it ends with one: nothing cut)."""
     pos = os.fstat(fd).st_size
-    buf, torn = b"", None
+    buf = b""
+    while pos > 0:
+        step = min(_TAIL_BLOCK, pos)
+        pos -= step
+        buf = os.pread(fd, step, pos) + buf
+        nl = buf.rfind(b"\n")
+        if nl >= 0:
+            return buf[nl + 1:]
+    return buf
+
+
+def _records_backwards(fd: int) -> Iterator[dict]:
+    """The records of the complete lines of the file open at ``fd`` (those that are JSON objects with a stream
+    ``id``), newest first, read back from the end a block at a time."""
+    pos = os.fstat(fd).st_size
+    buf = b""
+    first = True
     while pos > 0:
         step = min(_TAIL_BLOCK, pos)
         pos -= step
@@ -214,15 +244,28 @@ def _tail(fd: int) -> tuple[tuple[int, int] | None, bytes]:
         nl = buf.rfind(b"\n")
         if nl < 0:
             continue
-        if torn is None:
-            torn, buf = buf[nl + 1:], buf[:nl + 1]
+        if first:  # drop what follows the last newline (a cut line)
+            buf, first = buf[:nl + 1], False
         lines = buf.split(b"\n")[:-1]  # complete lines; the first one may be cut by the block's start
         for line in reversed(lines if pos == 0 else lines[1:]):
-            found = _line_id(line)
-            if found is not None:
-                return found, torn
+            record = _line_record(line)
+            if record is not None:
+                yield record
         buf = b"" if pos == 0 else lines[0] + b"\n"
-    return None, buf if torn is None else torn
+
+
+def _resume_after(fd: int, ours: Callable[[dict], bool] | None, oldest: tuple[int, int] | None
+                  ) -> tuple[int, int] | None:
+    """The stream id after which the batch resumes: that of the newest record of the file that is this writer's
+    (``ours``; every record when None), looking back past others' (newer ones: another cluster's, or this one's
+    trimmed by another coordinator meanwhile) until one older than the batch's ``oldest`` id, or
+    :data:`MAX_RESUME_SCAN` records; None: write the whole batch."""
+    for n, record in enumerate(_records_backwards(fd)):
+        if ours is None or ours(record):
+            return parse_stream_id(record["id"])
+        if n >= MAX_RESUME_SCAN or (oldest is not None and parse_stream_id(record["id"]) < oldest):
+            return None
+    return None
 
 
 def _open_existing(target: str) -> int:

@@ -60,7 +60,9 @@ class Retention:
 
         The export resumes by stream id (:func:`~fdeplb.store.audit_export.append_lines`): records the file holds
         already (an earlier attempt cut short, another coordinator's export) are not written again, so each record
-        is exported once, in order, whatever ``keep`` was then.
+        is exported once, in order, whatever ``keep`` was then; only when the file's last record is this cluster's
+        (its id and chain in the batch or still in the stream), so another cluster's records in the same file
+        never make it skip (and trim) its own.
 
         Raises :class:`~fdeplb.errors.InputError` when the export is refused (outside ``audit_dir``, no
         ``audit_dir``, a symbolic or hard link, a device, a FIFO) and OSError when it cannot be written: nothing is
@@ -73,8 +75,21 @@ class Retention:
         old = self.audit("-", "+", count=length - keep)
         if not old:
             return 0
+        chains = {entry.id: entry.fields.get("chain") for entry in old}
+        batch_end = parse_stream_id(old[-1].id)
+
+        def ours(record: dict) -> bool:  # a record of the export file: one of this cluster's (by id and chain)?
+            rid = str(record["id"])
+            if rid in chains:
+                return chains[rid] == record.get("chain")
+            if parse_stream_id(rid) <= batch_end:  # the stream's records up to there are all in the batch
+                return False
+            held = self.audit(rid, rid, count=1)  # one of the newest `keep`, exported by an earlier attempt?
+            return bool(held) and held[0].fields.get("chain") == record.get("chain")
+
         with open_export(export_path, audit_dir) as fh:
-            append_lines(fh, [json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n" for entry in old])
+            append_lines(fh, [json.dumps({"id": entry.id, **entry.fields}, sort_keys=True) + "\n" for entry in old],
+                         ours)
             fh.flush()
             os.fsync(fh.fileno())
         ms, seq = parse_stream_id(old[-1].id)

@@ -164,6 +164,26 @@ def test_a_retry_after_audit_keep_was_raised_exports_each_record_once(store, aud
     assert [a.id for a in store.audit()] == ids[-KEEP:]
 
 
+def test_another_clusters_records_in_the_same_file_never_make_it_skip_its_own(store, audit_dir, redis_url):
+    # review: resuming by the file's last id alone, a later id of another cluster sharing the export file made this
+    # cluster skip its own records and then trim them, exported nowhere
+    path = audit_dir / "audit.jsonl"
+    other = Store(redis_url, store.cluster + "-other")
+    init_cluster(other, ClusterConfig(num_layers=1, num_logical_experts=4, num_physical_experts=6, ep_size=3,
+                                      audit_keep=KEEP, audit_export_path=str(path)),
+                 np.array([[0, 1, 2, 3, 0, 1]], dtype=np.int64))
+    try:
+        for i in range(6):  # the other cluster's records are newer than all of this one's
+            other.append_note(other.read_cluster(), trigger="skip", actor="test", reason=f"other {i}")
+        mine = [r.id for r in store.audit()][:-KEEP]
+        assert other.trim_audit(KEEP, str(path), str(audit_dir), fence="") > 0
+        assert store.trim_audit(KEEP, str(path), str(audit_dir), fence="") == len(mine)
+        exported = [json.loads(line)["id"] for line in path.read_text().splitlines()]
+        assert [i for i in exported if i in mine] == mine  # every record of this cluster exported, once, in order
+    finally:
+        other.delete_cluster()
+
+
 def test_a_paused_coordinator_exports_nothing_twice_and_trims_nothing(store, audit_dir, monkeypatch):
     import fdeplb.store.retention as retention
     from fdeplb.errors import FenceError
@@ -174,12 +194,12 @@ def test_a_paused_coordinator_exports_nothing_twice_and_trims_nothing(store, aud
     fence = store.acquire_lease("coordinator-b", 60_000)  # a took over by b while a was paused
     real, paused = retention.append_lines, []
 
-    def pause_then_append(fh, lines):
+    def pause_then_append(fh, lines, ours=None):
         if not paused:  # a read its batch, then stopped; meanwhile b's round ends (one record more)
             paused.append(len(lines))
             store.append_note(store.read_cluster(), trigger="skip", actor="test", reason="while a was paused")
             round_end(store, audit_dir, fence)
-        return real(fh, lines)
+        return real(fh, lines, ours)
 
     monkeypatch.setattr(retention, "append_lines", pause_then_append)
     ids = [a.id for a in store.audit()]
