@@ -21,8 +21,7 @@ lost, writes nothing.
 
 Uses from :class:`~fdeplb.store.base.StoreBase`: ``_client``, ``_keys``, ``_append`` (the registered audit script),
 ``ep_size``;
-from :mod:`fdeplb.store.streams`: :func:`~fdeplb.store.streams.note_fields`;
-from :mod:`fdeplb.replay`: :func:`~fdeplb.replay.chain_of` (the audit chain's one Python definition).
+from :mod:`fdeplb.store.streams`: :func:`~fdeplb.store.streams.note_fields`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from fdeplb.errors import CorruptRecordError, FenceError
 from fdeplb.machines.tables import MEMBERSHIP, MemberState
 from fdeplb.store.connection import as_str as _s, as_text as _text
 from fdeplb.store.records import MemberRecord, parse_record
-from fdeplb.store.scripts import audit_call
+from fdeplb.store.scripts import audit_call, audit_chain
 from fdeplb.store.streams import note_fields
 from fdeplb.store.txn import transaction
 
@@ -110,16 +109,14 @@ class Repair:
 
     def whole_audit(self) -> bool:
         """Whether the audit stream holds the cluster's whole history: its oldest record chains from nothing (its
-        ``chain`` is :func:`~fdeplb.replay.chain_of` its fields after "", so it was the first ever appended: no
+        ``chain`` is :func:`~fdeplb.store.scripts.audit_chain` of its fields after "", so it was the first ever appended: no
         trim removed any before it), or it is empty and no record was ever appended (no audit head). One read of
         the oldest record."""
-        from fdeplb.replay import chain_of
-
         oldest = self._client.xrange(self._keys.audit, "-", "+", count=1)
         if not oldest:
             return not _s(self._client.get(self._keys.audit_head))
         fields = _text(oldest[0][1])
-        return fields.get("chain", "") == chain_of("", fields)
+        return fields.pop("chain", "") == audit_chain("", fields)
 
     def restored_members(self, ranks: Collection[int]) -> dict[int, MemberRecord | CorruptRecordError]:
         """The record :meth:`repair_member` restores each of ``ranks`` to when its member record is missing (see the

@@ -11,6 +11,7 @@ the only places that lay out a script call.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -48,7 +49,7 @@ LEASE_OPS = ("acquire", "renew", "release")
 #: the scripts that append to the audit stream: :func:`script_text` puts :data:`CHAIN_PRELUDE` before each
 CHAINED = ("commit", "audit", "weights_cancel")
 #: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``), defined once for every script in
-#: :data:`CHAINED`; :func:`fdeplb.replay.chain_of` is its Python twin.
+#: :data:`CHAINED`; :func:`audit_chain` is its Python twin (:func:`fdeplb.replay.chain_of` checks an export with it).
 CHAIN_PRELUDE = "_chain"
 
 
@@ -89,6 +90,17 @@ def chain_order(names: tuple[str, ...]) -> str:
     if len(set(names)) != len(names):
         raise ValueError(f"audit field names repeat: {sorted(names)}")
     return json.dumps(sorted(range(1, len(names) + 1), key=lambda i: names[i - 1].encode()))
+
+
+def audit_chain(previous: str, fields: Mapping[str, str]) -> str:
+    """The audit chain of a record whose fields (every one but ``chain``; values as text) are ``fields``, after
+    ``previous`` (the predecessor's chain, "" for the first record): SHA-1 hex of ``previous``, a newline, then for
+    every field by name in byte order (as :func:`chain_order` sorts them) ``name=<byte length of value>:value`` and
+    a newline; ``lua/_chain.lua``'s ``audit_chain`` computes the same with ``redis.sha1hex``."""
+    parts = [previous, "\n"]
+    for name in sorted(fields, key=str.encode):
+        parts.append(f"{name}={len(fields[name].encode())}:{fields[name]}\n")
+    return hashlib.sha1("".join(parts).encode()).hexdigest()
 
 
 def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,
