@@ -109,9 +109,9 @@ class Repair:
 
     def whole_audit(self) -> bool:
         """Whether the audit stream holds the cluster's whole history: its oldest record chains from nothing (its
-        ``chain`` is :func:`~fdeplb.store.scripts.audit_chain` of its fields after "", so it was the first ever appended: no
-        trim removed any before it), or it is empty and no record was ever appended (no audit head). One read of
-        the oldest record."""
+        ``chain`` is :func:`~fdeplb.store.scripts.audit_chain` of its other fields after "", so it was the first
+        ever appended: no trim removed any before it), or it is empty and no record was ever appended (no audit
+        head). One read of the oldest record (two when the stream is empty)."""
         oldest = self._client.xrange(self._keys.audit, "-", "+", count=1)
         if not oldest:
             return not _s(self._client.get(self._keys.audit_head))
