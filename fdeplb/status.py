@@ -87,28 +87,19 @@ def member_states(store, members: Sequence[Any]) -> list[Any]:
     """Each rank's membership state as every reader shows it (``fdeplb status``, ``GET /v1/state``, the UI,
     ``/metrics``, ``/health``), from its member record as read (``members``, ep_rank order: a :class:`MemberRecord`,
     None when missing, anything else, e.g. a :class:`CorruptRecordError`, kept as it is): the record's state; for a
-    missing record, the state the leading coordinator restores it to at its next pass (the rank's last audited
-    membership record, :meth:`~fdeplb.store.Store.restored_members`, or a CorruptRecordError when that does not
-    give a record), else the initial ACTIVE (a cluster made before membership, or a rank that never transitioned:
-    the coordinator counts it ACTIVE too). So a deleted record is never shown ACTIVE until that pass. One walk back
-    through the audit when a record is missing, none otherwise, nor while the cluster's membership generation is
-    0 (no membership transition was ever committed, so none is audited: a cluster made before membership would
-    otherwise walk the whole audit at every read)."""
-    missing = [r for r, m in enumerate(members) if m is None]
-    restored = store.restored_members(missing) if missing and _generation(store) != 0 else {}
+    missing record, by the coordinator's own rule (:meth:`~fdeplb.store.Store.to_restore`), the state it restores
+    the record to at its next pass (:meth:`~fdeplb.store.Store.restored_members`: the rank's last audited
+    membership record, the initial ACTIVE when the audit is whole and holds none, else EXCLUDED; a
+    CorruptRecordError when that audit record does not give one), or the initial ACTIVE in a cluster made before
+    membership (no member record at all, generation 0: nothing walked). So a deleted record is never shown ACTIVE
+    unless the coordinator restores it so. One walk back through the audit while a record is missing (until that
+    pass), none otherwise."""
+    restored = store.restored_members(store.to_restore(members))
     states = []
     for r, m in enumerate(members):
         m = restored.get(r, MEMBERSHIP.initial) if m is None else m
         states.append(m.state if isinstance(m, MemberRecord) else m)
     return states
-
-
-def _generation(store) -> int | None:
-    """The cluster's membership generation, None when its record is missing or does not parse."""
-    try:
-        return store.read_cluster().generation
-    except (NotFoundError, CorruptRecordError):
-        return None
 
 
 def _view_states(store) -> list[MemberState]:
@@ -169,7 +160,7 @@ def cluster_status(store, redis_url: str = "URL") -> dict[str, Any]:
 
     Membership: ``generation`` (the cluster's membership generation), ``live_ranks`` (the ACTIVE members), each
     rank's ``membership`` (ACTIVE, SUSPECT, DRAINING, EXCLUDED, REJOINING; a missing record as
-    :func:`member_states` says: as the coordinator will restore it, ACTIVE where none is audited) and ``degraded``
+    :func:`member_states` says: as the coordinator will restore it) and ``degraded``
     (None, or the experts left with no replica on a member).
 
     Corrupt values: each record is read on its own, and one that does not parse (a value fdeplb did not write that

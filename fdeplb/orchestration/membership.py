@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Collection
 
-from fdeplb.errors import CorruptRecordError, GuardError, IllegalTransitionError, NotFoundError, StaleStateError
+from fdeplb.errors import (CorruptRecordError, GuardError, IllegalTransitionError, NotFoundError, StaleStateError,
+                           StateError)
 from fdeplb.machines.tables import MEMBERSHIP, ClusterState, MemberState, entry_work
 from fdeplb.orchestration.handles import RecordHandle
 from fdeplb.rounds import reasons
@@ -39,8 +40,6 @@ class MembershipWatch:
         self.log = log
         self.view: MemberView | None = None
         self._handles: dict[int, RecordHandle] = {}
-        #: ranks whose member record was missing with no membership audited up to the stream id (walked no more)
-        self._unaudited: tuple[frozenset[int], str] = (frozenset(), "-")
 
     def _handle(self, r: int, fence: str) -> RecordHandle:
         h = self._handles.get(r)
@@ -82,11 +81,12 @@ class MembershipWatch:
         return changed, due
 
     def _read_view(self, fence: str) -> MemberView:
-        """:meth:`Store.member_view`, with every member record that does not parse, or is missing although the
-        audit holds the rank's membership (deleted), repaired first from the audit (:meth:`Store.repair_member`,
-        audited ``record_repaired``, fenced with ``fence``): a corrupt record never blocks the rounds and a deleted
-        one never readmits its rank. Another corrupt value (the registry) raises its :class:`CorruptRecordError`.
-        The audit is walked for missing records only since the last walk found none of them audited."""
+        """:meth:`Store.member_view`, with every member record that does not parse, or is missing and not "a
+        cluster made before membership" (deleted, :meth:`Store.to_restore`), repaired first from the audit
+        (:meth:`Store.repair_member`, audited ``record_repaired``, fenced with ``fence``): a corrupt record never
+        blocks the rounds and a deleted one never readmits its rank. So after one pass no record is missing (but in
+        a cluster made before membership), and readers walk the audit for a missing one no more. Another corrupt
+        value (the registry) raises its :class:`CorruptRecordError`."""
         for _ in range(self.store.ep_size() + 1):
             try:
                 view = self.store.member_view()
@@ -96,15 +96,10 @@ class MembershipWatch:
                     raise
                 self._repair(r, fence)
                 continue
-            missing = frozenset(r for r, m in enumerate(view.members) if m is None)
+            missing = self.store.to_restore(view.members)
             if not missing:
                 return view
-            seen, head = self._unaudited
-            audited, head = self.store.member_audits(missing, head if missing <= seen else "-")
-            self._unaudited = (missing - audited.keys(), head)
-            if not audited:
-                return view
-            for r in sorted(audited):
+            for r in missing:
                 self._repair(r, fence)
         return self.store.member_view()
 
@@ -212,11 +207,21 @@ OPERATOR_TRIGGERS = {"exclude": "exclude", "drain": "drain", "readmit": "readmit
 def operator_fire(store: Store, ep_rank: int, command: str, *, who: str, reason: str) -> Any:
     """An operator's membership command on ``ep_rank`` (``exclude`` a SUSPECT rank at once, ``drain`` an ACTIVE
     one, ``readmit`` an EXCLUDED or DRAINING one), audited with ``who`` (the actor) and ``reason``. Raises
-    :class:`IllegalTransitionError` (nothing written) when the command is not legal from the rank's state."""
+    :class:`IllegalTransitionError` (nothing written) when the command is not legal from the rank's state;
+    :class:`StateError` when the rank's member record was deleted (the leading coordinator restores it at its next
+    pass, :meth:`MembershipWatch._read_view`; the command applies to the restored record);
+    :class:`NotFoundError` in a cluster made before membership (no member record at all)."""
     if command not in OPERATOR_TRIGGERS:
         raise IllegalTransitionError(f"membership: no operator command {command!r}")
     handle = RecordHandle(store, MEMBERSHIP, ep_rank, actor=who)
-    rec = handle.read()
+    try:
+        rec = handle.read()
+    except NotFoundError:
+        if int(ep_rank) not in store.to_restore(store.read_each(MEMBERSHIP)):
+            raise
+        raise StateError(f"the membership record of rank {ep_rank} is missing (deleted): the leading coordinator "
+                         f"restores it from the audit at its next pass (`fdeplb status` shows the rank as it will "
+                         f"be restored); run `rank {command}` again then") from None
     trigger = OPERATOR_TRIGGERS[command]
     legal = [src.value for spec in MEMBERSHIP.transitions if spec.trigger == trigger for src in spec.sources]
     if rec.state.value not in legal:

@@ -10,7 +10,6 @@ exporter's start state (no checks) :mod:`fdeplb.replay.start_state`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
@@ -39,6 +38,7 @@ from fdeplb.replay.report import KeyState, LoadedPlan, ReplayReport, RoundSeen
 from fdeplb.replay.start_state import NOT_TRANSITIONS
 from fdeplb.replay.weight_requests import WeightRequests
 from fdeplb.store import ClusterConfig
+from fdeplb.store.scripts import audit_chain
 from fdeplb.store.streams import parse_stream_id
 
 if TYPE_CHECKING:
@@ -52,18 +52,18 @@ CHAIN_EXCLUDED = frozenset({"type", "id", "chain"})
 def chain_of(previous: str, fields: Mapping[str, Any]) -> str:
     """The audit chain of a record: SHA-1 hex of ``previous`` (the predecessor's chain, "" for the first record),
     a newline, then for every field but ``type``/``id``/``chain``, by name in byte order,
-    ``name=<byte length of value>:value`` and a newline. ``commit.lua`` and ``audit.lua`` compute the same with
-    ``redis.sha1hex``. Values are the stream's text; an integer (an export's version, round, ts_ms) hashes as its
-    decimal text (:func:`~fdeplb.replay.recording_format.decimal_text`); anything else is a :class:`ReplayError`.
+    ``name=<byte length of value>:value`` and a newline (:func:`fdeplb.store.scripts.audit_chain`, the one Python
+    definition; ``commit.lua`` and ``audit.lua`` compute the same with ``redis.sha1hex``). Values are the stream's
+    text; an integer (an export's version, round, ts_ms) hashes as its decimal text
+    (:func:`~fdeplb.replay.recording_format.decimal_text`); anything else is a :class:`ReplayError`.
     """
-    parts = [previous, "\n"]
-    for name in sorted((n for n in fields if n not in CHAIN_EXCLUDED), key=lambda n: n.encode()):
+    texts = {}
+    for name in sorted((n for n in fields if n not in CHAIN_EXCLUDED), key=str.encode):  # first bad one named
         value = fields[name]
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise ReplayError(f"field {name} is {type(value).__name__}, not text")
-        text = decimal_text(value)
-        parts.append(f"{name}={len(text.encode())}:{text}\n")
-    return hashlib.sha1("".join(parts).encode()).hexdigest()
+        texts[name] = decimal_text(value)
+    return audit_chain(previous, texts)
 
 
 def _stream_id(line: AuditLine) -> tuple[int, int] | None:

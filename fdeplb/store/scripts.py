@@ -12,6 +12,7 @@ lay out a script call.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -51,7 +52,8 @@ CHAINED = ("commit", "audit", "weights_cancel")
 #: the scripts that only check the lease fence (``fence_refused``): :data:`CHAIN_PRELUDE` is put before them too
 FENCED = ("audit_trim",)
 #: ``lua/_chain.lua``: the audit chain (``audit_chain``, ``append_chained``) and the fence check, defined once for
-#: every script in :data:`CHAINED` and :data:`FENCED`; :func:`fdeplb.replay.chain_of` is its Python twin.
+#: every script in :data:`CHAINED` and :data:`FENCED`; :func:`audit_chain` is its Python twin
+#: (:func:`fdeplb.replay.chain_of` checks an export with it).
 CHAIN_PRELUDE = "_chain"
 
 #: audit_trim.lua KEYS[1..2] and ARGV[1..2], in order.
@@ -97,6 +99,17 @@ def chain_order(names: tuple[str, ...]) -> str:
     if len(set(names)) != len(names):
         raise ValueError(f"audit field names repeat: {sorted(names)}")
     return json.dumps(sorted(range(1, len(names) + 1), key=lambda i: names[i - 1].encode()))
+
+
+def audit_chain(previous: str, fields: Mapping[str, str]) -> str:
+    """The audit chain of a record whose fields (every one but ``chain``; values as text) are ``fields``, after
+    ``previous`` (the predecessor's chain, "" for the first record): SHA-1 hex of ``previous``, a newline, then for
+    every field by name in byte order (as :func:`chain_order` sorts them) ``name=<byte length of value>:value`` and
+    a newline; ``lua/_chain.lua``'s ``audit_chain`` computes the same with ``redis.sha1hex``."""
+    parts = [previous, "\n"]
+    for name in sorted(fields, key=str.encode):
+        parts.append(f"{name}={len(fields[name].encode())}:{fields[name]}\n")
+    return hashlib.sha1("".join(parts).encode()).hexdigest()
 
 
 def commit_call(keys: Keys, *, record_key: str, expected_state: StateEnum, expected_version: int, fence: str,

@@ -128,3 +128,15 @@ def test_wrong_state_and_last_member_are_refused_naming_what_applies(capsys, sto
                            "--rank", "2")
     assert code == 3 and "rank 2 is the last ACTIVE member" in err
     assert store.read(MEMBERSHIP, 2).state is M.ACTIVE  # nothing written
+
+
+def test_a_command_on_a_deleted_record_is_a_state_error_naming_the_coming_restore(capsys, store, redis_url):
+    # QA L1: status shows the rank as the coordinator will restore it; the command waits for that restore
+    raw = RawRedis(redis_url, store.cluster)
+    assert rank_cmd(capsys, store, "drain", 1)[0] == 0
+    store._client.delete(raw.keys.member(1))
+    before = raw.snapshot()
+    for command in ("readmit", "drain", "exclude"):
+        code, _, err = rank_cmd(capsys, store, command, 1)
+        assert code == 3 and "missing (deleted)" in err and "restores it from the audit at its next pass" in err
+    assert raw.snapshot() == before  # nothing written
