@@ -82,7 +82,8 @@ class Keys:
 
     @property
     def audit(self) -> str:
-        """stream: one entry per committed transition (never trimmed)."""
+        """stream: one entry per committed transition or audited note, hash-chained; trimmed only by the opt-in
+        audit trim, after its records are exported (``audit_keep``, :mod:`fdeplb.store.retention`)."""
         return f"{self.prefix}:audit"
 
     @property
