@@ -159,7 +159,7 @@ def _trim(store, tmp_path):
     for i in range(3):
         store.append_note(store.read_cluster(), trigger="alarm", actor="test", reason=f"filler {i}")
     (tmp_path / "audit").mkdir(exist_ok=True)
-    assert store.trim_audit(2, str(tmp_path / "audit" / "export.jsonl"), str(tmp_path / "audit")) > 0
+    assert store.trim_audit(2, str(tmp_path / "audit" / "export.jsonl"), str(tmp_path / "audit"), fence="") > 0
 
 
 def test_a_deleted_record_of_an_excluded_rank_whose_audit_was_trimmed_stays_excluded(two, tmp_path):
