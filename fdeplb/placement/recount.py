@@ -31,18 +31,19 @@ import numpy as np
 
 from fdeplb.placement.deepseek import balanced_packing, replicate_experts
 
-#: at most this many re-counts per row (each settles the counts of one expert)
+#: at most this many re-counts per row (each settles the counts of one group of experts)
 _ROUNDS = 4
 #: relative gain below which a re-count is not taken (float64 noise)
 _RTOL = 1e-12
-#: the replicated experts of the heaviest GPU re-counted together: the heaviest one, two, ... this many
+#: the row's replicated experts of largest load per replica re-counted together: one, two, ... this many
 _GROUP = 3
-#: a row is looked at only when its heaviest GPU is this share above the bound no counts beat (the mean, or the
-#: largest load per replica at DeepSeek's counts); the real dumps' rows end far below the re-count's figures
+#: a row is looked at only when its forced load (:func:`forced_peak`) and its heaviest GPU are this share above the
+#: bound no counts beat (the mean, or the largest load per replica at DeepSeek's counts); no real dump's row is
 _SLACK = 1e-3
 
 
 def _gpu_loads(ids: np.ndarray, per_replica: np.ndarray, gpus: int) -> np.ndarray:
+    """float64 [gpus]: the load of every GPU of a row of expert ids int64 [slots] (GPU by GPU)."""
     return per_replica[ids].reshape(gpus, -1).sum(axis=1)
 
 
