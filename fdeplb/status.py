@@ -103,13 +103,10 @@ def member_states(store, members: Sequence[Any]) -> list[Any]:
 
 
 def _view_states(store) -> list[MemberState]:
-    """:func:`member_states` of :meth:`~fdeplb.store.Store.member_view` (:class:`CorruptRecordError` for a member
-    record that does not parse, or a missing one whose audit record does not give one)."""
-    states = member_states(store, store.member_view().members)
-    for st in states:
-        if isinstance(st, CorruptRecordError):
-            raise st
-    return states
+    """Every rank's membership state by :meth:`~fdeplb.store.Store.restored_view` (the rule of
+    :func:`member_states`; :class:`CorruptRecordError` for a member record that does not parse, or a missing one
+    whose audit record does not give one)."""
+    return store.restored_view().states()
 
 
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:

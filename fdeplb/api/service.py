@@ -301,7 +301,7 @@ def drive_weights(store: Store, action: str, timeout_s: float, shutdown: threadi
     target, what, done = _WEIGHT_ACTIONS[action]
 
     def members_records() -> list[tuple[int, Any]]:  # the ACTIVE members' records: the others are not waited for
-        records, members = store.read_all(WEIGHTS), set(store.member_view().active())
+        records, members = store.read_all(WEIGHTS), set(store.restored_view().active())
         return [(r, w) for r, w in enumerate(records) if r in members]
 
     records = members_records()

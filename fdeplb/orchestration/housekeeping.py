@@ -113,7 +113,7 @@ class WeightsWatchdog:
         if alarmed or now - since < cfg.deadlines.weights_ms / 1000:
             return
         weights, ranks = self.store.read_each(WEIGHTS), self.store.read_each(RANK)
-        members = set(self.store.member_view().active())  # a rank that is not a member is not waited for
+        members = set(self.store.restored_view().active())  # a rank that is not a member is not waited for
         pending = [r for r, w in enumerate(weights) if isinstance(w, WeightRecord) and r in members
                    and (w.request < n or w.state in _BUSY)]
         unarmed = [r for r in pending if not (isinstance(ranks[r], RankRecord) and ranks[r].armed == f"weights:{n}")]

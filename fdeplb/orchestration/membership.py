@@ -228,7 +228,7 @@ def operator_fire(store: Store, ep_rank: int, command: str, *, who: str, reason:
         raise IllegalTransitionError(f"rank {ep_rank} is {rec.state.value}: `rank {command}` applies to a rank that "
                                      f"is {' or '.join(legal)}")
     if command == "drain":  # the last member never leaves: with no member nothing serves and no round can start
-        others = [r for r in store.member_view().active() if r != int(ep_rank)]
+        others = [r for r in store.restored_view().active() if r != int(ep_rank)]
         if not others:
             raise IllegalTransitionError(f"rank {ep_rank} is the last ACTIVE member: draining it would leave the "
                                          f"cluster with none; readmit or rejoin another rank first")

@@ -150,7 +150,7 @@ def check_operator_plan(store: Any, phy2log: np.ndarray) -> np.ndarray:
     arr = arr.astype(np.int64)
     if arr.min() < 0 or arr.max() >= cfg.num_logical_experts:
         raise InputError(f"plan holds expert ids outside [0, {cfg.num_logical_experts}): nothing supplied")
-    live = live_mask(store.member_view(), cfg.ep_size)
+    live = live_mask(store.restored_view(), cfg.ep_size)  # a deleted record as the coordinator restores it
     orphans = orphaned_experts(arr, cfg.num_logical_experts, cfg.ep_size, live)
     if orphans:
         raise InputError(f"plan leaves {len(orphans)} experts (layer, log_id) without a replica on an ACTIVE member "

@@ -26,6 +26,7 @@ from :mod:`fdeplb.store.streams`: :func:`~fdeplb.store.streams.note_fields`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 import json
 from typing import Any, Collection, Sequence
@@ -117,6 +118,23 @@ class Repair:
             return not _s(self._client.get(self._keys.audit_head))
         fields = _text(oldest[0][1])
         return fields.pop("chain", "") == audit_chain("", fields)
+
+    def restored_view(self) -> Any:
+        """:meth:`~fdeplb.store.liveness.Liveness.member_view` with every missing member record that the leading
+        coordinator restores (:meth:`to_restore`) as its next pass restores it (:meth:`restored_members`; writes
+        nothing): the view an action judges membership by before that pass (an operator's plan, a drain's last
+        member, the weights wait and watchdog), as every reader shows it. :class:`CorruptRecordError` for a member
+        record that does not parse, or a missing one whose audit record does not give one."""
+        view = self.member_view()
+        missing = self.to_restore(view.members)
+        if not missing:
+            return view
+        members = list(view.members)
+        for r, restored in self.restored_members(missing).items():
+            if isinstance(restored, CorruptRecordError):
+                raise restored
+            members[r] = restored
+        return dataclasses.replace(view, members=members)
 
     def restored_members(self, ranks: Collection[int]) -> dict[int, MemberRecord | CorruptRecordError]:
         """The record :meth:`repair_member` restores each of ``ranks`` to when its member record is missing (see the

@@ -262,3 +262,25 @@ def test_a_corrupt_record_without_a_version_is_restored_by_the_same_rule(two, tm
         fixed = store.repair_member(0, fence="", actor="test")
         assert (fixed.record.state, fixed.record.version, fixed.source) == expected
         _trim(store, tmp_path)
+
+
+def test_actions_judge_a_deleted_record_as_the_coordinator_will_restore_it(two):
+    # review: an operator's plan and a drain's last-member check read the raw view, where a deleted record counted
+    # ACTIVE until the coordinator's pass: a plan routing experts only to an EXCLUDED rank was accepted
+    import numpy as np
+
+    from fdeplb.errors import InputError, StateError
+    from fdeplb.orchestration.rollback import check_operator_plan
+
+    store, raw = two
+    operator_fire(store, 1, "drain", who="op", reason="maintenance")
+    MembershipWatch(store, "coord-a", structlog.get_logger()).observe("", 60_000, ClusterState.FREE)
+    assert store.read(MEMBERSHIP, 1).state is M.EXCLUDED
+    raw.delete(_member(store, 1))  # no coordinator pass after this
+    assert store.restored_view().states() == [M.ACTIVE, M.EXCLUDED]
+    plan = np.tile(np.array([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]), (2, 1))  # experts 4-7 only on rank 1
+    with pytest.raises(InputError, match="without a replica on an ACTIVE member"):
+        check_operator_plan(store, plan)
+    with pytest.raises((StateError, InputError)):  # rank 0 is the last member: never drained
+        operator_fire(store, 0, "drain", who="op", reason="last one")
+    assert store.read(MEMBERSHIP, 0).state is M.ACTIVE
