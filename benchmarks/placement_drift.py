@@ -275,6 +275,13 @@ def _this_and_previous(result: dict, key: str) -> list[tuple[str, list]]:
     return [("this", result[key])] + ([(prev["rev"], prev[key])] if prev else [])
 
 
+def _code_table(result: dict, key: str, intro: str, header: str, rule: str, row: Callable[[str, dict], str]
+                ) -> list[str]:
+    """A markdown table of ``result[key]``'s rows, this code's then the previous code's (a first column naming it)."""
+    return ["", intro, "", header, rule] + [row(code, r) for code, rows in _this_and_previous(result, key)
+                                             for r in rows]
+
+
 def drift_tables(result: dict) -> list[str]:
     """Markdown lines: the drift table (with the previous code's rows where it ran the pair), issue 33's per-pair
     targets, the 1- and 4-node speed table, the move budget table."""
@@ -309,19 +316,15 @@ def drift_tables(result: dict) -> list[str]:
         bound = "" if d["move_bound"] is None else f"{d['move_bound'] / max(d['balanced']['moved'], 1):.4f}"
         lines.append(f"| {d['pair']} | {moved_share(d):.4f} | {slack_33(d):.6f} | {d['time']['balanced_ms']:.0f} | "
                      f"{d['time']['move_aware_ms']:.0f} | {d['time']['ratio']:.2f} | {bound} |")
-    lines += ["", "move_aware vs balanced, same input, interleaved runs (median ms):", "",
-              "| code | nodes | balanced ms | move_aware ms | ratio |", "|---|---:|---:|---:|---:|"]
-    for code, speeds in _this_and_previous(result, "move_aware_speed"):
-        for sp in speeds:
-            lines.append(f"| {code} | {sp['nodes']} | {sp['balanced_ms']:.1f} | {sp['move_aware_ms']:.1f} | "
-                         f"{sp['ratio']:.2f} |")
-    lines += ["", "Move budget (Pareto option): move_aware with max_moved_experts = a share of a fresh balanced plan's "
-              "moves (old = balanced on A, global).", "",
-              "| pair | code | budget share | cap | moved | max/mean | ms |", "|---|---|---:|---:|---:|---:|---:|"]
-    for code, rows_ in _this_and_previous(result, "pareto"):
-        for p in rows_:
-            lines.append(f"| {p['pair']} | {code} | {p['share']:.2f} | {p['cap']:,} | {p['moved']:,} | "
-                         f"{p['max_over_mean']:.5f} | {p['ms']:.0f} |")
+    lines += _code_table(result, "move_aware_speed", "move_aware vs balanced, same input, interleaved runs (median ms):",
+                         "| code | nodes | balanced ms | move_aware ms | ratio |", "|---|---:|---:|---:|---:|",
+                         lambda code, sp: f"| {code} | {sp['nodes']} | {sp['balanced_ms']:.1f} | "
+                                          f"{sp['move_aware_ms']:.1f} | {sp['ratio']:.2f} |")
+    lines += _code_table(result, "pareto", "Move budget (Pareto option): move_aware with max_moved_experts = a share of "
+                         "a fresh balanced plan's moves (old = balanced on A, global).",
+                         "| pair | code | budget share | cap | moved | max/mean | ms |", "|---|---|---:|---:|---:|---:|---:|",
+                         lambda code, p: f"| {p['pair']} | {code} | {p['share']:.2f} | {p['cap']:,} | {p['moved']:,} | "
+                                         f"{p['max_over_mean']:.5f} | {p['ms']:.0f} |")
     lines += ["", "Moves against balance (this code): move_aware without a cap at each tolerance; moved share of a fresh "
               "balanced plan's moves, slack = mean max/mean over fresh balanced's.", "",
               "| pair | tolerance | moved share | slack |", "|---|---:|---:|---:|"]

@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 
 from fdeplb.placement.deepseek import balanced_packing, replicate_experts
+from fdeplb.placement.fill import replica_counts
 
 #: at most this many re-counts per row (each settles the counts of one group of experts)
 _ROUNDS = 4
@@ -164,10 +165,8 @@ def recount_rows(load: np.ndarray, phy2log: np.ndarray, num_nodes: int, num_gpus
     L, P = phy2log.shape
     gpn, S = num_gpus // num_nodes, P // num_gpus
     rows = phy2log.reshape(L * num_nodes, gpn, S)
-    per_replica = load[:, None, :].repeat(num_nodes, axis=1).reshape(L * num_nodes, -1)
-    counts = np.zeros_like(per_replica)
-    np.add.at(counts, (np.arange(L * num_nodes)[:, None], rows.reshape(L * num_nodes, -1)), 1.0)
-    per_replica = per_replica / np.maximum(counts, 1.0)
+    counts = replica_counts(rows.reshape(L * num_nodes, -1), load.shape[1])[:, :-1]
+    per_replica = np.repeat(load, num_nodes, axis=0) / np.maximum(counts, 1)
     r = np.arange(L * num_nodes)
     item = per_replica[r[:, None, None], rows].reshape(L * num_nodes, -1)
     gpu = item.reshape(L * num_nodes, gpn, S).sum(axis=2)
