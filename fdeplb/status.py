@@ -102,13 +102,6 @@ def member_states(store, members: Sequence[Any]) -> list[Any]:
     return states
 
 
-def _view_states(store) -> list[MemberState]:
-    """Every rank's membership state by :meth:`~fdeplb.store.Store.restored_view` (the rule of
-    :func:`member_states`; :class:`CorruptRecordError` for a member record that does not parse, or a missing one
-    whose audit record does not give one)."""
-    return store.restored_view().states()
-
-
 def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     """(number of registered ranks, ``{ep_rank: why}`` for every member rank (all of ``ep_size`` but EXCLUDED ones)
     without a live heartbeat): not registered (e.g. Redis lost its data and the agent has not registered again;
@@ -124,7 +117,7 @@ def unhealthy_ranks(store) -> tuple[int, dict[int, str]]:
     for r in sorted(registered):
         if r < len(records) and isinstance(records[r], CorruptRecordError):
             raise records[r]
-    excluded = {r for r, st in enumerate(_view_states(store)) if st is MemberState.EXCLUDED}
+    excluded = {r for r, st in enumerate(store.restored_view().states()) if st is MemberState.EXCLUDED}
     beats = heartbeats_of(records, now, registered)
     out = {r: "never beat" for r in registered if r not in beats and r not in excluded}
     for r, age in stale_of(beats, ep_size).items():
@@ -233,7 +226,7 @@ def degraded_experts(store) -> dict[str, Any] | None:
     placement has a replica on an ACTIVE member, else ``{"orphans": [[layer, log_id], ...], "ranks": [...]}``.
     :class:`CorruptRecordError` for a configuration, placement or member record that does not parse."""
     config = store.read_config()
-    live = [r for r, st in enumerate(_view_states(store)) if st is MemberState.ACTIVE]  # as unhealthy_ranks reads
+    live = store.restored_view().active()  # as unhealthy_ranks reads: a deleted record as it is restored
     if len(live) == config.ep_size:
         return None
     try:
