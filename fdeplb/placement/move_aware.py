@@ -41,7 +41,7 @@ trajectories are those of the layer's node rows (:func:`fdeplb.placement.node_ma
 under each of its group-to-node maps (below), a point of the layer being every node row stopped at its
 cheapest point under a level (:func:`fdeplb.placement.stops.block_candidates`); relocating the groups that change
 node is part of every point's moved experts, so it is charged to the cap like any other move (DeepSeek-V3 4-node
-drift pair, 10% of a fresh plan's moves: 1.3235 mean max/mean, 1.5253 by the per-layer repair it replaced). The
+drift pair, 10% of a fresh plan's moves: 1.3229 mean max/mean, 1.5253 by the per-layer repair it replaced). The
 per-layer repair below serves only as the guard should that plan move more than the cap:
 
 1. Target: the GPU-load max/mean that "balanced" reaches on the new loads, plus ``tolerance``.
@@ -57,15 +57,17 @@ per-layer repair below serves only as the guard should that plan move more than 
    renumbered to match the old GPUs (``scipy.optimize.linear_sum_assignment`` on shared experts), then every slot
    that can go back to its old expert without leaving the target does so.
 
-In hierarchical mode every layer has up to two group-to-node maps: the old placement's (as it is when the old
+In hierarchical mode every layer has group-to-node maps to choose from: the old placement's (as it is when the old
 placement keeps every group on one node; otherwise the packing with num_groups / num_nodes groups per node that
 keeps the most old slots) and the node packing of the "balanced" plan, with nodes renumbered to match the old
-placement. Without a cap a layer keeps the old map when its heaviest node, spread over its GPUs, is within the
-target, else takes the balanced map; experts of groups that change node are placed first
+placement. Without a cap a layer takes, among the maps whose heaviest node, spread over its GPUs, is within the
+target, the one that relocates the fewest old slots (:func:`fdeplb.placement.node_maps.nearest_maps`, exhaustive
+over the maps: 2,520 for 8 groups on 4 nodes; the old map when it is within the target; with more maps than that
+search tries, the old map or else the balanced one); experts of groups that change node are placed first
 (:func:`fdeplb.placement.fill.fill_rows`).
-With a cap, the candidates of both maps enter the choice, and those of a third, the old map with the one swap of
-two groups that lowers its heaviest node most (:func:`fdeplb.placement.node_maps.swap_map`: on the DeepSeek-V3
-4-node pair it brings the heaviest node nearly as low as the balanced map, 1.3117 against 1.3098 mean over
+With a cap, the candidates of the old, the nearest and the balanced map enter the choice, and those of a fourth,
+the old map with the one swap of two groups that lowers its heaviest node most
+(:func:`fdeplb.placement.node_maps.swap_map`: on the DeepSeek-V3 4-node pair it brings the heaviest node nearly as low as the balanced map, 1.3117 against 1.3098 mean over
 layers, where the balanced map relocates 2-4 of the 8 groups). Moves that no candidate avoids (an old placement that
 spreads groups over nodes) must fit in the cap: a cap below them is an error. With the cap at 0 (and groups on
 nodes) the old placement comes back unchanged. Deterministic: ties keep the first candidate in slot / expert
@@ -89,7 +91,7 @@ from fdeplb.placement.balanced import balanced_plan
 from fdeplb.placement.deepseek import deepseek_phy2log, replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
-from fdeplb.placement.node_maps import node_of_groups, node_rows, old_node_of_groups
+from fdeplb.placement.node_maps import nearest_maps, node_of_groups, node_rows, old_node_of_groups
 from fdeplb.placement.pareto import check_reserve, plan_nodes_within_budget, plan_within_budget
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.row_repair import best_layer_plan, layer_candidates, plan_layer
@@ -374,9 +376,11 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
     stopped by :func:`fdeplb.placement.stops.choose_stops`. Returns (phy2log int64 [L, P], excess float64 [L]:
     max/mean GPU load minus the "balanced" plan's, per layer).
 
-    A layer keeps the old group-to-node map when its heaviest node, spread evenly over its GPUs, is within the
-    target (so a layer already within it whose groups sit on whole nodes keeps its placement), and takes the
-    balanced plan's (renumbered) map otherwise; experts of groups that change node fill the freed slots
+    A layer takes the group-to-node map that relocates the fewest old slots among those whose heaviest node, spread
+    evenly over its GPUs, is within the target (:func:`fdeplb.placement.node_maps.nearest_maps`: the old map when
+    it is, so a layer already within it whose groups sit on whole nodes keeps its placement; DeepSeek-V3 4-node
+    drift pair: 22.6% of a fresh plan's moves, 29.5% by the balanced plan's map); experts of groups that change
+    node fill the freed slots
     (:func:`fdeplb.placement.fill.fill_rows`) before the repair."""
     L, P = old.shape
     num_groups = old_maps.shape[1]
@@ -391,9 +395,14 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9), replanned_at_tolerance=True)
         return replay_stops(start, log, stops), excess
-    node_load = np.zeros((L, num_nodes))
-    np.add.at(node_load, (layers[:, None], old_maps), load.reshape(L, num_groups, -1).sum(axis=2))
-    maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
+    group_load = load.reshape(L, num_groups, -1).sum(axis=2)
+    group_slots = np.zeros((L, num_groups), dtype=np.int64)
+    np.add.at(group_slots, (layers[:, None], old // (load.shape[1] // num_groups)), 1)
+    maps = nearest_maps(old_maps, group_load, group_slots, num_nodes, target * Gn)
+    if maps is None:  # too many maps to try: the old one when within the target, else the balanced plan's
+        node_load = np.zeros((L, num_nodes))
+        np.add.at(node_load, (layers[:, None], old_maps), group_load)
+        maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
     experts_of, old_local, row_load, start = node_rows(load, old, maps, _MAX_ITEM_SHARE * mean, cap, num_nodes,
                                                        num_gpus, _BULK_COPIES)
     work = start.copy()

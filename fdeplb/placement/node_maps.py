@@ -1,14 +1,17 @@
 """Group-to-node maps of the hierarchical "move_aware" policy: which node every expert group lives on, and the
 (layer, node) rows a map gives.
 
-Two maps per layer: the old placement's (:func:`old_node_of_groups`) and the "balanced" plan's packing with its
-nodes renumbered to match the old placement (:func:`node_of_groups`); a layer keeps the first or takes the second
-(:mod:`fdeplb.placement.move_aware`); with a move cap also the old map with one swap of two groups
-(:func:`swap_map`), cheaper to reach than the balanced one. :func:`node_rows` turns a map into the rows the
-batched repair works on.
+The maps of a layer: the old placement's (:func:`old_node_of_groups`), the "balanced" plan's packing with its
+nodes renumbered to match the old placement (:func:`node_of_groups`), the map within a node-load limit that
+relocates the fewest old slots (:func:`nearest_maps`, what the uncapped policy takes,
+:mod:`fdeplb.placement.move_aware`) and, with a move cap, the old map with one swap of two groups
+(:func:`swap_map`). :func:`node_rows` turns a map into the rows the batched repair works on.
 """
 
 from __future__ import annotations
+
+import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -69,6 +72,87 @@ def swap_map(old_maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np
     out = old_maps.copy()
     out[rows, i[best[rows]]], out[rows, j[best[rows]]] = old_maps[rows, j[best[rows]]], old_maps[rows, i[best[rows]]]
     return out
+
+
+# the most group-to-node maps :func:`nearest_maps` enumerates (8 groups on 4 nodes: 2,520; on 2 nodes: 70)
+MAX_MAPS = 5000
+
+
+@lru_cache(maxsize=8)
+def _all_maps(num_groups: int, num_nodes: int) -> np.ndarray:
+    """int64 [M, num_groups]: every map of groups to nodes with num_groups / num_nodes groups per node, in
+    lexicographic order."""
+    per_node = num_groups // num_nodes
+    out: list[tuple[int, ...]] = []
+    seats = [per_node] * num_nodes
+
+    def extend(prefix: list[int]) -> None:
+        if len(prefix) == num_groups:
+            out.append(tuple(prefix))
+            return
+        for node in range(num_nodes):
+            if seats[node]:
+                seats[node] -= 1
+                extend(prefix + [node])
+                seats[node] += 1
+
+    extend([])
+    maps = np.array(out, dtype=np.int64)
+    maps.setflags(write=False)
+    return maps
+
+
+@lru_cache(maxsize=8)
+def _onehot(num_groups: int, num_nodes: int) -> np.ndarray:
+    """float64 [num_groups * num_nodes, M]: 1 where map m (:func:`_all_maps`) puts group g on node n (row g * num_nodes
+    + n)."""
+    maps = _all_maps(num_groups, num_nodes)
+    out = (maps.T[:, None, :] == np.arange(num_nodes)[None, :, None]).astype(np.float64)
+    out.setflags(write=False)
+    return out.reshape(num_groups * num_nodes, -1)
+
+
+def map_count(num_groups: int, num_nodes: int) -> int:
+    """How many maps put num_groups / num_nodes groups on every node (a multinomial coefficient)."""
+    per_node = num_groups // num_nodes
+    return math.factorial(num_groups) // math.factorial(per_node) ** num_nodes
+
+
+def nearest_maps(old_maps: np.ndarray, group_load: np.ndarray, group_slots: np.ndarray, num_nodes: int,
+                 limit: np.ndarray) -> np.ndarray | None:
+    """int64 [L, num_groups]: every layer's group-to-node map that relocates the fewest old slots among the maps
+    whose heaviest node load is at most ``limit``; None when there are more than :data:`MAX_MAPS` maps to try.
+
+    Exhaustive over the maps with num_groups / num_nodes groups per node (:func:`_all_maps`); a map's cost is the
+    sum of ``group_slots`` over the groups it puts on another node than ``old_maps``. Ties: the lower heaviest node,
+    then the first map in lexicographic order. A layer no map meets ``limit`` in gets the map of least heaviest
+    node (DeepSeek's greedy node packing is one of the maps tried, so this is never heavier than it). With one
+    group a node every map has the same node loads: the old maps come back.
+
+    Args:
+        old_maps: int64 [L, num_groups] node of every group in the old placement.
+        group_load: float64 [L, num_groups] tokens per group.
+        group_slots: int64 [L, num_groups] old slots holding the group's experts (what relocating it moves).
+        num_nodes: nodes (num_groups divisible by it).
+        limit: float64 [L] tokens: the heaviest node allowed.
+    """
+    L, num_groups = group_load.shape
+    if num_groups == num_nodes:  # one group a node: every map has the old one's node loads, in another order
+        return old_maps.copy()
+    if map_count(num_groups, num_nodes) > MAX_MAPS:
+        return None
+    maps = _all_maps(num_groups, num_nodes)  # [M, num_groups]
+    onehot = _onehot(num_groups, num_nodes)  # [num_groups * num_nodes, M]: group g on node n in map m
+    peak = (group_load @ onehot.reshape(num_groups, -1)).reshape(L, num_nodes, -1).max(axis=1)  # [L, M]
+    stays = np.zeros((L, num_groups, num_nodes))  # slots a group keeps when it stays on its old node
+    np.put_along_axis(stays, old_maps[:, :, None], group_slots[:, :, None].astype(np.float64), axis=2)
+    cost = group_slots.sum(axis=1, keepdims=True) - stays.reshape(L, -1) @ onehot  # [L, M] slots relocated
+    fits = peak <= limit[:, None]
+    cost = np.where(fits, cost, np.inf)
+    cost[~fits.any(axis=1)] = 0.0  # no map fits: least heaviest node
+    cheapest = cost == cost.min(axis=1, keepdims=True)
+    best = np.where(cheapest, peak, np.inf).argmin(axis=1)  # argmin: the first map of a tie
+    return maps[best]
 
 
 def node_rows(load: np.ndarray, old: np.ndarray, maps: np.ndarray, free_item: np.ndarray, cap: np.ndarray,

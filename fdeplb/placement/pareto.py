@@ -27,7 +27,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.node_maps import node_rows, swap_map
+from fdeplb.placement.node_maps import nearest_maps, node_rows, swap_map
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.stops import block_candidates, choose_within_budget, replay_stops
 
@@ -157,8 +157,9 @@ def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.nda
 
     Candidates of a layer, none depending on the budget: its old placement when it keeps every group on one node (no
     move), and for each of its group-to-node maps (the old placement's, the old one with one swap of two groups,
-    :func:`fdeplb.placement.node_maps.swap_map`, and the "balanced" plan's; each where it differs from those
-    before it) and each rung of :func:`ladder`, the levels of the node rows' repair trajectories toward the rung
+    :func:`fdeplb.placement.node_maps.swap_map`, the one relocating the fewest old slots with its heaviest node within
+    ``tolerance`` of the reference, :func:`fdeplb.placement.node_maps.nearest_maps`, and the "balanced" plan's; each
+    where it differs from those before it) and each rung of :func:`ladder`, the levels of the node rows' repair trajectories toward the rung
     (:func:`fdeplb.placement.stops.block_candidates`): the rows of :func:`fdeplb.placement.node_maps.node_rows`
     (the relocation of the groups that change node is part of every point's moved experts, so it is charged to
     the budget), repaired with 2-2 swaps as in the uncapped path. Choice: the exact multiple-choice knapsack
@@ -187,10 +188,14 @@ def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.nda
     mean = load.sum(axis=1) / num_gpus
     safe_mean = np.where(mean > 0, mean, 1.0)
     group_size = E // old_maps.shape[1]
-    # (layer, map) pairs: every layer's old map, then its one-swap map and the balanced map where each differs from
+    # (layer, map) pairs: every layer's old map, then its one-swap, nearest and balanced maps where each differs from
     # the maps before it
-    candidates = [old_maps, swap_map(old_maps, load.reshape(L, old_maps.shape[1], -1).sum(axis=2), num_nodes),
-                  fresh_maps]
+    group_load = load.reshape(L, old_maps.shape[1], -1).sum(axis=2)
+    group_slots = np.zeros_like(old_maps)
+    np.add.at(group_slots, (np.arange(L)[:, None], old // group_size), 1)
+    near = nearest_maps(old_maps, group_load, group_slots, num_nodes,
+                        (ref_peak + tolerance * safe_mean) * (num_gpus // num_nodes))
+    candidates = [old_maps, swap_map(old_maps, group_load, num_nodes)] + ([] if near is None else [near]) + [fresh_maps]
     sel, maps = [], []
     for k, cand in enumerate(candidates):
         new = np.flatnonzero(np.all([(cand != earlier).any(axis=1) for earlier in candidates[:k]], axis=0)

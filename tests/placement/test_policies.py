@@ -197,7 +197,8 @@ def test_move_aware_moves_and_slack_on_the_drift_pairs(real_data, folder, a, b, 
 def test_move_aware_hierarchical_drift_within_the_tolerance_of_balanced(real_data):
     """DeepSeek-V3 on 4 nodes (288 slots, 8 groups, 32 GPUs), prefill_in1024 -> decode_in1000out1000: measured
     against the node bound (reference_peak), with 2-2 swaps in the node rows, the plan is 0.00044 above the fresh
-    "balanced" plan (0.00095 against the 1-1 reference before) at 29.5% of its moves (30.9% before)."""
+    "balanced" plan (0.00095 against the 1-1 reference before) at 22.6% of its moves (29.5% when a layer whose old
+    group-to-node map was out of reach took the balanced plan's map instead of the nearest map within reach)."""
     folder = real_data / "dsv3_sglang_ep_stats"
     load_a = read_expert_load(folder / "prefill_in1024.json").expert_load
     load_b = read_expert_load(folder / "decode_in1000out1000.json").expert_load
@@ -210,7 +211,7 @@ def test_move_aware_hierarchical_drift_within_the_tolerance_of_balanced(real_dat
     excess = ratio(load_b, plan, 32) - bound_ratio(load_b, 288, 32, 8, 4)
     assert excess.mean() <= 0.0005 + 1e-12
     assert (ratio(load_b, plan, 32) - ratio(load_b, fresh, 32)).mean() <= 0.0005
-    assert moved_experts(old, plan, 32) <= 0.31 * moved_experts(old, fresh, 32)
+    assert moved_experts(old, plan, 32) <= 0.23 * moved_experts(old, fresh, 32)
 
 
 def test_move_aware_replans_only_the_layers_the_mean_needs():
