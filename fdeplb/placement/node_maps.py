@@ -79,7 +79,7 @@ MAX_MAPS = 5000
 
 
 @lru_cache(maxsize=8)
-def _all_maps(num_groups: int, num_nodes: int) -> np.ndarray:
+def all_maps(num_groups: int, num_nodes: int) -> np.ndarray:
     """int64 [M, num_groups]: every map of groups to nodes with num_groups / num_nodes groups per node, in
     lexicographic order."""
     per_node = num_groups // num_nodes
@@ -103,10 +103,10 @@ def _all_maps(num_groups: int, num_nodes: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def _onehot(num_groups: int, num_nodes: int) -> np.ndarray:
-    """float64 [num_groups * num_nodes, M]: 1 where map m (:func:`_all_maps`) puts group g on node n (row g * num_nodes
+def map_indicator(num_groups: int, num_nodes: int) -> np.ndarray:
+    """float64 [num_groups * num_nodes, M]: 1 where map m (:func:`all_maps`) puts group g on node n (row g * num_nodes
     + n)."""
-    maps = _all_maps(num_groups, num_nodes)
+    maps = all_maps(num_groups, num_nodes)
     out = (maps.T[:, None, :] == np.arange(num_nodes)[None, :, None]).astype(np.float64)
     out.setflags(write=False)
     return out.reshape(num_groups * num_nodes, -1)
@@ -123,7 +123,7 @@ def nearest_maps(old_maps: np.ndarray, group_load: np.ndarray, group_slots: np.n
     """int64 [L, num_groups]: every layer's group-to-node map that relocates the fewest old slots among the maps
     whose heaviest node load is at most ``limit``; None when there are more than :data:`MAX_MAPS` maps to try.
 
-    Exhaustive over the maps with num_groups / num_nodes groups per node (:func:`_all_maps`); a map's cost is the
+    Exhaustive over the maps with num_groups / num_nodes groups per node (:func:`all_maps`); a map's cost is the
     sum of ``group_slots`` over the groups it puts on another node than ``old_maps``. Ties: the lower heaviest node,
     then the first map in lexicographic order. A layer no map meets ``limit`` in gets the map of least heaviest
     node (DeepSeek's greedy node packing is one of the maps tried, so this is never heavier than it). With one
@@ -141,8 +141,8 @@ def nearest_maps(old_maps: np.ndarray, group_load: np.ndarray, group_slots: np.n
         return old_maps.copy()
     if map_count(num_groups, num_nodes) > MAX_MAPS:
         return None
-    maps = _all_maps(num_groups, num_nodes)  # [M, num_groups]
-    onehot = _onehot(num_groups, num_nodes)  # [num_groups * num_nodes, M]: group g on node n in map m
+    maps = all_maps(num_groups, num_nodes)  # [M, num_groups]
+    onehot = map_indicator(num_groups, num_nodes)  # [num_groups * num_nodes, M]: group g on node n in map m
     peak = (group_load @ onehot.reshape(num_groups, -1)).reshape(L, num_nodes, -1).max(axis=1)  # [L, M]
     stays = np.zeros((L, num_groups, num_nodes))  # slots a group keeps when it stays on its old node
     np.put_along_axis(stays, old_maps[:, :, None], group_slots[:, :, None].astype(np.float64), axis=2)
