@@ -261,14 +261,36 @@ def deepseek_placement(
     """
     load = np.asarray(expert_load).astype(np.float32)
     L, E = load.shape
+    # Step 1: pack groups onto nodes.
+    group_load = load.reshape(L, num_groups, E // num_groups).sum(axis=-1, dtype=np.float64).astype(np.float32)
+    group_pack, group_rank = balanced_packing(group_load, num_nodes, tie_order="torch")
+    return place_in_nodes(load, group_pack, group_rank, num_replicas, num_nodes, num_gpus)
+
+
+def place_in_nodes(
+    expert_load: np.ndarray, group_pack: np.ndarray, group_rank: np.ndarray, num_replicas: int, num_nodes: int,
+    num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps 2 and 3 of DeepSeek's hierarchical policy for a given packing of groups onto nodes: replicate experts
+    inside every node, pack the node's replicas onto its GPUs (float32 as ``eplb.py``).
+
+    Args:
+        expert_load: [L, E] non-negative finite loads.
+        group_pack, group_rank: int64 [L, num_groups] the node of every group and its position on the node
+            (``num_groups / num_nodes`` groups a node, positions 0, 1, ...): step 1's packing or another.
+        num_replicas, num_nodes, num_gpus: a checked topology.
+
+    Returns:
+        ``(phy2log, phyrank, logcnt)`` as :func:`deepseek_placement`.
+    """
+    load = np.asarray(expert_load).astype(np.float32)
+    L, E = load.shape
+    num_groups = group_pack.shape[1]
     group_size = E // num_groups
     groups_per_node = num_groups // num_nodes
     slots_per_gpu = num_replicas // num_gpus
     log_per_node = E // num_nodes
-
-    # Step 1: pack groups onto nodes; "mlog" numbers the experts node by node.
-    group_load = load.reshape(L, num_groups, group_size).sum(axis=-1, dtype=np.float64).astype(np.float32)
-    group_pack, group_rank = balanced_packing(group_load, num_nodes, tie_order="torch")
+    # "mlog" numbers the experts node by node
     log2mlog = (
         ((group_pack * groups_per_node + group_rank) * group_size)[:, :, None] + np.arange(group_size)
     ).reshape(L, E)

@@ -6,7 +6,7 @@ reference heaviest GPU (``tolerance``, absolute max/mean units), :func:`referenc
 bound on any plan's heaviest GPU (the mean, or the largest per-replica load at the best replica counts), so that
 "within tolerance of the reference" is never looser than "within tolerance of balanced" and no balanced plan is
 computed on the hot path ("balanced" ends 2e-5 to 1.1e-4 above the bound on the DeepSeek-V3 drift pairs); in
-hierarchical mode the same bound at the node packing and replica counts "balanced" keeps from DeepSeek's plan
+hierarchical mode the same bound at the node packing and replica counts "balanced" starts from and keeps
 (over the nodes, the node's load over its GPUs or its largest per-replica load; "balanced" ends 6e-5 above it on
 average on the DeepSeek-V3 4-node pair). Below, "balanced" means this reference.
 
@@ -87,8 +87,8 @@ from __future__ import annotations
 import numpy as np
 
 from fdeplb.placement._validate import check_expert_load, check_topology
-from fdeplb.placement.balanced import balanced_plan
-from fdeplb.placement.deepseek import deepseek_phy2log, replicate_experts
+from fdeplb.placement.balanced import balanced_plan, balanced_start
+from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
 from fdeplb.placement.node_maps import nearest_maps, node_of_groups, node_rows, old_node_of_groups
@@ -161,8 +161,8 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     per-replica load at DeepSeek's replica counts (:func:`fdeplb.placement.deepseek.replicate_experts`, which
     minimise the largest per-replica load; every expert has a replica on some GPU). "balanced" ends within 1.1e-4
     of it (max/mean units) on the DeepSeek-V3 drift pairs. Hierarchical mode (``num_groups % num_nodes == 0``): the
-    same bound at the node packing and replica counts of DeepSeek's hierarchical plan, which "balanced" keeps
-    (its swaps stay inside nodes): over the nodes, the larger of the node's load over its GPUs and its largest
+    same bound at the node packing and replica counts "balanced" starts from and keeps
+    (:func:`fdeplb.placement.balanced.balanced_start`; its swaps stay inside nodes): over the nodes, the larger of the node's load over its GPUs and its largest
     per-replica load ("balanced" ends 6e-5 above it on average, 2.4e-4 at most, on the DeepSeek-V3 4-node drift
     pair of /work/exp/harness.py).
 
@@ -173,7 +173,7 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     P, groups, nodes, gpus, hierarchical = check_topology(load.shape[1], num_replicas, num_groups, num_nodes,
                                                           num_gpus)
     if hierarchical:
-        phy2log, logcnt = deepseek_phy2log(load, P, groups, nodes, gpus)
+        phy2log, logcnt, _ = balanced_start(load, P, groups, nodes, gpus)
         return _node_peak_bound(np.asarray(load, dtype=np.float64), phy2log, logcnt, nodes, gpus)
     return _peak_bound(np.asarray(load, dtype=np.float64), P, gpus)
 
@@ -188,7 +188,7 @@ def _peak_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> np.ndarra
 def _node_peak_bound(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_nodes: int,
                      num_gpus: int) -> np.ndarray:
     """float64 [L] tokens: a lower bound on the heaviest GPU of any plan with the node packing and replica counts
-    of ``phy2log`` int64 [L, P] / ``logcnt`` int64 [L, E] (DeepSeek's hierarchical plan, which "balanced" keeps):
+    of ``phy2log`` int64 [L, P] / ``logcnt`` int64 [L, E] (the start of "balanced", which it keeps):
     over the nodes, the larger of the node's load over its GPUs and its largest per-replica load. ``load``
     float64 [L, E]."""
     L, P = phy2log.shape
@@ -210,9 +210,9 @@ class _Layers:
         self.old = old = np.asarray(old_phy2log, dtype=np.int64)
         L, E = load.shape
         P = num_replicas
-        if num_nodes > 1:  # DeepSeek's plan: the node packing and replica counts of "balanced" (which
-            # only swaps inside nodes), and the bound at them; the balanced plan only for layers that need it
-            self.fresh, logcnt = deepseek_phy2log(expert_load, P, num_groups, num_nodes, num_gpus)
+        if num_nodes > 1:  # the start of "balanced": its node packing and replica counts (its search only swaps
+            # inside nodes), and the bound at them; the balanced plan only for layers that need it
+            self.fresh, logcnt, _ = balanced_start(expert_load, P, num_groups, num_nodes, num_gpus)
             fresh_peak = _node_peak_bound(load, self.fresh, logcnt, num_nodes, num_gpus)
         else:  # global: the bound (no plan on the hot path); the plan only for layers that need the fallback
             self.fresh, fresh_peak = np.zeros((L, P), dtype=np.int64), _peak_bound(load, P, num_gpus)

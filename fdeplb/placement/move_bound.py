@@ -41,7 +41,7 @@ from scipy.optimize import linprog
 
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
-from fdeplb.placement.node_maps import MAX_MAPS, map_count, map_indicator
+from fdeplb.placement.node_maps import MAX_MAPS, map_count, map_indicator, map_peaks
 
 
 def _checked(expert_load: object, old_phy2log: object, max_over_mean: object) -> tuple[np.ndarray, np.ndarray]:
@@ -173,19 +173,17 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
         raise InputError(f"{map_count(num_groups, num_nodes)} group-to-node maps a layer, above {MAX_MAPS}")
     group_size, gpus_per_node = E // num_groups, num_gpus // num_nodes
     onehot = map_indicator(num_groups, num_nodes)  # [num_groups * num_nodes, M]
-    M = onehot.shape[1]
     held = np.zeros((L, num_nodes, E), dtype=bool)  # a GPU of the node held a replica of the expert
     held[np.arange(L)[:, None], np.arange(P)[None, :] // (P // num_nodes), old] = True
     missing = (~held).reshape(L, num_nodes, num_groups, group_size).sum(axis=3).transpose(0, 2, 1)  # [L, grp, node]
     forced = missing.reshape(L, -1).astype(np.float64) @ onehot  # [L, M] moved experts the map forces
     group_load = load.reshape(L, num_groups, group_size).sum(axis=2)
     mean = np.where(load.sum(axis=1) > 0, load.sum(axis=1) / num_gpus, 1.0)
-    node_peak = (group_load @ onehot.reshape(num_groups, -1)).reshape(L, num_nodes, M).max(axis=1)
-    floor = node_peak / gpus_per_node / mean[:, None]  # [L, M] max/mean no plan with the map goes below
+    floor = map_peaks(group_load, num_nodes)[1] / gpus_per_node / mean[:, None]  # [L, M] max/mean no plan with the map goes below
     if floor.min(axis=1).sum() > L * float(max_over_mean) * (1 + 1e-12):
         raise InputError(f"no plan with every group on one node reaches a mean max/mean of {max_over_mean} "
                          f"(at least {floor.min(axis=1).mean():.6f})")
-    one_map = sp.kron(sp.eye(L), np.ones((1, M)))
+    one_map = sp.kron(sp.eye(L), np.ones((1, onehot.shape[1])))
     res = linprog(forced.ravel(), A_ub=floor.reshape(1, -1), b_ub=[L * float(max_over_mean)],
                   A_eq=one_map, b_eq=np.ones(L), bounds=(0, 1), method="highs")
     if res.status != 0:
