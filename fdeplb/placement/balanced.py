@@ -8,7 +8,7 @@ Dell'Amico & Martello, "Bounds for the cardinality constrained P||Cmax problem",
    largest load per replica, which minimises the largest per-replica load; changed only by step 3) and, in
    hierarchical mode, its group-to-node packing are kept, except that a layer whose groups have a packing onto
    nodes with a lighter heaviest node gets the lightest one (exhaustive over packings: DeepSeek's greedy is optimal
-   with two groups a node, not with four: DeepSeek-V3 at 2 nodes, 1.0216-1.0590 mean max/mean -> 1.0062-1.0409;
+   with two groups a node, not with four: DeepSeek-V3 at 2 nodes, EP16, 1.0215-1.0590 mean max/mean -> 1.0061-1.0409;
    :func:`balanced_start`) and DeepSeek's replication inside its nodes; its greedy packing of replicas onto GPUs
    (heaviest first onto the lightest GPU with room) is the starting point.
 2. Exchange local search, the pairwise-interchange neighbourhood of P||Cmax local search (Finn & Horowitz, "A linear
