@@ -144,15 +144,30 @@ def run(real_data: Path, eplb_ref: Path | None = None, eplb_python: str = sys.ex
             "targets": targets(rows, drift, speed, ma_speed, topo, pareto)}
 
 
-def lower_bound(load: np.ndarray, slots: int, ep: int) -> np.ndarray:
+def lower_bound(load: np.ndarray, slots: int, ep: int, groups: int = 1, nodes: int = 1) -> np.ndarray:
     """Per-layer max/mean no plan can beat: the larger of 1 and DeepSeek's replica counts' largest per-replica load
-    over the mean GPU load (those counts minimise the largest per-replica load; a GPU holds at least one replica)."""
+    over the mean GPU load (those counts minimise the largest per-replica load; a GPU holds at least one replica);
+    hierarchical (groups kept on nodes): also the lightest packing's heaviest node over its GPUs, over the mean GPU
+    load (every packing tried, fdeplb.placement.node_maps.lightest_maps; one group a node: the heaviest group)."""
     from fdeplb.placement.deepseek import replicate_experts
 
     load = load.astype(np.float64)
     _, _, cnt = replicate_experts(load, slots)
     mean = load.sum(axis=1) / ep
-    return np.maximum(1.0, (load / cnt).max(axis=1) / np.where(mean > 0, mean, 1.0))
+    safe = np.where(mean > 0, mean, 1.0)
+    bound = np.maximum(1.0, (load / cnt).max(axis=1) / safe)
+    if nodes > 1 and groups % nodes == 0:
+        from fdeplb.placement.node_maps import lightest_maps
+
+        group_load = load.reshape(load.shape[0], groups, -1).sum(axis=2)
+        if groups == nodes:
+            heaviest = group_load.max(axis=1)
+        else:
+            lightest = lightest_maps(group_load, nodes)
+            heaviest = None if lightest is None else lightest[1]
+        if heaviest is not None:
+            bound = np.maximum(bound, heaviest / (ep // nodes) / safe)
+    return bound
 
 
 #: shares of a layer's load on one expert in the synthetic hot-expert rows
@@ -206,8 +221,9 @@ def balance_rows(real_data: Path, policies: tuple, python_loop: bool = True) -> 
                 if policies == POLICIES:
                     lb = cells.setdefault((model, mode, ep, slots, "lower bound"), {"ms": [0.0], "bal": [], "ratio": [],
                                                                                     "per_dump_ratio": {}})
-                    lb["ratio"].append(float(lower_bound(load, slots, ep).mean()))
-                    lb["bal"].append(float((1 / lower_bound(load, slots, ep)).mean()))
+                    bound = lower_bound(load, slots, ep, g, n)
+                    lb["ratio"].append(float(bound.mean()))
+                    lb["bal"].append(float((1 / bound).mean()))
     return [
         {"model": k[0], "mode": k[1], "ep": k[2], "slots": k[3], "policy": k[4],
          "median_ms": statistics.median(v["ms"]), "balancedness": float(np.mean(v["bal"])),
@@ -337,7 +353,9 @@ def tables(result: dict) -> list[str]:
         lines.append(f"| {r['model']} | {r['mode']} | {r['ep']} | {r['slots']} | {r['policy']} | "
                      f"{ms} | {r['balancedness']:.4f} | {r['max_over_mean']:.5f} | "
                      f"{r['worst_dump_max_over_mean']:.5f} | {inside} |")
-    lines += ["", "Lower bound: max(1, largest per-replica load of DeepSeek's replica counts / mean GPU load) per layer;"
+    lines += ["", "Lower bound: max(1, largest per-replica load of DeepSeek's replica counts / mean GPU load) per layer,"
+              " hierarchical also the lightest packing of groups onto nodes' heaviest node over its GPUs (all packings"
+              " tried; one group a node: the heaviest group) / mean GPU load;"
               " worst node inside: the worst dump's mean over layers of the worst node's heaviest GPU over that node's"
               " mean GPU load (hierarchical only)."]
     if result.get("hot_expert"):
