@@ -268,7 +268,7 @@ class PeerServer:
             placement, experts = str(req["placement"]), [(int(e[0]), int(e[1])) for e in req["experts"]]
             if not 0 < len(experts) <= BATCH_EXPERTS:
                 raise ValueError(f"a request names 1 to {BATCH_EXPERTS} experts, not {len(experts)}")
-        except (KeyError, TypeError, ValueError, IndexError) as err:  # the whole request is refused
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as err:  # the whole request is refused
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
@@ -380,8 +380,8 @@ class SocketTransport:
                                 break
                     if peer not in self._links:
                         break
-            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
-                self._drop(peer)
+            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError, OverflowError) as err:
+                self._drop(peer)  # OverflowError: a header's int that is JSON's Infinity or 1e999
                 request = items[len(out)][0]
                 auth = isinstance(err, AuthenticationError)
                 out.append((PeerAuthError if auth else PeerTransferError)(

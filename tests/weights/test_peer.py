@@ -233,16 +233,17 @@ def test_connections_past_the_handshake_cap_are_turned_away_and_the_server_serve
 
 
 @contextmanager
-def fake_peer(then, timeout_s: float = 10):
-    """A peer speaking the protocol by hand (the stdlib Listener, same key): it reads one request, answers a
-    header for a 256-byte expert, then ``then(conn)``; yields a transport to it."""
+def fake_peer(then, timeout_s: float = 10, header: bytes = b'{"answers": [{"ok": true, "checksum": [1], '
+              b'"sizes": [["w", 256]]}]}'):
+    """A peer speaking the protocol by hand (the stdlib Listener, same key): it reads one request, answers
+    ``header`` (by default one for a 256-byte expert), then ``then(conn)``; yields a transport to it."""
     listener = Listener(("127.0.0.1", 0), authkey=KEY)
     done = threading.Event()
 
     def serve():
         conn = listener.accept()
         conn.recv_bytes()
-        conn.send_bytes(b'{"answers": [{"ok": true, "checksum": [1], "sizes": [["w", 256]]}]}')
+        conn.send_bytes(header)
         then(conn, done)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -267,6 +268,41 @@ def test_a_truncated_frame_is_an_error():
     with fake_peer(short) as transport:
         with pytest.raises(PeerTransferError, match="truncated frame"):
             transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+
+
+@pytest.mark.parametrize("field", ['"checksum": [Infinity], "sizes": [["w", 256]]',
+                                   '"checksum": [1], "sizes": [["w", 1e999]]'])
+def test_a_header_with_a_number_past_any_int_is_a_transfer_error_not_an_overflow(field):
+    """JSON's Infinity (or 1e999) where the header has an int: int() raises OverflowError, which the transport
+    let out of fetch(), so staging failed (LOAD_FAILED) instead of reading that expert from the checkpoint."""
+    def send(conn, _done):
+        conn.send_bytes(b"x" * 256)
+        with pytest.raises(EOFError):
+            conn.recv_bytes()  # until the client hangs up
+
+    header = ('{"answers": [{"ok": true, ' + field + '}]}').encode()
+    with fake_peer(send, header=header) as transport:
+        with pytest.raises(PeerTransferError, match="OverflowError"):
+            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+
+
+def test_a_request_with_a_number_past_any_int_is_refused_and_the_connection_serves_on():
+    """The server side of the same: the serving thread died of the OverflowError (a traceback, the connection
+    cut) instead of refusing the request as bad."""
+    from multiprocessing.connection import Client
+
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY)
+    host, _, port = server.address.rpartition(":")
+    conn = Client((host, int(port)), authkey=KEY)
+    try:
+        conn.send_bytes(b'{"placement": "x", "experts": [[Infinity, 4]]}')
+        assert conn.poll(10)
+        assert json.loads(conn.recv_bytes())["error"] == "bad request: cannot convert float infinity to integer"
+        conn.send_bytes(json.dumps({"placement": routing_digest(OLD), "experts": [[0, 4]]}).encode())
+        assert conn.poll(10) and json.loads(conn.recv_bytes())["answers"][0]["ok"] is True
+    finally:
+        conn.close()
+        server.close()
 
 
 def test_a_stalled_peer_is_cut_at_its_deadline():
