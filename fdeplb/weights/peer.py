@@ -224,6 +224,7 @@ class PeerServer:
     def close(self) -> None:
         """Stop accepting (idempotent); connections in flight end with their peer or their deadline."""
         self._stop.set()
+        _shutdown(self._sock)  # wakes the accepting thread: closing alone left the port accepting until its timeout
         self._sock.close()
 
     def _accept(self) -> None:

@@ -156,3 +156,35 @@ def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id
         assert all(not a["detail"] for a in _staged_records(store))
         for agent in tc.agents:  # every slot, peer-staged ones included, holds its checkpoint expert
             assert agent.backend.verify() == (15, 15)
+
+
+def test_a_start_that_fails_after_the_peer_server_opened_leaves_none_listening(redis_url, cluster_id, tmp_path,
+                                                                               monkeypatch):
+    """Redis away as the rank registers: start() raises, and the peer server it had opened over the live slots is
+    closed (before, it kept accepting connections, with no loop left to close it: README's
+    ``EmbeddedAgent(...).start()`` never returns an agent to close then)."""
+    import socket
+
+    from fdeplb.errors import RedisUnavailableError
+    from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+
+    with thread_cluster(redis_url, cluster_id, tmp_path):
+        agent = EmbeddedAgent(redis_url, 0, cluster=cluster_id, backend_factory=NumpyWeights.factory(),
+                              peer_secret=SECRET)
+        opened = []
+        real = agent.store.register_rank
+
+        def away(*_a, **_k):
+            opened.append(agent.peers.address)
+            raise RedisUnavailableError("redis away")
+
+        monkeypatch.setattr(agent.store, "register_rank", away)
+        with pytest.raises(RedisUnavailableError):
+            agent.start()
+        assert agent.peers is None and len(opened) == 1
+        host, _, port = opened[0].rpartition(":")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5).close()
+        monkeypatch.setattr(agent.store, "register_rank", real)
+        with agent.start():  # a later start opens a new one
+            assert agent.peers is not None

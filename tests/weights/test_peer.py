@@ -362,6 +362,19 @@ def test_a_peer_sigkilled_mid_transfer_falls_back_to_the_checkpoint(peer):
     _swapped_and_verified(receiver, staged)
 
 
+def test_a_closed_server_refuses_connections_at_once():
+    """close() shuts the listening socket down: closing it alone left the port accepting connections while the
+    accepting thread sat in accept() (up to its 0.5 s timeout)."""
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY)
+    host, _, port = server.address.rpartition(":")
+    from multiprocessing.connection import Client
+
+    Client((host, int(port)), authkey=KEY).close()  # served: the accepting thread is back in accept()
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5).close()
+
+
 def test_a_server_refuses_an_authkey_too_short():
     with pytest.raises(InputError, match="16 bytes"):
         PeerServer(NumpyWeights(OLD, 1, EP_SIZE), b"short")
