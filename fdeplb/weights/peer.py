@@ -264,7 +264,8 @@ class PeerServer:
                 sock.close()
 
     def _answer(self, link: _Link) -> None:
-        req = _json(link.conn)
+        with _deadline(link.guard, self.timeout_s):  # its first byte is in: the rest of the frame is due now
+            req = _json(link.conn)
         try:
             placement, experts = str(req["placement"]), [(int(e[0]), int(e[1])) for e in req["experts"]]
             if not 0 < len(experts) <= BATCH_EXPERTS:

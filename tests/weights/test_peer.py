@@ -362,6 +362,24 @@ def test_a_peer_sigkilled_mid_transfer_falls_back_to_the_checkpoint(peer):
     _swapped_and_verified(receiver, staged)
 
 
+def test_a_request_that_stops_mid_frame_is_cut_at_the_servers_deadline():
+    """A receiver that stalls halfway through sending its request (stopped, partitioned) held a serving thread in
+    recv for good: the request is read under the server's deadline too, then the connection is closed."""
+    from multiprocessing.connection import Client
+
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY, timeout_s=0.5)
+    host, _, port = server.address.rpartition(":")
+    conn = Client((host, int(port)), authkey=KEY)
+    try:
+        os.write(conn.fileno(), b"\x00\x00\x00\x40{")  # a 64-byte frame's length and its first byte only
+        assert conn.poll(10), "the server never hung up"
+        with pytest.raises(EOFError):
+            conn.recv_bytes()
+    finally:
+        conn.close()
+        server.close()
+
+
 def test_a_closed_server_refuses_connections_at_once():
     """close() shuts the listening socket down: closing it alone left the port accepting connections while the
     accepting thread sat in accept() (up to its 0.5 s timeout)."""
