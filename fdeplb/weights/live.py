@@ -146,9 +146,23 @@ class LiveExperts:
         """Wrap slot tensors the serving engine already loaded, verifying each slot against the checkpoint (which
         also records the checksums later local copies are verified against).
 
+        ``tensors`` may name its suffixes in any order: they are taken in the checkpoint's (the order every
+        checksum, swap and peer transfer compares them in); the tensor objects are the engine's.
+
         Raises:
+            InputError: ``tensors`` names other suffixes than the checkpoint's experts, or a slot of another shape
+                or dtype than the checkpoint's expert (nothing could verify).
             VerificationError: a slot does not hold its expert's checkpoint bytes.
         """
+        spec = reader.spec
+        if set(tensors) != set(spec):
+            raise InputError(f"live tensors have suffixes {sorted(tensors)}, the checkpoint's experts {sorted(spec)}")
+        tensors = {suffix: tensors[suffix] for suffix in spec}
+        for suffix, (shape, dtype) in spec.items():
+            for t in tensors[suffix]:  # metadata only
+                if list(t.shape[1:]) != list(shape) or _paddle.dtype_name(t) != dtype:
+                    raise InputError(f"live {suffix!r} slots are {_paddle.dtype_name(t)}{list(t.shape[1:])}, the "
+                                     f"checkpoint's {dtype}{list(shape)}")
         live = cls(tensors, phy2log, ep_rank, ep_size, **kwargs)
         ok, total = live.verify(reader)
         if ok != total:
