@@ -251,6 +251,10 @@ class CheckpointBackend:
                                     f"layer {layer}")
         return parts, checksum
 
+    def serving(self, abort: Callable[[], None]) -> Any:
+        """:meth:`fdeplb.weights.peer.ExpertSource.serving`: :meth:`fdeplb.weights.LiveExperts.serving`."""
+        return self.live.serving(abort)
+
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:
         report = self.live.swap(staged.transfer, staged.experts, new_phy2log, live_ranks)

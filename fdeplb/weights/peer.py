@@ -30,7 +30,7 @@ import json
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from multiprocessing import AuthenticationError, ProcessError  # ProcessError: BufferTooShort too
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
@@ -84,7 +84,11 @@ class ExpertSource(Protocol):
     def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
         """``([(suffix, bytes-like copy of the live slot's tensor)], checkpoint checksum)`` of one live expert, copied
         at one consistent epoch of the live slots. PeerTransferError (a refusal) when the live placement's digest is
-        not ``placement`` or no live slot holds ``expert`` in ``layer``."""
+        not ``placement`` or no live slot holds ``expert`` in ``layer``.
+
+        A source whose bytes are its live memory may also have ``serving(abort)``: a context manager the server
+        holds from the first ``serve_expert`` of a request to the last byte sent, so that the memory is not freed
+        meanwhile (``abort()`` ends the send; PeerTransferError: nothing to serve)."""
 
 
 @runtime_checkable
@@ -274,6 +278,18 @@ class PeerServer:
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
+        with ExitStack() as held:
+            hold = getattr(self.source, "serving", None)
+            try:
+                if hold is not None:  # the slots' memory stays allocated until the last byte is sent
+                    held.enter_context(hold(lambda: _shutdown(link.guard)))
+            except PeerTransferError as err:
+                self.refused += 1
+                link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
+                return
+            self._send_experts(link, placement, experts)
+
+    def _send_experts(self, link: _Link, placement: str, experts: list[tuple[int, int]]) -> None:
         answers, served = [], []
         for layer, expert in experts:
             try:

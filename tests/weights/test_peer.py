@@ -396,3 +396,16 @@ def test_a_closed_server_refuses_connections_at_once():
 def test_a_server_refuses_an_authkey_too_short():
     with pytest.raises(InputError, match="16 bytes"):
         PeerServer(NumpyWeights(OLD, 1, EP_SIZE), b"short")
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_clear_while_a_host_slot_is_being_sent_neither_crashes_nor_sends_freed_memory(tmp_path):
+    """Real process (a crash is the failure): the clear cuts the peer transfer that reads the slots' memory and
+    frees it only once that send let go."""
+    out = subprocess.run([sys.executable, "-m", "tests.weights.clear_while_serving", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "\nOK " in "\n" + out.stdout, said[-3000:]
+    assert "Bad address" not in said, said[-3000:]  # the send read memory the clear had freed (EFAULT)
