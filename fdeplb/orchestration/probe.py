@@ -129,21 +129,28 @@ def compare(reference: Mapping[int, np.ndarray], outputs: Mapping[int, np.ndarra
             out.append(LayerMismatch(layer, f"layer {layer}: {nan_got} of {got.size} values NaN after the swap, "
                                             f"{nan_ref} before (a NaN output never agrees)"))
             continue
-        if got.dtype.kind in "iu":  # exactly, in Python ints: isclose's float64 cast drops bits past 2**53
-            diff = np.abs(got.astype(object) - ref.astype(object))
-            ok = np.asarray(diff <= atol + rtol * np.abs(ref.astype(object)), dtype=bool)
+        exact = got.dtype.kind in "iu"  # integers exactly: isclose's float64 cast drops bits past 2**53
+        if exact and rtol == atol == 0:
+            ok = got == ref
+        elif exact:  # in Python ints (object arrays: slow, but only a tolerance on integer outputs takes it)
+            ok = np.asarray(_int_diff(got, ref) <= atol + rtol * np.abs(ref.astype(object)), dtype=bool)
         else:
             ok = np.isclose(got, ref, rtol=rtol, atol=atol)
         if not ok.all():
             with np.errstate(invalid="ignore"):  # inf - inf where both are the same inf: agreeing, masked below
-                if got.dtype.kind not in "iu":
-                    diff = np.abs(got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
-                                  - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
+                diff = _int_diff(got, ref) if exact else np.abs(
+                    got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
+                    - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
             bad = int((~ok).sum())
             worst = float(np.max(np.where(ok, 0.0, diff)))
             out.append(LayerMismatch(layer, f"layer {layer}: {bad} of {ok.size} values differ beyond rtol {rtol} "
                                             f"atol {atol} (largest difference {worst:.6g})"))
     return out
+
+
+def _int_diff(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """``|got - ref|`` of two integer arrays, exactly (Python ints in an object array: no wrap, no rounding)."""
+    return np.abs(got.astype(object) - ref.astype(object))
 
 
 def _nan_count(values: np.ndarray) -> int:
