@@ -194,6 +194,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
                                                 self.config.ep_size,
                                                 timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms),
+                                                share_s=peer_agent.peer_share_s(self.config.deadlines.loading_ms),
                                                 actor=self.actor)
         try:
             if self.peers is not None:

@@ -337,11 +337,16 @@ class SocketTransport:
         addresses: ``peer rank -> "host:port"``, only registered addresses (the rank registry's ``peer_address``).
         authkey: :func:`peer_authkey`.
         timeout_s: deadline of a connect + handshake, and of one expert's transfer.
+        total_s: the most one :meth:`fetch_many` waits on its peer in all (None: no bound but ``timeout_s`` per
+            wait): a peer slow enough to deliver each expert within ``timeout_s`` but its share not within this
+            has the rest of its items fail (PeerTransferError; the connection is dropped).
     """
 
-    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 total_s: float | None = None) -> None:
         self.addresses = {int(r): str(a) for r, a in addresses.items()}
         self._key, self.timeout_s = bytes(authkey), float(timeout_s)
+        self.total_s = None if total_s is None else float(total_s)
         self._links: dict[int, _Link] = {}
         self._locks: dict[int, threading.Lock] = {r: threading.Lock() for r in self.addresses}
 
@@ -376,20 +381,21 @@ class SocketTransport:
         out: list[tuple[int, ...] | PeerTransferError] = []
         batches = _batches([(request, sum(memoryview(b).nbytes for b in into.values()))
                             for request, into in items])
+        end = None if self.total_s is None else time.monotonic() + self.total_s
         with self._locks[peer]:
             try:
                 link = self._link(peer)
-                with _deadline(link.guard, self.timeout_s):
+                with _deadline(link.guard, self._wait_s(end)):
                     for placement, requests in batches:  # a few KiB each: they fit the socket's buffers
                         link.conn.send_bytes(json.dumps({"placement": placement, "experts": [
                             [r.layer, r.expert] for r in requests]}).encode())
                 for _, requests in batches:
-                    with _deadline(link.guard, self.timeout_s):
+                    with _deadline(link.guard, self._wait_s(end)):
                         answers = self._answers(peer, link, requests)
                     for answer in answers:
                         request, into = items[len(out)]
                         try:
-                            out.append(self._receive(peer, link, request, answer, into))
+                            out.append(self._receive(peer, link, request, answer, into, self._wait_s(end)))
                             if on_arrival is not None:
                                 on_arrival(len(out) - 1)
                         except PeerTransferError as err:  # a refusal: the connection is still in step
@@ -402,15 +408,27 @@ class SocketTransport:
                 self._drop(peer)  # OverflowError: a header's int that is JSON's Infinity or 1e999
                 request = items[len(out)][0]
                 auth = isinstance(err, AuthenticationError)
+                late = end is not None and time.monotonic() >= end and not isinstance(err, TimeoutError)
                 out.append((PeerAuthError if auth else PeerTransferError)(
                     f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
                     f"{request.layer}: {type(err).__name__}: {err}"
-                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")))
+                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")
+                    + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
         cause = out[-1] if out else None
         while len(out) < len(items):  # the connection broke: what broke it, for every later item
             kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
             out.append(kind(f"rank {peer} failed earlier: {cause}"))
         return out
+
+    def _wait_s(self, end: float | None) -> float:
+        """The next wait's deadline: ``timeout_s``, cut to what is left of ``total_s`` (``end``). TimeoutError
+        once nothing is left."""
+        if end is None:
+            return self.timeout_s
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"its share took longer than {self.total_s:g} s")
+        return min(self.timeout_s, left)
 
     def _answers(self, peer: int, link: _Link, requests: list[PeerRequest]) -> list[dict]:
         """The header answering one batch: one answer per request (a refused batch: a refusal per request)."""
@@ -423,10 +441,11 @@ class SocketTransport:
             raise ValueError(f"rank {peer} answered {len(requests)} requests with a header of another shape")
         return answers
 
-    def _receive(self, peer: int, link: _Link, request: PeerRequest, head: dict, into: dict[str, Any]
-                 ) -> tuple[int, ...]:
-        """Read the bytes ``head`` (the item's answer) announces into ``into``; the answer's checksum."""
-        with _deadline(link.guard, self.timeout_s):
+    def _receive(self, peer: int, link: _Link, request: PeerRequest, head: dict, into: dict[str, Any],
+                 wait_s: float) -> tuple[int, ...]:
+        """Read the bytes ``head`` (the item's answer) announces into ``into`` within ``wait_s``; the answer's
+        checksum."""
+        with _deadline(link.guard, wait_s):
             if not head.get("ok"):
                 raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "
                                         f"{head.get('error', '')}")

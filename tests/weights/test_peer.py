@@ -305,6 +305,44 @@ def test_a_request_with_a_number_past_any_int_is_refused_and_the_connection_serv
         server.close()
 
 
+def test_a_peer_slow_on_every_expert_but_within_each_deadline_is_cut_at_its_share_budget():
+    """A peer that delivers each expert inside the per-expert wait but its whole share far past it (here 8 x 0.3 s
+    against a 1 s wait) was waited on to the end (N x the wait: past the loading deadline, the round aborted);
+    with ``total_s`` the items past it fail and are read from the checkpoint."""
+    n = 8
+    listener = Listener(("127.0.0.1", 0), authkey=KEY)
+    done = threading.Event()
+
+    def serve():
+        conn = listener.accept()
+        conn.recv_bytes()
+        conn.send_bytes(json.dumps({"answers": [{"ok": True, "checksum": [1], "sizes": [["w", 256]]}] * n}).encode())
+        try:
+            for _ in range(n):
+                if done.wait(0.3):  # the peer's pace: each expert well within the 1 s wait
+                    return
+                conn.send_bytes(b"x" * 256)
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass  # cut by the receiver
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    host, port = listener.address
+    transport = SocketTransport({1: f"{host}:{port}"}, KEY, timeout_s=1.0, total_s=1.0)
+    try:
+        out = transport.fetch_many(1, [(PeerRequest(0, e, "d"), {"w": bytearray(256)}) for e in range(n)])
+    finally:
+        done.set()
+        transport.close()
+        t.join(10)
+        listener.close()
+    failed = [i for i, o in enumerate(out) if isinstance(o, PeerTransferError)]
+    assert failed and failed == list(range(failed[0], n))  # 8 x 0.3 s > 1 s: the share cannot all arrive
+    assert all(o == (1,) for o in out[:failed[0]])
+    assert all("longer than 1 s" in str(out[i]) for i in failed)
+
+
 def test_a_stalled_peer_is_cut_at_its_deadline():
     with fake_peer(lambda _conn, done: done.wait(30), timeout_s=0.5) as transport:  # never sends the bytes
         with pytest.raises(PeerTransferError, match="did not deliver"):
