@@ -36,8 +36,8 @@ __all__ = ["Probe", "ProbeOutcome", "ProbeResult", "ProbeRun", "Probing", "compa
 
 #: most characters of a probe's message kept in the rank record (the audit names every layer anyway)
 MAX_MESSAGE = 500
-#: paddle float dtypes numpy has no type for: their ``numpy()`` gives the raw bits as integers (a tolerance would
-#: then apply to bit patterns, and a NaN would be no NaN), so they are compared as float32
+#: float dtypes numpy has no type for, compared as float32: paddle's ``numpy()`` gives their raw bits as integers
+#: (a tolerance would then apply to bit patterns, and a NaN would be no NaN), torch's raises
 RAW_BITS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
@@ -72,8 +72,9 @@ class Probe:
 def outputs_of(value: Any) -> dict[int, np.ndarray]:
     """A probe's return value as ``{layer: ndarray}``: a mapping of MoE layer index (int >= 0) to an array, or a
     sequence of arrays (index = layer). An array is anything with ``numpy()`` (a paddle or torch tensor) or that
-    ``numpy.asarray`` takes, numeric; a paddle bfloat16 / float8 tensor is read as float32 (:data:`RAW_BITS`). :class:`~fdeplb.errors.InputError` naming the problem otherwise (no layers,
-    a key that is not a layer index, an object or string array)."""
+    ``numpy.asarray`` takes, numeric; a paddle or torch bfloat16 / float8 tensor is read as float32
+    (:data:`RAW_BITS`), a torch tensor on a GPU through a host copy. :class:`~fdeplb.errors.InputError` naming the
+    problem otherwise (no layers, a key that is not a layer index, an object or string array)."""
     if isinstance(value, Mapping):
         items = list(value.items())
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
@@ -87,8 +88,12 @@ def outputs_of(value: Any) -> dict[int, np.ndarray]:
     for layer, arr in items:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise InputError(f"a probe's layer key must be an int >= 0, got {layer!r}")
-        if type(arr).__module__.partition(".")[0] == "paddle" and dtype_name(arr) in RAW_BITS:
+        module = type(arr).__module__.partition(".")[0]
+        if module == "paddle" and dtype_name(arr) in RAW_BITS:
             arr = arr.astype("float32")  # exact: every bfloat16 / float8 value is a float32 one
+        elif module == "torch":  # its numpy() raises for a CUDA or bfloat16 tensor (a failed probe every swap)
+            arr = arr.detach()
+            arr = (arr.float() if dtype_name(arr).replace("torch.", "") in RAW_BITS else arr).cpu()
         data = arr.numpy() if hasattr(arr, "numpy") else arr
         data = np.array(data, copy=True)  # a snapshot: the engine may reuse its buffers
         if data.dtype.kind not in "biufc":

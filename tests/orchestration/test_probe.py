@@ -124,6 +124,42 @@ def test_a_paddle_low_precision_float_output_is_compared_as_its_values_not_its_b
         assert "NaN" in _run({0: nan}, {0: nan}).result.message
 
 
+class _TorchLike:
+    """What outputs_of sees of a torch tensor (torch is not installed here): its module, dtype name, detach /
+    float / cpu, and a numpy() that raises as torch's does for a CUDA or bfloat16 tensor."""
+
+    __module__ = "torch"
+
+    def __init__(self, values, dtype="torch.bfloat16", device="cuda:0"):
+        self.values, self.dtype, self.device = np.asarray(values, np.float32), dtype, device
+
+    def detach(self):
+        return self
+
+    def float(self):
+        return _TorchLike(self.values, "torch.float32", self.device)
+
+    def cpu(self):
+        return _TorchLike(self.values, self.dtype, "cpu")
+
+    def numpy(self):
+        if self.device != "cpu":
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy")
+        if self.dtype == "torch.bfloat16":
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self.values.copy()
+
+
+def test_a_torch_bfloat16_output_on_a_gpu_is_read_through_a_float32_host_copy():
+    """A torch engine's probe output (bfloat16, on its GPU): numpy() raised, so every swap's probe failed and was
+    rolled back. Checked against a stand-in with torch's behaviour (torch itself is not installed here)."""
+    out = outputs_of([_TorchLike([1.0, 2.0])])
+    assert out[0].dtype == np.float32 and out[0].tolist() == [1.0, 2.0]
+    assert outputs_of([_TorchLike([3.0], "torch.float16")])[0].tolist() == [3.0]
+    run = _run([_TorchLike([1.0, 2.0])], [_TorchLike([1.0, 2.0])])
+    assert run.result.outcome is ProbeOutcome.AGREE
+
+
 def test_a_changed_shape_dtype_or_layer_set_is_a_mismatch_saying_so():
     ref = {0: np.zeros((2, 3), np.float32), 1: np.zeros(2, np.float32)}
     bad = compare(ref, {0: np.zeros((3, 2), np.float32), 1: np.zeros(2, np.float64), 2: np.zeros(1)})
