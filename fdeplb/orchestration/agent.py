@@ -189,17 +189,25 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self.backend.set_live_ranks(self.live_ranks)
         self._open_window(self.config)
         self._info = dict(info or {})
-        if self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource):
+        opened = bool(self._peer_secret and self.peers is None and isinstance(self.backend, ExpertSource))
+        if opened:
             self.peers = peer_agent.PeerService(self.backend, self._peer_secret, self.store.cluster, self.ep_rank,
                                                 self.config.ep_size,
                                                 timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms),
+                                                share_s=peer_agent.peer_share_s(self.config.deadlines.loading_ms),
                                                 actor=self.actor)
-        if self.peers is not None:
-            self.peers.server.source = self.backend
-            self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
-        self.switch.safe_point_t = time.monotonic()  # loading took its time: the engine's first step is due from now
-        self._register(placement.plan_id)
-        self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
+        try:
+            if self.peers is not None:
+                self.peers.server.source = self.backend
+                self._info[peer_agent.ADDRESS_FIELD] = self.peers.address
+            self.switch.safe_point_t = time.monotonic()  # loading took its time: the first step is due from now
+            self._register(placement.plan_id)
+            self.store.emit_event("rank_ready", rank=self.ep_rank, plan_id=placement.plan_id)
+        except BaseException:  # a start that fails leaves no server listening (no loop will ever close it)
+            if opened:
+                self.peers.close()
+                self.peers = None
+            raise
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
 
     def _check_not_driven(self) -> None:

@@ -127,6 +127,11 @@ def fold_counts(counts: Any, live_phy2log: np.ndarray, num_logical: int, *, phys
             arr = arr.numpy() if hasattr(arr, "numpy") else np.asarray(arr)
         except ValueError as err:  # a ragged nested list
             raise InputError(f"expert counts are not an array: {err}") from None
+    if arr.dtype.kind == "O" and arr.size and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                                                  for v in arr.flat):  # Python ints numpy could not hold
+        if min(arr.flat) < 0:
+            raise InputError(f"expert counts must be >= 0, found {min(arr.flat)}")
+        raise InputError(f"expert count {max(arr.flat)} is past the int64 range")
     if arr.dtype.kind not in "iu":
         raise InputError(f"expert counts must be an integer array, got dtype {arr.dtype}")
     num_layers, num_phy = live_phy2log.shape

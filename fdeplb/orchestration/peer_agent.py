@@ -42,6 +42,13 @@ def peer_wait_s(heartbeat_ttl_ms: int) -> float:
     return min(DEFAULT_TIMEOUT_S, max(MIN_PEER_WAIT_S, int(heartbeat_ttl_ms) / 2000))
 
 
+def peer_share_s(loading_ms: int) -> float:
+    """The most a receiver waits on one peer's whole share of a staging (seconds): half the loading deadline, so
+    that what a slow peer did not deliver by then (each expert within :func:`peer_wait_s`, the share not) is
+    still read from the checkpoint before the round's loading deadline."""
+    return int(loading_ms) / 2000
+
+
 def peer_secret(explicit: str | None = None) -> str | None:
     """The secret peers authenticate with: ``explicit``, else ``FDEPLB_PEER_SECRET``, else None (peer transfer
     off)."""
@@ -56,14 +63,18 @@ class PeerService:
         secret, cluster: give the authentication key (:func:`peer_authkey`).
         host: the interface the server listens on (loopback by default).
         timeout_s: the deadline of one connection's handshake and of one expert's transfer (:func:`peer_wait_s`).
+        share_s: the most a staging waits on one peer in all (:func:`peer_share_s`; None: no bound but
+            ``timeout_s`` per wait).
         actor: who the alarm of a failed authentication names (:meth:`stage`).
     """
 
     def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
-                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, actor: str = "") -> None:
+                 host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, share_s: float | None = None,
+                 actor: str = "") -> None:
         self._key = peer_authkey(secret, cluster)
         self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
         self.timeout_s = float(timeout_s)
+        self.share_s = share_s
         self.actor = actor or f"rank{self.ep_rank}"
         self.auth_alarmed = False  # the alarm of a failed authentication is raised once per service
         self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
@@ -106,7 +117,7 @@ class PeerService:
         addresses = {r: str(registry[r][ADDRESS_FIELD]) for r in set(sources.values()) - {CHECKPOINT}
                      if isinstance(registry.get(r, {}).get(ADDRESS_FIELD), str)}
         sources = {k: (r if r in addresses else CHECKPOINT) for k, r in sources.items()}
-        transport = SocketTransport(addresses, self._key, timeout_s=self.timeout_s)
+        transport = SocketTransport(addresses, self._key, timeout_s=self.timeout_s, total_s=self.share_s)
         return PeerFetch(transport, sources, routing_digest(old_phy2log))
 
     def close(self) -> None:

@@ -30,11 +30,15 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from fdeplb.errors import InputError
+from fdeplb.weights import dtype_name
 
 __all__ = ["Probe", "ProbeOutcome", "ProbeResult", "ProbeRun", "Probing", "compare", "outputs_of"]
 
 #: most characters of a probe's message kept in the rank record (the audit names every layer anyway)
 MAX_MESSAGE = 500
+#: float dtypes numpy has no type for, compared as float32: paddle's ``numpy()`` gives their raw bits as integers
+#: (a tolerance would then apply to bit patterns, and a NaN would be no NaN), torch's raises
+RAW_BITS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
 class ProbeOutcome(str, Enum):
@@ -68,8 +72,9 @@ class Probe:
 def outputs_of(value: Any) -> dict[int, np.ndarray]:
     """A probe's return value as ``{layer: ndarray}``: a mapping of MoE layer index (int >= 0) to an array, or a
     sequence of arrays (index = layer). An array is anything with ``numpy()`` (a paddle or torch tensor) or that
-    ``numpy.asarray`` takes, numeric. :class:`~fdeplb.errors.InputError` naming the problem otherwise (no layers,
-    a key that is not a layer index, an object or string array)."""
+    ``numpy.asarray`` takes, numeric; a paddle or torch bfloat16 / float8 tensor is read as float32
+    (:data:`RAW_BITS`), a torch tensor on a GPU through a host copy. :class:`~fdeplb.errors.InputError` naming the
+    problem otherwise (no layers, a key that is not a layer index, an object or string array)."""
     if isinstance(value, Mapping):
         items = list(value.items())
     elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
@@ -83,6 +88,12 @@ def outputs_of(value: Any) -> dict[int, np.ndarray]:
     for layer, arr in items:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
             raise InputError(f"a probe's layer key must be an int >= 0, got {layer!r}")
+        module = type(arr).__module__.partition(".")[0]
+        if module == "paddle" and dtype_name(arr) in RAW_BITS:
+            arr = arr.astype("float32")  # exact: every bfloat16 / float8 value is a float32 one
+        elif module == "torch":  # its numpy() raises for a CUDA or bfloat16 tensor (a failed probe every swap)
+            arr = arr.detach()
+            arr = (arr.float() if dtype_name(arr).replace("torch.", "") in RAW_BITS else arr).cpu()
         data = arr.numpy() if hasattr(arr, "numpy") else arr
         data = np.array(data, copy=True)  # a snapshot: the engine may reuse its buffers
         if data.dtype.kind not in "biufc":
@@ -103,8 +114,8 @@ def compare(reference: Mapping[int, np.ndarray], outputs: Mapping[int, np.ndarra
             atol: float = 0.0) -> list[LayerMismatch]:
     """The layers whose ``outputs`` disagree with ``reference`` (both as :func:`outputs_of` gives them), in
     layer order; empty when they agree. A layer agrees when both have it with the same shape and dtype, neither
-    holds a NaN, and ``|out - ref| <= atol + rtol * |ref|`` elementwise (``numpy.isclose``'s rule); with ``rtol =
-    atol = 0`` that is bit-exact equality of the values. A layer only one side has, or whose shape or dtype
+    holds a NaN, and ``|out - ref| <= atol + rtol * |ref|`` elementwise (``numpy.isclose``'s rule; integers exactly,
+    in Python ints, not through float64); with ``rtol = atol = 0`` that is bit-exact equality of the values. A layer only one side has, or whose shape or dtype
     changed, is a mismatch saying so; so is a NaN on either side (all-NaN outputs before and after included: a NaN
     output checks nothing), saying how many values are NaN after and before the swap."""
     out: list[LayerMismatch] = []
@@ -123,16 +134,28 @@ def compare(reference: Mapping[int, np.ndarray], outputs: Mapping[int, np.ndarra
             out.append(LayerMismatch(layer, f"layer {layer}: {nan_got} of {got.size} values NaN after the swap, "
                                             f"{nan_ref} before (a NaN output never agrees)"))
             continue
-        ok = np.isclose(got, ref, rtol=rtol, atol=atol)
+        exact = got.dtype.kind in "iu"  # integers exactly: isclose's float64 cast drops bits past 2**53
+        if exact and rtol == atol == 0:
+            ok = got == ref
+        elif exact:  # in Python ints (object arrays: slow, but only a tolerance on integer outputs takes it)
+            ok = np.asarray(_int_diff(got, ref) <= atol + rtol * np.abs(ref.astype(object)), dtype=bool)
+        else:
+            ok = np.isclose(got, ref, rtol=rtol, atol=atol)
         if not ok.all():
             with np.errstate(invalid="ignore"):  # inf - inf where both are the same inf: agreeing, masked below
-                diff = np.abs(got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
-                              - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
+                diff = _int_diff(got, ref) if exact else np.abs(
+                    got.astype(np.complex128 if got.dtype.kind == "c" else np.float64)
+                    - ref.astype(np.complex128 if ref.dtype.kind == "c" else np.float64))
             bad = int((~ok).sum())
             worst = float(np.max(np.where(ok, 0.0, diff)))
             out.append(LayerMismatch(layer, f"layer {layer}: {bad} of {ok.size} values differ beyond rtol {rtol} "
                                             f"atol {atol} (largest difference {worst:.6g})"))
     return out
+
+
+def _int_diff(got: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """``|got - ref|`` of two integer arrays, exactly (Python ints in an object array: no wrap, no rounding)."""
+    return np.abs(got.astype(object) - ref.astype(object))
 
 
 def _nan_count(values: np.ndarray) -> int:

@@ -185,7 +185,8 @@ class CheckpointBackend:
         """A :data:`BackendFactory` that wraps the engine's own live expert tensors (``suffix -> [tensor per MoE
         layer, each [slots_per_rank, *shape]]``: :meth:`fdeplb.weights.LiveExperts.attach`, verified against the
         checkpoint, never copied) instead of allocating new ones. The factory raises CheckpointError when the
-        cluster has no checkpoint path, VerificationError when a slot does not hold its expert."""
+        cluster has no checkpoint path, InputError for suffixes, shapes or dtypes unlike the checkpoint's (any key
+        order is taken), VerificationError when a slot does not hold its expert."""
 
         def build(checkpoint: dict, phy2log: np.ndarray, ep_rank: int, ep_size: int) -> "CheckpointBackend":
             from fdeplb.weights.checkpoint import CheckpointReader
@@ -249,6 +250,10 @@ class CheckpointBackend:
             raise PeerTransferError(f"rank {live.ep_rank}: live slots changed while serving expert {expert} of "
                                     f"layer {layer}")
         return parts, checksum
+
+    def serving(self, abort: Callable[[], None]) -> Any:
+        """:meth:`fdeplb.weights.peer.ExpertSource.serving`: :meth:`fdeplb.weights.LiveExperts.serving`."""
+        return self.live.serving(abort)
 
     def swap(self, staged: _CheckpointStaged, new_phy2log: np.ndarray, live_ranks: tuple[int, ...] | None = None
              ) -> SwapReport:

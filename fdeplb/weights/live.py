@@ -13,18 +13,24 @@ safe point (:mod:`fdeplb.weights.chunk_swap`, as :meth:`LiveExperts.load_chunk` 
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from fdeplb.errors import InputError, VerificationError, WeightError
+from fdeplb.errors import InputError, PeerTransferError, VerificationError, WeightError
 from fdeplb.weights import _paddle, chunk_swap
 from fdeplb.weights.checkpoint import CheckpointReader
 from fdeplb.weights.plan import LOCAL, TransferPlan, rank_slots
 from fdeplb.weights.reports import SwapReport
 from fdeplb.weights.routing import RoutingTables
 from fdeplb.weights.staging import ExpertChecksum, StagedExperts, check_staged_for, expert_checksum
+
+#: longest :meth:`LiveExperts.clear` waits for the peer sends it cut short to let go of the slots' memory (seconds)
+SERVING_WAIT_S = 30.0
 
 
 class LiveExperts:
@@ -95,6 +101,9 @@ class LiveExperts:
         self._checksums: dict[tuple[int, int], ExpertChecksum] = dict(checksums or {})
         self.needs_reload = False
         self._epoch = 0  # moved by every change of the slots, the placement or the routed ranks (see epoch)
+        self._serve_cond = threading.Condition()  # the peer sends reading the slots' memory (see serving)
+        self._serving: dict[int, Callable[[], None]] = {}
+        self._serve_ids = itertools.count()
 
     # ---- construction ---------------------------------------------------------------------------------------------
     @classmethod
@@ -146,9 +155,23 @@ class LiveExperts:
         """Wrap slot tensors the serving engine already loaded, verifying each slot against the checkpoint (which
         also records the checksums later local copies are verified against).
 
+        ``tensors`` may name its suffixes in any order: they are taken in the checkpoint's (the order every
+        checksum, swap and peer transfer compares them in); the tensor objects are the engine's.
+
         Raises:
+            InputError: ``tensors`` names other suffixes than the checkpoint's experts, or a slot of another shape
+                or dtype than the checkpoint's expert (nothing could verify).
             VerificationError: a slot does not hold its expert's checkpoint bytes.
         """
+        spec = reader.spec
+        if set(tensors) != set(spec):
+            raise InputError(f"live tensors have suffixes {sorted(tensors)}, the checkpoint's experts {sorted(spec)}")
+        tensors = {suffix: tensors[suffix] for suffix in spec}
+        for suffix, (shape, dtype) in spec.items():
+            for t in tensors[suffix]:  # metadata only
+                if list(t.shape[1:]) != list(shape) or _paddle.dtype_name(t) != dtype:
+                    raise InputError(f"live {suffix!r} slots are {_paddle.dtype_name(t)}{list(t.shape[1:])}, the "
+                                     f"checkpoint's {dtype}{list(shape)}")
         live = cls(tensors, phy2log, ep_rank, ep_size, **kwargs)
         ok, total = live.verify(reader)
         if ok != total:
@@ -255,19 +278,47 @@ class LiveExperts:
     def clear(self) -> int:
         """Free the storage of every live slot tensor (paddle ``_clear_data``: the memory returns to the allocator);
         the tensor objects the engine holds stay, without storage, until :meth:`reload_in`. Returns the bytes
-        freed (0 when already cleared)."""
+        freed (0 when already cleared). Peer sends reading the slots (:meth:`serving`) are cut short first and
+        waited for (WeightError, nothing cleared, if one has not let go within :data:`SERVING_WAIT_S`)."""
         if self.cleared:
             return 0
-        freed = self.nbytes
-        self._views = []
-        for layers in self.tensors.values():
-            for t in layers:
-                t._clear_data()
-        self._checksums.clear()
-        self._cleared = True
-        self._epoch += 1
-        self.needs_reload = True
+        with self._serve_cond:  # no peer send reads the memory freed here (see serving)
+            for abort in list(self._serving.values()):
+                abort()
+            if not self._serve_cond.wait_for(lambda: not self._serving, SERVING_WAIT_S):
+                raise WeightError(f"rank {self.ep_rank}: a peer transfer still reads the live slots after "
+                                  f"{SERVING_WAIT_S} s; nothing cleared")
+            freed = self.nbytes
+            self._views = []
+            for layers in self.tensors.values():
+                for t in layers:
+                    t._clear_data()
+            self._checksums.clear()
+            self._cleared = True
+            self._epoch += 1
+            self.needs_reload = True
         return freed
+
+    @contextmanager
+    def serving(self, abort: Callable[[], None]) -> Iterator[None]:
+        """Keep the slots' memory allocated while bytes served from it are sent to a peer (host slots are sent from
+        their own memory, without a copy): :meth:`clear` calls ``abort`` (it must end the send soon: shut its
+        socket down) and frees the memory only once every such block has ended (it read freed memory before).
+
+        Raises:
+            PeerTransferError: the slots are cleared (nothing to serve).
+        """
+        with self._serve_cond:
+            if self.cleared:
+                raise PeerTransferError(f"rank {self.ep_rank}: the live slots are cleared")
+            token = next(self._serve_ids)
+            self._serving[token] = abort
+        try:
+            yield
+        finally:
+            with self._serve_cond:
+                del self._serving[token]
+                self._serve_cond.notify_all()
 
     def reload_in(self, reader: CheckpointReader, phy2log: np.ndarray) -> int:
         """Reload every slot from the checkpoint for placement ``phy2log`` (int [L, P]; the cluster's *current*

@@ -30,7 +30,7 @@ import json
 import socket
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from multiprocessing import AuthenticationError, ProcessError  # ProcessError: BufferTooShort too
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
@@ -84,7 +84,11 @@ class ExpertSource(Protocol):
     def serve_expert(self, layer: int, expert: int, placement: str) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
         """``([(suffix, bytes-like copy of the live slot's tensor)], checkpoint checksum)`` of one live expert, copied
         at one consistent epoch of the live slots. PeerTransferError (a refusal) when the live placement's digest is
-        not ``placement`` or no live slot holds ``expert`` in ``layer``."""
+        not ``placement`` or no live slot holds ``expert`` in ``layer``.
+
+        A source whose bytes are its live memory may also have ``serving(abort)``: a context manager the server
+        holds from the first ``serve_expert`` of a request to the last byte sent, so that the memory is not freed
+        meanwhile (``abort()`` ends the send; PeerTransferError: nothing to serve)."""
 
 
 @runtime_checkable
@@ -224,6 +228,7 @@ class PeerServer:
     def close(self) -> None:
         """Stop accepting (idempotent); connections in flight end with their peer or their deadline."""
         self._stop.set()
+        _shutdown(self._sock)  # wakes the accepting thread: closing alone left the port accepting until its timeout
         self._sock.close()
 
     def _accept(self) -> None:
@@ -263,15 +268,28 @@ class PeerServer:
                 sock.close()
 
     def _answer(self, link: _Link) -> None:
-        req = _json(link.conn)
+        with _deadline(link.guard, self.timeout_s):  # its first byte is in: the rest of the frame is due now
+            req = _json(link.conn)
         try:
             placement, experts = str(req["placement"]), [(int(e[0]), int(e[1])) for e in req["experts"]]
             if not 0 < len(experts) <= BATCH_EXPERTS:
                 raise ValueError(f"a request names 1 to {BATCH_EXPERTS} experts, not {len(experts)}")
-        except (KeyError, TypeError, ValueError, IndexError) as err:  # the whole request is refused
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as err:  # the whole request is refused
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
+        with ExitStack() as held:
+            hold = getattr(self.source, "serving", None)
+            try:
+                if hold is not None:  # the slots' memory stays allocated until the last byte is sent
+                    held.enter_context(hold(lambda: _shutdown(link.guard)))
+            except PeerTransferError as err:
+                self.refused += 1
+                link.conn.send_bytes(json.dumps({"ok": False, "error": str(err)[:500]}).encode())
+                return
+            self._send_experts(link, placement, experts)
+
+    def _send_experts(self, link: _Link, placement: str, experts: list[tuple[int, int]]) -> None:
         answers, served = [], []
         for layer, expert in experts:
             try:
@@ -319,11 +337,16 @@ class SocketTransport:
         addresses: ``peer rank -> "host:port"``, only registered addresses (the rank registry's ``peer_address``).
         authkey: :func:`peer_authkey`.
         timeout_s: deadline of a connect + handshake, and of one expert's transfer.
+        total_s: the most one :meth:`fetch_many` waits on its peer in all (None: no bound but ``timeout_s`` per
+            wait): a peer slow enough to deliver each expert within ``timeout_s`` but its share not within this
+            has the rest of its items fail (PeerTransferError; the connection is dropped).
     """
 
-    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, addresses: dict[int, str], authkey: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 total_s: float | None = None) -> None:
         self.addresses = {int(r): str(a) for r, a in addresses.items()}
         self._key, self.timeout_s = bytes(authkey), float(timeout_s)
+        self.total_s = None if total_s is None else float(total_s)
         self._links: dict[int, _Link] = {}
         self._locks: dict[int, threading.Lock] = {r: threading.Lock() for r in self.addresses}
 
@@ -358,20 +381,21 @@ class SocketTransport:
         out: list[tuple[int, ...] | PeerTransferError] = []
         batches = _batches([(request, sum(memoryview(b).nbytes for b in into.values()))
                             for request, into in items])
+        end = None if self.total_s is None else time.monotonic() + self.total_s
         with self._locks[peer]:
             try:
                 link = self._link(peer)
-                with _deadline(link.guard, self.timeout_s):
+                with _deadline(link.guard, self._wait_s(end)):
                     for placement, requests in batches:  # a few KiB each: they fit the socket's buffers
                         link.conn.send_bytes(json.dumps({"placement": placement, "experts": [
                             [r.layer, r.expert] for r in requests]}).encode())
                 for _, requests in batches:
-                    with _deadline(link.guard, self.timeout_s):
+                    with _deadline(link.guard, self._wait_s(end)):
                         answers = self._answers(peer, link, requests)
                     for answer in answers:
                         request, into = items[len(out)]
                         try:
-                            out.append(self._receive(peer, link, request, answer, into))
+                            out.append(self._receive(peer, link, request, answer, into, self._wait_s(end)))
                             if on_arrival is not None:
                                 on_arrival(len(out) - 1)
                         except PeerTransferError as err:  # a refusal: the connection is still in step
@@ -380,19 +404,31 @@ class SocketTransport:
                                 break
                     if peer not in self._links:
                         break
-            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError) as err:
-                self._drop(peer)
+            except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError, OverflowError) as err:
+                self._drop(peer)  # OverflowError: a header's int that is JSON's Infinity or 1e999
                 request = items[len(out)][0]
                 auth = isinstance(err, AuthenticationError)
+                late = end is not None and time.monotonic() >= end and not isinstance(err, TimeoutError)
                 out.append((PeerAuthError if auth else PeerTransferError)(
                     f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
                     f"{request.layer}: {type(err).__name__}: {err}"
-                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")))
+                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")
+                    + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
         cause = out[-1] if out else None
         while len(out) < len(items):  # the connection broke: what broke it, for every later item
             kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
             out.append(kind(f"rank {peer} failed earlier: {cause}"))
         return out
+
+    def _wait_s(self, end: float | None) -> float:
+        """The next wait's deadline: ``timeout_s``, cut to what is left of ``total_s`` (``end``). TimeoutError
+        once nothing is left."""
+        if end is None:
+            return self.timeout_s
+        left = end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"its share took longer than {self.total_s:g} s")
+        return min(self.timeout_s, left)
 
     def _answers(self, peer: int, link: _Link, requests: list[PeerRequest]) -> list[dict]:
         """The header answering one batch: one answer per request (a refused batch: a refusal per request)."""
@@ -405,10 +441,11 @@ class SocketTransport:
             raise ValueError(f"rank {peer} answered {len(requests)} requests with a header of another shape")
         return answers
 
-    def _receive(self, peer: int, link: _Link, request: PeerRequest, head: dict, into: dict[str, Any]
-                 ) -> tuple[int, ...]:
-        """Read the bytes ``head`` (the item's answer) announces into ``into``; the answer's checksum."""
-        with _deadline(link.guard, self.timeout_s):
+    def _receive(self, peer: int, link: _Link, request: PeerRequest, head: dict, into: dict[str, Any],
+                 wait_s: float) -> tuple[int, ...]:
+        """Read the bytes ``head`` (the item's answer) announces into ``into`` within ``wait_s``; the answer's
+        checksum."""
+        with _deadline(link.guard, wait_s):
             if not head.get("ok"):
                 raise PeerTransferError(f"rank {peer} refused expert {request.expert} of layer {request.layer}: "
                                         f"{head.get('error', '')}")

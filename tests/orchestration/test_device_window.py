@@ -189,6 +189,19 @@ def test_a_device_tensor_of_a_wrong_shape_is_refused_with_the_numpy_paths_messag
     assert str(device.value) == str(host.value) and len(rec.window) == 0
 
 
+@pytest.mark.parametrize("top, words", [(2**70, "expert count 1180591620717411303424 is past the int64 range"),
+                                        (-2**70, "must be >= 0, found -1180591620717411303424")])
+def test_a_list_of_counts_past_int64_is_refused_as_such_not_as_a_non_integer(top, words):
+    """Python ints numpy cannot hold make an object array: refused before as "must be an integer array, got
+    dtype object" (they are integers), now with record()'s range messages."""
+    rec = _started()
+    with pytest.raises(InputError, match=words):
+        rec.record([[top] + [1] * 5, [1] * 6])
+    with pytest.raises(InputError, match="must be an integer array, got dtype object"):
+        rec.record([[None] + [1] * 5, [1] * 6])
+    assert len(rec.window) == 0
+
+
 def test_a_refused_device_step_is_dropped_and_the_window_publishes_again():
     """The window with a negative step is not given out (the publication fails with record()'s message); that
     step is dropped, the others kept, and the next read gives the window of the good steps."""

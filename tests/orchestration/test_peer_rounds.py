@@ -10,7 +10,7 @@ import pytest
 
 from fdeplb.api.prometheus import ClusterCollector
 from fdeplb.cli.status_view import print_status
-from fdeplb.orchestration.peer_agent import peer_wait_s
+from fdeplb.orchestration.peer_agent import peer_share_s, peer_wait_s
 from fdeplb.status import cluster_status
 from fdeplb.testing import NumpyWeights
 from tests.helpers import thread_cluster, wait_for
@@ -80,6 +80,20 @@ def test_a_peer_sending_wrong_bytes_is_audited_and_the_round_goes_on(redis_url, 
 
 def test_the_per_peer_wait_is_half_the_heartbeat_ttl_within_1_to_10_s():
     assert [peer_wait_s(ttl) for ttl in (100, 2_000, 4_000, 10_000, 20_000, 60_000)] == [1.0, 1.0, 2.0, 5.0, 10.0, 10.0]
+
+
+def test_a_peers_whole_share_is_waited_on_for_half_the_loading_deadline(redis_url, cluster_id, tmp_path):
+    """The agent's transports bound a peer's share (not only each expert): what a slow peer has not delivered by
+    half the loading deadline is read from the checkpoint before the round's deadline aborts it."""
+    assert peer_share_s(120_000) == 60.0
+    with thread_cluster(redis_url, cluster_id, tmp_path) as tc:
+        store = tc.store()
+        tc.start(peer_secret=SECRET)
+        service = tc.agents[0].peers
+        assert service.share_s == peer_share_s(tc.config.deadlines.loading_ms) == 10.0
+        old = tc.agents[0].backend.phy2log
+        transport = service.fetch_for(old, old, (0, 1, 2, 3), store).transport
+        assert transport.total_s == 10.0
 
 
 def test_a_rank_staging_longer_than_its_ttl_from_a_lying_peer_stays_a_member(redis_url, cluster_id, tmp_path):
@@ -156,3 +170,35 @@ def test_paddle_ranks_serve_their_live_slots_to_each_other(redis_url, cluster_id
         assert all(not a["detail"] for a in _staged_records(store))
         for agent in tc.agents:  # every slot, peer-staged ones included, holds its checkpoint expert
             assert agent.backend.verify() == (15, 15)
+
+
+def test_a_start_that_fails_after_the_peer_server_opened_leaves_none_listening(redis_url, cluster_id, tmp_path,
+                                                                               monkeypatch):
+    """Redis away as the rank registers: start() raises, and the peer server it had opened over the live slots is
+    closed (before, it kept accepting connections, with no loop left to close it: README's
+    ``EmbeddedAgent(...).start()`` never returns an agent to close then)."""
+    import socket
+
+    from fdeplb.errors import RedisUnavailableError
+    from fdeplb.orchestration.embedded_agent import EmbeddedAgent
+
+    with thread_cluster(redis_url, cluster_id, tmp_path):
+        agent = EmbeddedAgent(redis_url, 0, cluster=cluster_id, backend_factory=NumpyWeights.factory(),
+                              peer_secret=SECRET)
+        opened = []
+        real = agent.store.register_rank
+
+        def away(*_a, **_k):
+            opened.append(agent.peers.address)
+            raise RedisUnavailableError("redis away")
+
+        monkeypatch.setattr(agent.store, "register_rank", away)
+        with pytest.raises(RedisUnavailableError):
+            agent.start()
+        assert agent.peers is None and len(opened) == 1
+        host, _, port = opened[0].rpartition(":")
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5).close()
+        monkeypatch.setattr(agent.store, "register_rank", real)
+        with agent.start():  # a later start opens a new one
+            assert agent.peers is not None

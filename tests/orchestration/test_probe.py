@@ -96,6 +96,70 @@ def test_infinities_agree_only_with_the_same_infinity_and_say_so_without_a_warni
     assert "1 of 3 values differ" in bad[0].message and "largest difference inf" in bad[0].message
 
 
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_integer_outputs_past_2_53_are_compared_exactly_not_through_float64(dtype):
+    """An engine's probe may return an integer fingerprint of each layer's output: two that differ only below
+    float64's 53 bits are a mismatch (isclose's float64 cast made them equal), and a tolerance applies exactly."""
+    top = int(np.iinfo(dtype).max)
+    ref = {0: np.array([top, 2**60], dtype)}
+    assert compare(ref, {0: ref[0].copy()}) == []
+    bad = compare(ref, {0: np.array([top - 1, 2**60], dtype)})
+    assert [m.layer for m in bad] == [0] and "1 of 2 values differ" in bad[0].message
+    assert compare(ref, {0: np.array([top - 1, 2**60 + 1], dtype)}, atol=1) == []
+    assert [m.layer for m in compare(ref, {0: np.array([top, 2**60 + 2], dtype)}, atol=1)] == [0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_paddle_low_precision_float_output_is_compared_as_its_values_not_its_bits(dtype):
+    """paddle's numpy() of a bfloat16 / float8 tensor gives its raw bits as integers: a tolerance applied to
+    those let 1.0 -> 1.5 agree within rtol 0.01, and a NaN was no NaN. Compared as floats, both are caught."""
+    paddle = pytest.importorskip("paddle")
+    out = outputs_of([paddle.to_tensor([1.0, 2.0]).astype(dtype)])
+    assert out[0].dtype.kind == "f" and out[0].tolist() == [1.0, 2.0]
+    before = {0: paddle.to_tensor([1.0, 2.0]).astype(dtype)}
+    bad = _run(before, {0: paddle.to_tensor([1.5, 2.0]).astype(dtype)}, rtol=0.01).result
+    assert bad.outcome is ProbeOutcome.MISMATCH and "largest difference 0.5" in bad.message
+    nan = paddle.to_tensor([float("nan"), 2.0]).astype(dtype)
+    if dtype == "bfloat16":  # float8_e4m3fn has a NaN too, but paddle's cast to it saturates on CPU
+        assert "NaN" in _run({0: nan}, {0: nan}).result.message
+
+
+class _TorchLike:
+    """What outputs_of sees of a torch tensor (torch is not installed here): its module, dtype name, detach /
+    float / cpu, and a numpy() that raises as torch's does for a CUDA or bfloat16 tensor."""
+
+    __module__ = "torch"
+
+    def __init__(self, values, dtype="torch.bfloat16", device="cuda:0"):
+        self.values, self.dtype, self.device = np.asarray(values, np.float32), dtype, device
+
+    def detach(self):
+        return self
+
+    def float(self):
+        return _TorchLike(self.values, "torch.float32", self.device)
+
+    def cpu(self):
+        return _TorchLike(self.values, self.dtype, "cpu")
+
+    def numpy(self):
+        if self.device != "cpu":
+            raise TypeError(f"can't convert {self.device} device type tensor to numpy")
+        if self.dtype == "torch.bfloat16":
+            raise TypeError("Got unsupported ScalarType BFloat16")
+        return self.values.copy()
+
+
+def test_a_torch_bfloat16_output_on_a_gpu_is_read_through_a_float32_host_copy():
+    """A torch engine's probe output (bfloat16, on its GPU): numpy() raised, so every swap's probe failed and was
+    rolled back. Checked against a stand-in with torch's behaviour (torch itself is not installed here)."""
+    out = outputs_of([_TorchLike([1.0, 2.0])])
+    assert out[0].dtype == np.float32 and out[0].tolist() == [1.0, 2.0]
+    assert outputs_of([_TorchLike([3.0], "torch.float16")])[0].tolist() == [3.0]
+    run = _run([_TorchLike([1.0, 2.0])], [_TorchLike([1.0, 2.0])])
+    assert run.result.outcome is ProbeOutcome.AGREE
+
+
 def test_a_changed_shape_dtype_or_layer_set_is_a_mismatch_saying_so():
     ref = {0: np.zeros((2, 3), np.float32), 1: np.zeros(2, np.float32)}
     bad = compare(ref, {0: np.zeros((3, 2), np.float32), 1: np.zeros(2, np.float64), 2: np.zeros(1)})

@@ -233,16 +233,17 @@ def test_connections_past_the_handshake_cap_are_turned_away_and_the_server_serve
 
 
 @contextmanager
-def fake_peer(then, timeout_s: float = 10):
-    """A peer speaking the protocol by hand (the stdlib Listener, same key): it reads one request, answers a
-    header for a 256-byte expert, then ``then(conn)``; yields a transport to it."""
+def fake_peer(then, timeout_s: float = 10, header: bytes = b'{"answers": [{"ok": true, "checksum": [1], '
+              b'"sizes": [["w", 256]]}]}'):
+    """A peer speaking the protocol by hand (the stdlib Listener, same key): it reads one request, answers
+    ``header`` (by default one for a 256-byte expert), then ``then(conn)``; yields a transport to it."""
     listener = Listener(("127.0.0.1", 0), authkey=KEY)
     done = threading.Event()
 
     def serve():
         conn = listener.accept()
         conn.recv_bytes()
-        conn.send_bytes(b'{"answers": [{"ok": true, "checksum": [1], "sizes": [["w", 256]]}]}')
+        conn.send_bytes(header)
         then(conn, done)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -267,6 +268,79 @@ def test_a_truncated_frame_is_an_error():
     with fake_peer(short) as transport:
         with pytest.raises(PeerTransferError, match="truncated frame"):
             transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+
+
+@pytest.mark.parametrize("field", ['"checksum": [Infinity], "sizes": [["w", 256]]',
+                                   '"checksum": [1], "sizes": [["w", 1e999]]'])
+def test_a_header_with_a_number_past_any_int_is_a_transfer_error_not_an_overflow(field):
+    """JSON's Infinity (or 1e999) where the header has an int: int() raises OverflowError, which the transport
+    let out of fetch(), so staging failed (LOAD_FAILED) instead of reading that expert from the checkpoint."""
+    def send(conn, _done):
+        conn.send_bytes(b"x" * 256)
+        with pytest.raises(EOFError):
+            conn.recv_bytes()  # until the client hangs up
+
+    header = ('{"answers": [{"ok": true, ' + field + '}]}').encode()
+    with fake_peer(send, header=header) as transport:
+        with pytest.raises(PeerTransferError, match="OverflowError"):
+            transport.fetch(1, PeerRequest(0, 4, routing_digest(OLD)), _into()[1])
+
+
+def test_a_request_with_a_number_past_any_int_is_refused_and_the_connection_serves_on():
+    """The server side of the same: the serving thread died of the OverflowError (a traceback, the connection
+    cut) instead of refusing the request as bad."""
+    from multiprocessing.connection import Client
+
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY)
+    host, _, port = server.address.rpartition(":")
+    conn = Client((host, int(port)), authkey=KEY)
+    try:
+        conn.send_bytes(b'{"placement": "x", "experts": [[Infinity, 4]]}')
+        assert conn.poll(10)
+        assert json.loads(conn.recv_bytes())["error"] == "bad request: cannot convert float infinity to integer"
+        conn.send_bytes(json.dumps({"placement": routing_digest(OLD), "experts": [[0, 4]]}).encode())
+        assert conn.poll(10) and json.loads(conn.recv_bytes())["answers"][0]["ok"] is True
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_peer_slow_on_every_expert_but_within_each_deadline_is_cut_at_its_share_budget():
+    """A peer that delivers each expert inside the per-expert wait but its whole share far past it (here 8 x 0.3 s
+    against a 1 s wait) was waited on to the end (N x the wait: past the loading deadline, the round aborted);
+    with ``total_s`` the items past it fail and are read from the checkpoint."""
+    n = 8
+    listener = Listener(("127.0.0.1", 0), authkey=KEY)
+    done = threading.Event()
+
+    def serve():
+        conn = listener.accept()
+        conn.recv_bytes()
+        conn.send_bytes(json.dumps({"answers": [{"ok": True, "checksum": [1], "sizes": [["w", 256]]}] * n}).encode())
+        try:
+            for _ in range(n):
+                if done.wait(0.3):  # the peer's pace: each expert well within the 1 s wait
+                    return
+                conn.send_bytes(b"x" * 256)
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            pass  # cut by the receiver
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    host, port = listener.address
+    transport = SocketTransport({1: f"{host}:{port}"}, KEY, timeout_s=1.0, total_s=1.0)
+    try:
+        out = transport.fetch_many(1, [(PeerRequest(0, e, "d"), {"w": bytearray(256)}) for e in range(n)])
+    finally:
+        done.set()
+        transport.close()
+        t.join(10)
+        listener.close()
+    failed = [i for i, o in enumerate(out) if isinstance(o, PeerTransferError)]
+    assert failed and failed == list(range(failed[0], n))  # 8 x 0.3 s > 1 s: the share cannot all arrive
+    assert all(o == (1,) for o in out[:failed[0]])
+    assert all("longer than 1 s" in str(out[i]) for i in failed)
 
 
 def test_a_stalled_peer_is_cut_at_its_deadline():
@@ -326,6 +400,50 @@ def test_a_peer_sigkilled_mid_transfer_falls_back_to_the_checkpoint(peer):
     _swapped_and_verified(receiver, staged)
 
 
+def test_a_request_that_stops_mid_frame_is_cut_at_the_servers_deadline():
+    """A receiver that stalls halfway through sending its request (stopped, partitioned) held a serving thread in
+    recv for good: the request is read under the server's deadline too, then the connection is closed."""
+    from multiprocessing.connection import Client
+
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY, timeout_s=0.5)
+    host, _, port = server.address.rpartition(":")
+    conn = Client((host, int(port)), authkey=KEY)
+    try:
+        os.write(conn.fileno(), b"\x00\x00\x00\x40{")  # a 64-byte frame's length and its first byte only
+        assert conn.poll(10), "the server never hung up"
+        with pytest.raises(EOFError):
+            conn.recv_bytes()
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_closed_server_refuses_connections_at_once():
+    """close() shuts the listening socket down: closing it alone left the port accepting connections while the
+    accepting thread sat in accept() (up to its 0.5 s timeout)."""
+    server = PeerServer(NumpyWeights(OLD, 1, EP_SIZE), KEY)
+    host, _, port = server.address.rpartition(":")
+    from multiprocessing.connection import Client
+
+    Client((host, int(port)), authkey=KEY).close()  # served: the accepting thread is back in accept()
+    server.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5).close()
+
+
 def test_a_server_refuses_an_authkey_too_short():
     with pytest.raises(InputError, match="16 bytes"):
         PeerServer(NumpyWeights(OLD, 1, EP_SIZE), b"short")
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_clear_while_a_host_slot_is_being_sent_neither_crashes_nor_sends_freed_memory(tmp_path):
+    """Real process (a crash is the failure): the clear cuts the peer transfer that reads the slots' memory and
+    frees it only once that send let go."""
+    out = subprocess.run([sys.executable, "-m", "tests.weights.clear_while_serving", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    said = out.stdout + out.stderr
+    assert out.returncode == 0 and "\nOK " in "\n" + out.stdout, said[-3000:]
+    assert "Bad address" not in said, said[-3000:]  # the send read memory the clear had freed (EFAULT)

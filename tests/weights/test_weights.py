@@ -23,6 +23,7 @@ from fdeplb.weights import (  # noqa: E402
     stage_experts,
     write_synthetic_checkpoint,
 )
+from fdeplb.placement.digest import routing_digest  # noqa: E402
 from tests.weights.helpers import EP, NEW, OLD, E, L, snapshot_bytes  # noqa: E402
 
 
@@ -330,6 +331,38 @@ def test_attach_wraps_engine_tensors_and_refuses_wrong_ones(ckpt):
     assert loaded.tensors["down_proj.weight"][0].data_ptr() == attached.tensors["down_proj.weight"][0].data_ptr()
     with pytest.raises(VerificationError, match="differ from the checkpoint"):
         LiveExperts.attach(loaded.tensors, OLD, 0, EP, reader)  # the tensors now hold NEW, not OLD
+
+
+def test_attach_takes_the_engines_suffixes_in_any_order_and_names_a_wrong_one(ckpt):
+    """An engine's dict of expert tensors in another key order than the checkpoint's (down before up, say, sorted)
+    was refused as "10 of 10 live slots differ from the checkpoint": checksums were compared suffix by suffix in
+    each side's own order. It attaches (the same tensor objects), swaps and serves its peers in the checkpoint's
+    order; a missing or extra suffix, or a slot of another shape or dtype, is an InputError naming it."""
+    import paddle
+
+    from fdeplb.weights.backend import CheckpointBackend
+
+    reader = CheckpointReader(ckpt)
+    loaded = LiveExperts.from_checkpoint(reader, OLD, 0, EP, device="cpu")
+    engine = dict(reversed(list(loaded.tensors.items())))
+    assert list(engine) != list(reader.spec)
+    attached = LiveExperts.attach(engine, OLD, 0, EP, reader)
+    assert list(attached.tensors) == list(reader.spec)
+    assert all(a is b for s in engine for a, b in zip(attached.tensors[s], engine[s]))
+    plan = plan_transfer(OLD, NEW, 0, EP)
+    attached.swap(plan, stage_experts(plan, reader), NEW)
+    assert attached.verify(reader) == (L * 6, L * 6)
+    served, _ = CheckpointBackend(attached, reader).serve_expert(0, int(NEW[0, 0]), routing_digest(NEW))
+    assert [suffix for suffix, _ in served] == list(reader.spec)
+
+    up, down = "up_gate_proj.weight", "down_proj.weight"
+    with pytest.raises(InputError, match=f"suffixes \\['{up}'\\], the checkpoint's experts \\['{down}', '{up}'\\]"):
+        LiveExperts.attach({up: engine[up]}, NEW, 0, EP, reader)
+    with pytest.raises(InputError, match=f"live {down!r} slots are float16"):
+        LiveExperts.attach({up: engine[up], down: [t.astype("float16") for t in engine[down]]}, NEW, 0, EP, reader)
+    wide = [paddle.concat([t, t], axis=-1) for t in engine[down]]
+    with pytest.raises(InputError, match=f"live {down!r} slots are float32.*, the checkpoint's float32"):
+        LiveExperts.attach({up: engine[up], down: wide}, NEW, 0, EP, reader)
 
 
 def test_swap_without_recorded_checksums_refuses_before_writing(ckpt):
