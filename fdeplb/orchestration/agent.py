@@ -448,7 +448,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             pause = self.pause_budget if self.safe_points else None
             args = (new, self.staging_budget_bytes) if pause is None else (new, self.staging_budget_bytes, pause)
             # staging may outlast the heartbeat TTL (a peer's deadline, disk reads): beat on meanwhile
-            with beating(lambda: self._heartbeat(force=True, check=False), self.heartbeat_ttl_ms / 4000, self.log):
+            with beating(self._busy_beat, self.heartbeat_ttl_ms / 4000, self.log):
                 if self.peers is None:
                     staged = self.backend.stage(*args)
                 else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
@@ -457,6 +457,12 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}
+
+    def _busy_beat(self) -> None:
+        """The heartbeat while staging; none once the agent is stopping (a closed agent's rank lapses after its
+        TTL even while an abandoned staging runs on)."""
+        if not self.stop_event.is_set():
+            self._heartbeat(force=True, check=False)
 
     def _drop_staging(self) -> None:
         if self.staged is not None:
