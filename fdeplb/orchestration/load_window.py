@@ -41,14 +41,27 @@ INT64_MAX = int(np.iinfo(np.int64).max)
 log = structlog.get_logger("fdeplb.agent")
 
 
+def check_physical(physical: Any) -> None:
+    """``physical`` is a bool (numpy's too) or None.
+
+    Raises:
+        InputError: anything else (the string ``"false"`` is not False, 0 is not False).
+    """
+    if physical is not None and physical is not True and physical is not False \
+            and not isinstance(physical, (bool, np.bool_)):
+        raise InputError(f"physical must be True, False or None, got {physical!r} ({type(physical).__name__})")
+
+
 def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_logical: int,
                     physical: bool | None) -> bool:
     """The one shape rule of a step's counts: True for per-slot counts ([L, P]), False for logical ones ([L, E]).
     ``physical`` None: by shape (when E == P a [L, E] array is taken as logical).
 
     Raises:
-        InputError: neither shape (or not the one ``physical`` names).
+        InputError: neither shape (or not the one ``physical`` names); ``physical`` not a bool or None (the
+            string ``"false"`` is not False).
     """
+    check_physical(physical)
     num_layers, num_phy = phy2log_shape
     wanted = f"{(num_layers, num_logical)} (logical) or {(num_layers, num_phy)} (physical)"
     if physical is None:
@@ -347,7 +360,8 @@ class LoadRecorder:
         ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
         physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
         the one the step routed with), of any integer dtype. ``physical`` says which (None: by shape; when E == P
-        a [L, E] array is taken as logical). Accumulated in int64, exactly.
+        a [L, E] array is taken as logical; anything but a bool or None is an ``InputError``). Accumulated in int64,
+        exactly.
 
         - A numpy array (or a nested list): checked and folded at once, on the host
           (:func:`~fdeplb.orchestration.load_window.fold_counts`).
@@ -359,12 +373,14 @@ class LoadRecorder:
           without the dropped steps, at the next step.
 
         Raises:
-            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a host step with a negative
+            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, ``physical`` not a bool or
+                None, a host step with a negative
                 count or a count past the int64 range (also once summed per logical expert or into the window), or
                 the agent is not started. Nothing is recorded then.
         """
         if self.window is None or self._live_phy2log is None:
             raise InputError("record() before start(): the agent has no load window yet")
+        check_physical(physical)
         tensor = device_tensor(counts)
         if tensor is None:
             self.window.add(fold_counts(counts, self._live_phy2log, self.window.shape[1], physical=physical))
