@@ -19,7 +19,8 @@ from fdeplb.placement.digest import routing_digest
 from fdeplb.store import Store
 from fdeplb.store.liveness import stale_of
 from fdeplb.weights.backend import Staged, WeightBackend
-from fdeplb.weights.peer import DEFAULT_TIMEOUT_S, ExpertSource, PeerServer, SocketTransport, peer_authkey
+from fdeplb.weights.peer import (DEFAULT_TIMEOUT_S, MAX_SERVING, ExpertSource, PeerServer, SocketTransport,
+                                 peer_authkey)
 from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources
 from fdeplb.weights.peer_staging import Fallback, PeerFetch
 from fdeplb.weights.plan import PauseBudget
@@ -66,18 +67,19 @@ class PeerService:
         share_s: the most a staging waits on one peer in all (:func:`peer_share_s`; None: no bound but
             ``timeout_s`` per wait).
         actor: who the alarm of a failed authentication names (:meth:`stage`).
+        max_serving: requests the server answers at once (:class:`~fdeplb.weights.peer.PeerServer`).
     """
 
     def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
                  host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, share_s: float | None = None,
-                 actor: str = "") -> None:
+                 actor: str = "", max_serving: int = MAX_SERVING) -> None:
         self._key = peer_authkey(secret, cluster)
         self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
         self.timeout_s = float(timeout_s)
         self.share_s = share_s
         self.actor = actor or f"rank{self.ep_rank}"
         self.auth_alarmed = False  # the alarm of a failed authentication is raised once per service
-        self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
+        self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s, max_serving=max_serving)
 
     @property
     def address(self) -> str:

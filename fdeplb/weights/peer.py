@@ -54,9 +54,20 @@ MAX_HEADER = 64 * 1024
 DEFAULT_TIMEOUT_S = 10.0
 #: an idle served connection is closed after this long (seconds)
 IDLE_S = 120.0
+#: default of the requests a server answers at once (:class:`PeerServer`'s ``max_serving``): each holds the host
+#: copies of its batch's device slots until they are sent, up to :data:`BATCH_BYTES` (one larger expert alone), so
+#: a popular peer holds at most about max_serving x 64 MiB however many receivers connect
+MAX_SERVING = 4
 #: most connections a server holds before they authenticate (each has a thread and a handshake deadline); one
 #: accepted past it is closed at once, so a flood of connections costs no threads
 MAX_HANDSHAKES = 32
+
+
+def check_max_serving(max_serving: Any) -> int:
+    """``max_serving`` (a peer server's requests answered at once) as an int >= 1; InputError otherwise."""
+    if isinstance(max_serving, bool) or not isinstance(max_serving, int) or max_serving < 1:
+        raise InputError(f"max_serving must be an int >= 1 (requests answered at once), got {max_serving!r}")
+    return max_serving
 
 
 def peer_authkey(secret: str, cluster: str) -> bytes:
@@ -204,17 +215,28 @@ class PeerServer:
         authkey: :func:`peer_authkey` (bytes, >= 16).
         host: the interface to listen on (default the loopback); the port is chosen by the system.
         timeout_s: deadline of a connection's handshake and of sending one expert.
+        max_serving: requests answered at once, over all connections (default :data:`MAX_SERVING`, >= 1): the
+            bound on the host copies the server holds (max_serving x :data:`BATCH_BYTES`). A request past it waits
+            for a free turn up to half of ``timeout_s`` (within the receiver's wait for its header), then is refused
+            whole (``peer busy: ...``, a warning): the receiver reads those experts from the checkpoint.
 
     Attributes:
         address: ``"host:port"`` to register with the rank (:meth:`fdeplb.store.Store.register_rank`).
         served, refused: experts sent, requests refused (counters).
+        busy: requests refused because ``max_serving`` others were being answered (counted in ``refused`` too).
         turned_away: connections closed unserved because :data:`MAX_HANDSHAKES` others were authenticating.
+
+    Raises:
+        InputError: an authkey under 16 bytes, ``max_serving`` not an int >= 1.
     """
 
     def __init__(self, source: ExpertSource, authkey: bytes, *, host: str = "127.0.0.1",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_serving: int = MAX_SERVING) -> None:
         if len(authkey) < 16:
             raise InputError("a peer authkey needs at least 16 bytes (peer_authkey)")
+        self.max_serving = check_max_serving(max_serving)
+        self._serving = threading.BoundedSemaphore(max_serving)
+        self.busy = 0
         self.source, self._key, self.timeout_s = source, bytes(authkey), float(timeout_s)
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.5)
@@ -278,7 +300,16 @@ class PeerServer:
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
+        if not self._serving.acquire(timeout=self.timeout_s / 2):
+            self.refused += 1
+            self.busy += 1
+            error = (f"peer busy: {self.max_serving} requests are being answered (max_serving), each holding up to "
+                     f"{BATCH_BYTES >> 20} MiB of host copies")
+            log.warning("peer request refused", reason=error, experts=len(experts))
+            link.conn.send_bytes(json.dumps({"ok": False, "error": error}).encode())
+            return
         with ExitStack() as held:
+            held.callback(self._serving.release)
             hold = getattr(self.source, "serving", None)
             try:
                 if hold is not None:  # the slots' memory stays allocated until the last byte is sent
