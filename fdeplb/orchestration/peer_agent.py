@@ -89,19 +89,24 @@ class PeerService:
               pause: PauseBudget | None, members: tuple[int, ...], store: Store) -> Staged:
         """``backend.stage`` of ``new_phy2log`` with the experts new to the rank taken from the peers that hold
         them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after. The first
-        time peers fail authentication (their secret differs from this rank's), one alarm (event and audit record)
-        names them and the likely cause; later rounds fall back to the checkpoint without another."""
+        time peers fail authentication, one alarm (event and audit record) names them and what each failed
+        handshake tells (:func:`~fdeplb.weights.peer.handshake_failure`: another key, or not an fdeplb peer);
+        later rounds fall back to the checkpoint without another."""
         fetch = self.fetch_for(backend.phy2log, new_phy2log, members, store)
         try:
             staged = backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
         finally:
             fetch.transport.close()
-        refused = sorted({f.peer for f in getattr(staged, "fallbacks", []) if f.unauthenticated})
-        if refused and not self.auth_alarmed:
+        known: dict[int, str] = {}  # peer -> what its failed handshake tells
+        for f in getattr(staged, "fallbacks", []):
+            if f.unauthenticated:
+                known.setdefault(f.peer, f.handshake or f.error)
+        if known and not self.auth_alarmed:
             self.auth_alarmed = True
-            message = (f"rank {self.ep_rank}: peer transfer with ranks {refused} failed authentication: their "
-                       f"{ENV_PEER_SECRET} likely differs from this rank's; the experts they hold are read from the "
-                       "checkpoint every round until every rank has the same secret (alarmed once)")
+            message = (f"rank {self.ep_rank}: peer transfer with ranks {sorted(known)} failed authentication: "
+                       + "; ".join(f"rank {peer}: {what}" for peer, what in sorted(known.items()))
+                       + "; the experts they hold are read from the checkpoint every round until it is fixed "
+                       "(alarmed once)")
             store.emit_event("alarm", rank=self.ep_rank, message=message)
             store.append_alarm(store.read_cluster(), actor=self.actor, reason=message)
         return staged

@@ -185,6 +185,31 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
+class PeerHandshakeError(PeerAuthError):
+    """A failed handshake with a peer's address, and what it tells (``handshake``: :func:`handshake_failure`)."""
+
+    def __init__(self, message: str, handshake: str) -> None:
+        super().__init__(message)
+        self.handshake = handshake
+
+
+def handshake_failure(err: BaseException, address: str) -> str:
+    """What a failed :mod:`multiprocessing.connection` handshake with the server at ``address`` tells, no more:
+    the challenge's HMAC proves only that both ends hold the same key, so a refusal of this rank's key is either
+    another key (another ``FDEPLB_PEER_SECRET`` or cluster id) or another program listening there; a server that
+    takes the key without answering the challenge, or sends no challenge, is not an fdeplb peer."""
+    text = str(err)
+    if "digest sent was rejected" in text:
+        return (f"the server at {address} refused this rank's key: it holds another one (another "
+                "FDEPLB_PEER_SECRET or cluster id) or is not an fdeplb peer (another program listening at the "
+                "registered address)")
+    if "digest received was wrong" in text:
+        return (f"the server at {address} took this rank's key but failed its challenge: not an fdeplb peer "
+                "holding the key (another program listening at the registered address)")
+    return (f"the server at {address} sent no authentication challenge ({text[:100]}): not an fdeplb peer "
+            "(another program listening at the registered address)")
+
+
 class _Link:
     """One authenticated connection: the framed :class:`Connection` and a duplicate of its socket to shut down."""
 
@@ -390,7 +415,10 @@ class SocketTransport:
         link = _Link(sock)
         try:
             with _deadline(link.guard, self.timeout_s):
-                answer_challenge(link.conn, self._key)
+                try:
+                    answer_challenge(link.conn, self._key)
+                except AssertionError as err:  # Python < 3.12: a first message that is no challenge
+                    raise AuthenticationError(f"protocol error, expected a challenge: {err}") from None
                 deliver_challenge(link.conn, self._key)
         except BaseException:
             link.close()
@@ -438,17 +466,22 @@ class SocketTransport:
             except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError, OverflowError) as err:
                 self._drop(peer)  # OverflowError: a header's int that is JSON's Infinity or 1e999
                 request = items[len(out)][0]
-                auth = isinstance(err, AuthenticationError)
                 late = end is not None and time.monotonic() >= end and not isinstance(err, TimeoutError)
-                out.append((PeerAuthError if auth else PeerTransferError)(
-                    f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
-                    f"{request.layer}: {type(err).__name__}: {err}"
-                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")
-                    + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
+                message = (f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
+                           f"{request.layer}: {type(err).__name__}: {err}")
+                if isinstance(err, AuthenticationError):
+                    known = handshake_failure(err, self.addresses[peer])
+                    out.append(PeerHandshakeError(f"{message}; {known}", known))
+                else:
+                    out.append(PeerTransferError(
+                        message + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
         cause = out[-1] if out else None
         while len(out) < len(items):  # the connection broke: what broke it, for every later item
-            kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
-            out.append(kind(f"rank {peer} failed earlier: {cause}"))
+            if isinstance(cause, PeerHandshakeError):
+                out.append(PeerHandshakeError(f"rank {peer} failed earlier: {cause}", cause.handshake))
+            else:
+                kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
+                out.append(kind(f"rank {peer} failed earlier: {cause}"))
         return out
 
     def _wait_s(self, end: float | None) -> float:

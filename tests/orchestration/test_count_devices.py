@@ -40,8 +40,9 @@ GPU = FakeDevice("gpu:0")
 
 @pytest.fixture
 def devices(monkeypatch):
-    """A maker of tensors "on" :data:`GPU` (CPU tensors the recorder is told are there), and spies: each copy's source is on the copies' device,
-    each partial sum takes one device's steps, and the reads per publication are counted."""
+    """A maker of tensors "on" :data:`GPU` (CPU tensors the recorder is told are there), and spies: each copy's
+    source is on the copies' device, each partial sum takes one device's steps, and the reads per publication are
+    counted."""
     on_gpu: dict[int, object] = {}
 
     real = load_window.count_device
