@@ -72,9 +72,9 @@ def device_tensor(counts: Any) -> Any | None:
 
 
 def count_device(t: Any) -> int:
-    """The device a tensor of counts is on, as the hash of its paddle ``Place`` (the place's type and device id:
-    one number per device; comparing two ``Place`` objects costs a microsecond, two numbers nothing); host
-    metadata only (~0.5 us)."""
+    """The device a tensor of counts is on, as the hash of its paddle ``Place``: paddle's own equality of places
+    compares exactly this value (``phi::Place::operator==``), and two numbers compare at no cost where two
+    ``Place`` objects cost a microsecond; host metadata only (~0.5 us)."""
     return hash(t.place)
 
 
