@@ -58,7 +58,7 @@ from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, 
 from fdeplb.store.cluster_config import check_pause_budget
 from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
-from fdeplb.weights.peer import ExpertSource
+from fdeplb.weights.peer import MAX_SERVING, ExpertSource, check_max_serving
 from fdeplb.weights.plan import PauseBudget
 
 log = structlog.get_logger("fdeplb.agent")
@@ -99,6 +99,9 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
     (``ClusterConfig``). With safe points a committed swap is applied in chunks of whole layers within every rank's
     budget, one chunk per safe point (:class:`~fdeplb.orchestration.safe_points.Chunked`); a re-placement round
     that changes the members is applied at one safe point (its routing names other ranks).
+    ``peer_secret``: the peer-transfer secret (:mod:`~fdeplb.orchestration.peer_agent`); ``peer_max_serving``:
+    the requests its peer server answers at once (None: :data:`fdeplb.weights.peer.MAX_SERVING`; each holds up to
+    64 MiB of host copies; past it a request waits, then is refused and read from the checkpoint).
     ``replace``: supersede a live agent of the same rank (one whose heartbeat is within its TTL, that did not
     stop: :meth:`run` notes its end in the registry, and whose process is not provably dead on this host:
     :mod:`~fdeplb.orchestration.takeover`); without it :meth:`start` refuses with
@@ -112,7 +115,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
                  publish_interval_s: float | None = None, heartbeat_ttl_ms: int = 10_000,
                  switch_margin_steps: int = SWITCH_MARGIN_STEPS, max_pause_bytes: int | None = None,
                  layers_per_safe_point: int | None = None, replace: bool = False,
-                 peer_secret: str | None = None) -> None:
+                 peer_secret: str | None = None, peer_max_serving: int | None = None) -> None:
         if heartbeat_ttl_ms < 100:
             raise InputError(f"heartbeat_ttl_ms must be >= 100, got {heartbeat_ttl_ms}")
         own = check_pause_budget(0 if max_pause_bytes is None else max_pause_bytes,  # the cluster's rule
@@ -155,6 +158,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self.recovery: Recovery | None = None  # made once the backend is (start)
         self._init_probe()
         self._peer_secret = peer_agent.peer_secret(peer_secret)  # None: every moved expert from the checkpoint
+        self._peer_max_serving = check_max_serving(MAX_SERVING if peer_max_serving is None else peer_max_serving)
         self.peers: peer_agent.PeerService | None = None  # serves the live slots to peers (peer_agent)
 
     # ---- start-up -------------------------------------------------------------------------------------------------
@@ -195,7 +199,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
                                                 self.config.ep_size,
                                                 timeout_s=peer_agent.peer_wait_s(self.heartbeat_ttl_ms),
                                                 share_s=peer_agent.peer_share_s(self.config.deadlines.loading_ms),
-                                                actor=self.actor)
+                                                actor=self.actor, max_serving=self._peer_max_serving)
         try:
             if self.peers is not None:
                 self.peers.server.source = self.backend
@@ -448,7 +452,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             pause = self.pause_budget if self.safe_points else None
             args = (new, self.staging_budget_bytes) if pause is None else (new, self.staging_budget_bytes, pause)
             # staging may outlast the heartbeat TTL (a peer's deadline, disk reads): beat on meanwhile
-            with beating(lambda: self._heartbeat(force=True, check=False), self.heartbeat_ttl_ms / 4000, self.log):
+            with beating(self._busy_beat, self.heartbeat_ttl_ms / 4000, self.log):
                 if self.peers is None:
                     staged = self.backend.stage(*args)
                 else:  # experts new to the rank from the peers that hold them live, the rest from the checkpoint
@@ -457,6 +461,12 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
             self.staged = _Staging(plan_id, staged)
             self._stage_ms = round((time.perf_counter() - t0) * 1000, 3)
         return {**dataclasses.asdict(self.staged.staged.report), "stage_ms": self._stage_ms}
+
+    def _busy_beat(self) -> None:
+        """The heartbeat while staging; none once the agent is stopping (a closed agent's rank lapses after its
+        TTL even while an abandoned staging runs on)."""
+        if not self.stop_event.is_set():
+            self._heartbeat(force=True, check=False)
 
     def _drop_staging(self) -> None:
         if self.staged is not None:

@@ -9,6 +9,11 @@ counts on the device and read them only when they publish. So does fdeplb: a rec
 the step's tensor on its device (:class:`DeviceStep`, one device op, nothing read back), and :func:`window_sum`
 folds and sums the window's device steps on that device, with one device-to-host copy per publication.
 
+A step's device is part of its kind (:func:`count_device`): steps on two devices (a warm-up step's counts on the
+CPU, the rest on the GPU) are copied on their own device and summed there, one read per device and publication;
+no step is ever copied to another device, nor summed with another device's steps (vLLM adds a step into a tensor
+on one device, which torch refuses for another; a window spans many steps, so fdeplb keeps both instead).
+
 Paddle is reached only through :func:`fdeplb.weights.import_paddle` (the one module that imports it, lazily); a
 torch tensor is taken through DLPack (zero-copy). torch is not a dependency.
 """
@@ -40,6 +45,8 @@ class DeviceStep(NamedTuple):
     counts: Any
     #: int64 [L, P]: the placement the step routed with, for per-slot counts; None for logical counts
     phy2log: np.ndarray | None
+    #: the device the counts are on (:func:`count_device`): the window sums each device's steps apart
+    device: Any
 
 
 class WindowSum(NamedTuple):
@@ -64,25 +71,34 @@ def device_tensor(counts: Any) -> Any | None:
     return None
 
 
+def count_device(t: Any) -> int:
+    """The device a tensor of counts is on, as the hash of its paddle ``Place``: paddle's own equality of places
+    compares exactly this value (``phi::Place::operator==``), and two numbers compare at no cost where two
+    ``Place`` objects cost a microsecond; host metadata only (~0.5 us)."""
+    return hash(t.place)
+
+
 def count_dtype(t: Any) -> str:
     """The dtype name of a device tensor of counts (``"int32"``...); host metadata only."""
     return dtype_name(t)
 
 
 class StepCopies:
-    """The device copies a window's steps of one kind (shape, dtype) are kept in (the engine may reuse its own
-    tensor next step), on the device of the kind's first step: a copy nothing else holds any more (its step left
-    the window and no publication reads it) is written again, so a recorded step is one device copy into memory
-    already there. The copies are reserved together, at the first step: the window's step limit plus one (an
+    """The device copies a window's steps of one kind (shape, dtype, device) are kept in (the engine may reuse its
+    own tensor next step), on that device (:func:`count_device`'s ``device``): a copy nothing else holds any more
+    (its step left the window and no publication reads it) is written again, so a recorded step is one device copy
+    into memory already there. The copies are reserved together, at the first step: the window's step limit plus one (an
     allocation per step, among a thousand live ones, and its first touch cost the host several times the copy), or
     blocks of :data:`BLOCK_STEPS` as a time-limited window needs them. Thread-safe.
 
     Args:
+        device: the device of the steps copied here (each device has copies of its own).
         reserve: copies to reserve at once (the window's step limit; None: grow by blocks).
         most: copies at most; past that a step is copied into a new tensor of its own (not kept here).
     """
 
-    def __init__(self, reserve: int | None = None, most: int = 4096) -> None:
+    def __init__(self, device: Any, reserve: int | None = None, most: int = 4096) -> None:
+        self.device = device
         self.reserve = reserve
         self.most = max(most, (reserve or 0) + 1)
         self._ring: collections.deque = collections.deque()
@@ -110,15 +126,16 @@ def _reserve(t: Any, n: int) -> list[Any]:
     return list(block.unbind(0))
 
 
-def _fold(x: Any, phy2log: np.ndarray | None, num_logical: int, index: dict[int, Any]) -> Any:
+def _fold(x: Any, phy2log: np.ndarray | None, num_logical: int, index: dict[tuple, Any]) -> Any:
     """int64 [L, X] on its device -> int64 [L, E]: per-slot counts summed into their logical experts (``phy2log``
-    uploaded once per publication into ``index``); logical counts as they are."""
+    uploaded once per publication and device into ``index``); logical counts as they are."""
     if phy2log is None:
         return x
     pd = paddle()
-    idx = index.get(id(phy2log))
+    key = (id(phy2log), x.place)
+    idx = index.get(key)
     if idx is None:
-        idx = index[id(phy2log)] = pd.to_tensor(np.ascontiguousarray(phy2log, dtype=np.int64), place=x.place)
+        idx = index[key] = pd.to_tensor(np.ascontiguousarray(phy2log, dtype=np.int64), place=x.place)
     zeros = pd.to_tensor(np.zeros((phy2log.shape[0], num_logical), np.int64), place=x.place)
     return pd.put_along_axis(zeros, idx, x, axis=1, reduce="add")
 
@@ -154,9 +171,9 @@ class _Partial(NamedTuple):
     low: Any
 
 
-def _partial(steps: list[DeviceStep], num_logical: int, index: dict[int, Any]) -> _Partial:
-    """:class:`_Partial` of at most :data:`BLOCK_STEPS` steps, summed per (dtype, routing): counts of at most 32
-    bits in int64 (at most 64 steps x P slots of < 2**31: no wrap), int64 counts by their halves."""
+def _partial(steps: list[DeviceStep], num_logical: int, index: dict[tuple, Any]) -> _Partial:
+    """:class:`_Partial` of at most :data:`BLOCK_STEPS` steps on one device, summed per (dtype, routing): counts
+    of at most 32 bits in int64 (at most 64 steps x P slots of < 2**31: no wrap), int64 counts by their halves."""
     pd = paddle()
     groups: dict[tuple[str, int], list[int]] = {}  # steps summed together: same dtype, same routing
     for i, step in enumerate(steps):
@@ -180,17 +197,17 @@ def _partial(steps: list[DeviceStep], num_logical: int, index: dict[int, Any]) -
     return _Partial(pd.concat(mins), order, pd.add_n(high), pd.add_n(low))
 
 
-def window_sum(steps: list[DeviceStep], seqs: list[int], base: np.ndarray, blocks: dict[int, Any]) -> WindowSum:
+def window_sum(steps: list[DeviceStep], seqs: list[int], base: np.ndarray, blocks: dict[tuple, Any]) -> WindowSum:
     """The window's total: ``base`` (int64 [L, E], the host steps' sum, >= 0) plus every device step in
-    ``steps`` (oldest first, all on one device; ``seqs``: their numbers, counted up as they were recorded),
-    folded to logical experts through each step's own phy2log and summed on the device; one device-to-host copy
-    (each step's minimum and the [L, E] sums).
+    ``steps`` (oldest first; ``seqs``: their numbers, counted up as they were recorded), folded to logical experts
+    through each step's own phy2log and summed on its device; one device-to-host copy per device (each step's
+    minimum and the [L, E] sums), the devices' sums added on the host.
 
-    Steps are summed in blocks of :data:`BLOCK_STEPS` consecutive numbers: a whole block's sums are kept in
-    ``blocks`` (the caller's, one per window; a number is never given twice, so a whole block is the same steps
-    while it stays whole) and reused by the next publications, so a publication sums only the
-    steps recorded since the last one and the two partial blocks at the window's ends. The sums are exact: the
-    32-bit halves of the folded counts are summed apart and carried on the host (no wrap for fewer than ~2**17
+    Steps are summed in blocks of :data:`BLOCK_STEPS` consecutive numbers on one device: a whole block's sums are
+    kept in ``blocks`` (the caller's, one per window, keyed (block, device); a number is never given twice, so a
+    whole block is the same steps while it stays whole) and reused by the next publications, so a publication sums
+    only the steps recorded since the last one and the two partial blocks at the window's ends. The sums are exact:
+    the 32-bit halves of the folded counts are summed apart and carried on the host (no wrap for fewer than ~2**17
     blocks). Checked here, not when recorded (that would read the device every step): a step with a negative
     count is refused (``expert counts must be >= 0, found N``), and so is every step that would take the window
     past the int64 range, in the order they were recorded, as ``record()`` refuses a host step (``... per slot sum
@@ -202,30 +219,36 @@ def window_sum(steps: list[DeviceStep], seqs: list[int], base: np.ndarray, block
     """
     pd = paddle()
     num_layers, num_logical = base.shape
-    index: dict[int, Any] = {}
-    by_block: dict[int, list[int]] = {}
+    index: dict[tuple, Any] = {}
+    by_block: dict[tuple, list[int]] = {}
     for i, seq in enumerate(seqs):
-        by_block.setdefault(seq // BLOCK_STEPS, []).append(i)
-    kept: dict[int, Any] = {}
-    partials = []
+        by_block.setdefault((seq // BLOCK_STEPS, steps[i].device), []).append(i)
+    kept: dict[tuple, Any] = {}
+    by_device: dict[Any, list[tuple[list[int], _Partial]]] = {}
     for block, idx in by_block.items():
         members = [steps[i] for i in idx]
         if len(idx) < BLOCK_STEPS:  # the window's ends (or a block with refused steps): summed each time
-            partials.append((idx, _partial(members, num_logical, index)))
+            by_device.setdefault(block[1], []).append((idx, _partial(members, num_logical, index)))
             continue
         cached = blocks.get(block)  # a whole block: its numbers, hence its steps, are the same as when cached
         if cached is None:
             cached = _partial(members, num_logical, index)
         kept[block] = cached
-        partials.append((idx, cached))
+        by_device.setdefault(block[1], []).append((idx, cached))
     blocks.clear()
     blocks.update(kept)  # whole blocks still in the window: the rest expired
-    parts = [pd.concat([p.mins for _, p in partials]), pd.add_n([p.high for _, p in partials]).flatten(),
-             pd.add_n([p.low for _, p in partials]).flatten()]
-    host = pd.concat(parts).numpy()  # the publication's one device-to-host copy
     n, size = len(steps), num_layers * num_logical
     step_min = np.empty(n, np.int64)
-    step_min[[idx[j] for idx, p in partials for j in p.order]] = host[:n]
+    high = np.zeros(size, np.int64)
+    low = np.zeros(size, np.int64)
+    for partials in by_device.values():
+        parts = [pd.concat([p.mins for _, p in partials]), pd.add_n([p.high for _, p in partials]).flatten(),
+                 pd.add_n([p.low for _, p in partials]).flatten()]
+        host = _read(pd.concat(parts))  # the device's one device-to-host copy
+        mins = host[:-2 * size]
+        step_min[[idx[j] for idx, p in partials for j in p.order]] = mins
+        high += host[len(mins):len(mins) + size]
+        low += host[len(mins) + size:]
     if (step_min < 0).any():
         negative = np.flatnonzero(step_min < 0).tolist()
         error = f"expert counts must be >= 0, found {int(step_min.min())}"
@@ -234,24 +257,30 @@ def window_sum(steps: list[DeviceStep], seqs: list[int], base: np.ndarray, block
         later = (window_sum([steps[i] for i in rest], [seqs[i] for i in rest], base, blocks) if rest
                  else WindowSum(base.copy(), [], None))
         return WindowSum(None, sorted(negative + [rest[i] for i in later.bad]), error)
-    total = _combine(base, host[n:n + size].reshape(num_layers, num_logical),
-                     host[n + size:].reshape(num_layers, num_logical))
+    total = _combine(base, high.reshape(num_layers, num_logical), low.reshape(num_layers, num_logical))
     if total is not None:
         return WindowSum(total, [], None)
     return _refuse_overflow(steps, base, index)
 
 
-def _refuse_overflow(steps: list[DeviceStep], base: np.ndarray, index: dict[int, Any]) -> WindowSum:
+def _read(t: Any) -> np.ndarray:
+    """``t`` (int64 on its device) on the host: the device-to-host copy of a publication (one per device)."""
+    return t.numpy()
+
+
+def _refuse_overflow(steps: list[DeviceStep], base: np.ndarray, index: dict[tuple, Any]) -> WindowSum:
     """A window past the int64 range: replay the steps on the device in order, each added only if the running
-    sum stays in range (what ``record()`` does with a host step), and name the steps left out."""
+    sum stays in range (what ``record()`` does with a host step), and name the steps left out. Steps on several
+    devices are replayed on the host (copied there: this refusal is the rare path)."""
     pd = paddle()
-    place = steps[0].counts.place
+    one = len({step.device for step in steps}) == 1
+    place = steps[0].counts.place if one else pd.CPUPlace()
     num_logical = base.shape[1]
     run_high = pd.to_tensor(base >> 32, place=place)
     run_low = pd.to_tensor(base & _LOW, place=place)
     kept, alone = [], []
     for step in steps:
-        h, lo = _halves(step.counts.astype("int64"))
+        h, lo = _halves((step.counts if one else step.counts.cpu()).astype("int64"))
         h, lo = _fold(h, step.phy2log, num_logical, index), _fold(lo, step.phy2log, num_logical, index)
         h, lo = _halves_carried(h, lo)
         alone.append(h.max() >= _HIGH_LIMIT)

@@ -57,21 +57,50 @@ class EmbeddedAgent(RankAgent):
                          max_pause_bytes=max_pause_bytes, layers_per_safe_point=layers_per_safe_point, **kwargs)
         self.block_ms = int(block_ms)
         self._thread: threading.Thread | None = None
+        self._close_lock = threading.Lock()
+        self._loop_ended = False
+        #: True when :meth:`close` gave up waiting for the background loop: the loop closes the store as it ends
+        self.abandoned = False
 
     def start(self, info: dict[str, Any] | None = None) -> "EmbeddedAgent":
         """Load (or attach) the live experts, register the rank and start the background loop."""
         super().start(info)
-        self._thread = threading.Thread(target=self.run, kwargs={"block_ms": self.block_ms}, daemon=True,
-                                        name=f"fdeplb-rank{self.ep_rank}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"fdeplb-rank{self.ep_rank}")
         self._thread.start()
         return self
 
+    def _loop(self) -> None:
+        """The background thread: :meth:`run` until stopped; nothing raised leaves the thread (it is logged), and
+        when :meth:`close` has abandoned it, the thread closes the store as it ends (its last user)."""
+        try:
+            self.run(block_ms=self.block_ms)
+        except Exception as err:  # noqa: BLE001 - the engine's process must not see a traceback from our thread
+            self.log.error("agent loop failed", error=str(err), error_type=type(err).__name__)
+        finally:
+            with self._close_lock:
+                self._loop_ended = True
+                abandoned = self.abandoned
+            if abandoned:
+                self.store.close()
+                self.log.info("abandoned agent loop ended: store closed")
+
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the background loop (waits up to ``timeout_s``) and close the store's connections. The rank's
+        """Stop the background loop and close the store's connections. Waits up to ``timeout_s`` seconds for the
+        loop (a staging in progress, a disk read or a peer's transfer, cannot be cut short); past that the loop is
+        abandoned (:attr:`abandoned`, a warning): it stops at the end of its step, sends no more heartbeats
+        meanwhile, and closes the store itself as it ends, so the store is never closed under it. The rank's
         heartbeat then lapses after its TTL; the live experts stay as they are."""
         self.stop_event.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        thread = self._thread
+        if thread is not None:
+            thread.join(max(float(timeout_s), 0.0))
+        with self._close_lock:
+            busy = thread is not None and not self._loop_ended
+            self.abandoned = self.abandoned or busy
+        if busy:
+            self.log.warning("agent loop still busy at close: abandoned, it closes the store when its step ends",
+                             timeout_s=timeout_s)
+            return
         self.store.close()
 
     def __enter__(self) -> "EmbeddedAgent":

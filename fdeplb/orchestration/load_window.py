@@ -4,7 +4,7 @@ one path by which the window is published.
 Host counts (numpy arrays, lists): :func:`fold_counts` is the one check of a step's counts (integer dtype, shape,
 range) and the physical -> logical fold; :class:`ExpertLoadWindow` holds what it returns (int64 [L, E], every
 count in [0, int64 max]) and sums it exactly. Device counts (a paddle tensor, or a torch tensor through DLPack):
-:class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype) and keeps a copy
+:class:`DeviceCounts` checks a tensor's dtype and shape once per distinct (shape, dtype, device) and keeps a copy
 of the step on its device; the window sums, folds and checks its device steps when it is published
 (:mod:`fdeplb.orchestration.device_window`), so ``record()`` reads nothing back from the device.
 
@@ -25,17 +25,31 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import structlog
 
 from fdeplb.errors import FdeplbError, InputError
 from fdeplb.machines.tables import ClusterState
-from fdeplb.orchestration.device_window import (INT_DTYPES, DeviceStep, StepCopies, count_dtype, device_tensor,
-                                                window_sum)
+from fdeplb.orchestration.device_window import (INT_DTYPES, DeviceStep, StepCopies, count_device, count_dtype,
+                                                device_tensor, window_sum)
 from fdeplb.store import ClusterConfig, ClusterRecord
 
 #: returns the rank's expert_load window, int64 [num_layers, num_logical_experts], for a round.
 LoadSource = Callable[[int], np.ndarray]
 
 INT64_MAX = int(np.iinfo(np.int64).max)
+
+log = structlog.get_logger("fdeplb.agent")
+
+
+def check_physical(physical: Any) -> None:
+    """``physical`` is a bool (numpy's too) or None.
+
+    Raises:
+        InputError: anything else (the string ``"false"`` is not False, 0 is not False).
+    """
+    if physical is not None and physical is not True and physical is not False \
+            and not isinstance(physical, (bool, np.bool_)):
+        raise InputError(f"physical must be True, False or None, got {physical!r} ({type(physical).__name__})")
 
 
 def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_logical: int,
@@ -44,8 +58,10 @@ def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_
     ``physical`` None: by shape (when E == P a [L, E] array is taken as logical).
 
     Raises:
-        InputError: neither shape (or not the one ``physical`` names).
+        InputError: neither shape (or not the one ``physical`` names); ``physical`` not a bool or None (the
+            string ``"false"`` is not False).
     """
+    check_physical(physical)
     num_layers, num_phy = phy2log_shape
     wanted = f"{(num_layers, num_logical)} (logical) or {(num_layers, num_phy)} (physical)"
     if physical is None:
@@ -61,19 +77,20 @@ def counts_physical(shape: tuple[int, ...], phy2log_shape: tuple[int, int], num_
 
 class DeviceCounts:
     """A worker's device tensors of counts, one step at a time: the dtype (an integer one) and shape
-    (:func:`counts_physical`) are checked once per distinct (shape, dtype, ``physical``) and remembered; a step of a
-    known kind costs one device copy and no read. The copies of a kind live on the device of its first step: a
-    tensor on another device is copied there (a cross-device copy, which may wait: keep the counts on one device).
-    The values (negative counts, the int64 range) are checked when the window is published
-    (:func:`~fdeplb.orchestration.device_window.window_sum`). ``window_steps``: the window's step limit, the copies
-    reserved for a kind when it is first seen (:class:`~fdeplb.orchestration.device_window.StepCopies`)."""
+    (:func:`counts_physical`) are checked once per distinct (shape, dtype, ``physical``, device) and remembered; a
+    step of a known kind costs one device copy and no read. The copies of a kind live on its device: a step is
+    never copied to another device. Counts on a second device (a warm-up step's on the CPU, the rest on the GPU)
+    are kept and summed on that device, each device read once per publication; a warning says so the first time
+    (:func:`~fdeplb.orchestration.device_window.window_sum`). The values (negative counts, the int64 range) are
+    checked when the window is published. ``window_steps``: the window's step limit, the copies reserved for a
+    kind when it is first seen (:class:`~fdeplb.orchestration.device_window.StepCopies`)."""
 
     #: kinds remembered at most (a dtype object that is not a singleton would only cost re-checks)
     MAX_KINDS = 64
 
     def __init__(self, window_steps: int | None = None) -> None:
-        # (*shape, id(dtype), physical) -> (dtype, per-slot counts, the kind's copies); the dtype kept alive keeps
-        # its id unique
+        # (*shape, id(dtype), physical, device) -> (dtype, per-slot counts, the kind's copies); the dtype kept
+        # alive keeps its id unique
         self._known: dict[tuple, tuple[Any, bool, StepCopies]] = {}
         self.window_steps = window_steps
         self._copies: dict[tuple, StepCopies] = {}
@@ -86,14 +103,15 @@ class DeviceCounts:
         Raises:
             InputError: not an integer dtype (float, bool), or a wrong shape.
         """
-        key = (*t.shape, id(t.dtype), physical)  # host metadata only: < 1 us, no device work
+        key = (*t.shape, id(t.dtype), physical, count_device(t))  # host metadata only: ~1 us, no device work
         known = self._known.get(key)
         if known is None:
-            known = self._check(t, key, live_phy2log, num_logical, physical)
-        return DeviceStep(known[2].copy(t), live_phy2log if known[1] else None)
+            known = self._check(t, key, live_phy2log, num_logical, physical, key[-1])
+        copies = known[2]
+        return DeviceStep(copies.copy(t), live_phy2log if known[1] else None, copies.device)
 
     def _check(self, t: Any, key: tuple, live_phy2log: np.ndarray, num_logical: int,
-               physical: bool | None) -> tuple[Any, bool, StepCopies]:
+               physical: bool | None, device: Any) -> tuple[Any, bool, StepCopies]:
         """The first step of a kind: dtype and shape checked, the kind remembered."""
         name = count_dtype(t)
         if name not in INT_DTYPES:
@@ -101,10 +119,14 @@ class DeviceCounts:
         per_slot = counts_physical(tuple(t.shape), live_phy2log.shape, num_logical, physical)
         if len(self._known) >= self.MAX_KINDS:
             self._known.clear()
-        kind = (tuple(t.shape), name)  # the copies of a shape and dtype, whatever ``physical`` says (<= 10 kinds)
+        kind = (tuple(t.shape), name, device)  # the copies of a shape, dtype and device, whatever ``physical`` says
         copies = self._copies.get(kind)
         if copies is None:
-            copies = self._copies[kind] = StepCopies(self.window_steps)
+            devices = {c.device for c in self._copies.values()}
+            if devices and device not in devices:
+                log.warning("expert counts on another device: kept and summed there, one more device-to-host "
+                            "copy per publication; record the counts on one device", device=str(t.place))
+            copies = self._copies[kind] = StepCopies(device, self.window_steps)
         known = self._known[key] = (t.dtype, per_slot, copies)
         return known
 
@@ -189,7 +211,7 @@ class ExpertLoadWindow:
         self._recorded = 0
         self._total = np.zeros(self.shape, dtype=np.int64)  # of the host steps
         self._device_steps = 0
-        self._blocks: dict[int, Any] = {}  # whole blocks' device sums (window_sum's)
+        self._blocks: dict[tuple, Any] = {}  # whole blocks' device sums (window_sum's)
         #: device steps :meth:`total` refused and dropped, ever (the publisher retries once after a drop)
         self.refused_steps = 0
         self._lock = threading.Lock()
@@ -338,7 +360,8 @@ class LoadRecorder:
         ``counts``: tokens x top-k assignments per logical expert, [num_layers, num_logical_experts], or per
         physical slot, [num_layers, num_physical_experts] (summed into logical experts through the *live* phy2log,
         the one the step routed with), of any integer dtype. ``physical`` says which (None: by shape; when E == P
-        a [L, E] array is taken as logical). Accumulated in int64, exactly.
+        a [L, E] array is taken as logical; anything but a bool or None is an ``InputError``). Accumulated in int64,
+        exactly.
 
         - A numpy array (or a nested list): checked and folded at once, on the host
           (:func:`~fdeplb.orchestration.load_window.fold_counts`).
@@ -350,12 +373,14 @@ class LoadRecorder:
           without the dropped steps, at the next step.
 
         Raises:
-            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, a host step with a negative
+            InputError: not an integer array (float, NaN, bool, ragged), wrong shape, ``physical`` not a bool or
+                None, a host step with a negative
                 count or a count past the int64 range (also once summed per logical expert or into the window), or
                 the agent is not started. Nothing is recorded then.
         """
         if self.window is None or self._live_phy2log is None:
             raise InputError("record() before start(): the agent has no load window yet")
+        check_physical(physical)
         tensor = device_tensor(counts)
         if tensor is None:
             self.window.add(fold_counts(counts, self._live_phy2log, self.window.shape[1], physical=physical))

@@ -19,7 +19,8 @@ from fdeplb.placement.digest import routing_digest
 from fdeplb.store import Store
 from fdeplb.store.liveness import stale_of
 from fdeplb.weights.backend import Staged, WeightBackend
-from fdeplb.weights.peer import DEFAULT_TIMEOUT_S, ExpertSource, PeerServer, SocketTransport, peer_authkey
+from fdeplb.weights.peer import (DEFAULT_TIMEOUT_S, MAX_SERVING, ExpertSource, PeerServer, SocketTransport,
+                                 peer_authkey)
 from fdeplb.weights.peer_plan import CHECKPOINT, peer_sources
 from fdeplb.weights.peer_staging import Fallback, PeerFetch
 from fdeplb.weights.plan import PauseBudget
@@ -66,18 +67,19 @@ class PeerService:
         share_s: the most a staging waits on one peer in all (:func:`peer_share_s`; None: no bound but
             ``timeout_s`` per wait).
         actor: who the alarm of a failed authentication names (:meth:`stage`).
+        max_serving: requests the server answers at once (:class:`~fdeplb.weights.peer.PeerServer`).
     """
 
     def __init__(self, source: ExpertSource, secret: str, cluster: str, ep_rank: int, ep_size: int, *,
                  host: str = "127.0.0.1", timeout_s: float = DEFAULT_TIMEOUT_S, share_s: float | None = None,
-                 actor: str = "") -> None:
+                 actor: str = "", max_serving: int = MAX_SERVING) -> None:
         self._key = peer_authkey(secret, cluster)
         self.ep_rank, self.ep_size = int(ep_rank), int(ep_size)
         self.timeout_s = float(timeout_s)
         self.share_s = share_s
         self.actor = actor or f"rank{self.ep_rank}"
         self.auth_alarmed = False  # the alarm of a failed authentication is raised once per service
-        self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s)
+        self.server = PeerServer(source, self._key, host=host, timeout_s=timeout_s, max_serving=max_serving)
 
     @property
     def address(self) -> str:
@@ -87,19 +89,24 @@ class PeerService:
               pause: PauseBudget | None, members: tuple[int, ...], store: Store) -> Staged:
         """``backend.stage`` of ``new_phy2log`` with the experts new to the rank taken from the peers that hold
         them live (:meth:`fetch_for`), the rest from the checkpoint; the connections are closed after. The first
-        time peers fail authentication (their secret differs from this rank's), one alarm (event and audit record)
-        names them and the likely cause; later rounds fall back to the checkpoint without another."""
+        time peers fail authentication, one alarm (event and audit record) names them and what each failed
+        handshake tells (:func:`~fdeplb.weights.peer.handshake_failure`: another key, or not an fdeplb peer);
+        later rounds fall back to the checkpoint without another."""
         fetch = self.fetch_for(backend.phy2log, new_phy2log, members, store)
         try:
             staged = backend.stage(new_phy2log, budget_bytes, pause, peers=fetch)
         finally:
             fetch.transport.close()
-        refused = sorted({f.peer for f in getattr(staged, "fallbacks", []) if f.unauthenticated})
-        if refused and not self.auth_alarmed:
+        known: dict[int, str] = {}  # peer -> what its failed handshake tells
+        for f in getattr(staged, "fallbacks", []):
+            if f.unauthenticated:
+                known.setdefault(f.peer, f.handshake or f.error)
+        if known and not self.auth_alarmed:
             self.auth_alarmed = True
-            message = (f"rank {self.ep_rank}: peer transfer with ranks {refused} failed authentication: their "
-                       f"{ENV_PEER_SECRET} likely differs from this rank's; the experts they hold are read from the "
-                       "checkpoint every round until every rank has the same secret (alarmed once)")
+            message = (f"rank {self.ep_rank}: peer transfer with ranks {sorted(known)} failed authentication: "
+                       + "; ".join(f"rank {peer}: {what}" for peer, what in sorted(known.items()))
+                       + "; the experts they hold are read from the checkpoint every round until it is fixed "
+                       "(alarmed once)")
             store.emit_event("alarm", rank=self.ep_rank, message=message)
             store.append_alarm(store.read_cluster(), actor=self.actor, reason=message)
         return staged

@@ -54,9 +54,20 @@ MAX_HEADER = 64 * 1024
 DEFAULT_TIMEOUT_S = 10.0
 #: an idle served connection is closed after this long (seconds)
 IDLE_S = 120.0
+#: default of the requests a server answers at once (:class:`PeerServer`'s ``max_serving``): each holds the host
+#: copies of its batch's device slots until they are sent, up to :data:`BATCH_BYTES` (one larger expert alone), so
+#: a popular peer holds at most about max_serving x 64 MiB however many receivers connect
+MAX_SERVING = 4
 #: most connections a server holds before they authenticate (each has a thread and a handshake deadline); one
 #: accepted past it is closed at once, so a flood of connections costs no threads
 MAX_HANDSHAKES = 32
+
+
+def check_max_serving(max_serving: Any) -> int:
+    """``max_serving`` (a peer server's requests answered at once) as an int >= 1; InputError otherwise."""
+    if isinstance(max_serving, bool) or not isinstance(max_serving, int) or max_serving < 1:
+        raise InputError(f"max_serving must be an int >= 1 (requests answered at once), got {max_serving!r}")
+    return max_serving
 
 
 def peer_authkey(secret: str, cluster: str) -> bytes:
@@ -174,6 +185,31 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
+class PeerHandshakeError(PeerAuthError):
+    """A failed handshake with a peer's address, and what it tells (``handshake``: :func:`handshake_failure`)."""
+
+    def __init__(self, message: str, handshake: str) -> None:
+        super().__init__(message)
+        self.handshake = handshake
+
+
+def handshake_failure(err: BaseException, address: str) -> str:
+    """What a failed :mod:`multiprocessing.connection` handshake with the server at ``address`` tells, no more:
+    the challenge's HMAC proves only that both ends hold the same key, so a refusal of this rank's key is either
+    another key (another ``FDEPLB_PEER_SECRET`` or cluster id) or another program listening there; a server that
+    takes the key without answering the challenge, or sends no challenge, is not an fdeplb peer."""
+    text = str(err)
+    if "digest sent was rejected" in text:
+        return (f"the server at {address} refused this rank's key: it holds another one (another "
+                "FDEPLB_PEER_SECRET or cluster id) or is not an fdeplb peer (another program listening at the "
+                "registered address)")
+    if "digest received was wrong" in text:
+        return (f"the server at {address} took this rank's key but failed its challenge: not an fdeplb peer "
+                "holding the key (another program listening at the registered address)")
+    return (f"the server at {address} sent no authentication challenge ({text[:100]}): not an fdeplb peer "
+            "(another program listening at the registered address)")
+
+
 class _Link:
     """One authenticated connection: the framed :class:`Connection` and a duplicate of its socket to shut down."""
 
@@ -204,17 +240,28 @@ class PeerServer:
         authkey: :func:`peer_authkey` (bytes, >= 16).
         host: the interface to listen on (default the loopback); the port is chosen by the system.
         timeout_s: deadline of a connection's handshake and of sending one expert.
+        max_serving: requests answered at once, over all connections (default :data:`MAX_SERVING`, >= 1): the
+            bound on the host copies the server holds (max_serving x :data:`BATCH_BYTES`). A request past it waits
+            for a free turn up to half of ``timeout_s`` (within the receiver's wait for its header), then is refused
+            whole (``peer busy: ...``, a warning): the receiver reads those experts from the checkpoint.
 
     Attributes:
         address: ``"host:port"`` to register with the rank (:meth:`fdeplb.store.Store.register_rank`).
         served, refused: experts sent, requests refused (counters).
+        busy: requests refused because ``max_serving`` others were being answered (counted in ``refused`` too).
         turned_away: connections closed unserved because :data:`MAX_HANDSHAKES` others were authenticating.
+
+    Raises:
+        InputError: an authkey under 16 bytes, ``max_serving`` not an int >= 1.
     """
 
     def __init__(self, source: ExpertSource, authkey: bytes, *, host: str = "127.0.0.1",
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_serving: int = MAX_SERVING) -> None:
         if len(authkey) < 16:
             raise InputError("a peer authkey needs at least 16 bytes (peer_authkey)")
+        self.max_serving = check_max_serving(max_serving)
+        self._serving = threading.BoundedSemaphore(max_serving)
+        self.busy = 0
         self.source, self._key, self.timeout_s = source, bytes(authkey), float(timeout_s)
         self._sock = socket.create_server((host, 0))
         self._sock.settimeout(0.5)
@@ -278,7 +325,16 @@ class PeerServer:
             self.refused += 1
             link.conn.send_bytes(json.dumps({"ok": False, "error": f"bad request: {err}"[:500]}).encode())
             return
+        if not self._serving.acquire(timeout=self.timeout_s / 2):
+            self.refused += 1
+            self.busy += 1
+            error = (f"peer busy: {self.max_serving} requests are being answered (max_serving), each holding up to "
+                     f"{BATCH_BYTES >> 20} MiB of host copies")
+            log.warning("peer request refused", reason=error, experts=len(experts))
+            link.conn.send_bytes(json.dumps({"ok": False, "error": error}).encode())
+            return
         with ExitStack() as held:
+            held.callback(self._serving.release)
             hold = getattr(self.source, "serving", None)
             try:
                 if hold is not None:  # the slots' memory stays allocated until the last byte is sent
@@ -359,7 +415,10 @@ class SocketTransport:
         link = _Link(sock)
         try:
             with _deadline(link.guard, self.timeout_s):
-                answer_challenge(link.conn, self._key)
+                try:
+                    answer_challenge(link.conn, self._key)
+                except AssertionError as err:  # Python < 3.12: a first message that is no challenge
+                    raise AuthenticationError(f"protocol error, expected a challenge: {err}") from None
                 deliver_challenge(link.conn, self._key)
         except BaseException:
             link.close()
@@ -407,17 +466,22 @@ class SocketTransport:
             except (ProcessError, EOFError, OSError, ValueError, KeyError, TypeError, OverflowError) as err:
                 self._drop(peer)  # OverflowError: a header's int that is JSON's Infinity or 1e999
                 request = items[len(out)][0]
-                auth = isinstance(err, AuthenticationError)
                 late = end is not None and time.monotonic() >= end and not isinstance(err, TimeoutError)
-                out.append((PeerAuthError if auth else PeerTransferError)(
-                    f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
-                    f"{request.layer}: {type(err).__name__}: {err}"
-                    + ("; the two ranks' FDEPLB_PEER_SECRET (or cluster id) likely differ" if auth else "")
-                    + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
+                message = (f"rank {peer} ({self.addresses[peer]}) did not deliver expert {request.expert} of layer "
+                           f"{request.layer}: {type(err).__name__}: {err}")
+                if isinstance(err, AuthenticationError):
+                    known = handshake_failure(err, self.addresses[peer])
+                    out.append(PeerHandshakeError(f"{message}; {known}", known))
+                else:
+                    out.append(PeerTransferError(
+                        message + (f" (cut: its share took longer than {self.total_s:g} s)" if late else "")))
         cause = out[-1] if out else None
         while len(out) < len(items):  # the connection broke: what broke it, for every later item
-            kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
-            out.append(kind(f"rank {peer} failed earlier: {cause}"))
+            if isinstance(cause, PeerHandshakeError):
+                out.append(PeerHandshakeError(f"rank {peer} failed earlier: {cause}", cause.handshake))
+            else:
+                kind = type(cause) if isinstance(cause, PeerTransferError) else PeerTransferError
+                out.append(kind(f"rank {peer} failed earlier: {cause}"))
         return out
 
     def _wait_s(self, end: float | None) -> float:

@@ -40,6 +40,8 @@ class Fallback(NamedTuple):
     peer: int
     error: str
     unauthenticated: bool = False
+    #: what the failed handshake tells (:func:`~fdeplb.weights.peer.handshake_failure`); "" for other fallbacks
+    handshake: str = ""
 
     def to_detail(self) -> dict[str, Any]:
         """The audit detail of this fallback (``detail.fallback`` lists these)."""
@@ -117,7 +119,8 @@ def fetch_from_peers(disk: tuple[tuple[int, int], ...] | list[tuple[int, int]], 
                     continue
                 claimed = PeerTransferError(f"rank {peer} sent wrong bytes for expert {expert} of layer {layer}: "
                                             f"checksum {list(got)}, the checkpoint's {list(want)}")
-            out.fallbacks.append(Fallback(layer, expert, peer, str(claimed), isinstance(claimed, PeerAuthError)))
+            out.fallbacks.append(Fallback(layer, expert, peer, str(claimed), isinstance(claimed, PeerAuthError),
+                                          getattr(claimed, "handshake", "")))
         return out
 
     threads = min(MAX_PEER_THREADS, len(by_peer))
