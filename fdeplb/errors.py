@@ -155,9 +155,11 @@ class PeerTransferError(WeightError):
 
 
 class PeerAuthError(PeerTransferError):
-    """A peer and this rank do not derive the same key (:func:`fdeplb.weights.peer.peer_authkey`): their
-    ``FDEPLB_PEER_SECRET`` (or cluster id) differ. A configuration error, not a transient one: the rank agent raises
-    one alarm for it (:mod:`fdeplb.orchestration.peer_agent`)."""
+    """The handshake with a peer's address failed (:func:`fdeplb.weights.peer.peer_authkey`): the two ends do not
+    hold the same key (their ``FDEPLB_PEER_SECRET`` or cluster id differ), or what listens there is not an fdeplb
+    peer; the handshake cannot tell which (:func:`fdeplb.weights.peer.handshake_failure` says what it shows). A
+    configuration error, not a transient one: the rank agent raises one alarm for it
+    (:mod:`fdeplb.orchestration.peer_agent`)."""
 
 
 class DependencyError(FdeplbError):
