@@ -10,7 +10,8 @@ name ends in               content
 
 Reading and writing follow the same rule (:func:`document_kind`), so a file fdeplb writes always reads back; a writer
 refuses a name that says another kind than the text it holds (:func:`check_document_name`) rather than write a
-file whose name lies. Inputs are regular files of bounded size (:mod:`fdeplb.input_files`). The tables of numbers
+file whose name lies. Inputs are regular files of bounded size, outputs regular files too, never a FIFO or device
+waited on (:mod:`fdeplb.input_files`). The tables of numbers
 in them (loads, phy2log rows) are read by :func:`number_table`, one rule for what a table may hold.
 """
 
@@ -59,17 +60,20 @@ def write_document(path, text: str, *, kind: str, what: str, label: str | None =
 
     Raises:
         InputError: the name says another kind (:func:`check_document_name`); nothing written.
-        ``error``: the file cannot be written (the message starts with ``label``, default the path).
+        ``error``: the file cannot be written, or ``path`` exists and is not a regular file (a FIFO, a device, a
+            folder: :func:`fdeplb.input_files.open_output`, refused without waiting; nothing written). The message
+            starts with ``label``, default the path.
     """
     p = Path(path)
     check_document_name(p, kind, what, label)
     data = text.encode("utf-8")
     if p.name.endswith(".gz"):
         data = gzip.compress(data, mtime=0)
-    try:
-        p.write_bytes(data)
-    except OSError as exc:
-        raise error(f"{p if label is None else label}: cannot write {what}: {exc.strerror}") from None
+    with input_files.open_output(p, what, error, label) as f:  # a regular file only: a FIFO is refused, never waited on
+        try:
+            f.write(data)
+        except OSError as exc:
+            raise error(f"{p if label is None else label}: cannot write {what}: {exc.strerror}") from None
     return p
 
 
