@@ -203,7 +203,8 @@ def run_rearrange(args: argparse.Namespace) -> int:
         print(f"plan from {args.plan} supplied: routing digest {digest} (the round's audit names it; the round's "
               f"plan id, which also hashes the round's load, differs)")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
-    print(f"round {target} will serve this request; coordinator {holder}")
+    print(f"round {target} will serve this request{'' if digest else _supplied_for(store, target)}; "
+          f"coordinator {holder}")
     if not args.wait:
         blocker = start_blockers(store)
         if blocker:
@@ -220,6 +221,25 @@ def run_rearrange(args: argparse.Namespace) -> int:
               f"is dropped; supply it again")
         return 1
     return code
+
+
+def _supplied_for(store, target: int) -> str:
+    """", but it goes to ..." when round ``target`` goes to a placement supplied before this request (an operator's
+    plan staged by another ``rearrange --plan``, or a rollback) rather than to a plan of the load, else "": the
+    request coalesced into that round, which plans no load of its own."""
+    from fdeplb.errors import CorruptRecordError
+    from fdeplb.rounds import reasons
+
+    try:
+        supplied = store.supplied_placement()
+        facts = None if supplied is None else reasons.supplied_of({"supplied": supplied[1]})
+        what = None if facts is None else reasons.supplied_round(**facts).text
+    except (CorruptRecordError, ValueError, KeyError, TypeError):
+        return ""  # the round drops a placement nobody can read and plans as usual
+    if what is None or facts["undoes"] + 1 != target:
+        return ""
+    cancel = " (`fdeplb round cancel` withdraws both)" if facts["kind"] == "operator" else ""
+    return f", but it goes to the placement supplied for it, not to a plan of the load: {what}{cancel}"
 
 
 @contextlib.contextmanager

@@ -320,3 +320,22 @@ def test_a_round_that_starts_while_a_plan_is_supplied_refuses_it(store, redis_ur
         supply_operator_plan(store, plan, "race")
     store.supplied_placement = real_read
     assert started and store.supplied_placement() is None
+
+
+def test_a_request_while_a_plan_is_staged_says_its_round_goes_to_that_plan(capsys, store, monkeypatch, tmp_path):
+    """QA: a plain `rearrange` while an operator's plan waits coalesces into the plan's round, which goes to that
+    plan and plans no load: the line says so (it said only that the round "will serve this request")."""
+    from fdeplb.cli import operate
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    code, out, err = _rearrange(capsys, store)  # nothing staged: the line as before
+    assert code == 0 and out.startswith("round 1 will serve this request; coordinator coordinator-under-test"), out
+    store.withdraw_request(None, trigger="request_cancelled", actor="test", reason="test")
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "staged.json")
+    store.request_round("operator plan")
+    code, out, err = _rearrange(capsys, store)
+    assert code == 0, out + err
+    assert out.startswith(f"round 1 will serve this request, but it goes to the placement supplied for it, not to "
+                          f"a plan of the load: operator: plan {digest} supplied from staged.json (`fdeplb round "
+                          f"cancel` withdraws both); coordinator coordinator-under-test"), out
