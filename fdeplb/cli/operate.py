@@ -180,6 +180,7 @@ def wait_for_redis(url: str, cluster: str, timeout_s: float, who: str) -> None:
 
 def run_rearrange(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
+    from fdeplb.store.records import check_request_reason
 
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
@@ -191,6 +192,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
             return 0
         with _interrupted_says(args.redis_url, store.cluster, target, f"plan {args.commit}", pending=False):
             return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url)
+    check_request_reason(args.reason)  # before a plan is supplied: the request keeps it (exit 2, nothing written)
     plan = None
     if args.plan:  # a bad plan is refused before anything else (nothing written, whether a coordinator runs or not)
         from fdeplb.orchestration.rollback import check_operator_plan, supply_operator_plan

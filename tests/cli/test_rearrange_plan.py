@@ -339,3 +339,31 @@ def test_a_request_while_a_plan_is_staged_says_its_round_goes_to_that_plan(capsy
     assert out.startswith(f"round 1 will serve this request, but it goes to the placement supplied for it, not to "
                           f"a plan of the load: operator: plan {digest} supplied from staged.json (`fdeplb round "
                           f"cancel` withdraws both); coordinator coordinator-under-test"), out
+
+
+def test_a_plan_with_a_reason_the_request_refuses_supplies_nothing(capsys, store, redis_url, monkeypatch, tmp_path):
+    """QA: `rearrange --plan FILE --reason TEXT` with a control character in TEXT exited 2 at the request, after
+    the plan was supplied (left waiting with no request); now refused first, nothing written."""
+    from fdeplb.cli import operate
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, [[2, 3, 0, 1, 2, 3]], 4),
+                                "--reason", "bad\x1b[2Jreason")
+    assert code == 2 and "control characters" in err and out == "", out + err
+    assert raw.snapshot() == before
+
+
+def test_a_supplied_placement_whose_facts_hold_a_control_character_is_refused(store, redis_url):
+    """The facts make the round's request reason (`fdeplb rearrange --plan` keeps the file's path in them): one
+    with a newline could never be requested (the coordinator's FREE work failed every pass); refused, nothing
+    written."""
+    from fdeplb.errors import InputError
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    with pytest.raises(InputError, match="why 'plan\\\\n.json' holds a control character"):
+        supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "plan\n.json")
+    assert raw.snapshot() == before
