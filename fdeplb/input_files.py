@@ -23,7 +23,7 @@ import stat
 
 from fdeplb.errors import FdeplbError, InputError
 
-__all__ = ["MAX_INPUT_BYTES", "check_output", "open_input", "open_output", "read_input"]
+__all__ = ["MAX_INPUT_BYTES", "check_output", "open_input", "open_output", "read_input", "write_output"]
 
 #: the most bytes an input file may hold (on disk, and once decompressed for ``.gz`` documents); generous: a
 #: DeepSeek-V3 per-rank stacked load dump (EP320) is about 10 MB
@@ -131,3 +131,15 @@ def open_output(path, what: str, error: type[FdeplbError] = InputError,
     except BaseException:
         os.close(fd)
         raise
+
+
+def write_output(path, data: bytes, what: str, error: type[FdeplbError] = InputError,
+                 label: str | None = None) -> None:
+    """Write ``data`` to ``path`` (:func:`open_output`'s rule: a regular file, created or overwritten; a FIFO or
+    device refused, never waited on). ``error`` (its message starting with ``label``, default the path) when it is
+    refused or cannot be written."""
+    with open_output(path, what, error, label) as f:
+        try:
+            f.write(data)
+        except OSError as exc:
+            raise error(f"{path if label is None else label}: cannot write {what}: {exc.strerror}") from None

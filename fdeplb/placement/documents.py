@@ -69,11 +69,7 @@ def write_document(path, text: str, *, kind: str, what: str, label: str | None =
     data = text.encode("utf-8")
     if p.name.endswith(".gz"):
         data = gzip.compress(data, mtime=0)
-    with input_files.open_output(p, what, error, label) as f:  # a regular file only: a FIFO is refused, never waited on
-        try:
-            f.write(data)
-        except OSError as exc:
-            raise error(f"{p if label is None else label}: cannot write {what}: {exc.strerror}") from None
+    input_files.write_output(p, data, what, error, label)  # a regular file only: a FIFO is refused, never waited on
     return p
 
 

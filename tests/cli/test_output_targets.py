@@ -99,3 +99,11 @@ def test_cli_outputs_that_are_fifos_exit_2_at_once(tmp_path, capsys, small_store
         assert err.startswith(f"error: {flag} {fifo}: ") and "a FIFO, not a regular file" in err, (argv, err)
     code, _, err = run_cli(capsys, "status", *cluster, "--placement-out", os.devnull)
     assert code == 2 and "a device, not a regular file" in err
+
+
+def test_statecharts_into_a_folder_holding_a_fifo_exit_2_at_once(tmp_path, capsys):
+    """`fdeplb statecharts --out DIR` rewrites the files of DIR that changed: one that is a FIFO blocked it."""
+    fifo = tmp_path / "cluster.mmd"
+    os.mkfifo(fifo)
+    code, out, err = returns_at_once(lambda: run_cli(capsys, "statecharts", "--out", str(tmp_path)), fifo=fifo)
+    assert code == 2 and f"{fifo}: a statechart would be written to a FIFO, not a regular file" in err, out + err
