@@ -230,6 +230,7 @@ def _supplied_for(store, target: int) -> str:
     plan staged by another ``rearrange --plan``, or a rollback) rather than to a plan of the load, else "": the
     request coalesced into that round, which plans no load of its own."""
     from fdeplb.errors import CorruptRecordError
+    from fdeplb.machines.tables import ClusterState
     from fdeplb.rounds import reasons
 
     try:
@@ -240,7 +241,8 @@ def _supplied_for(store, target: int) -> str:
         return ""  # the round drops a placement nobody can read and plans as usual
     if what is None or facts["undoes"] + 1 != target:
         return ""
-    cancel = " (`fdeplb round cancel` withdraws both)" if facts["kind"] == "operator" else ""
+    pending = store.read_cluster().state is ClusterState.FREE  # a request only: `round cancel` withdraws it
+    cancel = " (`fdeplb round cancel` withdraws both)" if facts["kind"] == "operator" and pending else ""
     return f", but it goes to the placement supplied for it, not to a plan of the load: {what}{cancel}"
 
 

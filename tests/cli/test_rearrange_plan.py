@@ -367,3 +367,35 @@ def test_a_supplied_placement_whose_facts_hold_a_control_character_is_refused(st
     with pytest.raises(InputError, match="why 'plan\\\\n.json' holds a control character"):
         supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "plan\n.json")
     assert raw.snapshot() == before
+
+
+def test_a_commit_of_a_plan_committed_already_says_so(capsys, store, redis_url):
+    """QA: of concurrent `rearrange --commit X` (and the HTTP commit) the losers said "cluster is FREE with plan
+    X; a commit is only accepted in LOAD_SUCC for the staged plan (asked: X)", as if X were not the one staged."""
+    from fdeplb.machines.tables import ClusterState
+
+    store.change_config({"cordoned": True}, actor="test")
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.FREE, version=7, round="1", requested="1", plan_id="0123abcd")
+    raw.r.hset(raw.keys.placement, "plan_id", "0123abcd")  # the round committed it
+    before = raw.snapshot()
+    code, out, err = _rearrange(capsys, store, "--commit", "0123abcd")
+    assert code == 3 and "plan 0123abcd is committed already" in err and "nothing to commit" in err, out + err
+    code, out, err = _rearrange(capsys, store, "--commit", "feedbeef")  # another plan: the refusal as before
+    assert code == 3 and "a commit is only accepted in LOAD_SUCC for the staged plan (asked: 'feedbeef')" in err
+    assert raw.snapshot() == before
+
+
+def test_a_request_while_a_supplied_round_is_in_flight_names_no_cancel(capsys, store, monkeypatch, redis_url):
+    """The plan's round has started (here staged in LOAD_SUCC): `round cancel` no longer withdraws it."""
+    from fdeplb.cli import operate
+    from fdeplb.machines.tables import ClusterState
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "staged.json")
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.LOAD_SUCC, version=4, round="1", requested="1", plan_id="p1")
+    code, out, err = _rearrange(capsys, store)
+    assert code == 0 and f"operator: plan {digest} supplied from staged.json; coordinator" in out, out + err
+    assert "round cancel" not in out
