@@ -334,7 +334,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     Redis going away meanwhile (restarted, failed over) does not end the wait: every read rides the outage out
     (:func:`fdeplb.backoff.ride_out`: the house back-off, ``note: Redis at URL unavailable, retrying for up to N s``
     on stderr once per outage) within what is left of ``timeout_s``; :class:`RedisUnavailableError` (exit 7) when
-    Redis is still away as the time runs out.
+    Redis is still away as the time runs out. A frozen Redis (no reply) costs a read a quarter of ``timeout_s`` at
+    most (3 s at least: the longest ``XREAD BLOCK`` and its reply), so the wait ends that long past it at most.
 
     ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
     returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
@@ -348,9 +349,14 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     from fdeplb.errors import DeadlineError, RedisUnavailableError, VerificationError, exit_code
     from fdeplb.machines.tables import CLUSTER, ClusterState
     from fdeplb.rounds.reasons import RoundOutcome, detail_of, round_outcome
+    from fdeplb.store import Store
+    from fdeplb.store.connection import SOCKET_TIMEOUT_S
 
     end = time.monotonic() + timeout_s
     status_hint = f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}"
+    # each read awaits its reply a quarter of the wait at most (the store's 30 s otherwise): a frozen Redis holds
+    # the wait only seconds past its --timeout, not 30 s past it
+    store = Store(store.url, store.cluster, socket_timeout_s=min(SOCKET_TIMEOUT_S, timeout_s / 4))
 
     def retried(call):
         try:

@@ -266,3 +266,24 @@ def test_audit_follow_over_http_rides_out_a_serve_restart(redis_url, cluster_id)
             serve.terminate()
             serve.communicate(timeout=30)
         store.delete_cluster()
+
+
+def test_rearrange_wait_on_a_frozen_redis_ends_near_its_timeout_not_30_s_past_it(cluster_id):
+    """QA: with Redis frozen (SIGSTOP: connections accepted, nothing answered) `rearrange --wait --timeout 1` took
+    the store's 30 s socket timeout per read; each read of the wait now awaits a quarter of the wait at most (3 s
+    at least). A socket that accepts and never answers stands for the frozen Redis."""
+    import socket
+
+    from fdeplb.cli.operate import wait_for_round
+    from fdeplb.store import Store
+    from tests.helpers import within
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        store = Store(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", cluster_id)
+        with pytest.raises(RedisUnavailableError, match="did not answer in time.*--timeout 1s passed"):
+            within(lambda: wait_for_round(store, 1, "0-0", 1.0, store_url=store.url), 20.0)  # 30 s: it blocked
+    finally:
+        silent.close()
