@@ -73,12 +73,28 @@ def write_document(path, text: str, *, kind: str, what: str, label: str | None =
     return p
 
 
+def _loader() -> type:
+    """PyYAML's ``SafeLoader`` refusing aliases (``*name``): a placement or load file needs none, and a few
+    nested ones (a "billion laughs" file of 600 bytes) expand into more numbers than memory holds once the table
+    is read (``yaml.composer.ComposerError`` naming the alias's line)."""
+    import yaml
+
+    class NoAliasLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are refused: write the values out",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+    return NoAliasLoader
+
+
 def read_document(path, error: type[InputError], what: str) -> object:
     """Parse the document at ``path``: JSON, or YAML when :func:`document_kind` says so, gzip-compressed when its
     name ends in ``.gz`` (e.g. the dump bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
     :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
     a FIFO, device or folder is refused before anything is read). Failures raise ``error`` naming the file and
-    ``what`` it is."""
+    ``what`` it is; a YAML document with an alias (``*name``) too (:func:`_loader`)."""
     p = Path(path)
     data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
     cap = input_files.MAX_INPUT_BYTES
@@ -95,7 +111,7 @@ def read_document(path, error: type[InputError], what: str) -> object:
         import yaml
 
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader that also refuses aliases
         except yaml.YAMLError as exc:
             raise error(f"{p}: not YAML ({' '.join(str(exc).split())})") from None  # one line, as every error
         except RecursionError:

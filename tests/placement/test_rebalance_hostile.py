@@ -57,3 +57,22 @@ def test_trtllm_placement_must_be_named_as_yaml_so_it_reads_back(load, tmp_path,
     out = tmp_path / "p.yaml"
     assert main(["rebalance", "--load", str(load), *ARGS, "--format", "trtllm", "--out", str(out)]) == 0
     assert read_placement(out, num_logical_experts=4, num_gpus=2).placement.phy2log.shape == (2, 8)
+
+
+def test_a_yaml_file_with_aliases_is_refused_before_it_expands(tmp_path):
+    """QA: a 600-byte TensorRT-LLM plan of nested aliases ("billion laughs": 10**12 numbers once read as a table)
+    held `rearrange --plan`, `init-cluster --initial` and `rebalance --old/--load` at full CPU until memory ran out.
+    YAML aliases are refused with one line naming the first; nothing is expanded."""
+    from fdeplb.errors import LoadFileError, PlacementFileError
+    from fdeplb.placement import read_expert_load, read_placement
+    from tests.helpers import within
+
+    lines = ["a0: &a0 [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 12)]
+    plan, load = tmp_path / "bomb.yaml", tmp_path / "bomb_load.yaml"
+    plan.write_text("\n".join(lines) + "\nphysical_to_logical_map: [*a11]\n")
+    load.write_text("\n".join(lines) + "\nlogical_count: *a11\n")
+    with pytest.raises(PlacementFileError, match="not YAML \\(aliases \\(\\*name\\) are refused.*line 2"):
+        within(lambda: read_placement(plan), 30.0)
+    with pytest.raises(LoadFileError, match="aliases \\(\\*name\\) are refused"):
+        within(lambda: read_expert_load(load), 30.0)
