@@ -42,12 +42,25 @@ def test_out_or_plot_that_is_a_folder_is_refused_before_planning(load, tmp_path,
     assert not tmp_path.with_suffix(".png").exists()
 
 
-def test_out_that_cannot_be_written_is_a_typed_error(load, capsys):
-    if not Path("/dev/full").exists():
-        pytest.skip("no /dev/full here")
-    assert main(["rebalance", "--load", str(load), *ARGS, "--out", "/dev/full"]) == 2  # every write: ENOSPC
+def test_out_that_cannot_be_written_is_a_typed_error(load, capsys, tmp_path, monkeypatch):
+    import errno
+    import io
+
+    from fdeplb import input_files
+
+    if Path("/dev/full").exists():  # a device: refused before the planning (it was written to: ENOSPC)
+        assert main(["rebalance", "--load", str(load), *ARGS, "--out", "/dev/full"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out /dev/full: ") and "a device, not a regular file" in err, err
+
+    class Full(io.BytesIO):  # a regular file on a full disk: every write fails with ENOSPC
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(input_files, "open_output", lambda *args, **kwargs: Full())
+    assert main(["rebalance", "--load", str(load), *ARGS, "--out", str(tmp_path / "p.json")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "cannot write" in err, err
+    assert err.startswith("error: ") and "cannot write" in err and "No space left on device" in err, err
 
 
 def test_trtllm_placement_must_be_named_as_yaml_so_it_reads_back(load, tmp_path, capsys):
