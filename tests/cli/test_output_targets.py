@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,32 +14,7 @@ import pytest
 from fdeplb.errors import InputError, PlacementFileError
 from fdeplb.placement import initial_placement, write_placement
 from fdeplb.placement.documents import write_document
-from tests.helpers import run_cli
-
-
-def returns_at_once(fn, fifo: Path | None = None, timeout_s: float = 30.0):
-    """``fn()``'s result or exception; AssertionError when it blocked ``timeout_s`` (a reader opened on ``fifo``
-    then lets a writer blocked on it go)."""
-    out: dict = {}
-
-    def go():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            out["error"] = exc
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        if fifo is not None:
-            fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-            t.join(timeout_s)
-            os.close(fd)
-        raise AssertionError(f"{fn} still ran after {timeout_s} s: it blocked")
-    if "error" in out:
-        raise out["error"]
-    return out["value"]
+from tests.helpers import run_cli, within
 
 
 @pytest.fixture(params=["fifo", "fifo with a reader", "device", "folder"])
@@ -64,9 +38,9 @@ def target(request, tmp_path):
 def test_the_writer_refuses_a_target_that_is_not_a_regular_file(target):
     path, words = target
     with pytest.raises(InputError, match=f"{path}: a load dump would be written to {words}, not a regular file"):
-        returns_at_once(lambda: write_document(path, "{}", kind="json", what="a load dump"), fifo=path)
+        within(lambda: write_document(path, "{}", kind="json", what="a load dump"), fifo=path)
     with pytest.raises(PlacementFileError, match=f"would be written to {words}"):
-        returns_at_once(lambda: write_placement(initial_placement(1, 4, 4), path), fifo=path)
+        within(lambda: write_placement(initial_placement(1, 4, 4), path), fifo=path)
 
 
 def test_the_writer_still_creates_and_overwrites_regular_files_and_follows_links(tmp_path):
@@ -94,7 +68,7 @@ def test_cli_outputs_that_are_fifos_exit_2_at_once(tmp_path, capsys, small_store
             (("status", *cluster, "--placement-out", str(fifo)), "--placement-out"),
             (("load", *cluster, "--export", str(fifo)), "--export"),
             (("audit", *cluster, "--export", str(fifo)), "--export")):
-        code, out, err = returns_at_once(lambda: run_cli(capsys, *argv), fifo=fifo)
+        code, out, err = within(lambda: run_cli(capsys, *argv), fifo=fifo)
         assert code == 2 and out == "", (argv, out, err)
         assert err.startswith(f"error: {flag} {fifo}: ") and "a FIFO, not a regular file" in err, (argv, err)
     code, _, err = run_cli(capsys, "status", *cluster, "--placement-out", os.devnull)
@@ -105,5 +79,5 @@ def test_statecharts_into_a_folder_holding_a_fifo_exit_2_at_once(tmp_path, capsy
     """`fdeplb statecharts --out DIR` rewrites the files of DIR that changed: one that is a FIFO blocked it."""
     fifo = tmp_path / "cluster.mmd"
     os.mkfifo(fifo)
-    code, out, err = returns_at_once(lambda: run_cli(capsys, "statecharts", "--out", str(tmp_path)), fifo=fifo)
+    code, out, err = within(lambda: run_cli(capsys, "statecharts", "--out", str(tmp_path)), fifo=fifo)
     assert code == 2 and f"{fifo}: a statechart would be written to a FIFO, not a regular file" in err, out + err
