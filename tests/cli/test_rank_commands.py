@@ -151,3 +151,12 @@ def test_a_drain_the_members_left_cannot_cover_says_its_round_fails_closed(capsy
     assert code == 0 and "ACTIVE -> DRAINING" in out, out + err
     assert err.startswith("note: the ACTIVE members left (0) cannot hold every expert (fail closed: ") \
         and "takes rank 2 out fails closed (status DEGRADED, /health 503) until it is readmitted" in err, err
+
+
+def test_a_drain_with_a_corrupt_placement_still_exits_0(capsys, store, redis_url):
+    """The fail-closed note is advice read after the transition: a placement that does not read must not turn the
+    committed drain into an error exit."""
+    raw = RawRedis(redis_url, store.cluster)
+    raw.r.hset(raw.keys.placement, "phy2log", b"not an array")
+    code, out, err = rank_cmd(capsys, store, "drain", 2)
+    assert code == 0 and "ACTIVE -> DRAINING" in out and "note:" not in err, out + err
