@@ -229,19 +229,19 @@ def _supplied_for(store, target: int) -> str:
     """", but it goes to ..." when round ``target`` goes to a placement supplied before this request (an operator's
     plan staged by another ``rearrange --plan``, or a rollback) rather than to a plan of the load, else "": the
     request coalesced into that round, which plans no load of its own."""
-    from fdeplb.errors import CorruptRecordError
+    from fdeplb.errors import FdeplbError
     from fdeplb.machines.tables import ClusterState
     from fdeplb.rounds import reasons
 
-    try:
+    try:  # advice read after the request was made: a record that does not read costs the note, not the exit code
         supplied = store.supplied_placement()
         facts = None if supplied is None else reasons.supplied_of({"supplied": supplied[1]})
         what = None if facts is None else reasons.supplied_round(**facts).text
-    except (CorruptRecordError, ValueError, KeyError, TypeError):
+        if what is None or facts["undoes"] + 1 != target:
+            return ""
+        pending = store.read_cluster().state is ClusterState.FREE  # a request only: `round cancel` withdraws it
+    except (FdeplbError, ValueError, KeyError, TypeError):
         return ""  # the round drops a placement nobody can read and plans as usual
-    if what is None or facts["undoes"] + 1 != target:
-        return ""
-    pending = store.read_cluster().state is ClusterState.FREE  # a request only: `round cancel` withdraws it
     cancel = " (`fdeplb round cancel` withdraws both)" if facts["kind"] == "operator" and pending else ""
     return f", but it goes to the placement supplied for it, not to a plan of the load: {what}{cancel}"
 
