@@ -104,7 +104,7 @@ class Placements:
         (run again when either changes before the write); what it raises is raised, nothing written. A rule on
         the cluster as the placement is written (an operator's plan: only while FREE, none waiting); ``facts`` is
         read after it (it may fill them in). A text of ``facts`` with a control character is refused
-        (:class:`InputError`, nothing written): the round's request reason is made of them, and a request reason
+        (:class:`InputError`, nothing written; one stored before is corrupt to :meth:`supplied_placement`): the round's request reason is made of them, and a request reason
         holds none (:func:`~fdeplb.store.records.check_request_reason`), so the coordinator could never request
         that round."""
         arr = np.asarray(phy2log)
@@ -128,7 +128,8 @@ class Placements:
 
     def supplied_placement(self) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(phy2log int64 [L, P], facts) of the placement supplied for the next round, or None;
-        :class:`CorruptRecordError` naming the key for a table or facts that do not parse."""
+        :class:`CorruptRecordError` naming the key for a table or facts that do not parse, or facts whose text
+        :meth:`supply_placement` refuses (a control character: the round could never be requested with it)."""
         key = self._keys.supplied_placement
         raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw:
@@ -140,6 +141,10 @@ class Placements:
             facts = None
         if arr is None or not isinstance(facts, dict):
             raise CorruptRecordError(f"{key}: not a supplied placement (phy2log and facts)", key=key)
+        try:  # the writer's rule (:meth:`supply_placement`): the round's request could never hold such a text
+            _check_facts_text(facts)
+        except InputError as err:
+            raise CorruptRecordError(f"{key}: {err}", key=key) from None
         return self._table(key, arr, "phy2log"), facts
 
     def drop_supplied_placement(self) -> None:
@@ -183,4 +188,4 @@ def _check_facts_text(facts: dict[str, Any]) -> None:
     for name, value in facts.items():
         if isinstance(value, str) and has_control_character(value):
             raise InputError(f"supplied placement: {name} {value[:80]!r} holds a control character (a round's "
-                             f"request reason is made of it); nothing written")
+                             f"request reason is made of it)")

@@ -399,3 +399,22 @@ def test_a_request_while_a_supplied_round_is_in_flight_names_no_cancel(capsys, s
     code, out, err = _rearrange(capsys, store)
     assert code == 0 and f"operator: plan {digest} supplied from staged.json; coordinator" in out, out + err
     assert "round cancel" not in out
+
+
+def test_a_stored_supplied_placement_whose_facts_hold_a_control_character_is_corrupt_and_dropped(store, redis_url):
+    """One written before the writer refused it (the QA wedge: FREE's entry work failed every pass requesting its
+    round with that text) reads as corrupt: the coordinator's FREE work drops it once, then goes on."""
+    from fdeplb.errors import CorruptRecordError
+    from fdeplb.orchestration.rollback import request_supplied
+    from fdeplb.store import arrays
+
+    raw = RawRedis(redis_url, store.cluster)
+    facts = {"kind": "operator", "undoes": 0, "plan_id": "7264444d4688326f", "why": "POST by http:op (a\u0000b)"}
+    raw.r.hset(raw.keys.supplied_placement, mapping={**arrays.encode("phy2log", np.array([[2, 3, 0, 1, 2, 3]])),
+                                                     "facts": json.dumps(facts)})
+    with pytest.raises(CorruptRecordError, match="why .* holds a control character"):
+        store.supplied_placement()
+    with pytest.raises(CorruptRecordError):
+        request_supplied(store)  # the pass that meets it: dropped, the error raised once (an audited alarm)
+    assert store.supplied_placement() is None and not request_supplied(store)
+    assert store.read_cluster().requested == 0  # no round requested with the bad text
