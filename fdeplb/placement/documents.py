@@ -73,20 +73,46 @@ def write_document(path, text: str, *, kind: str, what: str, label: str | None =
     return p
 
 
+class DuplicateKeyError(ValueError):
+    """A key that appears twice in one JSON object or YAML mapping: its parsers keep the last silently."""
+
+
+def _unique(pairs: list) -> dict:
+    """``json.loads``'s ``object_pairs_hook``: the object as a dict, :class:`DuplicateKeyError` for a key given
+    twice (a plan with two rows for one layer key would lose one without a word)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKeyError(f"key {key!r} appears twice in one object")
+    return out
+
+
 def _loader() -> type:
     """PyYAML's ``SafeLoader`` refusing aliases (``*name``): a placement or load file needs none, and a few
     nested ones (a "billion laughs" file of 600 bytes) expand into more numbers than memory holds once the table
-    is read (``yaml.composer.ComposerError`` naming the alias's line)."""
+    is read (``yaml.composer.ComposerError`` naming the alias's line); and a key given twice in one mapping
+    (``yaml.constructor.ConstructorError``), as :func:`_unique` for JSON."""
     import yaml
 
-    class NoAliasLoader(yaml.SafeLoader):
+    class StrictLoader(yaml.SafeLoader):
         def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
             if self.check_event(yaml.AliasEvent):
                 raise yaml.composer.ComposerError(None, None, "aliases (*name) are refused: write the values out",
                                                   self.peek_event().start_mark)
             return super().compose_node(parent, index)
 
-    return NoAliasLoader
+        def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+            seen: set = set()
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    if key_node.value in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} appears "
+                                                                f"twice in one mapping", key_node.start_mark)
+                    seen.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def read_document(path, error: type[InputError], what: str) -> object:
@@ -94,7 +120,8 @@ def read_document(path, error: type[InputError], what: str) -> object:
     name ends in ``.gz`` (e.g. the dump bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
     :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
     a FIFO, device or folder is refused before anything is read). Failures raise ``error`` naming the file and
-    ``what`` it is; a YAML document with an alias (``*name``) too (:func:`_loader`)."""
+    ``what`` it is; a YAML document with an alias (``*name``), and a key given twice in one object or mapping,
+    too (:func:`_loader`, :func:`_unique`)."""
     p = Path(path)
     data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
     cap = input_files.MAX_INPUT_BYTES
@@ -117,7 +144,9 @@ def read_document(path, error: type[InputError], what: str) -> object:
         except RecursionError:
             raise error(f"{p}: not YAML (nested too deep)") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique)
+    except DuplicateKeyError as exc:
+        raise error(f"{p}: not JSON that reads one way ({exc}); refused") from None
     except json.JSONDecodeError as exc:
         raise error(f"{p}: not JSON ({exc})") from None
     except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep

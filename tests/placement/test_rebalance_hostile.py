@@ -89,3 +89,19 @@ def test_a_yaml_file_with_aliases_is_refused_before_it_expands(tmp_path):
         within(lambda: read_placement(plan), 30.0)
     with pytest.raises(LoadFileError, match="aliases \\(\\*name\\) are refused"):
         within(lambda: read_expert_load(load), 30.0)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("dup.json", '{"logical_count": [[1, 2, 3, 4]], "logical_count": [[5, 6, 7, 8]]}'),
+    ("dup.yaml", "logical_count: [[1, 2, 3, 4]]\nlogical_count: [[5, 6, 7, 8]]\n"),
+])
+def test_a_document_with_a_key_given_twice_is_refused(tmp_path, name, text):
+    """QA: JSON's and YAML's parsers keep the last of two equal keys without a word (a TensorRT-LLM plan with two
+    rows for one layer key lost one); a document that reads two ways is refused, naming the key."""
+    from fdeplb.errors import LoadFileError
+    from fdeplb.placement import read_expert_load
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(LoadFileError, match="'logical_count' appears twice"):
+        read_expert_load(path)
