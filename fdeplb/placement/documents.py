@@ -11,7 +11,8 @@ name ends in               content
 Reading and writing follow the same rule (:func:`document_kind`), so a file fdeplb writes always reads back; a writer
 refuses a name that says another kind than the text it holds (:func:`check_document_name`) rather than write a
 file whose name lies. Inputs are regular files of bounded size, outputs regular files too, never a FIFO or device
-waited on (:mod:`fdeplb.input_files`). The tables of numbers
+waited on (:mod:`fdeplb.input_files`); a document reads one way only (no key twice in an object or mapping, no YAML
+alias: a few nested ones expand past any memory). The tables of numbers
 in them (loads, phy2log rows) are read by :func:`number_table`, one rule for what a table may hold.
 """
 
