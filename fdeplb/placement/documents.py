@@ -29,7 +29,8 @@ from fdeplb import input_files
 from fdeplb.errors import InputError
 from fdeplb.input_files import read_input
 
-__all__ = ["check_document_name", "document_kind", "number_table", "read_document", "write_document"]
+__all__ = ["DuplicateKeyError", "check_document_name", "document_kind", "number_table", "read_document", "unique_keys",
+           "write_document"]
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -78,7 +79,7 @@ class DuplicateKeyError(ValueError):
     """A key that appears twice in one JSON object or YAML mapping: its parsers keep the last silently."""
 
 
-def _unique(pairs: list) -> dict:
+def unique_keys(pairs: list) -> dict:
     """``json.loads``'s ``object_pairs_hook``: the object as a dict, :class:`DuplicateKeyError` for a key given
     twice (a plan with two rows for one layer key would lose one without a word)."""
     out = dict(pairs)
@@ -93,7 +94,7 @@ def _loader() -> type:
     """PyYAML's ``SafeLoader`` refusing aliases (``*name``): a placement or load file needs none, and a few
     nested ones (a "billion laughs" file of 600 bytes) expand into more numbers than memory holds once the table
     is read (``yaml.composer.ComposerError`` naming the alias's line); and a key given twice in one mapping
-    (``yaml.constructor.ConstructorError``), as :func:`_unique` for JSON."""
+    (``yaml.constructor.ConstructorError``), as :func:`unique_keys` for JSON."""
     import yaml
 
     class StrictLoader(yaml.SafeLoader):
@@ -122,7 +123,7 @@ def read_document(path, error: type[InputError], what: str) -> object:
     :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
     a FIFO, device or folder is refused before anything is read). Failures raise ``error`` naming the file and
     ``what`` it is; a YAML document with an alias (``*name``), and a key given twice in one object or mapping,
-    too (:func:`_loader`, :func:`_unique`)."""
+    too (:func:`_loader`, :func:`unique_keys`)."""
     p = Path(path)
     data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
     cap = input_files.MAX_INPUT_BYTES
@@ -145,7 +146,7 @@ def read_document(path, error: type[InputError], what: str) -> object:
         except RecursionError:
             raise error(f"{p}: not YAML (nested too deep)") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique)
+        return json.loads(text, object_pairs_hook=unique_keys)
     except DuplicateKeyError as exc:
         raise error(f"{p}: not JSON that reads one way ({exc}); refused") from None
     except json.JSONDecodeError as exc:
