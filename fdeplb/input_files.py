@@ -82,7 +82,8 @@ def read_input(path, what: str, error: type[FdeplbError] = InputError) -> bytes:
 
 
 def _not_regular(path, what: str, mode: int, error: type[FdeplbError], label: str | None = None) -> FdeplbError:
-    return error(f"{path if label is None else label}: {what} would be written to {_kind(mode)}, not a regular file; refused (name a file)")
+    return error(f"{path if label is None else label}: {what} would be written to {_kind(mode)}, not a regular file; "
+                 f"refused (name a file)")
 
 
 def check_output(path, what: str, error: type[FdeplbError] = InputError, label: str | None = None) -> None:
