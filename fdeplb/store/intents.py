@@ -231,7 +231,8 @@ class Intents:
         ``http``, ``cli``, ...) is kept in ``commit_requested_by`` and named in the commit's audit record.
 
         Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
-        is written then); its message says so when that plan is committed already (another commit won). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
+        is written then); its message says so when that plan is committed already (another commit won). The
+        coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
         if not self.read_config(fresh=True).cordoned:
             raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
         key = self._keys.rearrange

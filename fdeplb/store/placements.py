@@ -104,9 +104,9 @@ class Placements:
         (run again when either changes before the write); what it raises is raised, nothing written. A rule on
         the cluster as the placement is written (an operator's plan: only while FREE, none waiting); ``facts`` is
         read after it (it may fill them in). A text of ``facts`` with a control character is refused
-        (:class:`InputError`, nothing written; one stored before is corrupt to :meth:`supplied_placement`): the round's request reason is made of them, and a request reason
-        holds none (:func:`~fdeplb.store.records.check_request_reason`), so the coordinator could never request
-        that round."""
+        (:class:`InputError`, nothing written; one stored before is corrupt to :meth:`supplied_placement`): the
+        round's request reason is made of them, and a request reason holds none
+        (:func:`~fdeplb.store.records.check_request_reason`), so the coordinator could never request that round."""
         arr = np.asarray(phy2log)
         try:
             self._table(self._keys.supplied_placement, arr, "phy2log")
