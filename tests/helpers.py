@@ -199,7 +199,8 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 def within(fn, timeout_s: float = 30.0, *, fifo: Path | None = None):
     """``fn()``'s result (or its exception), run on a daemon thread; AssertionError when it has not returned within
-    ``timeout_s`` (it blocked; a writer opened on ``fifo`` then lets a reader waiting on it go)."""
+    ``timeout_s`` (it blocked; ``fifo`` is then opened for reading and writing, which lets a reader or a writer
+    waiting on it go)."""
     out: dict = {}
 
     def go():
@@ -213,7 +214,7 @@ def within(fn, timeout_s: float = 30.0, *, fifo: Path | None = None):
     t.join(timeout_s)
     if t.is_alive():
         if fifo is not None:
-            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
         raise AssertionError(f"{fn} still ran after {timeout_s} s: it blocked")
     if "error" in out:
         raise out["error"]

@@ -1,9 +1,9 @@
 """Request bodies of FastDeploy's EPLB routes: read with limits, then validated by pydantic models.
 
 :func:`read_json_object` reads at most ``max_bytes`` (413 beyond), refuses NaN / Infinity, JSON nested deeper than
-``max_depth`` and anything but an object (400). The models forbid unknown fields and take values strictly (no
-``"1"`` for 1, no 1.0 for 1, no 1 for true); loads are integers in [0, 2**53]. Every refusal is an
-:class:`~fdeplb.errors.InputError` with a one-line message naming the field.
+``max_depth``, a key given twice in one object and anything but an object (400). The models forbid unknown fields
+and take values strictly (no ``"1"`` for 1, no 1.0 for 1, no 1 for true); loads are integers in [0, 2**53]. Every
+refusal is an :class:`~fdeplb.errors.InputError` with a one-line message naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from fdeplb.errors import InputError, PayloadTooLargeError
 from fdeplb.placement import MAX_LOAD
+from fdeplb.placement.documents import unique_keys
 from fdeplb.store.cluster_config import COMMAND_LINE_ONLY
 
 #: most entries of ``ips`` (FastDeploy's shared-memory limit is 1 KiB of text: a few dozen addresses)
@@ -154,7 +155,7 @@ def parse_json_object(raw: bytes, *, max_depth: int) -> dict:
     if not raw.strip():
         return {}
     try:
-        doc = json.loads(raw, parse_constant=_no_constant)
+        doc = json.loads(raw, parse_constant=_no_constant, object_pairs_hook=unique_keys)  # a key twice: refused
     except RecursionError:
         raise InputError(f"body is nested deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, too-long integer literals

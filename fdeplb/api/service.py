@@ -200,7 +200,9 @@ def supply_plan(store: Store, phy2log: list[list[int]], by: str, reason: str) ->
 
     from fdeplb.errors import InputError
     from fdeplb.orchestration.rollback import supply_operator_plan
+    from fdeplb.store.records import check_request_reason
 
+    check_request_reason(reason)  # before the plan is supplied: the round's request keeps it (400, nothing written)
     try:
         arr = np.asarray(phy2log, dtype=np.int64)
     except (ValueError, OverflowError) as err:  # ragged rows, an id past int64: a bad body, never a 500

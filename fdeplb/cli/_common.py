@@ -7,14 +7,19 @@ import argparse
 from pathlib import Path
 
 from fdeplb.errors import InputError, NotFoundError
+from fdeplb.input_files import check_output
 from fdeplb.options import cluster_parent
 
 
 def check_out_folder(flag: str, path: str | None) -> None:
-    """Before any work: :class:`InputError` when output file ``path`` (given as ``flag``) is a folder or the folder
-    it goes into does not exist. Nothing to check when ``path`` is None."""
+    """Before any work: :class:`InputError` when output file ``path`` (given as ``flag``) is a folder, exists and is
+    not a regular file (a FIFO would block the write, a device such as ``/dev/stdout`` is no file:
+    :func:`fdeplb.input_files.check_output`), or the folder it goes into does not exist. Nothing to check when
+    ``path`` is None."""
     if path is not None and Path(path).is_dir():
         raise InputError(f"{flag} {path}: is a folder; name the file to write")
+    if path is not None:
+        check_output(path, "the output", label=f"{flag} {path}")
     if path is not None and not Path(path).resolve().parent.is_dir():
         raise InputError(f"{flag} {path}: folder {Path(path).resolve().parent} does not exist")
 

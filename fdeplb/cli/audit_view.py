@@ -25,6 +25,7 @@ from fdeplb.cli._common import open_store, redis_or_url_parent, through_http
 from fdeplb.errors import InputError
 from fdeplb.options import positive_float
 from fdeplb.machines.tables import CLUSTER, MEMBERSHIP, RANK, TABLES, WEIGHTS
+from fdeplb.input_files import check_output
 from fdeplb.recording import audit_dict, export_recording
 
 #: how long one ``audit --follow`` read of Redis blocks before it checks again (ms)
@@ -121,6 +122,8 @@ def run_audit(args: argparse.Namespace) -> int:
         # unfiltered, the server stops at --limit itself; filtered, the records to print are only known here
         page_size = min(args.limit, AUDIT_PAGE) if args.limit is not None and not filtered else AUDIT_PAGE
         return print_audit(client.audit_pages(page_size, args.follow, args.retry_timeout or RETRY_TIMEOUT_S), args)
+    if args.export is not None:  # before any work: a FIFO or device is refused, never waited on
+        check_output(args.export, "the recording", label=f"--export {args.export}")
     store = open_store(args.redis_url, args.cluster)
     if args.rank is not None and not 0 <= args.rank < store.ep_size():
         raise InputError(f"--rank {args.rank} outside the cluster's ranks 0..{store.ep_size() - 1}")

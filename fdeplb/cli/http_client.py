@@ -74,6 +74,9 @@ class ApiClient:
                     not isinstance(exc, requests.exceptions.ConnectTimeout) and \
                     speaks_tls(self.url, min(self.timeout_s, TLS_PROBE_S)):  # a TLS server drops plain HTTP
                 hint = f": the port seems to speak TLS (it completed a TLS handshake): use https://{self.url[7:]}"
+            if method != "GET" and isinstance(exc, requests.exceptions.ReadTimeout):  # sent, its answer lost
+                hint = (f": the {method} {path} was sent and may have been applied; look (fdeplb status --url "
+                        f"{self.url}) before sending it again")
             raise RedisUnavailableError(f"no answer from {self.url}: {type(exc).__name__}{hint}") from None
         try:
             body = resp.json()

@@ -180,6 +180,7 @@ def wait_for_redis(url: str, cluster: str, timeout_s: float, who: str) -> None:
 
 def run_rearrange(args: argparse.Namespace) -> int:
     from fdeplb.cli._common import open_store
+    from fdeplb.store.records import check_request_reason
 
     store = open_store(args.redis_url, args.cluster)
     if args.commit:
@@ -191,6 +192,7 @@ def run_rearrange(args: argparse.Namespace) -> int:
             return 0
         with _interrupted_says(args.redis_url, store.cluster, target, f"plan {args.commit}", pending=False):
             return wait_for_round(store, target, cursor, args.timeout, store_url=args.redis_url)
+    check_request_reason(args.reason)  # before a plan is supplied: the request keeps it (exit 2, nothing written)
     plan = None
     if args.plan:  # a bad plan is refused before anything else (nothing written, whether a coordinator runs or not)
         from fdeplb.orchestration.rollback import check_operator_plan, supply_operator_plan
@@ -203,7 +205,8 @@ def run_rearrange(args: argparse.Namespace) -> int:
         print(f"plan from {args.plan} supplied: routing digest {digest} (the round's audit names it; the round's "
               f"plan id, which also hashes the round's load, differs)")
     target = store.request_round(args.reason)  # requests coalesce: the round that will serve this one
-    print(f"round {target} will serve this request; coordinator {holder}")
+    print(f"round {target} will serve this request{'' if digest else _supplied_for(store, target)}; "
+          f"coordinator {holder}")
     if not args.wait:
         blocker = start_blockers(store)
         if blocker:
@@ -220,6 +223,27 @@ def run_rearrange(args: argparse.Namespace) -> int:
               f"is dropped; supply it again")
         return 1
     return code
+
+
+def _supplied_for(store, target: int) -> str:
+    """", but it goes to ..." when round ``target`` goes to a placement supplied before this request (an operator's
+    plan staged by another ``rearrange --plan``, or a rollback) rather than to a plan of the load, else "": the
+    request coalesced into that round, which plans no load of its own."""
+    from fdeplb.errors import FdeplbError
+    from fdeplb.machines.tables import ClusterState
+    from fdeplb.rounds import reasons
+
+    try:  # advice read after the request was made: a record that does not read costs the note, not the exit code
+        supplied = store.supplied_placement()
+        facts = None if supplied is None else reasons.supplied_of({"supplied": supplied[1]})
+        what = None if facts is None else reasons.supplied_round(**facts).text
+        if what is None or facts["undoes"] + 1 != target:
+            return ""
+        pending = store.read_cluster().state is ClusterState.FREE  # a request only: `round cancel` withdraws it
+    except (FdeplbError, ValueError, KeyError, TypeError):
+        return ""  # the round drops a placement nobody can read and plans as usual
+    cancel = " (`fdeplb round cancel` withdraws both)" if facts["kind"] == "operator" and pending else ""
+    return f", but it goes to the placement supplied for it, not to a plan of the load: {what}{cancel}"
 
 
 @contextlib.contextmanager
@@ -310,7 +334,8 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     Redis going away meanwhile (restarted, failed over) does not end the wait: every read rides the outage out
     (:func:`fdeplb.backoff.ride_out`: the house back-off, ``note: Redis at URL unavailable, retrying for up to N s``
     on stderr once per outage) within what is left of ``timeout_s``; :class:`RedisUnavailableError` (exit 7) when
-    Redis is still away as the time runs out.
+    Redis is still away as the time runs out. A frozen Redis (no reply) costs a read a quarter of ``timeout_s`` at
+    most (3 s at least: the longest ``XREAD BLOCK`` and its reply), so the wait ends that long past it at most.
 
     ``redis_url`` (given for a cordoned cluster, whose rounds wait in LOAD_SUCC for an operator's commit): also stop,
     returning 0, once round ``target`` (or a later one) is staged, and print its plan (balancedness before/after,
@@ -324,9 +349,14 @@ def wait_for_round(store, target: int, cursor, timeout_s: float, redis_url: str 
     from fdeplb.errors import DeadlineError, RedisUnavailableError, VerificationError, exit_code
     from fdeplb.machines.tables import CLUSTER, ClusterState
     from fdeplb.rounds.reasons import RoundOutcome, detail_of, round_outcome
+    from fdeplb.store import Store
+    from fdeplb.store.connection import SOCKET_TIMEOUT_S
 
     end = time.monotonic() + timeout_s
     status_hint = f"fdeplb status --redis-url {store_url or 'URL'} --cluster {store.cluster}"
+    # each read awaits its reply a quarter of the wait at most (the store's 30 s otherwise): a frozen Redis holds
+    # the wait only seconds past its --timeout, not 30 s past it
+    store = Store(store.url, store.cluster, socket_timeout_s=min(SOCKET_TIMEOUT_S, timeout_s / 4))
 
     def retried(call):
         try:

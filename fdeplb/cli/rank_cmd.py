@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import getpass
 import socket
+import sys
 
 from fdeplb.cli._common import open_store
+from fdeplb.errors import FdeplbError
 from fdeplb.options import cluster_parent
 
 #: the commands and what each does (argparse help)
@@ -54,4 +56,31 @@ def run_rank(args: argparse.Namespace) -> int:
     fired = operator_fire(store, args.rank, args.rank_command, who=operator_id(), reason=args.reason)
     gen = store.read_cluster().generation
     print(f"rank {args.rank}: {fired.before.state} -> {fired.state} ({args.rank_command}); generation {gen}")
+    if args.rank_command != "readmit":
+        try:
+            uncovered = _fails_closed(store, args.rank)
+        except FdeplbError:  # advice only: the command is done, a record that does not read is `status`'s to show
+            uncovered = ""
+        if uncovered:
+            print(f"note: {uncovered}", file=sys.stderr)
     return 0
+
+
+def _fails_closed(store, ep_rank: int) -> str:
+    """Why the membership round that takes ``ep_rank`` out will fail closed (the ACTIVE members left lack the
+    redundant slots for the experts only it holds: :func:`fdeplb.rounds.members.replacement`), or "". The command
+    stands; the operator learns now what ``status`` shows after that round (DEGRADED, ``/health`` 503)."""
+    import numpy as np
+
+    from fdeplb.rounds.members import replacement
+
+    cfg = store.read_config()
+    active = [r for r in store.restored_view().active() if r != ep_rank]
+    live = np.zeros(cfg.ep_size, dtype=bool)
+    live[active] = True
+    _, refused = replacement(store.current_placement().phy2log, cfg.num_logical_experts, cfg.ep_size, live, None)
+    if refused is None:
+        return ""
+    return (f"the ACTIVE members left ({', '.join(map(str, active))}) cannot hold every expert ({refused.text}): the "
+            f"membership round that takes rank {ep_rank} out fails closed (status DEGRADED, /health 503) until it "
+            f"is readmitted (`fdeplb rank readmit`) or another rank is back")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from fdeplb.errors import DependencyError
+from fdeplb.input_files import write_output
 from fdeplb.machines import diagrams
 from fdeplb.machines.diagrams import default_dir, render_svg
 from fdeplb.machines.tables import TABLES, MachineTable
@@ -75,7 +76,7 @@ def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_b
         for name, text in texts.items():
             path = out / name
             if not path.is_file() or path.read_bytes() != text.encode("utf-8"):
-                path.write_bytes(text.encode("utf-8"))
+                write_output(path, text.encode("utf-8"), "a statechart")  # a FIFO there: refused, not waited on
                 changed.append(path)
         dot_source = texts[f"{table.name}.dot"]
         svg = out / f"{table.name}.svg"
@@ -83,7 +84,7 @@ def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_b
                 == diagrams.dot_digest(dot_source):
             continue
         try:
-            svg.write_bytes(render_svg(dot_source, dot_binary).encode("utf-8"))
+            write_output(svg, render_svg(dot_source, dot_binary).encode("utf-8"), "a statechart")
         except DependencyError as err:
             if skipped is None:
                 raise

@@ -10,7 +10,9 @@ name ends in               content
 
 Reading and writing follow the same rule (:func:`document_kind`), so a file fdeplb writes always reads back; a writer
 refuses a name that says another kind than the text it holds (:func:`check_document_name`) rather than write a
-file whose name lies. Inputs are regular files of bounded size (:mod:`fdeplb.input_files`). The tables of numbers
+file whose name lies. Inputs are regular files of bounded size, outputs regular files too, never a FIFO or device
+waited on (:mod:`fdeplb.input_files`); a document reads one way only (no key twice in an object or mapping, no YAML
+alias: a few nested ones expand past any memory). The tables of numbers
 in them (loads, phy2log rows) are read by :func:`number_table`, one rule for what a table may hold.
 """
 
@@ -27,7 +29,8 @@ from fdeplb import input_files
 from fdeplb.errors import InputError
 from fdeplb.input_files import read_input
 
-__all__ = ["check_document_name", "document_kind", "number_table", "read_document", "write_document"]
+__all__ = ["DuplicateKeyError", "check_document_name", "document_kind", "number_table", "read_document", "unique_keys",
+           "write_document"]
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -59,18 +62,59 @@ def write_document(path, text: str, *, kind: str, what: str, label: str | None =
 
     Raises:
         InputError: the name says another kind (:func:`check_document_name`); nothing written.
-        ``error``: the file cannot be written (the message starts with ``label``, default the path).
+        ``error``: the file cannot be written, or ``path`` exists and is not a regular file (a FIFO, a device, a
+            folder: :func:`fdeplb.input_files.open_output`, refused without waiting; nothing written). The message
+            starts with ``label``, default the path.
     """
     p = Path(path)
     check_document_name(p, kind, what, label)
     data = text.encode("utf-8")
     if p.name.endswith(".gz"):
         data = gzip.compress(data, mtime=0)
-    try:
-        p.write_bytes(data)
-    except OSError as exc:
-        raise error(f"{p if label is None else label}: cannot write {what}: {exc.strerror}") from None
+    input_files.write_output(p, data, what, error, label)  # a regular file only: a FIFO is refused, never waited on
     return p
+
+
+class DuplicateKeyError(ValueError):
+    """A key that appears twice in one JSON object or YAML mapping: its parsers keep the last silently."""
+
+
+def unique_keys(pairs: list) -> dict:
+    """``json.loads``'s ``object_pairs_hook``: the object as a dict, :class:`DuplicateKeyError` for a key given
+    twice (a plan with two rows for one layer key would lose one without a word)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise DuplicateKeyError(f"key {key!r} appears twice in one object")
+    return out
+
+
+def _loader() -> type:
+    """PyYAML's ``SafeLoader`` refusing aliases (``*name``): a placement or load file needs none, and a few
+    nested ones (a "billion laughs" file of 600 bytes) expand into more numbers than memory holds once the table
+    is read (``yaml.composer.ComposerError`` naming the alias's line); and a key given twice in one mapping
+    (``yaml.constructor.ConstructorError``), as :func:`unique_keys` for JSON."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def compose_node(self, parent, index):  # noqa: ANN001 - PyYAML's signature
+            if self.check_event(yaml.AliasEvent):
+                raise yaml.composer.ComposerError(None, None, "aliases (*name) are refused: write the values out",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node, deep=False):  # noqa: ANN001 - PyYAML's signature
+            seen: set = set()
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    if key_node.value in seen:
+                        raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} appears "
+                                                                f"twice in one mapping", key_node.start_mark)
+                    seen.add(key_node.value)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader
 
 
 def read_document(path, error: type[InputError], what: str) -> object:
@@ -78,7 +122,8 @@ def read_document(path, error: type[InputError], what: str) -> object:
     name ends in ``.gz`` (e.g. the dump bundled in the package, ``fdeplb/data/*.json.gz``); a regular file of at most
     :data:`~fdeplb.input_files.MAX_INPUT_BYTES`, on disk and once decompressed (:func:`fdeplb.input_files.read_input`:
     a FIFO, device or folder is refused before anything is read). Failures raise ``error`` naming the file and
-    ``what`` it is."""
+    ``what`` it is; a YAML document with an alias (``*name``), and a key given twice in one object or mapping,
+    too (:func:`_loader`, :func:`unique_keys`)."""
     p = Path(path)
     data = read_input(p, what, error)  # a regular file only: a FIFO or a device is refused, never waited on
     cap = input_files.MAX_INPUT_BYTES
@@ -95,13 +140,15 @@ def read_document(path, error: type[InputError], what: str) -> object:
         import yaml
 
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=_loader())  # noqa: S506 - a SafeLoader that also refuses aliases
         except yaml.YAMLError as exc:
             raise error(f"{p}: not YAML ({' '.join(str(exc).split())})") from None  # one line, as every error
         except RecursionError:
             raise error(f"{p}: not YAML (nested too deep)") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKeyError as exc:
+        raise error(f"{p}: not JSON that reads one way ({exc}); refused") from None
     except json.JSONDecodeError as exc:
         raise error(f"{p}: not JSON ({exc})") from None
     except (ValueError, RecursionError) as exc:  # a number over Python's digit limit, nesting too deep

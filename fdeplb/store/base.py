@@ -35,9 +35,9 @@ class StoreBase:
     """The client, keys, scripts and configuration of one cluster's store, and the shared reads and writes (see
     the module doc). ``__init__`` as :class:`fdeplb.store.Store`'s."""
 
-    def __init__(self, url: str, cluster: str) -> None:
+    def __init__(self, url: str, cluster: str, *, socket_timeout_s: float | None = None) -> None:
         self.url = url
-        self._client = connect(url)
+        self._client = connect(url, socket_timeout_s)
         self._keys = Keys(cluster)
         self.cluster = cluster
         self._config: ClusterConfig | None = None

@@ -124,8 +124,10 @@ def _host_ports(netloc: str, url: str) -> list[tuple[str, int]]:
     return out
 
 
-def connect(url: str) -> Any:
-    """A redis-py client for ``url``, bytes replies, no retries of a sent command. Accepted forms:
+def connect(url: str, socket_timeout_s: float | None = None) -> Any:
+    """A redis-py client for ``url``, bytes replies, no retries of a sent command, each command's reply awaited at
+    most ``socket_timeout_s`` seconds (None: :data:`SOCKET_TIMEOUT_S`; never below what the longest ``XREAD
+    BLOCK`` needs, :data:`MAX_BLOCK_MS` + 1 s). Accepted forms:
 
     - ``redis://host:port/db``, ``rediss://...``, ``unix:///path``: one server;
     - ``redis+cluster://host:port[,host:port...]`` (or ``redis://host:port/?cluster=1``): a Redis Cluster, any of
@@ -141,7 +143,8 @@ def connect(url: str) -> Any:
             "redis+sentinel://host:port/master"
     if not isinstance(url, str) or "://" not in url:
         raise InputError(f"not a Redis URL: {url!r} (expected {forms})")
-    opts = dict(socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0, decode_responses=False)
+    timeout = SOCKET_TIMEOUT_S if socket_timeout_s is None else max(float(socket_timeout_s), MAX_BLOCK_MS / 1000 + 1)
+    opts = dict(socket_timeout=timeout, socket_connect_timeout=min(10.0, timeout), decode_responses=False)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel",
                             "rediss+sentinel"):

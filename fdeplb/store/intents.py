@@ -231,13 +231,17 @@ class Intents:
         ``http``, ``cli``, ...) is kept in ``commit_requested_by`` and named in the commit's audit record.
 
         Raises :class:`StateError` unless the cluster is cordoned and in LOAD_SUCC with exactly this plan (nothing
-        is written then). The coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
+        is written then); its message says so when that plan is committed already (another commit won). The
+        coordinator still commits only a LOAD_SUCC round whose plan_id matches."""
         if not self.read_config(fresh=True).cordoned:
             raise StateError(f"cluster {self.cluster!r} is not cordoned: its rounds commit on their own")
         key = self._keys.rearrange
 
         def txn(pipe: Any) -> None:
             rec = parse_record(ClusterRecord, key, _text(_hgetall(pipe, key)))
+            if rec.state is not ClusterState.LOAD_SUCC and _s(pipe.hget(self._keys.placement, "plan_id")) == plan_id:
+                raise StateError(f"plan {plan_id} is committed already: it is cluster {self.cluster!r}'s current "
+                                 f"placement (round {rec.round}, {rec.state}); nothing to commit")
             if rec.state is not ClusterState.LOAD_SUCC or rec.plan_id != plan_id:
                 raise StateError(
                     f"cluster {self.cluster!r} is {rec.state} with plan {rec.plan_id or '-'}; a commit is "

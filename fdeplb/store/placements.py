@@ -22,7 +22,7 @@ from fdeplb.store.connection import as_str as _s, as_text as _text, hgetall as _
 from fdeplb.store.deferred import PendingCall
 from fdeplb.store import arrays
 from fdeplb.store.plan_entry import PlanEntry, json_text
-from fdeplb.store.records import ClusterRecord, PlacementEntry, parse_record
+from fdeplb.store.records import ClusterRecord, PlacementEntry, has_control_character, parse_record
 from fdeplb.store.txn import transaction
 
 
@@ -103,7 +103,10 @@ class Placements:
         ``check``: called with the cluster record inside a transaction that WATCHes it and the supplied placement
         (run again when either changes before the write); what it raises is raised, nothing written. A rule on
         the cluster as the placement is written (an operator's plan: only while FREE, none waiting); ``facts`` is
-        read after it (it may fill them in)."""
+        read after it (it may fill them in). A text of ``facts`` with a control character is refused
+        (:class:`InputError`, nothing written; one stored before is corrupt to :meth:`supplied_placement`): the
+        round's request reason is made of them, and a request reason holds none
+        (:func:`~fdeplb.store.records.check_request_reason`), so the coordinator could never request that round."""
         arr = np.asarray(phy2log)
         try:
             self._table(self._keys.supplied_placement, arr, "phy2log")
@@ -115,6 +118,7 @@ class Placements:
             if check is not None:
                 check(parse_record(ClusterRecord, cluster, _text(_hgetall(pipe, cluster))))
             # after the check: ``facts`` may name what it read (the round the plan follows)
+            _check_facts_text(facts)
             mapping = {**arrays.encode("phy2log", arr), "facts": json_text(facts), "supplied_ms": str(self.now_ms())}
             pipe.multi()
             pipe.delete(key)
@@ -124,7 +128,8 @@ class Placements:
 
     def supplied_placement(self) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(phy2log int64 [L, P], facts) of the placement supplied for the next round, or None;
-        :class:`CorruptRecordError` naming the key for a table or facts that do not parse."""
+        :class:`CorruptRecordError` naming the key for a table or facts that do not parse, or facts whose text
+        :meth:`supply_placement` refuses (a control character: the round could never be requested with it)."""
         key = self._keys.supplied_placement
         raw = {_s(k): v for k, v in _hgetall(self._client, key).items()}
         if not raw:
@@ -136,6 +141,10 @@ class Placements:
             facts = None
         if arr is None or not isinstance(facts, dict):
             raise CorruptRecordError(f"{key}: not a supplied placement (phy2log and facts)", key=key)
+        try:  # the writer's rule (:meth:`supply_placement`): the round's request could never hold such a text
+            _check_facts_text(facts)
+        except InputError as err:
+            raise CorruptRecordError(f"{key}: {err}", key=key) from None
         return self._table(key, arr, "phy2log"), facts
 
     def drop_supplied_placement(self) -> None:
@@ -171,3 +180,12 @@ class Placements:
         expected = routing_digest(self.current_placement().phy2log)
         return [(r, x.routing_digest, expected) for r, x in enumerate(self.read_all(RANK))
                 if x.routing_digest != expected]
+
+
+def _check_facts_text(facts: dict[str, Any]) -> None:
+    """:class:`InputError` naming the field when a text of a supplied placement's ``facts`` holds a control
+    character (see :meth:`Placements.supply_placement`)."""
+    for name, value in facts.items():
+        if isinstance(value, str) and has_control_character(value):
+            raise InputError(f"supplied placement: {name} {value[:80]!r} holds a control character (a round's "
+                             f"request reason is made of it)")

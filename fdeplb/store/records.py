@@ -426,12 +426,17 @@ class LeaseInfo:
 MAX_REQUEST_REASON = 500
 
 
+def has_control_character(text: str) -> bool:
+    """True when ``text`` holds a C0 or C1 control character (a newline, an escape sequence's ESC...): the rule for
+    texts an operator's command keeps and terminals show."""
+    return any(ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in text)
+
+
 def check_request_reason(reason: str) -> str:
     """``reason`` if it may be kept as a round request's ``requested_reason``: a str of at most
     :data:`MAX_REQUEST_REASON` characters with no control character (it is shown on terminals); else
     :class:`InputError`."""
-    if not isinstance(reason, str) or len(reason) > MAX_REQUEST_REASON or any(
-            ord(ch) < 32 or 127 <= ord(ch) < 160 for ch in reason):
+    if not isinstance(reason, str) or len(reason) > MAX_REQUEST_REASON or has_control_character(reason):
         shown = repr(reason[:60]) + ("..." if isinstance(reason, str) and len(reason) > 60 else "")
         raise InputError(f"reason must be at most {MAX_REQUEST_REASON} characters without control characters, "
                          f"got {shown} ({len(reason) if isinstance(reason, str) else type(reason).__name__}"

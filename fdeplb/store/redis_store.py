@@ -59,6 +59,8 @@ class Store(MachineIO, Intents, Windows, Placements, Lease, Streams, Liveness, R
     Args:
         url: ``redis://host:port/db``, ``rediss://...`` or ``unix:///path``.
         cluster: cluster id, ``[A-Za-z0-9_.-]{1,64}``.
+        socket_timeout_s: how long a command's reply is awaited (None: the store's default,
+            :data:`fdeplb.store.connection.SOCKET_TIMEOUT_S`): a waiter bound by its own deadline passes less.
 
     Raises:
         InputError: a malformed URL or cluster id. Nothing connects until the first call.

@@ -152,3 +152,24 @@ def test_round_plan_over_http_supplies_the_plan_or_refuses_with_nothing_written(
     assert facts["why"] == f"POST /v1/round/plan by http:{USER} (offline plan)"
     r = requests.post(f"{url}/v1/round/plan", json={"phy2log": plan}, auth=AUTH)
     assert r.status_code == 409 and "waits for the next round" in r.json()["msg"], r.text
+
+
+def test_round_plan_with_a_reason_the_request_refuses_supplies_nothing(store, url, redis_url):
+    """QA: a reason with a control character was refused (400) by the round's request only after the plan was
+    supplied: the plan stayed, and the coordinator's FREE work failed every pass requesting its round with that
+    text (which no request may hold). Now it is refused first: 400, nothing written."""
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    r = requests.post(f"{url}/v1/round/plan", json={"phy2log": [[2, 3, 0, 1, 2, 3]], "reason": "a\u0000b"}, auth=AUTH)
+    assert r.status_code == 400 and "control characters" in r.json()["msg"], r.text
+    assert raw.snapshot() == before and store.supplied_placement() is None
+
+
+def test_a_body_with_a_key_given_twice_is_a_400_and_changes_nothing(store, url, redis_url):
+    """QA: `{"min_gain": 0.5, "min_gain": 0.0}` was read as its last value without a word; a body that reads two
+    ways is refused (as a plan or load file is)."""
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    r = requests.post(f"{url}/v1/config", data='{"min_gain": 0.5, "min_gain": 0.0}', auth=AUTH)
+    assert r.status_code == 400 and "key 'min_gain' appears twice" in r.json()["msg"], r.text
+    assert raw.snapshot() == before

@@ -266,3 +266,47 @@ def test_audit_follow_over_http_rides_out_a_serve_restart(redis_url, cluster_id)
             serve.terminate()
             serve.communicate(timeout=30)
         store.delete_cluster()
+
+
+def test_rearrange_wait_on_a_frozen_redis_ends_near_its_timeout_not_30_s_past_it(cluster_id):
+    """QA: with Redis frozen (SIGSTOP: connections accepted, nothing answered) `rearrange --wait --timeout 1` took
+    the store's 30 s socket timeout per read; each read of the wait now awaits a quarter of the wait at most (3 s
+    at least). A socket that accepts and never answers stands for the frozen Redis."""
+    import socket
+
+    from fdeplb.cli.operate import wait_for_round
+    from fdeplb.store import Store
+    from tests.helpers import within
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        store = Store(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", cluster_id)
+        with pytest.raises(RedisUnavailableError, match="did not answer in time.*--timeout 1s passed"):
+            within(lambda: wait_for_round(store, 1, "0-0", 1.0, store_url=store.url), 20.0)  # 30 s: it blocked
+    finally:
+        silent.close()
+
+
+def test_an_http_post_whose_answer_never_came_says_it_may_have_been_applied(monkeypatch):
+    """QA: `fdeplb trigger --url` against a frozen `serve` said only "no answer ... ReadTimeout", although the
+    request had been sent (a round may have been requested); a GET says no more than before."""
+    import socket
+
+    from fdeplb.cli.http_client import ApiClient
+
+    monkeypatch.setenv("FDEPLB_API_USER", USER)
+    monkeypatch.setenv("FDEPLB_API_PASSWORD", PASSWORD)
+    silent = socket.socket()  # accepts connections and never answers (a SIGSTOPped serve)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)
+    try:
+        client = ApiClient(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+        with pytest.raises(RedisUnavailableError, match="ReadTimeout: the POST /rearrange_experts was sent and may "
+                                                        "have been applied; look"):
+            client.post("/rearrange_experts", {"ips": []})
+        with pytest.raises(RedisUnavailableError, match="ReadTimeout$"):
+            client.get("/v1/state")
+    finally:
+        silent.close()

@@ -140,3 +140,23 @@ def test_a_command_on_a_deleted_record_is_a_state_error_naming_the_coming_restor
         code, _, err = rank_cmd(capsys, store, command, 1)
         assert code == 3 and "missing (deleted)" in err and "restores it from the audit at its next pass" in err
     assert raw.snapshot() == before  # nothing written
+
+
+def test_a_drain_the_members_left_cannot_cover_says_its_round_fails_closed(capsys, store):
+    """QA: `rank drain` of a rank holding experts the other members have no redundant slot for said only
+    "ACTIVE -> DRAINING"; its membership round then failed closed (DEGRADED, /health 503). It now says so."""
+    code, out, err = rank_cmd(capsys, store, "drain", 1)  # experts 2, 3 on rank 1 only; 0, 1 twice: covered
+    assert code == 0 and "ACTIVE -> DRAINING" in out and err == "", err
+    code, out, err = rank_cmd(capsys, store, "drain", 2)  # rank 0 alone left: 2 and 3 have nowhere to go
+    assert code == 0 and "ACTIVE -> DRAINING" in out, out + err
+    assert err.startswith("note: the ACTIVE members left (0) cannot hold every expert (fail closed: ") \
+        and "takes rank 2 out fails closed (status DEGRADED, /health 503) until it is readmitted" in err, err
+
+
+def test_a_drain_with_a_corrupt_placement_still_exits_0(capsys, store, redis_url):
+    """The fail-closed note is advice read after the transition: a placement that does not read must not turn the
+    committed drain into an error exit."""
+    raw = RawRedis(redis_url, store.cluster)
+    raw.r.hset(raw.keys.placement, "phy2log", b"not an array")
+    code, out, err = rank_cmd(capsys, store, "drain", 2)
+    assert code == 0 and "ACTIVE -> DRAINING" in out and "note:" not in err, out + err

@@ -320,3 +320,101 @@ def test_a_round_that_starts_while_a_plan_is_supplied_refuses_it(store, redis_ur
         supply_operator_plan(store, plan, "race")
     store.supplied_placement = real_read
     assert started and store.supplied_placement() is None
+
+
+def test_a_request_while_a_plan_is_staged_says_its_round_goes_to_that_plan(capsys, store, monkeypatch, tmp_path):
+    """QA: a plain `rearrange` while an operator's plan waits coalesces into the plan's round, which goes to that
+    plan and plans no load: the line says so (it said only that the round "will serve this request")."""
+    from fdeplb.cli import operate
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    code, out, err = _rearrange(capsys, store)  # nothing staged: the line as before
+    assert code == 0 and out.startswith("round 1 will serve this request; coordinator coordinator-under-test"), out
+    store.withdraw_request(None, trigger="request_cancelled", actor="test", reason="test")
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "staged.json")
+    store.request_round("operator plan")
+    code, out, err = _rearrange(capsys, store)
+    assert code == 0, out + err
+    assert out.startswith(f"round 1 will serve this request, but it goes to the placement supplied for it, not to "
+                          f"a plan of the load: operator: plan {digest} supplied from staged.json (`fdeplb round "
+                          f"cancel` withdraws both); coordinator coordinator-under-test"), out
+
+
+def test_a_plan_with_a_reason_the_request_refuses_supplies_nothing(capsys, store, redis_url, monkeypatch, tmp_path):
+    """QA: `rearrange --plan FILE --reason TEXT` with a control character in TEXT exited 2 at the request, after
+    the plan was supplied (left waiting with no request); now refused first, nothing written."""
+    from fdeplb.cli import operate
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    code, out, err = _rearrange(capsys, store, "--plan", _plan_file(tmp_path, [[2, 3, 0, 1, 2, 3]], 4),
+                                "--reason", "bad\x1b[2Jreason")
+    assert code == 2 and "control characters" in err and out == "", out + err
+    assert raw.snapshot() == before
+
+
+def test_a_supplied_placement_whose_facts_hold_a_control_character_is_refused(store, redis_url):
+    """The facts make the round's request reason (`fdeplb rearrange --plan` keeps the file's path in them): one
+    with a newline could never be requested (the coordinator's FREE work failed every pass); refused, nothing
+    written."""
+    from fdeplb.errors import InputError
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    raw = RawRedis(redis_url, store.cluster)
+    before = raw.snapshot()
+    with pytest.raises(InputError, match="why 'plan\\\\n.json' holds a control character"):
+        supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "plan\n.json")
+    assert raw.snapshot() == before
+
+
+def test_a_commit_of_a_plan_committed_already_says_so(capsys, store, redis_url):
+    """QA: of concurrent `rearrange --commit X` (and the HTTP commit) the losers said "cluster is FREE with plan
+    X; a commit is only accepted in LOAD_SUCC for the staged plan (asked: X)", as if X were not the one staged."""
+    from fdeplb.machines.tables import ClusterState
+
+    store.change_config({"cordoned": True}, actor="test")
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.FREE, version=7, round="1", requested="1", plan_id="0123abcd")
+    raw.r.hset(raw.keys.placement, "plan_id", "0123abcd")  # the round committed it
+    before = raw.snapshot()
+    code, out, err = _rearrange(capsys, store, "--commit", "0123abcd")
+    assert code == 3 and "plan 0123abcd is committed already" in err and "nothing to commit" in err, out + err
+    code, out, err = _rearrange(capsys, store, "--commit", "feedbeef")  # another plan: the refusal as before
+    assert code == 3 and "a commit is only accepted in LOAD_SUCC for the staged plan (asked: 'feedbeef')" in err
+    assert raw.snapshot() == before
+
+
+def test_a_request_while_a_supplied_round_is_in_flight_names_no_cancel(capsys, store, monkeypatch, redis_url):
+    """The plan's round has started (here staged in LOAD_SUCC): `round cancel` no longer withdraws it."""
+    from fdeplb.cli import operate
+    from fdeplb.machines.tables import ClusterState
+    from fdeplb.orchestration.rollback import supply_operator_plan
+
+    monkeypatch.setattr(operate, "_wait_for_lease", lambda store, timeout_s: "coordinator-under-test")
+    digest = supply_operator_plan(store, np.array([[2, 3, 0, 1, 2, 3]]), "staged.json")
+    raw = RawRedis(redis_url, store.cluster)
+    raw.force(raw.keys.rearrange, ClusterState.LOAD_SUCC, version=4, round="1", requested="1", plan_id="p1")
+    code, out, err = _rearrange(capsys, store)
+    assert code == 0 and f"operator: plan {digest} supplied from staged.json; coordinator" in out, out + err
+    assert "round cancel" not in out
+
+
+def test_a_stored_supplied_placement_whose_facts_hold_a_control_character_is_corrupt_and_dropped(store, redis_url):
+    """One written before the writer refused it (the QA wedge: FREE's entry work failed every pass requesting its
+    round with that text) reads as corrupt: the coordinator's FREE work drops it once, then goes on."""
+    from fdeplb.errors import CorruptRecordError
+    from fdeplb.orchestration.rollback import request_supplied
+    from fdeplb.store import arrays
+
+    raw = RawRedis(redis_url, store.cluster)
+    facts = {"kind": "operator", "undoes": 0, "plan_id": "7264444d4688326f", "why": "POST by http:op (a\u0000b)"}
+    raw.r.hset(raw.keys.supplied_placement, mapping={**arrays.encode("phy2log", np.array([[2, 3, 0, 1, 2, 3]])),
+                                                     "facts": json.dumps(facts)})
+    with pytest.raises(CorruptRecordError, match="why .* holds a control character"):
+        store.supplied_placement()
+    with pytest.raises(CorruptRecordError):
+        request_supplied(store)  # the pass that meets it: dropped, the error raised once (an audited alarm)
+    assert store.supplied_placement() is None and not request_supplied(store)
+    assert store.read_cluster().requested == 0  # no round requested with the bad text
