@@ -3,7 +3,7 @@ expire an old request; and the abort every phase ends a failed round with."""
 
 from __future__ import annotations
 
-from fdeplb.errors import FenceError, GuardError, StateError
+from fdeplb.errors import ContentionError, FenceError, GuardError, StateError
 from fdeplb.machines.tables import CLUSTER, MemberState
 from fdeplb.orchestration.coordinator.entry_step import Step
 from fdeplb.orchestration.housekeeping import prune_after_round
@@ -54,6 +54,10 @@ class RoundStart:
                                             drop_supplied="operator")  # else FREE would request it again
             except FenceError:
                 raise
+            except ContentionError as err:  # other writers won every attempt: not withdrawn, the next pass retries
+                self.log.warning("request expiry contended", round=rec.requested, age_ms=age, ttl_ms=ttl,
+                                 error=str(err))
+                return True, None
             except StateError:  # started or withdrawn meanwhile: the next pass sees which
                 return True, None
             self.log.warning("request expired", round=rec.requested, age_ms=age, ttl_ms=ttl)
