@@ -56,7 +56,7 @@ from fdeplb.orchestration.weight_status import WeightStatusDriver
 from fdeplb.placement import routing_digest
 from fdeplb.store import ClusterConfig, ClusterRecord, PendingCall, RankRecord, Store, WeightRecord
 from fdeplb.store.cluster_config import check_pause_budget
-from fdeplb.store.liveness import SWITCH_MARGIN_STEPS, stale_of
+from fdeplb.store.liveness import SWITCH_MARGIN_STEPS
 from fdeplb.weights.backend import BackendFactory, CheckpointBackend, Staged, WeightBackend
 from fdeplb.weights.peer import MAX_SERVING, ExpertSource, check_max_serving
 from fdeplb.weights.plan import PauseBudget
@@ -169,7 +169,7 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
         self.config = self.store.read_config()
         if not 0 <= self.ep_rank < self.config.ep_size:
             raise InputError(f"ep_rank {self.ep_rank} outside [0, {self.config.ep_size})")
-        self._check_not_driven()
+        takeover.check_not_driven(self.store, self.ep_rank, self.agent_id, replace=self.replace, by=self.actor)
         max_bytes, max_layers = self._pause_args
         self.pause_budget = PauseBudget(self.config.max_pause_bytes if max_bytes is None else max_bytes,
                                         self.config.layers_per_safe_point if max_layers is None else max_layers)
@@ -213,22 +213,6 @@ class RankAgent(LoadRecorder, WeightStatusDriver, SwapDriver, Probing, Rejoining
                 self.peers = None
             raise
         self.log.info("ready", plan_id=placement.plan_id, load_s=round(time.perf_counter() - t0, 3))
-
-    def _check_not_driven(self) -> None:
-        """Refuse to take over a rank whose registered agent is alive (heartbeat within its TTL) unless
-        :attr:`replace`: :class:`StateError` naming it."""
-        owner = self.store.rank_agent(self.ep_rank)
-        if owner is None or owner == self.agent_id or self.replace:
-            return
-        who = self.store.rank_info().get(self.ep_rank, {})
-        if who.get("stopped_ms"):  # it stopped (run's end): not a live agent
-            return
-        age, ttl = self.store.heartbeats().get(self.ep_rank, (0, 0))
-        if ttl > 0 and not stale_of({self.ep_rank: (age, ttl)}) \
-                and not takeover.audit_if_dead(self.store, self.ep_rank, who, by=self.actor, age_ms=age, ttl_ms=ttl):
-            raise StateError(f"rank {self.ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
-                             f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
-                             f"supersede it, or stop it first")
 
     def _register(self, plan_id: str) -> None:
         """Register the rank (pid, actor, agent id and :attr:`_info`) and heartbeat the plan it holds live."""

@@ -7,8 +7,8 @@ lapses, as before.
 
 The facts come from Linux's ``/proc`` (psutil is not a dependency): ``/proc/sys/kernel/random/boot_id``, the
 ``/proc/self/ns/pid`` link and field 22 (``starttime``, clock ticks after boot) of ``/proc/<pid>/stat``
-(proc(5)). Elsewhere :func:`host_identity` is empty and no takeover happens. The agent's start-up check calls
-:func:`audit_if_dead`.
+(proc(5)). Elsewhere :func:`host_identity` is empty and no takeover happens. The agent's start-up check is
+:func:`check_not_driven`.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from typing import Any, Mapping
 
 import structlog
 
+from fdeplb.errors import StateError
 from fdeplb.machines.tables import RANK
 from fdeplb.rounds import reasons
+from fdeplb.store.liveness import stale_of
 
-__all__ = ["TAKEOVER", "DeadOwner", "audit_if_dead", "dead_owner", "host_identity", "process_start",
-           "takeover_reason"]
+__all__ = ["TAKEOVER", "DeadOwner", "audit_if_dead", "check_not_driven", "dead_owner", "host_identity",
+           "process_start", "takeover_reason"]
 
 log = structlog.get_logger("fdeplb.agent")
 
@@ -119,3 +121,21 @@ def audit_if_dead(store: Any, ep_rank: int, info: Mapping[str, Any], *, by: str,
                       table=RANK, ep_rank=ep_rank)
     log.warning("took over a dead agent's rank", ep_rank=ep_rank, pid=dead.pid, pid_state=dead.why)
     return True
+
+
+def check_not_driven(store: Any, ep_rank: int, agent_id: str, *, replace: bool, by: str) -> None:
+    """Refuse to take over a rank whose registered agent is alive (heartbeat within its TTL, not stopped, its
+    process not provably dead: :func:`audit_if_dead`) unless ``replace``: :class:`~fdeplb.errors.StateError`
+    naming it, nothing written. ``agent_id``: the starting agent's own id (its own registration never refuses)."""
+    owner = store.rank_agent(ep_rank)
+    if owner is None or owner == agent_id or replace:
+        return
+    who = store.rank_info().get(ep_rank, {})
+    if who.get("stopped_ms"):  # it stopped (run's end): not a live agent
+        return
+    age, ttl = store.heartbeats().get(ep_rank, (0, 0))
+    if ttl > 0 and not stale_of({ep_rank: (age, ttl)}) \
+            and not audit_if_dead(store, ep_rank, who, by=by, age_ms=age, ttl_ms=ttl):
+        raise StateError(f"rank {ep_rank} is driven by a live agent ({who.get('actor', owner)}, agent "
+                         f"{owner}, heartbeat {age} ms ago, TTL {ttl} ms); pass --replace (replace=True) to "
+                         f"supersede it, or stop it first")
