@@ -239,12 +239,17 @@ class _Layers:
         """Make the "balanced" plan (``fresh`` int64 [L, P]) of ``layers`` available: in global mode it is computed
         only for the layers that need it (the per-layer repair and its fallback), in one call, and those layers'
         reference becomes its heaviest GPU (at or above the bound; the bound may be out of reach, e.g. when a
-        replica of an unloaded expert must take a slot)."""
+        replica of an unloaded expert must take a slot); in hierarchical mode their balanced map (``group_node``)
+        becomes the plan's, which may be DeepSeek's packing rather than the start's
+        (:func:`fdeplb.placement.balanced.balanced_plan`)."""
         need = layers[~self._have[layers]]
         if need.size:
             groups = self.num_groups if self.num_nodes > 1 else 1
             self.fresh[need], self.fresh_peak[need] = balanced_plan(self.load[need], self.old.shape[1], groups,
                                                                     self.num_nodes, self.num_gpus)
+            if self.num_nodes > 1:  # the plan keeps DeepSeek's node packing where its start's packs worse
+                self.group_node[need] = node_of_groups(self.fresh[need], self.old[need], groups, self.num_nodes,
+                                                       self.group_size)
             self.target[need] = self._target(need)
             self._have[need] = True
 

@@ -1,4 +1,5 @@
-"""Hierarchical node packings: "balanced"'s lighter packing of groups onto nodes never costs a layer balance."""
+"""Hierarchical node packings: "balanced"'s lighter packing of groups onto nodes never costs a layer balance, and
+"move_aware" stays valid where the "balanced" plan keeps DeepSeek's packing instead of its start's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fdeplb.placement import balanced as balanced_module
 from fdeplb.placement import rebalance_experts
 from fdeplb.placement.balanced import balanced_plan, balanced_start
 from fdeplb.placement.metrics import raw_gpu_loads
+from tests.placement.helpers import check_invariants, groups_on_nodes
 
 #: 8 one-expert groups on 2 nodes of 4 GPUs, 2 slots a GPU: the lightest node packing (2155 / 2156 tokens) packs
 #: its replicas onto GPUs worse (575) than DeepSeek's greedy packing's do after the search (556.67)
@@ -33,3 +35,19 @@ def test_a_lighter_node_packing_never_ends_above_the_search_from_deepseeks(monke
     assert not (start == deepseek).all()
     assert raw_gpu_loads(load, rebalance_experts(load, *topo, policy="balanced").phy2log, 8).max() < 575
 
+
+#: 8 groups of 2 experts on 2 nodes of 4 GPUs, no redundant slot; the old placement keeps groups on nodes, its
+#: heaviest node is out of reach, and the "balanced" plan keeps DeepSeek's node packing (its start's lighter one
+#: packs worse onto GPUs)
+NO_REDUNDANCY_LOAD = np.array([[764, 898, 695, 877, 282, 872, 835, 475, 431, 642, 179, 444, 687, 34, 446, 485]])
+NO_REDUNDANCY_OLD = np.array([[12, 13, 0, 1, 6, 10, 11, 7, 4, 3, 8, 14, 5, 15, 2, 9]])
+
+
+def test_move_aware_where_balanced_keeps_deepseeks_packing():
+    """The layer is planned again from the "balanced" plan (its excess is above the layer cap): every expert keeps a
+    slot and every group stays on one node (the balanced map used to come from the start's packing while the plan
+    had DeepSeek's: 'logical expert 0 has no slot')."""
+    topo = (16, 8, 2, 8)
+    plan = rebalance_experts(NO_REDUNDANCY_LOAD, *topo, policy="move_aware", old_phy2log=NO_REDUNDANCY_OLD)
+    check_invariants(plan, 16, 16)
+    assert groups_on_nodes(plan.phy2log, 16, 8, 2)
