@@ -220,11 +220,15 @@ def balanced_plan(
     start, logcnt, deepseek = balanced_start(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
     load = np.asarray(expert_load, dtype=np.float64)
     phy2log = _search(load, start, logcnt, num_nodes, num_gpus, pairs)
-    before = raw_gpu_loads(load, deepseek, num_gpus).max(axis=1)
+    deepseek_gpu = raw_gpu_loads(load, deepseek, num_gpus)
+    before = deepseek_gpu.max(axis=1)
     after = raw_gpu_loads(load, phy2log, num_gpus).max(axis=1)
     # a layer with a lighter node packing is searched from DeepSeek's too, and keeps the lighter end (ties: the
-    # lighter packing's): the lighter packing's replicas may pack worse onto GPUs
-    lighter = np.flatnonzero((start != deepseek).any(axis=1))
+    # lighter packing's): the lighter packing's replicas may pack worse onto GPUs. Not where the lighter end is at
+    # most DeepSeek's heaviest node over its GPUs, which no plan with DeepSeek's packing goes below
+    gpus_per_node = num_gpus // num_nodes
+    floor = deepseek_gpu.reshape(len(load), num_nodes, gpus_per_node).sum(axis=2).max(axis=1) / gpus_per_node
+    lighter = np.flatnonzero((start != deepseek).any(axis=1) & (after > floor))
     if lighter.size:
         other = _search(load[lighter], deepseek[lighter], replica_counts(deepseek[lighter], load.shape[1])[:, :-1],
                         num_nodes, num_gpus, pairs)
