@@ -179,7 +179,8 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
     forced = missing.reshape(L, -1).astype(np.float64) @ onehot  # [L, M] moved experts the map forces
     group_load = load.reshape(L, num_groups, group_size).sum(axis=2)
     mean = np.where(load.sum(axis=1) > 0, load.sum(axis=1) / num_gpus, 1.0)
-    floor = map_peaks(group_load, num_nodes)[1] / gpus_per_node / mean[:, None]  # [L, M] max/mean no plan with the map goes below
+    # [L, M] max/mean no plan with the map goes below (1 for a layer without load, as imbalance() counts it)
+    floor = np.maximum(map_peaks(group_load, num_nodes)[1] / gpus_per_node / mean[:, None], 1.0)
     if floor.min(axis=1).sum() > L * float(max_over_mean) * (1 + 1e-12):
         raise InputError(f"no plan with every group on one node reaches a mean max/mean of {max_over_mean} "
                          f"(at least {floor.min(axis=1).mean():.6f})")
