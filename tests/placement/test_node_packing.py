@@ -1,5 +1,6 @@
-"""Hierarchical node packings: "balanced"'s lighter packing of groups onto nodes never costs a layer balance, and
-"move_aware" stays valid where the "balanced" plan keeps DeepSeek's packing instead of its start's."""
+"""Hierarchical node packings: "balanced"'s lighter packing of groups onto nodes never costs a layer balance nor lifts
+"move_aware"'s reference above the "balanced" plan, and "move_aware" stays valid where the "balanced" plan keeps
+DeepSeek's packing instead of its start's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fdeplb.placement import balanced as balanced_module
 from fdeplb.placement import rebalance_experts
 from fdeplb.placement.balanced import balanced_plan, balanced_start
 from fdeplb.placement.metrics import raw_gpu_loads
+from fdeplb.placement.move_aware import reference_peak
 from tests.placement.helpers import check_invariants, groups_on_nodes
 
 #: 8 one-expert groups on 2 nodes of 4 GPUs, 2 slots a GPU: the lightest node packing (2155 / 2156 tokens) packs
@@ -51,3 +53,20 @@ def test_move_aware_where_balanced_keeps_deepseeks_packing():
     plan = rebalance_experts(NO_REDUNDANCY_LOAD, *topo, policy="move_aware", old_phy2log=NO_REDUNDANCY_OLD)
     check_invariants(plan, 16, 16)
     assert groups_on_nodes(plan.phy2log, 16, 8, 2)
+
+
+#: 8 groups of 2 experts on 2 nodes of 3 GPUs, 18 slots: the lighter node packing leaves expert 13 (800 tokens) one
+#: replica, so the bound at it (800) is above the "balanced" plan, which ends on DeepSeek's packing (773.5)
+BOUND_ABOVE_LIGHTER = np.array([[67, 1131, 45, 200, 82, 684, 161, 738, 113, 3, 19, 8, 15, 800, 212, 65]])
+
+
+def test_move_aware_reference_never_above_the_balanced_plan():
+    """"move_aware"'s reference (its tolerance is measured against it) is never above the "balanced" plan's heaviest
+    GPU, also where the lighter node packing's bound is (random layers of 8 groups on 2 nodes besides)."""
+    rng = np.random.default_rng(3)
+    cases = [(BOUND_ABOVE_LIGHTER, (18, 8, 2, 6))] + [(rng.lognormal(0.0, 1.5, (8, 16)) * 100, (18, 8, 2, 6))
+                                                      for _ in range(3)]
+    for load, topo in cases:
+        assert (reference_peak(load, *topo) <= balanced_plan(load, *topo)[1] * (1 + 1e-12)).all()
+    start, _, deepseek = balanced_start(BOUND_ABOVE_LIGHTER, 18, 8, 2, 6)
+    assert (start != deepseek).any()
