@@ -89,7 +89,7 @@ import numpy as np
 from fdeplb.placement._validate import check_expert_load, check_topology
 from fdeplb.placement.balanced import balanced_plan, balanced_start
 from fdeplb.placement.deepseek import replicate_experts
-from fdeplb.placement.fill import fill_rows, forced_copies
+from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
 from fdeplb.placement.node_maps import nearest_maps, node_of_groups, node_rows, old_node_of_groups
 from fdeplb.placement.pareto import check_reserve, plan_nodes_within_budget, plan_within_budget
@@ -162,8 +162,9 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     minimise the largest per-replica load; every expert has a replica on some GPU). "balanced" ends within 1.1e-4
     of it (max/mean units) on the DeepSeek-V3 drift pairs. Hierarchical mode (``num_groups % num_nodes == 0``): the
     same bound at the node packing and replica counts "balanced" starts from and keeps
-    (:func:`fdeplb.placement.balanced.balanced_start`; its swaps stay inside nodes): over the nodes, the larger of the node's load over its GPUs and its largest
-    per-replica load ("balanced" ends 6e-5 above it on average, 2.4e-4 at most, on the DeepSeek-V3 4-node drift
+    (:func:`fdeplb.placement.balanced.balanced_start`; its swaps stay inside nodes), or at DeepSeek's where that is
+    lower (a layer with a lighter node packing may end on DeepSeek's): over the nodes, the larger of the node's
+    load over its GPUs and its largest per-replica load ("balanced" ends 6e-5 above it on average, 2.4e-4 at most, on the DeepSeek-V3 4-node drift
     pair of /work/exp/harness.py).
 
     Raises:
@@ -173,9 +174,25 @@ def reference_peak(expert_load: object, num_replicas: int, num_groups: int, num_
     P, groups, nodes, gpus, hierarchical = check_topology(load.shape[1], num_replicas, num_groups, num_nodes,
                                                           num_gpus)
     if hierarchical:
-        phy2log, logcnt, _ = balanced_start(load, P, groups, nodes, gpus)
-        return _node_peak_bound(np.asarray(load, dtype=np.float64), phy2log, logcnt, nodes, gpus)
+        return _start_peak_bound(load, P, groups, nodes, gpus)[1]
     return _peak_bound(np.asarray(load, dtype=np.float64), P, gpus)
+
+
+def _start_peak_bound(expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int,
+                      num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """Hierarchical mode: (the start of "balanced", int64 [L, P], and float64 [L] tokens: the bound of
+    :func:`_node_peak_bound` at its node packing and replica counts, or at DeepSeek's where that is lower: a layer
+    whose start took a lighter node packing may end on DeepSeek's (:func:`fdeplb.placement.balanced.balanced_plan`),
+    and its reference must not exceed where it ends). ``expert_load`` [L, E] checked."""
+    start, logcnt, deepseek = balanced_start(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
+    load = np.asarray(expert_load, dtype=np.float64)
+    bound = _node_peak_bound(load, start, logcnt, num_nodes, num_gpus)
+    rows = np.flatnonzero((start != deepseek).any(axis=1))
+    if rows.size:
+        counts = replica_counts(deepseek[rows], load.shape[1])[:, :-1]
+        bound[rows] = np.minimum(bound[rows], _node_peak_bound(load[rows], deepseek[rows], counts, num_nodes,
+                                                               num_gpus))
+    return start, bound
 
 
 def _peak_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> np.ndarray:
@@ -188,7 +205,7 @@ def _peak_bound(load: np.ndarray, num_replicas: int, num_gpus: int) -> np.ndarra
 def _node_peak_bound(load: np.ndarray, phy2log: np.ndarray, logcnt: np.ndarray, num_nodes: int,
                      num_gpus: int) -> np.ndarray:
     """float64 [L] tokens: a lower bound on the heaviest GPU of any plan with the node packing and replica counts
-    of ``phy2log`` int64 [L, P] / ``logcnt`` int64 [L, E] (the start of "balanced", which it keeps):
+    of ``phy2log`` int64 [L, P] / ``logcnt`` int64 [L, E] (a start of "balanced", which keeps them):
     over the nodes, the larger of the node's load over its GPUs and its largest per-replica load. ``load``
     float64 [L, E]."""
     L, P = phy2log.shape
@@ -212,8 +229,7 @@ class _Layers:
         P = num_replicas
         if num_nodes > 1:  # the start of "balanced": its node packing and replica counts (its search only swaps
             # inside nodes), and the bound at them; the balanced plan only for layers that need it
-            self.fresh, logcnt, _ = balanced_start(expert_load, P, num_groups, num_nodes, num_gpus)
-            fresh_peak = _node_peak_bound(load, self.fresh, logcnt, num_nodes, num_gpus)
+            self.fresh, fresh_peak = _start_peak_bound(expert_load, P, num_groups, num_nodes, num_gpus)
         else:  # global: the bound (no plan on the hot path); the plan only for layers that need the fallback
             self.fresh, fresh_peak = np.zeros((L, P), dtype=np.int64), _peak_bound(load, P, num_gpus)
         self._have = np.zeros(L, dtype=bool)
@@ -239,12 +255,17 @@ class _Layers:
         """Make the "balanced" plan (``fresh`` int64 [L, P]) of ``layers`` available: in global mode it is computed
         only for the layers that need it (the per-layer repair and its fallback), in one call, and those layers'
         reference becomes its heaviest GPU (at or above the bound; the bound may be out of reach, e.g. when a
-        replica of an unloaded expert must take a slot)."""
+        replica of an unloaded expert must take a slot); in hierarchical mode their balanced map (``group_node``)
+        becomes the plan's, which may be DeepSeek's packing rather than the start's
+        (:func:`fdeplb.placement.balanced.balanced_plan`)."""
         need = layers[~self._have[layers]]
         if need.size:
             groups = self.num_groups if self.num_nodes > 1 else 1
             self.fresh[need], self.fresh_peak[need] = balanced_plan(self.load[need], self.old.shape[1], groups,
                                                                     self.num_nodes, self.num_gpus)
+            if self.num_nodes > 1:  # the plan keeps DeepSeek's node packing where its start's packs worse
+                self.group_node[need] = node_of_groups(self.fresh[need], self.old[need], groups, self.num_nodes,
+                                                       self.group_size)
             self.target[need] = self._target(need)
             self._have[need] = True
 

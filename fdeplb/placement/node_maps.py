@@ -74,7 +74,9 @@ def swap_map(old_maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np
     return out
 
 
-# the most group-to-node maps :func:`nearest_maps` enumerates (8 groups on 4 nodes: 2,520; on 2 nodes: 70)
+#: the most group-to-node maps a layer that :func:`nearest_maps`, :func:`lightest_maps` and
+#: :func:`fdeplb.placement.move_bound.groups_on_nodes_lower_bound` enumerate (8 groups on 4 nodes: 2,520; on 2
+#: nodes: 70; 12 on 3: 34,650 and one group a node at 8 nodes: 40,320 are past it)
 MAX_MAPS = 5000
 
 

@@ -165,3 +165,13 @@ def test_groups_on_nodes_bound_on_the_deepseek_v3_4_node_drift(real_data):
     assert level(b, plan.phy2log, 32) <= target
     bound = groups_on_nodes_lower_bound(b, old, 8, 4, 32, target)
     assert 0.14 * moved_experts(old, fresh, 32) <= bound <= moved_experts(old, plan, 32)
+
+
+def test_groups_on_nodes_bound_counts_a_layer_without_load_at_one():
+    """A layer without load has max/mean 1 (:func:`fdeplb.placement.imbalance`), not 0: it lends the other layers
+    no slack. Layer 1's old map (experts 0 and 2, 10 tokens each, on node 0) has max/mean 20/11; a mean of 1.0
+    needs layer 1 at 1.0, which relocates two experts."""
+    load = np.array([[0.0, 0, 0, 0], [10.0, 1, 10, 1]])
+    old = np.array([[0, 2, 1, 3], [0, 2, 1, 3]])
+    assert groups_on_nodes_lower_bound(load, old, 4, 2, 2, 1.0) == 2
+    assert groups_on_nodes_lower_bound(load, old, 4, 2, 2, (1 + 20 / 11) / 2) == 0
