@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fdeplb.errors import InputError
@@ -423,6 +423,9 @@ def hierarchical_problems(draw):
     L = draw(st.integers(1, 3))
     loads = st.lists(st.lists(st.integers(0, 100), min_size=E, max_size=E), min_size=L, max_size=L)
     before, after = np.array(draw(loads)), np.array(draw(loads))
+    # an old layer without load keeps the trivial placement, which spreads groups over nodes (a cap of 0 is then an
+    # error: test_move_aware_hierarchical_cap_examples); here every old layer keeps groups on nodes
+    assume(before.sum(axis=1).all())
     topo = (P, num_groups, num_nodes, num_gpus)
     old = rebalance_experts(before, *topo, policy=draw(st.sampled_from(["deepseek", "balanced"]))).phy2log
     cap = draw(st.one_of(st.none(), st.integers(0, 3), st.integers(0, 3 * P)))
