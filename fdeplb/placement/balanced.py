@@ -42,7 +42,7 @@ import numpy as np
 from fdeplb.placement.deepseek import deepseek_placement, place_in_nodes
 from fdeplb.placement.fill import replica_counts
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.node_maps import lightest_maps
+from fdeplb.placement.node_maps import group_loads, lightest_maps, node_loads
 from fdeplb.placement.recount import recount_rows
 
 #: relative gain below which a swap is not worth it (float64 noise on loads of ~1e8 tokens)
@@ -273,7 +273,7 @@ def balanced_start(
         return deepseek, logcnt, deepseek
     load = np.asarray(expert_load, dtype=np.float64)
     L, E = load.shape
-    group_load = load.reshape(L, num_groups, E // num_groups).sum(axis=2)
+    group_load = group_loads(load, num_groups)
     lighter = lightest_maps(group_load, num_nodes)
     if lighter is None:
         return deepseek, logcnt, deepseek
@@ -281,9 +281,8 @@ def balanced_start(
     group_node = np.zeros((L, num_groups), dtype=np.int64)
     group_node[np.arange(L)[:, None], deepseek // (E // num_groups)] = (
         np.arange(num_replicas) // (num_replicas // num_nodes))
-    node_load = np.zeros((L, num_nodes))
-    np.add.at(node_load, (np.arange(L)[:, None], group_node), group_load)
-    rows = np.flatnonzero(peak < node_load.max(axis=1) * (1 - 1e-9))  # strictly lighter, beyond float noise
+    heaviest = node_loads(group_node, group_load, num_nodes).max(axis=1)
+    rows = np.flatnonzero(peak < heaviest * (1 - 1e-9))  # strictly lighter, beyond float noise
     if rows.size == 0:
         return deepseek, logcnt, deepseek
     pack = maps[rows]

@@ -91,7 +91,8 @@ from fdeplb.placement.balanced import balanced_plan, balanced_start
 from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
-from fdeplb.placement.node_maps import nearest_maps, node_of_groups, node_rows, old_node_of_groups
+from fdeplb.placement.node_maps import (group_loads, nearest_maps, node_loads, node_of_groups, node_rows,
+                                        old_group_slots, old_node_of_groups)
 from fdeplb.placement.pareto import check_reserve, plan_nodes_within_budget, plan_within_budget
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.row_repair import best_layer_plan, layer_candidates, plan_layer
@@ -416,14 +417,11 @@ def _plan_all(load: np.ndarray, old: np.ndarray, fresh_peak: np.ndarray, mean: n
         stops, excess = choose_stops(points, layers, fresh_peak, safe_mean, tolerance * (1 - 1e-9),
                                      LAYER_CAP * tolerance * (1 - 1e-9), replanned_at_tolerance=True)
         return replay_stops(start, log, stops), excess
-    group_load = load.reshape(L, num_groups, -1).sum(axis=2)
-    group_slots = np.zeros((L, num_groups), dtype=np.int64)
-    np.add.at(group_slots, (layers[:, None], old // (load.shape[1] // num_groups)), 1)
-    maps = nearest_maps(old_maps, group_load, group_slots, num_nodes, target * Gn)
+    group_load = group_loads(load, num_groups)
+    maps = nearest_maps(old_maps, group_load, old_group_slots(old, num_groups, load.shape[1]), num_nodes, target * Gn)
     if maps is None:  # too many maps to try: the old one when within the target, else the balanced plan's
-        node_load = np.zeros((L, num_nodes))
-        np.add.at(node_load, (layers[:, None], old_maps), group_load)
-        maps = np.where((node_load.max(axis=1) / Gn <= target)[:, None], old_maps, fresh_maps)
+        heaviest = node_loads(old_maps, group_load, num_nodes).max(axis=1)
+        maps = np.where((heaviest / Gn <= target)[:, None], old_maps, fresh_maps)
     experts_of, old_local, row_load, start = node_rows(load, old, maps, _MAX_ITEM_SHARE * mean, cap, num_nodes,
                                                        num_gpus, _BULK_COPIES)
     work = start.copy()

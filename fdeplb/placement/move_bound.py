@@ -41,7 +41,7 @@ from scipy.optimize import linprog
 
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
-from fdeplb.placement.node_maps import MAX_MAPS, map_count, map_indicator, map_peaks
+from fdeplb.placement.node_maps import MAX_MAPS, group_loads, map_count, map_indicator, map_peaks
 
 
 def _checked(expert_load: object, old_phy2log: object, max_over_mean: object) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +177,7 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
     held[np.arange(L)[:, None], np.arange(P)[None, :] // (P // num_nodes), old] = True
     missing = (~held).reshape(L, num_nodes, num_groups, group_size).sum(axis=3).transpose(0, 2, 1)  # [L, grp, node]
     forced = missing.reshape(L, -1).astype(np.float64) @ onehot  # [L, M] moved experts the map forces
-    group_load = load.reshape(L, num_groups, group_size).sum(axis=2)
+    group_load = group_loads(load, num_groups)
     mean = np.where(load.sum(axis=1) > 0, load.sum(axis=1) / num_gpus, 1.0)
     # [L, M] max/mean no plan with the map goes below (1 for a layer without load, as imbalance() counts it)
     floor = np.maximum(map_peaks(group_load, num_nodes)[1] / gpus_per_node / mean[:, None], 1.0)

@@ -52,14 +52,36 @@ def old_node_of_groups(old_row: np.ndarray, num_groups: int, num_nodes: int, gro
     return overlap_assignment(np.repeat(overlap, per_node, axis=1)) // per_node
 
 
+def group_loads(load: np.ndarray, num_groups: int) -> np.ndarray:
+    """float64 [L, num_groups] tokens of every group (num_groups blocks of E / num_groups consecutive experts) of
+    ``load`` [L, E]."""
+    L, E = load.shape
+    return np.asarray(load, dtype=np.float64).reshape(L, num_groups, E // num_groups).sum(axis=2)
+
+
+def node_loads(maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np.ndarray:
+    """float64 [L, num_nodes] tokens of every node when ``maps`` int64 [L, num_groups] puts the groups of
+    ``group_load`` float64 [L, num_groups] on nodes."""
+    out = np.zeros((group_load.shape[0], num_nodes))
+    np.add.at(out, (np.arange(group_load.shape[0])[:, None], maps), group_load)
+    return out
+
+
+def old_group_slots(old: np.ndarray, num_groups: int, num_experts: int) -> np.ndarray:
+    """int64 [L, num_groups]: the slots of ``old`` int64 [L, P] holding each group's experts (what relocating the
+    group moves: :func:`nearest_maps`'s cost)."""
+    out = np.zeros((old.shape[0], num_groups), dtype=np.int64)
+    np.add.at(out, (np.arange(old.shape[0])[:, None], old // (num_experts // num_groups)), 1)
+    return out
+
+
 def swap_map(old_maps: np.ndarray, group_load: np.ndarray, num_nodes: int) -> np.ndarray:
     """int64 [L, num_groups]: every layer's ``old_maps`` row with the one swap of two groups on different nodes that
     lowers its heaviest node most (ties: the first pair in (i, j) order), or unchanged when no swap lowers it.
     ``group_load`` float64 [L, num_groups]: every group's load (tokens)."""
     L, num_groups = group_load.shape
     layers = np.arange(L)[:, None]
-    node_load = np.zeros((L, num_nodes))
-    np.add.at(node_load, (layers, old_maps), group_load)
+    node_load = node_loads(old_maps, group_load, num_nodes)
     i, j = np.triu_indices(num_groups, 1)
     shift = group_load[:, i] - group_load[:, j]  # [L, Q]: what node(i) gives node(j) by the swap
     after = np.repeat(node_load[:, None, :], i.size, axis=1)  # [L, Q, num_nodes]

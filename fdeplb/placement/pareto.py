@@ -27,7 +27,7 @@ from fdeplb.errors import InputError
 from fdeplb.placement.deepseek import replicate_experts
 from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.node_maps import nearest_maps, node_rows, swap_map
+from fdeplb.placement.node_maps import group_loads, nearest_maps, node_rows, old_group_slots, swap_map
 from fdeplb.placement.repair import repair_rows
 from fdeplb.placement.stops import block_candidates, choose_within_budget, replay_stops
 
@@ -190,10 +190,8 @@ def plan_nodes_within_budget(load: np.ndarray, old: np.ndarray, ref_peak: np.nda
     group_size = E // old_maps.shape[1]
     # (layer, map) pairs: every layer's old map, then its one-swap, nearest and balanced maps where each differs from
     # the maps before it
-    group_load = load.reshape(L, old_maps.shape[1], -1).sum(axis=2)
-    group_slots = np.zeros_like(old_maps)
-    np.add.at(group_slots, (np.arange(L)[:, None], old // group_size), 1)
-    near = nearest_maps(old_maps, group_load, group_slots, num_nodes,
+    group_load = group_loads(load, old_maps.shape[1])
+    near = nearest_maps(old_maps, group_load, old_group_slots(old, old_maps.shape[1], E), num_nodes,
                         (ref_peak + tolerance * safe_mean) * (num_gpus // num_nodes))
     candidates = [old_maps, swap_map(old_maps, group_load, num_nodes)] + ([] if near is None else [near]) + [fresh_maps]
     sel, maps = [], []
