@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.optimize import linprog
+from scipy.optimize import linear_sum_assignment, linprog
 
 from fdeplb.errors import InputError
 from fdeplb.placement._validate import check_expert_load, check_int, check_phy2log, check_topology
@@ -145,7 +145,9 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
     all_maps`): any plan with that map has max/mean at least its heaviest node over the node's GPUs, over the mean
     GPU load, and moves at least the experts m puts on a node none of whose GPUs held a replica of them. The bound
     is the optimum of the linear relaxation of choosing one map a layer with the mean of those floors at most
-    ``max_over_mean`` and the fewest forced moves (``scipy.optimize.linprog``, HiGHS), rounded up.
+    ``max_over_mean`` and the fewest forced moves (``scipy.optimize.linprog``, HiGHS), rounded up. With one group a
+    node every map has the same floor: the sum over layers of the cheapest assignment of groups to nodes
+    (``scipy.optimize.linear_sum_assignment``).
 
     Args:
         expert_load: [L, E] tokens per logical expert (the new loads), E a multiple of ``num_groups``.
@@ -159,7 +161,7 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
 
     Raises:
         InputError: shapes or a topology that do not match, not hierarchical (``num_groups % num_nodes``), more than
-            :data:`fdeplb.placement.node_maps.MAX_MAPS` maps a layer to enumerate, ``max_over_mean`` not a finite
+            :data:`fdeplb.placement.node_maps.MAX_MAPS` maps a layer to enumerate (one group a node excepted), ``max_over_mean`` not a finite
             number >= 1 or below every plan's with groups on nodes.
     """
     load, old = _checked(expert_load, old_phy2log, max_over_mean)
@@ -169,21 +171,25 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
     if not hierarchical:
         raise InputError(f"num_groups ({num_groups}) is not a multiple of num_nodes ({num_nodes}): groups are not "
                          "kept on nodes")
-    if map_count(num_groups, num_nodes) > MAX_MAPS:
+    one_a_node = num_groups == num_nodes  # every map has the same floor: the cheapest assignment a layer
+    if not one_a_node and map_count(num_groups, num_nodes) > MAX_MAPS:
         raise InputError(f"{map_count(num_groups, num_nodes)} group-to-node maps a layer, above {MAX_MAPS}")
     group_size, gpus_per_node = E // num_groups, num_gpus // num_nodes
-    onehot = map_indicator(num_groups, num_nodes)  # [num_groups * num_nodes, M]
     held = np.zeros((L, num_nodes, E), dtype=bool)  # a GPU of the node held a replica of the expert
     held[np.arange(L)[:, None], np.arange(P)[None, :] // (P // num_nodes), old] = True
     missing = (~held).reshape(L, num_nodes, num_groups, group_size).sum(axis=3).transpose(0, 2, 1)  # [L, grp, node]
-    forced = missing.reshape(L, -1).astype(np.float64) @ onehot  # [L, M] moved experts the map forces
     group_load = group_loads(load, num_groups)
     mean = np.where(load.sum(axis=1) > 0, load.sum(axis=1) / num_gpus, 1.0)
     # [L, M] max/mean no plan with the map goes below (1 for a layer without load, as imbalance() counts it)
-    floor = np.maximum(map_peaks(group_load, num_nodes)[1] / gpus_per_node / mean[:, None], 1.0)
+    peaks = group_load.max(axis=1, keepdims=True) if one_a_node else map_peaks(group_load, num_nodes)[1]
+    floor = np.maximum(peaks / gpus_per_node / mean[:, None], 1.0)
     if floor.min(axis=1).sum() > L * float(max_over_mean) * (1 + 1e-12):
         raise InputError(f"no plan with every group on one node reaches a mean max/mean of {max_over_mean} "
                          f"(at least {floor.min(axis=1).mean():.6f})")
+    if one_a_node:
+        return int(sum(missing[layer][linear_sum_assignment(missing[layer])].sum() for layer in range(L)))
+    onehot = map_indicator(num_groups, num_nodes)  # [num_groups * num_nodes, M]
+    forced = missing.reshape(L, -1).astype(np.float64) @ onehot  # [L, M] moved experts the map forces
     one_map = sp.kron(sp.eye(L), np.ones((1, onehot.shape[1])))
     res = linprog(forced.ravel(), A_ub=floor.reshape(1, -1), b_ub=[L * float(max_over_mean)],
                   A_eq=one_map, b_eq=np.ones(L), bounds=(0, 1), method="highs")

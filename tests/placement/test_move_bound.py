@@ -150,6 +150,26 @@ def test_groups_on_nodes_bound_refuses_what_it_cannot_bound():
         groups_on_nodes_lower_bound(np.ones((1, 32)), np.arange(32)[None, :], 16, 4, 4, 1.1)
 
 
+def test_groups_on_nodes_bound_with_one_group_a_node_is_the_cheapest_assignment():
+    """8 experts in 4 groups of 2 on 4 nodes of one GPU and 2 slots, the old placement splitting every group over two
+    nodes: whatever node a group goes to, one of its experts is new there (4 moves, what the best plan moves); an
+    old placement with groups on nodes, relabelled, needs none; "move_aware" moves at least the bound. The same at
+    8 groups on 8 nodes, past the number of maps the map search enumerates."""
+    load = np.array([[5.0, 1, 4, 2, 3, 3, 6, 1]])
+    split = np.array([[0, 2, 1, 3, 4, 6, 5, 7]])
+    assert groups_on_nodes_lower_bound(load, split, 4, 4, 4, 2.0) == 4
+    permuted = np.array([[6, 7, 0, 1, 2, 3, 4, 5]])
+    assert groups_on_nodes_lower_bound(load, permuted, 4, 4, 4, 2.0) == 0
+    plan = rebalance_experts(load, 8, 4, 4, 4, policy="move_aware", old_phy2log=split)
+    assert moved_experts(split, plan, 4) >= 4
+    with pytest.raises(InputError, match="no plan with every group on one node"):
+        groups_on_nodes_lower_bound(load, split, 4, 4, 4, 1.1)  # the heaviest group alone is 7 / 6.25
+    # 8 groups on 8 nodes (DeepSeek-V3 at EP64): 40,320 maps, above what the map search enumerates, no refusal
+    wide = np.repeat(load, 2, axis=1)
+    old = np.array([[0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15]])
+    assert groups_on_nodes_lower_bound(wide, old, 8, 8, 8, 2.0) == 8
+
+
 @pytest.mark.real_data("dsv3_sglang_ep_stats/prefill_in1024.json", "dsv3_sglang_ep_stats/decode_in1000out1000.json")
 def test_groups_on_nodes_bound_on_the_deepseek_v3_4_node_drift(real_data):
     """DeepSeek-V3 prefill_in1024 -> decode_in1000out1000 at 288 slots, 8 groups, 4 nodes, 32 GPUs, at fresh
