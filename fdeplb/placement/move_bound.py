@@ -173,7 +173,8 @@ def groups_on_nodes_lower_bound(expert_load: object, old_phy2log: object, num_gr
                          "kept on nodes")
     one_a_node = num_groups == num_nodes  # every map has the same floor: the cheapest assignment a layer
     if not one_a_node and map_count(num_groups, num_nodes) > MAX_MAPS:
-        raise InputError(f"{map_count(num_groups, num_nodes)} group-to-node maps a layer, above {MAX_MAPS}")
+        raise InputError(f"more than {MAX_MAPS} group-to-node maps a layer ({num_groups} groups on {num_nodes} "
+                         "nodes): too many to enumerate")
     group_size, gpus_per_node = E // num_groups, num_gpus // num_nodes
     held = np.zeros((L, num_nodes, E), dtype=bool)  # a GPU of the node held a replica of the expert
     held[np.arange(L)[:, None], np.arange(P)[None, :] // (P // num_nodes), old] = True

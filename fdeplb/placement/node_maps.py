@@ -136,10 +136,17 @@ def map_indicator(num_groups: int, num_nodes: int) -> np.ndarray:
     return out.reshape(num_groups * num_nodes, -1)
 
 
-def map_count(num_groups: int, num_nodes: int) -> int:
-    """How many maps put num_groups / num_nodes groups on every node (a multinomial coefficient)."""
-    per_node = num_groups // num_nodes
-    return math.factorial(num_groups) // math.factorial(per_node) ** num_nodes
+def map_count(num_groups: int, num_nodes: int, at_most: int = MAX_MAPS) -> int:
+    """How many maps put num_groups / num_nodes groups on every node (the multinomial coefficient, a product of
+    binomials node by node), or a number above ``at_most`` as soon as the product passes it (no huge integers for
+    absurd group counts)."""
+    per_node, left, count = num_groups // num_nodes, num_groups, 1
+    for _ in range(num_nodes):
+        count *= math.comb(left, per_node)
+        left -= per_node
+        if count > at_most:
+            break
+    return count
 
 
 def map_peaks(group_load: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
