@@ -96,9 +96,9 @@ def request_supplied(store: Any) -> bool:
     expires or is cancelled drops it in its own transaction (:meth:`fdeplb.store.Store.withdraw_request`)."""
     try:
         supplied = store.supplied_placement()
-    except CorruptRecordError:
+    except CorruptRecordError as err:
         store.drop_supplied_placement()  # never a round to a placement nobody can read: planned as usual
-        raise
+        raise CorruptRecordError(f"{err}; dropped, the next round is planned from the loads", key=err.key) from None
     if supplied is None:
         return False
     try:

@@ -414,7 +414,7 @@ def test_a_stored_supplied_placement_whose_facts_hold_a_control_character_is_cor
                                                      "facts": json.dumps(facts)})
     with pytest.raises(CorruptRecordError, match="why .* holds a control character"):
         store.supplied_placement()
-    with pytest.raises(CorruptRecordError):
+    with pytest.raises(CorruptRecordError, match="control character .*; dropped, the next round is planned from"):
         request_supplied(store)  # the pass that meets it: dropped, the error raised once (an audited alarm)
     assert store.supplied_placement() is None and not request_supplied(store)
     assert store.read_cluster().requested == 0  # no round requested with the bad text

@@ -204,8 +204,8 @@ class Coordinator(RoundStart, RoundPlanning, RoundSwitch, UnaskedRounds, Leaders
         if rec.state in ABORTABLE and isinstance(err, (CorruptRecordError, InputError)):
             return self._abort(rec, f"{rec.state} failed: {problem}")
         if isinstance(err, CorruptRecordError):  # no round to abort (FREE) or past the commit point: say it, audited
-            self._alarm(rec, f"a stored value is corrupt, the coordinator cannot go on until it is repaired: "
-                             f"{problem}"[:2000])
+            self._alarm(rec, f"a stored value is corrupt: {problem} (the coordinator retries this step every "
+                             f"second until it succeeds)"[:2000])
         _, left = self._deadline(rec)
         # back off (not on the streams: this step's own event would wake it at once), then enforce the deadline
         retry = self._retry_ms()
