@@ -50,7 +50,9 @@ def init_cluster(store: Store, config: ClusterConfig, initial_phy2log: np.ndarra
         return True
     existing = store.read_config()
     if existing.topology() != config.topology():
-        raise TopologyError(f"cluster {store.cluster!r} exists with topology {existing.topology()}")
+        raise TopologyError(f"cluster {store.cluster!r} exists with topology {existing.topology()} (asked "
+                            f"{config.topology()}); nothing changed. A topology is fixed at creation: use another "
+                            f"--cluster id, or delete this one first (`fdeplb cluster delete`)")
     ours, theirs = _compared(config), _compared(existing)
     differ = [f"{k} {theirs.get(k)!r} (asked {ours.get(k)!r})" for k in sorted(ours) if ours.get(k) != theirs.get(k)]
     if differ:

@@ -39,7 +39,7 @@ def test_init_cluster_creates_records_once(redis_url, cluster_id, capsys):
     # another topology for the same cluster id is refused and changes nothing
     before = store.read_config()
     code, _, err = run(capsys, *init_args(redis_url, cluster_id), "--ep-size", "2")
-    assert code == 2 and "exists with topology" in err and store.read_config() == before
+    assert code == 2 and "exists with topology" in err and "nothing changed" in err and store.read_config() == before
 
 
 @pytest.mark.parametrize("extra,message", [
