@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fdeplb.errors import DependencyError
-from fdeplb.input_files import write_output
+from fdeplb.errors import DependencyError, InputError
+from fdeplb.input_files import check_output, write_output
 from fdeplb.machines import diagrams
 from fdeplb.machines.diagrams import default_dir, render_svg
 from fdeplb.machines.tables import TABLES, MachineTable
@@ -68,8 +68,21 @@ def write_statecharts(out: Path, tables: dict[str, MachineTable] = TABLES, dot_b
 
     An SVG whose stamp already matches its DOT source is kept as it is (its bytes depend on the Graphviz version,
     not on the table), so regenerating needs the ``dot`` binary only when a table changed.
+
+    Raises:
+        InputError: ``out`` is no folder and cannot be made one (a file, a device such as ``/dev/stdout``, a path
+            under a file), or one of the files to write exists and is not a regular file (a FIFO, a device, a
+            folder): checked before any file is written, so nothing is.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: is not a folder; name the folder to write the statecharts into")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"--out {out}: cannot make the folder: {err.strerror}") from None
+    for table in tables.values():  # every target before any write: a FIFO among them leaves all as they were
+        for name in (*sources(table), f"{table.name}.svg"):
+            check_output(out / name, "a statechart")
     changed = []
     for table in tables.values():
         texts = sources(table)

@@ -4,6 +4,8 @@ a background thread (:class:`EmbeddedAgent`). README "Embedding in a serving wor
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from typing import Any
 
@@ -89,7 +91,16 @@ class EmbeddedAgent(RankAgent):
         loop (a staging in progress, a disk read or a peer's transfer, cannot be cut short); past that the loop is
         abandoned (:attr:`abandoned`, a warning): it stops at the end of its step, sends no more heartbeats
         meanwhile, and closes the store itself as it ends, so the store is never closed under it. The rank's
-        heartbeat then lapses after its TTL; the live experts stay as they are."""
+        heartbeat then lapses after its TTL; the live experts stay as they are. A negative ``timeout_s`` waits 0 s.
+
+        Raises:
+            InputError: ``timeout_s`` not a finite number (NaN, infinity, None, a string, a bool), before anything is
+                stopped or closed.
+        """
+        if (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+                or not math.isfinite(timeout_s)):
+            raise InputError(f"timeout_s must be a finite number of seconds, got {timeout_s!r}: close() waits at "
+                             "most that long for the agent's loop")
         self.stop_event.set()
         thread = self._thread
         if thread is not None:

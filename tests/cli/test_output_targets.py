@@ -81,3 +81,28 @@ def test_statecharts_into_a_folder_holding_a_fifo_exit_2_at_once(tmp_path, capsy
     os.mkfifo(fifo)
     code, out, err = within(lambda: run_cli(capsys, "statecharts", "--out", str(tmp_path)), fifo=fifo)
     assert code == 2 and f"{fifo}: a statechart would be written to a FIFO, not a regular file" in err, out + err
+
+
+@pytest.mark.parametrize("kind", ["device", "file", "under a file"])
+def test_statecharts_out_that_is_no_folder_exits_2_with_one_line(tmp_path, capsys, kind):
+    """`fdeplb statecharts --out PATH` names a folder: a device (``/dev/stdout``'s kind), a regular file or a path
+    under one is a one-line error and exit 2 (it was a FileExistsError / NotADirectoryError traceback, exit 1)."""
+    file = tmp_path / "charts.txt"
+    file.write_text("kept")
+    out = {"device": Path(os.devnull), "file": file, "under a file": file / "charts"}[kind]
+    code, stdout, err = run_cli(capsys, "statecharts", "--out", str(out))
+    assert code == 2 and stdout == "" and err.startswith(f"error: --out {out}: "), (code, stdout, err)
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert file.read_text() == "kept"
+
+
+def test_statecharts_write_nothing_when_one_target_is_a_fifo(tmp_path, capsys):
+    """A FIFO among the files of ``statecharts --out DIR`` is refused before any file is written: a stale file
+    written before it would break the rule "nothing written" of a refused output."""
+    stale = tmp_path / "cluster.mmd"
+    stale.write_text("stale")
+    fifo = tmp_path / "weights.dot"  # after cluster.mmd in the writing order
+    os.mkfifo(fifo)
+    code, out, err = within(lambda: run_cli(capsys, "statecharts", "--out", str(tmp_path)), fifo=fifo)
+    assert code == 2 and f"{fifo}: a statechart would be written to a FIFO" in err, out + err
+    assert stale.read_text() == "stale"
