@@ -169,7 +169,8 @@ def drift_entry(real_data: Path, pair: DriftPair, time_repeats: int = 0, bound: 
         bal, mov = interleaved(run, time_repeats)
         entry["time"] = {"balanced_ms": bal, "move_aware_ms": mov, "ratio": mov / bal}
     if bound:
-        entry["move_bound"] = move_bound(load_b, old, pair.topology, entry["balanced"]["max_over_mean"] + MOVE_AWARE_SLACK)
+        level = entry["balanced"]["max_over_mean"] + MOVE_AWARE_SLACK
+        entry["move_bound"] = move_bound(load_b, old, pair.topology, level)
     return entry
 
 

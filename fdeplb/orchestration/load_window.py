@@ -47,8 +47,7 @@ def check_physical(physical: Any) -> None:
     Raises:
         InputError: anything else (the string ``"false"`` is not False, 0 is not False).
     """
-    if physical is not None and physical is not True and physical is not False \
-            and not isinstance(physical, (bool, np.bool_)):
+    if physical is not None and not isinstance(physical, (bool, np.bool_)):
         raise InputError(f"physical must be True, False or None, got {physical!r} ({type(physical).__name__})")
 
 

@@ -37,12 +37,13 @@ the lowest index.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from fdeplb.placement.deepseek import deepseek_placement, place_in_nodes
-from fdeplb.placement.fill import replica_counts
 from fdeplb.placement.metrics import raw_gpu_loads
-from fdeplb.placement.node_maps import group_loads, lightest_maps, node_loads
+from fdeplb.placement.node_maps import group_loads, group_nodes, lightest_maps, node_loads
 from fdeplb.placement.recount import recount_rows
 
 #: relative gain below which a swap is not worth it (float64 noise on loads of ~1e8 tokens)
@@ -217,7 +218,8 @@ def balanced_plan(
     ``pairs=False`` runs the 1-1 swaps alone (no 2-2 stage): the plan "balanced" gave before the 2-2 stage, which
     "move_aware" keeps as its reference (its tolerance and moves are measured against it, and its output stays
     what it was)."""
-    start, logcnt, deepseek = balanced_start(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
+    start, logcnt, deepseek, deepseek_logcnt = balanced_start(expert_load, num_replicas, num_groups, num_nodes,
+                                                              num_gpus)
     load = np.asarray(expert_load, dtype=np.float64)
     phy2log = _search(load, start, logcnt, num_nodes, num_gpus, pairs)
     deepseek_gpu = raw_gpu_loads(load, deepseek, num_gpus)
@@ -230,8 +232,7 @@ def balanced_plan(
     floor = deepseek_gpu.reshape(len(load), num_nodes, gpus_per_node).sum(axis=2).max(axis=1) / gpus_per_node
     lighter = np.flatnonzero((start != deepseek).any(axis=1) & (after > floor))
     if lighter.size:
-        other = _search(load[lighter], deepseek[lighter], replica_counts(deepseek[lighter], load.shape[1])[:, :-1],
-                        num_nodes, num_gpus, pairs)
+        other = _search(load[lighter], deepseek[lighter], deepseek_logcnt[lighter], num_nodes, num_gpus, pairs)
         other_peak = raw_gpu_loads(load[lighter], other, num_gpus).max(axis=1)
         won = other_peak < after[lighter]
         phy2log[lighter[won]], after[lighter[won]] = other[won], other_peak[won]
@@ -256,37 +257,47 @@ def _search(load: np.ndarray, start: np.ndarray, logcnt: np.ndarray, num_nodes: 
     return phy2log
 
 
+class BalancedStart(NamedTuple):
+    """:func:`balanced_start`'s plan and DeepSeek's, each with its replica counts."""
+
+    #: int64 [L, P]: the plan the search starts from
+    phy2log: np.ndarray
+    #: int64 [L, E]: its replica counts
+    logcnt: np.ndarray
+    #: int64 [L, P]: DeepSeek's own plan (what "balanced" is never worse than)
+    deepseek: np.ndarray
+    #: int64 [L, E]: DeepSeek's replica counts
+    deepseek_logcnt: np.ndarray
+
+
 def balanced_start(
     expert_load: np.ndarray, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> BalancedStart:
     """The plan the exchange search starts from: DeepSeek's, except that in hierarchical mode a layer whose groups
     have a packing onto nodes with a lighter heaviest node than DeepSeek's greedy one
     (:func:`fdeplb.placement.node_maps.lightest_maps`, exhaustive; no change when there are too many packings to
     try) gets DeepSeek's steps 2-3 on that packing (:func:`fdeplb.placement.deepseek.place_in_nodes`).
 
     Returns:
-        ``(start, logcnt, deepseek)``: int64 [L, P] phy2log, int64 [L, E] its replica counts, int64 [L, P]
-        DeepSeek's own phy2log (what "balanced" is never worse than). Inputs must already be checked.
+        :class:`BalancedStart`. Inputs must already be checked.
     """
     deepseek, _, logcnt = deepseek_placement(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
+    unchanged = BalancedStart(deepseek, logcnt, deepseek, logcnt)
     if num_nodes == 1:
-        return deepseek, logcnt, deepseek
+        return unchanged
     load = np.asarray(expert_load, dtype=np.float64)
-    L, E = load.shape
+    E = load.shape[1]
     group_load = group_loads(load, num_groups)
     lighter = lightest_maps(group_load, num_nodes)
     if lighter is None:
-        return deepseek, logcnt, deepseek
+        return unchanged
     maps, peak = lighter
-    group_node = np.zeros((L, num_groups), dtype=np.int64)
-    group_node[np.arange(L)[:, None], deepseek // (E // num_groups)] = (
-        np.arange(num_replicas) // (num_replicas // num_nodes))
-    heaviest = node_loads(group_node, group_load, num_nodes).max(axis=1)
-    rows = np.flatnonzero(peak < heaviest * (1 - 1e-9))  # strictly lighter, beyond float noise
+    theirs = node_loads(group_nodes(deepseek, num_groups, num_nodes, E // num_groups), group_load, num_nodes)
+    rows = np.flatnonzero(peak < theirs.max(axis=1) * (1 - 1e-9))  # strictly lighter, beyond float noise
     if rows.size == 0:
-        return deepseek, logcnt, deepseek
+        return unchanged
     pack = maps[rows]
     rank = (np.tri(num_groups, k=-1, dtype=np.int64)[None] * (pack[:, :, None] == pack[:, None, :])).sum(axis=2)
-    start, logcnt = deepseek.copy(), logcnt.copy()
-    start[rows], _, logcnt[rows] = place_in_nodes(load[rows], pack, rank, num_replicas, num_nodes, num_gpus)
-    return start, logcnt, deepseek
+    start, start_logcnt = deepseek.copy(), logcnt.copy()
+    start[rows], _, start_logcnt[rows] = place_in_nodes(load[rows], pack, rank, num_replicas, num_nodes, num_gpus)
+    return BalancedStart(start, start_logcnt, deepseek, logcnt)

@@ -82,12 +82,12 @@ class DuplicateKeyError(ValueError):
 def unique_keys(pairs: list) -> dict:
     """``json.loads``'s ``object_pairs_hook``: the object as a dict, :class:`DuplicateKeyError` for a key given
     twice (a plan with two rows for one layer key would lose one without a word)."""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise DuplicateKeyError(f"key {key!r} appears twice in one object")
-    return out
+    seen: set = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise DuplicateKeyError(f"key {key!r} appears twice in one object")
+        seen.add(key)
+    return dict(pairs)
 
 
 def _loader() -> type:

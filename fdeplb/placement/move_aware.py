@@ -89,7 +89,7 @@ import numpy as np
 from fdeplb.placement._validate import check_expert_load, check_topology
 from fdeplb.placement.balanced import balanced_plan, balanced_start
 from fdeplb.placement.deepseek import replicate_experts
-from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
+from fdeplb.placement.fill import fill_rows, forced_copies
 from fdeplb.placement.metrics import moved_experts, raw_gpu_loads
 from fdeplb.placement.node_maps import (group_loads, nearest_maps, node_loads, node_of_groups, node_rows,
                                         old_group_slots, old_node_of_groups)
@@ -185,14 +185,14 @@ def _start_peak_bound(expert_load: np.ndarray, num_replicas: int, num_groups: in
     :func:`_node_peak_bound` at its node packing and replica counts, or at DeepSeek's where that is lower: a layer
     whose start took a lighter node packing may end on DeepSeek's (:func:`fdeplb.placement.balanced.balanced_plan`),
     and its reference must not exceed where it ends). ``expert_load`` [L, E] checked."""
-    start, logcnt, deepseek = balanced_start(expert_load, num_replicas, num_groups, num_nodes, num_gpus)
+    start, logcnt, deepseek, deepseek_logcnt = balanced_start(expert_load, num_replicas, num_groups, num_nodes,
+                                                              num_gpus)
     load = np.asarray(expert_load, dtype=np.float64)
     bound = _node_peak_bound(load, start, logcnt, num_nodes, num_gpus)
     rows = np.flatnonzero((start != deepseek).any(axis=1))
     if rows.size:
-        counts = replica_counts(deepseek[rows], load.shape[1])[:, :-1]
-        bound[rows] = np.minimum(bound[rows], _node_peak_bound(load[rows], deepseek[rows], counts, num_nodes,
-                                                               num_gpus))
+        bound[rows] = np.minimum(bound[rows], _node_peak_bound(load[rows], deepseek[rows], deepseek_logcnt[rows],
+                                                               num_nodes, num_gpus))
     return start, bound
 
 

@@ -19,19 +19,27 @@ from fdeplb.placement.fill import fill_rows, forced_copies, replica_counts
 from fdeplb.placement.slots import overlap_assignment
 
 
+def group_nodes(phy2log: np.ndarray, num_groups: int, num_nodes: int, group_size: int) -> np.ndarray:
+    """int64 [L, num_groups]: the node of every group of ``phy2log`` int64 [L, P], a plan that keeps every group on
+    one node (P / num_nodes consecutive slots a node; groups of ``group_size`` consecutive experts)."""
+    L, P = phy2log.shape
+    out = np.empty((L, num_groups), dtype=np.int64)
+    out[np.arange(L)[:, None], phy2log // group_size] = np.arange(P) // (P // num_nodes)
+    return out
+
+
 def node_of_groups(
     fresh: np.ndarray, old: np.ndarray, num_groups: int, num_nodes: int, group_size: int
 ) -> np.ndarray:
     """int64 [L, num_groups]: node of every group, the balanced plan's packing with nodes renumbered to match old."""
     L, P = fresh.shape
     node_of_slot = np.arange(P) // (P // num_nodes)
+    fresh_nodes = group_nodes(fresh, num_groups, num_nodes, group_size)
     out = np.empty((L, num_groups), dtype=np.int64)
     for layer in range(L):
-        fresh_node = np.empty(num_groups, dtype=np.int64)
-        fresh_node[fresh[layer] // group_size] = node_of_slot
         overlap = np.zeros((num_nodes, num_nodes), dtype=np.int64)
-        np.add.at(overlap, (fresh_node[old[layer] // group_size], node_of_slot), 1)
-        out[layer] = overlap_assignment(overlap)[fresh_node]
+        np.add.at(overlap, (fresh_nodes[layer][old[layer] // group_size], node_of_slot), 1)
+        out[layer] = overlap_assignment(overlap)[fresh_nodes[layer]]
     return out
 
 

@@ -25,7 +25,7 @@ def test_a_lighter_node_packing_never_ends_above_the_search_from_deepseeks(monke
     loads = [LIGHTER_PACKS_WORSE] + [np.round(rng.lognormal(0.0, 1.0, (6, 16)) * 100) for _ in range(4)]
     for load in loads:
         topo = (16, 8, 2, 8)
-        start, _, deepseek = balanced_start(load, *topo)
+        start, _, deepseek, _ = balanced_start(load, *topo)
         ours = balanced_plan(load, *topo)[1]
         monkeypatch.setattr(balanced_module, "lightest_maps", lambda *_: None)
         theirs = balanced_plan(load, *topo)[1]
@@ -33,7 +33,7 @@ def test_a_lighter_node_packing_never_ends_above_the_search_from_deepseeks(monke
         assert (ours <= theirs * (1 + 1e-12)).all()
     assert (start != deepseek).any()  # the lighter packing is taken somewhere
     load = LIGHTER_PACKS_WORSE.astype(np.float64)
-    start, _, deepseek = balanced_start(load, *topo)
+    start, _, deepseek, _ = balanced_start(load, *topo)
     assert not (start == deepseek).all()
     assert raw_gpu_loads(load, rebalance_experts(load, *topo, policy="balanced").phy2log, 8).max() < 575
 
@@ -68,5 +68,5 @@ def test_move_aware_reference_never_above_the_balanced_plan():
                                                       for _ in range(3)]
     for load, topo in cases:
         assert (reference_peak(load, *topo) <= balanced_plan(load, *topo)[1] * (1 + 1e-12)).all()
-    start, _, deepseek = balanced_start(BOUND_ABOVE_LIGHTER, 18, 8, 2, 6)
+    start, _, deepseek, _ = balanced_start(BOUND_ABOVE_LIGHTER, 18, 8, 2, 6)
     assert (start != deepseek).any()
